@@ -1,0 +1,237 @@
+//! Command-line interface. `hpc-train [OPTIONS]` trains; subcommands do the other jobs.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::data::writer::Compression;
+use crate::exchange::CudaAware;
+use crate::exchange::StrategyKind;
+use crate::model::ModelKind;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "hpc-train",
+    version,
+    about = "Data-parallel training over MPI with from-scratch gradient-exchange strategies",
+    long_about = "Trains a network data-parallel over MPI ranks (launch with mpirun or srun; one rank per GPU, \
+                  or CPU ranks) and measures how each gradient-exchange strategy scales.\n\n\
+                  Without a subcommand it trains: mpirun -n 16 hpc-train --strategy ring",
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Import, inspect, generate or benchmark datasets.
+    #[command(subcommand)]
+    Data(DataCommand),
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Scaling {
+    /// Every rank keeps --batch-size: the global batch grows with the ranks.
+    Weak,
+    /// --global-batch is split over the ranks.
+    Strong,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// The rank's GPU when CUDA is available, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// Options of a training run.
+#[derive(Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// Gradient-exchange strategy.
+    #[arg(long, value_enum, default_value_t = StrategyKind::Ring)]
+    pub strategy: StrategyKind,
+
+    /// Model to train.
+    #[arg(long, value_enum, default_value_t = ModelKind::Resnet50)]
+    pub model: ModelKind,
+
+    /// Dataset file in the project's HDF5 layout (see `hpc-train data`).
+    #[arg(long, default_value = "datasets/fashion-mnist.h5")]
+    pub data: PathBuf,
+
+    /// Samples per rank per step (weak scaling).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch_size: u64,
+
+    /// Weak scaling keeps --batch-size per rank; strong scaling splits --global-batch over the ranks.
+    #[arg(long, value_enum, default_value_t = Scaling::Weak)]
+    pub scaling: Scaling,
+
+    /// Samples per step over all ranks (strong scaling).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub global_batch: Option<u64>,
+
+    /// Epochs to train.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    pub epochs: u64,
+
+    /// Stop after this many steps in all (overrides --epochs).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub steps: Option<u64>,
+
+    /// Learning rate.
+    #[arg(long, default_value_t = 0.05)]
+    pub lr: f64,
+
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+
+    /// Weight decay (L2), applied to every parameter as torch.optim.SGD does.
+    #[arg(long, default_value_t = 1e-4)]
+    pub weight_decay: f64,
+
+    /// Seed for weights and data order (the same on every rank).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+
+    /// Gradient bucket size in MiB; 0 = one exchange per parameter tensor (the naive variant).
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mb: f64,
+
+    /// Ring all-reduce segment size in KiB (the pipelining grain of the ring).
+    #[arg(long, default_value_t = 256)]
+    pub segment_kb: u64,
+
+    /// Folder for runs.jsonl and other results.
+    #[arg(long, default_value = "results")]
+    pub results: PathBuf,
+
+    /// Intra-op threads per rank; 0 = the cores this rank may use divided by the ranks on its node.
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+
+    /// Where to train.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
+
+    /// Whether the MPI library can read GPU memory; auto asks it (MPIX_Query_cuda_support).
+    #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
+    pub cuda_aware: CudaAware,
+
+    /// Steps at the start excluded from throughput figures.
+    #[arg(long, default_value_t = 5)]
+    pub warmup_steps: u64,
+
+    /// Log a progress line every this many steps (when no progress bar is shown).
+    #[arg(long, default_value_t = 50)]
+    pub log_every: u64,
+
+    /// Batches the loader thread reads ahead.
+    #[arg(long, default_value_t = 4)]
+    pub prefetch: usize,
+
+    /// Skip the test-set evaluation at the end of each epoch.
+    #[arg(long)]
+    pub no_eval: bool,
+
+    /// Write the final weights (safetensors, loadable from PyTorch) to this file.
+    #[arg(long)]
+    pub save_weights: Option<PathBuf>,
+
+    /// Record the sample indices each rank trains on, one file per rank in this folder (checks).
+    #[arg(long, hide = true)]
+    pub trace_samples: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum DataCommand {
+    /// Convert a dataset into the project's HDF5 layout.
+    Import(ImportArgs),
+    /// Print what a dataset file holds, or why it cannot be used.
+    Info {
+        /// Dataset file.
+        file: PathBuf,
+    },
+    /// Write a synthetic dataset (noise around class-dependent levels) of any image size.
+    Synth(SynthArgs),
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImportFormat {
+    /// IDX files (MNIST, Fashion-MNIST), gzipped or not.
+    Idx,
+    /// CIFAR-10 binary batches (the cifar-10-batches-bin folder).
+    Cifar10,
+}
+
+#[derive(Args, Debug)]
+pub struct ImportArgs {
+    /// Source format.
+    #[arg(long, value_enum)]
+    pub format: ImportFormat,
+    /// Source folder (cifar10).
+    #[arg(long)]
+    pub input: Option<PathBuf>,
+    /// Training images (idx).
+    #[arg(long)]
+    pub train_images: Option<PathBuf>,
+    /// Training labels (idx).
+    #[arg(long)]
+    pub train_labels: Option<PathBuf>,
+    /// Test images (idx).
+    #[arg(long)]
+    pub test_images: Option<PathBuf>,
+    /// Test labels (idx).
+    #[arg(long)]
+    pub test_labels: Option<PathBuf>,
+    /// Dataset name stored in the file.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Class names, comma-separated, stored in the file.
+    #[arg(long)]
+    pub class_names: Option<String>,
+    /// Filter for the image datasets.
+    #[arg(long, value_enum, default_value_t = Compression::None)]
+    pub compression: Compression,
+    /// Output file.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Replace an existing output file.
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct SynthArgs {
+    /// Training samples.
+    #[arg(long)]
+    pub samples: usize,
+    /// Test samples.
+    #[arg(long, default_value_t = 0)]
+    pub test_samples: usize,
+    /// Image shape CxHxW.
+    #[arg(long, default_value = "3x224x224")]
+    pub shape: String,
+    /// Number of classes.
+    #[arg(long, default_value_t = 1000)]
+    pub classes: usize,
+    /// Seed of the generator.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Filter for the image datasets.
+    #[arg(long, value_enum, default_value_t = Compression::None)]
+    pub compression: Compression,
+    /// Output file.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Replace an existing output file.
+    #[arg(long)]
+    pub force: bool,
+}

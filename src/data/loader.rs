@@ -1,0 +1,210 @@
+//! Which samples each worker reads at each step, and a prefetch thread that reads them ahead.
+//!
+//! Every epoch has one shuffled order of the training set, the same on every rank (seeded by
+//! the run's seed and the epoch). Worker `w` of `W` owns the positions `w, w + W, w + 2W, ...` of
+//! that order, and at step `k` reads its positions `k*b .. (k+1)*b`. The union over the workers
+//! at step `k` is then exactly the positions `k*G .. (k+1)*G` (G = W*b), the batch one process
+//! with batch G would read, so data-parallel training computes the same thing. The last step of
+//! an epoch takes what is left, so every sample is seen exactly once per epoch; a worker may get
+//! fewer samples than the others, or none, at that step.
+
+use std::path::PathBuf;
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::data::reader::SplitReader;
+use crate::data::Split;
+use crate::error::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    /// Samples in the training set.
+    pub samples: usize,
+    pub workers: usize,
+    pub worker: usize,
+    /// Samples per worker per step.
+    pub batch: usize,
+    pub seed: u64,
+}
+
+impl Schedule {
+    pub fn global_batch(&self) -> usize {
+        self.batch * self.workers
+    }
+
+    pub fn steps_per_epoch(&self) -> u64 {
+        self.samples.div_ceil(self.global_batch()) as u64
+    }
+
+    /// The shuffled order of the training set in `epoch`, the same on every rank.
+    pub fn epoch_order(&self, epoch: u64) -> Vec<u32> {
+        let mut order: Vec<u32> = (0..self.samples as u32).collect();
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        rng.set_stream(epoch);
+        order.shuffle(&mut rng);
+        order
+    }
+
+    /// The samples this worker reads at `step` of an epoch with `order`.
+    pub fn local_indices(&self, order: &[u32], step: u64) -> Vec<usize> {
+        let first = step as usize * self.batch;
+        (first..first + self.batch)
+            .map(|j| self.worker + j * self.workers)
+            .take_while(|&pos| pos < order.len())
+            .map(|pos| order[pos] as usize)
+            .collect()
+    }
+
+    /// Samples read by all workers together at `step` of an epoch.
+    pub fn global_samples(&self, step: u64) -> usize {
+        let start = step as usize * self.global_batch();
+        self.global_batch().min(self.samples.saturating_sub(start))
+    }
+}
+
+/// One worker's batch, as raw bytes and labels.
+pub struct Batch {
+    pub epoch: u64,
+    /// Step within the epoch.
+    pub step: u64,
+    pub indices: Vec<usize>,
+    pub images: Vec<u8>,
+    pub labels: Vec<i64>,
+    /// Samples in the global batch this step (for scaling the loss).
+    pub global_samples: usize,
+}
+
+/// Reads batches ahead of training in a thread of its own, so that reading overlaps compute.
+pub struct Loader {
+    rx: Receiver<Result<Batch>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Loader {
+    /// Starts reading at global step `first_step` (epoch * steps_per_epoch + step) and stops
+    /// after `end_step`, keeping up to `depth` batches ready.
+    pub fn spawn(
+        path: PathBuf,
+        labels: Arc<Vec<i64>>,
+        schedule: Schedule,
+        first_step: u64,
+        end_step: u64,
+        depth: usize,
+    ) -> Loader {
+        let (tx, rx) = sync_channel(depth.max(1));
+        let handle = std::thread::Builder::new()
+            .name("loader".into())
+            .spawn(move || {
+                let mut reader = match SplitReader::open(&path, Split::Train) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                };
+                let spe = schedule.steps_per_epoch();
+                let mut order: Option<(u64, Vec<u32>)> = None;
+                for global in first_step..end_step {
+                    let (epoch, step) = (global / spe, global % spe);
+                    if order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+                        order = Some((epoch, schedule.epoch_order(epoch)));
+                    }
+                    let indices = schedule.local_indices(&order.as_ref().unwrap().1, step);
+                    let mut images = vec![0u8; indices.len() * reader.sample_bytes()];
+                    let batch = reader.read(&indices, &mut images).map(|()| Batch {
+                        epoch,
+                        step,
+                        labels: indices.iter().map(|&i| labels[i]).collect(),
+                        indices,
+                        images,
+                        global_samples: schedule.global_samples(step),
+                    });
+                    let failed = batch.is_err();
+                    if tx.send(batch).is_err() || failed {
+                        return; // training stopped, or reading failed and said so
+                    }
+                }
+            })
+            .expect("spawning the loader thread");
+        Loader { rx, handle: Some(handle) }
+    }
+
+    /// The next batch, waiting for the reader if it is behind.
+    pub fn next(&mut self) -> Result<Batch> {
+        match self.rx.recv() {
+            Ok(batch) => batch,
+            Err(_) => Err(Error::Results("the data loader stopped before the end of training".into())),
+        }
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        // Unblock the thread (its next send fails once the receiver is gone), then join it.
+        let (_, dead) = sync_channel(1);
+        drop(std::mem::replace(&mut self.rx, dead));
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn schedule(samples: usize, workers: usize, worker: usize, batch: usize) -> Schedule {
+        Schedule { samples, workers, worker, batch, seed: 7 }
+    }
+
+    #[test]
+    fn every_sample_once_per_epoch_for_uneven_counts() {
+        for (samples, workers, batch) in [(10, 3, 2), (17, 4, 3), (5, 5, 1), (7, 2, 10), (1, 3, 1)] {
+            let order = schedule(samples, workers, 0, batch).epoch_order(3);
+            let mut seen = vec![0; samples];
+            let steps = schedule(samples, workers, 0, batch).steps_per_epoch();
+            for w in 0..workers {
+                let s = schedule(samples, workers, w, batch);
+                for step in 0..steps {
+                    for i in s.local_indices(&order, step) {
+                        seen[i] += 1;
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&c| c == 1), "samples {samples} workers {workers} batch {batch}: {seen:?}");
+        }
+    }
+
+    #[test]
+    fn workers_together_read_what_one_process_with_the_global_batch_reads() {
+        let (samples, workers, batch) = (23, 3, 2);
+        let single = schedule(samples, 1, 0, workers * batch);
+        let order = single.epoch_order(0);
+        for step in 0..single.steps_per_epoch() {
+            let mut one: Vec<usize> = single.local_indices(&order, step);
+            let mut many: Vec<usize> = (0..workers)
+                .flat_map(|w| schedule(samples, workers, w, batch).local_indices(&order, step))
+                .collect();
+            assert_eq!(many.len(), single.global_samples(step));
+            one.sort();
+            many.sort();
+            assert_eq!(one, many);
+        }
+    }
+
+    #[test]
+    fn orders_depend_on_seed_and_epoch_only() {
+        let a = schedule(100, 4, 0, 2);
+        let b = schedule(100, 4, 3, 8);
+        assert_eq!(a.epoch_order(1), b.epoch_order(1));
+        assert_ne!(a.epoch_order(1), a.epoch_order(2));
+        let mut sorted = a.epoch_order(5);
+        sorted.sort();
+        assert_eq!(sorted, (0..100).collect::<Vec<u32>>());
+    }
+}

@@ -1,0 +1,285 @@
+//! Datasets: the HDF5 layout, its validation, the sharded reader, and importers.
+//!
+//! Layout of a dataset file (the same for every source):
+//!
+//! | path            | type                    | shape         |
+//! |-----------------|-------------------------|---------------|
+//! | `train/images`  | uint8                   | N x C x H x W |
+//! | `train/labels`  | any integer             | N             |
+//! | `test/images`   | uint8                   | M x C x H x W |
+//! | `test/labels`   | any integer             | M             |
+//!
+//! Root attributes: `name` (string), `num_classes` (integer), `class_names` (strings, optional),
+//! `mean` and `std` (f32 per channel, of the training images scaled to [0, 1]; optional).
+
+pub mod cifar10;
+pub mod idx;
+pub mod loader;
+pub mod reader;
+pub mod synth;
+pub mod writer;
+
+use std::path::{Path, PathBuf};
+
+use hdf5::types::{TypeDescriptor, VarLenUnicode};
+
+use crate::error::{Error, Result, WithPath};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Split {
+    Train,
+    Test,
+}
+
+impl Split {
+    pub fn name(self) -> &'static str {
+        match self {
+            Split::Train => "train",
+            Split::Test => "test",
+        }
+    }
+}
+
+/// How one split is stored.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SplitInfo {
+    pub len: usize,
+    /// Rows per chunk of the image dataset (None: contiguous storage).
+    pub chunk_rows: Option<usize>,
+    /// Filters on the image dataset ("none", "deflate(4)", ...).
+    pub compression: String,
+}
+
+/// What a dataset file holds, after validation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DatasetInfo {
+    pub path: PathBuf,
+    pub name: String,
+    pub classes: usize,
+    pub class_names: Vec<String>,
+    pub channels: usize,
+    pub height: usize,
+    pub width: usize,
+    pub train: SplitInfo,
+    pub test: SplitInfo,
+    /// Per-channel mean and standard deviation of the training images in [0, 1].
+    pub mean: Vec<f32>,
+    pub std: Vec<f32>,
+}
+
+impl DatasetInfo {
+    pub fn split(&self, split: Split) -> &SplitInfo {
+        match split {
+            Split::Train => &self.train,
+            Split::Test => &self.test,
+        }
+    }
+
+    pub fn sample_bytes(&self) -> usize {
+        self.channels * self.height * self.width
+    }
+}
+
+/// Opens an HDF5 file for reading, with a chunk cache large enough for random row reads.
+pub fn open_file(path: &Path) -> Result<hdf5::File> {
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::data(path, "no such file (create one with `hpc-train data import` or `data synth`)"))
+        }
+        Err(e) => return Err(Error::io(path, e)),
+        Ok(m) if m.is_dir() => return Err(Error::data(path, "is a directory, not an HDF5 file")),
+        Ok(_) => {}
+    }
+    if !has_hdf5_signature(path)? {
+        return Err(Error::data(path, "not an HDF5 file"));
+    }
+    hdf5::File::with_options()
+        .with_fapl(|p| p.chunk_cache(12_421, 64 << 20, 1.0))
+        .open(path)
+        .at(path)
+}
+
+/// Whether the file starts with the HDF5 signature, at offset 0 or after a user block (512,
+/// 1024, 2048, ... bytes). Checked before HDF5 opens it, for a clear message instead of
+/// HDF5's error stack (and a clear "permission denied").
+fn has_hdf5_signature(path: &Path) -> Result<bool> {
+    use std::io::{Read, Seek, SeekFrom};
+    const SIGNATURE: [u8; 8] = [0x89, b'H', b'D', b'F', b'\r', b'\n', 0x1a, b'\n'];
+    let mut f = std::fs::File::open(path).at(path)?;
+    let len = f.metadata().at(path)?.len();
+    let mut offset = 0u64;
+    while offset + 8 <= len {
+        let mut head = [0u8; 8];
+        f.seek(SeekFrom::Start(offset)).at(path)?;
+        f.read_exact(&mut head).at(path)?;
+        if head == SIGNATURE {
+            return Ok(true);
+        }
+        offset = if offset == 0 { 512 } else { offset * 2 };
+    }
+    Ok(false)
+}
+
+/// Opens and validates a dataset file: every dataset present with the right dtype and rank,
+/// matching sizes, labels within the class count. Reads the labels (small) to check them.
+pub fn open(path: &Path) -> Result<(DatasetInfo, Labels)> {
+    let file = open_file(path)?;
+    let bad = |reason: String| Error::data(path, reason);
+
+    let mut image_shape: Option<[usize; 3]> = None;
+    let mut splits = Vec::new();
+    let mut labels = Vec::new();
+    for split in [Split::Train, Split::Test] {
+        let images_name = format!("{}/images", split.name());
+        let labels_name = format!("{}/labels", split.name());
+        let images = file.dataset(&images_name).map_err(|_| bad(format!("missing dataset `{images_name}`")))?;
+        let label_ds = file.dataset(&labels_name).map_err(|_| bad(format!("missing dataset `{labels_name}`")))?;
+
+        let dtype = images.dtype().and_then(|d| d.to_descriptor()).at(path)?;
+        if dtype != TypeDescriptor::Unsigned(hdf5::types::IntSize::U1) {
+            return Err(bad(format!("`{images_name}` has type {dtype}, expected uint8")));
+        }
+        let shape = images.shape();
+        if shape.len() != 4 {
+            return Err(bad(format!("`{images_name}` has shape {shape:?}, expected 4 dimensions N x C x H x W")));
+        }
+        let chw = [shape[1], shape[2], shape[3]];
+        if chw.contains(&0) {
+            return Err(bad(format!("`{images_name}` has shape {shape:?}: an empty image dimension")));
+        }
+        match image_shape {
+            None => image_shape = Some(chw),
+            Some(s) if s != chw => {
+                return Err(bad(format!("`{images_name}` holds {chw:?} images but train holds {s:?}")))
+            }
+            Some(_) => {}
+        }
+
+        let ldtype = label_ds.dtype().and_then(|d| d.to_descriptor()).at(path)?;
+        if !matches!(ldtype, TypeDescriptor::Integer(_) | TypeDescriptor::Unsigned(_)) {
+            return Err(bad(format!("`{labels_name}` has type {ldtype}, expected integers")));
+        }
+        let lshape = label_ds.shape();
+        if lshape.len() != 1 || lshape[0] != shape[0] {
+            return Err(bad(format!(
+                "`{labels_name}` has shape {lshape:?}, expected [{}] (one label per image)",
+                shape[0]
+            )));
+        }
+        let values: Vec<i64> = label_ds.read_raw::<i64>().at(path)?;
+        let chunk_rows = images.chunk().map(|c| c[0]);
+        let compression = describe_filters(&images.filters());
+        splits.push(SplitInfo { len: shape[0], chunk_rows, compression });
+        labels.push(values);
+    }
+    let [channels, height, width] = image_shape.expect("two splits were read");
+    let test_labels = labels.pop().expect("test");
+    let train_labels = labels.pop().expect("train");
+    let test = splits.pop().expect("test");
+    let train = splits.pop().expect("train");
+    if train.len == 0 {
+        return Err(bad("`train/images` holds no images".into()));
+    }
+
+    let max_label = train_labels.iter().chain(&test_labels).copied().max().unwrap_or(0);
+    let classes = match read_int_attr(&file, "num_classes") {
+        Some(n) if n >= 1 => n as usize,
+        Some(n) => return Err(bad(format!("attribute `num_classes` is {n}, expected at least 1"))),
+        None => {
+            log::warn!("{}: no `num_classes` attribute; using the largest label + 1 = {}", path.display(), max_label + 1);
+            (max_label + 1) as usize
+        }
+    };
+    for (split, values) in [(Split::Train, &train_labels), (Split::Test, &test_labels)] {
+        if let Some((i, &l)) = values.iter().enumerate().find(|(_, &l)| l < 0 || l as usize >= classes) {
+            return Err(bad(format!(
+                "`{}/labels` [{i}] is {l}, outside 0..{classes} (num_classes = {classes})",
+                split.name()
+            )));
+        }
+    }
+
+    let name = read_string_attr(&file, "name").unwrap_or_else(|| {
+        path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+    });
+    let class_names = read_strings_attr(&file, "class_names").unwrap_or_default();
+    let (mean, std) = match (read_f32s_attr(&file, "mean"), read_f32s_attr(&file, "std")) {
+        (Some(m), Some(s)) if m.len() == channels && s.len() == channels && s.iter().all(|&v| v > 0.0) => (m, s),
+        (None, None) => (vec![0.5; channels], vec![0.5; channels]),
+        _ => return Err(bad(format!("attributes `mean` and `std` must hold {channels} values each, std > 0"))),
+    };
+
+    let info = DatasetInfo { path: path.to_path_buf(), name, classes, class_names, channels, height, width, train, test, mean, std };
+    Ok((info, Labels { train: train_labels, test: test_labels }))
+}
+
+/// The labels of both splits, read once at open.
+#[derive(Clone, Debug, Default)]
+pub struct Labels {
+    pub train: Vec<i64>,
+    pub test: Vec<i64>,
+}
+
+impl Labels {
+    pub fn split(&self, split: Split) -> &[i64] {
+        match split {
+            Split::Train => &self.train,
+            Split::Test => &self.test,
+        }
+    }
+}
+
+fn describe_filters(filters: &[hdf5::filters::Filter]) -> String {
+    if filters.is_empty() {
+        return "none".into();
+    }
+    filters.iter().map(|f| format!("{f:?}").to_lowercase()).collect::<Vec<_>>().join("+")
+}
+
+fn read_int_attr(file: &hdf5::File, name: &str) -> Option<i64> {
+    file.attr(name).ok()?.read_scalar::<i64>().ok()
+}
+
+fn read_string_attr(file: &hdf5::File, name: &str) -> Option<String> {
+    file.attr(name).ok()?.read_scalar::<VarLenUnicode>().ok().map(|s| s.as_str().to_string())
+}
+
+fn read_strings_attr(file: &hdf5::File, name: &str) -> Option<Vec<String>> {
+    let values = file.attr(name).ok()?.read_raw::<VarLenUnicode>().ok()?;
+    Some(values.iter().map(|s| s.as_str().to_string()).collect())
+}
+
+fn read_f32s_attr(file: &hdf5::File, name: &str) -> Option<Vec<f32>> {
+    file.attr(name).ok()?.read_raw::<f32>().ok()
+}
+
+/// `hpc-train data info`: what a file holds, or why it cannot be used.
+pub fn describe(info: &DatasetInfo, labels: &Labels) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(out, "file:        {}", info.path.display());
+    let _ = writeln!(out, "name:        {}", info.name);
+    let _ = writeln!(out, "images:      {} x {} x {} (C x H x W), uint8", info.channels, info.height, info.width);
+    let _ = write!(out, "classes:     {}", info.classes);
+    if !info.class_names.is_empty() {
+        let _ = write!(out, " ({})", info.class_names.join(", "));
+    }
+    let _ = writeln!(out);
+    for split in [Split::Train, Split::Test] {
+        let s = info.split(split);
+        let chunk = match s.chunk_rows {
+            Some(rows) => format!("chunks of {rows} images ({} KiB)", rows * info.sample_bytes() / 1024),
+            None => "contiguous".to_string(),
+        };
+        let mut counts = vec![0usize; info.classes];
+        for &l in labels.split(split) {
+            counts[l as usize] += 1;
+        }
+        let _ = writeln!(out, "{:<12} {} samples, {chunk}, compression {}", format!("{}:", split.name()), s.len, s.compression);
+        let _ = writeln!(out, "             per class: {counts:?}");
+    }
+    let fmt = |v: &[f32]| v.iter().map(|x| format!("{x:.4}")).collect::<Vec<_>>().join(", ");
+    let _ = writeln!(out, "mean:        [{}]", fmt(&info.mean));
+    let _ = writeln!(out, "std:         [{}]", fmt(&info.std));
+    out
+}

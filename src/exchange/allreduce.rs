@@ -1,0 +1,119 @@
+//! `allreduce`: the MPI library's own `MPI_Allreduce` on buckets of `--bucket-mb`: the baseline.
+
+use half::{bf16, f16};
+use mpi::collective::{SystemOperation, UserOperation};
+use mpi::datatype::{DynBuffer, DynBufferMut};
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use tch::Tensor;
+
+use crate::error::Result;
+use crate::exchange::buckets::Fusion;
+use crate::exchange::element::{Dtype, Element};
+use crate::exchange::staging::Staging;
+use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
+use crate::raw;
+use crate::topology::World;
+
+pub struct MpiAllreduce {
+    comm: SimpleCommunicator,
+    rank: usize,
+    size: usize,
+    path: DataPath,
+    fusion: Fusion,
+    staging: Staging,
+    sums: SumOps,
+}
+
+impl MpiAllreduce {
+    pub fn new(world: &World, config: &ExchangeConfig) -> Result<MpiAllreduce> {
+        Ok(MpiAllreduce {
+            // A communicator of its own, so that its traffic never matches anyone else's.
+            comm: world.comm.duplicate(),
+            rank: world.rank as usize,
+            size: world.size as usize,
+            path: DataPath::choose(config.device, config.cuda_aware),
+            fusion: Fusion::new(config.bucket_bytes, None),
+            staging: Staging::new(),
+            sums: SumOps::new(),
+        })
+    }
+}
+
+impl Exchange for MpiAllreduce {
+    fn name(&self) -> &'static str {
+        "allreduce"
+    }
+
+    fn bus_factor(&self) -> f64 {
+        allreduce_bus_factor(self.size)
+    }
+
+    fn role(&self) -> Role {
+        Role::Worker { index: self.rank, count: self.size }
+    }
+
+    fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        common_dtype(tensors)?;
+        let mut buckets = self.fusion.pack(tensors)?;
+        let (comm, sums) = (&self.comm, &self.sums);
+        self.staging.run(self.path, &mut buckets, |_, bucket| sums.all_reduce_sum(comm, bucket))?;
+        if op == ReduceOp::Mean && self.size > 1 {
+            for bucket in &mut buckets {
+                let _ = bucket.f_mul_scalar_(1.0 / self.size as f64)?;
+            }
+        }
+        self.fusion.unpack(&buckets, tensors);
+        Ok(())
+    }
+
+    fn report(&self) -> ExchangeReport {
+        ExchangeReport { data_path: Some(self.path), ..Default::default() }
+    }
+}
+
+/// The sum operations for every dtype, made once: MPI has no half-precision sum, so user
+/// operations add 16-bit words as f16 or bf16, each addition done in f32.
+pub struct SumOps {
+    f16: UserOperation<'static>,
+    bf16: UserOperation<'static>,
+}
+
+impl SumOps {
+    pub fn new() -> SumOps {
+        SumOps { f16: half_sum_op::<f16>(), bf16: half_sum_op::<bf16>() }
+    }
+
+    /// Sums a flat tensor over the ranks of `comm` in place with `MPI_Allreduce`, on the host, or
+    /// on the device with a CUDA-aware MPI.
+    pub fn all_reduce_sum(&self, comm: &SimpleCommunicator, bucket: &mut Tensor) -> Result<()> {
+        match common_dtype(std::slice::from_ref(bucket))? {
+            Dtype::F32 => sum_typed::<f32, _>(comm, bucket, &SystemOperation::sum()),
+            Dtype::F16 => sum_typed::<f16, _>(comm, bucket, &&self.f16),
+            Dtype::Bf16 => sum_typed::<bf16, _>(comm, bucket, &&self.bf16),
+        }
+    }
+}
+
+impl Default for SumOps {
+    fn default() -> Self {
+        SumOps::new()
+    }
+}
+
+fn sum_typed<E: Element, O: mpi::collective::Operation>(comm: &SimpleCommunicator, bucket: &mut Tensor, op: &O) -> Result<()> {
+    if bucket.device().is_cuda() {
+        raw::all_reduce_in_place_device::<E>(comm, bucket, op)
+    } else {
+        raw::all_reduce_in_place::<E>(comm, raw::host_slice_mut::<E>(bucket)?, op)
+    }
+}
+
+/// An MPI operation that sums 16-bit floats of type E, each addition done in f32.
+fn half_sum_op<E: Element<Wire = u16>>() -> UserOperation<'static> {
+    UserOperation::commutative(|x: DynBuffer, acc: DynBufferMut| {
+        let x: &[u16] = x.downcast().expect("the operation is only used on 16-bit words");
+        let acc: &mut [u16] = acc.downcast().expect("the operation is only used on 16-bit words");
+        crate::exchange::element::accumulate::<E>(bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(x));
+    })
+}

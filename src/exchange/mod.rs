@@ -1,0 +1,260 @@
+//! Gradient exchange strategies, all behind [`Exchange`], so that the training loop never knows
+//! which one runs.
+//!
+//! One file per strategy:
+//! - [`allreduce`]: the MPI library's own `MPI_Allreduce`, the baseline;
+//! - [`ring`]: a ring all-reduce (reduce-scatter then all-gather) on point-to-point calls;
+//! - [`ps`]: parameter servers on point-to-point calls, synchronous or asynchronous;
+//! - [`horovod`]: a Horovod-style background cycle with negotiation and tensor fusion.
+//!
+//! Shared parts: [`buckets`] plans and packs buckets, [`staging`] moves GPU buckets through
+//! pinned host memory when MPI cannot read device memory, [`element`] knows the dtypes.
+
+pub mod allreduce;
+pub mod buckets;
+pub mod element;
+pub mod staging;
+
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::optim::Sgd;
+use crate::topology::World;
+
+/// The strategies a user can choose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StrategyKind {
+    /// From-scratch ring all-reduce over MPI point-to-point.
+    Ring,
+    /// From-scratch parameter server over MPI point-to-point.
+    Ps,
+    /// The MPI library's MPI_Allreduce (the baseline).
+    Allreduce,
+    /// Horovod-style background cycle, negotiation and tensor fusion over MPI collectives.
+    Horovod,
+}
+
+impl StrategyKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            StrategyKind::Ring => "ring",
+            StrategyKind::Ps => "ps",
+            StrategyKind::Allreduce => "allreduce",
+            StrategyKind::Horovod => "horovod",
+        }
+    }
+}
+
+impl std::fmt::Display for StrategyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a reduction produces: the sum over ranks, or the mean.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+}
+
+/// How bytes get from a tensor to MPI.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataPath {
+    /// Host tensors, handed to MPI in place.
+    Host,
+    /// GPU tensors copied through pinned host memory (MPI is not CUDA-aware).
+    Staged,
+    /// GPU pointers handed straight to a CUDA-aware MPI.
+    Direct,
+}
+
+impl DataPath {
+    pub fn choose(device: Device, cuda_aware: bool) -> DataPath {
+        match (device, cuda_aware) {
+            (Device::Cpu, _) => DataPath::Host,
+            (_, true) => DataPath::Direct,
+            (_, false) => DataPath::Staged,
+        }
+    }
+}
+
+/// `--cuda-aware yes|no|auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CudaAware {
+    Yes,
+    No,
+    Auto,
+}
+
+impl CudaAware {
+    /// Resolves `auto` by asking the MPI library (`MPIX_Query_cuda_support`).
+    pub fn resolve(self) -> bool {
+        match self {
+            CudaAware::Yes => true,
+            CudaAware::No => false,
+            CudaAware::Auto => crate::raw::mpi_cuda_support().unwrap_or(false),
+        }
+    }
+}
+
+/// The role of a rank in training: workers compute gradients on a shard of the data; a
+/// dedicated parameter server only serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Worker `index` of `count` (the data is sharded over the workers).
+    Worker { index: usize, count: usize },
+    Server,
+}
+
+/// What a strategy reports about itself for the run log and `runs.jsonl`.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ExchangeReport {
+    pub data_path: Option<DataPath>,
+    /// Strategy-specific figures (staleness for the parameter server, cache hits for Horovod...).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// A gradient-exchange strategy.
+pub trait Exchange {
+    fn name(&self) -> &'static str;
+
+    /// Bytes on the busiest link per byte of buffer: 2(n-1)/n for an all-reduce (nccl-tests'
+    /// convention), so that bus bandwidths of different strategies compare.
+    fn bus_factor(&self) -> f64;
+
+    /// Reduces `tensors` element-wise over the ranks, in place (sum or mean).
+    fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()>;
+
+    /// This rank's role in training.
+    fn role(&self) -> Role;
+
+    /// One training step's update of `params` from the local gradients `grads`: average the
+    /// gradients over the workers, then step the optimizer. A parameter server overrides this
+    /// (its servers step the optimizer and send weights back).
+    fn update(&mut self, params: &mut [Tensor], grads: &mut [Tensor], sgd: &mut Sgd) -> Result<()> {
+        self.all_reduce(grads, ReduceOp::Mean)?;
+        sgd.step(params, grads)
+    }
+
+    /// On a dedicated server rank: serve the workers until they are all done.
+    fn serve(&mut self, _params: &mut [Tensor], _sgd: &mut Sgd) -> Result<()> {
+        Ok(())
+    }
+
+    /// Called by every rank once training ends (workers done, servers released).
+    fn finish(&mut self, _params: &mut [Tensor]) -> Result<()> {
+        Ok(())
+    }
+
+    fn report(&self) -> ExchangeReport;
+}
+
+/// Options every strategy may read.
+#[derive(Clone, Debug)]
+pub struct ExchangeConfig {
+    pub device: Device,
+    pub cuda_aware: bool,
+    /// Bucket (fusion) size in bytes; 0 = one exchange per tensor.
+    pub bucket_bytes: usize,
+    /// Ring segment size in bytes.
+    pub segment_bytes: usize,
+}
+
+/// What decides the ranks' roles: how many are dedicated parameter servers.
+#[derive(Clone, Debug, Default)]
+pub struct RoleOptions {
+    /// Parameter servers (for `ps`).
+    pub servers: usize,
+    /// Every rank is both a worker and a server (`ps --ps-colocate`).
+    pub colocate: bool,
+}
+
+/// How many ranks compute gradients: all of them, except dedicated parameter servers.
+pub fn worker_count(kind: StrategyKind, ranks: usize, roles: &RoleOptions) -> Result<usize> {
+    if kind != StrategyKind::Ps || roles.colocate {
+        return Ok(ranks);
+    }
+    if roles.servers == 0 {
+        return Err(Error::usage("--servers 0: the parameter server needs at least one server rank"));
+    }
+    if roles.servers >= ranks {
+        return Err(Error::usage(format!(
+            "--servers {} with {ranks} rank(s) leaves no worker: launch more ranks, use fewer servers, or --ps-colocate",
+            roles.servers
+        )));
+    }
+    Ok(ranks - roles.servers)
+}
+
+/// Makes the chosen strategy on `world`. Collective over the world's communicator.
+pub fn build(kind: StrategyKind, world: &World, config: &ExchangeConfig) -> Result<Box<dyn Exchange>> {
+    Ok(match kind {
+        StrategyKind::Allreduce => Box::new(allreduce::MpiAllreduce::new(world, config)?),
+        other => return Err(Error::usage(format!("--strategy {other}: not built yet"))),
+    })
+}
+
+/// All-reduce bus factor for `n` ranks: 2(n-1)/n.
+pub fn allreduce_bus_factor(n: usize) -> f64 {
+    if n <= 1 {
+        0.0
+    } else {
+        2.0 * (n as f64 - 1.0) / n as f64
+    }
+}
+
+/// The element type of a set of tensors, which must all share it.
+pub fn common_dtype(tensors: &[Tensor]) -> Result<element::Dtype> {
+    let kind = tensors.first().map_or(Kind::Float, |t| t.kind());
+    if tensors.iter().any(|t| t.kind() != kind) {
+        return Err(Error::exchange("exchange", "tensors of one exchange must share a dtype"));
+    }
+    element::Dtype::of_kind(kind)
+        .ok_or_else(|| Error::exchange("exchange", format!("unsupported dtype {kind:?} (f32, f16 or bf16)")))
+}
+
+/// Calls `$body` with `$E` bound to the element type of `$dtype`.
+#[macro_export]
+macro_rules! with_element {
+    ($dtype:expr, $E:ident => $body:expr) => {
+        match $dtype {
+            $crate::exchange::element::Dtype::F32 => {
+                type $E = f32;
+                $body
+            }
+            $crate::exchange::element::Dtype::F16 => {
+                type $E = half::f16;
+                $body
+            }
+            $crate::exchange::element::Dtype::Bf16 => {
+                type $E = half::bf16;
+                $body
+            }
+        }
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_factors_follow_nccl_tests() {
+        assert_eq!(allreduce_bus_factor(1), 0.0);
+        assert_eq!(allreduce_bus_factor(2), 1.0);
+        assert_eq!(allreduce_bus_factor(4), 1.5);
+    }
+
+    #[test]
+    fn data_path_follows_device_and_mpi() {
+        assert_eq!(DataPath::choose(Device::Cpu, true), DataPath::Host);
+        assert_eq!(DataPath::choose(Device::Cuda(0), false), DataPath::Staged);
+        assert_eq!(DataPath::choose(Device::Cuda(0), true), DataPath::Direct);
+    }
+}

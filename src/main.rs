@@ -1,0 +1,157 @@
+//! hpc-train: data-parallel training over MPI, and the scaling studies of its gradient-exchange
+//! strategies. This file parses the command line, initialises MPI once, and dispatches.
+
+use std::io::Write;
+
+use clap::Parser;
+
+mod cli;
+mod data;
+mod error;
+mod exchange;
+mod model;
+mod optim;
+mod raw;
+mod results;
+mod topology;
+mod train;
+
+use cli::{Cli, Command, DataCommand, ImportFormat};
+use error::{Error, Result};
+use topology::World;
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Before MPI starts, only the launcher's rank number says who should print.
+            if launcher_rank() == 0 || !e.use_stderr() {
+                let _ = e.print();
+            }
+            std::process::exit(e.exit_code());
+        }
+    };
+    let Some((universe, threading)) = mpi::initialize_with_threading(mpi::Threading::Multiple) else {
+        eprintln!("error: MPI was already initialised");
+        std::process::exit(1);
+    };
+    let world = match World::new(universe.world()) {
+        Ok(w) => w,
+        Err(e) => {
+            if launcher_rank() == 0 {
+                eprintln!("error: {e}");
+            }
+            drop(universe);
+            std::process::exit(1);
+        }
+    };
+    init_logging(world.rank);
+    install_panic_hook(world.rank, world.size);
+
+    let result = match &cli.command {
+        None => train::run(&world, &cli.train, threading),
+        Some(Command::Data(cmd)) => {
+            // Data commands are serial: rank 0 does the work, the others wait for its verdict.
+            let local = if world.is_root() { run_data(cmd) } else { Ok(()) };
+            world.agree(local)
+        }
+    };
+
+    let code = match result {
+        Ok(()) => 0,
+        Err(Error::Reported(rank)) => {
+            log::debug!("exiting after the error reported by rank {rank}");
+            1
+        }
+        Err(Error::Agreed(e)) => {
+            eprintln!("error: {e}");
+            1
+        }
+        Err(e) => {
+            // Only this rank knows: the others may be blocked in communication with it.
+            eprintln!("error: rank {} of {}: {e}", world.rank, world.size);
+            let _ = std::io::stderr().flush();
+            if world.size > 1 {
+                raw::abort_world(1);
+            }
+            1
+        }
+    };
+    drop(world);
+    drop(universe); // MPI_Finalize
+    std::process::exit(code);
+}
+
+fn run_data(cmd: &DataCommand) -> Result<()> {
+    match cmd {
+        DataCommand::Info { file } => {
+            let (info, labels) = data::open(file)?;
+            print!("{}", data::describe(&info, &labels));
+            Ok(())
+        }
+        DataCommand::Import(a) => {
+            let class_names = a.class_names.as_deref().map(data::writer::parse_class_names).unwrap_or_default();
+            let (train, test) = match a.format {
+                ImportFormat::Idx => {
+                    let need = |p: &Option<std::path::PathBuf>, flag: &str| {
+                        p.clone().ok_or_else(|| Error::usage(format!("--format idx needs {flag}")))
+                    };
+                    let (ti, tl) = (need(&a.train_images, "--train-images")?, need(&a.train_labels, "--train-labels")?);
+                    let (vi, vl) = (need(&a.test_images, "--test-images")?, need(&a.test_labels, "--test-labels")?);
+                    let paths = data::idx::IdxPaths { train_images: &ti, train_labels: &tl, test_images: &vi, test_labels: &vl };
+                    let name = a.name.clone().unwrap_or_else(|| default_name(&a.out));
+                    data::idx::import(&paths, &a.out, &name, class_names, a.compression, a.force)?
+                }
+                ImportFormat::Cifar10 => {
+                    let input = a.input.as_ref().ok_or_else(|| Error::usage("--format cifar10 needs --input DIR (cifar-10-batches-bin)"))?;
+                    data::cifar10::import(input, &a.out, a.compression, a.force)?
+                }
+            };
+            println!("wrote {} ({train} training and {test} test samples)", a.out.display());
+            Ok(())
+        }
+        DataCommand::Synth(a) => {
+            let shape = data::synth::parse_shape(&a.shape).map_err(Error::usage)?;
+            let spec = data::synth::SynthSpec { train: a.samples, test: a.test_samples, shape, classes: a.classes, seed: a.seed };
+            data::synth::generate(&spec, &a.out, a.compression, a.force)?;
+            println!("wrote {} ({} training and {} test samples of {})", a.out.display(), a.samples, a.test_samples, a.shape);
+            Ok(())
+        }
+    }
+}
+
+fn default_name(out: &std::path::Path) -> String {
+    out.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "dataset".into())
+}
+
+/// This process's rank as the launcher set it (Open MPI, MPICH/Hydra, PMIx, Slurm), for
+/// deciding who prints before MPI is initialised. 0 when launched without one.
+fn launcher_rank() -> i32 {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "MV2_COMM_WORLD_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Rank 0 logs at info level, the others warnings and errors only; RUST_LOG overrides both.
+fn init_logging(rank: i32) {
+    let default = if rank == 0 { "info" } else { "warn" };
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or(default))
+        .format(move |buf, record| {
+            writeln!(buf, "[{} rank {rank} {}] {}", chrono::Utc::now().format("%H:%M:%S"), record.level(), record.args())
+        })
+        .init();
+}
+
+/// A panic on one rank would leave the others blocked in communication: log it with the rank
+/// and end the whole job.
+fn install_panic_hook(rank: i32, size: i32) {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        eprintln!("error: rank {rank} of {size} panicked");
+        default(info);
+        if size > 1 {
+            raw::abort_world(101);
+        }
+    }));
+}

@@ -1,0 +1,230 @@
+//! Model builders: ResNet-50 and ResNet-18 (torchvision's architecture and parameter names,
+//! adapted to the data's channels, image size and class count) and a tiny CNN for tests.
+
+use tch::nn::{self, ModuleT};
+use tch::{Kind, Tensor};
+
+/// The models a user can train.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// ResNet-50 (bottleneck blocks, 25.6 M parameters at 1000 classes).
+    Resnet50,
+    /// ResNet-18 (basic blocks, 11.7 M parameters at 1000 classes).
+    Resnet18,
+    /// Two convolutions and a linear layer, no batch norm: for tests and quick checks.
+    Tiny,
+}
+
+impl ModelKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelKind::Resnet50 => "resnet50",
+            ModelKind::Resnet18 => "resnet18",
+            ModelKind::Tiny => "tiny",
+        }
+    }
+}
+
+/// What the model must fit: input channels and size, and the number of classes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InputSpec {
+    pub channels: i64,
+    pub height: i64,
+    pub width: i64,
+    pub classes: i64,
+}
+
+/// Images below this size get the CIFAR-style stem (3x3 convolution, stride 1, no max-pool):
+/// the ImageNet stem divides the image by 4 before the first block, which leaves a 28x28 image
+/// with 1x1 feature maps by the last stage.
+const SMALL_IMAGE: i64 = 64;
+
+/// Builds `kind` under `vs`. Parameters are created in forward order, so that reverse creation
+/// order is the order in which backward produces their gradients.
+pub fn build(kind: ModelKind, vs: &nn::Path, spec: InputSpec) -> nn::FuncT<'static> {
+    match kind {
+        ModelKind::Resnet50 => resnet(vs, spec, Block::Bottleneck, [3, 4, 6, 3]),
+        ModelKind::Resnet18 => resnet(vs, spec, Block::Basic, [2, 2, 2, 2]),
+        ModelKind::Tiny => tiny(vs, spec),
+    }
+}
+
+fn conv2d(p: nn::Path, c_in: i64, c_out: i64, ksize: i64, padding: i64, stride: i64) -> nn::Conv2D {
+    let config = nn::ConvConfig { stride, padding, bias: false, ..Default::default() };
+    nn::conv2d(p, c_in, c_out, ksize, config)
+}
+
+#[derive(Clone, Copy)]
+enum Block {
+    Basic,
+    Bottleneck,
+}
+
+impl Block {
+    fn expansion(self) -> i64 {
+        match self {
+            Block::Basic => 1,
+            Block::Bottleneck => 4,
+        }
+    }
+}
+
+fn downsample(p: nn::Path, c_in: i64, c_out: i64, stride: i64) -> Option<nn::SequentialT> {
+    (stride != 1 || c_in != c_out).then(|| {
+        nn::seq_t()
+            .add(conv2d(&p / "0", c_in, c_out, 1, 0, stride))
+            .add(nn::batch_norm2d(&p / "1", c_out, Default::default()))
+    })
+}
+
+fn basic_block(p: nn::Path, c_in: i64, planes: i64, stride: i64) -> nn::FuncT<'static> {
+    let conv1 = conv2d(&p / "conv1", c_in, planes, 3, 1, stride);
+    let bn1 = nn::batch_norm2d(&p / "bn1", planes, Default::default());
+    let conv2 = conv2d(&p / "conv2", planes, planes, 3, 1, 1);
+    let bn2 = nn::batch_norm2d(&p / "bn2", planes, Default::default());
+    let down = downsample(&p / "downsample", c_in, planes, stride);
+    nn::func_t(move |xs, train| {
+        let ys = xs.apply(&conv1).apply_t(&bn1, train).relu().apply(&conv2).apply_t(&bn2, train);
+        let shortcut = match &down {
+            Some(d) => xs.apply_t(d, train),
+            None => xs.shallow_clone(),
+        };
+        (shortcut + ys).relu()
+    })
+}
+
+fn bottleneck_block(p: nn::Path, c_in: i64, planes: i64, stride: i64) -> nn::FuncT<'static> {
+    let out = planes * Block::Bottleneck.expansion();
+    let conv1 = conv2d(&p / "conv1", c_in, planes, 1, 0, 1);
+    let bn1 = nn::batch_norm2d(&p / "bn1", planes, Default::default());
+    // torchvision's ResNet v1.5: the stride sits on the 3x3 convolution.
+    let conv2 = conv2d(&p / "conv2", planes, planes, 3, 1, stride);
+    let bn2 = nn::batch_norm2d(&p / "bn2", planes, Default::default());
+    let conv3 = conv2d(&p / "conv3", planes, out, 1, 0, 1);
+    let bn3 = nn::batch_norm2d(&p / "bn3", out, Default::default());
+    let down = downsample(&p / "downsample", c_in, out, stride);
+    nn::func_t(move |xs, train| {
+        let ys = xs
+            .apply(&conv1)
+            .apply_t(&bn1, train)
+            .relu()
+            .apply(&conv2)
+            .apply_t(&bn2, train)
+            .relu()
+            .apply(&conv3)
+            .apply_t(&bn3, train);
+        let shortcut = match &down {
+            Some(d) => xs.apply_t(d, train),
+            None => xs.shallow_clone(),
+        };
+        (shortcut + ys).relu()
+    })
+}
+
+fn layer(p: nn::Path, block: Block, c_in: i64, planes: i64, stride: i64, count: i64) -> nn::SequentialT {
+    let make = |p: nn::Path, c_in: i64, stride: i64| match block {
+        Block::Basic => basic_block(p, c_in, planes, stride),
+        Block::Bottleneck => bottleneck_block(p, c_in, planes, stride),
+    };
+    let mut seq = nn::seq_t().add(make(&p / "0", c_in, stride));
+    for i in 1..count {
+        seq = seq.add(make(&p / i, planes * block.expansion(), 1));
+    }
+    seq
+}
+
+fn resnet(p: &nn::Path, spec: InputSpec, block: Block, counts: [i64; 4]) -> nn::FuncT<'static> {
+    let small = spec.height.min(spec.width) < SMALL_IMAGE;
+    let conv1 = if small {
+        conv2d(p / "conv1", spec.channels, 64, 3, 1, 1)
+    } else {
+        conv2d(p / "conv1", spec.channels, 64, 7, 3, 2)
+    };
+    let bn1 = nn::batch_norm2d(p / "bn1", 64, Default::default());
+    let e = block.expansion();
+    let layer1 = layer(p / "layer1", block, 64, 64, 1, counts[0]);
+    let layer2 = layer(p / "layer2", block, 64 * e, 128, 2, counts[1]);
+    let layer3 = layer(p / "layer3", block, 128 * e, 256, 2, counts[2]);
+    let layer4 = layer(p / "layer4", block, 256 * e, 512, 2, counts[3]);
+    let fc = nn::linear(p / "fc", 512 * e, spec.classes, Default::default());
+    nn::func_t(move |xs, train| {
+        let mut ys = xs.apply(&conv1).apply_t(&bn1, train).relu();
+        if !small {
+            ys = ys.max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false);
+        }
+        ys.apply_t(&layer1, train)
+            .apply_t(&layer2, train)
+            .apply_t(&layer3, train)
+            .apply_t(&layer4, train)
+            .adaptive_avg_pool2d([1, 1])
+            .flat_view()
+            .apply(&fc)
+    })
+}
+
+fn tiny(p: &nn::Path, spec: InputSpec) -> nn::FuncT<'static> {
+    let conv = |name: &str, c_in, c_out| {
+        nn::conv2d(p / name, c_in, c_out, 3, nn::ConvConfig { padding: 1, ..Default::default() })
+    };
+    let conv1 = conv("conv1", spec.channels, 16);
+    let conv2 = conv("conv2", 16, 32);
+    let fc = nn::linear(p / "fc", 32, spec.classes, Default::default());
+    nn::func_t(move |xs, _train| {
+        xs.apply(&conv1)
+            .relu()
+            .max_pool2d_default(2)
+            .apply(&conv2)
+            .relu()
+            .adaptive_avg_pool2d([1, 1])
+            .flat_view()
+            .apply(&fc)
+    })
+}
+
+/// Number of elements in a set of tensors.
+pub fn numel(tensors: &[Tensor]) -> usize {
+    tensors.iter().map(|t| t.numel()).sum()
+}
+
+/// Runs the model once on a zero batch in evaluation mode, to check that the input fits.
+pub fn check_forward(model: &impl ModuleT, spec: InputSpec, device: tch::Device) -> Result<(), tch::TchError> {
+    let x = Tensor::f_zeros([1, spec.channels, spec.height, spec.width], (Kind::Float, device))?;
+    let y = tch::no_grad(|| model.forward_t(&x, false));
+    if y.size() != [1, spec.classes] {
+        return Err(tch::TchError::Shape(format!("model output {:?}, expected [1, {}]", y.size(), spec.classes)));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    fn param_count(kind: ModelKind, spec: InputSpec) -> (usize, usize) {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = build(kind, &vs.root(), spec);
+        check_forward(&model, spec, Device::Cpu).unwrap();
+        let params = vs.trainable_variables();
+        (params.len(), numel(&params))
+    }
+
+    #[test]
+    fn resnets_have_torchvisions_parameter_counts() {
+        let imagenet = InputSpec { channels: 3, height: 224, width: 224, classes: 1000 };
+        // torchvision: resnet50 25,557,032 parameters in 161 tensors; resnet18 11,689,512 in 62.
+        assert_eq!(param_count(ModelKind::Resnet50, imagenet), (161, 25_557_032));
+        assert_eq!(param_count(ModelKind::Resnet18, imagenet), (62, 11_689_512));
+    }
+
+    #[test]
+    fn small_grey_images_fit() {
+        let fashion = InputSpec { channels: 1, height: 28, width: 28, classes: 10 };
+        let (tensors, _) = param_count(ModelKind::Resnet18, fashion);
+        assert_eq!(tensors, 62);
+        let (tensors, count) = param_count(ModelKind::Tiny, fashion);
+        assert_eq!(tensors, 6);
+        assert_eq!(count, 16 * 9 + 16 + 32 * 16 * 9 + 32 + 32 * 10 + 10);
+    }
+}

@@ -1,0 +1,294 @@
+//! The one module with `unsafe` code: tensor memory seen as slices, device pointers handed to
+//! MPI, MPI handles moved to the communication thread, and calls into the C library.
+//!
+//! Everything else in the crate is safe Rust. Each `unsafe` block states why it is sound; the
+//! invariants callers must keep are written on the functions that expose them.
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+
+use mpi::datatype::{DatatypeRef, DynBufferMut};
+use mpi::raw::{AsRaw, FromRaw};
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::Equivalence;
+use tch::{Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::exchange::element::Element;
+
+/// Checks that `t` is a contiguous CPU tensor of element type `E` and returns its length.
+fn check_host<E: Element>(t: &Tensor) -> Result<usize> {
+    if t.device() != Device::Cpu {
+        return Err(Error::exchange("memory", format!("expected a CPU tensor, got one on {:?}", t.device())));
+    }
+    check_layout::<E>(t)
+}
+
+fn check_layout<E: Element>(t: &Tensor) -> Result<usize> {
+    if t.kind() != E::KIND {
+        return Err(Error::exchange("memory", format!("expected {:?} elements, got {:?}", E::KIND, t.kind())));
+    }
+    if !t.is_contiguous() {
+        return Err(Error::exchange("memory", "expected a contiguous tensor"));
+    }
+    Ok(t.numel())
+}
+
+/// The elements of a contiguous CPU tensor, read-only and without a copy.
+///
+/// The caller must not write to the tensor through another handle (tch tensors are reference
+/// counted, so the borrow checker cannot see other handles) while the slice is alive.
+pub fn host_slice<E: Element>(t: &Tensor) -> Result<&[E]> {
+    let len = check_host::<E>(t)?;
+    if len == 0 {
+        return Ok(&[]);
+    }
+    // SAFETY: `t` is a defined, contiguous CPU tensor of `len` elements of type E (checked above),
+    // so its data pointer is valid and aligned for `len` reads of E. The storage lives at least
+    // as long as the borrow of `t`, and the documented contract excludes concurrent writers.
+    Ok(unsafe { std::slice::from_raw_parts(t.data_ptr() as *const E, len) })
+}
+
+/// The elements of a contiguous CPU tensor, writable in place and without a copy.
+///
+/// Same contract as [`host_slice`], and no other slice of the same tensor may be alive.
+pub fn host_slice_mut<E: Element>(t: &mut Tensor) -> Result<&mut [E]> {
+    let len = check_host::<E>(t)?;
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    // SAFETY: as in `host_slice`; the `&mut Tensor` borrow makes this the only slice made through
+    // this handle, and the contract excludes writers through other handles.
+    Ok(unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut E, len) })
+}
+
+/// A device tensor's memory as an MPI buffer, for a CUDA-aware MPI library.
+///
+/// The returned buffer must only be handed to MPI (never read or written from the host), the
+/// library must be CUDA-aware, and all device work writing the tensor must be complete.
+pub fn device_buffer_mut<E: Element>(t: &mut Tensor) -> Result<DynBufferMut<'_>> {
+    if !t.device().is_cuda() {
+        return Err(Error::exchange("memory", "expected a CUDA tensor for the direct device path"));
+    }
+    let len = check_layout::<E>(t)?;
+    let datatype = <E::Wire as Equivalence>::equivalent_datatype();
+    // SAFETY: the pointer is the tensor's device allocation of `len` elements of E, each the size
+    // of E::Wire (Element guarantees it); the buffer borrows the tensor so the allocation
+    // outlives it; the datatype handle is a predefined MPI type, valid until MPI_Finalize.
+    unsafe {
+        let dt = DatatypeRef::from_raw(datatype.as_raw());
+        Ok(DynBufferMut::from_raw(t.data_ptr() as *mut E::Wire, len as mpi::Count, dt))
+    }
+}
+
+/// What `MPIX_Query_cuda_support` says, where the MPI library has it (Open MPI, MPICH,
+/// MVAPICH). `None` when the library does not export the function.
+pub fn mpi_cuda_support() -> Option<bool> {
+    let name = CString::new("MPIX_Query_cuda_support").expect("no NUL in the name");
+    // SAFETY: dlsym with RTLD_DEFAULT searches the already-loaded libraries (libmpi is linked
+    // into the binary); a null result means the symbol is absent and is checked before use.
+    let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    if sym.is_null() {
+        return None;
+    }
+    // SAFETY: the symbol is the MPI extension `int MPIX_Query_cuda_support(void)`, documented
+    // by Open MPI and MPICH with exactly this signature; it may be called after MPI_Init.
+    let query: extern "C" fn() -> c_int = unsafe { std::mem::transmute(sym) };
+    Some(query() == 1)
+}
+
+/// Loads libtorch_cuda (found beside the libtorch already loaded) so that CUDA is registered
+/// with libtorch. Returns the error text when the library or one of its dependencies is missing,
+/// which is the normal case on a machine without the CUDA libraries.
+///
+/// rustc links with `--as-needed`, so libtorch_cuda, which no symbol of ours references, would
+/// otherwise be dropped and CUDA would never be available. Loading it at run time instead of
+/// linking it keeps the binary startable on machines without the CUDA libraries.
+pub fn load_torch_cuda() -> std::result::Result<String, String> {
+    let dir = loaded_library_dir("libtorch_cpu.so").ok_or("libtorch_cpu.so is not loaded")?;
+    let path = format!("{dir}/libtorch_cuda.so");
+    if !std::path::Path::new(&path).exists() {
+        return Err(format!("{path} does not exist (a CPU-only libtorch)"));
+    }
+    let c_path = CString::new(path.clone()).map_err(|e| e.to_string())?;
+    // SAFETY: dlopen with a valid NUL-terminated path; the handle is intentionally never closed,
+    // since libtorch keeps pointers into the library (its registered CUDA hooks) for the process.
+    let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    if handle.is_null() {
+        // SAFETY: dlerror returns a thread-local NUL-terminated string or null.
+        let msg = unsafe {
+            let e = libc::dlerror();
+            if e.is_null() { "unknown dlopen error".to_string() } else { CStr::from_ptr(e).to_string_lossy().into_owned() }
+        };
+        return Err(msg);
+    }
+    Ok(path)
+}
+
+/// The folder of a shared library already mapped into this process, from /proc/self/maps.
+fn loaded_library_dir(file_name: &str) -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| path.rsplit('/').next() == Some(file_name))
+        .and_then(|path| path.rsplit_once('/').map(|(dir, _)| dir.to_string()))
+}
+
+/// Peak resident memory of this process, in MiB.
+pub fn peak_rss_mb() -> f64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a complete rusage into the pointer it is given; the struct was
+    // zero-initialised, so it is fully initialised even if the call failed (checked).
+    let ok = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } == 0;
+    if !ok {
+        return 0.0;
+    }
+    // SAFETY: zero-initialised above and filled by a successful getrusage.
+    let usage = unsafe { usage.assume_init() };
+    usage.ru_maxrss as f64 / 1024.0 // Linux reports kibibytes
+}
+
+/// Current resident memory of this process, in MiB (from /proc/self/statm).
+pub fn current_rss_mb() -> f64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: f64 = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as f64;
+    pages * page / (1024.0 * 1024.0)
+}
+
+/// A communicator that may move to the communication thread.
+///
+/// rsmpi's communicators hold a raw MPI handle and so are not `Send`. Moving one to another
+/// thread is sound when the MPI library was initialised with `MPI_THREAD_MULTIPLE` (checked by
+/// whoever makes a `SendComm`) and the communicator is used by one thread at a time: the
+/// wrapper owns it, so only its holder can use it.
+pub struct SendComm(SimpleCommunicator);
+
+impl SendComm {
+    /// `threading` is the level MPI was initialised with.
+    pub fn new(comm: SimpleCommunicator, threading: mpi::Threading) -> Result<SendComm> {
+        if threading < mpi::Threading::Multiple {
+            return Err(Error::usage(format!(
+                "the MPI library provides thread level {threading:?}, but a communication thread \
+                 needs MPI_THREAD_MULTIPLE"
+            )));
+        }
+        Ok(SendComm(comm))
+    }
+
+    pub fn comm(&self) -> &SimpleCommunicator {
+        &self.0
+    }
+}
+
+// SAFETY: see the type's documentation: MPI_THREAD_MULTIPLE is checked at construction, and
+// ownership means a single thread uses the handle at a time.
+unsafe impl Send for SendComm {}
+
+/// The name of this host.
+pub fn hostname() -> String {
+    let mut buf = [0 as c_char; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf; the last byte is forced to
+    // NUL below, so CStr::from_ptr finds a terminator inside the buffer.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr(), buf.len()) };
+    if rc != 0 {
+        return "unknown".into();
+    }
+    buf[buf.len() - 1] = 0;
+    // SAFETY: NUL-terminated within the buffer (see above).
+    unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
+}
+
+/// Raw pointer of a tensor's data, for identity comparisons only (never dereferenced).
+pub fn data_address(t: &Tensor) -> usize {
+    t.data_ptr() as *const c_void as usize
+}
+
+extern "C" {
+    /// From src/shim/mpi_shim.c: the library's MPI_IN_PLACE.
+    fn hpc_train_mpi_in_place() -> *mut c_void;
+}
+
+/// The most elements one MPI call is given: MPI counts are C ints.
+const MAX_MPI_COUNT: usize = 1 << 30;
+
+/// `MPI_Allreduce(MPI_IN_PLACE, ...)` over a host slice.
+pub fn all_reduce_in_place<E: Element>(
+    comm: &SimpleCommunicator,
+    buf: &mut [E],
+    op: &impl mpi::collective::Operation,
+) -> Result<()> {
+    for chunk in buf.chunks_mut(MAX_MPI_COUNT) {
+        // SAFETY: `chunk` is a live, exclusively borrowed host buffer of chunk.len() elements of
+        // E, whose wire type has the same size (Element guarantees it).
+        unsafe { all_reduce_in_place_raw::<E>(comm, chunk.as_mut_ptr() as *mut c_void, chunk.len(), op)? };
+    }
+    Ok(())
+}
+
+/// `MPI_Allreduce(MPI_IN_PLACE, ...)` over a CUDA tensor's memory, for a CUDA-aware MPI.
+///
+/// The tensor must be contiguous, of element type E, and all device work writing it complete.
+pub fn all_reduce_in_place_device<E: Element>(
+    comm: &SimpleCommunicator,
+    t: &mut Tensor,
+    op: &impl mpi::collective::Operation,
+) -> Result<()> {
+    if !t.device().is_cuda() {
+        return Err(Error::exchange("memory", "expected a CUDA tensor for the direct device path"));
+    }
+    let len = check_layout::<E>(t)?;
+    let base = t.data_ptr() as *mut E;
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(MAX_MPI_COUNT);
+        // SAFETY: base..base+len is the tensor's device allocation (checked contiguous, of E);
+        // the pointer is only handed to a CUDA-aware MPI, never dereferenced on the host.
+        unsafe { all_reduce_in_place_raw::<E>(comm, base.add(done) as *mut c_void, n, op)? };
+        done += n;
+    }
+    Ok(())
+}
+
+/// # Safety
+/// `ptr` must point to `len` writable elements of E (host memory, or device memory with a
+/// CUDA-aware MPI), not aliased by anything else during the call.
+unsafe fn all_reduce_in_place_raw<E: Element>(
+    comm: &SimpleCommunicator,
+    ptr: *mut c_void,
+    len: usize,
+    op: &impl mpi::collective::Operation,
+) -> Result<()> {
+    use mpi::traits::AsRaw as _;
+    if len == 0 {
+        return Ok(());
+    }
+    let datatype = <E::Wire as Equivalence>::equivalent_datatype();
+    // SAFETY: forwarded from the caller's contract; the handles are live (the communicator is
+    // borrowed, the datatype predefined, the operation borrowed); MPI_IN_PLACE comes from mpi.h.
+    let rc = unsafe {
+        mpi::ffi::MPI_Allreduce(
+            hpc_train_mpi_in_place(),
+            ptr,
+            len as c_int,
+            datatype.as_raw(),
+            op.as_raw(),
+            comm.as_raw(),
+        )
+    };
+    if rc != 0 {
+        return Err(Error::exchange("MPI_Allreduce", format!("returned error code {rc}")));
+    }
+    Ok(())
+}
+
+/// Ends every rank of the job: `MPI_Abort` on MPI_COMM_WORLD. For failures seen by one rank
+/// while the others may be blocked in communication.
+pub fn abort_world(code: i32) -> ! {
+    // SAFETY: MPI_Abort may be called at any time after MPI_Init (callers check initialisation);
+    // RSMPI_COMM_WORLD is the predefined world communicator.
+    unsafe {
+        mpi::ffi::MPI_Abort(mpi::ffi::RSMPI_COMM_WORLD, code);
+    }
+    std::process::exit(code) // MPI_Abort does not return; this satisfies the type checker
+}

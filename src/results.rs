@@ -1,0 +1,186 @@
+//! Results: the record of a run, appended to `runs.jsonl`, and the checks that the results
+//! folder can take it.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result, WithPath};
+
+pub const RUNS_FILE: &str = "runs.jsonl";
+
+/// The commit the binary was built from.
+pub const GIT_COMMIT: &str = env!("HPC_TRAIN_GIT_COMMIT");
+
+/// One training run, as appended to `runs.jsonl`. Figures are means per step over the steps
+/// after warm-up; times in milliseconds.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct RunRecord {
+    pub strategy: String,
+    pub ranks: usize,
+    /// Ranks that computed gradients (all but dedicated parameter servers).
+    #[serde(default)]
+    pub workers: usize,
+    #[serde(default)]
+    pub nodes: usize,
+    pub model: String,
+    pub dataset: String,
+    #[serde(default)]
+    pub image_shape: Vec<usize>,
+    pub batch_per_rank: usize,
+    pub global_batch: usize,
+    pub scaling: String,
+    pub steps: u64,
+    pub epochs: f64,
+    pub images_per_sec: f64,
+    pub step_ms: f64,
+    pub compute_ms: f64,
+    pub comm_ms: f64,
+    #[serde(default)]
+    pub data_wait_ms: f64,
+    #[serde(default)]
+    pub optimizer_ms: f64,
+    pub final_loss: f64,
+    pub test_accuracy: Option<f64>,
+    #[serde(default)]
+    pub test_loss: Option<f64>,
+    pub device: String,
+    pub mpi_library: String,
+    pub cuda_aware: bool,
+    #[serde(default)]
+    pub data_path: Option<String>,
+    #[serde(default)]
+    pub threads: usize,
+    #[serde(default)]
+    pub bucket_mb: f64,
+    #[serde(default)]
+    pub peak_rss_mb: f64,
+    /// Resident memory after warm-up and at the end (max over ranks): a flat run keeps them close.
+    #[serde(default)]
+    pub rss_warmup_mb: f64,
+    #[serde(default)]
+    pub rss_end_mb: f64,
+    pub host: String,
+    pub git_commit: String,
+    pub timestamp: String,
+    #[serde(default)]
+    pub study: Option<String>,
+    /// Strategy-specific figures (staleness, cache hits, ...).
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Creates `dir` if needed and checks that a file can be written in it.
+pub fn check_writable(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::Results(format!("results folder {}: cannot create it: {e}", dir.display())))?;
+    let probe = dir.join(format!(".write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| Error::Results(format!("results folder {}: not writable: {e}", dir.display())))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// Appends one JSON line to `path` so that concurrent writers never interleave or truncate each
+/// other's lines: the file is locked, and the whole line goes out in one write.
+pub fn append_json_line(path: &Path, value: &impl Serialize) -> Result<()> {
+    let mut line = serde_json::to_string(value).map_err(|e| Error::Results(format!("serialising a result: {e}")))?;
+    line.push('\n');
+    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(path).at(path)?;
+    file.lock().at(path)?;
+    // A crash of an earlier writer can leave a last line without its newline; start on a fresh
+    // line so that the new record stays readable.
+    let len = file.metadata().at(path)?.len();
+    if len > 0 && !ends_with_newline(path, len)? {
+        line.insert(0, '\n');
+    }
+    file.write_all(line.as_bytes()).at(path)?;
+    file.sync_data().at(path)?;
+    file.unlock().at(path)?;
+    Ok(())
+}
+
+fn ends_with_newline(path: &Path, len: u64) -> Result<bool> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).at(path)?;
+    f.seek(SeekFrom::Start(len - 1)).at(path)?;
+    let mut last = [0u8; 1];
+    f.read_exact(&mut last).at(path)?;
+    Ok(last[0] == b'\n')
+}
+
+/// Reads the records of a JSON-lines file. A line cut short (a write interrupted by a crash:
+/// the JSON ends early) is skipped with a warning; any other bad line is an error.
+pub fn read_json_lines<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<Vec<T>> {
+    let text = std::fs::read_to_string(path).at(path)?;
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        match serde_json::from_str(line) {
+            Ok(v) => out.push(v),
+            Err(e) if e.is_eof() => {
+                log::warn!("{}:{}: skipping a truncated line (a write cut short by a crash)", path.display(), n + 1);
+            }
+            Err(e) => return Err(Error::Results(format!("{}:{}: not a valid record: {e}", path.display(), n + 1))),
+        }
+    }
+    Ok(out)
+}
+
+pub fn runs_path(results: &Path) -> PathBuf {
+    results.join(RUNS_FILE)
+}
+
+pub fn timestamp() -> String {
+    chrono::Utc::now().format("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Serialize, Deserialize, Debug, PartialEq)]
+    struct Row {
+        a: u32,
+    }
+
+    #[test]
+    fn appends_lines_and_skips_a_truncated_tail() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-results-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("r.jsonl");
+        let _ = std::fs::remove_file(&path);
+        append_json_line(&path, &Row { a: 1 }).unwrap();
+        // A crash mid-write leaves a partial line without its newline.
+        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"{\"a\":").unwrap();
+        assert_eq!(read_json_lines::<Row>(&path).unwrap(), vec![Row { a: 1 }]);
+        // The next append starts a fresh line, and the cut line is still skipped.
+        append_json_line(&path, &Row { a: 2 }).unwrap();
+        assert_eq!(read_json_lines::<Row>(&path).unwrap(), vec![Row { a: 1 }, Row { a: 2 }]);
+        // A line that is not cut short but wrong is an error naming the line.
+        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"{\"a\": \"x\"}\n").unwrap();
+        let err = read_json_lines::<Row>(&path).unwrap_err().to_string();
+        assert!(err.contains(":4:"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn concurrent_appends_never_interleave() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-results-c-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("r.jsonl");
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    for i in 0..50 {
+                        append_json_line(&path, &Row { a: t * 1000 + i }).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(read_json_lines::<Row>(&path).unwrap().len(), 200);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,216 @@
+//! Ranks, nodes and shard arithmetic: who is where, and who owns which part of a count.
+//!
+//! [`World`] wraps the communicator a job runs on (MPI_COMM_WORLD, or a sub-communicator when a
+//! study runs several rank counts in one allocation) with what every part of the program asks
+//! of it: rank, size, the node-local rank that picks the GPU, and which node every rank is on.
+
+use mpi::collective::SystemOperation;
+use mpi::topology::{Color, Communicator, SimpleCommunicator};
+use mpi::traits::*;
+
+use crate::error::{Error, Result};
+
+/// Environment variable that splits the ranks of one machine into fake nodes of this many ranks,
+/// so that node-aware code (ring order, hierarchical allreduce) can be tested on one machine.
+pub const FAKE_RANKS_PER_NODE_ENV: &str = "HPC_TRAIN_RANKS_PER_NODE";
+
+pub struct World {
+    pub comm: SimpleCommunicator,
+    pub rank: i32,
+    pub size: i32,
+    /// The ranks on this rank's node (a shared-memory split, or a fake node).
+    pub local: SimpleCommunicator,
+    pub local_rank: i32,
+    pub local_size: i32,
+    /// Node index of every rank, numbered from 0 in order of each node's lowest rank.
+    pub node_of: Vec<i32>,
+}
+
+impl World {
+    /// Builds the view of `comm`. Collective over `comm`.
+    pub fn new(comm: SimpleCommunicator) -> Result<World> {
+        let rank = comm.rank();
+        let size = comm.size();
+        let local = match fake_ranks_per_node()? {
+            Some(per_node) => comm
+                .split_by_color_with_key(Color::with_value(rank / per_node), rank)
+                .expect("a colour was given, so every rank gets a communicator"),
+            None => comm.split_shared(rank),
+        };
+        let local_rank = local.rank();
+        let local_size = local.size();
+
+        // The node's lowest world rank names the node; every rank learns every rank's node.
+        let mut leader = 0i32;
+        local.all_reduce_into(&rank, &mut leader, SystemOperation::min());
+        let mut leader_of = vec![0i32; size as usize];
+        comm.all_gather_into(&leader, &mut leader_of[..]);
+        let node_of = number_nodes(&leader_of);
+
+        Ok(World { comm, rank, size, local, local_rank, local_size, node_of })
+    }
+
+    pub fn is_root(&self) -> bool {
+        self.rank == 0
+    }
+
+    pub fn nodes(&self) -> i32 {
+        self.node_of.iter().copied().max().map_or(1, |n| n + 1)
+    }
+
+    pub fn node(&self) -> i32 {
+        self.node_of[self.rank as usize]
+    }
+
+    /// Agrees across the ranks on whether a step that every rank performed failed.
+    ///
+    /// Every rank calls this at the same point. If no rank failed, each gets its own `Ok` back.
+    /// If some did, the lowest failing rank gets its error back as [`Error::Agreed`] (and is the
+    /// one that prints it) while every other rank gets [`Error::Reported`], so the message
+    /// appears once and every rank can exit non-zero without anyone blocking in a collective
+    /// that others skipped.
+    pub fn agree<T>(&self, local: Result<T>) -> Result<T> {
+        let candidate = if local.is_err() { self.rank } else { self.size };
+        let mut first_failed = self.size;
+        self.comm.all_reduce_into(&candidate, &mut first_failed, SystemOperation::min());
+        if first_failed == self.size {
+            return local;
+        }
+        match local {
+            Err(e) if self.rank == first_failed => Err(Error::Agreed(Box::new(e))),
+            Err(e) => {
+                log::debug!("rank {}: {e} (reported by rank {first_failed})", self.rank);
+                Err(Error::Reported(first_failed))
+            }
+            Ok(_) => Err(Error::Reported(first_failed)),
+        }
+    }
+
+    /// Ranks in ring order: node by node, so that only two ring links per node cross the network.
+    pub fn ring_order(&self) -> Vec<i32> {
+        ring_order(&self.node_of)
+    }
+
+    /// Maximum of `value` over the ranks.
+    pub fn max_f64(&self, value: f64) -> f64 {
+        let mut out = 0.0;
+        self.comm.all_reduce_into(&value, &mut out, SystemOperation::max());
+        out
+    }
+
+    /// Sum of `value` over the ranks.
+    pub fn sum_f64(&self, value: f64) -> f64 {
+        let mut out = 0.0;
+        self.comm.all_reduce_into(&value, &mut out, SystemOperation::sum());
+        out
+    }
+
+    /// Element-wise sum of `values` over the ranks, in place.
+    pub fn sum_f64s(&self, values: &mut [f64]) {
+        let send = values.to_vec();
+        self.comm.all_reduce_into(&send[..], values, SystemOperation::sum());
+    }
+}
+
+fn fake_ranks_per_node() -> Result<Option<i32>> {
+    match std::env::var(FAKE_RANKS_PER_NODE_ENV) {
+        Err(_) => Ok(None),
+        Ok(v) if v.is_empty() => Ok(None),
+        Ok(v) => match v.parse::<i32>() {
+            Ok(n) if n >= 1 => Ok(Some(n)),
+            _ => Err(Error::usage(format!(
+                "{FAKE_RANKS_PER_NODE_ENV}={v:?}: expected a whole number of ranks per node, at least 1"
+            ))),
+        },
+    }
+}
+
+/// Numbers nodes 0.. in the order of their leaders (lowest ranks).
+fn number_nodes(leader_of: &[i32]) -> Vec<i32> {
+    let mut leaders: Vec<i32> = leader_of.to_vec();
+    leaders.sort_unstable();
+    leaders.dedup();
+    leader_of
+        .iter()
+        .map(|l| leaders.binary_search(l).expect("every leader is in the list") as i32)
+        .collect()
+}
+
+/// Ranks sorted by node, then by rank within the node.
+pub fn ring_order(node_of: &[i32]) -> Vec<i32> {
+    let mut order: Vec<i32> = (0..node_of.len() as i32).collect();
+    order.sort_by_key(|&r| (node_of[r as usize], r));
+    order
+}
+
+/// One part of a count split into near-equal parts: the first `total % parts` parts hold one more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardInfo {
+    pub offset: usize,
+    pub len: usize,
+}
+
+impl ShardInfo {
+    pub fn split(total: usize, parts: usize, index: usize) -> ShardInfo {
+        assert!(parts > 0 && index < parts, "shard {index} of {parts}");
+        let base = total / parts;
+        let extra = total % parts;
+        let len = base + usize::from(index < extra);
+        let offset = index * base + index.min(extra);
+        ShardInfo { offset, len }
+    }
+
+    pub fn all(total: usize, parts: usize) -> Vec<ShardInfo> {
+        (0..parts).map(|i| ShardInfo::split(total, parts, i)).collect()
+    }
+
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.len
+    }
+
+    pub fn end(&self) -> usize {
+        self.offset + self.len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_the_count_exactly_once() {
+        for total in [0usize, 1, 2, 7, 10, 64, 1001] {
+            for parts in 1..=9 {
+                let shards = ShardInfo::all(total, parts);
+                let mut next = 0;
+                for s in &shards {
+                    assert_eq!(s.offset, next);
+                    next = s.end();
+                }
+                assert_eq!(next, total);
+                let max = shards.iter().map(|s| s.len).max().unwrap();
+                let min = shards.iter().map(|s| s.len).min().unwrap();
+                assert!(max - min <= 1, "total {total} parts {parts}");
+            }
+        }
+    }
+
+    #[test]
+    fn ring_order_keeps_nodes_together() {
+        // Ranks placed round-robin over two nodes.
+        let node_of = [0, 1, 0, 1, 0, 1];
+        assert_eq!(ring_order(&node_of), vec![0, 2, 4, 1, 3, 5]);
+        // Crossings between nodes: exactly one per node boundary, plus the wrap-around.
+        let order = ring_order(&node_of);
+        let crossings = (0..order.len())
+            .filter(|&i| node_of[order[i] as usize] != node_of[order[(i + 1) % order.len()] as usize])
+            .count();
+        assert_eq!(crossings, 2);
+    }
+
+    #[test]
+    fn nodes_are_numbered_by_lowest_rank() {
+        assert_eq!(number_nodes(&[0, 0, 2, 2, 0]), vec![0, 0, 1, 1, 0]);
+        assert_eq!(number_nodes(&[3, 0, 0, 3]), vec![1, 0, 0, 1]);
+    }
+}

@@ -1,0 +1,674 @@
+//! The training run: set-up checked on every rank, the step loop, evaluation and the record.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mpi::topology::{Color, Communicator, SimpleCommunicator};
+use mpi::traits::*;
+use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Reduction, Tensor};
+
+use crate::cli::{DeviceChoice, Scaling, TrainArgs};
+use crate::data::loader::{Batch, Loader, Schedule};
+use crate::data::reader::SplitReader;
+use crate::data::{self, DatasetInfo, Labels, Split};
+use crate::error::{Error, Result, WithPath};
+use crate::exchange::{self, ExchangeConfig, Role};
+use crate::model::{self, InputSpec};
+use crate::optim::{self, Sgd, SgdConfig};
+use crate::raw;
+use crate::results::{self, RunRecord};
+use crate::topology::{ShardInfo, World};
+
+/// Options resolved against the world: what every rank agrees to run.
+struct Plan {
+    device: Device,
+    threads: usize,
+    cuda_aware: bool,
+    workers: usize,
+    batch: usize,
+}
+
+impl Plan {
+    fn resolve(args: &TrainArgs, world: &World) -> Result<Plan> {
+        let workers = exchange::worker_count(args.strategy, world.size as usize, &args_exchange_roles(args))?;
+        let batch = match args.scaling {
+            Scaling::Weak => {
+                if args.global_batch.is_some() {
+                    return Err(Error::usage("--global-batch goes with --scaling strong; weak scaling uses --batch-size per rank"));
+                }
+                args.batch_size as usize
+            }
+            Scaling::Strong => {
+                let global = args.global_batch.ok_or_else(|| {
+                    Error::usage("--scaling strong needs --global-batch (the samples per step over all ranks)")
+                })? as usize;
+                if global % workers != 0 {
+                    return Err(Error::usage(format!(
+                        "--global-batch {global} is not divisible by the {workers} training ranks (strong scaling splits it evenly)"
+                    )));
+                }
+                global / workers
+            }
+        };
+        if args.bucket_mb < 0.0 || !args.bucket_mb.is_finite() {
+            return Err(Error::usage(format!("--bucket-mb {}: expected 0 or more", args.bucket_mb)));
+        }
+        if args.lr <= 0.0 || !args.lr.is_finite() {
+            return Err(Error::usage(format!("--lr {}: expected a positive learning rate", args.lr)));
+        }
+        let device = choose_device(args.device, world)?;
+        let threads = if args.threads > 0 {
+            args.threads
+        } else {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            // With ranks bound to cores, each rank sees its own; unbound, the node's ranks share.
+            let bound = cores < num_cpus_online();
+            if bound { cores } else { (cores / world.local_size as usize).max(1) }
+        };
+        let cuda_aware = args.cuda_aware.resolve();
+        Ok(Plan { device, threads, cuda_aware, workers, batch })
+    }
+}
+
+fn num_cpus_online() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .and_then(|s| {
+            s.trim().split(',').map(|r| match r.split_once('-') {
+                Some((a, b)) => b.parse::<usize>().ok().zip(a.parse::<usize>().ok()).map(|(b, a)| b - a + 1),
+                None => r.parse::<usize>().ok().map(|_| 1),
+            }).sum::<Option<usize>>()
+        })
+        .unwrap_or(1)
+}
+
+fn args_exchange_roles(_args: &TrainArgs) -> exchange::RoleOptions {
+    exchange::RoleOptions::default()
+}
+
+/// The GPU of this rank (node-local rank modulo the GPUs), or the CPU.
+fn choose_device(choice: DeviceChoice, world: &World) -> Result<Device> {
+    let loaded = raw::load_torch_cuda();
+    let cuda = tch::Cuda::is_available();
+    if let Err(why) = &loaded {
+        log::debug!("CUDA support not loaded: {why}");
+    }
+    match (choice, cuda) {
+        (DeviceChoice::Cpu, _) | (DeviceChoice::Auto, false) => Ok(Device::Cpu),
+        (DeviceChoice::Cuda, false) => Err(Error::usage(format!(
+            "--device cuda: CUDA is not available on {} ({})",
+            raw::hostname(),
+            loaded.err().unwrap_or_else(|| "libtorch sees no GPU".into())
+        ))),
+        (DeviceChoice::Cuda | DeviceChoice::Auto, true) => {
+            let gpus = tch::Cuda::device_count() as i32;
+            if world.local_size > gpus {
+                return Err(Error::usage(format!(
+                    "{} ranks on {} share {gpus} GPU(s): launch one rank per GPU",
+                    world.local_size,
+                    raw::hostname()
+                )));
+            }
+            Ok(Device::Cuda((world.local_rank % gpus) as usize))
+        }
+    }
+}
+
+/// The network and its parameters.
+struct Net {
+    vs: nn::VarStore,
+    model: nn::FuncT<'static>,
+    params: Vec<Tensor>,
+    /// Non-trainable state (batch-norm running statistics), by name.
+    buffers: Vec<(String, Tensor)>,
+}
+
+impl Net {
+    fn new(args: &TrainArgs, info: &DatasetInfo, device: Device) -> Result<(Net, InputSpec)> {
+        let spec = InputSpec {
+            channels: info.channels as i64,
+            height: info.height as i64,
+            width: info.width as i64,
+            classes: info.classes as i64,
+        };
+        tch::manual_seed(args.seed as i64); // the same initial weights on every rank
+        let vs = nn::VarStore::new(device);
+        let model = model::build(args.model, &vs.root(), spec);
+        model::check_forward(&model, spec, device)?;
+        let params = vs.trainable_variables();
+        let param_addrs: Vec<usize> = params.iter().map(raw::data_address).collect();
+        let mut buffers: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| !param_addrs.contains(&raw::data_address(t)))
+            .collect();
+        buffers.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok((Net { vs, model, params, buffers }, spec))
+    }
+
+    /// Every variable, sorted by name (the same order on every rank).
+    fn named_variables(&self) -> Vec<(String, Tensor)> {
+        let mut all: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
+    fn grads(&self) -> Vec<Tensor> {
+        self.params.iter().map(|p| p.grad()).collect()
+    }
+}
+
+/// Sends rank 0's values of `tensors` to every rank of `comm` (one flat message).
+fn broadcast_from_root(comm: &SimpleCommunicator, tensors: &[Tensor]) -> Result<()> {
+    if tensors.is_empty() {
+        return Ok(());
+    }
+    let flat: Vec<Tensor> = tensors.iter().map(|t| t.f_to_kind(Kind::Float)?.f_reshape([-1])?.f_to_device(Device::Cpu)).collect::<std::result::Result<_, _>>()?;
+    let mut flat = Tensor::f_cat(&flat, 0)?;
+    comm.process_at_rank(0).broadcast_into(raw::host_slice_mut::<f32>(&mut flat)?);
+    unflatten_into(&flat, tensors)
+}
+
+/// Averages `tensors` over the ranks of `comm` that pass `contribute` (others send zeros).
+fn average_over(comm: &SimpleCommunicator, tensors: &[Tensor], contribute: bool, contributors: usize) -> Result<()> {
+    if tensors.is_empty() {
+        return Ok(());
+    }
+    let flat: Vec<Tensor> = tensors.iter().map(|t| t.f_to_kind(Kind::Float)?.f_reshape([-1])?.f_to_device(Device::Cpu)).collect::<std::result::Result<_, _>>()?;
+    let mut flat = Tensor::f_cat(&flat, 0)?;
+    if !contribute {
+        let _ = flat.f_zero_()?;
+    }
+    let send = raw::host_slice::<f32>(&flat)?.to_vec();
+    comm.all_reduce_into(&send[..], raw::host_slice_mut::<f32>(&mut flat)?, mpi::collective::SystemOperation::sum());
+    let _ = flat.f_div_scalar_(contributors as f64)?;
+    unflatten_into(&flat, tensors)
+}
+
+fn unflatten_into(flat: &Tensor, tensors: &[Tensor]) -> Result<()> {
+    let mut offset = 0;
+    tch::no_grad(|| -> Result<()> {
+        for t in tensors {
+            let n = t.numel() as i64;
+            let mut dst = t.shallow_clone();
+            dst.f_copy_(&flat.f_narrow(0, offset, n)?.f_view(t.size().as_slice())?)?;
+            offset += n;
+        }
+        Ok(())
+    })
+}
+
+/// Scales raw bytes to the normalised input the model trains on, on the device.
+struct Normalizer {
+    shape: [i64; 3],
+    /// Per-channel mean and 1/std, in units of raw byte values, shaped [1, C, 1, 1].
+    mean: Tensor,
+    inv_std: Tensor,
+    device: Device,
+}
+
+impl Normalizer {
+    fn new(info: &DatasetInfo, device: Device) -> Result<Normalizer> {
+        let c = info.channels as i64;
+        let mean: Vec<f32> = info.mean.iter().map(|m| m * 255.0).collect();
+        let inv_std: Vec<f32> = info.std.iter().map(|s| 1.0 / (s * 255.0)).collect();
+        Ok(Normalizer {
+            shape: [c, info.height as i64, info.width as i64],
+            mean: Tensor::f_from_slice(&mean)?.f_view([1, c, 1, 1])?.f_to_device(device)?,
+            inv_std: Tensor::f_from_slice(&inv_std)?.f_view([1, c, 1, 1])?.f_to_device(device)?,
+            device,
+        })
+    }
+
+    fn images(&self, bytes: &[u8], n: usize) -> Result<Tensor> {
+        let [c, h, w] = self.shape;
+        let x = Tensor::f_from_slice(bytes)?.f_view([n as i64, c, h, w])?.f_to_device(self.device)?.f_to_kind(Kind::Float)?;
+        Ok(x.f_sub(&self.mean)?.f_mul(&self.inv_std)?)
+    }
+
+    fn labels(&self, labels: &[i64]) -> Result<Tensor> {
+        Ok(Tensor::f_from_slice(labels)?.f_to_device(self.device)?)
+    }
+}
+
+/// Running sums of one rank's step timings.
+#[derive(Default, Clone, Copy)]
+struct Timings {
+    steps: u64,
+    samples: u64,
+    data_wait: Duration,
+    compute: Duration,
+    comm: Duration,
+    optimizer: Duration,
+    step: Duration,
+}
+
+impl Timings {
+    fn mean_ms(&self, d: Duration) -> f64 {
+        if self.steps == 0 { 0.0 } else { d.as_secs_f64() * 1e3 / self.steps as f64 }
+    }
+}
+
+/// Mean training loss over a window of steps.
+#[derive(Default)]
+struct LossWindow {
+    sum: f64,
+    samples: f64,
+}
+
+pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result<()> {
+    // ---- Set-up, checked on every rank: a problem on any rank stops all of them here. ----
+    let plan = world.agree(Plan::resolve(args, world))?;
+    tch::set_num_threads(plan.threads as i32);
+    world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
+    let (info, labels) = world.agree(data::open(&args.data))?;
+    let global_batch = plan.batch * plan.workers;
+    if info.train.len < global_batch {
+        // Every rank computes the same verdict from the same file; agree keeps one message.
+        world.agree::<()>(Err(Error::data(
+            &args.data,
+            format!(
+                "{} training samples, fewer than ranks x batch = {} x {} = {global_batch}",
+                info.train.len, plan.workers, plan.batch
+            ),
+        )))?;
+    }
+    let (mut net, spec) = world.agree(Net::new(args, &info, plan.device))?;
+    // Same seed on every rank gives the same weights; rank 0's are sent anyway, so that a
+    // mismatch (another libtorch, another seed) cannot start.
+    broadcast_from_root(&world.comm, &net.named_variables().into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
+    let mut grads = optim::define_grads(&net.params)?;
+
+    let config = ExchangeConfig {
+        device: plan.device,
+        cuda_aware: plan.cuda_aware,
+        bucket_bytes: (args.bucket_mb * (1 << 20) as f64) as usize,
+        segment_bytes: (args.segment_kb as usize) << 10,
+    };
+    let mut exchange = world.agree(exchange::build(args.strategy, world, &config))?;
+    let role = exchange.role();
+    let mut sgd = Sgd::new(SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay });
+
+    // Workers-only communicator: dedicated parameter servers take no part in evaluation.
+    let is_worker = matches!(role, Role::Worker { .. });
+    let workers_comm = world
+        .comm
+        .split_by_color(Color::with_value(if is_worker { 0 } else { 1 }))
+        .expect("every rank has a colour");
+
+    let (worker, workers) = match role {
+        Role::Worker { index, count } => (index, count),
+        Role::Server => (0, plan.workers),
+    };
+    let schedule = Schedule { samples: info.train.len, workers, worker, batch: plan.batch, seed: args.seed };
+    let steps_per_epoch = schedule.steps_per_epoch();
+    let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
+
+    if world.is_root() {
+        log::info!(
+            "{} on {} rank(s) ({} worker(s), {} node(s)), {} on {} {}x{}x{} ({} train / {} test), batch {}/rank = {} global, {} steps ({:.2} epochs), device {}, {} thread(s)/rank",
+            args.strategy, world.size, workers, world.nodes(), args.model.name(), info.name, info.channels, info.height, info.width,
+            info.train.len, info.test.len, plan.batch, global_batch, total_steps, total_steps as f64 / steps_per_epoch as f64,
+            device_name(plan.device), plan.threads
+        );
+    }
+
+    // ---- Training. ----
+    let mut totals = Timings::default();
+    let mut measured = Timings::default();
+    let mut last_eval: Option<(f64, f64)> = None;
+    let mut window = LossWindow::default();
+    let mut final_loss = f64::NAN;
+    let mut rss_warmup = raw::current_rss_mb();
+
+    match role {
+        Role::Server => exchange.serve(&mut net.params, &mut sgd)?,
+        Role::Worker { .. } => {
+            let norm = Normalizer::new(&info, plan.device)?;
+            let train_labels = Arc::new(labels.train.clone());
+            let mut loader = Loader::spawn(args.data.clone(), train_labels, schedule, 0, total_steps, args.prefetch);
+            let mut trace = SampleTrace::open(args.trace_samples.as_deref(), world.rank)?;
+            let progress = Progress::new(world.is_root(), total_steps, args.log_every);
+            let warmup = args.warmup_steps.min(total_steps.saturating_sub(1));
+
+            for step in 0..total_steps {
+                if step == warmup {
+                    rss_warmup = raw::current_rss_mb();
+                }
+                let step_start = Instant::now();
+                let batch = loader.next()?;
+                let data_wait = step_start.elapsed();
+                trace.record(&batch)?;
+
+                // Forward and backward on this rank's share of the global batch. The loss is the
+                // sum over the rank's samples scaled by workers / global samples, so that the
+                // mean over workers of the gradients is the gradient of the global batch's mean
+                // loss, however the last step of an epoch is split.
+                let compute_start = Instant::now();
+                optim::zero_grads(&mut grads)?;
+                let n = batch.labels.len();
+                let loss_sum = if n == 0 {
+                    0.0
+                } else {
+                    let x = norm.images(&batch.images, n)?;
+                    let y = norm.labels(&batch.labels)?;
+                    let logits = net.model.forward_t(&x, true);
+                    let loss = logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?;
+                    loss.f_mul_scalar(workers as f64 / batch.global_samples as f64)?.f_backward()?;
+                    loss.f_double_value(&[])?
+                };
+                if !loss_sum.is_finite() {
+                    return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });
+                }
+                exchange::staging::synchronize(plan.device);
+                let compute = compute_start.elapsed();
+
+                // Exchange: every strategy leaves the parameters updated for the next step.
+                let comm_start = Instant::now();
+                grads = net.grads();
+                exchange.update(&mut net.params, &mut grads, &mut sgd)?;
+                exchange::staging::synchronize(plan.device);
+                let optimizer = sgd.take_busy();
+                let comm = comm_start.elapsed().saturating_sub(optimizer);
+
+                let t = Timings {
+                    steps: 1,
+                    samples: batch.global_samples as u64,
+                    data_wait,
+                    compute,
+                    comm,
+                    optimizer,
+                    step: step_start.elapsed(),
+                };
+                totals.add(&t);
+                if step >= warmup {
+                    measured.add(&t);
+                }
+                window.sum += loss_sum;
+                window.samples += n as f64;
+
+                let epoch_end = (step + 1) % steps_per_epoch == 0 || step + 1 == total_steps;
+                if progress.due(step) || epoch_end {
+                    let (loss, samples) = sum_pair(&workers_comm, window.sum, window.samples);
+                    final_loss = loss / samples.max(1.0);
+                    window = LossWindow::default();
+                    progress.report(step, batch.epoch, final_loss, &totals);
+                }
+                if epoch_end && !args.no_eval && info.test.len > 0 {
+                    average_over(&workers_comm, &net.buffers.iter().map(|(_, t)| t.shallow_clone()).collect::<Vec<_>>(), true, workers)?;
+                    let (test_loss, accuracy) = evaluate(&net, &norm, &args.data, &info, &labels, &workers_comm, worker, workers, plan.batch)?;
+                    if world.is_root() {
+                        progress.suspend(|| log::info!("epoch {} done at step {}: test loss {test_loss:.4}, accuracy {:.2}%", batch.epoch + 1, step + 1, accuracy * 100.0));
+                    }
+                    last_eval = Some((test_loss, accuracy));
+                }
+            }
+            progress.finish();
+        }
+    }
+    exchange.finish(&mut net.params)?;
+    let rss_end = raw::current_rss_mb();
+
+    // ---- Results: figures over all ranks, written by rank 0. ----
+    // Throughput counts the measured steps' own time (evaluation excluded), on the slowest worker.
+    let wall = world.max_f64(measured.step.as_secs_f64());
+    let mean_over_workers = |v: f64| world.sum_f64(if is_worker { v } else { 0.0 }) / workers as f64;
+    let images_per_sec = if wall > 0.0 { measured.samples as f64 / wall } else { 0.0 };
+    let step_ms = mean_over_workers(measured.mean_ms(measured.step));
+    let compute_ms = mean_over_workers(measured.mean_ms(measured.compute));
+    let comm_ms = mean_over_workers(measured.mean_ms(measured.comm));
+    let data_wait_ms = mean_over_workers(measured.mean_ms(measured.data_wait));
+    let optimizer_ms = mean_over_workers(measured.mean_ms(measured.optimizer));
+    let peak_rss_mb = world.max_f64(raw::peak_rss_mb());
+    let rss_warmup_mb = world.max_f64(rss_warmup);
+    let rss_end_mb = world.max_f64(rss_end);
+    let report = exchange.report();
+
+    if let (Some(path), true) = (&args.save_weights, world.is_root()) {
+        save_weights(&net, path)?;
+    }
+    if world.is_root() {
+        let record = RunRecord {
+            strategy: args.strategy.name().into(),
+            ranks: world.size as usize,
+            workers,
+            nodes: world.nodes() as usize,
+            model: args.model.name().into(),
+            dataset: info.name.clone(),
+            image_shape: vec![info.channels, info.height, info.width],
+            batch_per_rank: plan.batch,
+            global_batch,
+            scaling: match args.scaling { Scaling::Weak => "weak".into(), Scaling::Strong => "strong".into() },
+            steps: total_steps,
+            epochs: total_steps as f64 / steps_per_epoch as f64,
+            images_per_sec,
+            step_ms,
+            compute_ms,
+            comm_ms,
+            data_wait_ms,
+            optimizer_ms,
+            final_loss,
+            test_accuracy: last_eval.map(|e| e.1),
+            test_loss: last_eval.map(|e| e.0),
+            device: device_name(plan.device),
+            mpi_library: mpi_library(),
+            cuda_aware: plan.cuda_aware,
+            data_path: report.data_path.map(|p| format!("{p:?}").to_lowercase()),
+            threads: plan.threads,
+            bucket_mb: args.bucket_mb,
+            peak_rss_mb,
+            rss_warmup_mb,
+            rss_end_mb,
+            host: raw::hostname(),
+            git_commit: results::GIT_COMMIT.into(),
+            timestamp: results::timestamp(),
+            study: None,
+            extra: report.extra.clone(),
+        };
+        let runs = results::runs_path(&args.results);
+        results::append_json_line(&runs, &record)?;
+        print_summary(&record, spec, &runs);
+    }
+    let _ = threading;
+    Ok(())
+}
+
+impl Timings {
+    fn add(&mut self, t: &Timings) {
+        self.steps += t.steps;
+        self.samples += t.samples;
+        self.data_wait += t.data_wait;
+        self.compute += t.compute;
+        self.comm += t.comm;
+        self.optimizer += t.optimizer;
+        self.step += t.step;
+    }
+}
+
+fn sum_pair(comm: &SimpleCommunicator, a: f64, b: f64) -> (f64, f64) {
+    let send = [a, b];
+    let mut out = [0.0; 2];
+    comm.all_reduce_into(&send[..], &mut out[..], mpi::collective::SystemOperation::sum());
+    (out[0], out[1])
+}
+
+/// Test loss and accuracy over all workers' shards of the test set.
+#[allow(clippy::too_many_arguments)]
+fn evaluate(
+    net: &Net,
+    norm: &Normalizer,
+    path: &Path,
+    info: &DatasetInfo,
+    labels: &Labels,
+    workers_comm: &SimpleCommunicator,
+    worker: usize,
+    workers: usize,
+    batch: usize,
+) -> Result<(f64, f64)> {
+    let shard = ShardInfo::split(info.test.len, workers, worker);
+    let mut reader = SplitReader::open(path, Split::Test)?;
+    let (mut loss_sum, mut correct) = (0.0, 0.0);
+    let mut images = Vec::new();
+    let eval_batch = batch.max(1) * 2;
+    tch::no_grad(|| -> Result<()> {
+        for start in (shard.offset..shard.end()).step_by(eval_batch) {
+            let end = (start + eval_batch).min(shard.end());
+            let indices: Vec<usize> = (start..end).collect();
+            images.resize(indices.len() * info.sample_bytes(), 0);
+            reader.read(&indices, &mut images)?;
+            let x = norm.images(&images, indices.len())?;
+            let y = norm.labels(&labels.test[start..end])?;
+            let logits = net.model.forward_t(&x, false);
+            loss_sum += logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;
+            correct += logits.f_argmax(-1, false)?.f_eq_tensor(&y)?.f_sum(Kind::Float)?.f_double_value(&[])?;
+        }
+        Ok(())
+    })?;
+    let (loss_sum, correct) = sum_pair(workers_comm, loss_sum, correct);
+    let n = info.test.len as f64;
+    Ok((loss_sum / n, correct / n))
+}
+
+/// Writes the weights (parameters and batch-norm statistics) as safetensors, under a temporary
+/// name first so that an interrupted write leaves no damaged file.
+fn save_weights(net: &Net, path: &Path) -> Result<()> {
+    let vars: Vec<(String, Tensor)> = net
+        .named_variables()
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.f_to_device(Device::Cpu)?.f_contiguous()?)))
+        .collect::<Result<_>>()?;
+    let tmp = path.with_extension("safetensors.tmp");
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).at(dir)?;
+    }
+    Tensor::write_safetensors(&vars, &tmp)?;
+    std::fs::rename(&tmp, path).at(path)?;
+    Ok(())
+}
+
+fn device_name(device: Device) -> String {
+    match device {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(i) => format!("cuda:{i}"),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+pub fn mpi_library() -> String {
+    mpi::environment::library_version()
+        .ok()
+        .and_then(|v| v.split([',', '\n']).next().map(|l| l.trim().to_string()))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// One file per rank listing the samples it trained on: `epoch step index,index,...`.
+struct SampleTrace(Option<std::io::BufWriter<std::fs::File>>, PathBuf);
+
+impl SampleTrace {
+    fn open(dir: Option<&Path>, rank: i32) -> Result<SampleTrace> {
+        let Some(dir) = dir else { return Ok(SampleTrace(None, PathBuf::new())) };
+        std::fs::create_dir_all(dir).at(dir)?;
+        let path = dir.join(format!("rank{rank}.txt"));
+        Ok(SampleTrace(Some(std::io::BufWriter::new(std::fs::File::create(&path).at(&path)?)), path))
+    }
+
+    fn record(&mut self, batch: &Batch) -> Result<()> {
+        use std::io::Write;
+        if let Some(w) = &mut self.0 {
+            let list: Vec<String> = batch.indices.iter().map(|i| i.to_string()).collect();
+            writeln!(w, "{} {} {}", batch.epoch, batch.step, list.join(",")).at(&self.1)?;
+            w.flush().at(&self.1)?;
+        }
+        Ok(())
+    }
+}
+
+/// Progress on rank 0: a bar on a terminal, a log line every `every` steps otherwise.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    active: bool,
+    every: u64,
+}
+
+impl Progress {
+    fn new(root: bool, total: u64, every: u64) -> Progress {
+        let bar = (root && std::io::stderr().is_terminal()).then(|| {
+            let bar = indicatif::ProgressBar::new(total);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps {msg}")
+                    .expect("a valid template")
+                    .progress_chars("=> "),
+            );
+            bar
+        });
+        Progress { bar, active: root, every: every.max(1) }
+    }
+
+    fn due(&self, step: u64) -> bool {
+        (step + 1) % self.every == 0
+    }
+
+    fn report(&self, step: u64, epoch: u64, loss: f64, t: &Timings) {
+        if !self.active {
+            return;
+        }
+        let rate = t.samples as f64 / t.step.as_secs_f64().max(1e-9);
+        let msg = format!(
+            "loss {loss:.4} | {rate:.1} img/s | step {:.1} ms (compute {:.1}, comm {:.1}, data {:.1})",
+            t.mean_ms(t.step), t.mean_ms(t.compute), t.mean_ms(t.comm), t.mean_ms(t.data_wait)
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(step + 1);
+                bar.set_message(msg);
+            }
+            None => log::info!("epoch {} step {}: {msg}", epoch + 1, step + 1),
+        }
+    }
+
+    fn suspend(&self, f: impl FnOnce()) {
+        match &self.bar {
+            Some(bar) => bar.suspend(f),
+            None => f(),
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+fn print_summary(r: &RunRecord, spec: InputSpec, runs: &Path) {
+    println!(
+        "hpc-train: {} on {} rank(s) ({} worker(s), {} node(s)), {} on {} [{}x{}x{}], batch {}/rank = {} global, {} scaling",
+        r.strategy, r.ranks, r.workers, r.nodes, r.model, r.dataset, spec.channels, spec.height, spec.width,
+        r.batch_per_rank, r.global_batch, r.scaling
+    );
+    println!(
+        "  {} steps ({:.2} epochs): {:.1} images/s; per step {:.1} ms = compute {:.1} + exchange {:.1} + optimizer {:.1} + data wait {:.2}",
+        r.steps, r.epochs, r.images_per_sec, r.step_ms, r.compute_ms, r.comm_ms, r.optimizer_ms, r.data_wait_ms
+    );
+    let accuracy = match (r.test_accuracy, r.test_loss) {
+        (Some(a), Some(l)) => format!("test accuracy {:.2}% (loss {l:.4})", a * 100.0),
+        _ => "no test evaluation".into(),
+    };
+    println!("  final training loss {:.4}, {accuracy}", r.final_loss);
+    println!(
+        "  device {} ({} thread(s)/rank), {}, data path {}, peak RSS {:.0} MiB",
+        r.device, r.threads, r.mpi_library, r.data_path.as_deref().unwrap_or("-"), r.peak_rss_mb
+    );
+    println!("  appended to {}", runs.display());
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn online_cpus_parse() {
+        assert!(super::num_cpus_online() >= 1);
+    }
+}

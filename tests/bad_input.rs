@@ -1,0 +1,149 @@
+//! Bad input: each case ends every rank non-zero within seconds, with one clear message.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+
+const RANKS: usize = 2;
+
+/// Runs training with `args` on RANKS ranks and checks the failure: non-zero, quick, and the
+/// expected message printed exactly once.
+fn expect_failure(args: &[&str], message: &str) {
+    let run = mpirun_env(RANKS, args, &[], Duration::from_secs(60));
+    assert!(!run.timed_out, "hung: {args:?}\n{}", run.all_output());
+    assert!(!run.ok(), "succeeded: {args:?}");
+    let out = run.all_output();
+    assert_eq!(out.matches(message).count(), 1, "expected {message:?} once in:\n{out}");
+    assert!(run.elapsed < Duration::from_secs(30), "took {:?}", run.elapsed);
+}
+
+/// Training options: small defaults, each replaceable through `over` (flag, value).
+fn base<'a>(data: &'a str, results: &'a str) -> Vec<&'a str> {
+    with(data, results, &[])
+}
+
+fn with<'a>(data: &'a str, results: &'a str, over: &[(&'a str, &'a str)]) -> Vec<&'a str> {
+    let mut opts = vec![
+        ("--model", "tiny"), ("--strategy", "allreduce"), ("--data", data), ("--results", results),
+        ("--steps", "2"), ("--batch-size", "2"),
+    ];
+    for &(flag, value) in over {
+        match opts.iter_mut().find(|(f, _)| *f == flag) {
+            Some(slot) => slot.1 = value,
+            None => opts.push((flag, value)),
+        }
+    }
+    opts.into_iter().flat_map(|(f, v)| [f, v]).collect()
+}
+
+fn write_h5(path: &Path, build: impl FnOnce(&hdf5::File) -> hdf5::Result<()>) {
+    let f = hdf5::File::create(path).unwrap();
+    build(&f).unwrap();
+}
+
+fn images(f: &hdf5::Group, split: &str, n: usize) -> hdf5::Result<()> {
+    let g = f.create_group(split)?;
+    g.new_dataset::<u8>().shape([n, 1, 8, 8]).create("images")?;
+    let labels: Vec<i64> = (0..n as i64).map(|i| i % 3).collect();
+    g.new_dataset_builder().with_data(&labels).create("labels")?;
+    Ok(())
+}
+
+#[test]
+fn missing_and_unreadable_files() {
+    let dir = scratch("bad-files");
+    let results = dir.join("r");
+    let r = results.to_str().unwrap();
+    expect_failure(&base("/nonexistent/data.h5", r), "no such file");
+    let not_h5 = dir.join("not.h5");
+    std::fs::write(&not_h5, b"this is text").unwrap();
+    expect_failure(&base(not_h5.to_str().unwrap(), r), "not an HDF5 file");
+    expect_failure(&base(dir.to_str().unwrap(), r), "is a directory");
+}
+
+#[test]
+fn malformed_datasets() {
+    let dir = scratch("bad-layout");
+    let results = dir.join("r");
+    let r = results.to_str().unwrap();
+
+    let no_test = dir.join("no_test.h5");
+    write_h5(&no_test, |f| images(f, "train", 10));
+    expect_failure(&base(no_test.to_str().unwrap(), r), "missing dataset `test/images`");
+
+    let float_images = dir.join("float.h5");
+    write_h5(&float_images, |f| {
+        for split in ["train", "test"] {
+            let g = f.create_group(split)?;
+            g.new_dataset::<f32>().shape([10, 1, 8, 8]).create("images")?;
+            g.new_dataset::<i64>().shape([10]).create("labels")?;
+        }
+        Ok(())
+    });
+    expect_failure(&base(float_images.to_str().unwrap(), r), "expected uint8");
+
+    let rank3 = dir.join("rank3.h5");
+    write_h5(&rank3, |f| {
+        for split in ["train", "test"] {
+            let g = f.create_group(split)?;
+            g.new_dataset::<u8>().shape([10, 8, 8]).create("images")?;
+            g.new_dataset::<i64>().shape([10]).create("labels")?;
+        }
+        Ok(())
+    });
+    expect_failure(&base(rank3.to_str().unwrap(), r), "expected 4 dimensions");
+
+    let wrong_count = dir.join("count.h5");
+    write_h5(&wrong_count, |f| {
+        images(f, "test", 4)?;
+        let g = f.create_group("train")?;
+        g.new_dataset::<u8>().shape([10, 1, 8, 8]).create("images")?;
+        g.new_dataset::<i64>().shape([9]).create("labels")?;
+        Ok(())
+    });
+    expect_failure(&base(wrong_count.to_str().unwrap(), r), "one label per image");
+
+    let out_of_range = dir.join("range.h5");
+    write_h5(&out_of_range, |f| {
+        images(f, "train", 10)?;
+        images(f, "test", 4)?;
+        f.new_attr::<i64>().create("num_classes")?.write_scalar(&2i64)?;
+        Ok(())
+    });
+    expect_failure(&base(out_of_range.to_str().unwrap(), r), "outside 0..2");
+}
+
+#[test]
+fn sizes_that_do_not_fit() {
+    let dir = scratch("bad-sizes");
+    let data = synth(&dir, "small", 6, 2, "1x8x8", 2);
+    let d = data.to_str().unwrap();
+    let results = dir.join("r");
+    let r = results.to_str().unwrap();
+    expect_failure(&with(d, r, &[("--batch-size", "4")]), "fewer than ranks x batch");
+    expect_failure(&with(d, r, &[("--scaling", "strong"), ("--global-batch", "3")]), "not divisible by the 2 training ranks");
+    expect_failure(&with(d, r, &[("--scaling", "strong")]), "needs --global-batch");
+}
+
+#[test]
+fn bad_options() {
+    let dir = scratch("bad-options");
+    let data = synth(&dir, "opt", 20, 2, "1x8x8", 2);
+    let d = data.to_str().unwrap();
+    let r = dir.join("r");
+    let r = r.to_str().unwrap();
+    expect_failure(&with(d, r, &[("--batch-size", "0")]), "invalid value '0' for '--batch-size");
+    expect_failure(&with(d, r, &[("--strategy", "butterfly")]), "invalid value 'butterfly' for '--strategy");
+    expect_failure(&with(d, r, &[("--model", "vgg")]), "invalid value 'vgg' for '--model");
+    if !Path::new("/dev/nvidia0").exists() {
+        expect_failure(&with(d, r, &[("--device", "cuda")]), "CUDA is not available");
+    }
+    // A results folder that cannot be created (its parent is a file): refused before training.
+    let blocker = dir.join("file");
+    std::fs::write(&blocker, b"").unwrap();
+    let results = blocker.join("results");
+    expect_failure(&base(d, results.to_str().unwrap()), "cannot create it");
+}

@@ -1,0 +1,164 @@
+//! Helpers for tests that launch the real binary, under mpirun or alone.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// MPI jobs of one test binary run one at a time: the machine has few cores.
+static MPI_JOBS: Mutex<()> = Mutex::new(());
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_hpc-train")
+}
+
+/// Repository root (datasets/, results/ are relative to it).
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A fresh folder for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("hpc-train-test-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+pub struct Run {
+    pub status: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: Duration,
+    pub timed_out: bool,
+}
+
+impl Run {
+    pub fn ok(&self) -> bool {
+        self.status == Some(0)
+    }
+
+    /// Panics with the output when the run failed.
+    pub fn expect_ok(self) -> Run {
+        assert!(self.ok(), "run failed ({:?}, timed out: {}):\nstdout:\n{}\nstderr:\n{}", self.status, self.timed_out, self.stdout, self.stderr);
+        self
+    }
+
+    pub fn all_output(&self) -> String {
+        format!("{}{}", self.stdout, self.stderr)
+    }
+}
+
+/// Runs `cmd`, killing it after `limit`.
+pub fn run_with_limit(mut cmd: Command, limit: Duration) -> Run {
+    let start = Instant::now();
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("starting the command");
+    // Read the pipes in threads so that a chatty child never blocks on a full pipe.
+    let mut out = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let out_t = std::thread::spawn(move || { let mut s = String::new(); let _ = std::io::Read::read_to_string(&mut out, &mut s); s });
+    let err_t = std::thread::spawn(move || { let mut s = String::new(); let _ = std::io::Read::read_to_string(&mut err, &mut s); s });
+    let mut timed_out = false;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if start.elapsed() > limit {
+            timed_out = true;
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Run { status, stdout: out_t.join().unwrap(), stderr: err_t.join().unwrap(), elapsed: start.elapsed(), timed_out }
+}
+
+/// `mpirun -n <ranks> hpc-train <args>` with the settings tests need (root, oversubscription),
+/// killed after `limit`.
+pub fn mpirun_env(ranks: usize, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Run {
+    let _guard = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["-n", &ranks.to_string(), "--oversubscribe", "--bind-to", "none"])
+        .arg(bin())
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        .current_dir(root());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    run_with_limit(cmd, limit)
+}
+
+pub fn mpirun(ranks: usize, args: &[&str]) -> Run {
+    mpirun_env(ranks, args, &[], Duration::from_secs(300))
+}
+
+/// `hpc-train <args>` without mpirun (a singleton MPI process).
+pub fn hpc_train(args: &[&str]) -> Run {
+    let mut cmd = Command::new(bin());
+    cmd.args(args).current_dir(root());
+    run_with_limit(cmd, Duration::from_secs(120))
+}
+
+/// A small synthetic dataset (written once per test binary and path).
+pub fn synth(dir: &Path, name: &str, samples: usize, test: usize, shape: &str, classes: usize) -> PathBuf {
+    let out = dir.join(format!("{name}.h5"));
+    if !out.exists() {
+        hpc_train(&[
+            "data", "synth", "--samples", &samples.to_string(), "--test-samples", &test.to_string(),
+            "--shape", shape, "--classes", &classes.to_string(), "--out", out.to_str().unwrap(),
+        ])
+        .expect_ok();
+    }
+    out
+}
+
+/// Reads a safetensors file into (name, values as f64) sorted by name.
+pub fn read_weights(path: &Path) -> Vec<(String, Vec<f64>)> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<f64>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap()) as f64).collect();
+            (name, values)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Largest relative L2 difference between matching tensors of two weight files.
+pub fn max_relative_difference(a: &Path, b: &Path) -> f64 {
+    let (wa, wb) = (read_weights(a), read_weights(b));
+    assert_eq!(wa.len(), wb.len(), "same tensors");
+    wa.iter()
+        .zip(&wb)
+        .map(|((na, va), (nb, vb))| {
+            assert_eq!(na, nb);
+            assert_eq!(va.len(), vb.len(), "{na}");
+            let diff: f64 = va.iter().zip(vb).map(|(x, y)| (x - y).powi(2)).sum::<f64>().sqrt();
+            let norm: f64 = va.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-12);
+            diff / norm
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The JSON records in a runs.jsonl file.
+pub fn read_runs(results: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(results.join("runs.jsonl")).unwrap();
+    text.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// The Fashion-MNIST file that scripts/setup.sh makes.
+pub fn fashion_mnist() -> PathBuf {
+    let p = root().join("datasets/fashion-mnist.h5");
+    assert!(p.exists(), "{} is missing: run scripts/setup.sh --no-run first", p.display());
+    p
+}
