@@ -31,6 +31,86 @@ pub enum Command {
     /// Import, inspect, generate or benchmark datasets.
     #[command(subcommand)]
     Data(DataCommand),
+    /// Measure the gradient exchange alone over a sweep of sizes (nccl-tests style).
+    Bench(BenchArgs),
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BenchDevice {
+    Cpu,
+    Cuda,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// The buffer is one tensor.
+    Single,
+    /// The buffer is split into 161 tensors in the proportions of ResNet-50's parameters.
+    Resnet50,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verify {
+    /// Small-integer input whose sum is exact in any order: compared with the closed form.
+    ClosedForm,
+    /// Random input: compared with MPI_Allreduce's result, within summation-order rounding.
+    Allreduce,
+}
+
+/// Options of `hpc-train bench`.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Strategies to measure, comma-separated.
+    #[arg(long, default_value = "ring,allreduce")]
+    pub strategies: String,
+    /// Smallest message (bytes; K, M, G suffixes).
+    #[arg(long, default_value = "4K")]
+    pub min_bytes: String,
+    /// Largest message.
+    #[arg(long, default_value = "256M")]
+    pub max_bytes: String,
+    /// Size multiplier between rows.
+    #[arg(long, default_value_t = 2)]
+    pub factor: usize,
+    /// Exact element counts instead of the sweep, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub counts: Option<Vec<usize>>,
+    /// Timed iterations per size.
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// Untimed iterations first.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Where the buffers live.
+    #[arg(long, value_enum, default_value_t = BenchDevice::Cpu)]
+    pub device: BenchDevice,
+    /// Element type.
+    #[arg(long, value_enum, default_value_t = crate::exchange::element::Dtype::F32)]
+    pub dtype: crate::exchange::element::Dtype,
+    /// One tensor, or ResNet-50's 161 tensors.
+    #[arg(long, value_enum, default_value_t = Layout::Single)]
+    pub layout: Layout,
+    /// How results are checked.
+    #[arg(long, value_enum, default_value_t = Verify::ClosedForm)]
+    pub verify: Verify,
+    /// Seed of the random input (--verify allreduce).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Fusion bucket size in MiB for multi-tensor layouts.
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mb: f64,
+    /// Ring segment size in KiB.
+    #[arg(long, default_value_t = 256)]
+    pub segment_kb: u64,
+    /// Whether MPI can read GPU memory.
+    #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
+    pub cuda_aware: CudaAware,
+    /// Folder for bench.jsonl.
+    #[arg(long, default_value = "results")]
+    pub results: PathBuf,
+    /// Change one element of rank 0's result before the check (tests that the check works).
+    #[arg(long, hide = true)]
+    pub corrupt_result: bool,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

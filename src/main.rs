@@ -5,6 +5,7 @@ use std::io::Write;
 
 use clap::Parser;
 
+mod bench;
 mod cli;
 mod data;
 mod error;
@@ -50,6 +51,7 @@ fn main() {
 
     let result = match &cli.command {
         None => train::run(&world, &cli.train, threading),
+        Some(Command::Bench(args)) => bench::run(&world, args),
         Some(Command::Data(cmd)) => {
             // Data commands are serial: rank 0 does the work, the others wait for its verdict.
             let local = if world.is_root() { run_data(cmd) } else { Ok(()) };

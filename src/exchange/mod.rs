@@ -13,6 +13,7 @@
 pub mod allreduce;
 pub mod buckets;
 pub mod element;
+pub mod ring;
 pub mod staging;
 
 use serde::Serialize;
@@ -196,6 +197,7 @@ pub fn worker_count(kind: StrategyKind, ranks: usize, roles: &RoleOptions) -> Re
 pub fn build(kind: StrategyKind, world: &World, config: &ExchangeConfig) -> Result<Box<dyn Exchange>> {
     Ok(match kind {
         StrategyKind::Allreduce => Box::new(allreduce::MpiAllreduce::new(world, config)?),
+        StrategyKind::Ring => Box::new(ring::RingAllreduce::new(world, config)?),
         other => return Err(Error::usage(format!("--strategy {other}: not built yet"))),
     })
 }

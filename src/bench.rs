@@ -1,0 +1,422 @@
+//! `hpc-train bench`: the gradient exchange alone, over a sweep of message sizes, in the manner
+//! of nccl-tests: one row per size and strategy with time, algorithm bandwidth, bus bandwidth
+//! and the number of wrong elements (every rank checks every run).
+
+use std::time::Instant;
+
+use mpi::collective::SystemOperation;
+use mpi::traits::*;
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+
+use crate::cli::{BenchArgs, BenchDevice, Layout, Verify};
+use crate::error::{Error, Result};
+use crate::exchange::element::Dtype;
+use crate::exchange::{self, ExchangeConfig, ReduceOp, StrategyKind};
+use crate::raw;
+use crate::results;
+use crate::topology::World;
+
+pub const BENCH_FILE: &str = "bench.jsonl";
+
+/// Parameter tensor sizes of torchvision's ResNet-50 (161 tensors, 25,557,032 elements), in
+/// creation order: the many-small-tensors case of a real gradient exchange.
+pub fn resnet50_sizes() -> Vec<usize> {
+    let vs = tch::nn::VarStore::new(Device::Cpu);
+    let spec = crate::model::InputSpec { channels: 3, height: 224, width: 224, classes: 1000 };
+    let _model = crate::model::build(crate::model::ModelKind::Resnet50, &vs.root(), spec);
+    vs.trainable_variables().iter().map(|t| t.numel()).collect()
+}
+
+/// Splits `count` elements into tensors in the proportions of `weights` (at least one element
+/// each where the count allows, the remainder on the largest).
+pub fn split_by_weights(count: usize, weights: &[usize]) -> Vec<usize> {
+    if count == 0 || weights.is_empty() {
+        return vec![count];
+    }
+    let total: usize = weights.iter().sum();
+    let mut sizes: Vec<usize> = weights.iter().map(|&w| (count as u128 * w as u128 / total as u128) as usize).collect();
+    let assigned: usize = sizes.iter().sum();
+    let largest = (0..sizes.len()).max_by_key(|&i| weights[i]).unwrap();
+    sizes[largest] += count - assigned;
+    sizes.retain(|&s| s > 0);
+    sizes
+}
+
+/// The sizes of the sweep, in elements.
+pub fn sweep_counts(args: &BenchArgs, elem: usize) -> Result<Vec<usize>> {
+    if let Some(list) = &args.counts {
+        return Ok(list.clone());
+    }
+    if args.factor < 2 {
+        return Err(Error::usage("--factor must be at least 2"));
+    }
+    let (min, max) = (parse_bytes(&args.min_bytes)?, parse_bytes(&args.max_bytes)?);
+    if min > max {
+        return Err(Error::usage(format!("--min-bytes {} is larger than --max-bytes {}", args.min_bytes, args.max_bytes)));
+    }
+    let mut out = Vec::new();
+    let mut bytes = min.max(elem);
+    while bytes <= max {
+        out.push(bytes / elem);
+        bytes *= args.factor;
+    }
+    Ok(out)
+}
+
+/// Parses sizes such as `4096`, `4K`, `256M`, `1G` (binary units).
+pub fn parse_bytes(s: &str) -> Result<usize> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let mult = match c.to_ascii_uppercase() {
+                'K' => 1 << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                'B' => 1,
+                _ => return Err(Error::usage(format!("{s:?}: unknown unit (use K, M or G)"))),
+            };
+            (&t[..i], mult)
+        }
+        _ => (t, 1),
+    };
+    num.parse::<usize>()
+        .map(|n| n * mult)
+        .map_err(|_| Error::usage(format!("{s:?}: expected a size in bytes such as 4096, 4K or 256M")))
+}
+
+/// Known input: small integers, so that every partial sum is exact in f32, f16 and bf16 and the
+/// result has a closed form whatever the reduction order.
+fn exact_value(rank: usize, i: usize) -> f32 {
+    (1 + (i + rank) % 3) as f32
+}
+
+fn exact_sum(ranks: usize, i: usize) -> f32 {
+    (0..ranks).map(|r| exact_value(r, i)).sum()
+}
+
+#[derive(Serialize)]
+struct BenchRow {
+    size: usize,
+    count: usize,
+    #[serde(rename = "type")]
+    dtype: &'static str,
+    strategy: String,
+    tensors: usize,
+    layout: String,
+    time_us: f64,
+    algbw: f64,
+    busbw: f64,
+    wrong: u64,
+    ranks: usize,
+    nodes: usize,
+    device: String,
+    iters: usize,
+    host: String,
+    mpi_library: String,
+    git_commit: String,
+    date: String,
+}
+
+pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
+    let strategies = world.agree(parse_strategies(&args.strategies))?;
+    let elem = args.dtype.size();
+    let counts = world.agree(sweep_counts(args, elem))?;
+    let device = world.agree(match args.device {
+        BenchDevice::Cpu => Ok(Device::Cpu),
+        BenchDevice::Cuda => {
+            let _ = raw::load_torch_cuda();
+            if tch::Cuda::is_available() {
+                Ok(Device::Cuda(world.local_rank as usize % tch::Cuda::device_count() as usize))
+            } else {
+                Err(Error::usage(format!("--device cuda: CUDA is not available on {}", raw::hostname())))
+            }
+        }
+    })?;
+    world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
+    let weights = match args.layout {
+        Layout::Single => Vec::new(),
+        Layout::Resnet50 => resnet50_sizes(),
+    };
+    let n = world.size as usize;
+    let rank = world.rank as usize;
+    let mpi_library = crate::train::mpi_library();
+    let date = results::timestamp();
+    let config = ExchangeConfig {
+        device,
+        cuda_aware: args.cuda_aware.resolve(),
+        bucket_bytes: (args.bucket_mb * (1 << 20) as f64) as usize,
+        segment_bytes: (args.segment_kb as usize) << 10,
+    };
+
+    if world.is_root() {
+        println!(
+            "# hpc-train bench: {n} rank(s) on {} node(s), {mpi_library}, device {}, {} {}, layout {}, median of {} iterations after {} warm-up (strategies take turns), {date}",
+            world.nodes(), device_label(device), args.dtype.name(), if config.cuda_aware { "(CUDA-aware MPI)" } else { "" },
+            layout_name(args.layout), args.iters, args.warmup
+        );
+        println!("#");
+        println!("# {:>12} {:>12} {:>8} {:>10} {:>7} {:>11} {:>9} {:>9} {:>7}", "size", "count", "type", "strategy", "tensors", "time", "algbw", "busbw", "#wrong");
+        println!("# {:>12} {:>12} {:>8} {:>10} {:>7} {:>11} {:>9} {:>9} {:>7}", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "");
+    }
+    let mut exchanges = Vec::new();
+    for &kind in &strategies {
+        exchanges.push((kind, world.agree(exchange::build(kind, world, &config))?));
+    }
+    let mut busbw_sums = vec![(0.0f64, 0usize); strategies.len()];
+    let mut total_wrong = 0u64;
+    let kind = args.dtype.kind();
+    for &count in &counts {
+        let sizes = if weights.is_empty() { vec![count] } else { split_by_weights(count, &weights) };
+        // The input each run starts from, and the expected result.
+        let pristine: Vec<Tensor> = input_tensors(&sizes, rank, args.verify, args.seed, kind, device)?;
+        let reference: Option<Vec<Tensor>> = match args.verify {
+            Verify::ClosedForm => None,
+            Verify::Allreduce => {
+                // MPI_Allreduce's own answer on the same input.
+                let mut expected: Vec<Tensor> = pristine.iter().map(|t| t.copy()).collect();
+                let sums = exchange::allreduce::SumOps::new();
+                let comm = world.comm.duplicate();
+                for t in &mut expected {
+                    let mut host = t.f_to_device(Device::Cpu)?;
+                    sums.all_reduce_sum(&comm, &mut host)?;
+                    t.f_copy_(&host)?;
+                }
+                Some(expected)
+            }
+        };
+        // Strategies take turns iteration by iteration, so that they see the same machine
+        // (a busy neighbour, a frequency change) rather than one getting the quiet minute.
+        let mut outputs: Vec<Vec<Tensor>> = exchanges.iter().map(|_| pristine.iter().map(|t| t.copy()).collect()).collect();
+        let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(args.iters); exchanges.len()];
+        for iter in 0..args.warmup + args.iters {
+            for ((_, exchange), (tensors, samples)) in exchanges.iter_mut().zip(outputs.iter_mut().zip(times.iter_mut())) {
+                for (t, p) in tensors.iter_mut().zip(&pristine) {
+                    t.f_copy_(p)?;
+                }
+                exchange::staging::synchronize(device);
+                world.comm.barrier();
+                let start = Instant::now();
+                exchange.all_reduce(tensors, ReduceOp::Sum)?;
+                exchange::staging::synchronize(device);
+                let local = start.elapsed().as_secs_f64();
+                let mut slowest = 0.0;
+                world.comm.all_reduce_into(&local, &mut slowest, SystemOperation::max());
+                if iter >= args.warmup {
+                    samples.push(slowest);
+                }
+            }
+        }
+        if args.corrupt_result && rank == 0 {
+            for tensors in &mut outputs {
+                if let Some(t) = tensors.iter_mut().find(|t| t.numel() > 0) {
+                    let mut first = t.f_view([-1])?.f_narrow(0, 0, 1)?;
+                    let _ = first.f_add_scalar_(1.0)?;
+                }
+            }
+        }
+        for (index, ((kind_s, exchange), tensors)) in exchanges.iter().zip(&outputs).enumerate() {
+            let wrong_local = count_wrong(tensors, &sizes, n, reference.as_deref(), args.dtype)?;
+            let mut wrong = 0u64;
+            world.comm.all_reduce_into(&wrong_local, &mut wrong, SystemOperation::sum());
+            total_wrong += wrong;
+            let time = median(&mut times[index]);
+            let bytes = count * elem;
+            let algbw = if time > 0.0 { bytes as f64 / time / 1e9 } else { 0.0 };
+            let busbw = algbw * exchange.bus_factor();
+            if bytes > 0 {
+                busbw_sums[index].0 += busbw;
+                busbw_sums[index].1 += 1;
+            }
+            if world.is_root() {
+                println!(
+                    "  {:>12} {:>12} {:>8} {:>10} {:>7} {:>11.2} {:>9.3} {:>9.3} {:>7}",
+                    bytes, count, args.dtype.name(), kind_s.name(), sizes.len(), time * 1e6, algbw, busbw, wrong
+                );
+                let row = BenchRow {
+                    size: bytes,
+                    count,
+                    dtype: args.dtype.name(),
+                    strategy: kind_s.name().into(),
+                    tensors: sizes.len(),
+                    layout: layout_name(args.layout).into(),
+                    time_us: time * 1e6,
+                    algbw,
+                    busbw,
+                    wrong,
+                    ranks: n,
+                    nodes: world.nodes() as usize,
+                    device: device_label(device),
+                    iters: args.iters,
+                    host: raw::hostname(),
+                    mpi_library: mpi_library.clone(),
+                    git_commit: results::GIT_COMMIT.into(),
+                    date: date.clone(),
+                };
+                results::append_json_line(&args.results.join(BENCH_FILE), &row)?;
+                if wrong > 0 {
+                    log::error!("{}: {wrong} wrong element(s) at {count} elements", kind_s.name());
+                }
+            }
+        }
+    }
+    for (_, exchange) in exchanges.iter_mut() {
+        exchange.finish(&mut [])?;
+    }
+    if world.is_root() {
+        println!("# Out of bounds values : see #wrong (every rank checks every element)");
+        for ((kind_s, _), (sum, rows)) in exchanges.iter().zip(&busbw_sums) {
+            println!("# Avg bus bandwidth    : {:>10} {:.3} GB/s", kind_s.name(), if *rows > 0 { sum / *rows as f64 } else { 0.0 });
+        }
+        println!("# appended to {}", args.results.join(BENCH_FILE).display());
+    }
+    // Any wrong element fails the run (after the table, so the figures are still seen).
+    world.agree(if total_wrong > 0 {
+        Err(Error::exchange("bench", format!("{total_wrong} wrong element(s) in all: a strategy computed a wrong sum")))
+    } else {
+        Ok(())
+    })
+}
+
+fn parse_strategies(list: &str) -> Result<Vec<StrategyKind>> {
+    use clap::ValueEnum;
+    let out: Result<Vec<StrategyKind>> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            StrategyKind::from_str(s, true).map_err(|_| {
+                Error::usage(format!("--strategies: unknown strategy {s:?} (ring, ps, allreduce, horovod)"))
+            })
+        })
+        .collect();
+    let out = out?;
+    if out.is_empty() {
+        return Err(Error::usage("--strategies: name at least one strategy"));
+    }
+    Ok(out)
+}
+
+fn input_tensors(sizes: &[usize], rank: usize, verify: Verify, seed: u64, kind: Kind, device: Device) -> Result<Vec<Tensor>> {
+    let mut offset = 0;
+    sizes
+        .iter()
+        .map(|&len| {
+            let values: Vec<f32> = match verify {
+                Verify::ClosedForm => (offset..offset + len).map(|i| exact_value(rank, i)).collect(),
+                Verify::Allreduce => {
+                    use rand::{Rng, SeedableRng};
+                    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ (rank as u64) << 32 ^ offset as u64);
+                    (0..len).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+                }
+            };
+            offset += len;
+            Ok(Tensor::f_from_slice(&values)?.f_to_kind(kind)?.f_to_device(device)?)
+        })
+        .collect()
+}
+
+/// Elements of `tensors` that differ from the expected sum: the closed form, or MPI_Allreduce's
+/// result within the tolerance of a different summation order.
+fn count_wrong(tensors: &[Tensor], sizes: &[usize], ranks: usize, reference: Option<&[Tensor]>, dtype: Dtype) -> Result<u64> {
+    let mut wrong = 0u64;
+    let mut offset = 0;
+    for (i, t) in tensors.iter().enumerate() {
+        let got: Vec<f32> = Vec::<f32>::try_from(&t.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?)
+            .map_err(Error::from)?;
+        match reference {
+            None => {
+                for (k, v) in got.iter().enumerate() {
+                    if *v != exact_sum(ranks, offset + k) {
+                        wrong += 1;
+                    }
+                }
+            }
+            Some(refs) => {
+                let expected: Vec<f32> = Vec::<f32>::try_from(&refs[i].f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?)
+                    .map_err(Error::from)?;
+                // Each partial sum may round once more or less than in MPI's order.
+                let eps = match dtype {
+                    Dtype::F32 => f32::EPSILON,
+                    Dtype::F16 => 9.8e-4,
+                    Dtype::Bf16 => 7.9e-3,
+                };
+                let tol = 2.0 * ranks as f32 * eps;
+                for (v, e) in got.iter().zip(&expected) {
+                    if !((v - e).abs() <= tol * (ranks as f32).max(e.abs())) {
+                        wrong += 1;
+                    }
+                }
+            }
+        }
+        offset += sizes[i];
+    }
+    Ok(wrong)
+}
+
+/// Median of the samples (the time of a typical iteration; robust to a stray slow one).
+fn median(samples: &mut [f64]) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
+    }
+    samples.sort_by(|a, b| a.total_cmp(b));
+    let m = samples.len() / 2;
+    if samples.len() % 2 == 1 { samples[m] } else { (samples[m - 1] + samples[m]) / 2.0 }
+}
+
+fn device_label(device: Device) -> String {
+    match device {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(i) => format!("cuda:{i}"),
+        d => format!("{d:?}"),
+    }
+}
+
+fn layout_name(layout: Layout) -> &'static str {
+    match layout {
+        Layout::Single => "single",
+        Layout::Resnet50 => "resnet50",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("4K").unwrap(), 4096);
+        assert_eq!(parse_bytes("256M").unwrap(), 256 << 20);
+        assert_eq!(parse_bytes("1g").unwrap(), 1 << 30);
+        assert!(parse_bytes("12X").is_err());
+        assert!(parse_bytes("lots").is_err());
+    }
+
+    #[test]
+    fn weights_split_keeps_the_count() {
+        let w = [10, 1, 1, 100];
+        for count in [0, 1, 5, 112, 1000, 12345] {
+            let s = split_by_weights(count, &w);
+            assert_eq!(s.iter().sum::<usize>(), count);
+        }
+        assert_eq!(split_by_weights(112, &w), vec![10, 1, 1, 100]);
+    }
+
+    #[test]
+    fn closed_form_sums_are_exact_in_half_precision() {
+        for ranks in 1..=64 {
+            for i in 0..6 {
+                let s = exact_sum(ranks, i);
+                assert!(s <= 256.0 && s.fract() == 0.0);
+            }
+        }
+    }
+
+    #[test]
+    fn resnet50_has_161_tensors() {
+        let sizes = resnet50_sizes();
+        assert_eq!(sizes.len(), 161);
+        assert_eq!(sizes.iter().sum::<usize>(), 25_557_032);
+    }
+}

@@ -1,0 +1,348 @@
+//! `ring`: a ring all-reduce on MPI point-to-point calls only: reduce-scatter, then all-gather.
+//!
+//! The buffer is cut into one chunk per rank. In each of the n-1 reduce-scatter steps every
+//! rank sends one chunk to its right neighbour and adds the chunk arriving from its left into
+//! its own copy; afterwards each rank holds one chunk summed over all ranks. The n-1 all-gather
+//! steps then pass the summed chunks around the ring. Each rank sends 2(n-1)/n of the buffer,
+//! the least any all-reduce can.
+//!
+//! Within a step the chunk travels in segments of `--segment-kb`: all receives are posted
+//! first, and each segment is reduced as soon as it arrives while the later ones are still in
+//! flight, so reduction overlaps communication. A mean is scaled in the last reduce-scatter
+//! step, at no extra pass. Ranks sit on the ring in node order, so that only two ring links
+//! per node cross the network.
+
+use std::ops::Range;
+
+use mpi::topology::{Process, SimpleCommunicator};
+use mpi::traits::*;
+use tch::Tensor;
+
+use crate::error::{Error, Result};
+use crate::exchange::buckets::Fusion;
+use crate::exchange::element::{accumulate, accumulate_scaled, Dtype, Element};
+use crate::exchange::staging::{synchronize, Staging};
+use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
+use crate::raw;
+use crate::topology::{ShardInfo, World};
+
+/// Which chunk a ring position sends and receives at each step.
+#[derive(Clone, Debug)]
+pub struct RingSchedule {
+    n: usize,
+    pos: usize,
+    chunks: Vec<ShardInfo>,
+}
+
+impl RingSchedule {
+    pub fn new(len: usize, n: usize, pos: usize) -> RingSchedule {
+        RingSchedule { n, pos, chunks: ShardInfo::all(len, n) }
+    }
+
+    fn chunk(&self, index: isize) -> Range<usize> {
+        self.chunks[index.rem_euclid(self.n as isize) as usize].range()
+    }
+
+    /// Reduce-scatter step `s` (0..n-1): send chunk pos-s, receive and add chunk pos-s-1.
+    pub fn reduce_scatter(&self, s: usize) -> (Range<usize>, Range<usize>) {
+        let (p, s) = (self.pos as isize, s as isize);
+        (self.chunk(p - s), self.chunk(p - s - 1))
+    }
+
+    /// All-gather step `s` (0..n-1): send chunk pos+1-s (summed), receive chunk pos-s.
+    pub fn all_gather(&self, s: usize) -> (Range<usize>, Range<usize>) {
+        let (p, s) = (self.pos as isize, s as isize);
+        (self.chunk(p + 1 - s), self.chunk(p - s))
+    }
+
+    pub fn largest_chunk(&self) -> usize {
+        self.chunks.iter().map(|c| c.len).max().unwrap_or(0)
+    }
+}
+
+/// A shared view of one range of `buf` and a mutable view of another, disjoint, range.
+fn split_send_recv<T>(buf: &mut [T], send: Range<usize>, recv: Range<usize>) -> (&[T], &mut [T]) {
+    assert!(send.end <= recv.start || recv.end <= send.start, "ring chunks are disjoint");
+    if send.start < recv.start {
+        let (a, b) = buf.split_at_mut(recv.start);
+        (&a[send], &mut b[..recv.len()])
+    } else {
+        let (a, b) = buf.split_at_mut(send.start);
+        (&b[..send.len()], &mut a[recv])
+    }
+}
+
+/// The communication half of the strategy: the ring and its scratch space.
+struct Ring {
+    comm: SimpleCommunicator,
+    n: usize,
+    pos: usize,
+    left: i32,
+    right: i32,
+    segment_bytes: usize,
+    /// Receive space for one chunk on the host (grown when a larger chunk comes, never shrunk).
+    scratch: Vec<u32>,
+    /// Receive space for one chunk on the device (direct path).
+    device_scratch: Option<Tensor>,
+}
+
+impl Ring {
+    fn neighbours(&self) -> (Process<'_>, Process<'_>) {
+        (self.comm.process_at_rank(self.left), self.comm.process_at_rank(self.right))
+    }
+
+    /// All-reduce of a host buffer, in place.
+    fn all_reduce_host<E: Element>(&mut self, buf: &mut [E], op: ReduceOp) {
+        let n = self.n;
+        if n == 1 || buf.is_empty() {
+            return;
+        }
+        let schedule = RingSchedule::new(buf.len(), n, self.pos);
+        let seg = (self.segment_bytes / std::mem::size_of::<E>()).max(1);
+        let words = (schedule.largest_chunk() * std::mem::size_of::<E>()).div_ceil(4);
+        if self.scratch.len() < words {
+            self.scratch.resize(words, 0);
+        }
+        let scratch: &mut [E] = bytemuck::cast_slice_mut(&mut self.scratch[..words]);
+        let left = self.comm.process_at_rank(self.left);
+        let right = self.comm.process_at_rank(self.right);
+
+        for s in 0..n - 1 {
+            let (send, recv) = schedule.reduce_scatter(s);
+            let scale = (op == ReduceOp::Mean && s == n - 2).then_some(1.0 / n as f32);
+            let incoming = &mut scratch[..recv.len()];
+            let (outgoing, target) = split_send_recv(buf, send, recv);
+            mpi::request::scope(|scope| {
+                let receives: Vec<_> = E::as_wire_mut(incoming)
+                    .chunks_mut(seg)
+                    .map(|part| left.immediate_receive_into(scope, part))
+                    .collect();
+                let sends: Vec<_> =
+                    E::as_wire(outgoing).chunks(seg).map(|part| right.immediate_send(scope, part)).collect();
+                // Reduce each segment as it lands; later segments are still on the wire.
+                for (request, acc) in receives.into_iter().zip(target.chunks_mut(seg)) {
+                    let arrived: &[E] = bytemuck::cast_slice(request.wait_for_data());
+                    match scale {
+                        Some(f) => accumulate_scaled(acc, arrived, f),
+                        None => accumulate(acc, arrived),
+                    }
+                }
+                sends.into_iter().for_each(|r| r.wait_without_status());
+            });
+        }
+        for s in 0..n - 1 {
+            let (send, recv) = schedule.all_gather(s);
+            let (outgoing, target) = split_send_recv(buf, send, recv);
+            mpi::request::scope(|scope| {
+                let receives: Vec<_> = E::as_wire_mut(target)
+                    .chunks_mut(seg)
+                    .map(|part| left.immediate_receive_into(scope, part))
+                    .collect();
+                let sends: Vec<_> =
+                    E::as_wire(outgoing).chunks(seg).map(|part| right.immediate_send(scope, part)).collect();
+                receives.into_iter().for_each(|r| r.wait_without_status());
+                sends.into_iter().for_each(|r| r.wait_without_status());
+            });
+        }
+    }
+
+    /// All-reduce of a device buffer with a CUDA-aware MPI: device pointers go to MPI, and the
+    /// reduction runs on the GPU. Each step waits for the GPU before sending what it computed.
+    fn all_reduce_device<E: Element>(&mut self, bucket: &mut Tensor, op: ReduceOp) -> Result<()> {
+        let n = self.n;
+        let len = bucket.numel();
+        if n == 1 || len == 0 {
+            return Ok(());
+        }
+        let schedule = RingSchedule::new(len, n, self.pos);
+        let largest = schedule.largest_chunk() as i64;
+        if self.device_scratch.as_ref().is_none_or(|t| t.numel() < largest as usize || t.kind() != bucket.kind() || t.device() != bucket.device()) {
+            self.device_scratch = Some(Tensor::f_empty([largest], (bucket.kind(), bucket.device()))?);
+        }
+        let device = bucket.device();
+        let view = |t: &Tensor, r: &Range<usize>| t.narrow(0, r.start as i64, r.len() as i64);
+        for s in 0..n - 1 {
+            let (send, recv) = schedule.reduce_scatter(s);
+            let mut outgoing = view(bucket, &send);
+            let mut incoming = view(self.device_scratch.as_ref().expect("made above"), &(0..recv.len()));
+            self.exchange_device::<E>(&mut outgoing, &mut incoming)?;
+            let mut target = view(bucket, &recv);
+            let _ = target.f_add_(&incoming)?;
+            if op == ReduceOp::Mean && s == n - 2 {
+                let _ = target.f_mul_scalar_(1.0 / n as f64)?;
+            }
+            synchronize(device);
+        }
+        for s in 0..n - 1 {
+            let (send, recv) = schedule.all_gather(s);
+            let mut outgoing = view(bucket, &send);
+            let mut target = view(bucket, &recv);
+            self.exchange_device::<E>(&mut outgoing, &mut target)?;
+        }
+        Ok(())
+    }
+
+    /// Sends `outgoing` right while receiving `incoming` from the left, device memory both.
+    fn exchange_device<E: Element>(&self, outgoing: &mut Tensor, incoming: &mut Tensor) -> Result<()> {
+        let (left, right) = self.neighbours();
+        let send_buf = raw::device_buffer_mut::<E>(outgoing)?;
+        let mut recv_buf = raw::device_buffer_mut::<E>(incoming)?;
+        mpi::request::scope(|scope| {
+            let receive = left.immediate_receive_into(scope, &mut recv_buf);
+            let send = right.immediate_send(scope, &send_buf);
+            receive.wait_without_status();
+            send.wait_without_status();
+        });
+        Ok(())
+    }
+
+    fn all_reduce(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+        crate::with_element!(dtype, E => {
+            if bucket.device().is_cuda() {
+                self.all_reduce_device::<E>(bucket, op)
+            } else {
+                self.all_reduce_host::<E>(raw::host_slice_mut::<E>(bucket)?, op);
+                Ok(())
+            }
+        })
+    }
+}
+
+pub struct RingAllreduce {
+    ring: Ring,
+    rank: usize,
+    path: DataPath,
+    fusion: Fusion,
+    staging: Staging,
+}
+
+impl RingAllreduce {
+    pub fn new(world: &World, config: &ExchangeConfig) -> Result<RingAllreduce> {
+        let order = world.ring_order();
+        let n = order.len();
+        let pos = order.iter().position(|&r| r == world.rank).expect("every rank is on the ring");
+        if config.segment_bytes == 0 {
+            return Err(Error::usage("--segment-kb 0: the ring needs segments of at least 1 KiB"));
+        }
+        Ok(RingAllreduce {
+            ring: Ring {
+                // A communicator of its own: ring messages never match anyone else's.
+                comm: world.comm.duplicate(),
+                n,
+                pos,
+                left: order[(pos + n - 1) % n],
+                right: order[(pos + 1) % n],
+                segment_bytes: config.segment_bytes,
+                scratch: Vec::new(),
+                device_scratch: None,
+            },
+            rank: world.rank as usize,
+            path: DataPath::choose(config.device, config.cuda_aware),
+            fusion: Fusion::new(config.bucket_bytes, None),
+            staging: Staging::new(),
+        })
+    }
+}
+
+impl Exchange for RingAllreduce {
+    fn name(&self) -> &'static str {
+        "ring"
+    }
+
+    fn bus_factor(&self) -> f64 {
+        allreduce_bus_factor(self.ring.n)
+    }
+
+    fn role(&self) -> Role {
+        Role::Worker { index: self.rank, count: self.ring.n }
+    }
+
+    fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        let dtype = common_dtype(tensors)?;
+        let mut buckets = self.fusion.pack(tensors)?;
+        let ring = &mut self.ring;
+        // Buckets go back to back; on the staged path the next one is copied to the host while
+        // the current one circles the ring.
+        self.staging.run(self.path, &mut buckets, |_, bucket| ring.all_reduce(bucket, dtype, op))?;
+        self.fusion.unpack(&buckets, tensors);
+        Ok(())
+    }
+
+    fn report(&self) -> ExchangeReport {
+        let mut extra = serde_json::Map::new();
+        extra.insert("segment_kb".into(), (self.ring.segment_bytes / 1024).into());
+        ExchangeReport { data_path: Some(self.path), extra }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs the schedule on n in-memory buffers, moving chunks as the ring would.
+    fn simulate(inputs: &[Vec<f32>], op: ReduceOp) -> Vec<Vec<f32>> {
+        let n = inputs.len();
+        let len = inputs[0].len();
+        let mut bufs = inputs.to_vec();
+        let schedules: Vec<RingSchedule> = (0..n).map(|p| RingSchedule::new(len, n, p)).collect();
+        for s in 0..n.saturating_sub(1) {
+            let sent: Vec<Vec<f32>> = (0..n).map(|p| bufs[p][schedules[p].reduce_scatter(s).0].to_vec()).collect();
+            for p in 0..n {
+                let from = (p + n - 1) % n;
+                let recv = schedules[p].reduce_scatter(s).1;
+                assert_eq!(recv.len(), sent[from].len(), "sender and receiver agree on the chunk");
+                let scale = (op == ReduceOp::Mean && s == n - 2).then_some(1.0 / n as f32);
+                match scale {
+                    Some(f) => accumulate_scaled(&mut bufs[p][recv], &sent[from], f),
+                    None => accumulate(&mut bufs[p][recv], &sent[from]),
+                }
+            }
+        }
+        for s in 0..n.saturating_sub(1) {
+            let sent: Vec<Vec<f32>> = (0..n).map(|p| bufs[p][schedules[p].all_gather(s).0].to_vec()).collect();
+            for p in 0..n {
+                let recv = schedules[p].all_gather(s).1;
+                bufs[p][recv].copy_from_slice(&sent[(p + n - 1) % n]);
+            }
+        }
+        bufs
+    }
+
+    #[test]
+    fn the_schedule_sums_every_element_on_every_rank() {
+        for n in [1, 2, 3, 5, 7] {
+            for len in [0, 1, 2, 6, 7, 13, 100] {
+                let inputs: Vec<Vec<f32>> = (0..n).map(|r| (0..len).map(|i| (r * 100 + i) as f32).collect()).collect();
+                let expected: Vec<f32> = (0..len).map(|i| (0..n).map(|r| (r * 100 + i) as f32).sum()).collect();
+                for out in simulate(&inputs, ReduceOp::Sum) {
+                    assert_eq!(out, expected, "n {n} len {len}");
+                }
+                let mean: Vec<f32> = expected.iter().map(|v| v / n as f32).collect();
+                for out in simulate(&inputs, ReduceOp::Mean) {
+                    for (a, b) in out.iter().zip(&mean) {
+                        assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "n {n} len {len}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn each_rank_sends_two_n_minus_one_over_n_of_the_buffer() {
+        let (len, n) = (1000, 4);
+        for p in 0..n {
+            let s = RingSchedule::new(len, n, p);
+            let sent: usize = (0..n - 1).map(|k| s.reduce_scatter(k).0.len() + s.all_gather(k).0.len()).sum();
+            assert_eq!(sent, 2 * (n - 1) * len / n);
+        }
+    }
+
+    #[test]
+    fn send_and_receive_views_are_disjoint() {
+        let mut buf: Vec<u32> = (0..10).collect();
+        let (s, r) = split_send_recv(&mut buf, 6..9, 1..3);
+        assert_eq!(s, &[6, 7, 8]);
+        r[0] = 99;
+        assert_eq!(buf[1], 99);
+    }
+}

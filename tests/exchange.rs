@@ -1,0 +1,130 @@
+//! Gradient exchange strategies against MPI_Allreduce, through `hpc-train bench` (every rank
+//! checks every element), and in training.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::*;
+
+/// Element counts that catch edge cases: empty, one element, fewer than the ranks, not
+/// divisible by the ranks, and large enough for many segments.
+const COUNTS: &str = "0,1,3,1001,262147";
+
+fn bench(ranks: usize, strategies: &str, extra: &[&str], results: &Path) -> Run {
+    let mut args = vec![
+        "bench", "--strategies", strategies, "--iters", "2", "--warmup", "1",
+        "--segment-kb", "16", "--results", results.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    mpirun_env(ranks, &args, &[], Duration::from_secs(300))
+}
+
+/// Every row of a bench run reports zero wrong elements, and the run succeeded.
+fn assert_all_right(run: &Run, rows_expected: usize) {
+    assert!(run.ok(), "bench failed:\n{}", run.all_output());
+    let rows: Vec<&str> = run.stdout.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).collect();
+    assert_eq!(rows.len(), rows_expected, "{}", run.stdout);
+    for row in rows {
+        let wrong: u64 = row.split_whitespace().last().unwrap().parse().unwrap();
+        assert_eq!(wrong, 0, "{row}");
+    }
+}
+
+#[test]
+fn ring_equals_mpi_allreduce_for_every_rank_count_and_size() {
+    let dir = scratch("ring-vs-mpi");
+    for ranks in [1, 2, 3, 5, 7] {
+        // Random input, compared with MPI_Allreduce's result on the same input.
+        let run = bench(ranks, "ring", &["--counts", COUNTS, "--verify", "allreduce"], &dir);
+        assert_all_right(&run, 5);
+        // Small integers, compared with the closed form (exact in any summation order).
+        let run = bench(ranks, "ring,allreduce", &["--counts", COUNTS], &dir);
+        assert_all_right(&run, 10);
+    }
+}
+
+#[test]
+fn ring_sums_half_precision_in_f32() {
+    let dir = scratch("ring-halves");
+    for dtype in ["f16", "bf16"] {
+        for ranks in [2, 3] {
+            let run = bench(ranks, "ring,allreduce", &["--counts", COUNTS, "--dtype", dtype, "--verify", "allreduce"], &dir);
+            assert_all_right(&run, 10);
+            let run = bench(ranks, "ring", &["--counts", COUNTS, "--dtype", dtype], &dir);
+            assert_all_right(&run, 5);
+        }
+    }
+}
+
+#[test]
+fn ring_follows_the_node_layout() {
+    // Fake nodes of 2 ranks: the ring order changes, the result does not.
+    let dir = scratch("ring-nodes");
+    let args = ["bench", "--strategies", "ring", "--counts", COUNTS, "--iters", "1", "--warmup", "0", "--verify", "allreduce", "--results", dir.to_str().unwrap()];
+    let run = mpirun_env(5, &args, &[("HPC_TRAIN_RANKS_PER_NODE", "2")], Duration::from_secs(120));
+    assert_all_right(&run, 5);
+    assert!(run.stdout.contains("on 3 node(s)"), "{}", run.stdout);
+}
+
+#[test]
+fn the_bench_catches_a_wrong_sum() {
+    // A fault injected into one element of one rank's result must show in #wrong and fail the run.
+    let dir = scratch("bench-fails");
+    for verify in ["closed-form", "allreduce"] {
+        let run = bench(2, "ring", &["--counts", "1000", "--verify", verify, "--corrupt-result"], &dir);
+        assert!(!run.ok(), "a corrupted result passed:\n{}", run.all_output());
+        let row = run.stdout.lines().find(|l| !l.starts_with('#')).expect("a result row");
+        assert_eq!(row.split_whitespace().last(), Some("1"), "{row}");
+        assert!(run.stderr.contains("wrong element"), "{}", run.stderr);
+    }
+}
+
+#[test]
+fn bench_rows_are_recorded() {
+    let dir = scratch("bench-rows");
+    let run = bench(2, "ring", &["--counts", "10", "--dtype", "bf16"], &dir);
+    assert_all_right(&run, 1);
+    let text = std::fs::read_to_string(dir.join("bench.jsonl")).unwrap();
+    let row: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    for field in ["size", "count", "type", "strategy", "time_us", "algbw", "busbw", "wrong", "ranks", "host", "mpi_library", "date"] {
+        assert!(!row[field].is_null(), "bench.jsonl lacks {field}: {row}");
+    }
+    assert_eq!(row["size"], 20);
+    assert_eq!(row["busbw"].as_f64().unwrap(), row["algbw"].as_f64().unwrap(), "2 ranks: bus factor 1");
+}
+
+#[test]
+fn ring_trains_to_the_same_weights_as_allreduce() {
+    let dir = scratch("ring-train");
+    let data = synth(&dir, "rt", 90, 0, "1x12x12", 5);
+    for ranks in [2, 3, 4] {
+        let mut outs = Vec::new();
+        for strategy in ["allreduce", "ring"] {
+            let out = dir.join(format!("{strategy}{ranks}.safetensors"));
+            mpirun(ranks, &[
+                "--strategy", strategy, "--model", "tiny", "--data", data.to_str().unwrap(), "--scaling", "strong",
+                "--global-batch", "12", "--steps", "8", "--no-eval", "--threads", "1", "--segment-kb", "1",
+                "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
+            ])
+            .expect_ok();
+            outs.push(out);
+        }
+        let diff = max_relative_difference(&outs[0], &outs[1]);
+        assert!(diff < 1e-5, "{ranks} ranks: ring differs from allreduce by {diff:e}");
+    }
+}
+
+#[test]
+fn staged_gpu_path_when_a_gpu_is_present() {
+    if !Path::new("/dev/nvidia0").exists() {
+        eprintln!("skipped: no GPU on this machine (the staged and direct GPU paths need one)");
+        return;
+    }
+    let dir = scratch("ring-gpu");
+    for aware in ["no", "auto"] {
+        let run = bench(2, "ring,allreduce", &["--counts", COUNTS, "--device", "cuda", "--cuda-aware", aware, "--verify", "allreduce"], &dir);
+        assert_all_right(&run, 10);
+    }
+}
