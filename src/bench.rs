@@ -91,8 +91,8 @@ fn exact_value(rank: usize, i: usize) -> f32 {
     (1 + (i + rank) % 3) as f32
 }
 
-fn exact_sum(ranks: usize, i: usize) -> f32 {
-    (0..ranks).map(|r| exact_value(r, i)).sum()
+fn exact_sum(ranks: &[usize], i: usize) -> f32 {
+    ranks.iter().map(|&r| exact_value(r, i)).sum()
 }
 
 #[derive(Serialize)]
@@ -147,6 +147,8 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         cuda_aware: args.cuda_aware.resolve(),
         bucket_bytes: (args.bucket_mb * (1 << 20) as f64) as usize,
         segment_bytes: (args.segment_kb as usize) << 10,
+        // The parameter server's benchmark round sums; its optimizer is not used.
+        ps: args.ps.config(crate::optim::SgdConfig { lr: 0.0, momentum: 0.0, weight_decay: 0.0 }),
     };
 
     if world.is_root() {
@@ -159,9 +161,16 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         println!("# {:>12} {:>12} {:>8} {:>10} {:>7} {:>11} {:>9} {:>9} {:>7}", "size", "count", "type", "strategy", "tensors", "time", "algbw", "busbw", "#wrong");
         println!("# {:>12} {:>12} {:>8} {:>10} {:>7} {:>11} {:>9} {:>9} {:>7}", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "");
     }
+    // Each strategy, and the ranks whose buffers count in its sum (not dedicated servers').
     let mut exchanges = Vec::new();
+    let mut contributors: Vec<Vec<usize>> = Vec::new();
     for &kind in &strategies {
-        exchanges.push((kind, world.agree(exchange::build(kind, world, &config))?));
+        let exchange = world.agree(exchange::build(kind, world, &config))?;
+        let mine = u8::from(exchange.contributes());
+        let mut flags = vec![0u8; n];
+        world.comm.all_gather_into(&mine, &mut flags[..]);
+        contributors.push((0..n).filter(|&r| flags[r] == 1).collect());
+        exchanges.push((kind, exchange));
     }
     let mut busbw_sums = vec![(0.0f64, 0usize); strategies.len()];
     let mut total_wrong = 0u64;
@@ -170,21 +179,29 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         let sizes = if weights.is_empty() { vec![count] } else { split_by_weights(count, &weights) };
         // The input each run starts from, and the expected result.
         let pristine: Vec<Tensor> = input_tensors(&sizes, rank, args.verify, args.seed, kind, device)?;
-        let reference: Option<Vec<Tensor>> = match args.verify {
-            Verify::ClosedForm => None,
-            Verify::Allreduce => {
-                // MPI_Allreduce's own answer on the same input.
-                let mut expected: Vec<Tensor> = pristine.iter().map(|t| t.copy()).collect();
-                let sums = exchange::allreduce::SumOps::new();
-                let comm = world.comm.duplicate();
-                for t in &mut expected {
-                    let mut host = t.f_to_device(Device::Cpu)?;
-                    sums.all_reduce_sum(&comm, &mut host)?;
-                    t.f_copy_(&host)?;
-                }
-                Some(expected)
+        for (_, exchange) in exchanges.iter_mut() {
+            world.agree(exchange.prepare(&pristine))?;
+        }
+        // MPI_Allreduce's own answer on the same input, for each set of contributing ranks.
+        let reference = |contributing: &[usize]| -> Result<Option<Vec<Tensor>>> {
+            if args.verify == Verify::ClosedForm {
+                return Ok(None);
             }
+            let sums = exchange::allreduce::SumOps::new();
+            let comm = world.comm.duplicate();
+            let mut expected = Vec::with_capacity(pristine.len());
+            for t in &pristine {
+                // A copy: on the CPU, to_device returns the same tensor, and pristine must stay.
+                let mut host = t.f_to_device(Device::Cpu)?.f_detach_copy()?;
+                if !contributing.contains(&rank) {
+                    let _ = host.f_zero_()?;
+                }
+                sums.all_reduce_sum(&comm, &mut host)?;
+                expected.push(host);
+            }
+            Ok(Some(expected))
         };
+        let references: Vec<Option<Vec<Tensor>>> = contributors.iter().map(|c| reference(c)).collect::<Result<_>>()?;
         // Strategies take turns iteration by iteration, so that they see the same machine
         // (a busy neighbour, a frequency change) rather than one getting the quiet minute.
         let mut outputs: Vec<Vec<Tensor>> = exchanges.iter().map(|_| pristine.iter().map(|t| t.copy()).collect()).collect();
@@ -216,7 +233,12 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
             }
         }
         for (index, ((kind_s, exchange), tensors)) in exchanges.iter().zip(&outputs).enumerate() {
-            let wrong_local = count_wrong(tensors, &sizes, n, reference.as_deref(), args.dtype)?;
+            // Ranks whose buffers do not count (dedicated servers) have nothing to check.
+            let wrong_local = if contributors[index].contains(&rank) {
+                count_wrong(tensors, &sizes, &contributors[index], references[index].as_deref(), args.dtype)?
+            } else {
+                0
+            };
             let mut wrong = 0u64;
             world.comm.all_reduce_into(&wrong_local, &mut wrong, SystemOperation::sum());
             total_wrong += wrong;
@@ -318,7 +340,8 @@ fn input_tensors(sizes: &[usize], rank: usize, verify: Verify, seed: u64, kind: 
 
 /// Elements of `tensors` that differ from the expected sum: the closed form, or MPI_Allreduce's
 /// result within the tolerance of a different summation order.
-fn count_wrong(tensors: &[Tensor], sizes: &[usize], ranks: usize, reference: Option<&[Tensor]>, dtype: Dtype) -> Result<u64> {
+fn count_wrong(tensors: &[Tensor], sizes: &[usize], contributing: &[usize], reference: Option<&[Tensor]>, dtype: Dtype) -> Result<u64> {
+    let ranks = contributing.len();
     let mut wrong = 0u64;
     let mut offset = 0;
     for (i, t) in tensors.iter().enumerate() {
@@ -327,7 +350,7 @@ fn count_wrong(tensors: &[Tensor], sizes: &[usize], ranks: usize, reference: Opt
         match reference {
             None => {
                 for (k, v) in got.iter().enumerate() {
-                    if *v != exact_sum(ranks, offset + k) {
+                    if *v != exact_sum(contributing, offset + k) {
                         wrong += 1;
                     }
                 }
@@ -406,8 +429,9 @@ mod tests {
     #[test]
     fn closed_form_sums_are_exact_in_half_precision() {
         for ranks in 1..=64 {
+            let all: Vec<usize> = (0..ranks).collect();
             for i in 0..6 {
-                let s = exact_sum(ranks, i);
+                let s = exact_sum(&all, i);
                 assert!(s <= 256.0 && s.fract() == 0.0);
             }
         }

@@ -111,6 +111,9 @@ pub struct BenchArgs {
     /// Change one element of rank 0's result before the check (tests that the check works).
     #[arg(long, hide = true)]
     pub corrupt_result: bool,
+
+    #[command(flatten)]
+    pub ps: PsArgs,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -128,6 +131,43 @@ pub enum DeviceChoice {
     Auto,
     Cpu,
     Cuda,
+}
+
+/// Parameter-server options (training and bench).
+#[derive(Args, Debug, Clone)]
+pub struct PsArgs {
+    /// Parameter-server ranks (the last ones), for --strategy ps.
+    #[arg(long, default_value_t = 1)]
+    pub servers: usize,
+    /// Every rank is both a worker and the server of its share of the parameters.
+    #[arg(long)]
+    pub ps_colocate: bool,
+    /// Synchronous (average every step) or asynchronous (apply gradients as they arrive).
+    #[arg(long, value_enum, default_value_t = crate::exchange::ps::PsMode::Sync)]
+    pub ps_mode: crate::exchange::ps::PsMode,
+    /// Asynchronous mode: rounds a worker's weights may lag behind (unbounded when not given).
+    #[arg(long)]
+    pub max_staleness: Option<u64>,
+    /// A server reports a worker that has sent nothing for this many seconds.
+    #[arg(long, default_value_t = 600.0)]
+    pub ps_timeout_s: f64,
+}
+
+impl PsArgs {
+    pub fn config(&self, sgd: crate::optim::SgdConfig) -> crate::exchange::ps::PsConfig {
+        crate::exchange::ps::PsConfig {
+            servers: self.servers,
+            colocate: self.ps_colocate,
+            mode: self.ps_mode,
+            max_staleness: self.max_staleness,
+            timeout: std::time::Duration::from_secs_f64(self.ps_timeout_s.max(0.001)),
+            sgd,
+        }
+    }
+
+    pub fn roles(&self) -> crate::exchange::RoleOptions {
+        crate::exchange::RoleOptions { servers: self.servers, colocate: self.ps_colocate }
+    }
 }
 
 /// Options of a training run.
@@ -228,6 +268,9 @@ pub struct TrainArgs {
     /// Record the sample indices each rank trains on, one file per rank in this folder (checks).
     #[arg(long, hide = true)]
     pub trace_samples: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub ps: PsArgs,
 }
 
 #[derive(Subcommand, Debug)]

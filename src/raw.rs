@@ -80,6 +80,16 @@ pub fn device_buffer_mut<E: Element>(t: &mut Tensor) -> Result<DynBufferMut<'_>>
     }
 }
 
+/// Any contiguous tensor as an MPI buffer: host memory in place, or device memory for a
+/// CUDA-aware MPI (same contract as [`device_buffer_mut`]).
+pub fn mpi_buffer_mut<E: Element>(t: &mut Tensor) -> Result<DynBufferMut<'_>> {
+    if t.device().is_cuda() {
+        device_buffer_mut::<E>(t)
+    } else {
+        Ok(DynBufferMut::new(E::as_wire_mut(host_slice_mut::<E>(t)?)))
+    }
+}
+
 /// What `MPIX_Query_cuda_support` says, where the MPI library has it (Open MPI, MPICH,
 /// MVAPICH). `None` when the library does not export the function.
 pub fn mpi_cuda_support() -> Option<bool> {
@@ -156,12 +166,11 @@ pub fn current_rss_mb() -> f64 {
     pages * page / (1024.0 * 1024.0)
 }
 
-/// A communicator that may move to the communication thread.
+/// A communicator that may move to, or be shared with, a communication thread.
 ///
-/// rsmpi's communicators hold a raw MPI handle and so are not `Send`. Moving one to another
-/// thread is sound when the MPI library was initialised with `MPI_THREAD_MULTIPLE` (checked by
-/// whoever makes a `SendComm`) and the communicator is used by one thread at a time: the
-/// wrapper owns it, so only its holder can use it.
+/// rsmpi's communicators hold a raw MPI handle and so are neither `Send` nor `Sync`. Using one
+/// from another thread is sound when the MPI library was initialised with
+/// `MPI_THREAD_MULTIPLE`, which the constructor checks.
 pub struct SendComm(SimpleCommunicator);
 
 impl SendComm {
@@ -181,9 +190,13 @@ impl SendComm {
     }
 }
 
-// SAFETY: see the type's documentation: MPI_THREAD_MULTIPLE is checked at construction, and
-// ownership means a single thread uses the handle at a time.
+// SAFETY: see the type's documentation: MPI_THREAD_MULTIPLE is checked at construction, which
+// allows MPI calls on a communicator from any thread.
 unsafe impl Send for SendComm {}
+// SAFETY: under MPI_THREAD_MULTIPLE, point-to-point calls on one communicator may run
+// concurrently from several threads (MPI 4.0, 11.6). Holders share a `SendComm` only for
+// point-to-point traffic; collectives on it must not overlap, which holders document.
+unsafe impl Sync for SendComm {}
 
 /// The name of this host.
 pub fn hostname() -> String {

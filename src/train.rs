@@ -33,7 +33,7 @@ struct Plan {
 
 impl Plan {
     fn resolve(args: &TrainArgs, world: &World) -> Result<Plan> {
-        let workers = exchange::worker_count(args.strategy, world.size as usize, &args_exchange_roles(args))?;
+        let workers = exchange::worker_count(args.strategy, world.size as usize, &args.ps.roles())?;
         let batch = match args.scaling {
             Scaling::Weak => {
                 if args.global_batch.is_some() {
@@ -83,10 +83,6 @@ fn num_cpus_online() -> usize {
             }).sum::<Option<usize>>()
         })
         .unwrap_or(1)
-}
-
-fn args_exchange_roles(_args: &TrainArgs) -> exchange::RoleOptions {
-    exchange::RoleOptions::default()
 }
 
 /// The GPU of this rank (node-local rank modulo the GPUs), or the CPU.
@@ -282,15 +278,18 @@ pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result
     broadcast_from_root(&world.comm, &net.named_variables().into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
     let mut grads = optim::define_grads(&net.params)?;
 
+    let sgd_config = SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay };
     let config = ExchangeConfig {
         device: plan.device,
         cuda_aware: plan.cuda_aware,
         bucket_bytes: (args.bucket_mb * (1 << 20) as f64) as usize,
         segment_bytes: (args.segment_kb as usize) << 10,
+        ps: args.ps.config(sgd_config),
     };
     let mut exchange = world.agree(exchange::build(args.strategy, world, &config))?;
+    world.agree(exchange.prepare(&net.params))?;
     let role = exchange.role();
-    let mut sgd = Sgd::new(SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay });
+    let mut sgd = Sgd::new(sgd_config);
 
     // Workers-only communicator: dedicated parameter servers take no part in evaluation.
     let is_worker = matches!(role, Role::Worker { .. });

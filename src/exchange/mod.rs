@@ -13,6 +13,7 @@
 pub mod allreduce;
 pub mod buckets;
 pub mod element;
+pub mod ps;
 pub mod ring;
 pub mod staging;
 
@@ -135,6 +136,18 @@ pub trait Exchange {
     /// This rank's role in training.
     fn role(&self) -> Role;
 
+    /// Called once with the parameters before training, on every rank at the same point (a
+    /// strategy that plans around the tensors checks here that they fit).
+    fn prepare(&mut self, _params: &[Tensor]) -> Result<()> {
+        Ok(())
+    }
+
+    /// Whether this rank's buffers count in `all_reduce`'s result (dedicated parameter servers'
+    /// do not).
+    fn contributes(&self) -> bool {
+        true
+    }
+
     /// One training step's update of `params` from the local gradients `grads`: average the
     /// gradients over the workers, then step the optimizer. A parameter server overrides this
     /// (its servers step the optimizer and send weights back).
@@ -165,6 +178,7 @@ pub struct ExchangeConfig {
     pub bucket_bytes: usize,
     /// Ring segment size in bytes.
     pub segment_bytes: usize,
+    pub ps: ps::PsConfig,
 }
 
 /// What decides the ranks' roles: how many are dedicated parameter servers.
@@ -198,6 +212,7 @@ pub fn build(kind: StrategyKind, world: &World, config: &ExchangeConfig) -> Resu
     Ok(match kind {
         StrategyKind::Allreduce => Box::new(allreduce::MpiAllreduce::new(world, config)?),
         StrategyKind::Ring => Box::new(ring::RingAllreduce::new(world, config)?),
+        StrategyKind::Ps => Box::new(ps::ParameterServer::new(world, config)?),
         other => return Err(Error::usage(format!("--strategy {other}: not built yet"))),
     })
 }

@@ -1,0 +1,811 @@
+//! `ps`: parameter servers on MPI point-to-point calls.
+//!
+//! Server ranks hold the authoritative weights and optimizer state of their share of the
+//! parameter tensors (balanced in bytes); workers push gradients to every server and pull fresh
+//! weights back. Layouts:
+//! - dedicated servers (`--servers K`): the last K ranks serve and compute nothing, the other
+//!   ranks are workers and share the data;
+//! - colocated (`--ps-colocate`): every rank is a worker and the server of its share.
+//!
+//! Modes:
+//! - `sync`: every step, a server averages the gradients of all workers (in worker order, so
+//!   that runs repeat exactly) and steps the optimizer once: the computation of an all-reduce.
+//! - `async`: a server applies each gradient as it arrives and answers with the weights it then
+//!   holds. `--max-staleness S` bounds the lag: a worker's weights for its round c include every
+//!   update of rounds before c - S, and the server holds its answer back until they do. The
+//!   optimizer is split so that a round's momentum and weight-decay term is applied once, when
+//!   the round's first gradient arrives, and each gradient adds its share; with S = 0 this is
+//!   exactly the synchronous update.
+//!
+//! Messages: PUSH (worker to server, gradients), PULL (server to worker, weights), DONE (worker
+//! to server, end of training) and FINAL (server to worker, the final weights), each flat
+//! buffer holding the server's tensors in tensor order. Workers send on `up`, servers answer on
+//! `down`, so that a colocated server thread and its rank's worker never take each other's
+//! messages.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use mpi::collective::SystemOperation;
+use mpi::point_to_point::Status;
+use mpi::topology::{Rank, SimpleCommunicator};
+use mpi::traits::*;
+use mpi::Tag;
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::exchange::buckets::{pack, unpack, Bucket, Slot};
+use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
+use crate::optim::{Sgd, SgdConfig};
+use crate::raw::{self, SendComm};
+use crate::topology::World;
+
+const PUSH: Tag = 1;
+const PULL: Tag = 2;
+const DONE: Tag = 3;
+const FINAL: Tag = 4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PsMode {
+    /// Servers average all workers' gradients each step, then update once.
+    Sync,
+    /// Servers apply each worker's gradient as it arrives.
+    Async,
+}
+
+#[derive(Clone, Debug)]
+pub struct PsConfig {
+    pub servers: usize,
+    pub colocate: bool,
+    pub mode: PsMode,
+    /// Rounds a worker's weights may lag behind (async); None: no bound.
+    pub max_staleness: Option<u64>,
+    /// A server reports a worker that has sent nothing for this long.
+    pub timeout: Duration,
+    pub sgd: SgdConfig,
+}
+
+impl Default for PsConfig {
+    fn default() -> Self {
+        PsConfig {
+            servers: 1,
+            colocate: false,
+            mode: PsMode::Sync,
+            max_staleness: None,
+            timeout: Duration::from_secs(600),
+            sgd: SgdConfig { lr: 0.1, momentum: 0.0, weight_decay: 0.0 },
+        }
+    }
+}
+
+/// Server of every tensor: largest tensors first, each to the server holding the fewest bytes
+/// so far (ties to the lowest index), so that servers carry near-equal traffic.
+pub fn partition(sizes: &[usize], servers: usize) -> Result<Vec<usize>> {
+    if servers > sizes.len() {
+        return Err(Error::usage(format!(
+            "{servers} parameter servers but the model has {} parameter tensors: each server needs at least one",
+            sizes.len()
+        )));
+    }
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]).then(a.cmp(&b)));
+    let mut load = vec![0usize; servers];
+    let mut server_of = vec![0; sizes.len()];
+    for t in order {
+        let s = (0..servers).min_by_key(|&s| (load[s], s)).expect("at least one server");
+        server_of[t] = s;
+        load[s] += sizes[t];
+    }
+    Ok(server_of)
+}
+
+/// Each server's tensors as a bucket (slots in tensor order).
+fn server_buckets(sizes: &[usize], server_of: &[usize], servers: usize) -> Vec<Bucket> {
+    let mut buckets: Vec<Bucket> = (0..servers).map(|_| Bucket { slots: Vec::new(), len: 0 }).collect();
+    for (t, &s) in server_of.iter().enumerate() {
+        let b = &mut buckets[s];
+        b.slots.push(Slot { tensor: t, offset: b.len, len: sizes[t] });
+        b.len += sizes[t];
+    }
+    buckets
+}
+
+/// Who serves and who works.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Roles {
+    pub servers: Vec<Rank>,
+    pub workers: Vec<Rank>,
+}
+
+impl Roles {
+    pub fn new(ranks: usize, config: &PsConfig) -> Result<Roles> {
+        let all: Vec<Rank> = (0..ranks as Rank).collect();
+        if config.colocate {
+            return Ok(Roles { servers: all.clone(), workers: all });
+        }
+        let workers = crate::exchange::worker_count(
+            crate::exchange::StrategyKind::Ps,
+            ranks,
+            &crate::exchange::RoleOptions { servers: config.servers, colocate: false },
+        )?;
+        Ok(Roles { servers: all[workers..].to_vec(), workers: all[..workers].to_vec() })
+    }
+}
+
+/// Staleness seen by one server (async).
+#[derive(Clone, Copy, Debug, Default)]
+struct Staleness {
+    sum: f64,
+    count: u64,
+    max: u64,
+}
+
+/// The layout of the exchange, made once the tensors are known.
+struct Layout {
+    buckets: Vec<Bucket>,
+    sizes: Vec<usize>,
+}
+
+pub struct ParameterServer {
+    up: Arc<SendComm>,
+    down: Arc<SendComm>,
+    /// For the few collectives (statistics at the end), never used by the server thread.
+    control: SimpleCommunicator,
+    rank: Rank,
+    size: usize,
+    roles: Roles,
+    config: PsConfig,
+    path: DataPath,
+    device: Device,
+    layout: Option<Layout>,
+    /// Worker side: one flat buffer per server for gradients out and weights in.
+    send_bufs: Vec<Tensor>,
+    recv_bufs: Vec<Tensor>,
+    /// Colocated sync: this rank's share (weights, optimizer) and the pushes it receives.
+    own: Option<ServerState>,
+    push_bufs: Vec<Tensor>,
+    /// Colocated async: the server thread.
+    thread: Option<JoinHandle<Result<Staleness>>>,
+    staleness: Staleness,
+    /// Whether training pushed through the servers (then finish() tells them it is over).
+    trained: bool,
+}
+
+impl ParameterServer {
+    pub fn new(world: &World, config: &ExchangeConfig) -> Result<ParameterServer> {
+        let cfg = config.ps.clone();
+        let roles = Roles::new(world.size as usize, &cfg)?;
+        if cfg.mode == PsMode::Async && cfg.colocate {
+            // The colocated server runs in a thread of its own beside the worker.
+            if mpi::environment::threading_support() < mpi::Threading::Multiple {
+                return Err(Error::usage(format!(
+                    "--ps-mode async --ps-colocate runs a server thread beside each worker, which needs \
+                     MPI_THREAD_MULTIPLE; this MPI library provides {:?}",
+                    mpi::environment::threading_support()
+                )));
+            }
+        }
+        let threading = mpi::environment::threading_support();
+        let (up, down) = if threading >= mpi::Threading::Multiple {
+            (SendComm::new(world.comm.duplicate(), threading)?, SendComm::new(world.comm.duplicate(), threading)?)
+        } else {
+            return Err(Error::usage(format!("the parameter server needs MPI_THREAD_MULTIPLE; this MPI library provides {threading:?}")));
+        };
+        Ok(ParameterServer {
+            up: Arc::new(up),
+            down: Arc::new(down),
+            control: world.comm.duplicate(),
+            rank: world.rank,
+            size: world.size as usize,
+            roles,
+            config: cfg,
+            path: DataPath::choose(config.device, config.cuda_aware),
+            device: config.device,
+            layout: None,
+            send_bufs: Vec::new(),
+            recv_bufs: Vec::new(),
+            own: None,
+            push_bufs: Vec::new(),
+            thread: None,
+            staleness: Staleness::default(),
+            trained: false,
+        })
+    }
+
+    fn is_worker(&self) -> bool {
+        self.roles.workers.contains(&self.rank)
+    }
+
+    /// Index of this rank among the servers, if it is one.
+    fn server_index(&self) -> Option<usize> {
+        self.roles.servers.iter().position(|&r| r == self.rank)
+    }
+
+    /// Makes the layout for `tensors` (the same on every rank), checking it fits.
+    fn ensure_layout(&mut self, tensors: &[Tensor]) -> Result<()> {
+        let sizes: Vec<usize> = tensors.iter().map(|t| t.numel()).collect();
+        if self.layout.as_ref().is_some_and(|l| l.sizes == sizes) {
+            return Ok(());
+        }
+        common_dtype(tensors)?;
+        let server_of = partition(&sizes, self.roles.servers.len())?;
+        let buckets = server_buckets(&sizes, &server_of, self.roles.servers.len());
+        // Worker buffers: on the device with a CUDA-aware MPI, else on the host (pinned for a GPU).
+        let (kind, device) = tensors.first().map_or((Kind::Float, Device::Cpu), |t| (t.kind(), t.device()));
+        let make = |len: usize| -> Result<Tensor> {
+            let t = match self.path {
+                DataPath::Direct => Tensor::f_zeros([len as i64], (kind, device))?,
+                DataPath::Staged => Tensor::f_zeros([len as i64], (kind, Device::Cpu))?.f_pin_memory(device)?,
+                DataPath::Host => Tensor::f_zeros([len as i64], (kind, Device::Cpu))?,
+            };
+            Ok(t)
+        };
+        self.send_bufs = buckets.iter().map(|b| make(b.len)).collect::<Result<_>>()?;
+        self.recv_bufs = buckets.iter().map(|b| make(b.len)).collect::<Result<_>>()?;
+        self.layout = Some(Layout { buckets, sizes });
+        Ok(())
+    }
+
+    /// Worker side of one exchange with every server: push `grads`, pull into `out`.
+    fn push_pull(&mut self, grads: &[Tensor], out: &mut [Tensor]) -> Result<()> {
+        let layout = self.layout.as_ref().expect("layout made first");
+        for (bucket, buf) in layout.buckets.iter().zip(&mut self.send_bufs) {
+            pack(bucket, grads, buf);
+        }
+        crate::exchange::staging::synchronize(self.device);
+        let (up, down) = (self.up.comm(), self.down.comm());
+        let servers = &self.roles.servers;
+        let mut sends: Vec<_> = self.send_bufs.iter_mut().map(raw::mpi_buffer_mut::<f32>).collect::<Result<_>>()?;
+        let mut recvs: Vec<_> = self.recv_bufs.iter_mut().map(raw::mpi_buffer_mut::<f32>).collect::<Result<_>>()?;
+        mpi::request::scope(|scope| {
+            let pulls: Vec<_> = recvs
+                .iter_mut()
+                .zip(servers)
+                .map(|(buf, &s)| down.process_at_rank(s).immediate_receive_into_with_tag(scope, buf, PULL))
+                .collect();
+            let pushes: Vec<_> = sends
+                .iter_mut()
+                .zip(servers)
+                .map(|(buf, &s)| up.process_at_rank(s).immediate_send_with_tag(scope, &*buf, PUSH))
+                .collect();
+            pulls.into_iter().for_each(|r| r.wait_without_status());
+            pushes.into_iter().for_each(|r| r.wait_without_status());
+        });
+        drop((sends, recvs));
+        let layout = self.layout.as_ref().expect("layout made first");
+        tch::no_grad(|| {
+            for (bucket, buf) in layout.buckets.iter().zip(&self.recv_bufs) {
+                unpack(bucket, buf, out);
+            }
+        });
+        Ok(())
+    }
+
+    /// Colocated sync: one round in which this rank serves its share inline while working.
+    /// `optimize`: step the optimizer and return weights; otherwise return the plain sum.
+    fn inline_round(&mut self, grads: &[Tensor], out: &mut [Tensor], optimize: bool) -> Result<()> {
+        let me = self.server_index().expect("colocated ranks all serve");
+        let layout = self.layout.as_ref().expect("layout made first");
+        for (bucket, buf) in layout.buckets.iter().zip(&mut self.send_bufs) {
+            pack(bucket, grads, buf);
+        }
+        crate::exchange::staging::synchronize(self.device);
+        let share = layout.buckets[me].len;
+        let workers = self.roles.workers.clone();
+        let servers = self.roles.servers.clone();
+        if self.push_bufs.len() != workers.len() || self.push_bufs.first().is_some_and(|b| b.numel() != share) {
+            self.push_bufs = workers.iter().map(|_| Tensor::f_zeros([share as i64], (Kind::Float, Device::Cpu))).collect::<std::result::Result<_, _>>()?;
+        }
+        let (up, down) = (self.up.comm(), self.down.comm());
+        // Gradients for my share arrive from every other worker while mine leave.
+        {
+            let mut incoming: Vec<_> = self.push_bufs.iter_mut().map(raw::mpi_buffer_mut::<f32>).collect::<Result<_>>()?;
+            let mut outgoing: Vec<_> = self.send_bufs.iter_mut().map(raw::mpi_buffer_mut::<f32>).collect::<Result<_>>()?;
+            mpi::request::scope(|scope| {
+                let recvs: Vec<_> = incoming
+                    .iter_mut()
+                    .zip(&workers)
+                    .filter(|(_, &w)| w != self.rank)
+                    .map(|(buf, &w)| up.process_at_rank(w).immediate_receive_into_with_tag(scope, buf, PUSH))
+                    .collect();
+                let sends: Vec<_> = outgoing
+                    .iter_mut()
+                    .zip(&servers)
+                    .filter(|(_, &s)| s != self.rank)
+                    .map(|(buf, &s)| up.process_at_rank(s).immediate_send_with_tag(scope, &*buf, PUSH))
+                    .collect();
+                recvs.into_iter().for_each(|r| r.wait_without_status());
+                sends.into_iter().for_each(|r| r.wait_without_status());
+            });
+        }
+        // My own push is a local copy; then sum in worker order, so that every run adds alike.
+        let mine = self.send_bufs[me].f_to_device(Device::Cpu)?;
+        let my_index = workers.iter().position(|&w| w == self.rank).expect("colocated ranks all work");
+        self.push_bufs[my_index].f_copy_(&mine)?;
+        let state = self.own.as_mut().expect("colocated state made in prepare");
+        let result = state.combine(&self.push_bufs, optimize)?;
+        // My share goes to every other worker; the other shares come from their servers.
+        {
+            let mut result_view = result.shallow_clone();
+            let result_mpi = raw::mpi_buffer_mut::<f32>(&mut result_view)?;
+            let mut incoming: Vec<_> = self.recv_bufs.iter_mut().map(raw::mpi_buffer_mut::<f32>).collect::<Result<_>>()?;
+            mpi::request::scope(|scope| {
+                let recvs: Vec<_> = incoming
+                    .iter_mut()
+                    .zip(&servers)
+                    .filter(|(_, &s)| s != self.rank)
+                    .map(|(buf, &s)| down.process_at_rank(s).immediate_receive_into_with_tag(scope, buf, PULL))
+                    .collect();
+                let sends: Vec<_> = workers
+                    .iter()
+                    .filter(|&&w| w != self.rank)
+                    .map(|&w| down.process_at_rank(w).immediate_send_with_tag(scope, &result_mpi, PULL))
+                    .collect();
+                recvs.into_iter().for_each(|r| r.wait_without_status());
+                sends.into_iter().for_each(|r| r.wait_without_status());
+            });
+        }
+        self.recv_bufs[me].f_copy_(&result)?;
+        let layout = self.layout.as_ref().expect("layout made first");
+        tch::no_grad(|| {
+            for (bucket, buf) in layout.buckets.iter().zip(&self.recv_bufs) {
+                unpack(bucket, buf, out);
+            }
+        });
+        Ok(())
+    }
+
+    /// The server of share `index` with weights taken from `params`.
+    fn server_state(&self, index: usize, params: &[Tensor]) -> Result<ServerState> {
+        let layout = self.layout.as_ref().expect("layout made first");
+        let bucket = layout.buckets[index].clone();
+        let mut weights = Tensor::f_zeros([bucket.len as i64], (Kind::Float, Device::Cpu))?;
+        let host: Vec<Tensor> = params.iter().map(|p| p.f_to_device(Device::Cpu)).collect::<std::result::Result<_, _>>()?;
+        pack(&bucket, &host, &mut weights);
+        ServerState::new(weights, self.roles.workers.len(), &self.config)
+    }
+}
+
+impl Exchange for ParameterServer {
+    fn name(&self) -> &'static str {
+        "ps"
+    }
+
+    fn bus_factor(&self) -> f64 {
+        allreduce_bus_factor(self.size)
+    }
+
+    fn role(&self) -> Role {
+        match self.roles.workers.iter().position(|&w| w == self.rank) {
+            Some(index) => Role::Worker { index, count: self.roles.workers.len() },
+            None => Role::Server,
+        }
+    }
+
+    fn prepare(&mut self, params: &[Tensor]) -> Result<()> {
+        self.ensure_layout(params)?;
+        if self.config.colocate {
+            let me = self.server_index().expect("colocated ranks all serve");
+            self.own = Some(self.server_state(me, params)?);
+        }
+        Ok(())
+    }
+
+    /// Benchmark round: the sum over the workers, pushed to the servers and pulled back.
+    fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        if self.layout.as_ref().is_none_or(|l| l.sizes.iter().ne(tensors.iter().map(|t| t.numel()).collect::<Vec<_>>().iter())) {
+            self.prepare(tensors)?;
+        }
+        if self.config.colocate {
+            let grads: Vec<Tensor> = tensors.iter().map(|t| t.shallow_clone()).collect();
+            self.inline_round(&grads, tensors, false)?;
+        } else if let Some(index) = self.server_index() {
+            let mut state = self.server_state(index, tensors)?;
+            serve_sync_round(&mut state, &self.up, &self.down, &self.roles.workers, &self.config, false)?;
+        } else {
+            let grads: Vec<Tensor> = tensors.iter().map(|t| t.shallow_clone()).collect();
+            self.push_pull(&grads, tensors)?;
+        }
+        if op == ReduceOp::Mean {
+            for t in tensors.iter_mut() {
+                let _ = t.f_div_scalar_(self.roles.workers.len() as f64)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn contributes(&self) -> bool {
+        self.is_worker()
+    }
+
+    /// Worker: push gradients, pull the weights the servers computed (the local optimizer is
+    /// not used: servers own the optimizer state).
+    fn update(&mut self, params: &mut [Tensor], grads: &mut [Tensor], _sgd: &mut Sgd) -> Result<()> {
+        self.trained = true;
+        if self.config.colocate && self.config.mode == PsMode::Async && self.thread.is_none() {
+            // This rank's server starts with the first step; pushes that reach it earlier wait
+            // in MPI until it does.
+            let state = self.own.take().expect("colocated state made in prepare");
+            let (up, down, workers, config) = (self.up.clone(), self.down.clone(), self.roles.workers.clone(), self.config.clone());
+            self.thread = Some(
+                std::thread::Builder::new()
+                    .name("ps-server".into())
+                    .spawn(move || serve_async(state, &up, &down, &workers, &config, true).map(|(_, s)| s))
+                    .expect("spawning the server thread"),
+            );
+        }
+        if self.config.colocate && self.config.mode == PsMode::Sync {
+            let g: Vec<Tensor> = grads.iter().map(|t| t.shallow_clone()).collect();
+            self.inline_round(&g, params, true)
+        } else {
+            let g: Vec<Tensor> = grads.iter().map(|t| t.shallow_clone()).collect();
+            self.push_pull(&g, params)
+        }
+    }
+
+    fn serve(&mut self, params: &mut [Tensor], _sgd: &mut Sgd) -> Result<()> {
+        let index = self.server_index().expect("serve runs on server ranks");
+        let state = self.server_state(index, params)?;
+        let (state, staleness) = match self.config.mode {
+            PsMode::Sync => serve_sync(state, &self.up, &self.down, &self.roles.workers, &self.config)?,
+            PsMode::Async => serve_async(state, &self.up, &self.down, &self.roles.workers, &self.config, false)?,
+        };
+        self.staleness = staleness;
+        // Keep the final weights of this share in the server's copy of the model.
+        let layout = self.layout.as_ref().expect("layout made first");
+        tch::no_grad(|| unpack(&layout.buckets[index], &state.weights, params));
+        Ok(())
+    }
+
+    /// Workers tell every server they are done and take the final weights; a colocated server
+    /// thread is joined; then the staleness figures are gathered.
+    fn finish(&mut self, params: &mut [Tensor]) -> Result<()> {
+        let server_loops = !(self.config.colocate && self.config.mode == PsMode::Sync);
+        if self.is_worker() && self.trained && server_loops {
+            let (up, down) = (self.up.comm(), self.down.comm());
+            for &s in &self.roles.servers {
+                up.process_at_rank(s).send_with_tag(&[0u8; 0][..], DONE);
+            }
+            let mut recvs: Vec<_> = self.recv_bufs.iter_mut().map(raw::mpi_buffer_mut::<f32>).collect::<Result<_>>()?;
+            for (buf, &s) in recvs.iter_mut().zip(&self.roles.servers) {
+                down.process_at_rank(s).receive_into_with_tag(buf, FINAL);
+            }
+            drop(recvs);
+            let layout = self.layout.as_ref().expect("checked");
+            tch::no_grad(|| {
+                for (bucket, buf) in layout.buckets.iter().zip(&self.recv_bufs) {
+                    unpack(bucket, buf, params);
+                }
+            });
+        }
+        if let Some(thread) = self.thread.take() {
+            self.staleness = thread.join().map_err(|_| Error::exchange("ps", "the server thread panicked"))??;
+        }
+        // Staleness over all servers (every rank calls finish at the same point).
+        let local = [self.staleness.sum, self.staleness.count as f64];
+        let mut total = [0.0f64; 2];
+        self.control.all_reduce_into(&local[..], &mut total[..], SystemOperation::sum());
+        let mut max = 0u64;
+        self.control.all_reduce_into(&self.staleness.max, &mut max, SystemOperation::max());
+        self.staleness = Staleness { sum: total[0], count: total[1] as u64, max };
+        Ok(())
+    }
+
+    fn report(&self) -> ExchangeReport {
+        let mut extra = serde_json::Map::new();
+        extra.insert("ps_mode".into(), serde_json::to_value(self.config.mode).unwrap());
+        extra.insert("ps_servers".into(), self.roles.servers.len().into());
+        extra.insert("ps_colocate".into(), self.config.colocate.into());
+        if self.config.mode == PsMode::Async {
+            let mean = if self.staleness.count > 0 { self.staleness.sum / self.staleness.count as f64 } else { 0.0 };
+            extra.insert("staleness_mean".into(), mean.into());
+            extra.insert("staleness_max".into(), self.staleness.max.into());
+            extra.insert("max_staleness".into(), self.config.max_staleness.map_or(serde_json::Value::Null, |s| s.into()));
+        }
+        ExchangeReport { data_path: Some(self.path), extra }
+    }
+}
+
+/// A server's share: weights and optimizer state, on the host.
+struct ServerState {
+    weights: Tensor,
+    workers: usize,
+    sgd: Sgd,
+    /// Async: the momentum buffer, and the 0-dim factors of the split update.
+    velocity: Tensor,
+    scratch: Tensor,
+    sum: Tensor,
+}
+
+impl ServerState {
+    fn new(weights: Tensor, workers: usize, config: &PsConfig) -> Result<ServerState> {
+        let len = weights.numel() as i64;
+        Ok(ServerState {
+            velocity: Tensor::f_zeros([len], (Kind::Float, Device::Cpu))?,
+            scratch: Tensor::f_zeros([len], (Kind::Float, Device::Cpu))?,
+            sum: Tensor::f_zeros([len], (Kind::Float, Device::Cpu))?,
+            weights,
+            workers,
+            sgd: Sgd::new(config.sgd),
+        })
+    }
+
+    /// Sum of the pushes (in worker order); with `optimize`, their mean steps the optimizer and
+    /// the new weights are returned, else the sum is.
+    fn combine(&mut self, pushes: &[Tensor], optimize: bool) -> Result<Tensor> {
+        self.sum.f_copy_(&pushes[0])?;
+        for p in &pushes[1..] {
+            let _ = self.sum.f_add_(p)?;
+        }
+        if !optimize {
+            return Ok(self.sum.shallow_clone());
+        }
+        let _ = self.sum.f_mul_scalar_(1.0 / self.workers as f64)?;
+        let mut w = [self.weights.shallow_clone()];
+        let mut g = [self.sum.shallow_clone()];
+        self.sgd.step(&mut w, &mut g)?;
+        Ok(self.weights.shallow_clone())
+    }
+
+    /// Async: the part of round `round`'s update that does not depend on its gradients:
+    /// v = momentum * v + weight_decay * w, then w -= lr * v.
+    fn start_round(&mut self) -> Result<()> {
+        let c = self.sgd.config;
+        tch::no_grad(|| -> Result<()> {
+            let _ = self.velocity.f_mul_scalar_(c.momentum)?;
+            if c.weight_decay != 0.0 {
+                self.scratch.f_copy_(&self.weights)?;
+                let _ = self.scratch.f_mul_scalar_(c.weight_decay)?;
+                let _ = self.velocity.f_add_(&self.scratch)?;
+            }
+            self.scratch.f_copy_(&self.velocity)?;
+            let _ = self.scratch.f_mul_scalar_(c.lr)?;
+            let _ = self.weights.f_sub_(&self.scratch)?;
+            Ok(())
+        })
+    }
+
+    /// Async: one worker's share of the round: v += g / W, w -= lr * g / W.
+    fn apply_gradient(&mut self, grad: &Tensor) -> Result<()> {
+        let c = self.sgd.config;
+        tch::no_grad(|| -> Result<()> {
+            self.scratch.f_copy_(grad)?;
+            let _ = self.scratch.f_mul_scalar_(1.0 / self.workers as f64)?;
+            if c.momentum != 0.0 {
+                let _ = self.velocity.f_add_(&self.scratch)?;
+            }
+            let _ = self.scratch.f_mul_scalar_(c.lr)?;
+            let _ = self.weights.f_sub_(&self.scratch)?;
+            Ok(())
+        })
+    }
+}
+
+/// Waits for the next message from `source` (any tag), reporting a silent worker after the
+/// configured timeout instead of waiting forever.
+fn probe_from(comm: &SimpleCommunicator, source: Rank, timeout: Duration) -> Result<(mpi::point_to_point::Message, Status)> {
+    let start = Instant::now();
+    let mut idle = 0u32;
+    loop {
+        if let Some(found) = comm.process_at_rank(source).immediate_matched_probe() {
+            return Ok(found);
+        }
+        if start.elapsed() > timeout {
+            return Err(Error::exchange("ps", format!("worker rank {source} has sent nothing for {:.0} s (--ps-timeout-s)", timeout.as_secs_f64())));
+        }
+        backoff(&mut idle, false);
+    }
+}
+
+/// How a waiting server passes time: spin briefly, then yield the core (a rank sharing a core
+/// with others must not starve them); a colocated server thread, which shares its core with
+/// its own rank's worker, sleeps once it has been idle for a while.
+fn backoff(idle: &mut u32, colocated: bool) {
+    *idle = idle.saturating_add(1);
+    if *idle < 64 {
+        std::hint::spin_loop();
+    } else if !colocated || *idle < 256 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+/// One synchronous round on a dedicated server: a push from every worker (in worker order),
+/// then the result to every worker. Returns false when the workers said DONE instead.
+fn serve_sync_round(state: &mut ServerState, up: &SendComm, down: &SendComm, workers: &[Rank], config: &PsConfig, optimize: bool) -> Result<bool> {
+    let (up, down) = (up.comm(), down.comm());
+    let share = state.weights.numel() as i64;
+    let mut done = 0;
+    let mut received = 0;
+    for (k, &w) in workers.iter().enumerate() {
+        let (message, status) = probe_from(up, w, config.timeout)?;
+        match status.tag() {
+            DONE => {
+                message.matched_receive_into(&mut [0u8; 0][..]);
+                done += 1;
+            }
+            PUSH => {
+                let target = if k == 0 || received == 0 { &mut state.sum } else { &mut state.scratch };
+                let mut view = target.f_narrow(0, 0, share)?;
+                message.matched_receive_into(raw::host_slice_mut::<f32>(&mut view)?);
+                if received > 0 {
+                    let _ = state.sum.f_add_(&state.scratch)?;
+                }
+                received += 1;
+            }
+            tag => return Err(Error::exchange("ps", format!("unexpected message tag {tag} from rank {w}"))),
+        }
+    }
+    if done == workers.len() {
+        return Ok(false);
+    }
+    if done > 0 {
+        return Err(Error::exchange("ps", format!("{done} worker(s) finished while {received} still pushed: the workers ran different step counts")));
+    }
+    let result = if optimize {
+        let _ = state.sum.f_mul_scalar_(1.0 / state.workers as f64)?;
+        let mut w = [state.weights.shallow_clone()];
+        let mut g = [state.sum.shallow_clone()];
+        state.sgd.step(&mut w, &mut g)?;
+        state.weights.shallow_clone()
+    } else {
+        state.sum.shallow_clone()
+    };
+    let out = raw::host_slice::<f32>(&result)?;
+    mpi::request::scope(|scope| {
+        let sends: Vec<_> = workers.iter().map(|&w| down.process_at_rank(w).immediate_send_with_tag(scope, out, PULL)).collect();
+        sends.into_iter().for_each(|r| r.wait_without_status());
+    });
+    Ok(true)
+}
+
+/// Synchronous server loop: rounds until every worker is done, then the final weights.
+fn serve_sync(mut state: ServerState, up: &SendComm, down: &SendComm, workers: &[Rank], config: &PsConfig) -> Result<(ServerState, Staleness)> {
+    while serve_sync_round(&mut state, up, down, workers, config, true)? {}
+    send_final(&state, down, workers)?;
+    Ok((state, Staleness::default()))
+}
+
+fn send_final(state: &ServerState, down: &SendComm, workers: &[Rank]) -> Result<()> {
+    let out = raw::host_slice::<f32>(&state.weights)?;
+    for &w in workers {
+        down.comm().process_at_rank(w).send_with_tag(out, FINAL);
+    }
+    Ok(())
+}
+
+/// Asynchronous server loop (on a dedicated rank, or in a colocated rank's server thread).
+fn serve_async(mut state: ServerState, up: &SendComm, down: &SendComm, workers: &[Rank], config: &PsConfig, colocated: bool) -> Result<(ServerState, Staleness)> {
+    let (up_c, down_c) = (up.comm(), down.comm());
+    let n = workers.len();
+    let share = state.weights.numel() as i64;
+    let index_of = |rank: Rank| workers.iter().position(|&w| w == rank);
+    // Per worker: gradients received (its clock), whether it is done, the complete rounds its
+    // current weights include, and a held-back answer (the round it waits on).
+    let mut clock = vec![0u64; n];
+    let mut done = vec![false; n];
+    let mut sent_complete = vec![0u64; n];
+    let mut waiting: Vec<Option<u64>> = vec![None; n];
+    let mut last_heard = vec![Instant::now(); n];
+    let mut rounds_started = 0u64;
+    let mut staleness = Staleness::default();
+    let mut incoming = Tensor::f_zeros([share], (Kind::Float, Device::Cpu))?;
+    let mut idle = 0u32;
+    let bound = config.max_staleness;
+
+    loop {
+        match up_c.any_process().immediate_matched_probe() {
+            Some((message, status)) => {
+                idle = 0;
+                let source = status.source_rank();
+                let w = index_of(source).ok_or_else(|| Error::exchange("ps", format!("a message from rank {source}, which is not a worker")))?;
+                last_heard[w] = Instant::now();
+                match status.tag() {
+                    PUSH => {
+                        message.matched_receive_into(raw::host_slice_mut::<f32>(&mut incoming)?);
+                        let round = clock[w];
+                        let s = round.saturating_sub(sent_complete[w]);
+                        staleness.sum += s as f64;
+                        staleness.count += 1;
+                        staleness.max = staleness.max.max(s);
+                        if round == rounds_started {
+                            state.start_round()?;
+                            rounds_started += 1;
+                        }
+                        state.apply_gradient(&incoming)?;
+                        clock[w] += 1;
+                        waiting[w] = Some(round);
+                    }
+                    DONE => {
+                        message.matched_receive_into(&mut [0u8; 0][..]);
+                        done[w] = true;
+                    }
+                    tag => return Err(Error::exchange("ps", format!("unexpected message tag {tag} from rank {source}"))),
+                }
+                // Rounds every active worker has pushed; a finished worker holds no one back.
+                let complete = (0..n).filter(|&v| !done[v]).map(|v| clock[v]).min().unwrap_or(u64::MAX);
+                for v in 0..n {
+                    let Some(round) = waiting[v] else { continue };
+                    // The worker's next round is round + 1; its weights must include every
+                    // round before round + 1 - S.
+                    let needed = match bound {
+                        Some(s) => (round + 1).saturating_sub(s),
+                        None => 0,
+                    };
+                    if complete >= needed {
+                        down_c.process_at_rank(workers[v]).send_with_tag(raw::host_slice::<f32>(&state.weights)?, PULL);
+                        sent_complete[v] = complete.min(round + 1);
+                        waiting[v] = None;
+                    }
+                }
+                if done.iter().all(|&d| d) {
+                    break;
+                }
+            }
+            None => {
+                if let Some(v) = (0..n).find(|&v| !done[v] && waiting[v].is_none() && last_heard[v].elapsed() > config.timeout) {
+                    return Err(Error::exchange("ps", format!(
+                        "worker rank {} has sent nothing for {:.0} s (--ps-timeout-s)",
+                        workers[v], config.timeout.as_secs_f64()
+                    )));
+                }
+                backoff(&mut idle, colocated);
+            }
+        }
+    }
+    send_final(&state, down, workers)?;
+    Ok((state, staleness))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partition_balances_bytes() {
+        let sizes = [100, 10, 60, 50, 5, 5];
+        let server_of = partition(&sizes, 2).unwrap();
+        let mut load = [0usize; 2];
+        for (t, &s) in server_of.iter().enumerate() {
+            load[s] += sizes[t];
+        }
+        assert_eq!(load, [115, 115]);
+        assert!(partition(&sizes, 7).unwrap_err().to_string().contains("6 parameter tensors"));
+    }
+
+    #[test]
+    fn roles_leave_workers_or_fail() {
+        let cfg = PsConfig { servers: 2, ..PsConfig::default() };
+        let roles = Roles::new(5, &cfg).unwrap();
+        assert_eq!(roles.workers, vec![0, 1, 2]);
+        assert_eq!(roles.servers, vec![3, 4]);
+        assert!(Roles::new(2, &cfg).is_err());
+        let colocated = Roles::new(3, &PsConfig { colocate: true, ..cfg }).unwrap();
+        assert_eq!(colocated.servers, vec![0, 1, 2]);
+        assert_eq!(colocated.workers, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn the_split_async_update_is_the_synchronous_update() {
+        let sgd = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
+        let cfg = PsConfig { sgd, ..PsConfig::default() };
+        let w0 = Tensor::from_slice(&[1.0f32, -2.0, 0.5]);
+        let grads = [Tensor::from_slice(&[0.3f32, 0.1, -0.2]), Tensor::from_slice(&[-0.1f32, 0.4, 0.2])];
+        let mut sync = ServerState::new(w0.copy(), 2, &cfg).unwrap();
+        let mut split = ServerState::new(w0.copy(), 2, &cfg).unwrap();
+        for round in 0..3 {
+            let scaled: Vec<Tensor> = grads.iter().map(|g| g * (round as f64 + 1.0)).collect();
+            sync.combine(&scaled, true).unwrap();
+            split.start_round().unwrap();
+            for g in &scaled {
+                split.apply_gradient(g).unwrap();
+            }
+        }
+        let diff = (&sync.weights - &split.weights).abs().max().double_value(&[]);
+        assert!(diff < 1e-6, "{diff}");
+    }
+}
