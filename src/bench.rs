@@ -149,6 +149,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         segment_bytes: (args.segment_kb as usize) << 10,
         // The parameter server's benchmark round sums; its optimizer is not used.
         ps: args.ps.config(crate::optim::SgdConfig { lr: 0.0, momentum: 0.0, weight_decay: 0.0 }),
+        horovod: world.agree(args.horovod.config())?,
     };
 
     if world.is_root() {
@@ -235,7 +236,9 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         for (index, ((kind_s, exchange), tensors)) in exchanges.iter().zip(&outputs).enumerate() {
             // Ranks whose buffers do not count (dedicated servers) have nothing to check.
             let wrong_local = if contributors[index].contains(&rank) {
-                count_wrong(tensors, &sizes, &contributors[index], references[index].as_deref(), args.dtype)?
+                // A strategy that compresses is held to its wire format's rounding.
+                let precision = exchange.wire_dtype().unwrap_or(args.dtype);
+                count_wrong(tensors, &sizes, &contributors[index], references[index].as_deref(), precision)?
             } else {
                 0
             };

@@ -114,6 +114,9 @@ pub struct BenchArgs {
 
     #[command(flatten)]
     pub ps: PsArgs,
+
+    #[command(flatten)]
+    pub horovod: HorovodArgs,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -167,6 +170,77 @@ impl PsArgs {
 
     pub fn roles(&self) -> crate::exchange::RoleOptions {
         crate::exchange::RoleOptions { servers: self.servers, colocate: self.ps_colocate }
+    }
+}
+
+/// Horovod-style options (training and bench). Unset flags fall back to Horovod's
+/// environment variables, then to Horovod's defaults.
+#[derive(Args, Debug, Clone)]
+pub struct HorovodArgs {
+    /// Background cycle in milliseconds [env HOROVOD_CYCLE_TIME; default 1].
+    #[arg(long)]
+    pub cycle_time_ms: Option<f64>,
+    /// Fusion buffer in MiB, 0 = no fusion [env HOROVOD_FUSION_THRESHOLD in bytes; default 128].
+    #[arg(long)]
+    pub fusion_threshold_mb: Option<f64>,
+    /// Cast gradients to 16 bits for the exchange.
+    #[arg(long, value_enum, default_value_t = crate::exchange::horovod::Compression::None)]
+    pub compression: crate::exchange::horovod::Compression,
+    /// Reduce within nodes, all-reduce across nodes, broadcast within nodes
+    /// [env HOROVOD_HIERARCHICAL_ALLREDUCE=1].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub hierarchical: Option<bool>,
+    /// Write a Chrome-tracing timeline of every rank's exchange events [env HOROVOD_TIMELINE].
+    #[arg(long)]
+    pub timeline: Option<PathBuf>,
+    /// Warn about tensors that some ranks enqueued and others not, after this many seconds
+    /// [env HOROVOD_STALL_CHECK_TIME_SECONDS; default 60].
+    #[arg(long)]
+    pub stall_warning_s: Option<f64>,
+    /// Test hook: enqueue in a rank-dependent order, spread over cycles.
+    #[arg(long, hide = true)]
+    pub horovod_shuffle_enqueue: bool,
+    /// Test hook RANK:SECONDS: that rank holds its last tensor back this long once.
+    #[arg(long, hide = true)]
+    pub horovod_test_delay: Option<String>,
+}
+
+impl HorovodArgs {
+    pub fn config(&self) -> crate::error::Result<crate::exchange::horovod::HorovodConfig> {
+        use crate::exchange::horovod::{env_or, HorovodConfig};
+        use std::time::Duration;
+        let positive = |s: &str| s.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0);
+        let cycle_ms = env_or(self.cycle_time_ms, "HOROVOD_CYCLE_TIME", positive, 1.0)?;
+        let fusion_mb = env_or(self.fusion_threshold_mb, "HOROVOD_FUSION_THRESHOLD", |s| positive(s).map(|b| b / (1 << 20) as f64), 128.0)?;
+        let hierarchical = env_or(self.hierarchical, "HOROVOD_HIERARCHICAL_ALLREDUCE", |s| match s {
+            "1" | "true" | "True" | "TRUE" => Some(true),
+            "0" | "false" | "False" | "FALSE" => Some(false),
+            _ => None,
+        }, false)?;
+        let timeline = env_or(self.timeline.clone().map(Some), "HOROVOD_TIMELINE", |s| Some(Some(PathBuf::from(s))), None)?;
+        let stall = env_or(self.stall_warning_s, "HOROVOD_STALL_CHECK_TIME_SECONDS", positive, 60.0)?;
+        for (flag, v) in [("--cycle-time-ms", cycle_ms), ("--fusion-threshold-mb", fusion_mb), ("--stall-warning-s", stall)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(crate::error::Error::usage(format!("{flag} {v}: expected a number of 0 or more")));
+            }
+        }
+        Ok(HorovodConfig {
+            cycle_time: Duration::from_secs_f64(cycle_ms / 1e3),
+            fusion_threshold: (fusion_mb * (1 << 20) as f64) as usize,
+            compression: self.compression,
+            hierarchical,
+            timeline,
+            stall_warning: Duration::from_secs_f64(stall),
+            shuffle_enqueue: self.horovod_shuffle_enqueue,
+            test_delay: match &self.horovod_test_delay {
+                None => None,
+                Some(spec) => {
+                    let parsed = spec.split_once(':').and_then(|(r, s)| Some((r.parse::<usize>().ok()?, s.parse::<f64>().ok()?)));
+                    let (rank, secs) = parsed.ok_or_else(|| crate::error::Error::usage(format!("--horovod-test-delay {spec:?}: expected RANK:SECONDS")))?;
+                    Some((rank, Duration::from_secs_f64(secs)))
+                }
+            },
+        })
     }
 }
 
@@ -271,6 +345,9 @@ pub struct TrainArgs {
 
     #[command(flatten)]
     pub ps: PsArgs,
+
+    #[command(flatten)]
+    pub horovod: HorovodArgs,
 }
 
 #[derive(Subcommand, Debug)]

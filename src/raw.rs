@@ -305,3 +305,70 @@ pub fn abort_world(code: i32) -> ! {
     }
     std::process::exit(code) // MPI_Abort does not return; this satisfies the type checker
 }
+
+/// `MPI_Reduce` to `root` of `comm`, in place on the root (MPI_IN_PLACE there); on the other
+/// ranks `buf` is only read. Host memory, or device memory with a CUDA-aware MPI.
+pub fn reduce_in_place<E: Element>(
+    comm: &SimpleCommunicator,
+    t: &mut Tensor,
+    op: &impl mpi::collective::Operation,
+    root: c_int,
+) -> Result<()> {
+    use mpi::traits::{AsRaw as _, Communicator as _};
+    let len = if t.device().is_cuda() { check_layout::<E>(t)? } else { check_host::<E>(t)? };
+    if len == 0 {
+        return Ok(());
+    }
+    if len > MAX_MPI_COUNT {
+        return Err(Error::exchange("MPI_Reduce", format!("{len} elements exceed one call's count")));
+    }
+    let datatype = <E::Wire as Equivalence>::equivalent_datatype();
+    let ptr = t.data_ptr();
+    let is_root = comm.rank() == root;
+    // SAFETY: `ptr` is the tensor's memory of `len` elements of E (checked above: contiguous,
+    // of E, on the host or on the device for a CUDA-aware MPI); the tensor is borrowed mutably
+    // for the call. On the root the buffer is both input and output (MPI_IN_PLACE); elsewhere
+    // it is the send buffer and the receive buffer is ignored by MPI.
+    let rc = unsafe {
+        if is_root {
+            mpi::ffi::MPI_Reduce(hpc_train_mpi_in_place(), ptr, len as c_int, datatype.as_raw(), op.as_raw(), root, comm.as_raw())
+        } else {
+            mpi::ffi::MPI_Reduce(ptr, std::ptr::null_mut(), len as c_int, datatype.as_raw(), op.as_raw(), root, comm.as_raw())
+        }
+    };
+    if rc != 0 {
+        return Err(Error::exchange("MPI_Reduce", format!("returned error code {rc}")));
+    }
+    Ok(())
+}
+
+/// Copies `len` elements from `src` at element `src_at` to `dst` at element `dst_at`, when
+/// both are contiguous CPU tensors of one dtype and the ranges lie inside them, as a plain
+/// memory copy: libtorch's copy costs microseconds of dispatch (and views more), which adds up
+/// over the hundreds of small tensors of a fusion buffer. Returns false, copying nothing, when
+/// the tensors do not qualify (the caller then uses libtorch).
+pub fn copy_host_elements(dst: &mut Tensor, dst_at: usize, src: &Tensor, src_at: usize, len: usize) -> bool {
+    let qualifies = dst.device() == Device::Cpu
+        && src.device() == Device::Cpu
+        && dst.kind() == src.kind()
+        && dst.is_contiguous()
+        && src.is_contiguous()
+        && dst_at + len <= dst.numel()
+        && src_at + len <= src.numel();
+    if !qualifies {
+        return false;
+    }
+    if len == 0 {
+        return true;
+    }
+    let elem = dst.kind().elt_size_in_bytes();
+    // SAFETY: both tensors are contiguous CPU tensors of the same element size, and the ranges
+    // [at, at + len) lie inside each (checked above), so both pointers stay in their
+    // allocations; `dst` is borrowed mutably; `ptr::copy` tolerates overlapping ranges.
+    unsafe {
+        let s = (src.data_ptr() as *const u8).add(src_at * elem);
+        let d = (dst.data_ptr() as *mut u8).add(dst_at * elem);
+        std::ptr::copy(s, d, len * elem);
+    }
+    true
+}

@@ -285,6 +285,7 @@ pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result
         bucket_bytes: (args.bucket_mb * (1 << 20) as f64) as usize,
         segment_bytes: (args.segment_kb as usize) << 10,
         ps: args.ps.config(sgd_config),
+        horovod: world.agree(args.horovod.config())?,
     };
     let mut exchange = world.agree(exchange::build(args.strategy, world, &config))?;
     world.agree(exchange.prepare(&net.params))?;

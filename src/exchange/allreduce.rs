@@ -95,6 +95,17 @@ impl SumOps {
     }
 }
 
+impl SumOps {
+    /// Sums a flat tensor over `comm` into the `root` rank's copy (MPI_Reduce, in place there).
+    pub fn reduce_sum_to_root(&self, comm: &SimpleCommunicator, bucket: &mut Tensor, root: i32) -> Result<()> {
+        match common_dtype(std::slice::from_ref(bucket))? {
+            Dtype::F32 => raw::reduce_in_place::<f32>(comm, bucket, &SystemOperation::sum(), root),
+            Dtype::F16 => raw::reduce_in_place::<f16>(comm, bucket, &&self.f16, root),
+            Dtype::Bf16 => raw::reduce_in_place::<bf16>(comm, bucket, &&self.bf16, root),
+        }
+    }
+}
+
 impl Default for SumOps {
     fn default() -> Self {
         SumOps::new()

@@ -7,6 +7,7 @@
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
+use crate::raw;
 
 /// Where one tensor sits in its bucket.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -166,17 +167,23 @@ impl Fusion {
 /// Copies the bucket's tensors into its flat buffer.
 pub fn pack(bucket: &Bucket, tensors: &[Tensor], buffer: &mut Tensor) {
     for slot in &bucket.slots {
-        let mut dst = buffer.narrow(0, slot.offset as i64, slot.len as i64);
-        dst.copy_(&tensors[slot.tensor].reshape([-1]));
+        let src = &tensors[slot.tensor];
+        if !raw::copy_host_elements(buffer, slot.offset, src, 0, slot.len) {
+            let mut dst = buffer.narrow(0, slot.offset as i64, slot.len as i64);
+            tch::no_grad(|| dst.copy_(&src.reshape([-1])));
+        }
     }
 }
 
 /// Copies the flat buffer back into the bucket's tensors.
 pub fn unpack(bucket: &Bucket, buffer: &Tensor, tensors: &mut [Tensor]) {
     for slot in &bucket.slots {
-        let src = buffer.narrow(0, slot.offset as i64, slot.len as i64);
-        let mut dst = tensors[slot.tensor].view([-1]);
-        dst.copy_(&src);
+        let dst = &mut tensors[slot.tensor];
+        if !raw::copy_host_elements(dst, 0, buffer, slot.offset, slot.len) {
+            let src = buffer.narrow(0, slot.offset as i64, slot.len as i64);
+            let mut view = dst.view([-1]);
+            tch::no_grad(|| view.copy_(&src));
+        }
     }
 }
 

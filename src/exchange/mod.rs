@@ -13,6 +13,7 @@
 pub mod allreduce;
 pub mod buckets;
 pub mod element;
+pub mod horovod;
 pub mod ps;
 pub mod ring;
 pub mod staging;
@@ -148,6 +149,12 @@ pub trait Exchange {
         true
     }
 
+    /// The precision values travel in when it is lower than the buffers' (compression), which
+    /// sets how closely results can match.
+    fn wire_dtype(&self) -> Option<element::Dtype> {
+        None
+    }
+
     /// One training step's update of `params` from the local gradients `grads`: average the
     /// gradients over the workers, then step the optimizer. A parameter server overrides this
     /// (its servers step the optimizer and send weights back).
@@ -179,6 +186,7 @@ pub struct ExchangeConfig {
     /// Ring segment size in bytes.
     pub segment_bytes: usize,
     pub ps: ps::PsConfig,
+    pub horovod: horovod::HorovodConfig,
 }
 
 /// What decides the ranks' roles: how many are dedicated parameter servers.
@@ -213,7 +221,7 @@ pub fn build(kind: StrategyKind, world: &World, config: &ExchangeConfig) -> Resu
         StrategyKind::Allreduce => Box::new(allreduce::MpiAllreduce::new(world, config)?),
         StrategyKind::Ring => Box::new(ring::RingAllreduce::new(world, config)?),
         StrategyKind::Ps => Box::new(ps::ParameterServer::new(world, config)?),
-        other => return Err(Error::usage(format!("--strategy {other}: not built yet"))),
+        StrategyKind::Horovod => Box::new(horovod::Horovod::new(world, config)?),
     })
 }
 
