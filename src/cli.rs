@@ -165,6 +165,8 @@ impl PsArgs {
             max_staleness: self.max_staleness,
             timeout: std::time::Duration::from_secs_f64(self.ps_timeout_s.max(0.001)),
             sgd,
+            checkpoint_every: None,
+            first_step: 0,
         }
     }
 
@@ -338,6 +340,22 @@ pub struct TrainArgs {
     /// Write the final weights (safetensors, loadable from PyTorch) to this file.
     #[arg(long)]
     pub save_weights: Option<PathBuf>,
+
+    /// Folder for checkpoints (weights and optimizer state; rank 0 writes them).
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+
+    /// Steps between checkpoints (a checkpoint is also written at the end, or when a signal stops training).
+    #[arg(long, default_value_t = 500)]
+    pub checkpoint_every: u64,
+
+    /// Complete checkpoints kept (older ones are removed once a newer one is complete).
+    #[arg(long, default_value_t = 3)]
+    pub keep_checkpoints: usize,
+
+    /// Continue from the newest complete checkpoint in --checkpoint-dir (from the start when there is none).
+    #[arg(long)]
+    pub resume: bool,
 
     /// Record the sample indices each rank trains on, one file per rank in this folder (checks).
     #[arg(long, hide = true)]

@@ -6,10 +6,12 @@ use std::io::Write;
 use clap::Parser;
 
 mod bench;
+mod checkpoint;
 mod cli;
 mod data;
 mod error;
 mod exchange;
+mod faults;
 mod model;
 mod optim;
 mod raw;
@@ -32,7 +34,9 @@ fn main() {
             std::process::exit(e.exit_code());
         }
     };
-    let Some((universe, threading)) = mpi::initialize_with_threading(mpi::Threading::Multiple) else {
+    // MPI_THREAD_MULTIPLE: the Horovod-style strategy and colocated parameter servers run
+    // communication threads; the strategies that need it check what the library provides.
+    let Some((universe, _threading)) = mpi::initialize_with_threading(mpi::Threading::Multiple) else {
         eprintln!("error: MPI was already initialised");
         std::process::exit(1);
     };
@@ -50,7 +54,7 @@ fn main() {
     install_panic_hook(world.rank, world.size);
 
     let result = match &cli.command {
-        None => train::run(&world, &cli.train, threading),
+        None => train::run(&world, &cli.train, &train::RunContext::default()).map(|_| ()),
         Some(Command::Bench(args)) => bench::run(&world, args),
         Some(Command::Data(cmd)) => {
             // Data commands are serial: rank 0 does the work, the others wait for its verdict.

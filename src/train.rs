@@ -15,7 +15,9 @@ use crate::data::loader::{Batch, Loader, Schedule};
 use crate::data::reader::SplitReader;
 use crate::data::{self, DatasetInfo, Labels, Split};
 use crate::error::{Error, Result, WithPath};
-use crate::exchange::{self, ExchangeConfig, Role};
+use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
+use crate::exchange::{self, Exchange, ExchangeConfig, Role};
+use crate::faults::{Fault, Faults};
 use crate::model::{self, InputSpec};
 use crate::optim::{self, Sgd, SgdConfig};
 use crate::raw;
@@ -118,6 +120,8 @@ struct Net {
     vs: nn::VarStore,
     model: nn::FuncT<'static>,
     params: Vec<Tensor>,
+    /// The name of every parameter, in `params` order.
+    param_names: Vec<String>,
     /// Non-trainable state (batch-norm running statistics), by name.
     buffers: Vec<(String, Tensor)>,
 }
@@ -136,13 +140,15 @@ impl Net {
         model::check_forward(&model, spec, device)?;
         let params = vs.trainable_variables();
         let param_addrs: Vec<usize> = params.iter().map(raw::data_address).collect();
-        let mut buffers: Vec<(String, Tensor)> = vs
-            .variables()
-            .into_iter()
-            .filter(|(_, t)| !param_addrs.contains(&raw::data_address(t)))
+        let variables = vs.variables();
+        let param_names: Vec<String> = param_addrs
+            .iter()
+            .map(|a| variables.iter().find(|(_, t)| raw::data_address(t) == *a).map(|(n, _)| n.clone()).expect("every parameter is a variable"))
             .collect();
+        let mut buffers: Vec<(String, Tensor)> =
+            variables.into_iter().filter(|(_, t)| !param_addrs.contains(&raw::data_address(t))).collect();
         buffers.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok((Net { vs, model, params, buffers }, spec))
+        Ok((Net { vs, model, params, param_names, buffers }, spec))
     }
 
     /// Every variable, sorted by name (the same order on every rank).
@@ -255,11 +261,22 @@ struct LossWindow {
     samples: f64,
 }
 
-pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result<()> {
+/// What a caller outside the command line adds to a run (a study tags its runs).
+#[derive(Clone, Debug, Default)]
+pub struct RunContext {
+    pub study: Option<String>,
+}
+
+/// Trains as `args` says on the ranks of `world`; rank 0 returns the run's record (None on the
+/// other ranks, and when the run was stopped by a signal before its end).
+pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Option<RunRecord>> {
     // ---- Set-up, checked on every rank: a problem on any rank stops all of them here. ----
     let plan = world.agree(Plan::resolve(args, world))?;
+    world.agree(check_same_config(world, args))?;
     tch::set_num_threads(plan.threads as i32);
     world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
+    let faults = world.agree(Faults::from_env())?;
+    let stop = StopSignal::install()?;
     let (info, labels) = world.agree(data::open(&args.data))?;
     let global_batch = plan.batch * plan.workers;
     if info.train.len < global_batch {
@@ -272,25 +289,67 @@ pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result
             ),
         )))?;
     }
+    let steps_per_epoch = info.train.len.div_ceil(global_batch) as u64;
+    let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
     let (mut net, spec) = world.agree(Net::new(args, &info, plan.device))?;
     // Same seed on every rank gives the same weights; rank 0's are sent anyway, so that a
     // mismatch (another libtorch, another seed) cannot start.
     broadcast_from_root(&world.comm, &net.named_variables().into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
     let mut grads = optim::define_grads(&net.params)?;
 
+    // ---- Checkpoints: where they go, and the one to continue from. ----
+    let checkpoint_meta = |step: u64, optimizer_steps: u64| CheckpointMeta {
+        format: 0,
+        step,
+        steps_per_epoch,
+        model: args.model.name().into(),
+        dataset: info.name.clone(),
+        train_samples: info.train.len,
+        image_shape: vec![info.channels, info.height, info.width],
+        classes: info.classes,
+        strategy: args.strategy.name().into(),
+        ranks: world.size as usize,
+        workers: plan.workers,
+        batch_per_rank: plan.batch,
+        global_batch,
+        seed: args.seed,
+        sgd: SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay },
+        optimizer_steps,
+        git_commit: results::GIT_COMMIT.into(),
+        timestamp: results::timestamp(),
+        files: Default::default(),
+    };
+    let resume_from = world.agree(find_resume_point(world, args, &checkpoint_meta(0, 0)))?;
+    let mut first_step = 0;
+    if let Some(step) = broadcast_step(&world.comm, resume_from.as_ref().map(|c| c.meta.step)) {
+        first_step = step;
+    }
+    if first_step >= total_steps && resume_from.is_some() {
+        // Nothing left to do; say so rather than train zero steps.
+        if world.is_root() {
+            log::info!("the checkpoint at step {first_step} already covers the {total_steps} steps asked for");
+        }
+    }
+
     let sgd_config = SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay };
+    let mut ps_config = args.ps.config(sgd_config);
+    ps_config.checkpoint_every = args.checkpoint_dir.as_ref().map(|_| args.checkpoint_every);
+    ps_config.first_step = first_step;
     let config = ExchangeConfig {
         device: plan.device,
         cuda_aware: plan.cuda_aware,
         bucket_bytes: (args.bucket_mb * (1 << 20) as f64) as usize,
         segment_bytes: (args.segment_kb as usize) << 10,
-        ps: args.ps.config(sgd_config),
+        ps: ps_config,
         horovod: world.agree(args.horovod.config())?,
     };
     let mut exchange = world.agree(exchange::build(args.strategy, world, &config))?;
     world.agree(exchange.prepare(&net.params))?;
     let role = exchange.role();
     let mut sgd = Sgd::new(sgd_config);
+    if resume_from.is_some() || first_step > 0 {
+        restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut sgd)?;
+    }
 
     // Workers-only communicator: dedicated parameter servers take no part in evaluation.
     let is_worker = matches!(role, Role::Worker { .. });
@@ -304,14 +363,12 @@ pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result
         Role::Server => (0, plan.workers),
     };
     let schedule = Schedule { samples: info.train.len, workers, worker, batch: plan.batch, seed: args.seed };
-    let steps_per_epoch = schedule.steps_per_epoch();
-    let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
 
     if world.is_root() {
         log::info!(
-            "{} on {} rank(s) ({} worker(s), {} node(s)), {} on {} {}x{}x{} ({} train / {} test), batch {}/rank = {} global, {} steps ({:.2} epochs), device {}, {} thread(s)/rank",
+            "{} on {} rank(s) ({} worker(s), {} node(s)), {} on {} {}x{}x{} ({} train / {} test), batch {}/rank = {} global, steps {}..{} ({:.2} epochs), device {}, {} thread(s)/rank",
             args.strategy, world.size, workers, world.nodes(), args.model.name(), info.name, info.channels, info.height, info.width,
-            info.train.len, info.test.len, plan.batch, global_batch, total_steps, total_steps as f64 / steps_per_epoch as f64,
+            info.train.len, info.test.len, plan.batch, global_batch, first_step, total_steps, total_steps as f64 / steps_per_epoch as f64,
             device_name(plan.device), plan.threads
         );
     }
@@ -323,18 +380,21 @@ pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result
     let mut window = LossWindow::default();
     let mut final_loss = f64::NAN;
     let mut rss_warmup = raw::current_rss_mb();
+    let mut last_step = first_step;
+    let mut saved_at: Option<u64> = resume_from.as_ref().map(|c| c.meta.step);
+    let mut stopped = false;
 
     match role {
         Role::Server => exchange.serve(&mut net.params, &mut sgd)?,
         Role::Worker { .. } => {
             let norm = Normalizer::new(&info, plan.device)?;
             let train_labels = Arc::new(labels.train.clone());
-            let mut loader = Loader::spawn(args.data.clone(), train_labels, schedule, 0, total_steps, args.prefetch);
+            let mut loader = Loader::spawn(args.data.clone(), train_labels, schedule, first_step, total_steps, args.prefetch);
             let mut trace = SampleTrace::open(args.trace_samples.as_deref(), world.rank)?;
             let progress = Progress::new(world.is_root(), total_steps, args.log_every);
-            let warmup = args.warmup_steps.min(total_steps.saturating_sub(1));
+            let warmup = first_step + args.warmup_steps.min(total_steps.saturating_sub(first_step + 1));
 
-            for step in 0..total_steps {
+            for step in first_step..total_steps {
                 if step == warmup {
                     rss_warmup = raw::current_rss_mb();
                 }
@@ -342,6 +402,11 @@ pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result
                 let batch = loader.next()?;
                 let data_wait = step_start.elapsed();
                 trace.record(&batch)?;
+                let fault = faults.at(world.rank, step);
+                if fault == Some(&Fault::Exit) {
+                    eprintln!("rank {}: exiting at step {step} (injected fault)", world.rank);
+                    std::process::exit(3);
+                }
 
                 // Forward and backward on this rank's share of the global batch. The loss is the
                 // sum over the rank's samples scaled by workers / global samples, so that the
@@ -350,7 +415,7 @@ pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result
                 let compute_start = Instant::now();
                 optim::zero_grads(&mut grads)?;
                 let n = batch.labels.len();
-                let loss_sum = if n == 0 {
+                let mut loss_sum = if n == 0 {
                     0.0
                 } else {
                     let x = norm.images(&batch.images, n)?;
@@ -360,15 +425,25 @@ pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result
                     loss.f_mul_scalar(workers as f64 / batch.global_samples as f64)?.f_backward()?;
                     loss.f_double_value(&[])?
                 };
+                if fault == Some(&Fault::Nan) {
+                    loss_sum = f64::NAN;
+                }
                 if !loss_sum.is_finite() {
                     return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });
                 }
+                grads = net.grads();
+                if !all_finite(&grads)? {
+                    return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
+                }
                 exchange::staging::synchronize(plan.device);
                 let compute = compute_start.elapsed();
+                if let Some(Fault::Stall(pause)) = fault {
+                    eprintln!("rank {}: stalling {:.1} s at step {step} (injected fault)", world.rank, pause.as_secs_f64());
+                    std::thread::sleep(*pause);
+                }
 
                 // Exchange: every strategy leaves the parameters updated for the next step.
                 let comm_start = Instant::now();
-                grads = net.grads();
                 exchange.update(&mut net.params, &mut grads, &mut sgd)?;
                 exchange::staging::synchronize(plan.device);
                 let optimizer = sgd.take_busy();
@@ -389,6 +464,7 @@ pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result
                 }
                 window.sum += loss_sum;
                 window.samples += n as f64;
+                last_step = step + 1;
 
                 let epoch_end = (step + 1) % steps_per_epoch == 0 || step + 1 == total_steps;
                 if progress.due(step) || epoch_end {
@@ -405,12 +481,47 @@ pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result
                     }
                     last_eval = Some((test_loss, accuracy));
                 }
+
+                // Periodic checkpoint, then a stop request (SIGTERM) seen by any worker: every
+                // worker takes both decisions at the same step.
+                if let Some(dir) = &args.checkpoint_dir {
+                    if last_step % args.checkpoint_every == 0 {
+                        save_checkpoint(world, dir, args.keep_checkpoints, &net, exchange.as_mut(), &sgd, checkpoint_meta(last_step, sgd.steps()))?;
+                        saved_at = Some(last_step);
+                    }
+                }
+                // Asynchronous workers agree only at logging steps, to stay untied.
+                let agree_now = exchange.lockstep() || progress.due(step) || epoch_end;
+                if agree_now && stop.agreed(&workers_comm) {
+                    stopped = last_step < total_steps;
+                    if world.is_root() && stopped {
+                        progress.suspend(|| log::warn!("stop requested (signal): ending after step {last_step} of {total_steps}"));
+                    }
+                    break;
+                }
             }
             progress.finish();
         }
     }
     exchange.finish(&mut net.params)?;
     let rss_end = raw::current_rss_mb();
+
+    // A last checkpoint where training ended (at the end, or where a signal stopped it).
+    if let (Some(dir), true) = (&args.checkpoint_dir, is_worker) {
+        if saved_at != Some(last_step) {
+            save_checkpoint(world, dir, args.keep_checkpoints, &net, exchange.as_mut(), &sgd, checkpoint_meta(last_step, sgd.steps()))?;
+        }
+    }
+    if let (Some(path), true) = (&args.save_weights, world.is_root()) {
+        save_weights(&net, path)?;
+    }
+    let last_step = broadcast_step(&world.comm, Some(last_step)).unwrap_or(last_step);
+    if world.sum_f64(if stopped { 1.0 } else { 0.0 }) > 0.0 {
+        if world.is_root() {
+            println!("hpc-train: stopped by a signal after step {last_step} of {total_steps}; continue with --resume");
+        }
+        return Ok(None);
+    }
 
     // ---- Results: figures over all ranks, written by rank 0. ----
     // Throughput counts the measured steps' own time (evaluation excluded), on the slowest worker.
@@ -426,54 +537,268 @@ pub fn run(world: &World, args: &TrainArgs, threading: mpi::Threading) -> Result
     let rss_warmup_mb = world.max_f64(rss_warmup);
     let rss_end_mb = world.max_f64(rss_end);
     let report = exchange.report();
+    if !world.is_root() {
+        return Ok(None);
+    }
+    let mut extra = report.extra.clone();
+    if first_step > 0 {
+        extra.insert("resumed_from_step".into(), first_step.into());
+    }
+    let steps_run = total_steps.saturating_sub(first_step);
+    let record = RunRecord {
+        strategy: args.strategy.name().into(),
+        ranks: world.size as usize,
+        workers,
+        nodes: world.nodes() as usize,
+        model: args.model.name().into(),
+        dataset: info.name.clone(),
+        image_shape: vec![info.channels, info.height, info.width],
+        batch_per_rank: plan.batch,
+        global_batch,
+        scaling: match args.scaling { Scaling::Weak => "weak".into(), Scaling::Strong => "strong".into() },
+        steps: steps_run,
+        epochs: steps_run as f64 / steps_per_epoch as f64,
+        images_per_sec,
+        step_ms,
+        compute_ms,
+        comm_ms,
+        data_wait_ms,
+        optimizer_ms,
+        final_loss,
+        test_accuracy: last_eval.map(|e| e.1),
+        test_loss: last_eval.map(|e| e.0),
+        device: device_name(plan.device),
+        mpi_library: mpi_library(),
+        cuda_aware: plan.cuda_aware,
+        data_path: report.data_path.map(|p| format!("{p:?}").to_lowercase()),
+        threads: plan.threads,
+        bucket_mb: args.bucket_mb,
+        peak_rss_mb,
+        rss_warmup_mb,
+        rss_end_mb,
+        host: raw::hostname(),
+        git_commit: results::GIT_COMMIT.into(),
+        timestamp: results::timestamp(),
+        study: context.study.clone(),
+        extra,
+    };
+    let runs = results::runs_path(&args.results);
+    results::append_json_line(&runs, &record)?;
+    print_summary(&record, spec, &runs);
+    Ok(Some(record))
+}
 
-    if let (Some(path), true) = (&args.save_weights, world.is_root()) {
-        save_weights(&net, path)?;
+/// Whether every element of every tensor is finite (one small reduction per tensor).
+fn all_finite(tensors: &[Tensor]) -> Result<bool> {
+    for t in tensors {
+        if t.f_isfinite()?.f_all()?.f_int64_value(&[])? == 0 {
+            return Ok(false);
+        }
     }
-    if world.is_root() {
-        let record = RunRecord {
-            strategy: args.strategy.name().into(),
-            ranks: world.size as usize,
-            workers,
-            nodes: world.nodes() as usize,
-            model: args.model.name().into(),
-            dataset: info.name.clone(),
-            image_shape: vec![info.channels, info.height, info.width],
-            batch_per_rank: plan.batch,
-            global_batch,
-            scaling: match args.scaling { Scaling::Weak => "weak".into(), Scaling::Strong => "strong".into() },
-            steps: total_steps,
-            epochs: total_steps as f64 / steps_per_epoch as f64,
-            images_per_sec,
-            step_ms,
-            compute_ms,
-            comm_ms,
-            data_wait_ms,
-            optimizer_ms,
-            final_loss,
-            test_accuracy: last_eval.map(|e| e.1),
-            test_loss: last_eval.map(|e| e.0),
-            device: device_name(plan.device),
-            mpi_library: mpi_library(),
-            cuda_aware: plan.cuda_aware,
-            data_path: report.data_path.map(|p| format!("{p:?}").to_lowercase()),
-            threads: plan.threads,
-            bucket_mb: args.bucket_mb,
-            peak_rss_mb,
-            rss_warmup_mb,
-            rss_end_mb,
-            host: raw::hostname(),
-            git_commit: results::GIT_COMMIT.into(),
-            timestamp: results::timestamp(),
-            study: None,
-            extra: report.extra.clone(),
-        };
-        let runs = results::runs_path(&args.results);
-        results::append_json_line(&runs, &record)?;
-        print_summary(&record, spec, &runs);
+    Ok(true)
+}
+
+/// SIGTERM (what Slurm sends before the time limit) and SIGUSR1 (what `--signal` jobs often
+/// ask for) set a flag; the workers agree on it after every step, so that all stop together.
+struct StopSignal(Arc<std::sync::atomic::AtomicBool>);
+
+impl StopSignal {
+    fn install() -> Result<StopSignal> {
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGUSR1] {
+            signal_hook::flag::register(signal, flag.clone())
+                .map_err(|e| Error::usage(format!("cannot install the handler of signal {signal}: {e}")))?;
+        }
+        Ok(StopSignal(flag))
     }
-    let _ = threading;
+
+    /// Whether any rank of `comm` has been asked to stop (collective over `comm`).
+    fn agreed(&self, comm: &SimpleCommunicator) -> bool {
+        let mine = i32::from(self.0.load(std::sync::atomic::Ordering::Relaxed));
+        let mut any = 0;
+        comm.all_reduce_into(&mine, &mut any, mpi::collective::SystemOperation::max());
+        any != 0
+    }
+}
+
+/// Rank 0's value of a step, on every rank (None travels as u64::MAX).
+fn broadcast_step(comm: &SimpleCommunicator, step: Option<u64>) -> Option<u64> {
+    let mut value = step.unwrap_or(u64::MAX);
+    comm.process_at_rank(0).broadcast_into(&mut value);
+    (value != u64::MAX).then_some(value)
+}
+
+/// Rank 0 finds the newest complete checkpoint when `--resume` is given and checks that this
+/// run may continue from it.
+fn find_resume_point(world: &World, args: &TrainArgs, now: &CheckpointMeta) -> Result<Option<Checkpoint>> {
+    if let Some(dir) = &args.checkpoint_dir {
+        if world.is_root() {
+            checkpoint::check_writable(dir)?;
+        }
+        if args.ps.ps_mode == crate::exchange::ps::PsMode::Async && args.strategy == exchange::StrategyKind::Ps {
+            return Err(Error::usage(
+                "--checkpoint-dir with --ps-mode async: asynchronous servers hold no state consistent across ranks at any step; checkpoint a synchronous run",
+            ));
+        }
+        if args.checkpoint_every == 0 {
+            return Err(Error::usage("--checkpoint-every 0: expected a number of steps, at least 1"));
+        }
+    }
+    if !args.resume {
+        return Ok(None);
+    }
+    let Some(dir) = &args.checkpoint_dir else {
+        return Err(Error::usage("--resume needs --checkpoint-dir (where the checkpoints are)"));
+    };
+    if !world.is_root() {
+        return Ok(None);
+    }
+    match checkpoint::find_latest(dir)? {
+        None => {
+            log::warn!("--resume: no complete checkpoint in {}; starting from the beginning", dir.display());
+            Ok(None)
+        }
+        Some(found) => {
+            let accepted = checkpoint::check_compatible(&found.meta, now)
+                .map_err(|reason| Error::Checkpoint { path: found.dir.clone(), reason: format!("refused: {reason}") })?;
+            for change in accepted {
+                log::warn!("resuming from {} with a change: {change}", found.dir.display());
+            }
+            log::info!("resuming from {} (step {}, epoch {})", found.dir.display(), found.meta.step, found.meta.epoch() + 1);
+            Ok(Some(found))
+        }
+    }
+}
+
+/// Loads the checkpoint on rank 0 and sends weights and momentum to every rank.
+fn restore(world: &World, found: Option<&Checkpoint>, net: &mut Net, exchange: &mut dyn Exchange, sgd: &mut Sgd) -> Result<()> {
+    let loaded = world.agree(match found {
+        Some(c) if world.is_root() => checkpoint::load(c).map(Some),
+        _ => Ok(None),
+    })?;
+    let variables = net.named_variables();
+    let momentum: Vec<Tensor> = net.params.iter().map(|p| p.f_zeros_like()).collect::<std::result::Result<_, _>>()?;
+    let mut optimizer_steps = 0.0;
+    world.agree((|| -> Result<()> {
+        if let Some((weights, saved_momentum)) = &loaded {
+            tch::no_grad(|| -> Result<()> {
+                for (name, t) in &variables {
+                    let w = weights.get(name).ok_or_else(|| Error::Checkpoint { path: found.unwrap().dir.clone(), reason: format!("no tensor {name}") })?;
+                    t.shallow_clone().f_copy_(w)?;
+                }
+                for (name, m) in net.param_names.iter().zip(&momentum) {
+                    if let Some(saved) = saved_momentum.get(name) {
+                        m.shallow_clone().f_copy_(saved)?;
+                    }
+                }
+                Ok(())
+            })?;
+            optimizer_steps = found.unwrap().meta.optimizer_steps as f64;
+        }
+        Ok(())
+    })())?;
+    broadcast_from_root(&world.comm, &variables.into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
+    broadcast_from_root(&world.comm, &momentum)?;
+    let mut steps = optimizer_steps;
+    world.comm.process_at_rank(0).broadcast_into(&mut steps);
+    exchange.restore_optimizer(&net.params, momentum, steps as u64, sgd)
+}
+
+/// Collects the optimizer state (every worker takes part) and has rank 0 write the checkpoint.
+/// A failed write is logged and training goes on: the previous checkpoint is intact.
+fn save_checkpoint(
+    world: &World,
+    dir: &Path,
+    keep: usize,
+    net: &Net,
+    exchange: &mut dyn Exchange,
+    sgd: &Sgd,
+    meta: CheckpointMeta,
+) -> Result<()> {
+    let momentum = exchange.optimizer_state(&net.params, sgd)?;
+    if !world.is_root() {
+        return Ok(());
+    }
+    let momentum = momentum.ok_or_else(|| Error::exchange("checkpoint", "rank 0 received no optimizer state"))?;
+    let named_momentum: Vec<(String, Tensor)> = net.param_names.iter().cloned().zip(momentum).collect();
+    let step = meta.step;
+    match checkpoint::save(dir, meta, &net.named_variables(), &named_momentum, keep) {
+        Ok(path) => log::info!("checkpoint at step {step}: {}", path.display()),
+        Err(e) => log::error!("checkpoint at step {step} failed, training goes on (the previous one is intact): {e}"),
+    }
     Ok(())
+}
+
+/// Compares the run's configuration across ranks before any training: every rank must run the
+/// same binary with the same options on the same data.
+fn check_same_config(world: &World, args: &TrainArgs) -> Result<()> {
+    let mine = config_fingerprint(args);
+    let text = mine.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join("\n");
+    let hash = crc32fast::hash(text.as_bytes());
+    let mut hashes = vec![0u32; world.size as usize];
+    world.comm.all_gather_into(&hash, &mut hashes[..]);
+    if hashes.iter().all(|&h| h == hashes[0]) {
+        return Ok(());
+    }
+    // Somebody differs: rank 0 gathers the texts to say what.
+    let bytes = text.into_bytes();
+    let count = bytes.len() as i32;
+    let root = world.comm.process_at_rank(0);
+    if !world.is_root() {
+        root.gather_into(&count);
+        root.gather_varcount_into(&bytes[..]);
+        return Err(Error::usage("configuration differs between ranks"));
+    }
+    let mut counts = vec![0i32; world.size as usize];
+    root.gather_into_root(&count, &mut counts[..]);
+    let displs: Vec<i32> = counts.iter().scan(0, |acc, &c| { let d = *acc; *acc += c; Some(d) }).collect();
+    let mut all = vec![0u8; counts.iter().sum::<i32>() as usize];
+    {
+        let mut partition = mpi::datatype::PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
+        root.gather_varcount_into_root(&bytes[..], &mut partition);
+    }
+    let mut differences = Vec::new();
+    for r in 1..world.size as usize {
+        let theirs = String::from_utf8_lossy(&all[displs[r] as usize..(displs[r] + counts[r]) as usize]).into_owned();
+        for line in theirs.lines() {
+            let (key, value) = line.split_once('=').unwrap_or((line, ""));
+            let ours = mine.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str()).unwrap_or("(absent)");
+            if ours != value {
+                differences.push(format!("{key} is {ours} on rank 0 but {value} on rank {r}"));
+            }
+        }
+    }
+    differences.truncate(8);
+    Err(Error::usage(format!("the ranks were started with different configurations: {}", differences.join("; "))))
+}
+
+/// The settings every rank must share, as (name, value) pairs.
+fn config_fingerprint(args: &TrainArgs) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = vec![
+        ("binary".into(), format!("{} {}", env!("CARGO_PKG_VERSION"), results::GIT_COMMIT)),
+        ("strategy".into(), args.strategy.name().into()),
+        ("model".into(), args.model.name().into()),
+        ("data".into(), args.data.display().to_string()),
+        ("batch-size".into(), args.batch_size.to_string()),
+        ("scaling".into(), format!("{:?}", args.scaling)),
+        ("global-batch".into(), format!("{:?}", args.global_batch)),
+        ("epochs".into(), args.epochs.to_string()),
+        ("steps".into(), format!("{:?}", args.steps)),
+        ("lr".into(), args.lr.to_string()),
+        ("momentum".into(), args.momentum.to_string()),
+        ("weight-decay".into(), args.weight_decay.to_string()),
+        ("seed".into(), args.seed.to_string()),
+        ("bucket-mb".into(), args.bucket_mb.to_string()),
+        ("segment-kb".into(), args.segment_kb.to_string()),
+        ("device".into(), format!("{:?}", args.device)),
+        ("checkpoint-dir".into(), format!("{:?}", args.checkpoint_dir)),
+        ("checkpoint-every".into(), args.checkpoint_every.to_string()),
+        ("resume".into(), args.resume.to_string()),
+        ("ps".into(), format!("{:?}", args.ps)),
+        ("horovod".into(), format!("{:?}", args.horovod)),
+    ];
+    out.sort();
+    out
 }
 
 impl Timings {

@@ -149,6 +149,13 @@ pub trait Exchange {
         true
     }
 
+    /// Whether the workers move in lockstep (every update waits for all of them), so that a
+    /// per-step agreement between them costs nothing extra. Asynchronous workers must not be
+    /// tied together every step.
+    fn lockstep(&self) -> bool {
+        true
+    }
+
     /// The precision values travel in when it is lower than the buffers' (compression), which
     /// sets how closely results can match.
     fn wire_dtype(&self) -> Option<element::Dtype> {
@@ -170,6 +177,21 @@ pub trait Exchange {
 
     /// Called by every rank once training ends (workers done, servers released).
     fn finish(&mut self, _params: &mut [Tensor]) -> Result<()> {
+        Ok(())
+    }
+
+    /// For a checkpoint, called by every worker at the same step (and after `finish` for the
+    /// last one): the momentum buffer of every parameter, wherever the optimizer state lives.
+    /// The value matters on rank 0, which writes the checkpoint. By default the local
+    /// optimizer's, which is the same on every rank for the averaging strategies.
+    fn optimizer_state(&mut self, params: &[Tensor], sgd: &Sgd) -> Result<Option<Vec<Tensor>>> {
+        Ok(Some(momentum_or_zeros(params, sgd)?))
+    }
+
+    /// On resume, on every rank: the momentum buffers of every parameter, from the checkpoint
+    /// (the parameters already hold the checkpoint's weights).
+    fn restore_optimizer(&mut self, _params: &[Tensor], momentum: Vec<Tensor>, steps: u64, sgd: &mut Sgd) -> Result<()> {
+        sgd.restore(momentum.into_iter().map(Some).collect(), steps);
         Ok(())
     }
 
@@ -223,6 +245,19 @@ pub fn build(kind: StrategyKind, world: &World, config: &ExchangeConfig) -> Resu
         StrategyKind::Ps => Box::new(ps::ParameterServer::new(world, config)?),
         StrategyKind::Horovod => Box::new(horovod::Horovod::new(world, config)?),
     })
+}
+
+/// The momentum buffers of `sgd` for `params`, zeros before its first step.
+pub fn momentum_or_zeros(params: &[Tensor], sgd: &Sgd) -> Result<Vec<Tensor>> {
+    let buffers = sgd.momentum_buffers();
+    params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match buffers.get(i) {
+            Some(Some(m)) => Ok(m.shallow_clone()),
+            _ => Ok(p.f_zeros_like()?),
+        })
+        .collect()
 }
 
 /// All-reduce bus factor for `n` ranks: 2(n-1)/n.

@@ -18,8 +18,9 @@
 //!   exactly the synchronous update.
 //!
 //! Messages: PUSH (worker to server, gradients), PULL (server to worker, weights), DONE (worker
-//! to server, end of training) and FINAL (server to worker, the final weights), each flat
-//! buffer holding the server's tensors in tensor order. Workers send on `up`, servers answer on
+//! to server, end of training), FINAL (server to worker, the final weights) and STATE (server
+//! to rank 0, its momentum buffer, at checkpoints and at the end), each flat buffer holding the
+//! server's tensors in tensor order. Workers send on `up`, servers answer on
 //! `down`, so that a colocated server thread and its rank's worker never take each other's
 //! messages.
 
@@ -46,6 +47,7 @@ const PUSH: Tag = 1;
 const PULL: Tag = 2;
 const DONE: Tag = 3;
 const FINAL: Tag = 4;
+const STATE: Tag = 5;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -66,6 +68,10 @@ pub struct PsConfig {
     /// A server reports a worker that has sent nothing for this long.
     pub timeout: Duration,
     pub sgd: SgdConfig,
+    /// Synchronous servers send their optimizer state to rank 0 after every this many steps.
+    pub checkpoint_every: Option<u64>,
+    /// The global step training starts from (a resumed run).
+    pub first_step: u64,
 }
 
 impl Default for PsConfig {
@@ -77,6 +83,8 @@ impl Default for PsConfig {
             max_staleness: None,
             timeout: Duration::from_secs(600),
             sgd: SgdConfig { lr: 0.1, momentum: 0.0, weight_decay: 0.0 },
+            checkpoint_every: None,
+            first_step: 0,
         }
     }
 }
@@ -172,6 +180,10 @@ pub struct ParameterServer {
     staleness: Staleness,
     /// Whether training pushed through the servers (then finish() tells them it is over).
     trained: bool,
+    /// Momentum buffers from a checkpoint, until the servers take their shares.
+    restored: Option<(Vec<Tensor>, u64)>,
+    /// Rank 0: the servers' momentum, sent with the final weights.
+    final_momentum: Option<Vec<Tensor>>,
 }
 
 impl ParameterServer {
@@ -212,6 +224,8 @@ impl ParameterServer {
             thread: None,
             staleness: Staleness::default(),
             trained: false,
+            restored: None,
+            final_momentum: None,
         })
     }
 
@@ -365,7 +379,29 @@ impl ParameterServer {
         let mut weights = Tensor::f_zeros([bucket.len as i64], (Kind::Float, Device::Cpu))?;
         let host: Vec<Tensor> = params.iter().map(|p| p.f_to_device(Device::Cpu)).collect::<std::result::Result<_, _>>()?;
         pack(&bucket, &host, &mut weights);
-        ServerState::new(weights, self.roles.workers.len(), &self.config)
+        let mut state = ServerState::new(weights, self.roles.workers.len(), &self.config)?;
+        if let Some((momentum, steps)) = &self.restored {
+            state.restore_momentum(&bucket, momentum, *steps)?;
+        }
+        Ok(state)
+    }
+
+    /// Rank 0: every server's momentum share, as one buffer per parameter (`own`: this rank's
+    /// share when it is a server itself).
+    fn collect_momentum(&self, params: &[Tensor], own: Option<Tensor>) -> Result<Vec<Tensor>> {
+        let layout = self.layout.as_ref().expect("layout made first");
+        let mut out: Vec<Tensor> = params.iter().map(|p| Tensor::f_zeros(p.size().as_slice(), (Kind::Float, Device::Cpu))).collect::<std::result::Result<_, _>>()?;
+        for (&server, bucket) in self.roles.servers.iter().zip(&layout.buckets) {
+            let mut share = Tensor::f_zeros([bucket.len as i64], (Kind::Float, Device::Cpu))?;
+            match (&own, server == self.rank) {
+                (Some(mine), true) => share.f_copy_(mine)?,
+                _ => {
+                    self.down.comm().process_at_rank(server).receive_into_with_tag(raw::host_slice_mut::<f32>(&mut share)?, STATE);
+                }
+            }
+            unpack(bucket, &share, &mut out);
+        }
+        Ok(out)
     }
 }
 
@@ -419,6 +455,10 @@ impl Exchange for ParameterServer {
 
     fn contributes(&self) -> bool {
         self.is_worker()
+    }
+
+    fn lockstep(&self) -> bool {
+        self.config.mode == PsMode::Sync
     }
 
     /// Worker: push gradients, pull the weights the servers computed (the local optimizer is
@@ -480,6 +520,11 @@ impl Exchange for ParameterServer {
                     unpack(bucket, buf, params);
                 }
             });
+            // Synchronous servers follow their final weights with their momentum, for the
+            // checkpoint rank 0 may write at the end.
+            if self.config.mode == PsMode::Sync && self.rank == self.roles.workers[0] {
+                self.final_momentum = Some(self.collect_momentum(params, None)?);
+            }
         }
         if let Some(thread) = self.thread.take() {
             self.staleness = thread.join().map_err(|_| Error::exchange("ps", "the server thread panicked"))??;
@@ -491,6 +536,39 @@ impl Exchange for ParameterServer {
         let mut max = 0u64;
         self.control.all_reduce_into(&self.staleness.max, &mut max, SystemOperation::max());
         self.staleness = Staleness { sum: total[0], count: total[1] as u64, max };
+        Ok(())
+    }
+
+    fn optimizer_state(&mut self, params: &[Tensor], _sgd: &Sgd) -> Result<Option<Vec<Tensor>>> {
+        if self.config.mode == PsMode::Async {
+            return Err(Error::exchange("ps", "asynchronous servers have no consistent optimizer state to checkpoint"));
+        }
+        let root = self.roles.workers[0];
+        if let Some(m) = self.final_momentum.take() {
+            return Ok(Some(m));
+        }
+        if self.config.colocate {
+            let share = self.own.as_ref().expect("colocated state").momentum_share()?;
+            if self.rank == root {
+                return Ok(Some(self.collect_momentum(params, Some(share))?));
+            }
+            self.down.comm().process_at_rank(root).send_with_tag(raw::host_slice::<f32>(&share)?, STATE);
+            return Ok(None);
+        }
+        if self.rank == root {
+            return Ok(Some(self.collect_momentum(params, None)?));
+        }
+        Ok(None)
+    }
+
+    fn restore_optimizer(&mut self, params: &[Tensor], momentum: Vec<Tensor>, steps: u64, _sgd: &mut Sgd) -> Result<()> {
+        self.restored = Some((momentum, steps));
+        if self.own.is_some() {
+            // A colocated share made before the checkpoint was loaded: remake it from the
+            // restored weights and momentum. Dedicated servers make theirs when they start.
+            let me = self.server_index().expect("colocated ranks all serve");
+            self.own = Some(self.server_state(me, params)?);
+        }
         Ok(())
     }
 
@@ -531,6 +609,24 @@ impl ServerState {
             workers,
             sgd: Sgd::new(config.sgd),
         })
+    }
+
+    /// This server's momentum buffer (zeros before the first step).
+    fn momentum_share(&self) -> Result<Tensor> {
+        match self.sgd.momentum_buffers().first() {
+            Some(Some(m)) => Ok(m.f_detach_copy()?),
+            _ => Ok(self.weights.f_zeros_like()?),
+        }
+    }
+
+    /// Takes this server's share of the per-parameter `momentum` (from a checkpoint).
+    fn restore_momentum(&mut self, bucket: &Bucket, momentum: &[Tensor], steps: u64) -> Result<()> {
+        let mut share = self.weights.f_zeros_like()?;
+        let host: Vec<Tensor> = momentum.iter().map(|m| m.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)).collect::<std::result::Result<_, _>>()?;
+        pack(bucket, &host, &mut share);
+        self.sgd.restore(vec![Some(share.f_detach_copy()?)], steps);
+        self.velocity.f_copy_(&share)?;
+        Ok(())
     }
 
     /// Sum of the pushes (in worker order); with `optimize`, their mean steps the optimizer and
@@ -663,11 +759,25 @@ fn serve_sync_round(state: &mut ServerState, up: &SendComm, down: &SendComm, wor
     Ok(true)
 }
 
-/// Synchronous server loop: rounds until every worker is done, then the final weights.
+/// Synchronous server loop: rounds until every worker is done, then the final weights. After
+/// every `checkpoint_every` steps, and at the end, the momentum goes to rank 0 for checkpoints.
 fn serve_sync(mut state: ServerState, up: &SendComm, down: &SendComm, workers: &[Rank], config: &PsConfig) -> Result<(ServerState, Staleness)> {
-    while serve_sync_round(&mut state, up, down, workers, config, true)? {}
+    let mut step = config.first_step;
+    while serve_sync_round(&mut state, up, down, workers, config, true)? {
+        step += 1;
+        if config.checkpoint_every.is_some_and(|every| step % every == 0) {
+            send_state(&state, down, workers[0])?;
+        }
+    }
     send_final(&state, down, workers)?;
+    send_state(&state, down, workers[0])?;
     Ok((state, Staleness::default()))
+}
+
+fn send_state(state: &ServerState, down: &SendComm, root: Rank) -> Result<()> {
+    let share = state.momentum_share()?;
+    down.comm().process_at_rank(root).send_with_tag(raw::host_slice::<f32>(&share)?, STATE);
+    Ok(())
 }
 
 fn send_final(state: &ServerState, down: &SendComm, workers: &[Rank]) -> Result<()> {
@@ -695,6 +805,7 @@ fn serve_async(mut state: ServerState, up: &SendComm, down: &SendComm, workers: 
     let mut staleness = Staleness::default();
     let mut incoming = Tensor::f_zeros([share], (Kind::Float, Device::Cpu))?;
     let mut idle = 0u32;
+    let mut last_timeout_check = Instant::now();
     let bound = config.max_staleness;
 
     loop {
@@ -746,14 +857,22 @@ fn serve_async(mut state: ServerState, up: &SendComm, down: &SendComm, workers: 
                     break;
                 }
             }
-            None => {
-                if let Some(v) = (0..n).find(|&v| !done[v] && waiting[v].is_none() && last_heard[v].elapsed() > config.timeout) {
-                    return Err(Error::exchange("ps", format!(
-                        "worker rank {} has sent nothing for {:.0} s (--ps-timeout-s)",
-                        workers[v], config.timeout.as_secs_f64()
-                    )));
-                }
-                backoff(&mut idle, colocated);
+            None => backoff(&mut idle, colocated),
+        }
+        // A worker that is neither done nor waiting for an answer should be pushing; one that
+        // has been silent past the timeout has hung or died without MPI noticing.
+        if last_timeout_check.elapsed() > Duration::from_millis(100) {
+            last_timeout_check = Instant::now();
+            let silent: Vec<String> = (0..n)
+                .filter(|&v| !done[v] && waiting[v].is_none() && last_heard[v].elapsed() > config.timeout)
+                .map(|v| workers[v].to_string())
+                .collect();
+            if !silent.is_empty() {
+                return Err(Error::exchange("ps", format!(
+                    "worker rank {} has sent nothing for {:.0} s (--ps-timeout-s)",
+                    silent.join(", worker rank "),
+                    config.timeout.as_secs_f64()
+                )));
             }
         }
     }

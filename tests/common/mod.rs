@@ -162,3 +162,77 @@ pub fn fashion_mnist() -> PathBuf {
     assert!(p.exists(), "{} is missing: run scripts/setup.sh --no-run first", p.display());
     p
 }
+
+/// Starts `mpirun -n <ranks> hpc-train <args>` without waiting (for tests that signal or kill
+/// ranks); stdout and stderr go to `log`.
+pub fn spawn_mpirun(ranks: usize, args: &[&str], env: &[(&str, &str)], log: &Path) -> std::process::Child {
+    let out = std::fs::File::create(log).unwrap();
+    let err = out.try_clone().unwrap();
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["-n", &ranks.to_string(), "--oversubscribe", "--bind-to", "none"])
+        .arg(bin())
+        .args(args)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .current_dir(root())
+        .stdout(out)
+        .stderr(err);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("starting mpirun")
+}
+
+/// The rank processes mpirun started (its children), in pid order.
+pub fn rank_pids(mpirun_pid: u32) -> Vec<u32> {
+    let out = Command::new("pgrep").args(["-P", &mpirun_pid.to_string()]).output().unwrap();
+    let mut pids: Vec<u32> = String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect();
+    pids.sort();
+    pids
+}
+
+/// Sends `signal` (as `kill -<signal>`) to a process.
+pub fn signal(pid: u32, signal: &str) {
+    let status = Command::new("kill").args([&format!("-{signal}"), &pid.to_string()]).status().unwrap();
+    assert!(status.success(), "kill -{signal} {pid}");
+}
+
+/// Waits for a child with a limit; returns its exit code (None when killed by a signal) and
+/// how long it took, or None when it outlived the limit (it is then killed).
+pub fn wait_limited(child: &mut std::process::Child, limit: Duration) -> Option<(Option<i32>, Duration)> {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some((status.code(), start.elapsed()));
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Steps of the complete checkpoints in a folder.
+pub fn checkpoint_steps(dir: &Path) -> Vec<u64> {
+    let mut steps: Vec<u64> = std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_prefix("ckpt-")).and_then(|s| s.parse().ok()))
+                .collect()
+        })
+        .unwrap_or_default();
+    steps.sort();
+    steps
+}
+
+/// Waits until `cond` holds (polling), panicking after `limit`.
+pub fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -1,0 +1,73 @@
+//! Fault injection for the reliability tests, from `HPC_TRAIN_FAULT`:
+//! a comma-separated list of `KIND@RANK:STEP[:SECONDS]`, where KIND is
+//! - `nan`: that rank's loss becomes NaN at that step (a diverging run),
+//! - `exit`: that rank exits abruptly at that step, without MPI_Finalize (a crash),
+//! - `stall`: that rank sleeps SECONDS before its exchange at that step (a hung node).
+//!
+//! Nothing happens when the variable is unset; a malformed value is an error.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+pub const FAULT_ENV: &str = "HPC_TRAIN_FAULT";
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Fault {
+    Nan,
+    Exit,
+    Stall(Duration),
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Faults(Vec<(Fault, i32, u64)>);
+
+impl Faults {
+    pub fn from_env() -> Result<Faults> {
+        match std::env::var(FAULT_ENV) {
+            Ok(spec) if !spec.trim().is_empty() => Faults::parse(&spec),
+            _ => Ok(Faults::default()),
+        }
+    }
+
+    pub fn parse(spec: &str) -> Result<Faults> {
+        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, exit or stall)"));
+        let mut out = Vec::new();
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (kind, at) = item.split_once('@').ok_or_else(|| bad(item))?;
+            let parts: Vec<&str> = at.split(':').collect();
+            let rank: i32 = parts.first().and_then(|r| r.parse().ok()).ok_or_else(|| bad(item))?;
+            let step: u64 = parts.get(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad(item))?;
+            let fault = match (kind, parts.get(2)) {
+                ("nan", None) => Fault::Nan,
+                ("exit", None) => Fault::Exit,
+                ("stall", Some(secs)) => Fault::Stall(Duration::from_secs_f64(secs.parse().map_err(|_| bad(item))?)),
+                _ => return Err(bad(item)),
+            };
+            out.push((fault, rank, step));
+        }
+        Ok(Faults(out))
+    }
+
+    /// The fault planned for `rank` at `step`, if any.
+    pub fn at(&self, rank: i32, step: u64) -> Option<&Fault> {
+        self.0.iter().find(|(_, r, s)| *r == rank && *s == step).map(|(f, _, _)| f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_rejects() {
+        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7").unwrap();
+        assert_eq!(f.at(1, 3), Some(&Fault::Nan));
+        assert_eq!(f.at(0, 2), Some(&Fault::Stall(Duration::from_millis(1500))));
+        assert_eq!(f.at(2, 7), Some(&Fault::Exit));
+        assert_eq!(f.at(2, 6), None);
+        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "nan@1:2:3"] {
+            assert!(Faults::parse(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,257 @@
+//! Reliability: checkpoints and resume, signals, failing ranks, bad configurations.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+
+fn base<'a>(data: &'a str, results: &'a str, strategy: &'a [&'a str]) -> Vec<&'a str> {
+    let model = if strategy.contains(&"--model") { vec![] } else { vec!["--model", "tiny"] };
+    let mut args = model;
+    args.extend([
+        "--data", data, "--scaling", "strong", "--global-batch", "12", "--no-eval",
+        "--threads", "1", "--log-every", "1000", "--results", results,
+    ]);
+    args.extend(strategy);
+    args
+}
+
+fn dataset(dir: &Path) -> PathBuf {
+    synth(dir, "rel", 1200, 60, "1x16x16", 5)
+}
+
+/// The interrupted-and-resumed run ends with the uninterrupted run's weights.
+fn sigterm_then_resume(strategy: &[&str], ranks: usize, name: &str) {
+    let dir = scratch(&format!("sigterm-{name}"));
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let steps = "600";
+    let full = dir.join("full.safetensors");
+    let mut args = base(&d, &r, strategy);
+    args.extend(["--steps", steps, "--save-weights", full.to_str().unwrap()]);
+    mpirun(ranks, &args).expect_ok();
+
+    let ckpt = dir.join("ckpt");
+    let resumed = dir.join("resumed.safetensors");
+    let mut args = base(&d, &r, strategy);
+    args.extend(["--steps", steps, "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "40", "--save-weights", resumed.to_str().unwrap()]);
+    let log = dir.join("interrupted.log");
+    let mut child = spawn_mpirun(ranks, &args, &[], &log);
+    wait_until(Duration::from_secs(120), "a first checkpoint", || !checkpoint_steps(&ckpt).is_empty());
+    // What Slurm does before the time limit: SIGTERM to every task.
+    for pid in rank_pids(child.id()) {
+        signal(pid, "TERM");
+    }
+    let (code, _) = wait_limited(&mut child, Duration::from_secs(60)).expect("the interrupted run ended");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(code, Some(0), "{text}");
+    let stopped: u64 = text
+        .split("stopped by a signal after step ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no stop message:\n{text}"));
+    assert!(stopped < 600, "{text}");
+    assert_eq!(*checkpoint_steps(&ckpt).last().unwrap(), stopped, "a checkpoint where it stopped");
+
+    args.push("--resume");
+    let run = mpirun(ranks, &args).expect_ok();
+    assert!(run.stderr.contains(&format!("(step {stopped},")), "{}", run.stderr);
+    let diff = max_relative_difference(&full, &resumed);
+    assert!(diff < 1e-6, "{name}: resumed run differs from the uninterrupted one by {diff:e}");
+}
+
+#[test]
+fn sigterm_and_resume_allreduce() {
+    sigterm_then_resume(&["--strategy", "allreduce"], 3, "allreduce");
+}
+
+#[test]
+fn sigterm_and_resume_ring() {
+    sigterm_then_resume(&["--strategy", "ring"], 3, "ring");
+}
+
+#[test]
+fn sigterm_and_resume_horovod() {
+    sigterm_then_resume(&["--strategy", "horovod"], 2, "horovod");
+}
+
+#[test]
+fn sigterm_and_resume_parameter_servers() {
+    sigterm_then_resume(&["--strategy", "ps", "--servers", "1"], 3, "ps");
+    sigterm_then_resume(&["--strategy", "ps", "--ps-colocate"], 3, "ps-colocated");
+}
+
+#[test]
+fn a_killed_rank_ends_the_job_and_resume_loses_at_most_one_interval() {
+    let dir = scratch("kill");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let ckpt = dir.join("ckpt");
+    let trace = dir.join("trace");
+    let mut args = base(&d, &r, &["--strategy", "ring"]);
+    args.extend(["--steps", "100000", "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "25", "--trace-samples", trace.to_str().unwrap()]);
+    let log = dir.join("killed.log");
+    let mut child = spawn_mpirun(3, &args, &[], &log);
+    wait_until(Duration::from_secs(120), "two checkpoints", || checkpoint_steps(&ckpt).len() >= 2);
+    let pids = rank_pids(child.id());
+    assert_eq!(pids.len(), 3);
+    signal(pids[1], "KILL");
+    let (code, took) = wait_limited(&mut child, Duration::from_secs(30)).expect("the job ended within 30 s of the kill");
+    assert_ne!(code, Some(0));
+    eprintln!("job ended {took:?} after SIGKILL of one rank (exit {code:?})");
+    // The last step any rank started, from the sample traces (epoch and step per line).
+    let steps_per_epoch = 1200 / 12;
+    let reached = (0..3)
+        .filter_map(|rank| std::fs::read_to_string(trace.join(format!("rank{rank}.txt"))).ok())
+        .filter_map(|t| t.lines().last().map(|l| l.split(' ').take(2).map(|v| v.parse::<u64>().unwrap()).collect::<Vec<_>>()))
+        .map(|v| v[0] * steps_per_epoch + v[1] + 1)
+        .max()
+        .unwrap();
+    let latest = *checkpoint_steps(&ckpt).last().unwrap();
+    assert!(reached - latest <= 25 + 1, "reached step {reached}, newest checkpoint {latest}");
+
+    let mut resume = base(&d, &r, &["--strategy", "ring"]);
+    let total = (latest + 10).to_string();
+    resume.extend(["--steps", &total, "--checkpoint-dir", ckpt.to_str().unwrap(), "--resume"]);
+    let run = mpirun(3, &resume).expect_ok();
+    assert!(run.stderr.contains(&format!("(step {latest},")), "{}", run.stderr);
+}
+
+#[test]
+fn a_damaged_checkpoint_is_skipped_for_the_previous_one() {
+    let dir = scratch("damaged");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let ckpt = dir.join("ckpt");
+    let mut args = base(&d, &r, &["--strategy", "allreduce"]);
+    args.extend(["--steps", "30", "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "10"]);
+    mpirun(2, &args).expect_ok();
+    assert_eq!(checkpoint_steps(&ckpt), vec![10, 20, 30]);
+    // Truncate the newest checkpoint's weights, as a crash of the storage might.
+    let weights = ckpt.join("ckpt-000000000030/weights.safetensors");
+    let len = std::fs::metadata(&weights).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&weights).unwrap().set_len(len / 2).unwrap();
+    args.extend(["--resume"]);
+    let idx = args.iter().position(|a| *a == "30").unwrap();
+    args[idx] = "35";
+    let run = mpirun(2, &args).expect_ok();
+    assert!(run.stderr.contains("skipping a damaged checkpoint") && run.stderr.contains("truncated"), "{}", run.stderr);
+    assert!(run.stderr.contains("(step 20,"), "{}", run.stderr);
+}
+
+#[test]
+fn checkpoints_of_another_run_are_refused_or_accepted_with_reason() {
+    let dir = scratch("compat");
+    let data = dataset(&dir);
+    let other = synth(&dir, "other", 600, 30, "1x16x16", 5);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let mut args = base(&d, &r, &["--strategy", "ring"]);
+    args.extend(["--steps", "10", "--checkpoint-dir", c]);
+    mpirun(2, &args).expect_ok();
+
+    let refused = |extra: &[&str], data: &str, reason: &str| {
+        let mut a = base(data, &r, extra);
+        a.extend(["--steps", "20", "--checkpoint-dir", c, "--resume"]);
+        let run = mpirun_env(2, &a, &[], Duration::from_secs(60));
+        assert!(!run.ok(), "resumed despite {reason}");
+        assert_eq!(run.all_output().matches(reason).count(), 1, "{}", run.all_output());
+    };
+    refused(&["--strategy", "ring", "--model", "resnet18"], &d, "refused: it was made with model \"tiny\"");
+    refused(&["--strategy", "ring"], other.to_str().unwrap(), "refused: it was made with dataset");
+    // Another synchronous strategy and rank count with the same global batch: accepted, logged.
+    let mut a = base(&d, &r, &["--strategy", "allreduce"]);
+    a.extend(["--steps", "20", "--checkpoint-dir", c, "--resume"]);
+    let run = mpirun(3, &a).expect_ok();
+    assert!(run.stderr.contains("strategy ring -> allreduce") && run.stderr.contains("ranks 2 -> 3"), "{}", run.stderr);
+}
+
+#[test]
+fn one_failing_rank_ends_the_job_with_its_rank_and_cause() {
+    let dir = scratch("failing");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let mut args = base(&d, &r, &["--strategy", "ring"]);
+    args.extend(["--steps", "100000"]);
+    // A diverging loss on rank 1.
+    let run = mpirun_env(3, &args, &[("HPC_TRAIN_FAULT", "nan@1:5")], Duration::from_secs(60));
+    assert!(!run.timed_out && !run.ok());
+    assert!(run.elapsed < Duration::from_secs(30), "{:?}", run.elapsed);
+    assert!(run.stderr.contains("rank 1 of 3: non-finite loss at step 5"), "{}", run.stderr);
+    // A crash without MPI_Finalize on rank 2.
+    let run = mpirun_env(3, &args, &[("HPC_TRAIN_FAULT", "exit@2:5")], Duration::from_secs(60));
+    assert!(!run.timed_out && !run.ok(), "{}", run.all_output());
+    assert!(run.elapsed < Duration::from_secs(30), "{:?}", run.elapsed);
+}
+
+#[test]
+fn an_io_error_on_one_rank_ends_the_job() {
+    let dir = scratch("io");
+    // Large enough that the reader cannot have cached it all: 3x64x64 images, 6000 of them.
+    let data = synth(&dir, "big", 6000, 10, "3x64x64", 5);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let args = ["--model", "tiny", "--data", &d, "--batch-size", "4", "--steps", "100000", "--no-eval", "--threads", "1", "--results", &r, "--prefetch", "1"];
+    let log = dir.join("io.log");
+    let mut child = spawn_mpirun(2, &args, &[], &log);
+    wait_until(Duration::from_secs(60), "training to start", || std::fs::read_to_string(&log).unwrap_or_default().contains("steps 0.."));
+    std::thread::sleep(Duration::from_millis(500));
+    // The storage loses the second half of the file.
+    let len = std::fs::metadata(&data).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&data).unwrap().set_len(len / 2).unwrap();
+    let (code, took) = wait_limited(&mut child, Duration::from_secs(60)).expect("the job ended");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_ne!(code, Some(0), "{text}");
+    assert!(took < Duration::from_secs(30));
+    assert!(text.contains("error: rank ") && text.contains("big.h5"), "{text}");
+}
+
+#[test]
+fn ranks_started_with_different_options_are_refused() {
+    let dir = scratch("mismatch");
+    let data = dataset(&dir);
+    let d = data.to_str().unwrap();
+    let r = dir.to_str().unwrap();
+    // MPMD launch: rank 0 and rank 1 get different learning rates.
+    let common = ["--model", "tiny", "--data", d, "--results", r, "--steps", "2", "--batch-size", "2"];
+    let mut args: Vec<&str> = common.to_vec();
+    args.extend(["--lr", "0.1", ":", "-n", "1", bin()]);
+    args.extend(common);
+    args.extend(["--lr", "0.2"]);
+    let run = mpirun_env(1, &args, &[], Duration::from_secs(60));
+    assert!(!run.ok());
+    assert_eq!(run.all_output().matches("lr is 0.1 on rank 0 but 0.2 on rank 1").count(), 1, "{}", run.all_output());
+}
+
+#[test]
+fn a_silent_async_worker_is_reported_by_its_server() {
+    let dir = scratch("ps-timeout");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let mut args = base(&d, &r, &["--strategy", "ps", "--ps-mode", "async", "--ps-timeout-s", "2"]);
+    args.extend(["--steps", "100000"]);
+    let run = mpirun_env(3, &args, &[("HPC_TRAIN_FAULT", "stall@1:5:60")], Duration::from_secs(90));
+    assert!(!run.timed_out && !run.ok(), "{}", run.all_output());
+    assert!(run.elapsed < Duration::from_secs(40), "{:?}", run.elapsed);
+    assert!(run.stderr.contains("worker rank 1 has sent nothing for 2 s"), "{}", run.stderr);
+}
+
+#[test]
+fn resume_without_a_checkpoint_starts_from_the_beginning() {
+    let dir = scratch("fresh");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let ckpt = dir.join("empty");
+    let mut args = base(&d, &r, &["--strategy", "ring"]);
+    args.extend(["--steps", "5", "--checkpoint-dir", ckpt.to_str().unwrap(), "--resume"]);
+    let run = mpirun(2, &args).expect_ok();
+    assert!(run.stderr.contains("no complete checkpoint"), "{}", run.stderr);
+    assert_eq!(checkpoint_steps(&ckpt), vec![5]);
+    let mut bad = base(&d, &r, &["--strategy", "ring"]);
+    bad.extend(["--steps", "5", "--resume"]);
+    let run = mpirun_env(2, &bad, &[], Duration::from_secs(60));
+    assert_eq!(run.all_output().matches("--resume needs --checkpoint-dir").count(), 1, "{}", run.all_output());
+}
