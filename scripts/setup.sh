@@ -20,8 +20,9 @@ done
 
 say() { printf '\n==> %s\n' "$*"; }
 
-# 1. Debian packages: MPI, libclang (bindgen for the mpi crate), HDF5, pkg-config, the dataset.
-packages=(openmpi-bin libopenmpi-dev libclang-dev libhdf5-dev pkg-config dataset-fashion-mnist python3-venv)
+# 1. Debian packages: MPI, libclang (bindgen for the mpi crate), HDF5, pkg-config, the dataset, and
+#    the font `hpc-train report` draws PNG plot text with.
+packages=(openmpi-bin libopenmpi-dev libclang-dev libhdf5-dev pkg-config dataset-fashion-mnist python3-venv fonts-dejavu-core)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

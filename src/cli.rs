@@ -33,6 +33,26 @@ pub enum Command {
     Data(DataCommand),
     /// Measure the gradient exchange alone over a sweep of sizes (nccl-tests style).
     Bench(BenchArgs),
+    /// Write scaling tables (Markdown, CSV) and plots (SVG, PNG) from runs.jsonl and bench.jsonl.
+    Report(ReportArgs),
+}
+
+/// Options of `hpc-train report`.
+#[derive(Args, Debug, Clone)]
+pub struct ReportArgs {
+    /// Training records (JSON lines, as training appends them).
+    #[arg(long, default_value = "results/runs.jsonl")]
+    pub input: PathBuf,
+    /// Report only the runs of this study id.
+    #[arg(long)]
+    pub study: Option<String>,
+    /// Exchange benchmark rows for the bus-bandwidth plots [default: bench.jsonl beside --input,
+    /// skipped when absent].
+    #[arg(long)]
+    pub bench: Option<PathBuf>,
+    /// Folder for report.md, the CSV files and the plots.
+    #[arg(long, default_value = "results/report")]
+    pub out: PathBuf,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

@@ -15,6 +15,7 @@ mod faults;
 mod model;
 mod optim;
 mod raw;
+mod report;
 mod results;
 mod topology;
 mod train;
@@ -59,6 +60,11 @@ fn main() {
         Some(Command::Data(cmd)) => {
             // Data commands are serial: rank 0 does the work, the others wait for its verdict.
             let local = if world.is_root() { run_data(cmd) } else { Ok(()) };
+            world.agree(local)
+        }
+        Some(Command::Report(args)) => {
+            // Serial like the data commands: rank 0 writes the report, the others wait for its verdict.
+            let local = if world.is_root() { report::run(args) } else { Ok(()) };
             world.agree(local)
         }
     };

@@ -1,0 +1,317 @@
+//! Plots of a report, drawn with plotters as SVG and PNG: throughput and efficiency against
+//! ranks, and bus bandwidth against message size.
+//!
+//! A plot is first described as data ([`LineChart`], built by pure functions), then drawn on
+//! either backend by one function. PNG text needs a font file (plotters' bitmap backend
+//! rasterises glyphs itself); SVG text does not (the viewer renders it), so the drawing avoids
+//! every call that measures text — the caption and the legend are placed by hand — and SVG
+//! plots come out even when no font can be found.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+
+use super::busbw::{human_bytes, BenchGroup};
+use super::tables::{Scaling, Table};
+use crate::error::{Error, Result};
+
+/// Font file used when `HPC_TRAIN_FONT` is not set (Debian package fonts-dejavu-core).
+pub const DEFAULT_FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
+pub const FONT_ENV: &str = "HPC_TRAIN_FONT";
+
+const SIZE: (u32, u32) = (900, 560);
+const FONT: &str = "sans-serif";
+
+/// Okabe-Ito colours: distinguishable with the common colour-vision deficiencies.
+const COLOURS: [RGBColor; 7] = [
+    RGBColor(0, 114, 178),
+    RGBColor(213, 94, 0),
+    RGBColor(0, 158, 115),
+    RGBColor(204, 121, 167),
+    RGBColor(230, 159, 0),
+    RGBColor(86, 180, 233),
+    RGBColor(0, 0, 0),
+];
+const REFERENCE: RGBColor = RGBColor(128, 128, 128);
+
+/// How x values are labelled.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum XAxis {
+    /// Rank counts, linear: whole numbers only.
+    Ranks,
+    /// log2 of a byte count: labelled as sizes (4K, 1M) at whole powers of two.
+    Log2Bytes,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum YAxis {
+    Plain,
+    Percent,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Series {
+    pub label: String,
+    pub points: Vec<(f64, f64)>,
+    /// None: the grey of reference lines.
+    pub colour: Option<usize>,
+    /// Dashed without markers (an ideal or a reference), else solid with a marker per point.
+    pub reference: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LineChart {
+    pub title: String,
+    pub x_desc: String,
+    pub y_desc: String,
+    pub x_axis: XAxis,
+    pub y_axis: YAxis,
+    pub series: Vec<Series>,
+}
+
+fn scaling_title(table: &Table, what: &str) -> String {
+    let mode = match table.key.scaling {
+        Scaling::Weak => "weak scaling",
+        Scaling::Strong => "strong scaling",
+    };
+    format!("{what}, {mode}: {} on {}, {}", table.key.model, table.key.dataset, table.key.device)
+}
+
+/// Images/s against ranks per strategy, each with its ideal: linear from its 1-rank point to
+/// its largest rank count.
+pub fn throughput_chart(table: &Table) -> LineChart {
+    let mut series = Vec::new();
+    for (i, s) in table.strategies.iter().enumerate() {
+        let points: Vec<(f64, f64)> = table.present().filter(|(name, _)| name == s).map(|(_, f)| (f.ranks as f64, f.images_per_sec)).collect();
+        let max_ranks = points.last().map_or(1.0, |p| p.0);
+        series.push(Series { label: s.clone(), points, colour: Some(i), reference: false });
+        if let Some(base) = table.one_rank(s) {
+            series.push(Series { label: format!("{s} ideal"), points: vec![(1.0, base), (max_ranks, max_ranks * base)], colour: Some(i), reference: true });
+        }
+    }
+    LineChart {
+        title: scaling_title(table, "Throughput"),
+        x_desc: "ranks".into(),
+        y_desc: "images/s".into(),
+        x_axis: XAxis::Ranks,
+        y_axis: YAxis::Plain,
+        series,
+    }
+}
+
+/// Scaling efficiency (%) against ranks, for the strategies with a 1-rank run; None when no
+/// strategy has one.
+pub fn efficiency_chart(table: &Table) -> Option<LineChart> {
+    let mut series = Vec::new();
+    for (i, s) in table.strategies.iter().enumerate() {
+        let points: Vec<(f64, f64)> =
+            table.present().filter(|(name, _)| name == s).filter_map(|(_, f)| Some((f.ranks as f64, f.efficiency? * 100.0))).collect();
+        if !points.is_empty() {
+            series.push(Series { label: s.clone(), points, colour: Some(i), reference: false });
+        }
+    }
+    if series.is_empty() {
+        return None;
+    }
+    let max_ranks = table.ranks.last().copied().unwrap_or(1) as f64;
+    series.push(Series { label: "ideal (100%)".into(), points: vec![(1.0, 100.0), (max_ranks, 100.0)], colour: None, reference: true });
+    Some(LineChart {
+        title: scaling_title(table, "Efficiency"),
+        x_desc: "ranks".into(),
+        y_desc: "scaling efficiency".into(),
+        x_axis: XAxis::Ranks,
+        y_axis: YAxis::Percent,
+        series,
+    })
+}
+
+/// Bus bandwidth against message size (log2 axis), a series per strategy.
+pub fn busbw_chart(group: &BenchGroup) -> LineChart {
+    let series = group
+        .series
+        .iter()
+        .enumerate()
+        .map(|(i, (strategy, points))| Series {
+            label: strategy.clone(),
+            points: points.iter().map(|&(bytes, busbw)| ((bytes.max(1) as f64).log2(), busbw)).collect(),
+            colour: Some(i),
+            reference: false,
+        })
+        .collect();
+    LineChart {
+        title: group.key.title(),
+        x_desc: "message size (bytes)".into(),
+        y_desc: "bus bandwidth (GB/s)".into(),
+        x_axis: XAxis::Log2Bytes,
+        y_axis: YAxis::Plain,
+        series,
+    }
+}
+
+/// Registers the font for PNG text, once per process: the file named by `HPC_TRAIN_FONT`,
+/// else [`DEFAULT_FONT`]. Ok(path) when PNG plots can be drawn; Err(why) names the file that
+/// is missing or unusable.
+pub fn load_font() -> std::result::Result<PathBuf, String> {
+    static FONT_LOADED: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+    FONT_LOADED
+        .get_or_init(|| {
+            let (path, origin) = match std::env::var_os(FONT_ENV) {
+                Some(p) => (PathBuf::from(p), format!(" (from {FONT_ENV})")),
+                None => (PathBuf::from(DEFAULT_FONT), format!(" (Debian package fonts-dejavu-core; or set {FONT_ENV} to a TTF file)")),
+            };
+            let bytes = std::fs::read(&path).map_err(|e| format!("font {}{origin}: {e}", path.display()))?;
+            // plotters keeps a 'static reference to the font: the bytes live as long as the process.
+            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            plotters::style::register_font(FONT, FontStyle::Normal, bytes)
+                .map_err(|_| format!("font {}{origin}: not a TrueType or OpenType font", path.display()))?;
+            Ok(path)
+        })
+        .clone()
+}
+
+/// Writes `<stem>.svg`, and `<stem>.png` when `png` (a font is registered). Returns the files.
+pub fn write(chart: &LineChart, stem: &Path, png: bool) -> Result<Vec<PathBuf>> {
+    let failed = |path: &Path, e: &dyn std::fmt::Display| Error::Results(format!("{}: drawing the plot failed: {e}", path.display()));
+    let svg = stem.with_extension("svg");
+    {
+        let root = SVGBackend::new(&svg, SIZE).into_drawing_area();
+        draw(&root, chart).and_then(|()| root.present()).map_err(|e| failed(&svg, &e))?;
+    }
+    let mut written = vec![svg];
+    if png {
+        let png = stem.with_extension("png");
+        {
+            let root = BitMapBackend::new(&png, SIZE).into_drawing_area();
+            draw(&root, chart).and_then(|()| root.present()).map_err(|e| failed(&png, &e))?;
+        }
+        written.push(png);
+    }
+    Ok(written)
+}
+
+type DrawResult<DB> = std::result::Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
+
+/// The x and y ranges: from 0 (ranks, values) or half a step before the smallest size, to a
+/// little beyond the largest value.
+fn ranges(chart: &LineChart) -> (std::ops::Range<f64>, std::ops::Range<f64>) {
+    let points = || chart.series.iter().flat_map(|s| s.points.iter());
+    let x_max = points().map(|p| p.0).fold(1.0, f64::max);
+    let y_max = points().map(|p| p.1).filter(|y| y.is_finite()).fold(0.0, f64::max);
+    let x = match chart.x_axis {
+        XAxis::Ranks => 0.0..x_max * 1.05 + 0.2,
+        XAxis::Log2Bytes => {
+            let x_min = points().map(|p| p.0).fold(f64::INFINITY, f64::min);
+            let x_min = if x_min.is_finite() { x_min } else { 0.0 };
+            x_min.floor() - 0.5..x_max.ceil() + 0.5
+        }
+    };
+    let y_top = match chart.y_axis {
+        YAxis::Plain => y_max * 1.1,
+        YAxis::Percent => (y_max * 1.1).max(110.0),
+    };
+    (x, 0.0..if y_top > 0.0 { y_top } else { 1.0 })
+}
+
+fn x_label(axis: XAxis, x: f64) -> String {
+    // Key points between whole numbers (0.5 ranks, 2^12.5 bytes) are left blank.
+    if (x - x.round()).abs() > 1e-9 {
+        return String::new();
+    }
+    match axis {
+        XAxis::Ranks => format!("{x:.0}"),
+        XAxis::Log2Bytes => human_bytes(x.round().exp2()),
+    }
+}
+
+fn y_label(axis: YAxis, y: f64) -> String {
+    match axis {
+        YAxis::Plain if y.abs() >= 100.0 || y == 0.0 => format!("{y:.0}"),
+        YAxis::Plain => format!("{y:.2}"),
+        YAxis::Percent => format!("{y:.0}%"),
+    }
+}
+
+fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &LineChart) -> DrawResult<DB> {
+    root.fill(&WHITE)?;
+    // Caption and legend are drawn as plain text at fixed places: measuring text would need
+    // the font, which the SVG plots must do without.
+    let title_style = TextStyle::from((FONT, 22).into_font()).pos(Pos::new(HPos::Center, VPos::Top));
+    root.draw_text(&chart.title, &title_style, (SIZE.0 as i32 / 2, 12))?;
+    let longest = chart.series.iter().map(|s| s.label.chars().count()).max().unwrap_or(0) as u32;
+    let legend_width = (48 + 9 * longest).clamp(120, SIZE.0 / 3);
+    let (plot, legend) = root.split_horizontally(SIZE.0 - legend_width);
+
+    let (x_range, y_range) = ranges(chart);
+    let mut cc = ChartBuilder::on(&plot.margin(50, 10, 10, 10))
+        .x_label_area_size(50)
+        .y_label_area_size(80)
+        .build_cartesian_2d(x_range, y_range)?;
+    let (x_axis, y_axis) = (chart.x_axis, chart.y_axis);
+    cc.configure_mesh()
+        .x_desc(chart.x_desc.as_str())
+        .y_desc(chart.y_desc.as_str())
+        .label_style((FONT, 15))
+        .axis_desc_style((FONT, 17))
+        .x_label_formatter(&|x| x_label(x_axis, *x))
+        .y_label_formatter(&|y| y_label(y_axis, *y))
+        .draw()?;
+
+    for s in &chart.series {
+        let colour = s.colour.map_or(REFERENCE, |i| COLOURS[i % COLOURS.len()]);
+        if s.reference {
+            cc.draw_series(DashedLineSeries::new(s.points.iter().copied(), 8, 6, colour.stroke_width(2)))?;
+        } else {
+            cc.draw_series(LineSeries::new(s.points.iter().copied(), colour.stroke_width(2)))?;
+            cc.draw_series(s.points.iter().map(|&p| Circle::new(p, 4, colour.filled())))?;
+        }
+    }
+
+    let label_style = TextStyle::from((FONT, 15).into_font()).pos(Pos::new(HPos::Left, VPos::Center));
+    for (i, s) in chart.series.iter().enumerate() {
+        let colour = s.colour.map_or(REFERENCE, |i| COLOURS[i % COLOURS.len()]);
+        let y = 70 + 24 * i as i32;
+        let line = [(4, y), (32, y)];
+        if s.reference {
+            legend.draw(&PathElement::new(vec![line[0], (14, y)], colour.stroke_width(2)))?;
+            legend.draw(&PathElement::new(vec![(22, y), line[1]], colour.stroke_width(2)))?;
+        } else {
+            legend.draw(&PathElement::new(line.to_vec(), colour.stroke_width(2)))?;
+            legend.draw(&Circle::new((18, y), 4, colour.filled()))?;
+        }
+        legend.draw_text(&s.label, &label_style, (40, y))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::tables::{group, tests::record};
+
+    #[test]
+    fn throughput_has_an_ideal_only_where_a_1_rank_run_exists() {
+        let runs = vec![record("ring", 1, 100.0), record("ring", 4, 360.0), record("allreduce", 2, 180.0)];
+        let tables = group(&runs).unwrap();
+        let chart = throughput_chart(&tables[0]);
+        let labels: Vec<&str> = chart.series.iter().map(|s| s.label.as_str()).collect();
+        assert_eq!(labels, vec!["allreduce", "ring", "ring ideal"]);
+        assert_eq!(chart.series[2].points, vec![(1.0, 100.0), (4.0, 400.0)]);
+        let efficiency = efficiency_chart(&tables[0]).unwrap();
+        assert_eq!(efficiency.series[0].points, vec![(1.0, 100.0), (4.0, 90.0)]);
+        assert_eq!(efficiency.series.len(), 2, "ring and the 100% line; allreduce has no 1-rank run");
+        let no_base = group(&runs[2..]).unwrap();
+        assert!(efficiency_chart(&no_base[0]).is_none());
+    }
+
+    #[test]
+    fn axis_labels_appear_at_whole_numbers_only() {
+        assert_eq!(x_label(XAxis::Ranks, 4.0), "4");
+        assert_eq!(x_label(XAxis::Ranks, 2.5), "");
+        assert_eq!(x_label(XAxis::Log2Bytes, 20.0), "1M");
+        assert_eq!(x_label(XAxis::Log2Bytes, 12.5), "");
+        assert_eq!(y_label(YAxis::Percent, 90.0), "90%");
+    }
+}

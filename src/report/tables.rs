@@ -1,0 +1,688 @@
+//! Scaling tables from training records: which runs share a table, which record fills each
+//! cell, the speedup and efficiency arithmetic, and the Markdown and CSV forms of a table.
+//! Pure: the caller reads and writes the files.
+
+use std::collections::btree_map::{BTreeMap, Entry};
+use std::fmt::Write;
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::results::RunRecord;
+
+/// Shown in a cell without a run: a missing rank count is never interpolated.
+pub const NO_RUN: &str = "—";
+/// Shown where a figure cannot be computed (no 1-rank run to compare with).
+pub const NOT_COMPUTED: &str = "n/a";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Scaling {
+    Weak,
+    Strong,
+}
+
+impl Scaling {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scaling::Weak => "weak",
+            Scaling::Strong => "strong",
+        }
+    }
+}
+
+/// What runs must share to be compared in one table: everything but the rank count and the
+/// strategy. The batch is the one the scaling mode holds fixed: per rank for weak scaling,
+/// global for strong scaling. Field order is the order of the tables in the report.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct TableKey {
+    pub scaling: Scaling,
+    pub model: String,
+    pub dataset: String,
+    pub image_shape: Vec<usize>,
+    pub device: String,
+    pub fixed_batch: usize,
+}
+
+impl TableKey {
+    pub fn of(record: &RunRecord) -> Result<TableKey> {
+        let scaling = match record.scaling.as_str() {
+            "weak" => Scaling::Weak,
+            "strong" => Scaling::Strong,
+            other => {
+                return Err(Error::Results(format!(
+                    "the record of {} at {} ranks from {}: unknown scaling {other:?} (expected weak or strong)",
+                    record.strategy, record.ranks, record.timestamp
+                )))
+            }
+        };
+        Ok(TableKey {
+            scaling,
+            model: record.model.clone(),
+            dataset: record.dataset.clone(),
+            image_shape: record.image_shape.clone(),
+            device: record.device.clone(),
+            fixed_batch: match scaling {
+                Scaling::Weak => record.batch_per_rank,
+                Scaling::Strong => record.global_batch,
+            },
+        })
+    }
+
+    fn shape(&self) -> String {
+        self.image_shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")
+    }
+
+    fn batch(&self) -> String {
+        match self.scaling {
+            Scaling::Weak => format!("batch {} per rank", self.fixed_batch),
+            Scaling::Strong => format!("global batch {}", self.fixed_batch),
+        }
+    }
+
+    /// The table's heading.
+    pub fn title(&self) -> String {
+        let mode = match self.scaling {
+            Scaling::Weak => "Weak scaling",
+            Scaling::Strong => "Strong scaling",
+        };
+        format!("{mode}: {} on {} ({}), {}, {}", self.model, self.dataset, self.shape(), self.device, self.batch())
+    }
+
+    /// The table's name in file names: lower case letters, digits and dashes.
+    pub fn slug(&self) -> String {
+        let batch = match self.scaling {
+            Scaling::Weak => format!("b{}", self.fixed_batch),
+            Scaling::Strong => format!("gb{}", self.fixed_batch),
+        };
+        slug(&[self.scaling.name(), &self.model, &self.dataset, &self.shape(), &self.device, &batch])
+    }
+}
+
+/// Joins `parts` with dashes, keeping ASCII letters and digits (lower-cased) and turning every
+/// other run of characters into one dash.
+pub fn slug(parts: &[&str]) -> String {
+    let mut out = String::new();
+    for c in parts.join("-").chars() {
+        if c.is_ascii_alphanumeric() {
+            out.push(c.to_ascii_lowercase());
+        } else if !out.is_empty() && !out.ends_with('-') {
+            out.push('-');
+        }
+    }
+    out.trim_end_matches('-').to_string()
+}
+
+/// The strategy as a table column: its name, plus the options that make it a different
+/// algorithm (a synchronous and an asynchronous parameter server must not share a column, or
+/// one would supersede the other).
+pub fn strategy_label(record: &RunRecord) -> String {
+    let text = |key: &str| record.extra.get(key).and_then(|v| v.as_str()).map(str::to_string);
+    let flag = |key: &str| record.extra.get(key).and_then(|v| v.as_bool()).unwrap_or(false);
+    let mut variant = Vec::new();
+    match record.strategy.as_str() {
+        "ps" => {
+            variant.extend(text("ps_mode"));
+            if flag("ps_colocate") {
+                variant.push("colocated".to_string());
+            }
+        }
+        "horovod" => {
+            variant.extend(text("compression").filter(|c| c != "none"));
+            if flag("hierarchical") {
+                variant.push("hierarchical".to_string());
+            }
+        }
+        _ => {}
+    }
+    if variant.is_empty() {
+        record.strategy.clone()
+    } else {
+        format!("{} ({})", record.strategy, variant.join(", "))
+    }
+}
+
+/// The record shown in a cell: the most recent of its strategy and rank count.
+#[derive(Clone, Copy, Debug)]
+pub struct Cell<'a> {
+    pub record: &'a RunRecord,
+    /// Older records of the same cell that this one replaces.
+    pub superseded: usize,
+}
+
+/// Runs of one configuration: a row per rank count, strategies side by side.
+#[derive(Debug)]
+pub struct Table<'a> {
+    pub key: TableKey,
+    /// Unique among the tables of one report.
+    pub slug: String,
+    /// Sorted.
+    pub strategies: Vec<String>,
+    /// Every rank count any strategy ran at, ascending.
+    pub ranks: Vec<usize>,
+    cells: BTreeMap<(String, usize), Cell<'a>>,
+}
+
+/// Sorts records into tables and keeps the most recent record of each (strategy, ranks) cell.
+/// "Most recent" compares timestamps; on a tie the later record in `records` (the later line
+/// of runs.jsonl) wins.
+pub fn group(records: &[RunRecord]) -> Result<Vec<Table<'_>>> {
+    type Recency = (chrono::DateTime<chrono::FixedOffset>, usize);
+    let mut by_key: BTreeMap<TableKey, BTreeMap<(String, usize), (Cell<'_>, Recency)>> = BTreeMap::new();
+    for (index, record) in records.iter().enumerate() {
+        let time = chrono::DateTime::parse_from_rfc3339(&record.timestamp).map_err(|e| {
+            Error::Results(format!(
+                "the record of {} at {} ranks: timestamp {:?} is not an RFC 3339 time: {e}",
+                record.strategy, record.ranks, record.timestamp
+            ))
+        })?;
+        let recency = (time, index);
+        let cells = by_key.entry(TableKey::of(record)?).or_default();
+        match cells.entry((strategy_label(record), record.ranks)) {
+            Entry::Vacant(slot) => {
+                slot.insert((Cell { record, superseded: 0 }, recency));
+            }
+            Entry::Occupied(mut slot) => {
+                let (cell, kept) = slot.get_mut();
+                cell.superseded += 1;
+                if recency > *kept {
+                    cell.record = record;
+                    *kept = recency;
+                }
+            }
+        }
+    }
+    let mut tables = Vec::new();
+    let mut slugs_taken: BTreeMap<String, usize> = BTreeMap::new();
+    for (key, cells) in by_key {
+        let cells: BTreeMap<_, _> = cells.into_iter().map(|(k, (cell, _))| (k, cell)).collect();
+        let mut strategies: Vec<String> = cells.keys().map(|(s, _)| s.clone()).collect();
+        strategies.dedup();
+        let mut ranks: Vec<usize> = cells.keys().map(|&(_, n)| n).collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        // Different keys can clean up to the same slug ("a b" and "a-b"): number the later ones.
+        let base = key.slug();
+        let seen = slugs_taken.entry(base.clone()).or_insert(0);
+        *seen += 1;
+        let slug = if *seen == 1 { base } else { format!("{base}-{seen}") };
+        tables.push(Table { key, slug, strategies, ranks, cells });
+    }
+    Ok(tables)
+}
+
+/// speedup(N) = images/s at N ranks / images/s at 1 rank. None without a usable 1-rank figure.
+pub fn speedup(images_per_sec: f64, one_rank: f64) -> Option<f64> {
+    (one_rank.is_finite() && one_rank > 0.0 && images_per_sec.is_finite()).then(|| images_per_sec / one_rank)
+}
+
+/// Scaling efficiency at `ranks`: images/s(N) / (N x images/s(1)) for weak scaling, which is
+/// speedup(N) / N, the strong-scaling definition: one formula serves both.
+pub fn efficiency(images_per_sec: f64, ranks: usize, one_rank: f64) -> Option<f64> {
+    speedup(images_per_sec, one_rank).filter(|_| ranks > 0).map(|s| s / ranks as f64)
+}
+
+/// Seconds per epoch: an epoch's samples over the throughput. The training-set size is not in
+/// the record, so an epoch's samples are steps per epoch (steps / epochs) x the global batch.
+pub fn epoch_seconds(steps: u64, epochs: f64, global_batch: usize, images_per_sec: f64) -> Option<f64> {
+    let samples = steps as f64 / epochs * global_batch as f64;
+    let seconds = samples / images_per_sec;
+    (epochs > 0.0 && images_per_sec > 0.0 && seconds.is_finite()).then_some(seconds)
+}
+
+/// The figures of one cell.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Figures {
+    pub ranks: usize,
+    pub workers: usize,
+    pub global_batch: usize,
+    pub images_per_sec: f64,
+    /// Over all ranks, parameter servers included.
+    pub images_per_sec_per_rank: f64,
+    pub speedup: Option<f64>,
+    pub efficiency: Option<f64>,
+    pub compute_ms: f64,
+    pub comm_ms: f64,
+    /// Strong scaling only.
+    pub epoch_s: Option<f64>,
+}
+
+impl<'a> Table<'a> {
+    pub fn cell(&self, strategy: &str, ranks: usize) -> Option<&Cell<'a>> {
+        self.cells.get(&(strategy.to_string(), ranks))
+    }
+
+    /// The 1-rank throughput of `strategy`, the base of its speedup and efficiency.
+    pub fn one_rank(&self, strategy: &str) -> Option<f64> {
+        self.cell(strategy, 1).map(|c| c.record.images_per_sec)
+    }
+
+    pub fn figures(&self, strategy: &str, ranks: usize) -> Option<Figures> {
+        let r = self.cell(strategy, ranks)?.record;
+        let base = self.one_rank(strategy);
+        Some(Figures {
+            ranks,
+            workers: r.workers,
+            global_batch: r.global_batch,
+            images_per_sec: r.images_per_sec,
+            images_per_sec_per_rank: r.images_per_sec / ranks.max(1) as f64,
+            speedup: base.and_then(|b| speedup(r.images_per_sec, b)),
+            efficiency: base.and_then(|b| efficiency(r.images_per_sec, ranks, b)),
+            compute_ms: r.compute_ms,
+            comm_ms: r.comm_ms,
+            epoch_s: match self.key.scaling {
+                Scaling::Strong => epoch_seconds(r.steps, r.epochs, r.global_batch, r.images_per_sec),
+                Scaling::Weak => None,
+            },
+        })
+    }
+
+    /// Every cell with a run, strategy by strategy, ranks ascending.
+    pub fn present(&self) -> impl Iterator<Item = (&str, Figures)> + '_ {
+        self.strategies
+            .iter()
+            .flat_map(move |s| self.ranks.iter().filter_map(move |&n| Some((s.as_str(), self.figures(s, n)?))))
+    }
+
+    pub fn superseded(&self) -> usize {
+        self.cells.values().map(|c| c.superseded).sum()
+    }
+
+    /// What a reader must know to read the table right, one line each.
+    pub fn notes(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        for s in &self.strategies {
+            if self.one_rank(s).is_none() {
+                notes.push(format!("no 1-rank run of {s}: speedup and efficiency not computed"));
+            }
+        }
+        for s in &self.strategies {
+            let with_servers: Vec<String> = self
+                .ranks
+                .iter()
+                .filter_map(|&n| self.cell(s, n))
+                .map(|c| c.record)
+                .filter(|r| r.workers > 0 && r.workers < r.ranks)
+                .map(|r| format!("{} ranks, {} computing", r.ranks, r.workers))
+                .collect();
+            if !with_servers.is_empty() {
+                notes.push(format!(
+                    "{s} has dedicated parameter servers ({}): ranks, images/s per rank and efficiency count every rank, \
+                     servers included (the resources used)",
+                    with_servers.join("; ")
+                ));
+            }
+        }
+        let total = self.superseded();
+        if total > 0 {
+            let which: Vec<String> = self
+                .cells
+                .iter()
+                .filter(|(_, c)| c.superseded > 0)
+                .map(|((s, n), c)| format!("{s} at {n} ranks: {}", c.superseded))
+                .collect();
+            notes.push(format!(
+                "{total} older record{} superseded by the most recent run of the same strategy and rank count ({})",
+                if total == 1 { "" } else { "s" },
+                which.join("; ")
+            ));
+        }
+        notes
+    }
+
+    /// The global batch of a row: one number when every strategy used the same, else each
+    /// strategy's (weak scaling with dedicated servers: only the workers take a batch).
+    fn global_batch(&self, ranks: usize) -> String {
+        let per_strategy: Vec<(&str, usize)> = self
+            .strategies
+            .iter()
+            .filter_map(|s| Some((s.as_str(), self.cell(s, ranks)?.record.global_batch)))
+            .collect();
+        match per_strategy.first() {
+            Some(&(_, first)) if per_strategy.iter().all(|&(_, b)| b == first) => first.to_string(),
+            _ => per_strategy.iter().map(|(s, b)| format!("{s}: {b}")).collect::<Vec<_>>().join(", "),
+        }
+    }
+
+    /// Column headings of one strategy.
+    fn strategy_columns(&self, s: &str) -> Vec<String> {
+        let mut cols = vec![
+            format!("{s} images/s"),
+            format!("{s} images/s per rank"),
+            format!("{s} speedup"),
+            format!("{s} efficiency"),
+            format!("{s} compute / exchange ms"),
+        ];
+        if self.key.scaling == Scaling::Strong {
+            cols.push(format!("{s} epoch s"));
+        }
+        cols
+    }
+
+    /// The cells of one strategy in one row.
+    fn strategy_cells(&self, s: &str, ranks: usize) -> Vec<String> {
+        let width = self.strategy_columns(s).len();
+        let Some(f) = self.figures(s, ranks) else {
+            return vec![NO_RUN.to_string(); width];
+        };
+        let mut cells = vec![
+            fixed(f.images_per_sec, 1),
+            fixed(f.images_per_sec_per_rank, 1),
+            f.speedup.map_or(NOT_COMPUTED.to_string(), |v| fixed(v, 2)),
+            f.efficiency.map_or(NOT_COMPUTED.to_string(), percent),
+            format!("{} / {}", fixed(f.compute_ms, 1), fixed(f.comm_ms, 1)),
+        ];
+        if self.key.scaling == Scaling::Strong {
+            cells.push(f.epoch_s.map_or(NOT_COMPUTED.to_string(), |v| fixed(v, 1)));
+        }
+        cells
+    }
+
+    /// The table in Markdown: heading, table, notes. Numbers have fixed decimals so that the
+    /// same records always give the same text.
+    pub fn markdown(&self) -> String {
+        let mut header = vec!["Ranks".to_string(), "Global batch".to_string()];
+        for s in &self.strategies {
+            header.extend(self.strategy_columns(s));
+        }
+        let mut out = format!("## {}\n\n", self.key.title());
+        let _ = writeln!(out, "| {} |", header.join(" | "));
+        let _ = writeln!(out, "|{}", header.iter().map(|_| "---:|").collect::<String>());
+        for &n in &self.ranks {
+            let mut row = vec![n.to_string(), self.global_batch(n)];
+            for s in &self.strategies {
+                row.extend(self.strategy_cells(s, n));
+            }
+            let _ = writeln!(out, "| {} |", row.join(" | "));
+        }
+        let notes = self.notes();
+        if !notes.is_empty() {
+            out.push('\n');
+            for note in notes {
+                let _ = writeln!(out, "- {note}");
+            }
+        }
+        out
+    }
+
+    /// One CSV row per (strategy, ranks) with a run.
+    pub fn csv_rows(&self) -> Vec<CsvRow> {
+        self.present()
+            .map(|(s, f)| {
+                let cell = self.cell(s, f.ranks).expect("present() yields cells with a run");
+                CsvRow {
+                    table: self.slug.clone(),
+                    scaling: self.key.scaling.name(),
+                    model: self.key.model.clone(),
+                    dataset: self.key.dataset.clone(),
+                    image_shape: self.key.shape(),
+                    device: self.key.device.clone(),
+                    strategy: s.to_string(),
+                    ranks: f.ranks,
+                    workers: f.workers,
+                    batch_per_rank: cell.record.batch_per_rank,
+                    global_batch: f.global_batch,
+                    images_per_sec: f.images_per_sec,
+                    images_per_sec_per_rank: f.images_per_sec_per_rank,
+                    speedup: f.speedup,
+                    efficiency: f.efficiency,
+                    compute_ms: f.compute_ms,
+                    comm_ms: f.comm_ms,
+                    epoch_s: f.epoch_s,
+                    superseded: cell.superseded,
+                    timestamp: cell.record.timestamp.clone(),
+                    git_commit: cell.record.git_commit.clone(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// A row of a table's CSV file. Efficiency is a fraction (0.95), not a percentage; a figure
+/// that cannot be computed is an empty field.
+#[derive(Debug, Serialize)]
+pub struct CsvRow {
+    pub table: String,
+    pub scaling: &'static str,
+    pub model: String,
+    pub dataset: String,
+    pub image_shape: String,
+    pub device: String,
+    pub strategy: String,
+    pub ranks: usize,
+    pub workers: usize,
+    pub batch_per_rank: usize,
+    pub global_batch: usize,
+    pub images_per_sec: f64,
+    pub images_per_sec_per_rank: f64,
+    pub speedup: Option<f64>,
+    pub efficiency: Option<f64>,
+    pub compute_ms: f64,
+    pub comm_ms: f64,
+    pub epoch_s: Option<f64>,
+    pub superseded: usize,
+    pub timestamp: String,
+    pub git_commit: String,
+}
+
+fn fixed(value: f64, decimals: usize) -> String {
+    if value.is_finite() {
+        format!("{value:.decimals$}")
+    } else {
+        NOT_COMPUTED.to_string()
+    }
+}
+
+fn percent(fraction: f64) -> String {
+    if fraction.is_finite() {
+        format!("{:.1}%", fraction * 100.0)
+    } else {
+        NOT_COMPUTED.to_string()
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A weak-scaling ring run of the tiny model on 1x28x28 images: 64 per rank, 10 steps.
+    pub(crate) fn record(strategy: &str, ranks: usize, images_per_sec: f64) -> RunRecord {
+        RunRecord {
+            strategy: strategy.into(),
+            ranks,
+            workers: ranks,
+            nodes: 1,
+            model: "tiny".into(),
+            dataset: "fashion-mnist".into(),
+            image_shape: vec![1, 28, 28],
+            batch_per_rank: 64,
+            global_batch: 64 * ranks,
+            scaling: "weak".into(),
+            steps: 10,
+            epochs: 0.5,
+            images_per_sec,
+            step_ms: 12.0,
+            compute_ms: 10.0,
+            comm_ms: 2.0,
+            data_wait_ms: 0.0,
+            optimizer_ms: 0.0,
+            final_loss: 1.0,
+            test_accuracy: None,
+            test_loss: None,
+            device: "cpu".into(),
+            mpi_library: "Open MPI".into(),
+            cuda_aware: false,
+            data_path: None,
+            threads: 1,
+            bucket_mb: 25.0,
+            peak_rss_mb: 0.0,
+            rss_warmup_mb: 0.0,
+            rss_end_mb: 0.0,
+            host: "h".into(),
+            git_commit: "abc".into(),
+            timestamp: "2025-01-01T00:00:00Z".into(),
+            study: None,
+            extra: Default::default(),
+        }
+    }
+
+    fn strong(strategy: &str, ranks: usize, global_batch: usize, images_per_sec: f64) -> RunRecord {
+        RunRecord {
+            scaling: "strong".into(),
+            global_batch,
+            batch_per_rank: global_batch / ranks,
+            ..record(strategy, ranks, images_per_sec)
+        }
+    }
+
+    #[test]
+    fn runs_that_differ_in_configuration_never_share_a_table() {
+        let base = record("ring", 1, 100.0);
+        let variants = vec![
+            base.clone(),
+            RunRecord { model: "resnet18".into(), ..base.clone() },
+            RunRecord { dataset: "cifar10".into(), ..base.clone() },
+            RunRecord { image_shape: vec![3, 28, 28], ..base.clone() },
+            RunRecord { device: "cuda:0".into(), ..base.clone() },
+            RunRecord { batch_per_rank: 32, global_batch: 32, ..base.clone() },
+            RunRecord { scaling: "strong".into(), ..base.clone() },
+            RunRecord { scaling: "strong".into(), global_batch: 128, batch_per_rank: 128, ..base.clone() },
+        ];
+        let tables = group(&variants).unwrap();
+        assert_eq!(tables.len(), variants.len());
+        assert!(tables.iter().all(|t| t.present().count() == 1 && t.superseded() == 0));
+        let slugs: std::collections::BTreeSet<_> = tables.iter().map(|t| t.slug.clone()).collect();
+        assert_eq!(slugs.len(), tables.len(), "slugs are unique: {slugs:?}");
+    }
+
+    #[test]
+    fn rank_counts_and_strategies_share_a_table() {
+        // Weak scaling holds the batch per rank: the global batch grows with the ranks. Strong
+        // scaling holds the global batch: the batch per rank shrinks.
+        let runs = vec![
+            record("ring", 1, 100.0),
+            record("ring", 4, 380.0),
+            record("allreduce", 2, 190.0),
+            strong("ring", 1, 256, 100.0),
+            strong("ring", 4, 256, 300.0),
+            strong("allreduce", 2, 256, 180.0),
+        ];
+        let tables = group(&runs).unwrap();
+        assert_eq!(tables.len(), 2);
+        assert_eq!(tables[0].key.scaling, Scaling::Weak, "weak tables come first");
+        for t in &tables {
+            assert_eq!(t.strategies, vec!["allreduce", "ring"]);
+            assert_eq!(t.ranks, vec![1, 2, 4]);
+            assert_eq!(t.present().count(), 3);
+        }
+    }
+
+    #[test]
+    fn the_most_recent_record_of_a_cell_wins() {
+        let at = |ips: f64, timestamp: &str| RunRecord { timestamp: timestamp.into(), ..record("ring", 2, ips) };
+        // Out of file order: the latest timestamp wins wherever it is in the file.
+        let runs = vec![at(1.0, "2025-01-02T00:00:00Z"), at(2.0, "2025-01-03T00:00:00Z"), at(3.0, "2025-01-01T00:00:00Z")];
+        let tables = group(&runs).unwrap();
+        let cell = tables[0].cell("ring", 2).unwrap();
+        assert_eq!((cell.record.images_per_sec, cell.superseded), (2.0, 2));
+        assert!(tables[0].notes().iter().any(|n| n.starts_with("2 older records superseded") && n.contains("ring at 2 ranks: 2")));
+        // Time zones are compared as times, not as text.
+        let runs = vec![at(1.0, "2025-01-01T10:00:00+02:00"), at(2.0, "2025-01-01T09:00:00Z")];
+        assert_eq!(group(&runs).unwrap()[0].cell("ring", 2).unwrap().record.images_per_sec, 2.0);
+        // A tie goes to the later line.
+        let runs = vec![at(1.0, "2025-01-01T00:00:00Z"), at(2.0, "2025-01-01T00:00:00Z")];
+        assert_eq!(group(&runs).unwrap()[0].cell("ring", 2).unwrap().record.images_per_sec, 2.0);
+    }
+
+    #[test]
+    fn speedup_and_efficiency_follow_their_definitions() {
+        assert_eq!(speedup(300.0, 100.0), Some(3.0));
+        // Weak: images/s(N) / (N x images/s(1)); strong: speedup(N) / N. The same number.
+        assert_eq!(efficiency(300.0, 4, 100.0), Some(300.0 / (4.0 * 100.0)));
+        assert_eq!(efficiency(300.0, 4, 100.0), speedup(300.0, 100.0).map(|s| s / 4.0));
+        assert_eq!(speedup(300.0, 0.0), None);
+        assert_eq!(efficiency(300.0, 4, f64::NAN), None);
+        // 100 steps over 2 epochs of a global batch of 256 at 1280 images/s: 50 x 256 / 1280 s.
+        assert_eq!(epoch_seconds(100, 2.0, 256, 1280.0), Some(10.0));
+        assert_eq!(epoch_seconds(100, 0.0, 256, 1280.0), None);
+        assert_eq!(epoch_seconds(100, 2.0, 256, 0.0), None);
+
+        let runs = vec![strong("ring", 1, 256, 100.0), strong("ring", 4, 256, 300.0)];
+        let tables = group(&runs).unwrap();
+        let f = tables[0].figures("ring", 4).unwrap();
+        assert_eq!((f.speedup, f.efficiency, f.images_per_sec_per_rank), (Some(3.0), Some(0.75), 75.0));
+        // 10 steps over 0.5 epochs: 20 steps of 256 images per epoch, at 300 images/s.
+        assert_eq!(f.epoch_s, Some(20.0 * 256.0 / 300.0));
+        assert!(tables[0].markdown().contains("| 4 | 256 | 300.0 | 75.0 | 3.00 | 75.0% | 10.0 / 2.0 | 17.1 |"), "{}", tables[0].markdown());
+    }
+
+    #[test]
+    fn a_strategy_without_a_1_rank_run_gets_no_speedup() {
+        let runs = vec![record("ring", 1, 100.0), record("ring", 2, 190.0), record("ring", 4, 360.0), record("allreduce", 2, 180.0), record("allreduce", 4, 350.0)];
+        let tables = group(&runs).unwrap();
+        let t = &tables[0];
+        let f = t.figures("allreduce", 4).unwrap();
+        assert_eq!((f.speedup, f.efficiency), (None, None));
+        assert_eq!(t.notes(), vec!["no 1-rank run of allreduce: speedup and efficiency not computed".to_string()]);
+        let md = t.markdown();
+        // The missing 1-rank cell is a dash, never made up; the figures that need it are n/a.
+        assert!(md.contains("| 1 | 64 | — | — | — | — | — | 100.0 | 100.0 | 1.00 | 100.0% | 10.0 / 2.0 |"), "{md}");
+        assert!(md.contains("| 4 | 256 | 350.0 | 87.5 | n/a | n/a | 10.0 / 2.0 | 360.0 | 90.0 | 3.60 | 90.0% | 10.0 / 2.0 |"), "{md}");
+    }
+
+    #[test]
+    fn a_missing_rank_count_is_a_dash() {
+        let runs = vec![record("ring", 1, 100.0), record("ring", 2, 190.0), record("ring", 4, 360.0), record("allreduce", 1, 100.0), record("allreduce", 4, 350.0)];
+        let t = &group(&runs).unwrap()[0];
+        assert!(t.figures("allreduce", 2).is_none());
+        assert!(t.markdown().contains("| 2 | 128 | — | — | — | — | — | 190.0 | 95.0 | 1.90 | 95.0% | 10.0 / 2.0 |"), "{}", t.markdown());
+        assert_eq!(t.csv_rows().len(), 5);
+    }
+
+    #[test]
+    fn dedicated_servers_are_counted_as_ranks() {
+        let mut ps = record("ps", 4, 300.0);
+        ps.workers = 3;
+        ps.global_batch = 3 * 64;
+        ps.extra.insert("ps_mode".into(), "sync".into());
+        let runs = vec![record("ring", 4, 380.0), ps];
+        let t = &group(&runs).unwrap()[0];
+        assert_eq!(t.strategies, vec!["ps (sync)", "ring"]);
+        assert_eq!(t.figures("ps (sync)", 4).unwrap().images_per_sec_per_rank, 75.0);
+        assert!(t.notes().iter().any(|n| n.starts_with("ps (sync) has dedicated parameter servers (4 ranks, 3 computing)")));
+        // Only the workers take a batch: the row says whose global batch is whose.
+        assert!(t.markdown().contains("| 4 | ps (sync): 192, ring: 256 |"), "{}", t.markdown());
+    }
+
+    #[test]
+    fn strategy_variants_get_their_own_column() {
+        let ps = |mode: &str, colocate: bool| {
+            let mut r = record("ps", 2, 100.0);
+            r.extra.insert("ps_mode".into(), mode.into());
+            r.extra.insert("ps_colocate".into(), colocate.into());
+            r
+        };
+        let mut horovod = record("horovod", 2, 100.0);
+        horovod.extra.insert("compression".into(), "fp16".into());
+        horovod.extra.insert("hierarchical".into(), true.into());
+        let mut plain_horovod = record("horovod", 2, 100.0);
+        plain_horovod.extra.insert("compression".into(), "none".into());
+        let labels: Vec<String> = [ps("sync", false), ps("async", true), horovod, plain_horovod, record("ring", 2, 1.0)].iter().map(strategy_label).collect();
+        assert_eq!(labels, vec!["ps (sync)", "ps (async, colocated)", "horovod (fp16, hierarchical)", "horovod", "ring"]);
+    }
+
+    #[test]
+    fn slugs_are_file_name_safe() {
+        assert_eq!(slug(&["weak", "ResNet 50", "my/data", "1x28x28", "cuda:0", "b64"]), "weak-resnet-50-my-data-1x28x28-cuda-0-b64");
+        let runs = [record("ring", 1, 1.0)];
+        let t = &group(&runs).unwrap()[0];
+        assert_eq!(t.slug, "weak-tiny-fashion-mnist-1x28x28-cpu-b64");
+    }
+
+    #[test]
+    fn unknown_scaling_and_bad_timestamps_are_errors() {
+        let err = group(&[RunRecord { scaling: "sideways".into(), ..record("ring", 1, 1.0) }]).unwrap_err().to_string();
+        assert!(err.contains("unknown scaling \"sideways\""), "{err}");
+        let err = group(&[RunRecord { timestamp: "yesterday".into(), ..record("ring", 1, 1.0) }]).unwrap_err().to_string();
+        assert!(err.contains("timestamp \"yesterday\""), "{err}");
+    }
+}
