@@ -35,6 +35,25 @@ pub enum Command {
     Bench(BenchArgs),
     /// Write scaling tables (Markdown, CSV) and plots (SVG, PNG) from runs.jsonl and bench.jsonl.
     Report(ReportArgs),
+    /// Run a whole scaling sweep (rank counts x strategies) inside this one launch.
+    Study(StudyArgs),
+}
+
+/// Options of `hpc-train study`.
+#[derive(Args, Debug, Clone)]
+pub struct StudyArgs {
+    /// Rank counts of the sweep, comma-separated (each at most the launched ranks).
+    #[arg(long, default_value = "1,2,4")]
+    pub ranks: String,
+    /// Strategies, comma-separated.
+    #[arg(long, default_value = "ring,ps,allreduce,horovod")]
+    pub strategies: String,
+    /// Id tagging the study's runs in runs.jsonl [default: scaling mode and UTC time].
+    #[arg(long)]
+    pub study_id: Option<String>,
+    /// Training options for every run (--strategy is set by the sweep).
+    #[command(flatten)]
+    pub train: TrainArgs,
 }
 
 /// Options of `hpc-train report`.
@@ -376,6 +395,10 @@ pub struct TrainArgs {
     /// Continue from the newest complete checkpoint in --checkpoint-dir (from the start when there is none).
     #[arg(long)]
     pub resume: bool,
+
+    /// Tag this run's record in runs.jsonl with a study id (job scripts group their runs so).
+    #[arg(long)]
+    pub study_tag: Option<String>,
 
     /// Record the sample indices each rank trains on, one file per rank in this folder (checks).
     #[arg(long, hide = true)]

@@ -17,6 +17,7 @@ mod optim;
 mod raw;
 mod report;
 mod results;
+mod study;
 mod topology;
 mod train;
 
@@ -55,7 +56,11 @@ fn main() {
     install_panic_hook(world.rank, world.size);
 
     let result = match &cli.command {
-        None => train::run(&world, &cli.train, &train::RunContext::default()).map(|_| ()),
+        None => {
+            let context = train::RunContext { study: cli.train.study_tag.clone() };
+            train::run(&world, &cli.train, &context).map(|_| ())
+        }
+        Some(Command::Study(args)) => study::run(&world, args),
         Some(Command::Bench(args)) => bench::run(&world, args),
         Some(Command::Data(cmd)) => {
             // Data commands are serial: rank 0 does the work, the others wait for its verdict.
@@ -75,6 +80,7 @@ fn main() {
             log::debug!("exiting after the error reported by rank {rank}");
             1
         }
+        Err(Error::Agreed(e)) if matches!(*e, Error::Reported(_)) => 1,
         Err(Error::Agreed(e)) => {
             eprintln!("error: {e}");
             1

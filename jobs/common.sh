@@ -1,0 +1,114 @@
+# Shared by the job files in jobs/: settings from the environment, the launch of one point of a
+# sweep, and the report at the end. Sourced, not run.
+#
+# Every setting is an environment variable with a default; set it at submission, e.g.
+#   MODEL=resnet18 STRATEGIES="ring horovod" sbatch --nodes=8 jobs/weak_scaling.sbatch
+#
+# | variable          | default                                   | meaning |
+# |-------------------|-------------------------------------------|---------|
+# | HPC_TRAIN         | $SLURM_SUBMIT_DIR/target/release/hpc-train | the binary (or the packed one, scripts/pack.sh) |
+# | RANKS_PER_NODE    | $SLURM_NTASKS_PER_NODE, else 1            | ranks (= GPUs) per node |
+# | GPUS_PER_RANK     | 1                                         | 0 for CPU-only nodes |
+# | NODE_COUNTS       | 1 2 4 ... up to the allocation            | the sweep, in nodes |
+# | RANK_COUNTS       | (NODE_COUNTS x RANKS_PER_NODE)            | the sweep in ranks, instead of nodes |
+# | STRATEGIES        | ring ps allreduce horovod                 | strategies at every point |
+# | MODEL             | resnet50                                  | model |
+# | DATA              | datasets/fashion-mnist.h5                 | dataset file (on a shared file system) |
+# | BATCH             | 256                                       | per-rank batch (weak scaling) |
+# | GLOBAL_BATCH      | 1024                                      | global batch (strong scaling) |
+# | EPOCHS            | 1                                         | epochs per point (unless STEPS) |
+# | STEPS             | (unset)                                   | steps per point, instead of EPOCHS |
+# | RESULTS           | results                                   | runs.jsonl, bench.jsonl, reports |
+# | LAUNCHER          | srun                                      | srun or mpirun |
+# | SRUN_MPI          | pmix                                      | srun --mpi= (pmix for Open MPI, pmi2 for MPICH) |
+# | LAUNCH_EXTRA      | (unset)                                   | more launcher options (e.g. --overcommit) |
+# | EXTRA_ARGS        | (unset)                                   | more hpc-train options for every run |
+# | STUDY_ID          | <job name>-<job id>                       | tags the runs; the report selects them |
+
+set -euo pipefail
+
+# Site modules: edit for your cluster (these are typical names).
+# module purge
+# module load gcc/12 openmpi/4.1 cuda/12.4 hdf5/1.12
+
+cd "${SLURM_SUBMIT_DIR:-.}"
+HPC_TRAIN=${HPC_TRAIN:-$PWD/target/release/hpc-train}
+RANKS_PER_NODE=${RANKS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-1}}
+GPUS_PER_RANK=${GPUS_PER_RANK:-1}
+STRATEGIES=${STRATEGIES:-ring ps allreduce horovod}
+MODEL=${MODEL:-resnet50}
+DATA=${DATA:-datasets/fashion-mnist.h5}
+BATCH=${BATCH:-256}
+GLOBAL_BATCH=${GLOBAL_BATCH:-1024}
+EPOCHS=${EPOCHS:-1}
+RESULTS=${RESULTS:-results}
+LAUNCHER=${LAUNCHER:-srun}
+SRUN_MPI=${SRUN_MPI:-pmix}
+LAUNCH_EXTRA=${LAUNCH_EXTRA:-}
+EXTRA_ARGS=${EXTRA_ARGS:-}
+STUDY_ID=${STUDY_ID:-${SLURM_JOB_NAME:-hpc-train}-${SLURM_JOB_ID:-local}}
+ALLOC_NODES=${SLURM_JOB_NUM_NODES:-1}
+
+[ -x "$HPC_TRAIN" ] || { echo "HPC_TRAIN=$HPC_TRAIN is not an executable (build it, or pack it with scripts/pack.sh)" >&2; exit 1; }
+mkdir -p "$RESULTS"
+
+# The sweep in ranks: RANK_COUNTS as given, else powers of two of nodes up to the allocation.
+if [ -z "${RANK_COUNTS:-}" ]; then
+    if [ -z "${NODE_COUNTS:-}" ]; then
+        NODE_COUNTS=""; n=1
+        while [ "$n" -le "$ALLOC_NODES" ]; do NODE_COUNTS="$NODE_COUNTS $n"; n=$((n * 2)); done
+    fi
+    RANK_COUNTS=""
+    for n in $NODE_COUNTS; do RANK_COUNTS="$RANK_COUNTS $((n * RANKS_PER_NODE))"; done
+fi
+
+# Runs "$@" on RANKS ranks of this allocation, filling nodes RANKS_PER_NODE at a time.
+launch() {
+    local ranks=$1; shift
+    local nodes=$(( (ranks + RANKS_PER_NODE - 1) / RANKS_PER_NODE ))
+    local per_node=$(( ranks < RANKS_PER_NODE ? ranks : RANKS_PER_NODE ))
+    case "$LAUNCHER" in
+        srun)
+            local gpus=()
+            [ "$GPUS_PER_RANK" -gt 0 ] && gpus=(--gpus-per-task="$GPUS_PER_RANK")
+            # shellcheck disable=SC2086
+            srun --mpi="$SRUN_MPI" --nodes="$nodes" --ntasks="$ranks" --ntasks-per-node="$per_node" \
+                "${gpus[@]}" --kill-on-bad-exit=1 $LAUNCH_EXTRA "$@" ;;
+        mpirun)
+            local hosts
+            hosts=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname)}" | head -n "$nodes" | sed "s/\$/:$per_node/" | paste -sd, -)
+            # shellcheck disable=SC2086
+            mpirun -n "$ranks" --host "$hosts" --map-by "ppr:$per_node:node" $LAUNCH_EXTRA "$@" ;;
+        *) echo "LAUNCHER=$LAUNCHER: expected srun or mpirun" >&2; exit 2 ;;
+    esac
+}
+
+length_args() {
+    if [ -n "${STEPS:-}" ]; then echo "--steps $STEPS"; else echo "--epochs $EPOCHS"; fi
+}
+
+# A training sweep: every rank count x every strategy, each a job step of its own.
+run_sweep() {
+    local scaling=$1
+    local batch_args
+    if [ "$scaling" = weak ]; then batch_args="--batch-size $BATCH"; else batch_args="--global-batch $GLOBAL_BATCH"; fi
+    echo "study $STUDY_ID: $scaling scaling of $MODEL, ranks:$RANK_COUNTS, strategies: $STRATEGIES"
+    for ranks in $RANK_COUNTS; do
+        for strategy in $STRATEGIES; do
+            if [ "$strategy" = ps ] && [ "$ranks" -lt 2 ] && [[ "$EXTRA_ARGS" != *--ps-colocate* ]]; then
+                echo "skipping ps at 1 rank: a dedicated server leaves no worker"; continue
+            fi
+            echo "== $strategy on $ranks rank(s)"
+            # shellcheck disable=SC2046,SC2086
+            launch "$ranks" "$HPC_TRAIN" --strategy "$strategy" --model "$MODEL" --data "$DATA" \
+                --scaling "$scaling" $batch_args $(length_args) --results "$RESULTS" \
+                --study-tag "$STUDY_ID" $EXTRA_ARGS
+        done
+    done
+    make_report
+}
+
+# Tables and plots of this study's runs (serial, on the batch host).
+make_report() {
+    "$HPC_TRAIN" report --input "$RESULTS/runs.jsonl" --study "$STUDY_ID" --out "$RESULTS/report-$STUDY_ID"
+}

@@ -1,0 +1,134 @@
+//! `hpc-train study`: a whole scaling sweep inside one allocation.
+//!
+//! mpirun (or srun) starts the largest rank count once; each point of the sweep runs on a
+//! sub-communicator of the first N ranks while the others wait, every strategy in turn, and
+//! every run is appended to runs.jsonl tagged with the study id (so that `hpc-train report
+//! --study ID` finds them). Ranks 0..N of one allocation are placed as the launcher placed
+//! them, so a point of N ranks uses the first N slots (fill nodes in order with
+//! `--map-by core` or Slurm's block distribution to keep nodes whole).
+
+use mpi::topology::Color;
+use mpi::traits::*;
+
+use crate::cli::{Scaling, StudyArgs};
+use crate::error::{Error, Result};
+use crate::exchange::StrategyKind;
+use crate::topology::World;
+use crate::train::{self, RunContext};
+
+/// Parses `1,2,4`.
+pub fn parse_ranks(list: &str, available: usize) -> Result<Vec<usize>> {
+    let mut ranks: Vec<usize> = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let n: usize = item.parse().map_err(|_| Error::usage(format!("--ranks: {item:?} is not a rank count")))?;
+        if n == 0 || n > available {
+            return Err(Error::usage(format!(
+                "--ranks: {n} is outside 1..={available} (the study runs inside this launch of {available} rank(s); launch the largest count)"
+            )));
+        }
+        if !ranks.contains(&n) {
+            ranks.push(n);
+        }
+    }
+    if ranks.is_empty() {
+        return Err(Error::usage("--ranks: name at least one rank count"));
+    }
+    ranks.sort_unstable();
+    Ok(ranks)
+}
+
+pub fn parse_strategies(list: &str) -> Result<Vec<StrategyKind>> {
+    use clap::ValueEnum;
+    let out: Vec<StrategyKind> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| StrategyKind::from_str(s, true).map_err(|_| Error::usage(format!("--strategies: unknown strategy {s:?} (ring, ps, allreduce, horovod)"))))
+        .collect::<Result<_>>()?;
+    if out.is_empty() {
+        return Err(Error::usage("--strategies: name at least one strategy"));
+    }
+    Ok(out)
+}
+
+pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
+    let ranks = world.agree(parse_ranks(&args.ranks, world.size as usize))?;
+    let strategies = world.agree(parse_strategies(&args.strategies))?;
+    if args.train.scaling == Scaling::Strong && args.train.global_batch.is_none() {
+        world.agree::<()>(Err(Error::usage("--scaling strong needs --global-batch (the samples per step at every point)")))?;
+    }
+    // One id for every run of the study: given, or made on rank 0.
+    let id = broadcast_string(world, args.study_id.clone().unwrap_or_else(|| {
+        format!("{}-{}", match args.train.scaling { Scaling::Weak => "weak", Scaling::Strong => "strong" }, chrono::Utc::now().format("%Y%m%dT%H%M%SZ"))
+    }));
+    if world.is_root() {
+        log::info!("study {id}: {} scaling, ranks {ranks:?}, strategies {:?}", match args.train.scaling { Scaling::Weak => "weak", Scaling::Strong => "strong" }, strategies.iter().map(|s| s.name()).collect::<Vec<_>>());
+    }
+    let context = RunContext { study: Some(id.clone()) };
+    let mut done = 0usize;
+    for &n in &ranks {
+        for &strategy in &strategies {
+            let mut point = args.train.clone();
+            point.strategy = strategy;
+            if strategy == StrategyKind::Ps && !point.ps.ps_colocate && n <= point.ps.servers {
+                if world.is_root() {
+                    log::warn!("study {id}: skipping ps at {n} rank(s): {} dedicated server(s) would leave no worker (use --ps-colocate to include it)", point.ps.servers);
+                }
+                continue;
+            }
+            let inside = (world.rank as usize) < n;
+            let sub = world.comm.split_by_color(if inside { Color::with_value(0) } else { Color::undefined() });
+            let outcome = match sub {
+                Some(comm) => {
+                    let result = World::new(comm).and_then(|sub_world| train::run(&sub_world, &point, &context).map(|_| ()));
+                    // An error the point's ranks agreed on was printed by one of them; the
+                    // whole study stops with it.
+                    match result {
+                        Err(Error::Agreed(e)) => {
+                            eprintln!("error: study {id}, {strategy} at {n} rank(s): {e}");
+                            Err(Error::Reported(world.rank))
+                        }
+                        other => other,
+                    }
+                }
+                None => Ok(()),
+            };
+            world.agree(outcome)?;
+            done += 1;
+        }
+    }
+    if world.is_root() {
+        println!("study {id}: {done} run(s) appended to {}; tables and plots: hpc-train report --study {id}", crate::results::runs_path(&args.train.results).display());
+    }
+    Ok(())
+}
+
+/// Rank 0's string on every rank.
+fn broadcast_string(world: &World, value: String) -> String {
+    let mut len = value.len() as u64;
+    let root = world.comm.process_at_rank(0);
+    root.broadcast_into(&mut len);
+    let mut bytes = if world.is_root() { value.into_bytes() } else { vec![0u8; len as usize] };
+    root.broadcast_into(&mut bytes[..]);
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_lists_are_checked_against_the_launch() {
+        assert_eq!(parse_ranks("4,1,2,2", 4).unwrap(), vec![1, 2, 4]);
+        assert!(parse_ranks("1,8", 4).unwrap_err().to_string().contains("outside 1..=4"));
+        assert!(parse_ranks("0", 4).is_err());
+        assert!(parse_ranks("x", 4).is_err());
+        assert!(parse_ranks("", 4).is_err());
+    }
+
+    #[test]
+    fn strategy_lists_parse() {
+        assert_eq!(parse_strategies("ring, ps").unwrap(), vec![StrategyKind::Ring, StrategyKind::Ps]);
+        assert!(parse_strategies("ring,magic").is_err());
+    }
+}

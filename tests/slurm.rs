@@ -1,0 +1,102 @@
+//! The job files in jobs/, submitted for real to a single-node Slurm on loopback (started and
+//! stopped by scripts/local-slurm.sh), in small configurations.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+/// A local Slurm for the length of a test; stopped (by PID) when dropped, even on failure.
+struct LocalSlurm {
+    dir: PathBuf,
+    conf: PathBuf,
+}
+
+impl LocalSlurm {
+    fn start(dir: &Path) -> Option<LocalSlurm> {
+        let available = ["slurmctld", "slurmd", "munged", "sbatch"]
+            .iter()
+            .all(|tool| Command::new("sh").args(["-c", &format!("command -v {tool}")]).output().is_ok_and(|o| o.status.success()));
+        if !available {
+            eprintln!("skipped: Slurm (slurm-wlm, munge) is not installed here and scripts/test.sh could not install it");
+            return None;
+        }
+        let out = Command::new(root().join("scripts/local-slurm.sh")).arg("start").arg(dir).output().unwrap();
+        assert!(out.status.success(), "starting Slurm: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        Some(LocalSlurm { dir: dir.to_path_buf(), conf: dir.join("slurm.conf") })
+    }
+
+    /// `sbatch --wait` of a job file with the given environment and options; returns the log.
+    fn submit(&self, job: &str, env: &[(&str, &str)], options: &[&str], log: &Path) -> String {
+        let mut cmd = Command::new("sbatch");
+        cmd.arg("--wait")
+            .args(options)
+            .arg(format!("--output={}", log.display()))
+            .arg(root().join(job))
+            .current_dir(root())
+            .env("SLURM_CONF", &self.conf)
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let run = run_with_limit(cmd, Duration::from_secs(600));
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        assert!(run.ok(), "{job} failed ({:?}):\n{}{}\n--- job log ---\n{text}", run.status, run.stdout, run.stderr);
+        text
+    }
+}
+
+impl Drop for LocalSlurm {
+    fn drop(&mut self) {
+        let _ = Command::new(root().join("scripts/local-slurm.sh")).arg("stop").arg(&self.dir).status();
+    }
+}
+
+/// Options for the single node: no GPUs, more ranks than cores allowed.
+const NODE: [&str; 5] = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-task=0", "--cpus-per-task=1", "--overcommit"];
+
+#[test]
+fn job_files_run_under_slurm_and_write_their_results() {
+    let dir = scratch("slurm");
+    let Some(slurm) = LocalSlurm::start(&dir.join("cluster")) else { return };
+    let data = synth(&dir, "slurm", 400, 40, "1x16x16", 4);
+    let results = dir.join("results");
+    let (d, r) = (data.to_str().unwrap(), results.to_str().unwrap());
+    let common = [
+        ("RESULTS", r), ("DATA", d), ("MODEL", "tiny"), ("STEPS", "8"), ("GPUS_PER_RANK", "0"),
+        ("RANK_COUNTS", "1 2"), ("EXTRA_ARGS", "--no-eval --threads 1"),
+    ];
+
+    // Weak scaling through srun (PMIx), every strategy.
+    let mut env = common.to_vec();
+    env.extend([("STRATEGIES", "ring ps allreduce horovod"), ("LAUNCH_EXTRA", "--overcommit"), ("STUDY_ID", "slurm-weak"), ("BATCH", "8")]);
+    let log = slurm.submit("jobs/weak_scaling.sbatch", &env, &NODE, &dir.join("weak.out"));
+    assert!(log.contains("skipping ps at 1 rank"), "{log}");
+    // Strong scaling through mpirun inside the allocation.
+    let mut env = common.to_vec();
+    env.extend([("STRATEGIES", "ring horovod"), ("LAUNCHER", "mpirun"), ("LAUNCH_EXTRA", "--oversubscribe"), ("STUDY_ID", "slurm-strong"), ("GLOBAL_BATCH", "16")]);
+    slurm.submit("jobs/strong_scaling.sbatch", &env, &NODE, &dir.join("strong.out"));
+    // The exchange benchmark.
+    let mut env = common.to_vec();
+    env.extend([("STRATEGIES", "ring allreduce"), ("BENCH_DEVICE", "cpu"), ("MAX_BYTES", "64K"), ("ITERS", "2"), ("LAUNCH_EXTRA", "--overcommit"), ("RANK_COUNTS", "2"), ("STUDY_ID", "slurm-bench")]);
+    slurm.submit("jobs/bench.sbatch", &env, &NODE, &dir.join("bench.out"));
+
+    let runs = read_runs(&results);
+    let weak: Vec<_> = runs.iter().filter(|r| r["study"] == "slurm-weak").collect();
+    let strong: Vec<_> = runs.iter().filter(|r| r["study"] == "slurm-strong").collect();
+    // ring, allreduce, horovod at 1 and 2 ranks, ps at 2 only.
+    assert_eq!(weak.len(), 7, "{weak:#?}");
+    assert_eq!(strong.len(), 4);
+    assert!(strong.iter().all(|r| r["global_batch"] == 16 && r["scaling"] == "strong"));
+    assert!(weak.iter().any(|r| r["strategy"] == "ps" && r["ranks"] == 2));
+    let bench = std::fs::read_to_string(results.join("bench.jsonl")).unwrap();
+    assert!(bench.lines().count() >= 8, "{bench}");
+    for study in ["slurm-weak", "slurm-strong"] {
+        let report = results.join(format!("report-{study}/report.md"));
+        assert!(report.exists(), "{} missing", report.display());
+    }
+}
