@@ -11,6 +11,7 @@ use std::env;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     build_mpi_shim();
+    build_grad_hooks_shim();
     record_git_commit();
     println!("cargo:rerun-if-env-changed=HPC_TRAIN_EXTRA_RPATH");
 
@@ -60,5 +61,37 @@ fn record_git_commit() {
     if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
         println!("cargo:rerun-if-changed={dir}/HEAD");
         println!("cargo:rerun-if-changed={dir}/index");
+    }
+}
+
+/// Compiles the gradient-ready hook shim (src/shim/grad_hooks.cpp) against the headers of the
+/// libtorch that torch-sys linked, with the same C++ ABI.
+fn build_grad_hooks_shim() {
+    println!("cargo:rerun-if-changed=src/shim/grad_hooks.cpp");
+    println!("cargo:rerun-if-env-changed=HPC_TRAIN_CXX11_ABI");
+    let lib = std::path::PathBuf::from(env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys exports its libtorch folder"));
+    let root = lib.parent().expect("libtorch/lib has a parent").to_path_buf();
+    let abi = env::var("HPC_TRAIN_CXX11_ABI").unwrap_or_else(|_| cxx11_abi_of(&lib.join("libc10.so")));
+    cc::Build::new()
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .include(root.join("include"))
+        .include(root.join("include/torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .file("src/shim/grad_hooks.cpp")
+        .compile("hpc_train_grad_hooks");
+}
+
+/// 1 when libc10 was built with the C++11 string ABI (its symbols name `__cxx11`), else 0.
+fn cxx11_abi_of(libc10: &std::path::Path) -> String {
+    let out = std::process::Command::new("nm").args(["-D", "--defined-only"]).arg(libc10).output();
+    match out {
+        Ok(o) if o.status.success() => {
+            if String::from_utf8_lossy(&o.stdout).contains("__cxx11") { "1".into() } else { "0".into() }
+        }
+        // Every libtorch since 2.7 uses the new ABI.
+        _ => "1".into(),
     }
 }

@@ -168,6 +168,12 @@ pub enum Scaling {
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceChoice {
     /// The rank's GPU when CUDA is available, else the CPU.
     Auto,
@@ -339,6 +345,10 @@ pub struct TrainArgs {
     /// Gradient bucket size in MiB; 0 = one exchange per parameter tensor (the naive variant).
     #[arg(long, default_value_t = 25.0)]
     pub bucket_mb: f64,
+
+    /// Exchange gradient buckets while backward is still running (gradient-ready hooks).
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    pub overlap: OnOff,
 
     /// Ring all-reduce segment size in KiB (the pipelining grain of the ring).
     #[arg(long, default_value_t = 256)]

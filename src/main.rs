@@ -14,6 +14,7 @@ mod exchange;
 mod faults;
 mod model;
 mod optim;
+mod overlap;
 mod raw;
 mod report;
 mod results;

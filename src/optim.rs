@@ -49,6 +49,20 @@ impl Sgd {
     /// Applies one update to `params` from `grads` (same shapes, same order). `grads` is used as
     /// scratch: it holds `g + weight_decay * w` afterwards.
     pub fn step(&mut self, params: &mut [Tensor], grads: &mut [Tensor]) -> Result<()> {
+        let all: Vec<usize> = (0..params.len()).collect();
+        self.step_some(params, grads, &all)?;
+        self.count_step();
+        Ok(())
+    }
+
+    /// Counts a step made of several `step_some` calls (one per bucket).
+    pub fn count_step(&mut self) {
+        self.steps += 1;
+    }
+
+    /// Updates only the parameters at `which` (their momentum buffers are theirs alone, so a
+    /// step made bucket by bucket equals one made at once). Does not count a step.
+    pub fn step_some(&mut self, params: &mut [Tensor], grads: &mut [Tensor], which: &[usize]) -> Result<()> {
         let started = Instant::now();
         assert_eq!(params.len(), grads.len(), "one gradient per parameter");
         if self.momentum.len() != params.len() {
@@ -65,7 +79,8 @@ impl Sgd {
         let momentum = self.config.momentum;
 
         tch::no_grad(|| -> Result<()> {
-            for ((w, g), v) in params.iter_mut().zip(grads.iter_mut()).zip(self.momentum.iter_mut()) {
+            for &i in which {
+                let (w, g, v) = (&mut params[i], &mut grads[i], &mut self.momentum[i]);
                 if self.config.weight_decay != 0.0 {
                     let _ = g.f_addcmul_(w, weight_decay)?;
                 }
@@ -85,7 +100,6 @@ impl Sgd {
             }
             Ok(())
         })?;
-        self.steps += 1;
         self.busy += started.elapsed();
         Ok(())
     }

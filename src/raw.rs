@@ -372,3 +372,107 @@ pub fn copy_host_elements(dst: &mut Tensor, dst_at: usize, src: &Tensor, src_at:
     }
     true
 }
+
+// ---- Gradient-ready hooks (src/shim/grad_hooks.cpp). ----
+
+type GradReadyCallback = extern "C" fn(context: *mut c_void, index: i64, event: *mut c_void);
+
+extern "C" {
+    fn hpc_register_grad_ready_hook(
+        tensor: *mut c_void,
+        index: i64,
+        callback: GradReadyCallback,
+        context: *mut c_void,
+        error: *mut c_char,
+        error_length: usize,
+    ) -> c_int;
+    fn hpc_clear_grad_ready_hook(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_event_synchronize(event: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_event_destroy(event: *mut c_void);
+}
+
+fn shim_error(buffer: &[c_char]) -> String {
+    // SAFETY: the shim writes a NUL-terminated message into the buffer, or leaves it zeroed.
+    unsafe { CStr::from_ptr(buffer.as_ptr()) }.to_string_lossy().into_owned()
+}
+
+/// A CUDA event recorded on the stream that accumulated a gradient, right after it.
+pub struct GradEvent(std::ptr::NonNull<c_void>);
+
+// SAFETY: a c10::Event may be waited on and destroyed from any thread; ownership is unique.
+unsafe impl Send for GradEvent {}
+
+impl GradEvent {
+    /// Waits for the gradient's accumulation (this gradient only, not the whole device).
+    pub fn synchronize(&self) -> Result<()> {
+        let mut err = [0 as c_char; 256];
+        // SAFETY: the pointer is a live c10::Event owned by self; the buffer is writable.
+        let rc = unsafe { hpc_event_synchronize(self.0.as_ptr(), err.as_mut_ptr(), err.len()) };
+        if rc != 0 {
+            return Err(Error::exchange("overlap", format!("waiting on a CUDA event: {}", shim_error(&err))));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for GradEvent {
+    fn drop(&mut self) {
+        // SAFETY: the event was made by the shim with `new` and is destroyed once, here.
+        unsafe { hpc_event_destroy(self.0.as_ptr()) }
+    }
+}
+
+/// A parameter whose gradient is final for this backward pass.
+pub struct GradReady {
+    pub index: usize,
+    pub event: Option<GradEvent>,
+}
+
+extern "C" fn on_grad_ready(context: *mut c_void, index: i64, event: *mut c_void) {
+    // SAFETY: `context` is the Box<Sender> that `GradReadyHooks` owns and keeps alive until it
+    // has removed every hook (in Drop); Sender is Sync, so a shared borrow from the autograd
+    // thread is fine. `event` is null or a fresh c10::Event handed over to us.
+    let sender = unsafe { &*(context as *const std::sync::mpsc::Sender<GradReady>) };
+    let event = std::ptr::NonNull::new(event).map(GradEvent);
+    // The receiver may be gone on an error path; the event is then dropped and freed.
+    let _ = sender.send(GradReady { index: index as usize, event });
+}
+
+/// Post-accumulate-grad hooks on a set of parameters, each sending its index (and, on a GPU, an
+/// event) into a channel when its gradient is final. The hooks are removed on drop.
+pub struct GradReadyHooks {
+    params: Vec<Tensor>,
+    context: Box<std::sync::mpsc::Sender<GradReady>>,
+}
+
+impl GradReadyHooks {
+    pub fn register(params: &[Tensor], sender: std::sync::mpsc::Sender<GradReady>) -> Result<GradReadyHooks> {
+        let mut hooks = GradReadyHooks { params: Vec::new(), context: Box::new(sender) };
+        let context = &*hooks.context as *const std::sync::mpsc::Sender<GradReady> as *mut c_void;
+        for (index, p) in params.iter().enumerate() {
+            let mut handle = p.shallow_clone();
+            let mut err = [0 as c_char; 256];
+            // SAFETY: as_mut_ptr is tch's pointer to the at::Tensor it owns, valid while `handle`
+            // lives (kept in hooks.params until the hooks are removed); the callback and the
+            // context outlive the hook (see Drop); the buffer is writable.
+            let rc = unsafe {
+                hpc_register_grad_ready_hook(handle.as_mut_ptr() as *mut c_void, index as i64, on_grad_ready, context, err.as_mut_ptr(), err.len())
+            };
+            hooks.params.push(handle);
+            if rc != 0 {
+                return Err(Error::exchange("overlap", format!("registering the hook of parameter {index}: {}", shim_error(&err))));
+            }
+        }
+        Ok(hooks)
+    }
+}
+
+impl Drop for GradReadyHooks {
+    fn drop(&mut self) {
+        for p in &mut self.params {
+            let mut err = [0 as c_char; 256];
+            // SAFETY: as in register; afterwards libtorch holds no pointer to the context.
+            unsafe { hpc_clear_grad_ready_hook(p.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
+        }
+    }
+}

@@ -10,7 +10,7 @@ use mpi::traits::*;
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
 
-use crate::cli::{DeviceChoice, Scaling, TrainArgs};
+use crate::cli::{DeviceChoice, OnOff, Scaling, TrainArgs};
 use crate::data::loader::{Batch, Loader, Schedule};
 use crate::data::reader::SplitReader;
 use crate::data::{self, DatasetInfo, Labels, Split};
@@ -20,6 +20,7 @@ use crate::exchange::{self, Exchange, ExchangeConfig, Role};
 use crate::faults::{Fault, Faults};
 use crate::model::{self, InputSpec};
 use crate::optim::{self, Sgd, SgdConfig};
+use crate::overlap::Overlap;
 use crate::raw;
 use crate::results::{self, RunRecord};
 use crate::topology::{ShardInfo, World};
@@ -246,6 +247,9 @@ struct Timings {
     comm: Duration,
     optimizer: Duration,
     step: Duration,
+    /// With overlap: all exchange time, and the part of the step after backward ended.
+    exchange_total: Duration,
+    exchange_exposed: Duration,
 }
 
 impl Timings {
@@ -351,6 +355,19 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
         restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut sgd)?;
     }
 
+    // Gradient-ready hooks for overlapping the exchange with backward (not for the parameter
+    // server, whose servers take whole shares after backward).
+    let mut overlap = match (args.overlap, args.strategy) {
+        (OnOff::On, exchange::StrategyKind::Ps) => {
+            if world.is_root() {
+                log::info!("--overlap on: the parameter server exchanges after backward (its servers take whole shares)");
+            }
+            None
+        }
+        (OnOff::On, _) => Some(world.agree(Overlap::new(&net.params, config.bucket_bytes))?),
+        (OnOff::Off, _) => None,
+    };
+
     // Workers-only communicator: dedicated parameter servers take no part in evaluation.
     let is_worker = matches!(role, Role::Worker { .. });
     let workers_comm = world
@@ -415,15 +432,15 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
                 let compute_start = Instant::now();
                 optim::zero_grads(&mut grads)?;
                 let n = batch.labels.len();
-                let mut loss_sum = if n == 0 {
-                    0.0
+                let (mut loss_sum, scaled_loss) = if n == 0 {
+                    (0.0, None)
                 } else {
                     let x = norm.images(&batch.images, n)?;
                     let y = norm.labels(&batch.labels)?;
                     let logits = net.model.forward_t(&x, true);
                     let loss = logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?;
-                    loss.f_mul_scalar(workers as f64 / batch.global_samples as f64)?.f_backward()?;
-                    loss.f_double_value(&[])?
+                    let value = loss.f_double_value(&[])?;
+                    (value, Some(loss.f_mul_scalar(workers as f64 / batch.global_samples as f64)?))
                 };
                 if fault == Some(&Fault::Nan) {
                     loss_sum = f64::NAN;
@@ -431,23 +448,45 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
                 if !loss_sum.is_finite() {
                     return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });
                 }
-                grads = net.grads();
-                if !all_finite(&grads)? {
-                    return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
-                }
-                exchange::staging::synchronize(plan.device);
-                let compute = compute_start.elapsed();
                 if let Some(Fault::Stall(pause)) = fault {
                     eprintln!("rank {}: stalling {:.1} s at step {step} (injected fault)", world.rank, pause.as_secs_f64());
                     std::thread::sleep(*pause);
                 }
 
-                // Exchange: every strategy leaves the parameters updated for the next step.
-                let comm_start = Instant::now();
-                exchange.update(&mut net.params, &mut grads, &mut sgd)?;
-                exchange::staging::synchronize(plan.device);
+                let (compute, comm, exchange_total, exchange_exposed);
+                grads = net.grads();
+                match (&mut overlap, scaled_loss) {
+                    (Some(overlap), Some(scaled)) => {
+                        // Backward overlapped with the exchange and the optimizer, bucket by bucket.
+                        let forward = compute_start.elapsed();
+                        let times = overlap.step(scaled, &mut net.params, &mut grads, exchange.as_mut(), &mut sgd, step, batch.epoch)?;
+                        exchange::staging::synchronize(plan.device);
+                        compute = forward + times.backward;
+                        exchange_total = times.exchange;
+                        exchange_exposed = times.exposed;
+                        comm = times.exposed;
+                    }
+                    (_, scaled) => {
+                        // Backward, then the exchange (every strategy leaves the parameters
+                        // updated for the next step).
+                        if let Some(scaled) = scaled {
+                            scaled.f_backward()?;
+                        }
+                        if !all_finite(&grads)? {
+                            return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
+                        }
+                        exchange::staging::synchronize(plan.device);
+                        compute = compute_start.elapsed();
+                        let comm_start = Instant::now();
+                        exchange.update(&mut net.params, &mut grads, &mut sgd)?;
+                        exchange::staging::synchronize(plan.device);
+                        comm = comm_start.elapsed();
+                        exchange_total = comm;
+                        exchange_exposed = comm;
+                    }
+                }
                 let optimizer = sgd.take_busy();
-                let comm = comm_start.elapsed().saturating_sub(optimizer);
+                let comm = comm.saturating_sub(optimizer);
 
                 let t = Timings {
                     steps: 1,
@@ -457,6 +496,8 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
                     comm,
                     optimizer,
                     step: step_start.elapsed(),
+                    exchange_total,
+                    exchange_exposed,
                 };
                 totals.add(&t);
                 if step >= warmup {
@@ -536,11 +577,25 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     let peak_rss_mb = world.max_f64(raw::peak_rss_mb());
     let rss_warmup_mb = world.max_f64(rss_warmup);
     let rss_end_mb = world.max_f64(rss_end);
+    // With overlap: exchange time per step, and the share of it that ran while backward was
+    // still going (the rest is exposed after backward).
+    let overlap_figures = overlap.as_ref().map(|o| {
+        let total = mean_over_workers(measured.mean_ms(measured.exchange_total));
+        let exposed = mean_over_workers(measured.mean_ms(measured.exchange_exposed));
+        let hidden = if total > 0.0 { ((total - exposed.min(total)) / total).max(0.0) } else { 0.0 };
+        (o.buckets(), total, hidden)
+    });
     let report = exchange.report();
     if !world.is_root() {
         return Ok(None);
     }
     let mut extra = report.extra.clone();
+    extra.insert("overlap".into(), (overlap.is_some()).into());
+    if let Some((buckets, total, hidden)) = overlap_figures {
+        extra.insert("overlap_buckets".into(), buckets.into());
+        extra.insert("exchange_total_ms".into(), total.into());
+        extra.insert("exchange_hidden_share".into(), hidden.into());
+    }
     if first_step > 0 {
         extra.insert("resumed_from_step".into(), first_step.into());
     }
@@ -589,7 +644,7 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
 }
 
 /// Whether every element of every tensor is finite (one small reduction per tensor).
-fn all_finite(tensors: &[Tensor]) -> Result<bool> {
+pub fn all_finite(tensors: &[Tensor]) -> Result<bool> {
     for t in tensors {
         if t.f_isfinite()?.f_all()?.f_int64_value(&[])? == 0 {
             return Ok(false);
@@ -810,6 +865,8 @@ impl Timings {
         self.comm += t.comm;
         self.optimizer += t.optimizer;
         self.step += t.step;
+        self.exchange_total += t.exchange_total;
+        self.exchange_exposed += t.exchange_exposed;
     }
 }
 

@@ -1,0 +1,104 @@
+// Gradient-ready hooks for hpc-train: libtorch calls a post-accumulate-grad hook once a
+// parameter's gradient is final for this backward pass; this shim registers such a hook on each
+// parameter and forwards (parameter index, CUDA event or null) to a Rust callback. tch exposes
+// no autograd hooks (tch-rs issue 769), hence these few lines of C++.
+//
+// Built by build.rs against the headers of the libtorch that tch links. The hook itself does no
+// MPI and no allocation beyond the event: it only tells Rust that the gradient is ready.
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+
+extern "C" {
+// index: the parameter's position; event: a c10::Event recorded on the current CUDA stream
+// after the gradient's accumulation (null for CPU tensors); the receiver owns it and frees it
+// with hpc_event_destroy.
+typedef void (*hpc_grad_ready_fn)(void *context, int64_t index, void *event);
+}
+
+namespace {
+
+struct GradReadyHook : torch::autograd::PostAccumulateGradHook {
+  hpc_grad_ready_fn callback;
+  void *context;
+  int64_t index;
+
+  GradReadyHook(hpc_grad_ready_fn f, void *ctx, int64_t i) : callback(f), context(ctx), index(i) {}
+
+  void operator()(const torch::autograd::Variable &tensor) override {
+    void *event = nullptr;
+    if (tensor.is_cuda()) {
+      // Recorded on the stream that accumulated the gradient: waiting on it waits for this
+      // gradient only, not for the whole device.
+      auto *e = new c10::Event(c10::DeviceType::CUDA);
+      c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+      e->record(guard.getStream(tensor.device()));
+      event = e;
+    }
+    callback(context, index, event);
+  }
+};
+
+void write_error(char *buffer, size_t length, const char *message) {
+  if (buffer != nullptr && length > 0) {
+    std::strncpy(buffer, message, length - 1);
+    buffer[length - 1] = '\0';
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Registers the hook on `tensor` (a tch C tensor: an at::Tensor*). Returns 0, or -1 with a
+// message in `error`.
+int hpc_register_grad_ready_hook(void *tensor, int64_t index, hpc_grad_ready_fn callback, void *context,
+                                 char *error, size_t error_length) {
+  try {
+    auto *t = static_cast<at::Tensor *>(tensor);
+    if (!t->requires_grad()) {
+      write_error(error, error_length, "the tensor does not require a gradient");
+      return -1;
+    }
+    torch::autograd::impl::set_post_acc_grad_hooks(*t, std::make_unique<GradReadyHook>(callback, context, index));
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
+// Removes the hook from `tensor` (so that the Rust callback's context can go).
+int hpc_clear_grad_ready_hook(void *tensor, char *error, size_t error_length) {
+  try {
+    auto *t = static_cast<at::Tensor *>(tensor);
+    torch::autograd::impl::set_post_acc_grad_hooks(*t, nullptr);
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
+// Blocks until the work recorded before `event` is done.
+int hpc_event_synchronize(void *event, char *error, size_t error_length) {
+  try {
+    static_cast<c10::Event *>(event)->synchronize();
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
+void hpc_event_destroy(void *event) { delete static_cast<c10::Event *>(event); }
+
+}  // extern "C"
