@@ -267,6 +267,10 @@ pub fn describe(info: &DatasetInfo, labels: &Labels) -> String {
     let _ = writeln!(out);
     for split in [Split::Train, Split::Test] {
         let s = info.split(split);
+        if s.len == 0 {
+            let _ = writeln!(out, "{:<12} 0 samples", format!("{}:", split.name()));
+            continue;
+        }
         let chunk = match s.chunk_rows {
             Some(rows) => format!("chunks of {rows} images ({} KiB)", rows * info.sample_bytes() / 1024),
             None => "contiguous".to_string(),
