@@ -369,6 +369,8 @@ pub enum ImportFormat {
     Idx,
     /// CIFAR-10 binary batches (the cifar-10-batches-bin folder).
     Cifar10,
+    /// SVHN cropped digits: train_32x32.mat and test_32x32.mat (MATLAB level 5).
+    Svhn,
 }
 
 #[derive(Args, Debug)]
@@ -379,6 +381,12 @@ pub struct ImportArgs {
     /// Source folder (cifar10).
     #[arg(long)]
     pub input: Option<PathBuf>,
+    /// Training file (svhn: train_32x32.mat).
+    #[arg(long)]
+    pub train: Option<PathBuf>,
+    /// Test file (svhn: test_32x32.mat).
+    #[arg(long)]
+    pub test: Option<PathBuf>,
     /// Training images (idx).
     #[arg(long)]
     pub train_images: Option<PathBuf>,

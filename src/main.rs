@@ -108,6 +108,11 @@ fn run_data(cmd: &DataCommand) -> Result<()> {
                     let input = a.input.as_ref().ok_or_else(|| Error::usage("--format cifar10 needs --input DIR (cifar-10-batches-bin)"))?;
                     data::cifar10::import(input, &a.out, a.compression, a.force)?
                 }
+                ImportFormat::Svhn => {
+                    let train = a.train.as_ref().ok_or_else(|| Error::usage("--format svhn needs --train train_32x32.mat"))?;
+                    let test = a.test.as_ref().ok_or_else(|| Error::usage("--format svhn needs --test test_32x32.mat"))?;
+                    data::svhn::import(train, test, &a.out, a.compression, a.force)?
+                }
             };
             println!("wrote {} ({train} training and {test} test samples)", a.out.display());
             Ok(())

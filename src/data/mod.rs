@@ -15,7 +15,9 @@
 pub mod cifar10;
 pub mod idx;
 pub mod loader;
+pub mod mat;
 pub mod reader;
+pub mod svhn;
 pub mod synth;
 pub mod writer;
 
