@@ -371,6 +371,8 @@ pub enum ImportFormat {
     Cifar10,
     /// SVHN cropped digits: train_32x32.mat and test_32x32.mat (MATLAB level 5).
     Svhn,
+    /// A folder with one sub-folder of JPEG/PNG images per class (torchvision's ImageFolder).
+    Folder,
 }
 
 #[derive(Args, Debug)]
@@ -378,7 +380,7 @@ pub struct ImportArgs {
     /// Source format.
     #[arg(long, value_enum)]
     pub format: ImportFormat,
-    /// Source folder (cifar10).
+    /// Source folder (cifar10; folder: the training images).
     #[arg(long)]
     pub input: Option<PathBuf>,
     /// Training file (svhn: train_32x32.mat).
@@ -387,6 +389,18 @@ pub struct ImportArgs {
     /// Test file (svhn: test_32x32.mat).
     #[arg(long)]
     pub test: Option<PathBuf>,
+    /// Folder of test images with the same class sub-folders (folder).
+    #[arg(long, conflicts_with = "test_fraction")]
+    pub test_input: Option<PathBuf>,
+    /// Fraction of each class's images set aside as the test split (folder).
+    #[arg(long)]
+    pub test_fraction: Option<f64>,
+    /// Side of the square images written: shorter side resized to it, then centre-cropped (folder).
+    #[arg(long)]
+    pub size: Option<usize>,
+    /// Seed of the --test-fraction pick (folder).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Training images (idx).
     #[arg(long)]
     pub train_images: Option<PathBuf>,

@@ -13,6 +13,7 @@
 //! `mean` and `std` (f32 per channel, of the training images scaled to [0, 1]; optional).
 
 pub mod cifar10;
+pub mod folder;
 pub mod idx;
 pub mod loader;
 pub mod mat;
