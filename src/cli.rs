@@ -361,6 +361,8 @@ pub enum DataCommand {
     },
     /// Write a synthetic dataset (noise around class-dependent levels) of any image size.
     Synth(SynthArgs),
+    /// Measure how fast every rank reads its shard in training's order (run under mpirun).
+    Bench(DataBenchArgs),
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -456,4 +458,32 @@ pub struct SynthArgs {
     /// Replace an existing output file.
     #[arg(long)]
     pub force: bool,
+}
+
+/// Options of `hpc-train data bench`.
+#[derive(Args, Debug)]
+pub struct DataBenchArgs {
+    /// Dataset file in the project's HDF5 layout.
+    pub file: PathBuf,
+    /// Samples per rank per step.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch_size: u64,
+    /// Steps to read (default: one epoch).
+    #[arg(long, conflicts_with = "epochs", value_parser = clap::value_parser!(u64).range(1..))]
+    pub steps: Option<u64>,
+    /// Epochs to read.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub epochs: Option<u64>,
+    /// Seed of the shuffled order (training's --seed gives training's order).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Steps read before timing starts (at most all but one).
+    #[arg(long, default_value_t = 2)]
+    pub warmup_steps: u64,
+    /// Batches the loader thread reads ahead (training's default).
+    #[arg(long, default_value_t = 4)]
+    pub prefetch: usize,
+    /// Folder for data_bench.jsonl.
+    #[arg(long, default_value = "results")]
+    pub results: PathBuf,
 }

@@ -52,6 +52,8 @@ fn main() {
     let result = match &cli.command {
         None => train::run(&world, &cli.train, threading),
         Some(Command::Bench(args)) => bench::run(&world, args),
+        // Every rank reads its shard.
+        Some(Command::Data(DataCommand::Bench(args))) => data::bench::run(&world, args),
         Some(Command::Data(cmd)) => {
             // Data commands are serial: rank 0 does the work, the others wait for its verdict.
             let local = if world.is_root() { run_data(cmd) } else { Ok(()) };
@@ -141,6 +143,7 @@ fn run_data(cmd: &DataCommand) -> Result<()> {
             println!("wrote {} ({} training and {} test samples of {})", a.out.display(), a.samples, a.test_samples, a.shape);
             Ok(())
         }
+        DataCommand::Bench(_) => unreachable!("data bench runs on every rank, dispatched in main"),
     }
 }
 

@@ -12,6 +12,7 @@
 //! Root attributes: `name` (string), `num_classes` (integer), `class_names` (strings, optional),
 //! `mean` and `std` (f32 per channel, of the training images scaled to [0, 1]; optional).
 
+pub mod bench;
 pub mod cifar10;
 pub mod folder;
 pub mod idx;
