@@ -432,6 +432,8 @@ pub enum DataCommand {
     },
     /// Write a synthetic dataset (noise around class-dependent levels) of any image size.
     Synth(SynthArgs),
+    /// Measure how fast every rank reads its shard in training's order (run under mpirun).
+    Bench(DataBenchArgs),
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -440,6 +442,10 @@ pub enum ImportFormat {
     Idx,
     /// CIFAR-10 binary batches (the cifar-10-batches-bin folder).
     Cifar10,
+    /// SVHN cropped digits: train_32x32.mat and test_32x32.mat (MATLAB level 5).
+    Svhn,
+    /// A folder with one sub-folder of JPEG/PNG images per class (torchvision's ImageFolder).
+    Folder,
 }
 
 #[derive(Args, Debug)]
@@ -447,9 +453,27 @@ pub struct ImportArgs {
     /// Source format.
     #[arg(long, value_enum)]
     pub format: ImportFormat,
-    /// Source folder (cifar10).
+    /// Source folder (cifar10; folder: the training images).
     #[arg(long)]
     pub input: Option<PathBuf>,
+    /// Training file (svhn: train_32x32.mat).
+    #[arg(long)]
+    pub train: Option<PathBuf>,
+    /// Test file (svhn: test_32x32.mat).
+    #[arg(long)]
+    pub test: Option<PathBuf>,
+    /// Folder of test images with the same class sub-folders (folder).
+    #[arg(long, conflicts_with = "test_fraction")]
+    pub test_input: Option<PathBuf>,
+    /// Fraction of each class's images set aside as the test split (folder).
+    #[arg(long)]
+    pub test_fraction: Option<f64>,
+    /// Side of the square images written: shorter side resized to it, then centre-cropped (folder).
+    #[arg(long)]
+    pub size: Option<usize>,
+    /// Seed of the --test-fraction pick (folder).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Training images (idx).
     #[arg(long)]
     pub train_images: Option<PathBuf>,
@@ -505,4 +529,32 @@ pub struct SynthArgs {
     /// Replace an existing output file.
     #[arg(long)]
     pub force: bool,
+}
+
+/// Options of `hpc-train data bench`.
+#[derive(Args, Debug)]
+pub struct DataBenchArgs {
+    /// Dataset file in the project's HDF5 layout.
+    pub file: PathBuf,
+    /// Samples per rank per step.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch_size: u64,
+    /// Steps to read (default: one epoch).
+    #[arg(long, conflicts_with = "epochs", value_parser = clap::value_parser!(u64).range(1..))]
+    pub steps: Option<u64>,
+    /// Epochs to read.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub epochs: Option<u64>,
+    /// Seed of the shuffled order (training's --seed gives training's order).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Steps read before timing starts (at most all but one).
+    #[arg(long, default_value_t = 2)]
+    pub warmup_steps: u64,
+    /// Batches the loader thread reads ahead (training's default).
+    #[arg(long, default_value_t = 4)]
+    pub prefetch: usize,
+    /// Folder for data_bench.jsonl.
+    #[arg(long, default_value = "results")]
+    pub results: PathBuf,
 }

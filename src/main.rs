@@ -63,6 +63,8 @@ fn main() {
         }
         Some(Command::Study(args)) => study::run(&world, args),
         Some(Command::Bench(args)) => bench::run(&world, args),
+        // Every rank reads its shard.
+        Some(Command::Data(DataCommand::Bench(args))) => data::bench::run(&world, args),
         Some(Command::Data(cmd)) => {
             // Data commands are serial: rank 0 does the work, the others wait for its verdict.
             let local = if world.is_root() { run_data(cmd) } else { Ok(()) };
@@ -125,6 +127,28 @@ fn run_data(cmd: &DataCommand) -> Result<()> {
                     let input = a.input.as_ref().ok_or_else(|| Error::usage("--format cifar10 needs --input DIR (cifar-10-batches-bin)"))?;
                     data::cifar10::import(input, &a.out, a.compression, a.force)?
                 }
+                ImportFormat::Svhn => {
+                    let train = a.train.as_ref().ok_or_else(|| Error::usage("--format svhn needs --train train_32x32.mat"))?;
+                    let test = a.test.as_ref().ok_or_else(|| Error::usage("--format svhn needs --test test_32x32.mat"))?;
+                    data::svhn::import(train, test, &a.out, a.compression, a.force)?
+                }
+                ImportFormat::Folder => {
+                    let input = a.input.clone().ok_or_else(|| Error::usage("--format folder needs --input DIR (one sub-folder per class)"))?;
+                    let size = a.size.ok_or_else(|| Error::usage("--format folder needs --size S (side of the square images)"))?;
+                    let test = match (&a.test_input, a.test_fraction) {
+                        (Some(dir), _) => data::folder::TestSource::Folder(dir.clone()),
+                        (None, Some(f)) => data::folder::TestSource::Fraction(f),
+                        (None, None) => data::folder::TestSource::None,
+                    };
+                    let name = a.name.clone().unwrap_or_else(|| default_name(&a.out));
+                    let spec = data::folder::FolderSpec { input, test, size, seed: a.seed, name };
+                    let s = data::folder::import(&spec, &a.out, a.compression, a.force)?;
+                    println!(
+                        "wrote {} ({} training and {} test samples of 3x{size}x{size}, {} classes); skipped {} file(s) that are not readable JPEG or PNG images",
+                        a.out.display(), s.train, s.test, s.classes, s.skipped.len()
+                    );
+                    return Ok(());
+                }
             };
             println!("wrote {} ({train} training and {test} test samples)", a.out.display());
             Ok(())
@@ -136,6 +160,7 @@ fn run_data(cmd: &DataCommand) -> Result<()> {
             println!("wrote {} ({} training and {} test samples of {})", a.out.display(), a.samples, a.test_samples, a.shape);
             Ok(())
         }
+        DataCommand::Bench(_) => unreachable!("data bench runs on every rank, dispatched in main"),
     }
 }
 

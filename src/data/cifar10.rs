@@ -71,3 +71,37 @@ pub fn import(dir: &Path, out: &Path, compression: Compression, force: bool) -> 
     writer.finish()?;
     Ok((train_len, test_len))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn damaged_batches_are_errors_not_panics() {
+        let path = Path::new("data_batch_1.bin");
+        let mut good = Vec::new();
+        for label in [3u8, 9] {
+            good.push(label);
+            good.extend((0..IMAGE_BYTES).map(|i| (i % 251) as u8 ^ label));
+        }
+        let (images, labels) = parse_records(path, &good).unwrap();
+        assert_eq!(labels, vec![3, 9]);
+        assert_eq!(&images[IMAGE_BYTES..IMAGE_BYTES + 3], &[9, 1 ^ 9, 2 ^ 9]);
+        // Every cut but the record boundaries is an error.
+        for cut in 0..good.len() {
+            let result = parse_records(path, &good[..cut]);
+            assert_eq!(result.is_ok(), cut == RECORD_BYTES, "cut at {cut}");
+        }
+        // A label byte out of range names the record.
+        for bad_label in [10u8, 0xff] {
+            let mut bad = good.clone();
+            bad[RECORD_BYTES] = bad_label;
+            let err = parse_records(path, &bad).unwrap_err().to_string();
+            assert!(err.contains(&format!("record 1 has label {bad_label}")) && err.contains("data_batch_1.bin"), "{err}");
+        }
+        // Flipping any pixel byte changes nothing but that pixel.
+        let mut flipped = good.clone();
+        flipped[100] ^= 0xff;
+        assert_eq!(parse_records(path, &flipped).unwrap().0[99], images[99] ^ 0xff);
+    }
+}

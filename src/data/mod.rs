@@ -12,10 +12,14 @@
 //! Root attributes: `name` (string), `num_classes` (integer), `class_names` (strings, optional),
 //! `mean` and `std` (f32 per channel, of the training images scaled to [0, 1]; optional).
 
+pub mod bench;
 pub mod cifar10;
+pub mod folder;
 pub mod idx;
 pub mod loader;
+pub mod mat;
 pub mod reader;
+pub mod svhn;
 pub mod synth;
 pub mod writer;
 
@@ -267,6 +271,10 @@ pub fn describe(info: &DatasetInfo, labels: &Labels) -> String {
     let _ = writeln!(out);
     for split in [Split::Train, Split::Test] {
         let s = info.split(split);
+        if s.len == 0 {
+            let _ = writeln!(out, "{:<12} 0 samples", format!("{}:", split.name()));
+            continue;
+        }
         let chunk = match s.chunk_rows {
             Some(rows) => format!("chunks of {rows} images ({} KiB)", rows * info.sample_bytes() / 1024),
             None => "contiguous".to_string(),

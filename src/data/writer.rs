@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use hdf5::types::VarLenUnicode;
+use hdf5::{Extent, SimpleExtents};
 use ndarray::{s, ArrayView1, ArrayView4};
 
 use crate::data::Split;
@@ -17,12 +18,18 @@ use crate::error::{Error, Result, WithPath};
 /// compression something to work with. Large images get one image per chunk.
 pub const CHUNK_TARGET_BYTES: usize = 64 << 10;
 
+/// Rows per chunk of a resizable label dataset (16 KiB of i32).
+const LABEL_CHUNK_ROWS: usize = 4096;
+
 /// Filters for the image datasets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Compression {
     None,
     /// Deflate (zlib) level 4: built into every HDF5.
     Gzip,
+    /// LZF (h5py's filter): faster than gzip, compresses less. Readers need the filter: h5py
+    /// and this program have it, a plain HDF5 installation does not.
+    Lzf,
 }
 
 #[derive(Clone, Debug)]
@@ -55,6 +62,10 @@ pub struct DatasetWriter {
     labels: [hdf5::Dataset; 2],
     lens: [usize; 2],
     written: [usize; 2],
+    /// End of the highest rows written, per split.
+    end: [usize; 2],
+    /// The splits were declared with an upper bound and shrink to what was written at the end.
+    shrink_at_finish: bool,
     /// Per channel: sum and sum of squares of the training pixels in [0, 1].
     sums: Vec<(f64, f64)>,
 }
@@ -63,6 +74,19 @@ impl DatasetWriter {
     /// Creates `<out>` (under a temporary name until [`DatasetWriter::finish`]) for `train` and
     /// `test` samples. An existing `out` is only replaced with `force`.
     pub fn create(out: &Path, meta: Meta, train: usize, test: usize, compression: Compression, force: bool) -> Result<Self> {
+        Self::create_with(out, meta, [train, test], compression, force, false)
+    }
+
+    /// Like [`DatasetWriter::create`] for at most `train` and `test` samples: each split holds
+    /// rows 0.. as written, and [`DatasetWriter::finish`] shrinks it to them. For sources where
+    /// only the decoding tells which samples are good (image folders), so that nothing has to be
+    /// decoded twice. The datasets are chunked (the labels too) with an unlimited first
+    /// dimension, which HDF5 requires to change their extent.
+    pub fn create_at_most(out: &Path, meta: Meta, train: usize, test: usize, compression: Compression, force: bool) -> Result<Self> {
+        Self::create_with(out, meta, [train, test], compression, force, true)
+    }
+
+    fn create_with(out: &Path, meta: Meta, [train, test]: [usize; 2], compression: Compression, force: bool, shrink_at_finish: bool) -> Result<Self> {
         if out.exists() && !force {
             return Err(Error::data(out, "already exists; pass --force to replace it"));
         }
@@ -79,16 +103,23 @@ impl DatasetWriter {
         let make = |split: Split, len: usize| -> Result<(hdf5::Dataset, hdf5::Dataset)> {
             let group = file.create_group(split.name()).at(&tmp_path)?;
             let rows = chunk_rows(meta.sample_bytes(), len);
-            let shape = [len, meta.channels, meta.height, meta.width];
+            let first = if shrink_at_finish { Extent::resizable(len) } else { Extent::fixed(len) };
+            let shape = SimpleExtents::from_vec(vec![first, Extent::fixed(meta.channels), Extent::fixed(meta.height), Extent::fixed(meta.width)]);
             let mut builder = group.new_dataset::<u8>();
             if len > 0 {
                 builder = builder.chunk([rows, meta.channels, meta.height, meta.width]);
-                if compression == Compression::Gzip {
-                    builder = builder.deflate(4);
-                }
+                builder = match compression {
+                    Compression::None => builder,
+                    Compression::Gzip => builder.deflate(4),
+                    Compression::Lzf => builder.lzf(),
+                };
             }
             let images = builder.shape(shape).create("images").at(&tmp_path)?;
-            let labels = group.new_dataset::<i32>().shape([len]).create("labels").at(&tmp_path)?;
+            let mut labels = group.new_dataset::<i32>();
+            if shrink_at_finish && len > 0 {
+                labels = labels.chunk([len.min(LABEL_CHUNK_ROWS)]);
+            }
+            let labels = labels.shape(SimpleExtents::from_vec(vec![first])).create("labels").at(&tmp_path)?;
             Ok((images, labels))
         };
         let (train_images, train_labels) = make(Split::Train, train)?;
@@ -103,6 +134,8 @@ impl DatasetWriter {
             labels: [train_labels, test_labels],
             lens: [train, test],
             written: [0, 0],
+            end: [0, 0],
+            shrink_at_finish,
             sums: vec![(0.0, 0.0); channels],
         })
     }
@@ -133,6 +166,7 @@ impl DatasetWriter {
         let labels32: Vec<i32> = labels.iter().map(|&l| l as i32).collect();
         self.labels[i].write_slice(ArrayView1::from(&labels32), s![offset..offset + n]).at(&self.tmp_path)?;
         self.written[i] += n;
+        self.end[i] = self.end[i].max(offset + n);
         if split == Split::Train {
             let plane = m.height * m.width;
             for sample in images.chunks_exact(m.sample_bytes()) {
@@ -149,12 +183,29 @@ impl DatasetWriter {
     /// Writes the attributes, closes the file and moves it into place.
     pub fn finish(mut self) -> Result<PathBuf> {
         for (i, split) in [Split::Train, Split::Test].iter().enumerate() {
-            if self.written[i] != self.lens[i] {
+            if self.shrink_at_finish {
+                // Rows 0..end, each written once.
+                if self.written[i] != self.end[i] {
+                    return Err(Error::data(
+                        &self.final_path,
+                        format!("{} {} samples written, not rows 0..{} without gaps", self.written[i], split.name(), self.end[i]),
+                    ));
+                }
+                if self.written[i] < self.lens[i] {
+                    let m = &self.meta;
+                    self.images[i].resize([self.written[i], m.channels, m.height, m.width]).at(&self.tmp_path)?;
+                    self.labels[i].resize([self.written[i]]).at(&self.tmp_path)?;
+                    self.lens[i] = self.written[i];
+                }
+            } else if self.written[i] != self.lens[i] {
                 return Err(Error::data(
                     &self.final_path,
                     format!("{} of {} {} samples written", self.written[i], self.lens[i], split.name()),
                 ));
             }
+        }
+        if self.lens[0] == 0 {
+            return Err(Error::data(&self.final_path, "no training samples to write"));
         }
         let file = self.file.take().expect("finish runs once");
         let m = &self.meta;
