@@ -14,6 +14,9 @@ pub enum ModelKind {
     Resnet18,
     /// Two convolutions and a linear layer, no batch norm: for tests and quick checks.
     Tiny,
+    /// The tiny CNN plus a layer that forward never uses (tests unused parameters).
+    #[value(hide = true)]
+    TinyUnused,
 }
 
 impl ModelKind {
@@ -22,6 +25,7 @@ impl ModelKind {
             ModelKind::Resnet50 => "resnet50",
             ModelKind::Resnet18 => "resnet18",
             ModelKind::Tiny => "tiny",
+            ModelKind::TinyUnused => "tiny-unused",
         }
     }
 }
@@ -47,6 +51,12 @@ pub fn build(kind: ModelKind, vs: &nn::Path, spec: InputSpec) -> nn::FuncT<'stat
         ModelKind::Resnet50 => resnet(vs, spec, Block::Bottleneck, [3, 4, 6, 3]),
         ModelKind::Resnet18 => resnet(vs, spec, Block::Basic, [2, 2, 2, 2]),
         ModelKind::Tiny => tiny(vs, spec),
+        ModelKind::TinyUnused => {
+            let model = tiny(vs, spec);
+            // Created between the used layers' parameters, so that its bucket is not the last.
+            let _unused = nn::linear(vs / "unused", 8, 8, Default::default());
+            model
+        }
     }
 }
 
