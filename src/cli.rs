@@ -167,6 +167,15 @@ pub enum Scaling {
     Strong,
 }
 
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    Fp32,
+    Tf32,
+    Bf16,
+    Fp16,
+}
+
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnOff {
     On,
@@ -369,6 +378,19 @@ pub struct TrainArgs {
     /// Whether the MPI library can read GPU memory; auto asks it (MPIX_Query_cuda_support).
     #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
     pub cuda_aware: CudaAware,
+
+    /// Arithmetic: fp32, tf32 (TF32 matrix units), bf16 or fp16 (autocast; fp16 with a dynamic
+    /// loss scaler). Other than fp32 needs CUDA.
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
+
+    /// Keep activations and convolution weights in channels-last (NHWC) memory order.
+    #[arg(long)]
+    pub channels_last: bool,
+
+    /// Let several ranks of a node share one GPU (for testing on a machine with fewer GPUs).
+    #[arg(long)]
+    pub allow_gpu_sharing: bool,
 
     /// Steps at the start excluded from throughput figures.
     #[arg(long, default_value_t = 5)]

@@ -64,8 +64,8 @@ impl Overlap {
         self.plan.buckets.len()
     }
 
-    /// Backward of `loss` (already scaled) overlapped with the exchange of the gradients and
-    /// the optimizer step: the parameters are updated when it returns.
+    /// Backward of `loss` (already scaled) overlapped with the exchange of the gradients and,
+    /// with `optimize`, the optimizer step: the parameters are updated when it returns.
     pub fn step(
         &mut self,
         loss: Tensor,
@@ -75,6 +75,7 @@ impl Overlap {
         sgd: &mut Sgd,
         step: u64,
         epoch: u64,
+        optimize: bool,
     ) -> Result<OverlapTimes> {
         // Reports left over from an earlier, failed step must not count.
         while self.ready.try_recv().is_ok() {}
@@ -124,35 +125,40 @@ impl Overlap {
                     event.synchronize()?;
                 }
                 let t = Instant::now();
-                self.exchange_bucket(next, grads, exchange).map_err(|e| match e {
+                self.exchange_bucket(next, grads, exchange, optimize).map_err(|e| match e {
                     Error::NonFinite { what, .. } => Error::NonFinite { what, step, epoch },
                     other => other,
                 })?;
                 times.exchange += t.elapsed();
-                let which: Vec<usize> = self.plan.buckets[next].slots.iter().map(|s| s.tensor).collect();
-                sgd.step_some(params, grads, &which)?;
+                if optimize {
+                    let which: Vec<usize> = self.plan.buckets[next].slots.iter().map(|s| s.tensor).collect();
+                    sgd.step_some(params, grads, &which)?;
+                }
                 next += 1;
             }
         }
         let (result, backward_time) = backward.join().map_err(|_| Error::exchange("overlap", "the backward thread panicked"))?;
         result?;
-        sgd.count_step();
+        if optimize {
+            sgd.count_step();
+        }
         times.backward = backward_time;
         let end = Instant::now();
         times.exposed = end.saturating_duration_since(backward_done.unwrap_or(started + backward_time).min(end));
         Ok(times)
     }
 
-    /// Averages bucket `b`'s gradients over the workers, in place in the gradients.
-    fn exchange_bucket(&mut self, b: usize, grads: &mut [Tensor], exchange: &mut dyn Exchange) -> Result<()> {
+    /// Averages bucket `b`'s gradients over the workers, in place in the gradients
+    /// (`check_finite`: refuse non-finite gradients first; off under a loss scaler, which
+    /// expects them now and then).
+    fn exchange_bucket(&mut self, b: usize, grads: &mut [Tensor], exchange: &mut dyn Exchange, check_finite: bool) -> Result<()> {
         let bucket = &self.plan.buckets[b];
-        if !crate::train::all_finite(&bucket.slots.iter().map(|s| grads[s.tensor].shallow_clone()).collect::<Vec<_>>())? {
+        if check_finite && !crate::train::all_finite(&bucket.slots.iter().map(|s| grads[s.tensor].shallow_clone()).collect::<Vec<_>>())? {
             return Err(Error::NonFinite { what: "gradient", step: 0, epoch: 0 });
         }
         match &mut self.buffers[b] {
             None => {
-                let t = &grads[bucket.slots[0].tensor];
-                let mut flat = [t.f_view([-1])?];
+                let mut flat = [crate::raw::flat_dense_view(&grads[bucket.slots[0].tensor])?];
                 exchange.all_reduce(&mut flat, ReduceOp::Mean)
             }
             Some(buffer) => {

@@ -476,3 +476,76 @@ impl Drop for GradReadyHooks {
         }
     }
 }
+
+// ---- Settings tch does not expose (src/shim/grad_hooks.cpp). ----
+
+extern "C" {
+    fn hpc_set_allow_tf32(allow: bool);
+    fn hpc_set_cuda_autocast_dtype(which: c_int, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_param_to_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
+}
+
+/// Allows or forbids TF32 in cuBLAS and cuDNN (libtorch's global setting).
+pub fn set_allow_tf32(allow: bool) {
+    // SAFETY: sets two flags of libtorch's global context; no pointers involved.
+    unsafe { hpc_set_allow_tf32(allow) }
+}
+
+/// Makes CUDA autocast cast to bfloat16 (`true`) or float16.
+pub fn set_cuda_autocast_bf16(bf16: bool) -> Result<()> {
+    let mut err = [0 as c_char; 256];
+    // SAFETY: plain values and a writable buffer.
+    let rc = unsafe { hpc_set_cuda_autocast_dtype(c_int::from(bf16), err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::usage(format!("setting the autocast type: {}", shim_error(&err))));
+    }
+    Ok(())
+}
+
+/// A copy of a 4-d tensor in channels-last (NHWC) memory order.
+pub fn channels_last(t: &Tensor) -> Result<Tensor> {
+    let mut err = [0 as c_char; 256];
+    let mut handle = t.shallow_clone();
+    // SAFETY: the pointer is tch's at::Tensor, alive during the call; the shim returns a new
+    // heap at::Tensor (or null), whose ownership passes to the tch Tensor made from it.
+    let out = unsafe { hpc_channels_last(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
+    if out.is_null() {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    // SAFETY: a fresh at::Tensor* from the shim, owned by nobody else.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
+/// Moves a 4-d parameter to channels-last memory order in place (other tensors are left).
+pub fn param_to_channels_last(p: &Tensor) -> Result<()> {
+    let mut err = [0 as c_char; 256];
+    let mut handle = p.shallow_clone();
+    // SAFETY: tch's at::Tensor pointer, alive during the call; set_data keeps the tensor's
+    // identity, so other handles of it see the new storage.
+    let rc = unsafe { hpc_param_to_channels_last(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    Ok(())
+}
+
+/// A flat view of a tensor whose elements fill its storage without gaps (contiguous, or dense
+/// in another order such as channels-last), so that ranks holding the same layout can reduce
+/// it element by element. Errors for tensors with gaps or overlaps.
+pub fn flat_dense_view(t: &Tensor) -> Result<Tensor> {
+    if t.is_contiguous() {
+        return Ok(t.f_view([-1])?);
+    }
+    let (sizes, strides) = (t.size(), t.stride());
+    let mut dims: Vec<(i64, i64)> = sizes.iter().copied().zip(strides.iter().copied()).filter(|(s, _)| *s != 1).collect();
+    dims.sort_by_key(|&(_, stride)| stride);
+    let mut expected = 1;
+    for (size, stride) in dims {
+        if stride != expected {
+            return Err(Error::exchange("memory", format!("a tensor of sizes {sizes:?} and strides {strides:?} is not dense")));
+        }
+        expected *= size;
+    }
+    Ok(t.f_as_strided([t.numel() as i64], [1], None::<i64>)?)
+}

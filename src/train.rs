@@ -10,13 +10,13 @@ use mpi::traits::*;
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
 
-use crate::cli::{DeviceChoice, OnOff, Scaling, TrainArgs};
+use crate::cli::{DeviceChoice, OnOff, Precision, Scaling, TrainArgs};
 use crate::data::loader::{Batch, Loader, Schedule};
 use crate::data::reader::SplitReader;
 use crate::data::{self, DatasetInfo, Labels, Split};
 use crate::error::{Error, Result, WithPath};
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
-use crate::exchange::{self, Exchange, ExchangeConfig, Role};
+use crate::exchange::{self, Exchange, ExchangeConfig, ReduceOp, Role};
 use crate::faults::{Fault, Faults};
 use crate::model::{self, InputSpec};
 use crate::optim::{self, Sgd, SgdConfig};
@@ -62,7 +62,16 @@ impl Plan {
         if args.lr <= 0.0 || !args.lr.is_finite() {
             return Err(Error::usage(format!("--lr {}: expected a positive learning rate", args.lr)));
         }
-        let device = choose_device(args.device, world)?;
+        let device = choose_device(args.device, args.allow_gpu_sharing, world)?;
+        if device == Device::Cpu && args.precision != Precision::Fp32 {
+            return Err(Error::usage(format!(
+                "--precision {}: mixed precision and TF32 run on CUDA devices; this rank trains on the CPU (use fp32)",
+                format!("{:?}", args.precision).to_lowercase()
+            )));
+        }
+        if args.precision == Precision::Fp16 && args.strategy == exchange::StrategyKind::Ps {
+            return Err(Error::usage("--precision fp16 with --strategy ps: the loss scaler unscales gradients before the optimizer step, which the servers own; use bf16"));
+        }
         let threads = if args.threads > 0 {
             args.threads
         } else {
@@ -89,7 +98,7 @@ fn num_cpus_online() -> usize {
 }
 
 /// The GPU of this rank (node-local rank modulo the GPUs), or the CPU.
-fn choose_device(choice: DeviceChoice, world: &World) -> Result<Device> {
+fn choose_device(choice: DeviceChoice, allow_sharing: bool, world: &World) -> Result<Device> {
     let loaded = raw::load_torch_cuda();
     let cuda = tch::Cuda::is_available();
     if let Err(why) = &loaded {
@@ -104,9 +113,9 @@ fn choose_device(choice: DeviceChoice, world: &World) -> Result<Device> {
         ))),
         (DeviceChoice::Cuda | DeviceChoice::Auto, true) => {
             let gpus = tch::Cuda::device_count() as i32;
-            if world.local_size > gpus {
+            if world.local_size > gpus && !allow_sharing {
                 return Err(Error::usage(format!(
-                    "{} ranks on {} share {gpus} GPU(s): launch one rank per GPU",
+                    "{} ranks on {} for {gpus} GPU(s): launch one rank per GPU, or pass --allow-gpu-sharing",
                     world.local_size,
                     raw::hostname()
                 )));
@@ -207,6 +216,7 @@ fn unflatten_into(flat: &Tensor, tensors: &[Tensor]) -> Result<()> {
 /// Scales raw bytes to the normalised input the model trains on, on the device.
 struct Normalizer {
     shape: [i64; 3],
+    channels_last: bool,
     /// Per-channel mean and 1/std, in units of raw byte values, shaped [1, C, 1, 1].
     mean: Tensor,
     inv_std: Tensor,
@@ -214,12 +224,13 @@ struct Normalizer {
 }
 
 impl Normalizer {
-    fn new(info: &DatasetInfo, device: Device) -> Result<Normalizer> {
+    fn new(info: &DatasetInfo, device: Device, channels_last: bool) -> Result<Normalizer> {
         let c = info.channels as i64;
         let mean: Vec<f32> = info.mean.iter().map(|m| m * 255.0).collect();
         let inv_std: Vec<f32> = info.std.iter().map(|s| 1.0 / (s * 255.0)).collect();
         Ok(Normalizer {
             shape: [c, info.height as i64, info.width as i64],
+            channels_last,
             mean: Tensor::f_from_slice(&mean)?.f_view([1, c, 1, 1])?.f_to_device(device)?,
             inv_std: Tensor::f_from_slice(&inv_std)?.f_view([1, c, 1, 1])?.f_to_device(device)?,
             device,
@@ -228,8 +239,16 @@ impl Normalizer {
 
     fn images(&self, bytes: &[u8], n: usize) -> Result<Tensor> {
         let [c, h, w] = self.shape;
-        let x = Tensor::f_from_slice(bytes)?.f_view([n as i64, c, h, w])?.f_to_device(self.device)?.f_to_kind(Kind::Float)?;
-        Ok(x.f_sub(&self.mean)?.f_mul(&self.inv_std)?)
+        let host = Tensor::f_from_slice(bytes)?.f_view([n as i64, c, h, w])?;
+        // To a GPU through pinned memory, without waiting for the copy (the stream orders it
+        // before the kernels that read it); the bytes travel as uint8, a quarter of the floats.
+        let x = if self.device.is_cuda() {
+            host.f_pin_memory(self.device)?.f_to_device_(self.device, Kind::Uint8, true, false)?
+        } else {
+            host
+        };
+        let x = x.f_to_kind(Kind::Float)?.f_sub(&self.mean)?.f_mul(&self.inv_std)?;
+        if self.channels_last { raw::channels_last(&x) } else { Ok(x) }
     }
 
     fn labels(&self, labels: &[i64]) -> Result<Tensor> {
@@ -278,6 +297,14 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     let plan = world.agree(Plan::resolve(args, world))?;
     world.agree(check_same_config(world, args))?;
     tch::set_num_threads(plan.threads as i32);
+    if plan.device.is_cuda() {
+        tch::Cuda::cudnn_set_benchmark(true);
+        // PyTorch lets cuDNN use TF32 by default: fp32 means fp32.
+        raw::set_allow_tf32(args.precision == Precision::Tf32);
+        if matches!(args.precision, Precision::Bf16 | Precision::Fp16) {
+            world.agree(raw::set_cuda_autocast_bf16(args.precision == Precision::Bf16))?;
+        }
+    }
     world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
     let faults = world.agree(Faults::from_env())?;
     let stop = StopSignal::install()?;
@@ -299,6 +326,9 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     // Same seed on every rank gives the same weights; rank 0's are sent anyway, so that a
     // mismatch (another libtorch, another seed) cannot start.
     broadcast_from_root(&world.comm, &net.named_variables().into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
+    if args.channels_last {
+        world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;
+    }
     let mut grads = optim::define_grads(&net.params)?;
 
     // ---- Checkpoints: where they go, and the one to continue from. ----
@@ -404,12 +434,13 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     match role {
         Role::Server => exchange.serve(&mut net.params, &mut sgd)?,
         Role::Worker { .. } => {
-            let norm = Normalizer::new(&info, plan.device)?;
+            let norm = Normalizer::new(&info, plan.device, args.channels_last)?;
             let train_labels = Arc::new(labels.train.clone());
             let mut loader = Loader::spawn(args.data.clone(), train_labels, schedule, first_step, total_steps, args.prefetch);
             let mut trace = SampleTrace::open(args.trace_samples.as_deref(), world.rank)?;
             let progress = Progress::new(world.is_root(), total_steps, args.log_every);
             let warmup = first_step + args.warmup_steps.min(total_steps.saturating_sub(first_step + 1));
+            let mut scaler = (args.precision == Precision::Fp16).then(LossScaler::default);
 
             for step in first_step..total_steps {
                 if step == warmup {
@@ -432,15 +463,19 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
                 let compute_start = Instant::now();
                 optim::zero_grads(&mut grads)?;
                 let n = batch.labels.len();
+                let loss_factor = workers as f64 / batch.global_samples.max(1) as f64 * scaler.as_ref().map_or(1.0, |s| s.scale);
                 let (mut loss_sum, scaled_loss) = if n == 0 {
                     (0.0, None)
                 } else {
                     let x = norm.images(&batch.images, n)?;
                     let y = norm.labels(&batch.labels)?;
-                    let logits = net.model.forward_t(&x, true);
-                    let loss = logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?;
+                    let autocast = matches!(args.precision, Precision::Bf16 | Precision::Fp16);
+                    let loss = tch::autocast(autocast, || -> Result<Tensor> {
+                        let logits = net.model.forward_t(&x, true);
+                        Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_to_kind(Kind::Float)?)
+                    })?;
                     let value = loss.f_double_value(&[])?;
-                    (value, Some(loss.f_mul_scalar(workers as f64 / batch.global_samples as f64)?))
+                    (value, Some(loss.f_mul_scalar(loss_factor)?))
                 };
                 if fault == Some(&Fault::Nan) {
                     loss_sum = f64::NAN;
@@ -453,13 +488,16 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
                     std::thread::sleep(*pause);
                 }
 
+                // With the fp16 loss scaler the optimizer steps after the exchange, once the
+                // averaged gradients (the same on every rank) are known to be finite.
+                let optimize_in_exchange = scaler.is_none();
                 let (compute, comm, exchange_total, exchange_exposed);
                 grads = net.grads();
                 match (&mut overlap, scaled_loss) {
                     (Some(overlap), Some(scaled)) => {
                         // Backward overlapped with the exchange and the optimizer, bucket by bucket.
                         let forward = compute_start.elapsed();
-                        let times = overlap.step(scaled, &mut net.params, &mut grads, exchange.as_mut(), &mut sgd, step, batch.epoch)?;
+                        let times = overlap.step(scaled, &mut net.params, &mut grads, exchange.as_mut(), &mut sgd, step, batch.epoch, optimize_in_exchange)?;
                         exchange::staging::synchronize(plan.device);
                         compute = forward + times.backward;
                         exchange_total = times.exchange;
@@ -472,17 +510,28 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
                         if let Some(scaled) = scaled {
                             scaled.f_backward()?;
                         }
-                        if !all_finite(&grads)? {
+                        if optimize_in_exchange && !all_finite(&grads)? {
                             return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
                         }
                         exchange::staging::synchronize(plan.device);
                         compute = compute_start.elapsed();
                         let comm_start = Instant::now();
-                        exchange.update(&mut net.params, &mut grads, &mut sgd)?;
+                        if optimize_in_exchange {
+                            exchange.update(&mut net.params, &mut grads, &mut sgd)?;
+                        } else {
+                            exchange.all_reduce(&mut grads, ReduceOp::Mean)?;
+                        }
                         exchange::staging::synchronize(plan.device);
                         comm = comm_start.elapsed();
                         exchange_total = comm;
                         exchange_exposed = comm;
+                    }
+                }
+                if let Some(scaler) = &mut scaler {
+                    if scaler.unscale_or_skip(&mut grads)? {
+                        sgd.step(&mut net.params, &mut grads)?;
+                    } else if world.is_root() {
+                        progress.suspend(|| log::info!("fp16: gradients overflowed at step {step}; step skipped, loss scale now {}", scaler.scale));
                     }
                 }
                 let optimizer = sgd.take_busy();
@@ -591,6 +640,8 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     }
     let mut extra = report.extra.clone();
     extra.insert("overlap".into(), (overlap.is_some()).into());
+    extra.insert("precision".into(), serde_json::to_value(args.precision).unwrap_or_default());
+    extra.insert("channels_last".into(), args.channels_last.into());
     if let Some((buckets, total, hidden)) = overlap_figures {
         extra.insert("overlap_buckets".into(), buckets.into());
         extra.insert("exchange_total_ms".into(), total.into());
@@ -651,6 +702,45 @@ pub fn all_finite(tensors: &[Tensor]) -> Result<bool> {
         }
     }
     Ok(true)
+}
+
+/// Dynamic loss scaling for fp16, as torch.cuda.amp.GradScaler: the loss is multiplied by
+/// `scale` so that small gradients survive fp16; after the exchange the averaged gradients
+/// (identical on every rank, so every rank decides alike) are checked: finite, they are
+/// unscaled for the optimizer, and the scale doubles after `growth_interval` good steps;
+/// not finite, the step is skipped and the scale halves.
+struct LossScaler {
+    scale: f64,
+    good_steps: u32,
+    growth_interval: u32,
+    skipped: u64,
+}
+
+impl Default for LossScaler {
+    fn default() -> Self {
+        LossScaler { scale: 65536.0, good_steps: 0, growth_interval: 2000, skipped: 0 }
+    }
+}
+
+impl LossScaler {
+    /// Unscales `grads` and returns true, or returns false (skip this step) on an overflow.
+    fn unscale_or_skip(&mut self, grads: &mut [Tensor]) -> Result<bool> {
+        if !all_finite(grads)? {
+            self.scale = (self.scale / 2.0).max(1.0);
+            self.good_steps = 0;
+            self.skipped += 1;
+            return Ok(false);
+        }
+        for g in grads.iter_mut() {
+            let _ = g.f_mul_scalar_(1.0 / self.scale)?;
+        }
+        self.good_steps += 1;
+        if self.good_steps == self.growth_interval {
+            self.scale *= 2.0;
+            self.good_steps = 0;
+        }
+        Ok(true)
+    }
 }
 
 /// SIGTERM (what Slurm sends before the time limit) and SIGUSR1 (what `--signal` jobs often

@@ -138,13 +138,7 @@ impl Fusion {
             .iter()
             .zip(&mut self.buffers)
             .map(|(bucket, buffer)| match buffer {
-                None => {
-                    let t = &tensors[bucket.slots[0].tensor];
-                    if !t.is_contiguous() {
-                        return Err(Error::exchange("fusion", "a tensor to reduce in place must be contiguous"));
-                    }
-                    Ok(t.view([-1]))
-                }
+                None => raw::flat_dense_view(&tensors[bucket.slots[0].tensor]),
                 Some(buffer) => {
                     pack(bucket, tensors, buffer);
                     Ok(buffer.shallow_clone())
@@ -167,22 +161,27 @@ impl Fusion {
 /// Copies the bucket's tensors into its flat buffer.
 pub fn pack(bucket: &Bucket, tensors: &[Tensor], buffer: &mut Tensor) {
     for slot in &bucket.slots {
-        let src = &tensors[slot.tensor];
-        if !raw::copy_host_elements(buffer, slot.offset, src, 0, slot.len) {
+        let src = flat(&tensors[slot.tensor]);
+        if !raw::copy_host_elements(buffer, slot.offset, &src, 0, slot.len) {
             let mut dst = buffer.narrow(0, slot.offset as i64, slot.len as i64);
-            tch::no_grad(|| dst.copy_(&src.reshape([-1])));
+            tch::no_grad(|| dst.copy_(&src));
         }
     }
+}
+
+/// A tensor's elements in storage order (see `raw::flat_dense_view`); a copy in logical order
+/// for the rare tensor that is not dense (then only good for reading).
+fn flat(t: &Tensor) -> Tensor {
+    raw::flat_dense_view(t).unwrap_or_else(|_| t.reshape([-1]))
 }
 
 /// Copies the flat buffer back into the bucket's tensors.
 pub fn unpack(bucket: &Bucket, buffer: &Tensor, tensors: &mut [Tensor]) {
     for slot in &bucket.slots {
-        let dst = &mut tensors[slot.tensor];
-        if !raw::copy_host_elements(dst, 0, buffer, slot.offset, slot.len) {
+        let mut dst = raw::flat_dense_view(&tensors[slot.tensor]).expect("parameters and gradients are dense");
+        if !raw::copy_host_elements(&mut dst, 0, buffer, slot.offset, slot.len) {
             let src = buffer.narrow(0, slot.offset as i64, slot.len as i64);
-            let mut view = dst.view([-1]);
-            tch::no_grad(|| view.copy_(&src));
+            tch::no_grad(|| dst.copy_(&src));
         }
     }
 }

@@ -11,6 +11,8 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 
 #include <cstdint>
 #include <cstring>
@@ -100,5 +102,50 @@ int hpc_event_synchronize(void *event, char *error, size_t error_length) {
 }
 
 void hpc_event_destroy(void *event) { delete static_cast<c10::Event *>(event); }
+
+// ---- Settings tch does not expose (used by --precision and --channels-last). ----
+
+// TF32 in cuBLAS matrix products and cuDNN convolutions.
+void hpc_set_allow_tf32(bool allow) {
+  at::globalContext().setAllowTF32CuBLAS(allow);
+  at::globalContext().setAllowTF32CuDNN(allow);
+}
+
+// The type CUDA autocast casts to: 0 float16, 1 bfloat16.
+int hpc_set_cuda_autocast_dtype(int which, char *error, size_t error_length) {
+  try {
+    at::autocast::set_autocast_dtype(at::kCUDA, which == 1 ? at::kBFloat16 : at::kHalf);
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
+// A new tensor with `tensor`'s values in channels-last (NHWC) memory order; null on error.
+void *hpc_channels_last(void *tensor, char *error, size_t error_length) {
+  try {
+    auto *t = static_cast<at::Tensor *>(tensor);
+    return new at::Tensor(t->contiguous(at::MemoryFormat::ChannelsLast));
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return nullptr;
+  }
+}
+
+// Moves a 4-d parameter's storage to channels-last order in place (its identity, and so its
+// autograd hooks and optimizer state, stay).
+int hpc_param_to_channels_last(void *tensor, char *error, size_t error_length) {
+  try {
+    auto *t = static_cast<at::Tensor *>(tensor);
+    if (t->dim() == 4) {
+      t->set_data(t->contiguous(at::MemoryFormat::ChannelsLast));
+    }
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
 
 }  // extern "C"

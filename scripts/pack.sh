@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Packs hpc-train for a machine without Rust or MPI (a GPU test machine, a cluster node image):
+#   scripts/pack.sh [OUT]          (default dist/hpc-train; also writes OUT.tar.gz)
+# The bundle holds the binary, Open MPI (launcher, libraries, plugins, help files) and the HDF5
+# runtime with their dependencies, laid out as Debian installs them, so that Open MPI finds its
+# plugins through OPAL_PREFIX. libtorch is not packed: the binary's run path covers the torch of
+# the GPU machines (/opt/torch/.venv/.../torch/lib) and a `lib/` folder beside it, where another
+# libtorch 2.11.0 can be put. On the target:
+#   source OUT/env.sh && mpirun -n 2 hpc-train --device cuda --allow-gpu-sharing ...
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$HPC_TRAIN_ROOT"
+out=${1:-dist/hpc-train}
+[ -x "$HPC_TRAIN_BIN" ] || { echo "build first: scripts/setup.sh --no-run" >&2; exit 1; }
+
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib"
+cp "$HPC_TRAIN_BIN" "$out/bin/hpc-train"
+
+ompi=/usr/lib/x86_64-linux-gnu/openmpi
+# Open MPI: its tree under usr/ (OPAL_PREFIX=OUT/usr relocates every path it has built in).
+mkdir -p "$out/usr/lib/x86_64-linux-gnu" "$out/usr/bin" "$out/usr/share"
+cp -a "$ompi" "$out/usr/lib/x86_64-linux-gnu/"
+cp -a /usr/share/openmpi "$out/usr/share/"
+cp -a /etc/openmpi "$out/usr/etc-openmpi" 2>/dev/null || true
+for tool in orterun orted ompi_info; do
+    cp -L "/usr/bin/$tool" "$out/usr/bin/"
+done
+ln -sf orterun "$out/usr/bin/mpirun"
+ln -sf orterun "$out/usr/bin/mpiexec"
+
+# Shared libraries the binary, the Open MPI tools and the plugins need, except the C and C++
+# runtimes (the target's are newer), the GPU driver and libtorch with its CUDA libraries (the
+# target's torch provides them).
+skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libutil\.so|libresolv\.so|libstdc\+\+|libgcc_s|libtorch|libc10|libgomp|libcuda|libcudart|libcupti|libnv|libcublas|libcudnn|libnccl)'
+objects=("$out/bin/hpc-train" "$out/usr/bin/orterun" "$out/usr/bin/orted")
+while IFS= read -r plugin; do objects+=("$plugin"); done < <(find "$out/usr/lib/x86_64-linux-gnu/openmpi" -name '*.so*' -type f)
+for object in "${objects[@]}"; do
+    ldd "$object" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
+done | sort -u | while read -r name path; do
+    [[ "$name" =~ $skip ]] && continue
+    [ -e "$out/lib/$name" ] || cp -L "$path" "$out/lib/$name"
+done
+
+cat > "$out/env.sh" <<'ENV'
+# Source this file to use the bundle: hpc-train and mpirun on PATH, its libraries found.
+HPC_TRAIN_BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export OPAL_PREFIX="$HPC_TRAIN_BUNDLE/usr"
+export PATH="$HPC_TRAIN_BUNDLE/bin:$HPC_TRAIN_BUNDLE/usr/bin:$PATH"
+export LD_LIBRARY_PATH="$HPC_TRAIN_BUNDLE/lib:$HPC_TRAIN_BUNDLE/usr/lib/x86_64-linux-gnu/openmpi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# Root on a test machine; harmless otherwise.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+ENV
+tar -C "$(dirname "$out")" -czf "$out.tar.gz" "$(basename "$out")"
+echo "packed $(du -sh "$out" | cut -f1) into $out (and $out.tar.gz)"
