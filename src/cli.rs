@@ -514,6 +514,13 @@ pub struct ImportArgs {
     /// Class names, comma-separated, stored in the file.
     #[arg(long)]
     pub class_names: Option<String>,
+    #[command(flatten)]
+    pub output: OutputArgs,
+}
+
+/// Where an import or a generator writes its dataset file.
+#[derive(Args, Debug)]
+pub struct OutputArgs {
     /// Filter for the image datasets.
     #[arg(long, value_enum, default_value_t = Compression::None)]
     pub compression: Compression,
@@ -542,15 +549,8 @@ pub struct SynthArgs {
     /// Seed of the generator.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Filter for the image datasets.
-    #[arg(long, value_enum, default_value_t = Compression::None)]
-    pub compression: Compression,
-    /// Output file.
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Replace an existing output file.
-    #[arg(long)]
-    pub force: bool,
+    #[command(flatten)]
+    pub output: OutputArgs,
 }
 
 /// Options of `hpc-train data bench`.

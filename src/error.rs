@@ -87,10 +87,6 @@ impl Error {
         Error::Exchange { strategy, reason: reason.into() }
     }
 
-    /// Whether every rank knows of this error (so the job can end without MPI_Abort).
-    pub fn is_agreed(&self) -> bool {
-        matches!(self, Error::Agreed(_) | Error::Reported(_))
-    }
 }
 
 /// Adds a path to I/O and HDF5 errors, so that every message names the file.

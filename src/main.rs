@@ -120,17 +120,17 @@ fn run_data(cmd: &DataCommand) -> Result<()> {
                     let (ti, tl) = (need(&a.train_images, "--train-images")?, need(&a.train_labels, "--train-labels")?);
                     let (vi, vl) = (need(&a.test_images, "--test-images")?, need(&a.test_labels, "--test-labels")?);
                     let paths = data::idx::IdxPaths { train_images: &ti, train_labels: &tl, test_images: &vi, test_labels: &vl };
-                    let name = a.name.clone().unwrap_or_else(|| default_name(&a.out));
-                    data::idx::import(&paths, &a.out, &name, class_names, a.compression, a.force)?
+                    let name = a.name.clone().unwrap_or_else(|| default_name(&a.output.out));
+                    data::idx::import(&paths, &a.output.out, &name, class_names, a.output.compression, a.output.force)?
                 }
                 ImportFormat::Cifar10 => {
                     let input = a.input.as_ref().ok_or_else(|| Error::usage("--format cifar10 needs --input DIR (cifar-10-batches-bin)"))?;
-                    data::cifar10::import(input, &a.out, a.compression, a.force)?
+                    data::cifar10::import(input, &a.output.out, a.output.compression, a.output.force)?
                 }
                 ImportFormat::Svhn => {
                     let train = a.train.as_ref().ok_or_else(|| Error::usage("--format svhn needs --train train_32x32.mat"))?;
                     let test = a.test.as_ref().ok_or_else(|| Error::usage("--format svhn needs --test test_32x32.mat"))?;
-                    data::svhn::import(train, test, &a.out, a.compression, a.force)?
+                    data::svhn::import(train, test, &a.output.out, a.output.compression, a.output.force)?
                 }
                 ImportFormat::Folder => {
                     let input = a.input.clone().ok_or_else(|| Error::usage("--format folder needs --input DIR (one sub-folder per class)"))?;
@@ -140,24 +140,24 @@ fn run_data(cmd: &DataCommand) -> Result<()> {
                         (None, Some(f)) => data::folder::TestSource::Fraction(f),
                         (None, None) => data::folder::TestSource::None,
                     };
-                    let name = a.name.clone().unwrap_or_else(|| default_name(&a.out));
+                    let name = a.name.clone().unwrap_or_else(|| default_name(&a.output.out));
                     let spec = data::folder::FolderSpec { input, test, size, seed: a.seed, name };
-                    let s = data::folder::import(&spec, &a.out, a.compression, a.force)?;
+                    let s = data::folder::import(&spec, &a.output.out, a.output.compression, a.output.force)?;
                     println!(
                         "wrote {} ({} training and {} test samples of 3x{size}x{size}, {} classes); skipped {} file(s) that are not readable JPEG or PNG images",
-                        a.out.display(), s.train, s.test, s.classes, s.skipped.len()
+                        a.output.out.display(), s.train, s.test, s.classes, s.skipped.len()
                     );
                     return Ok(());
                 }
             };
-            println!("wrote {} ({train} training and {test} test samples)", a.out.display());
+            println!("wrote {} ({train} training and {test} test samples)", a.output.out.display());
             Ok(())
         }
         DataCommand::Synth(a) => {
             let shape = data::synth::parse_shape(&a.shape).map_err(Error::usage)?;
             let spec = data::synth::SynthSpec { train: a.samples, test: a.test_samples, shape, classes: a.classes, seed: a.seed };
-            data::synth::generate(&spec, &a.out, a.compression, a.force)?;
-            println!("wrote {} ({} training and {} test samples of {})", a.out.display(), a.samples, a.test_samples, a.shape);
+            data::synth::generate(&spec, &a.output.out, a.output.compression, a.output.force)?;
+            println!("wrote {} ({} training and {} test samples of {})", a.output.out.display(), a.samples, a.test_samples, a.shape);
             Ok(())
         }
         DataCommand::Bench(_) => unreachable!("data bench runs on every rank, dispatched in main"),

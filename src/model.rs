@@ -193,6 +193,7 @@ fn tiny(p: &nn::Path, spec: InputSpec) -> nn::FuncT<'static> {
 }
 
 /// Number of elements in a set of tensors.
+#[cfg(test)]
 pub fn numel(tensors: &[Tensor]) -> usize {
     tensors.iter().map(|t| t.numel()).sum()
 }

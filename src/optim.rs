@@ -109,15 +109,6 @@ impl Sgd {
         std::mem::take(&mut self.busy)
     }
 
-    /// Changes the learning rate (for a schedule).
-    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
-        self.config.lr = lr;
-        if let Some(t) = &mut self.neg_lr {
-            let _ = t.f_fill_(-lr)?;
-        }
-        Ok(())
-    }
-
     /// The momentum buffers, for checkpoints (`None` before the first step).
     pub fn momentum_buffers(&self) -> &[Option<Tensor>] {
         &self.momentum

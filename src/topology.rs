@@ -58,10 +58,6 @@ impl World {
         self.node_of.iter().copied().max().map_or(1, |n| n + 1)
     }
 
-    pub fn node(&self) -> i32 {
-        self.node_of[self.rank as usize]
-    }
-
     /// Agrees across the ranks on whether a step that every rank performed failed.
     ///
     /// Every rank calls this at the same point. If no rank failed, each gets its own `Ok` back.
@@ -105,11 +101,6 @@ impl World {
         out
     }
 
-    /// Element-wise sum of `values` over the ranks, in place.
-    pub fn sum_f64s(&self, values: &mut [f64]) {
-        let send = values.to_vec();
-        self.comm.all_reduce_into(&send[..], values, SystemOperation::sum());
-    }
 }
 
 fn fake_ranks_per_node() -> Result<Option<i32>> {

@@ -652,7 +652,7 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     }
     let steps_run = total_steps.saturating_sub(first_step);
     let record = RunRecord {
-        strategy: args.strategy.name().into(),
+        strategy: exchange.name().into(),
         ranks: world.size as usize,
         workers,
         nodes: world.nodes() as usize,

@@ -111,6 +111,7 @@ pub fn import(paths: &IdxPaths, out: &Path, name: &str, class_names: Vec<String>
 }
 
 /// Writes an IDX file of unsigned bytes (for tests and small fixtures).
+#[cfg(test)]
 pub fn encode(dims: &[usize], data: &[u8]) -> Vec<u8> {
     let mut out = vec![0, 0, 0x08, dims.len() as u8];
     for &d in dims {

@@ -35,14 +35,6 @@ impl SplitReader {
         })
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     pub fn sample_bytes(&self) -> usize {
         self.sample_bytes
     }

@@ -140,10 +140,6 @@ impl DatasetWriter {
         })
     }
 
-    pub fn meta(&self) -> &Meta {
-        &self.meta
-    }
-
     /// Writes `labels.len()` samples of `split` starting at row `offset`.
     pub fn write(&mut self, split: Split, offset: usize, images: &[u8], labels: &[i64]) -> Result<()> {
         let i = split as usize;

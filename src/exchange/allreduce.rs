@@ -68,7 +68,11 @@ impl Exchange for MpiAllreduce {
     }
 
     fn report(&self) -> ExchangeReport {
-        ExchangeReport { data_path: Some(self.path), ..Default::default() }
+        let mut extra = serde_json::Map::new();
+        if self.path == DataPath::Staged {
+            extra.insert("staging_copy_ms".into(), (self.staging.copy_time().as_secs_f64() * 1e3).into());
+        }
+        ExchangeReport { data_path: Some(self.path), extra }
     }
 }
 

@@ -60,12 +60,9 @@ impl BucketPlan {
         BucketPlan { buckets, sizes: sizes.to_vec() }
     }
 
+    #[cfg(test)]
     pub fn total_len(&self) -> usize {
         self.sizes.iter().sum()
-    }
-
-    pub fn max_bucket_len(&self) -> usize {
-        self.buckets.iter().map(|b| b.len).max().unwrap_or(0)
     }
 
     /// The bucket each tensor lands in.
@@ -94,10 +91,6 @@ pub struct Fusion {
 impl Fusion {
     pub fn new(bucket_bytes: usize, first_bucket_bytes: Option<usize>) -> Fusion {
         Fusion { bucket_bytes, first_bucket_bytes, plan: None, buffers: Vec::new(), layout: None }
-    }
-
-    pub fn plan(&self) -> Option<&BucketPlan> {
-        self.plan.as_ref()
     }
 
     /// Makes the plan and buffers for `tensors` unless the current ones already fit them.

@@ -93,9 +93,9 @@ enum ToBackground {
     Shutdown,
 }
 
-/// Messages back: a tensor done, or the thread's failure.
+/// Messages back: one more tensor done, or the thread's failure.
 enum FromBackground {
-    Done(usize),
+    Done,
     Failed(Error),
 }
 
@@ -281,7 +281,7 @@ impl Exchange for Horovod {
         let mut remaining = tensors.len();
         while remaining > 0 {
             match self.from_bg.recv() {
-                Ok(FromBackground::Done(_)) => remaining -= 1,
+                Ok(FromBackground::Done) => remaining -= 1,
                 Ok(FromBackground::Failed(e)) => return Err(e),
                 Err(_) => return Err(Error::exchange("horovod", "the background thread has stopped")),
             }
@@ -594,9 +594,9 @@ impl Background {
             unpack(&bucket, &buffer, &mut tensors);
             synchronize(device);
             self.event("MEMCPY_OUT_FUSION_BUFFER", t2, serde_json::json!({ "tensors": group.len() }));
-            for r in group {
+            for _ in &group {
                 self.counters.tensors += 1;
-                let _ = self.outbox.send(FromBackground::Done(r.id));
+                let _ = self.outbox.send(FromBackground::Done);
             }
         }
         Ok(())

@@ -271,6 +271,9 @@ impl Exchange for RingAllreduce {
     fn report(&self) -> ExchangeReport {
         let mut extra = serde_json::Map::new();
         extra.insert("segment_kb".into(), (self.ring.segment_bytes / 1024).into());
+        if self.path == DataPath::Staged {
+            extra.insert("staging_copy_ms".into(), (self.staging.copy_time().as_secs_f64() * 1e3).into());
+        }
         ExchangeReport { data_path: Some(self.path), extra }
     }
 }

@@ -18,7 +18,7 @@ pub struct Staging {
     buffers: Vec<Tensor>,
     capacity: usize,
     layout: Option<(Kind, Device)>,
-    /// Time spent waiting for copies between device and host, since the last `take_copy_time`.
+    /// Time spent waiting for copies between device and host, in all.
     copy_time: Duration,
 }
 
@@ -41,8 +41,9 @@ impl Staging {
         Ok(())
     }
 
-    pub fn take_copy_time(&mut self) -> Duration {
-        std::mem::take(&mut self.copy_time)
+    /// Time spent waiting for copies between device and host so far (the staged path's cost).
+    pub fn copy_time(&self) -> Duration {
+        self.copy_time
     }
 
     /// Runs `reduce(b, bucket)` on every bucket in order, on `path`. On the staged path `reduce`

@@ -59,18 +59,9 @@ pub fn run_with_limit(mut cmd: Command, limit: Duration) -> Run {
     let mut err = child.stderr.take().unwrap();
     let out_t = std::thread::spawn(move || { let mut s = String::new(); let _ = std::io::Read::read_to_string(&mut out, &mut s); s });
     let err_t = std::thread::spawn(move || { let mut s = String::new(); let _ = std::io::Read::read_to_string(&mut err, &mut s); s });
-    let mut timed_out = false;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status.code();
-        }
-        if start.elapsed() > limit {
-            timed_out = true;
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    let (status, timed_out) = match wait_limited(&mut child, limit) {
+        Some((code, _)) => (code, false),
+        None => (None, true),
     };
     Run { status, stdout: out_t.join().unwrap(), stderr: err_t.join().unwrap(), elapsed: start.elapsed(), timed_out }
 }
