@@ -2,7 +2,7 @@
 # The measurements recorded in results/ (CPU, this machine): exchange benchmarks, the CPU
 # training reference, the weak and strong studies, overlap, parameter-server variants, and the
 # report built from them. Takes about 45 minutes on 2 cores; run on an otherwise idle machine.
-#   scripts/measure.sh [bench|reference|studies|overlap|ps|report|all]
+#   scripts/measure.sh [bench|reference|studies|overlap|ps|data|report|all]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$HPC_TRAIN_ROOT"
@@ -17,7 +17,8 @@ stamp() { echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), $(nproc) cores:
 
 if [[ $what == bench || $what == all ]]; then
     for n in 2 4; do
-        { stamp "bench, $n ranks, one tensor"; mpi "$n" bench --strategies ring,allreduce,ps,horovod --min-bytes 4K --max-bytes 256M --iters 30 --warmup 5 --results $R; } 2>&1 | tee "$R/logs/bench-$n-ranks.txt"
+        { stamp "bench, $n ranks, one tensor"; mpi "$n" bench --strategies ring,allreduce --min-bytes 4K --max-bytes 256M --iters 30 --warmup 5 --results $R; } 2>&1 | tee "$R/logs/bench-$n-ranks.txt"
+        { stamp "bench, $n ranks, one tensor"; mpi "$n" bench --strategies ps,horovod --min-bytes 4K --max-bytes 64M --iters 15 --warmup 3 --results $R; } 2>&1 | tee "$R/logs/bench-$n-ranks-ps-horovod.txt"
     done
     { stamp "bench, 2 ranks, ResNet-50's 161 tensors"; mpi 2 bench --strategies ring,allreduce,horovod --layout resnet50 --min-bytes 64K --max-bytes 128M --factor 4 --iters 20 --warmup 3 --results $R; } 2>&1 | tee "$R/logs/bench-2-ranks-resnet50-layout.txt"
     for seg in 64 256 1024 4096 65536; do
@@ -62,6 +63,19 @@ if [[ $what == ps || $what == all ]]; then
         done
     done
     { stamp "bench ps, 4 ranks, 1 and 2 servers, ResNet-50 layout"; mpi 4 bench --strategies ps,ring,allreduce --layout resnet50 --min-bytes 1M --max-bytes 64M --factor 4 --iters 10 --warmup 2 --servers 2 --results $R; } 2>&1 | tee "$R/logs/bench-ps-4-ranks.txt"
+fi
+
+if [[ $what == data || $what == all ]]; then
+    # ResNet-50 where images are large (224x224), to compare with `data bench` and check that
+    # training does not wait for data (data_wait_ms).
+    synth=/tmp/hpc-train-synth-3x224x224.h5
+    [ -f "$synth" ] || "$B" data synth --samples 2000 --test-samples 0 --shape 3x224x224 --classes 1000 --out "$synth"
+    for n in 1 2 4; do
+        { stamp "resnet50 on 3x224x224, $n ranks"; mpi "$n" --strategy ring --model resnet50 --data "$synth" --batch-size 4 --steps 8 --threads 1 --warmup-steps 2 --no-eval --study-tag cpu-data --results "$R"; } 2>&1 | tee -a "$R/logs/data.txt"
+    done
+    for n in 1 2 4; do
+        { stamp "data bench 3x224x224, $n ranks"; mpi "$n" data bench "$synth" --batch-size 4 --epochs 2 --results "$R"; } 2>&1 | tee -a "$R/logs/data.txt"
+    done
 fi
 
 if [[ $what == report || $what == all ]]; then

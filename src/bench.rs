@@ -154,7 +154,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
 
     if world.is_root() {
         println!(
-            "# hpc-train bench: {n} rank(s) on {} node(s), {mpi_library}, device {}, {} {}, layout {}, median of {} iterations after {} warm-up (strategies take turns), {date}",
+            "# hpc-train bench: {n} rank(s) on {} node(s), {mpi_library}, device {}, {} {}, layout {}, median of {} iterations after {} warm-up, {date}",
             world.nodes(), device_label(device), args.dtype.name(), if config.cuda_aware { "(CUDA-aware MPI)" } else { "" },
             layout_name(args.layout), args.iters, args.warmup
         );
@@ -162,90 +162,60 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         println!("# {:>12} {:>12} {:>8} {:>10} {:>7} {:>11} {:>9} {:>9} {:>7}", "size", "count", "type", "strategy", "tensors", "time", "algbw", "busbw", "#wrong");
         println!("# {:>12} {:>12} {:>8} {:>10} {:>7} {:>11} {:>9} {:>9} {:>7}", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "");
     }
-    // Each strategy, and the ranks whose buffers count in its sum (not dedicated servers').
-    let mut exchanges = Vec::new();
-    let mut contributors: Vec<Vec<usize>> = Vec::new();
-    for &kind in &strategies {
-        let exchange = world.agree(exchange::build(kind, world, &config))?;
-        let mine = u8::from(exchange.contributes());
-        let mut flags = vec![0u8; n];
-        world.comm.all_gather_into(&mine, &mut flags[..]);
-        contributors.push((0..n).filter(|&r| flags[r] == 1).collect());
-        exchanges.push((kind, exchange));
-    }
+    // One strategy at a time, made just before its sizes and finished just after: a strategy's
+    // background thread (Horovod's cycle) must not take the cores while another is measured.
     let mut busbw_sums = vec![(0.0f64, 0usize); strategies.len()];
     let mut total_wrong = 0u64;
     let kind = args.dtype.kind();
-    for &count in &counts {
-        let sizes = if weights.is_empty() { vec![count] } else { split_by_weights(count, &weights) };
-        // The input each run starts from, and the expected result.
-        let pristine: Vec<Tensor> = input_tensors(&sizes, rank, args.verify, args.seed, kind, device)?;
-        for (_, exchange) in exchanges.iter_mut() {
+    for (index, &strategy) in strategies.iter().enumerate() {
+        let mut exchange = world.agree(exchange::build(strategy, world, &config))?;
+        // The ranks whose buffers count in the sum (not dedicated servers').
+        let mine = u8::from(exchange.contributes());
+        let mut flags = vec![0u8; n];
+        world.comm.all_gather_into(&mine, &mut flags[..]);
+        let contributors: Vec<usize> = (0..n).filter(|&r| flags[r] == 1).collect();
+        for &count in &counts {
+            let sizes = if weights.is_empty() { vec![count] } else { split_by_weights(count, &weights) };
+            // The input each run starts from, and the expected result.
+            let pristine: Vec<Tensor> = input_tensors(&sizes, rank, args.verify, args.seed, kind, device)?;
             world.agree(exchange.prepare(&pristine))?;
-        }
-        // MPI_Allreduce's own answer on the same input, for each set of contributing ranks.
-        let reference = |contributing: &[usize]| -> Result<Option<Vec<Tensor>>> {
-            if args.verify == Verify::ClosedForm {
-                return Ok(None);
-            }
-            let sums = exchange::allreduce::SumOps::new();
-            let comm = world.comm.duplicate();
-            let mut expected = Vec::with_capacity(pristine.len());
-            for t in &pristine {
-                // A copy: on the CPU, to_device returns the same tensor, and pristine must stay.
-                let mut host = t.f_to_device(Device::Cpu)?.f_detach_copy()?;
-                if !contributing.contains(&rank) {
-                    let _ = host.f_zero_()?;
-                }
-                sums.all_reduce_sum(&comm, &mut host)?;
-                expected.push(host);
-            }
-            Ok(Some(expected))
-        };
-        let references: Vec<Option<Vec<Tensor>>> = contributors.iter().map(|c| reference(c)).collect::<Result<_>>()?;
-        // Strategies take turns iteration by iteration, so that they see the same machine
-        // (a busy neighbour, a frequency change) rather than one getting the quiet minute.
-        let mut outputs: Vec<Vec<Tensor>> = exchanges.iter().map(|_| pristine.iter().map(|t| t.copy()).collect()).collect();
-        let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(args.iters); exchanges.len()];
-        for iter in 0..args.warmup + args.iters {
-            for ((_, exchange), (tensors, samples)) in exchanges.iter_mut().zip(outputs.iter_mut().zip(times.iter_mut())) {
+            let reference = mpi_reference(world, &pristine, &contributors, args.verify)?;
+            let mut tensors: Vec<Tensor> = pristine.iter().map(|t| t.copy()).collect();
+            let mut times: Vec<f64> = Vec::with_capacity(args.iters);
+            for iter in 0..args.warmup + args.iters {
                 for (t, p) in tensors.iter_mut().zip(&pristine) {
                     t.f_copy_(p)?;
                 }
                 exchange::staging::synchronize(device);
                 world.comm.barrier();
                 let start = Instant::now();
-                exchange.all_reduce(tensors, ReduceOp::Sum)?;
+                exchange.all_reduce(&mut tensors, ReduceOp::Sum)?;
                 exchange::staging::synchronize(device);
                 let local = start.elapsed().as_secs_f64();
                 let mut slowest = 0.0;
                 world.comm.all_reduce_into(&local, &mut slowest, SystemOperation::max());
                 if iter >= args.warmup {
-                    samples.push(slowest);
+                    times.push(slowest);
                 }
             }
-        }
-        if args.corrupt_result && rank == 0 {
-            for tensors in &mut outputs {
+            if args.corrupt_result && rank == 0 {
                 if let Some(t) = tensors.iter_mut().find(|t| t.numel() > 0) {
                     let mut first = t.f_view([-1])?.f_narrow(0, 0, 1)?;
                     let _ = first.f_add_scalar_(1.0)?;
                 }
             }
-        }
-        for (index, ((kind_s, exchange), tensors)) in exchanges.iter().zip(&outputs).enumerate() {
-            // Ranks whose buffers do not count (dedicated servers) have nothing to check.
-            let wrong_local = if contributors[index].contains(&rank) {
-                // A strategy that compresses is held to its wire format's rounding.
+            // Ranks whose buffers do not count (dedicated servers) have nothing to check; a
+            // strategy that compresses is held to its wire format's rounding.
+            let wrong_local = if contributors.contains(&rank) {
                 let precision = exchange.wire_dtype().unwrap_or(args.dtype);
-                count_wrong(tensors, &sizes, &contributors[index], references[index].as_deref(), precision)?
+                count_wrong(&tensors, &sizes, &contributors, reference.as_deref(), precision)?
             } else {
                 0
             };
             let mut wrong = 0u64;
             world.comm.all_reduce_into(&wrong_local, &mut wrong, SystemOperation::sum());
             total_wrong += wrong;
-            let time = median(&mut times[index]);
+            let time = median(&mut times);
             let bytes = count * elem;
             let algbw = if time > 0.0 { bytes as f64 / time / 1e9 } else { 0.0 };
             let busbw = algbw * exchange.bus_factor();
@@ -256,13 +226,13 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
             if world.is_root() {
                 println!(
                     "  {:>12} {:>12} {:>8} {:>10} {:>7} {:>11.2} {:>9.3} {:>9.3} {:>7}",
-                    bytes, count, args.dtype.name(), kind_s.name(), sizes.len(), time * 1e6, algbw, busbw, wrong
+                    bytes, count, args.dtype.name(), strategy.name(), sizes.len(), time * 1e6, algbw, busbw, wrong
                 );
                 let row = BenchRow {
                     size: bytes,
                     count,
                     dtype: args.dtype.name(),
-                    strategy: kind_s.name().into(),
+                    strategy: strategy.name().into(),
                     tensors: sizes.len(),
                     layout: layout_name(args.layout).into(),
                     time_us: time * 1e6,
@@ -280,18 +250,16 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
                 };
                 results::append_json_line(&args.results.join(BENCH_FILE), &row)?;
                 if wrong > 0 {
-                    log::error!("{}: {wrong} wrong element(s) at {count} elements", kind_s.name());
+                    log::error!("{}: {wrong} wrong element(s) at {count} elements", strategy.name());
                 }
             }
         }
-    }
-    for (_, exchange) in exchanges.iter_mut() {
         exchange.finish(&mut [])?;
     }
     if world.is_root() {
         println!("# Out of bounds values : see #wrong (every rank checks every element)");
-        for ((kind_s, _), (sum, rows)) in exchanges.iter().zip(&busbw_sums) {
-            println!("# Avg bus bandwidth    : {:>10} {:.3} GB/s", kind_s.name(), if *rows > 0 { sum / *rows as f64 } else { 0.0 });
+        for (strategy, (sum, rows)) in strategies.iter().zip(&busbw_sums) {
+            println!("# Avg bus bandwidth    : {:>10} {:.3} GB/s", strategy.name(), if *rows > 0 { sum / *rows as f64 } else { 0.0 });
         }
         println!("# appended to {}", args.results.join(BENCH_FILE).display());
     }
@@ -378,6 +346,27 @@ fn count_wrong(tensors: &[Tensor], sizes: &[usize], contributing: &[usize], refe
         offset += sizes[i];
     }
     Ok(wrong)
+}
+
+/// MPI_Allreduce's own answer on the same input (the contributing ranks' buffers), when the
+/// check compares with it.
+fn mpi_reference(world: &World, pristine: &[Tensor], contributing: &[usize], verify: Verify) -> Result<Option<Vec<Tensor>>> {
+    if verify == Verify::ClosedForm {
+        return Ok(None);
+    }
+    let sums = exchange::allreduce::SumOps::new();
+    let comm = world.comm.duplicate();
+    let mut expected = Vec::with_capacity(pristine.len());
+    for t in pristine {
+        // A copy: on the CPU, to_device returns the same tensor, and pristine must stay.
+        let mut host = t.f_to_device(Device::Cpu)?.f_detach_copy()?;
+        if !contributing.contains(&(world.rank as usize)) {
+            let _ = host.f_zero_()?;
+        }
+        sums.all_reduce_sum(&comm, &mut host)?;
+        expected.push(host);
+    }
+    Ok(Some(expected))
 }
 
 /// Median of the samples (the time of a typical iteration; robust to a stray slow one).

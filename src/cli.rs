@@ -139,7 +139,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 25.0)]
     pub bucket_mb: f64,
     /// Ring segment size in KiB.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 4096)]
     pub segment_kb: u64,
     /// Whether MPI can read GPU memory.
     #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
@@ -359,8 +359,9 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     pub overlap: OnOff,
 
-    /// Ring all-reduce segment size in KiB (the pipelining grain of the ring).
-    #[arg(long, default_value_t = 256)]
+    /// Ring all-reduce segment size in KiB (the pipelining grain of the ring; the default is the
+    /// best measured in results/README.md).
+    #[arg(long, default_value_t = 4096)]
     pub segment_kb: u64,
 
     /// Folder for runs.jsonl and other results.
