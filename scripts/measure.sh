@@ -79,5 +79,9 @@ if [[ $what == data || $what == all ]]; then
 fi
 
 if [[ $what == report || $what == all ]]; then
-    "$B" report --input "$R/runs.jsonl" --bench "$R/bench.jsonl" --out "$R/report"
+    # The two studies on their own, then every record and the exchange benchmark together.
+    rm -rf "$R/report"
+    "$B" report --input "$R/runs.jsonl" --study cpu-weak-resnet18 --bench "$R/bench.jsonl" --out "$R/report/weak"
+    "$B" report --input "$R/runs.jsonl" --study cpu-strong-resnet18 --bench "$R/bench.jsonl" --out "$R/report/strong"
+    "$B" report --input "$R/runs.jsonl" --bench "$R/bench.jsonl" --out "$R/report/all"
 fi
