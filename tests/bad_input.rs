@@ -40,8 +40,10 @@ fn with<'a>(data: &'a str, results: &'a str, over: &[(&'a str, &'a str)]) -> Vec
 }
 
 fn write_h5(path: &Path, build: impl FnOnce(&hdf5::File) -> hdf5::Result<()>) {
-    let f = hdf5::File::create(path).unwrap();
-    build(&f).unwrap();
+    with_hdf5_open(|| {
+        let f = hdf5::File::create(path).unwrap();
+        build(&f).unwrap();
+    })
 }
 
 fn images(f: &hdf5::Group, split: &str, n: usize) -> hdf5::Result<()> {

@@ -152,22 +152,28 @@ fn svhn_file(path: &Path, labels: &[u8], double_labels: bool, compressed: bool) 
 }
 
 fn read_split(path: &Path, split: &str) -> (Vec<usize>, Vec<u8>, Vec<i64>) {
-    let f = hdf5::File::open(path).unwrap();
-    let images = f.dataset(&format!("{split}/images")).unwrap();
-    let shape = images.shape();
-    let pixels = images.read_raw::<u8>().unwrap();
-    let labels = f.dataset(&format!("{split}/labels")).unwrap().read_raw::<i64>().unwrap();
-    (shape, pixels, labels)
+    with_hdf5_open(|| {
+        let f = hdf5::File::open(path).unwrap();
+        let images = f.dataset(&format!("{split}/images")).unwrap();
+        let shape = images.shape();
+        let pixels = images.read_raw::<u8>().unwrap();
+        let labels = f.dataset(&format!("{split}/labels")).unwrap().read_raw::<i64>().unwrap();
+        (shape, pixels, labels)
+    })
 }
 
 fn string_attr(path: &Path, name: &str) -> String {
-    let f = hdf5::File::open(path).unwrap();
-    f.attr(name).unwrap().read_scalar::<hdf5::types::VarLenUnicode>().unwrap().as_str().to_string()
+    with_hdf5_open(|| {
+        let f = hdf5::File::open(path).unwrap();
+        f.attr(name).unwrap().read_scalar::<hdf5::types::VarLenUnicode>().unwrap().as_str().to_string()
+    })
 }
 
 fn strings_attr(path: &Path, name: &str) -> Vec<String> {
-    let f = hdf5::File::open(path).unwrap();
-    f.attr(name).unwrap().read_raw::<hdf5::types::VarLenUnicode>().unwrap().iter().map(|s| s.as_str().to_string()).collect()
+    with_hdf5_open(|| {
+        let f = hdf5::File::open(path).unwrap();
+        f.attr(name).unwrap().read_raw::<hdf5::types::VarLenUnicode>().unwrap().iter().map(|s| s.as_str().to_string()).collect()
+    })
 }
 
 /// Expects a failure that names `file` and says `reason`, printed once, exit code 1.

@@ -918,7 +918,7 @@ mod tests {
         let mut split = ServerState::new(w0.copy(), 2, &cfg).unwrap();
         for round in 0..3 {
             let scaled: Vec<Tensor> = grads.iter().map(|g| g * (round as f64 + 1.0)).collect();
-            sync.combine(&scaled, true).unwrap();
+            let _new_weights = sync.combine(&scaled, true).unwrap();
             split.start_round().unwrap();
             for g in &scaled {
                 split.apply_gradient(g).unwrap();

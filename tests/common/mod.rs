@@ -3,11 +3,30 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 /// MPI jobs of one test binary run one at a time: the machine has few cores.
 static MPI_JOBS: Mutex<()> = Mutex::new(());
+
+/// HDF5 opens files without close-on-exec and locks them with flock(2). A child started while
+/// another test thread of the same binary has an HDF5 file open inherits that descriptor, and
+/// with it the lock, for as long as the child lives; a rank opening the file then fails with
+/// "unable to lock file". Starting a child takes this lock shared (for the moment of the fork
+/// only); holding an HDF5 file open in the test process takes it exclusive (`with_hdf5_open`).
+static FORK: RwLock<()> = RwLock::new(());
+
+/// Runs `f`, which opens (and closes) HDF5 files in the test process, while no child is started.
+pub fn with_hdf5_open<T>(f: impl FnOnce() -> T) -> T {
+    let _guard = FORK.write().unwrap_or_else(|e| e.into_inner());
+    f()
+}
+
+/// Starts `cmd` (see `FORK`).
+fn spawn(cmd: &mut Command) -> std::process::Child {
+    let _guard = FORK.read().unwrap_or_else(|e| e.into_inner());
+    cmd.spawn().unwrap_or_else(|e| panic!("starting {:?}: {e}", cmd.get_program()))
+}
 
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_hpc-train")
@@ -53,7 +72,7 @@ impl Run {
 /// Runs `cmd`, killing it after `limit`.
 pub fn run_with_limit(mut cmd: Command, limit: Duration) -> Run {
     let start = Instant::now();
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("starting the command");
+    let mut child = spawn(cmd.stdout(Stdio::piped()).stderr(Stdio::piped()));
     // Read the pipes in threads so that a chatty child never blocks on a full pipe.
     let mut out = child.stdout.take().unwrap();
     let mut err = child.stderr.take().unwrap();
@@ -70,6 +89,12 @@ pub fn run_with_limit(mut cmd: Command, limit: Duration) -> Run {
 /// killed after `limit`.
 pub fn mpirun_env(ranks: usize, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Run {
     let _guard = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    run_with_limit(mpirun_command(ranks, args, env), limit)
+}
+
+/// The `mpirun` command line tests launch hpc-train with: as root, oversubscribed, unbound (the
+/// test machine has fewer cores than ranks), in the repository root, plus `env`.
+fn mpirun_command(ranks: usize, args: &[&str], env: &[(&str, &str)]) -> Command {
     let mut cmd = Command::new("mpirun");
     cmd.args(["-n", &ranks.to_string(), "--oversubscribe", "--bind-to", "none"])
         .arg(bin())
@@ -81,7 +106,7 @@ pub fn mpirun_env(ranks: usize, args: &[&str], env: &[(&str, &str)], limit: Dura
     for (k, v) in env {
         cmd.env(k, v);
     }
-    run_with_limit(cmd, limit)
+    cmd
 }
 
 pub fn mpirun(ranks: usize, args: &[&str]) -> Run {
@@ -159,19 +184,7 @@ pub fn fashion_mnist() -> PathBuf {
 pub fn spawn_mpirun(ranks: usize, args: &[&str], env: &[(&str, &str)], log: &Path) -> std::process::Child {
     let out = std::fs::File::create(log).unwrap();
     let err = out.try_clone().unwrap();
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["-n", &ranks.to_string(), "--oversubscribe", "--bind-to", "none"])
-        .arg(bin())
-        .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .current_dir(root())
-        .stdout(out)
-        .stderr(err);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.spawn().expect("starting mpirun")
+    spawn(mpirun_command(ranks, args, env).stdout(out).stderr(err))
 }
 
 /// The rank processes mpirun started (its children), in pid order.
