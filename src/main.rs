@@ -40,14 +40,14 @@ fn main() {
     // MPI_THREAD_MULTIPLE: the Horovod-style strategy and colocated parameter servers run
     // communication threads; the strategies that need it check what the library provides.
     let Some((universe, _threading)) = mpi::initialize_with_threading(mpi::Threading::Multiple) else {
-        eprintln!("error: MPI was already initialised");
+        print_error(format_args!("MPI was already initialised"));
         std::process::exit(1);
     };
     let world = match World::new(universe.world()) {
         Ok(w) => w,
         Err(e) => {
             if launcher_rank() == 0 {
-                eprintln!("error: {e}");
+                print_error(format_args!("{e}"));
             }
             drop(universe);
             std::process::exit(1);
@@ -85,12 +85,12 @@ fn main() {
         }
         Err(Error::Agreed(e)) if matches!(*e, Error::Reported(_)) => 1,
         Err(Error::Agreed(e)) => {
-            eprintln!("error: {e}");
+            print_error(format_args!("{e}"));
             1
         }
         Err(e) => {
             // Only this rank knows: the others may be blocked in communication with it.
-            eprintln!("error: rank {} of {}: {e}", world.rank, world.size);
+            print_error(format_args!("rank {} of {}: {e}", world.rank, world.size));
             let _ = std::io::stderr().flush();
             if world.size > 1 {
                 raw::abort_world(1);
@@ -187,12 +187,20 @@ fn init_logging(rank: i32) {
         .init();
 }
 
+/// Prints `error: <message>` to stderr with one write. Rust's stderr is unbuffered, so
+/// `eprintln!` writes each piece of its format separately, and mpirun, forwarding several ranks'
+/// stderr at once, would interleave two ranks' messages mid-line.
+fn print_error(message: std::fmt::Arguments) {
+    let line = format!("error: {message}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
+
 /// A panic on one rank would leave the others blocked in communication: log it with the rank
 /// and end the whole job.
 fn install_panic_hook(rank: i32, size: i32) {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        eprintln!("error: rank {rank} of {size} panicked");
+        print_error(format_args!("rank {rank} of {size} panicked"));
         default(info);
         if size > 1 {
             raw::abort_world(101);

@@ -11,6 +11,9 @@ use crate::error::{Error, Result, WithPath};
 pub struct SplitReader {
     path: PathBuf,
     images: hdf5::Dataset,
+    /// The file as opened, and its length then: see `check_not_shrunk`.
+    file: std::fs::File,
+    file_len: u64,
     len: usize,
     sample_bytes: usize,
     /// Sorted (index, position in the request) pairs, kept to avoid an allocation per read.
@@ -26,8 +29,12 @@ impl SplitReader {
         if shape.len() != 4 {
             return Err(Error::data(path, format!("`{name}` has shape {shape:?}, expected N x C x H x W")));
         }
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         Ok(SplitReader {
             path: path.to_path_buf(),
+            file,
+            file_len,
             len: shape[0],
             sample_bytes: shape[1] * shape[2] * shape[3],
             images,
@@ -67,6 +74,50 @@ impl SplitReader {
             }
             start = end;
         }
+        self.check_not_shrunk()
+    }
+
+    /// HDF5's POSIX driver answers a read past the end of the file with zeros, not an error,
+    /// once the file is open: if the storage loses the tail of a file during training (a
+    /// truncating copy, a full quota, a failing OST), training would go on with blank images.
+    /// The length is checked after every read (one fstat) so that no batch read from a shrunk
+    /// file is used. The handle is the file that was opened, so a file replaced under the same
+    /// name (written elsewhere and renamed over it) is not mistaken for damage.
+    fn check_not_shrunk(&self) -> Result<()> {
+        let len = self.file.metadata().map_err(|e| Error::io(&self.path, e))?.len();
+        if len < self.file_len {
+            return Err(Error::data(
+                &self.path,
+                format!("the file shrank from {} to {len} bytes while it was being read (truncated or lost on its storage)", self.file_len),
+            ));
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::synth::{generate, SynthSpec};
+    use crate::data::writer::Compression;
+
+    #[test]
+    fn a_file_that_shrinks_while_open_is_an_error_not_blank_images() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-reader-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("shrinks.h5");
+        let spec = SynthSpec { train: 64, test: 4, shape: [1, 32, 32], classes: 3, seed: 1 };
+        generate(&spec, &path, Compression::None, true).unwrap();
+
+        let mut reader = SplitReader::open(&path, Split::Train).unwrap();
+        let mut out = vec![0u8; 2 * reader.sample_bytes()];
+        reader.read(&[0, 63], &mut out).unwrap();
+        assert!(out.iter().any(|&b| b != 0), "synthetic images are not blank");
+
+        let len = std::fs::metadata(&path).unwrap().len();
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
+        let err = reader.read(&[62, 63], &mut out).unwrap_err().to_string();
+        assert!(err.contains("shrinks.h5") && err.contains(&format!("shrank from {len} to {} bytes", len / 2)), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
