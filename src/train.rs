@@ -139,10 +139,10 @@ struct Net {
 impl Net {
     fn new(args: &TrainArgs, info: &DatasetInfo, device: Device) -> Result<(Net, InputSpec)> {
         let spec = InputSpec {
-            channels: info.channels as i64,
-            height: info.height as i64,
-            width: info.width as i64,
-            classes: info.classes as i64,
+            channels: info.meta.channels as i64,
+            height: info.meta.height as i64,
+            width: info.meta.width as i64,
+            classes: info.meta.classes as i64,
         };
         tch::manual_seed(args.seed as i64); // the same initial weights on every rank
         let vs = nn::VarStore::new(device);
@@ -225,11 +225,11 @@ struct Normalizer {
 
 impl Normalizer {
     fn new(info: &DatasetInfo, device: Device, channels_last: bool) -> Result<Normalizer> {
-        let c = info.channels as i64;
+        let c = info.meta.channels as i64;
         let mean: Vec<f32> = info.mean.iter().map(|m| m * 255.0).collect();
         let inv_std: Vec<f32> = info.std.iter().map(|s| 1.0 / (s * 255.0)).collect();
         Ok(Normalizer {
-            shape: [c, info.height as i64, info.width as i64],
+            shape: [c, info.meta.height as i64, info.meta.width as i64],
             channels_last,
             mean: Tensor::f_from_slice(&mean)?.f_view([1, c, 1, 1])?.f_to_device(device)?,
             inv_std: Tensor::f_from_slice(&inv_std)?.f_view([1, c, 1, 1])?.f_to_device(device)?,
@@ -337,10 +337,10 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
         step,
         steps_per_epoch,
         model: args.model.name().into(),
-        dataset: info.name.clone(),
+        dataset: info.meta.name.clone(),
         train_samples: info.train.len,
-        image_shape: vec![info.channels, info.height, info.width],
-        classes: info.classes,
+        image_shape: vec![info.meta.channels, info.meta.height, info.meta.width],
+        classes: info.meta.classes,
         strategy: args.strategy.name().into(),
         ranks: world.size as usize,
         workers: plan.workers,
@@ -414,7 +414,7 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     if world.is_root() {
         log::info!(
             "{} on {} rank(s) ({} worker(s), {} node(s)), {} on {} {}x{}x{} ({} train / {} test), batch {}/rank = {} global, steps {}..{} ({:.2} epochs), device {}, {} thread(s)/rank",
-            args.strategy, world.size, workers, world.nodes(), args.model.name(), info.name, info.channels, info.height, info.width,
+            args.strategy, world.size, workers, world.nodes(), args.model.name(), info.meta.name, info.meta.channels, info.meta.height, info.meta.width,
             info.train.len, info.test.len, plan.batch, global_batch, first_step, total_steps, total_steps as f64 / steps_per_epoch as f64,
             device_name(plan.device), plan.threads
         );
@@ -657,8 +657,8 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
         workers,
         nodes: world.nodes() as usize,
         model: args.model.name().into(),
-        dataset: info.name.clone(),
-        image_shape: vec![info.channels, info.height, info.width],
+        dataset: info.meta.name.clone(),
+        image_shape: vec![info.meta.channels, info.meta.height, info.meta.width],
         batch_per_rank: plan.batch,
         global_batch,
         scaling: match args.scaling { Scaling::Weak => "weak".into(), Scaling::Strong => "strong".into() },

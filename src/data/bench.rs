@@ -133,7 +133,7 @@ pub fn run(world: &World, args: &DataBenchArgs) -> Result<()> {
         };
         println!(
             "# hpc-train data bench: {} ({}, {}x{}x{} uint8, {sample_bytes} bytes per image, {chunks}, compression {}), {} training samples",
-            args.file.display(), info.name, info.channels, info.height, info.width, split.compression, split.len
+            args.file.display(), info.meta.name, info.meta.channels, info.meta.height, info.meta.width, split.compression, split.len
         );
         println!(
             "# {ranks} rank(s) on {} node(s), batch {batch} per rank, {} timed step(s) after {warmup} warm-up, loader prefetch {}, seed {}, {date}",
@@ -149,8 +149,8 @@ pub fn run(world: &World, args: &DataBenchArgs) -> Result<()> {
         );
         let record = DataBenchRecord {
             file: args.file.display().to_string(),
-            dataset: info.name.clone(),
-            image_shape: [info.channels, info.height, info.width],
+            dataset: info.meta.name.clone(),
+            image_shape: [info.meta.channels, info.meta.height, info.meta.width],
             compression: split.compression.clone(),
             chunk_rows: split.chunk_rows,
             ranks,

@@ -4,7 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::data::writer::{Compression, DatasetWriter, Meta};
+use crate::data::writer::{Compression, DatasetWriter};
+use crate::data::Meta;
 use crate::data::Split;
 use crate::error::{Error, Result, WithPath};
 

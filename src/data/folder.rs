@@ -20,7 +20,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
-use crate::data::writer::{Compression, DatasetWriter, Meta};
+use crate::data::writer::{Compression, DatasetWriter};
+use crate::data::Meta;
 use crate::data::Split;
 use crate::error::{Error, Result, WithPath};
 

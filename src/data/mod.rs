@@ -54,16 +54,28 @@ pub struct SplitInfo {
     pub compression: String,
 }
 
-/// What a dataset file holds, after validation.
+/// What a dataset is: what the importers write and `open` reads back.
 #[derive(Clone, Debug, PartialEq)]
-pub struct DatasetInfo {
-    pub path: PathBuf,
+pub struct Meta {
     pub name: String,
     pub classes: usize,
     pub class_names: Vec<String>,
     pub channels: usize,
     pub height: usize,
     pub width: usize,
+}
+
+impl Meta {
+    pub fn sample_bytes(&self) -> usize {
+        self.channels * self.height * self.width
+    }
+}
+
+/// What a dataset file holds, after validation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DatasetInfo {
+    pub path: PathBuf,
+    pub meta: Meta,
     pub train: SplitInfo,
     pub test: SplitInfo,
     /// Per-channel mean and standard deviation of the training images in [0, 1].
@@ -80,7 +92,7 @@ impl DatasetInfo {
     }
 
     pub fn sample_bytes(&self) -> usize {
-        self.channels * self.height * self.width
+        self.meta.sample_bytes()
     }
 }
 
@@ -213,7 +225,8 @@ pub fn open(path: &Path) -> Result<(DatasetInfo, Labels)> {
         _ => return Err(bad(format!("attributes `mean` and `std` must hold {channels} values each, std > 0"))),
     };
 
-    let info = DatasetInfo { path: path.to_path_buf(), name, classes, class_names, channels, height, width, train, test, mean, std };
+    let meta = Meta { name, classes, class_names, channels, height, width };
+    let info = DatasetInfo { path: path.to_path_buf(), meta, train, test, mean, std };
     Ok((info, Labels { train: train_labels, test: test_labels }))
 }
 
@@ -262,11 +275,11 @@ pub fn describe(info: &DatasetInfo, labels: &Labels) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     let _ = writeln!(out, "file:        {}", info.path.display());
-    let _ = writeln!(out, "name:        {}", info.name);
-    let _ = writeln!(out, "images:      {} x {} x {} (C x H x W), uint8", info.channels, info.height, info.width);
-    let _ = write!(out, "classes:     {}", info.classes);
-    if !info.class_names.is_empty() {
-        let _ = write!(out, " ({})", info.class_names.join(", "));
+    let _ = writeln!(out, "name:        {}", info.meta.name);
+    let _ = writeln!(out, "images:      {} x {} x {} (C x H x W), uint8", info.meta.channels, info.meta.height, info.meta.width);
+    let _ = write!(out, "classes:     {}", info.meta.classes);
+    if !info.meta.class_names.is_empty() {
+        let _ = write!(out, " ({})", info.meta.class_names.join(", "));
     }
     let _ = writeln!(out);
     for split in [Split::Train, Split::Test] {
@@ -279,7 +292,7 @@ pub fn describe(info: &DatasetInfo, labels: &Labels) -> String {
             Some(rows) => format!("chunks of {rows} images ({} KiB)", rows * info.sample_bytes() / 1024),
             None => "contiguous".to_string(),
         };
-        let mut counts = vec![0usize; info.classes];
+        let mut counts = vec![0usize; info.meta.classes];
         for &l in labels.split(split) {
             counts[l as usize] += 1;
         }

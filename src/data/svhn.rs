@@ -6,7 +6,8 @@
 use std::path::Path;
 
 use crate::data::mat;
-use crate::data::writer::{Compression, DatasetWriter, Meta};
+use crate::data::writer::{Compression, DatasetWriter};
+use crate::data::Meta;
 use crate::data::Split;
 use crate::error::{Error, Result};
 

@@ -9,7 +9,8 @@ use std::path::Path;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::data::writer::{Compression, DatasetWriter, Meta};
+use crate::data::writer::{Compression, DatasetWriter};
+use crate::data::Meta;
 use crate::data::Split;
 use crate::error::{Error, Result};
 

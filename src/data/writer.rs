@@ -11,6 +11,7 @@ use hdf5::{Extent, SimpleExtents};
 use ndarray::{s, ArrayView1, ArrayView4};
 
 use crate::data::Split;
+use crate::data::Meta;
 use crate::error::{Error, Result, WithPath};
 
 /// Target bytes per chunk of the image datasets. Training reads random rows, so chunks stay
@@ -32,21 +33,6 @@ pub enum Compression {
     Lzf,
 }
 
-#[derive(Clone, Debug)]
-pub struct Meta {
-    pub name: String,
-    pub classes: usize,
-    pub class_names: Vec<String>,
-    pub channels: usize,
-    pub height: usize,
-    pub width: usize,
-}
-
-impl Meta {
-    pub fn sample_bytes(&self) -> usize {
-        self.channels * self.height * self.width
-    }
-}
 
 /// Rows per chunk for images of `sample_bytes`, in a split of `len` rows.
 pub fn chunk_rows(sample_bytes: usize, len: usize) -> usize {
