@@ -438,7 +438,8 @@ impl<'a> Table<'a> {
 }
 
 /// A row of a table's CSV file. Efficiency is a fraction (0.95), not a percentage; a figure
-/// that cannot be computed is an empty field.
+/// that cannot be computed is an empty field. It repeats the fields of `Figures` rather than
+/// holding one: the csv crate cannot write a `#[serde(flatten)]` field (it serialises as a map).
 #[derive(Debug, Serialize)]
 pub struct CsvRow {
     pub table: String,
