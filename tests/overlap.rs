@@ -8,14 +8,12 @@ use std::path::{Path, PathBuf};
 use common::*;
 
 fn train(dir: &Path, data: &Path, name: &str, ranks: usize, extra: &[&str]) -> PathBuf {
-    let out = dir.join(format!("{name}.safetensors"));
     let mut args = vec![
         "--data", data.to_str().unwrap(), "--scaling", "strong", "--global-batch", "12", "--steps", "8",
-        "--no-eval", "--threads", "1", "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
+        "--no-eval", "--threads", "1",
     ];
     args.extend(extra);
-    mpirun(ranks, &args).expect_ok();
-    out
+    train_saving_weights(dir, name, ranks, &args)
 }
 
 #[test]

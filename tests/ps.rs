@@ -9,15 +9,12 @@ use std::time::Duration;
 use common::*;
 
 fn train(dir: &Path, data: &Path, name: &str, ranks: usize, extra: &[&str]) -> PathBuf {
-    let out = dir.join(format!("{name}.safetensors"));
     let mut args = vec![
         "--model", "tiny", "--data", data.to_str().unwrap(), "--scaling", "strong", "--global-batch", "12",
         "--steps", "10", "--no-eval", "--threads", "1", "--lr", "0.05", "--weight-decay", "0.001",
-        "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
     ];
     args.extend(extra);
-    mpirun(ranks, &args).expect_ok();
-    out
+    train_saving_weights(dir, name, ranks, &args)
 }
 
 #[test]

@@ -11,20 +11,16 @@ use common::*;
 /// Trains `tiny` with `strategy` on `ranks` ranks for `steps` steps of `global` samples and
 /// returns the saved weights' path.
 fn train_weights(dir: &Path, data: &Path, strategy: &str, ranks: usize, global: usize, steps: u32, extra: &[&str]) -> std::path::PathBuf {
-    let out = dir.join(format!("{strategy}-{ranks}-{}.safetensors", extra.join("_").replace(['-', '/'], "")));
+    let name = format!("{strategy}-{ranks}-{}", extra.join("_").replace(['-', '/'], ""));
+    let (global, steps) = (global.to_string(), steps.to_string());
     let mut args = vec![
         "--strategy", strategy, "--model", "tiny", "--scaling", "strong",
         "--data", data.to_str().unwrap(), "--threads", "1", "--no-eval", "--warmup-steps", "0",
         "--lr", "0.05", "--momentum", "0.9", "--weight-decay", "0.001",
+        "--global-batch", &global, "--steps", &steps,
     ];
-    let global = global.to_string();
-    let steps = steps.to_string();
-    let results = dir.join("results");
-    args.extend(["--global-batch", &global, "--steps", &steps, "--results", results.to_str().unwrap()]);
-    args.extend(["--save-weights", out.to_str().unwrap()]);
     args.extend(extra);
-    mpirun(ranks, &args).expect_ok();
-    out
+    train_saving_weights(dir, &name, ranks, &args)
 }
 
 #[test]

@@ -113,6 +113,16 @@ pub fn mpirun(ranks: usize, args: &[&str]) -> Run {
     mpirun_env(ranks, args, &[], Duration::from_secs(300))
 }
 
+/// Trains with `args` on `ranks` ranks, recording results in `dir`, and returns the path of the
+/// final weights it saved (`dir/<name>.safetensors`), for tests that compare weights.
+pub fn train_saving_weights(dir: &Path, name: &str, ranks: usize, args: &[&str]) -> PathBuf {
+    let out = dir.join(format!("{name}.safetensors"));
+    let mut all = args.to_vec();
+    all.extend(["--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap()]);
+    mpirun(ranks, &all).expect_ok();
+    out
+}
+
 /// `hpc-train <args>` without mpirun (a singleton MPI process).
 pub fn hpc_train(args: &[&str]) -> Run {
     let mut cmd = Command::new(bin());
