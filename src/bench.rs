@@ -133,6 +133,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
             }
         }
     })?;
+    world.agree(crate::train::make_current(device))?;
     world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
     let weights = match args.layout {
         Layout::Single => Vec::new(),
@@ -186,11 +187,11 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
                 for (t, p) in tensors.iter_mut().zip(&pristine) {
                     t.f_copy_(p)?;
                 }
-                exchange::staging::synchronize(device);
+                exchange::staging::synchronize_device(device);
                 world.comm.barrier();
                 let start = Instant::now();
                 exchange.all_reduce(&mut tensors, ReduceOp::Sum)?;
-                exchange::staging::synchronize(device);
+                exchange::staging::synchronize_device(device);
                 let local = start.elapsed().as_secs_f64();
                 let mut slowest = 0.0;
                 world.comm.all_reduce_into(&local, &mut slowest, SystemOperation::max());

@@ -39,6 +39,27 @@ pub enum Command {
     Study(StudyArgs),
 }
 
+impl Cli {
+    /// The MPI thread level this command needs: `MPI_THREAD_MULTIPLE` where a strategy runs a
+    /// communication thread beside the main one (Horovod-style, colocated asynchronous
+    /// parameter servers), else `MPI_THREAD_FUNNELED` (helper threads, such as the data
+    /// loader's or backward's, make no MPI calls).
+    pub fn mpi_threading(&self) -> mpi::Threading {
+        let threaded = |strategy: StrategyKind, ps: &PsArgs| {
+            strategy == StrategyKind::Horovod || (strategy == StrategyKind::Ps && ps.ps_colocate && ps.ps_mode == crate::exchange::ps::PsMode::Async)
+        };
+        // A list that does not parse is reported after MPI starts; ask for the most meanwhile.
+        let any_threaded = |list: &str, ps: &PsArgs| crate::study::parse_strategies(list).map_or(true, |all| all.into_iter().any(|s| threaded(s, ps)));
+        let needs_thread = match &self.command {
+            None => threaded(self.train.strategy, &self.train.ps),
+            Some(Command::Study(a)) => any_threaded(&a.strategies, &a.train.ps),
+            Some(Command::Bench(a)) => any_threaded(&a.strategies, &a.ps),
+            Some(Command::Data(_) | Command::Report(_)) => false,
+        };
+        if needs_thread { mpi::Threading::Multiple } else { mpi::Threading::Funneled }
+    }
+}
+
 /// Options of `hpc-train study`.
 #[derive(Args, Debug, Clone)]
 pub struct StudyArgs {

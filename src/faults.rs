@@ -1,8 +1,12 @@
 //! Fault injection for the reliability tests, from `HPC_TRAIN_FAULT`:
 //! a comma-separated list of `KIND@RANK:STEP[:SECONDS]`, where KIND is
 //! - `nan`: that rank's loss becomes NaN at that step (a diverging run),
+//! - `nangrad`: that rank's gradients become NaN at that step while its loss stays finite (the
+//!   gradient check during an overlapped backward),
 //! - `exit`: that rank exits abruptly at that step, without MPI_Finalize (a crash),
-//! - `stall`: that rank sleeps SECONDS before its exchange at that step (a hung node).
+//! - `stall`: that rank sleeps SECONDS before its exchange at that step (a hung node),
+//! - `setup`: that rank's set-up fails after the exchange strategy is built (STEP is ignored;
+//!   an error every rank agrees on while communication threads run).
 //!
 //! Nothing happens when the variable is unset; a malformed value is an error.
 
@@ -15,6 +19,8 @@ pub const FAULT_ENV: &str = "HPC_TRAIN_FAULT";
 #[derive(Clone, Debug, PartialEq)]
 pub enum Fault {
     Nan,
+    NanGrad,
+    Setup,
     Exit,
     Stall(Duration),
 }
@@ -31,7 +37,7 @@ impl Faults {
     }
 
     pub fn parse(spec: &str) -> Result<Faults> {
-        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, exit or stall)"));
+        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, exit, stall or setup)"));
         let mut out = Vec::new();
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (kind, at) = item.split_once('@').ok_or_else(|| bad(item))?;
@@ -40,6 +46,8 @@ impl Faults {
             let step: u64 = parts.get(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad(item))?;
             let fault = match (kind, parts.get(2)) {
                 ("nan", None) => Fault::Nan,
+                ("nangrad", None) => Fault::NanGrad,
+                ("setup", None) => Fault::Setup,
                 ("exit", None) => Fault::Exit,
                 ("stall", Some(secs)) => Fault::Stall(Duration::from_secs_f64(secs.parse().map_err(|_| bad(item))?)),
                 _ => return Err(bad(item)),
@@ -51,7 +59,12 @@ impl Faults {
 
     /// The fault planned for `rank` at `step`, if any.
     pub fn at(&self, rank: i32, step: u64) -> Option<&Fault> {
-        self.0.iter().find(|(_, r, s)| *r == rank && *s == step).map(|(f, _, _)| f)
+        self.0.iter().find(|(f, r, s)| *r == rank && *s == step && *f != Fault::Setup).map(|(f, _, _)| f)
+    }
+
+    /// Whether `rank`'s set-up is to fail.
+    pub fn setup_fails(&self, rank: i32) -> bool {
+        self.0.iter().any(|(f, r, _)| *f == Fault::Setup && *r == rank)
     }
 }
 
@@ -61,7 +74,10 @@ mod tests {
 
     #[test]
     fn parses_and_rejects() {
-        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7").unwrap();
+        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0").unwrap();
+        assert_eq!(f.at(0, 4), Some(&Fault::NanGrad));
+        assert!(f.setup_fails(1) && !f.setup_fails(0));
+        assert_eq!(f.at(1, 0), None);
         assert_eq!(f.at(1, 3), Some(&Fault::Nan));
         assert_eq!(f.at(0, 2), Some(&Fault::Stall(Duration::from_millis(1500))));
         assert_eq!(f.at(2, 7), Some(&Fault::Exit));

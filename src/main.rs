@@ -1,6 +1,8 @@
 //! hpc-train: data-parallel training over MPI, and the scaling studies of its gradient-exchange
 //! strategies. This file parses the command line, initialises MPI once, and dispatches.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
 use std::io::Write;
 
 use clap::Parser;
@@ -37,9 +39,10 @@ fn main() {
             std::process::exit(e.exit_code());
         }
     };
-    // MPI_THREAD_MULTIPLE: the Horovod-style strategy and colocated parameter servers run
-    // communication threads; the strategies that need it check what the library provides.
-    let Some((universe, _threading)) = mpi::initialize_with_threading(mpi::Threading::Multiple) else {
+    // Each command asks for the thread level it needs: MPI_THREAD_MULTIPLE makes every call take
+    // a lock in some libraries (MPICH's global lock, UCX's multi-thread mode), so only the
+    // strategies that run a communication thread ask for it (and check what they got).
+    let Some((universe, _threading)) = mpi::initialize_with_threading(cli.mpi_threading()) else {
         print_error(format_args!("MPI was already initialised"));
         std::process::exit(1);
     };
@@ -53,6 +56,7 @@ fn main() {
             std::process::exit(1);
         }
     };
+    let rank = world.rank;
     init_logging(world.rank);
     install_panic_hook(world.rank, world.size);
 
@@ -99,6 +103,13 @@ fn main() {
         }
     };
     drop(world);
+    // MPI_Finalize under a thread still inside MPI is erroneous: the strategies join their
+    // threads when dropped, and one that could not be joined ends the job instead.
+    let running = exchange::comm_thread::running();
+    if running > 0 {
+        print_error(format_args!("rank {rank}: {running} communication thread(s) still inside MPI; aborting instead of finalizing"));
+        raw::abort_world(code.max(1));
+    }
     drop(universe); // MPI_Finalize
     std::process::exit(code);
 }

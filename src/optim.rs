@@ -121,6 +121,18 @@ impl Sgd {
     }
 }
 
+/// Whether every element of every tensor is finite: one reduction per tensor, then a single
+/// device-to-host read for all of them (a read per tensor would stall a GPU once per
+/// parameter).
+pub fn all_finite(tensors: &[Tensor]) -> Result<bool> {
+    let flags: Vec<Tensor> = tensors.iter().map(|t| t.f_isfinite()?.f_all()).collect::<std::result::Result<_, _>>()?;
+    match flags.as_slice() {
+        [] => Ok(true),
+        [one] => Ok(one.f_int64_value(&[])? != 0),
+        many => Ok(Tensor::f_stack(many, 0)?.f_all()?.f_int64_value(&[])? != 0),
+    }
+}
+
 /// Zeroes every gradient in place (keeping its storage, which the exchange buffers rely on).
 pub fn zero_grads(grads: &mut [Tensor]) -> Result<()> {
     for g in grads {
@@ -170,6 +182,17 @@ mod tests {
             assert!((got[i] as f64 - w_ref[i]).abs() < 1e-6, "{got:?} vs {w_ref:?}");
         }
         assert_eq!(sgd.steps(), 3);
+    }
+
+    #[test]
+    fn all_finite_sees_one_bad_element_among_many_tensors() {
+        let good = [t(&[1.0, 2.0]), t(&[3.0])];
+        assert!(all_finite(&good).unwrap());
+        assert!(all_finite(&[]).unwrap());
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert!(!all_finite(&[t(&[1.0]), t(&[0.0, bad, 2.0])]).unwrap(), "{bad}");
+            assert!(!all_finite(&[t(&[bad])]).unwrap(), "{bad}");
+        }
     }
 
     #[test]

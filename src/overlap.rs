@@ -1,25 +1,30 @@
 //! Overlapping the gradient exchange with the backward pass, as PyTorch DDP and Horovod do.
 //!
 //! Each parameter carries a post-accumulate-grad hook (src/shim/grad_hooks.cpp) that reports
-//! when its gradient is final. Backward runs on a helper thread; this thread, which makes the
-//! MPI calls, counts the reports into buckets (reverse parameter order, the first one small)
-//! and exchanges each bucket the moment it is complete, then steps the optimizer for that
-//! bucket's parameters only, while backward goes on with the earlier layers.
+//! when its gradient is final. Backward runs on a helper thread started once; this thread, which
+//! makes the MPI calls, blocks on one channel that carries both the hooks' reports and the end of
+//! backward, counts the reports into buckets (reverse parameter order, the first one small) and
+//! exchanges each bucket the moment it is complete, then steps the optimizer for that bucket's
+//! parameters only, while backward goes on with the earlier layers.
 //!
 //! Buckets are exchanged in plan order on every rank (collectives must match), so a bucket that
 //! completes early waits for the ones before it. A parameter that the step did not use never
 //! reports; when backward ends, what is left counts as ready (its gradient stays zero).
+//!
+//! A step returns only once backward has ended, on every path (an error included): the hooks'
+//! channel lives in `Overlap`, and backward must not call into it after `Overlap` is gone.
 
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::exchange::buckets::{pack, unpack, BucketPlan};
 use crate::exchange::{Exchange, ReduceOp};
-use crate::optim::Sgd;
-use crate::raw::{GradEvent, GradReady, GradReadyHooks};
+use crate::optim::{self, Sgd};
+use crate::raw::{CudaEvent, GradReady, GradReadyHooks};
 
 /// DDP's first bucket: small, so that communication starts early in the backward pass.
 pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
@@ -35,9 +40,26 @@ pub struct OverlapTimes {
     pub exposed: Duration,
 }
 
+/// What the MPI thread waits for during a step.
+enum Report {
+    /// A parameter's gradient is final.
+    Grad(GradReady),
+    /// Backward ended, after `took`.
+    BackwardDone { result: Result<()>, took: Duration },
+}
+
+impl From<GradReady> for Report {
+    fn from(g: GradReady) -> Report {
+        Report::Grad(g)
+    }
+}
+
 pub struct Overlap {
-    _hooks: GradReadyHooks,
-    ready: Receiver<GradReady>,
+    _hooks: GradReadyHooks<Report>,
+    reports: Receiver<Report>,
+    /// Losses to run backward on, for the backward thread.
+    jobs: Option<Sender<Tensor>>,
+    backward_thread: Option<JoinHandle<()>>,
     plan: BucketPlan,
     bucket_of: Vec<usize>,
     /// Fusion buffer of each bucket of several tensors (None: reduced in place).
@@ -46,18 +68,19 @@ pub struct Overlap {
 
 impl Overlap {
     pub fn new(params: &[Tensor], bucket_bytes: usize) -> Result<Overlap> {
-        let (sender, ready) = channel();
-        let hooks = GradReadyHooks::register(params, sender)?;
+        let (sender, reports) = channel();
+        let hooks = GradReadyHooks::register(params, sender.clone())?;
         let sizes: Vec<usize> = params.iter().map(|p| p.numel()).collect();
-        let kind = params.first().map_or(tch::Kind::Float, |p| p.kind());
+        let (kind, device) = params.first().map_or((tch::Kind::Float, Device::Cpu), |p| (p.kind(), p.device()));
         let plan = BucketPlan::new(&sizes, kind.elt_size_in_bytes(), bucket_bytes, Some(FIRST_BUCKET_BYTES.min(bucket_bytes.max(1))));
         let bucket_of = plan.bucket_of();
         let buffers = plan
             .buckets
             .iter()
-            .map(|b| (b.slots.len() > 1).then(|| params[0].f_new_zeros([b.len as i64], (kind, params[0].device()))).transpose())
+            .map(|b| (b.slots.len() > 1).then(|| Tensor::f_zeros([b.len as i64], (kind, device))).transpose())
             .collect::<std::result::Result<_, _>>()?;
-        Ok(Overlap { _hooks: hooks, ready, plan, bucket_of, buffers })
+        let (jobs, backward_thread) = start_backward_thread(device, sender)?;
+        Ok(Overlap { _hooks: hooks, reports, jobs: Some(jobs), backward_thread: Some(backward_thread), plan, bucket_of, buffers })
     }
 
     pub fn buckets(&self) -> usize {
@@ -66,6 +89,7 @@ impl Overlap {
 
     /// Backward of `loss` (already scaled) overlapped with the exchange of the gradients and,
     /// with `optimize`, the optimizer step: the parameters are updated when it returns.
+    #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
         loss: Tensor,
@@ -77,47 +101,66 @@ impl Overlap {
         epoch: u64,
         optimize: bool,
     ) -> Result<OverlapTimes> {
-        // Reports left over from an earlier, failed step must not count.
-        while self.ready.try_recv().is_ok() {}
+        let started = Instant::now();
+        self.jobs
+            .as_ref()
+            .expect("the backward thread runs while Overlap lives")
+            .send(loss)
+            .map_err(|_| Error::exchange("overlap", "the backward thread has stopped"))?;
+        let mut backward_ended = false;
+        let result = self.exchange_during_backward(params, grads, exchange, sgd, optimize, started, &mut backward_ended);
+        if !backward_ended {
+            // An error left the loop while backward still runs: wait for its end, so that no
+            // hook fires into a channel or a step that is gone (whatever it reports is moot).
+            while let Ok(report) = self.reports.recv() {
+                if matches!(report, Report::BackwardDone { .. }) {
+                    break;
+                }
+            }
+        }
+        result.map_err(|e| match e {
+            Error::NonFinite { what, .. } => Error::NonFinite { what, step, epoch },
+            other => other,
+        })
+    }
+
+    /// The body of [`Overlap::step`] after backward has been started; sets `backward_ended`
+    /// once backward's end has been received.
+    #[allow(clippy::too_many_arguments)]
+    fn exchange_during_backward(
+        &mut self,
+        params: &mut [Tensor],
+        grads: &mut [Tensor],
+        exchange: &mut dyn Exchange,
+        sgd: &mut Sgd,
+        optimize: bool,
+        started: Instant,
+        backward_ended: &mut bool,
+    ) -> Result<OverlapTimes> {
         let mut missing: Vec<usize> = self.plan.buckets.iter().map(|b| b.slots.len()).collect();
-        let mut events: Vec<Option<GradEvent>> = (0..missing.len()).map(|_| None).collect();
+        let mut events: Vec<Option<CudaEvent>> = (0..missing.len()).map(|_| None).collect();
         let mut next = 0;
         let mut times = OverlapTimes::default();
+        let mut backward_end = None;
 
-        let started = Instant::now();
-        let backward = std::thread::Builder::new()
-            .name("backward".into())
-            .spawn(move || {
-                let result = loss.f_backward();
-                (result, started.elapsed())
-            })
-            .expect("spawning the backward thread");
-        let mut backward_done: Option<Instant> = None;
-
-        while next < missing.len() {
-            match self.ready.recv_timeout(Duration::from_millis(1)) {
-                Ok(GradReady { index, event }) => {
+        while next < missing.len() || !*backward_ended {
+            // Blocks until a gradient is final or backward ends: no polling.
+            match self.reports.recv().map_err(|_| Error::exchange("overlap", "the gradient hooks are gone"))? {
+                Report::Grad(GradReady { index, event }) => {
                     let b = self.bucket_of[index];
                     missing[b] = missing[b].saturating_sub(1);
                     if event.is_some() {
                         events[b] = event; // one stream: the latest event covers the earlier ones
                     }
                 }
-                Err(RecvTimeoutError::Timeout) => {
-                    if backward_done.is_none() && backward.is_finished() {
-                        backward_done = Some(Instant::now());
-                        // Parameters the step did not use never report: they are ready now.
-                        while let Ok(GradReady { index, event }) = self.ready.try_recv() {
-                            let b = self.bucket_of[index];
-                            missing[b] = missing[b].saturating_sub(1);
-                            if event.is_some() {
-                                events[b] = event;
-                            }
-                        }
-                        missing.iter_mut().for_each(|m| *m = 0);
-                    }
+                Report::BackwardDone { result, took } => {
+                    *backward_ended = true;
+                    backward_end = Some(Instant::now());
+                    times.backward = took;
+                    result?;
+                    // Parameters the step did not use never report: they are ready now.
+                    missing.iter_mut().for_each(|m| *m = 0);
                 }
-                Err(RecvTimeoutError::Disconnected) => return Err(Error::exchange("overlap", "the gradient hooks are gone")),
             }
             // Exchange, in plan order, every bucket that is complete.
             while next < missing.len() && missing[next] == 0 {
@@ -125,10 +168,7 @@ impl Overlap {
                     event.synchronize()?;
                 }
                 let t = Instant::now();
-                self.exchange_bucket(next, grads, exchange, optimize).map_err(|e| match e {
-                    Error::NonFinite { what, .. } => Error::NonFinite { what, step, epoch },
-                    other => other,
-                })?;
+                self.exchange_bucket(next, grads, exchange, optimize)?;
                 times.exchange += t.elapsed();
                 if optimize {
                     let which: Vec<usize> = self.plan.buckets[next].slots.iter().map(|s| s.tensor).collect();
@@ -137,37 +177,69 @@ impl Overlap {
                 next += 1;
             }
         }
-        let (result, backward_time) = backward.join().map_err(|_| Error::exchange("overlap", "the backward thread panicked"))?;
-        result?;
         if optimize {
             sgd.count_step();
         }
-        times.backward = backward_time;
         let end = Instant::now();
-        times.exposed = end.saturating_duration_since(backward_done.unwrap_or(started + backward_time).min(end));
+        times.exposed = end.saturating_duration_since(backward_end.unwrap_or(started + times.backward).min(end));
         Ok(times)
     }
 
     /// Averages bucket `b`'s gradients over the workers, in place in the gradients
-    /// (`check_finite`: refuse non-finite gradients first; off under a loss scaler, which
-    /// expects them now and then).
+    /// (`check_finite`: refuse non-finite gradients first, with one device-to-host sync for the
+    /// bucket; off under a loss scaler, which expects them now and then).
     fn exchange_bucket(&mut self, b: usize, grads: &mut [Tensor], exchange: &mut dyn Exchange, check_finite: bool) -> Result<()> {
         let bucket = &self.plan.buckets[b];
-        if check_finite && !crate::train::all_finite(&bucket.slots.iter().map(|s| grads[s.tensor].shallow_clone()).collect::<Vec<_>>())? {
-            return Err(Error::NonFinite { what: "gradient", step: 0, epoch: 0 });
-        }
-        match &mut self.buffers[b] {
-            None => {
-                let mut flat = [crate::raw::flat_dense_view(&grads[bucket.slots[0].tensor])?];
-                exchange.all_reduce(&mut flat, ReduceOp::Mean)
-            }
+        let mut flat = match &mut self.buffers[b] {
+            None => crate::raw::flat_dense_view(&grads[bucket.slots[0].tensor])?,
             Some(buffer) => {
                 pack(bucket, grads, buffer);
-                let mut flat = [buffer.shallow_clone()];
-                exchange.all_reduce(&mut flat, ReduceOp::Mean)?;
-                unpack(bucket, buffer, grads);
-                Ok(())
+                buffer.shallow_clone()
             }
+        };
+        if check_finite && !optim::all_finite(std::slice::from_ref(&flat))? {
+            return Err(Error::NonFinite { what: "gradient", step: 0, epoch: 0 });
+        }
+        exchange.all_reduce(std::slice::from_mut(&mut flat), ReduceOp::Mean)?;
+        if self.buffers[b].is_some() {
+            unpack(bucket, &flat, grads);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Overlap {
+    fn drop(&mut self) {
+        // The hooks (dropped after this) must outlive every backward pass: end the thread first.
+        drop(self.jobs.take());
+        if let Some(thread) = self.backward_thread.take() {
+            let _ = thread.join();
         }
     }
+}
+
+/// The thread that runs backward, once per step, for the life of `Overlap`: a thread made per
+/// step would cost its creation and a new OpenMP team every step. It runs with the MPI thread's
+/// intra-op thread count and CUDA device, and reports the end of each backward on `reports`.
+fn start_backward_thread(device: Device, reports: Sender<Report>) -> Result<(Sender<Tensor>, JoinHandle<()>)> {
+    let (jobs, losses) = channel::<Tensor>();
+    let threads = tch::get_num_threads();
+    let thread = std::thread::Builder::new()
+        .name("backward".into())
+        .spawn(move || {
+            // at::set_num_threads also sets this thread's OpenMP team size (PyTorch's own threads
+            // call at::init_num_threads for the same reason).
+            tch::set_num_threads(threads);
+            let ready = crate::raw::set_cuda_device(device);
+            for loss in losses {
+                let started = Instant::now();
+                let result = match &ready {
+                    Ok(()) => loss.f_backward().map_err(Error::from),
+                    Err(e) => Err(Error::exchange("overlap", e.to_string())),
+                };
+                let _ = reports.send(Report::BackwardDone { result, took: started.elapsed() });
+            }
+        })
+        .map_err(|e| Error::exchange("overlap", format!("cannot start the backward thread: {e}")))?;
+    Ok((jobs, thread))
 }

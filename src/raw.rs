@@ -6,10 +6,13 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 
-use mpi::datatype::{DatatypeRef, DynBufferMut};
+use mpi::datatype::{Buffer, BufferMut, DatatypeRef, DynBufferMut};
+use mpi::point_to_point::{Destination, Message, Source, Status};
 use mpi::raw::{AsRaw, FromRaw};
-use mpi::topology::SimpleCommunicator;
+use mpi::request::{Request, Scope};
+use mpi::topology::{Communicator, Rank, SimpleCommunicator};
 use mpi::traits::Equivalence;
+use mpi::Tag;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
@@ -33,60 +36,88 @@ fn check_layout<E: Element>(t: &Tensor) -> Result<usize> {
     Ok(t.numel())
 }
 
+/// The most elements one MPI call takes: MPI counts are C ints. Longer buffers are split by the
+/// callers that can (chunked collectives, ring segments) and refused by the others.
+pub const MAX_MPI_COUNT: usize = i32::MAX as usize;
+
+/// `len` as an MPI count, or an error naming `what` when it does not fit one.
+fn mpi_count(len: usize, what: &str) -> Result<mpi::Count> {
+    mpi::Count::try_from(len).map_err(|_| {
+        Error::exchange("memory", format!("{what}: {len} elements exceed the {MAX_MPI_COUNT} one MPI call can take; use smaller buckets"))
+    })
+}
+
 /// The elements of a contiguous CPU tensor, read-only and without a copy.
 ///
-/// The caller must not write to the tensor through another handle (tch tensors are reference
-/// counted, so the borrow checker cannot see other handles) while the slice is alive.
-pub fn host_slice<E: Element>(t: &Tensor) -> Result<&[E]> {
+/// # Safety
+/// tch tensors are reference-counted handles: other handles of the same storage (shallow
+/// clones, `grad()`, views) are invisible to the borrow checker. While the slice lives, no other
+/// handle may write the tensor's elements or replace its storage (`set_data`, `resize_`, an
+/// in-place op that reallocates), and no device work may write it.
+pub unsafe fn host_slice<E: Element>(t: &Tensor) -> Result<&[E]> {
     let len = check_host::<E>(t)?;
     if len == 0 {
         return Ok(&[]);
     }
-    // SAFETY: `t` is a defined, contiguous CPU tensor of `len` elements of type E (checked above),
-    // so its data pointer is valid and aligned for `len` reads of E. The storage lives at least
-    // as long as the borrow of `t`, and the documented contract excludes concurrent writers.
+    // SAFETY: `t` is a defined, contiguous CPU tensor of `len` elements of type E (checked
+    // above), so its data pointer is valid and aligned for `len` reads of E right now. That it
+    // stays valid and unchanged while the slice lives (no writer, no new storage through another
+    // handle) is the caller's contract.
     Ok(unsafe { std::slice::from_raw_parts(t.data_ptr() as *const E, len) })
 }
 
 /// The elements of a contiguous CPU tensor, writable in place and without a copy.
 ///
-/// Same contract as [`host_slice`], and no other slice of the same tensor may be alive.
-pub fn host_slice_mut<E: Element>(t: &mut Tensor) -> Result<&mut [E]> {
+/// # Safety
+/// As [`host_slice`], and besides no other handle may read the tensor while the slice lives.
+pub unsafe fn host_slice_mut<E: Element>(t: &mut Tensor) -> Result<&mut [E]> {
     let len = check_host::<E>(t)?;
     if len == 0 {
         return Ok(&mut []);
     }
     // SAFETY: as in `host_slice`; the `&mut Tensor` borrow makes this the only slice made through
-    // this handle, and the contract excludes writers through other handles.
+    // this handle, and the caller's contract excludes every other handle for its lifetime.
     Ok(unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut E, len) })
 }
 
 /// A device tensor's memory as an MPI buffer, for a CUDA-aware MPI library.
 ///
-/// The returned buffer must only be handed to MPI (never read or written from the host), the
-/// library must be CUDA-aware, and all device work writing the tensor must be complete.
-pub fn device_buffer_mut<E: Element>(t: &mut Tensor) -> Result<DynBufferMut<'_>> {
+/// # Safety
+/// The MPI library must be CUDA-aware (it dereferences the pointer on the device); all device
+/// work writing the tensor must be complete (MPI does not order itself after CUDA streams); the
+/// buffer must only be handed to MPI, never read or written from the host; and, as for
+/// [`host_slice_mut`], no other handle may touch the tensor while the buffer lives.
+pub unsafe fn device_buffer_mut<E: Element>(t: &mut Tensor) -> Result<DynBufferMut<'_>> {
     if !t.device().is_cuda() {
         return Err(Error::exchange("memory", "expected a CUDA tensor for the direct device path"));
     }
     let len = check_layout::<E>(t)?;
+    let count = mpi_count(len, "a device buffer")?;
     let datatype = <E::Wire as Equivalence>::equivalent_datatype();
     // SAFETY: the pointer is the tensor's device allocation of `len` elements of E, each the size
-    // of E::Wire (Element guarantees it); the buffer borrows the tensor so the allocation
-    // outlives it; the datatype handle is a predefined MPI type, valid until MPI_Finalize.
+    // of E::Wire (Element guarantees it), and `count` is `len` (checked to fit); the buffer
+    // borrows the tensor, and the caller's contract keeps the allocation in place while it
+    // lives; the datatype handle is a predefined MPI type, valid until MPI_Finalize.
     unsafe {
         let dt = DatatypeRef::from_raw(datatype.as_raw());
-        Ok(DynBufferMut::from_raw(t.data_ptr() as *mut E::Wire, len as mpi::Count, dt))
+        Ok(DynBufferMut::from_raw(t.data_ptr() as *mut E::Wire, count, dt))
     }
 }
 
 /// Any contiguous tensor as an MPI buffer: host memory in place, or device memory for a
-/// CUDA-aware MPI (same contract as [`device_buffer_mut`]).
-pub fn mpi_buffer_mut<E: Element>(t: &mut Tensor) -> Result<DynBufferMut<'_>> {
+/// CUDA-aware MPI.
+///
+/// # Safety
+/// As [`host_slice_mut`] for a host tensor, as [`device_buffer_mut`] for a device tensor.
+pub unsafe fn mpi_buffer_mut<E: Element>(t: &mut Tensor) -> Result<DynBufferMut<'_>> {
     if t.device().is_cuda() {
-        device_buffer_mut::<E>(t)
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { device_buffer_mut::<E>(t) }
     } else {
-        Ok(DynBufferMut::new(E::as_wire_mut(host_slice_mut::<E>(t)?)))
+        // SAFETY: forwarded from the caller's contract.
+        let slice = unsafe { host_slice_mut::<E>(t)? };
+        mpi_count(slice.len(), "a host buffer")?;
+        Ok(DynBufferMut::new(E::as_wire_mut(slice)))
     }
 }
 
@@ -166,22 +197,18 @@ pub fn current_rss_mb() -> f64 {
     pages * page / (1024.0 * 1024.0)
 }
 
-/// A communicator that may move to, or be shared with, a communication thread.
+/// A communicator that moves to a communication thread, which then makes all the calls on it.
 ///
-/// rsmpi's communicators hold a raw MPI handle and so are neither `Send` nor `Sync`. Using one
-/// from another thread is sound when the MPI library was initialised with
-/// `MPI_THREAD_MULTIPLE`, which the constructor checks.
+/// rsmpi's communicators hold a raw MPI handle and so are not `Send`. Handing one to another
+/// thread is sound when the MPI library was initialised with `MPI_THREAD_MULTIPLE` (the thread
+/// calls MPI while the main thread does too), which the constructor checks. It is not `Sync`:
+/// one thread at a time uses it, so collectives on it can never overlap.
 pub struct SendComm(SimpleCommunicator);
 
 impl SendComm {
     /// `threading` is the level MPI was initialised with.
     pub fn new(comm: SimpleCommunicator, threading: mpi::Threading) -> Result<SendComm> {
-        if threading < mpi::Threading::Multiple {
-            return Err(Error::usage(format!(
-                "the MPI library provides thread level {threading:?}, but a communication thread \
-                 needs MPI_THREAD_MULTIPLE"
-            )));
-        }
+        require_multiple(threading, "a communication thread")?;
         Ok(SendComm(comm))
     }
 
@@ -191,12 +218,89 @@ impl SendComm {
 }
 
 // SAFETY: see the type's documentation: MPI_THREAD_MULTIPLE is checked at construction, which
-// allows MPI calls on a communicator from any thread.
+// allows MPI calls on a communicator from any thread; without `Sync` only one thread holds it.
 unsafe impl Send for SendComm {}
-// SAFETY: under MPI_THREAD_MULTIPLE, point-to-point calls on one communicator may run
-// concurrently from several threads (MPI 4.0, 11.6). Holders share a `SendComm` only for
-// point-to-point traffic; collectives on it must not overlap, which holders document.
-unsafe impl Sync for SendComm {}
+
+fn require_multiple(threading: mpi::Threading, who: &str) -> Result<()> {
+    if threading < mpi::Threading::Multiple {
+        return Err(Error::usage(format!(
+            "the MPI library provides thread level {threading:?}, but {who} needs MPI_THREAD_MULTIPLE"
+        )));
+    }
+    Ok(())
+}
+
+/// Point-to-point calls on a communicator: what the parameter server's messages need. Served
+/// by a plain communicator (one thread) and by [`PeerComm`] (shared by threads).
+pub trait PointToPoint {
+    fn send<B: Buffer + ?Sized>(&self, to: Rank, buf: &B, tag: Tag);
+    fn receive_into<B: BufferMut + ?Sized>(&self, from: Rank, buf: &mut B, tag: Tag);
+    fn immediate_send<'a, Sc: Scope<'a>, B: 'a + Buffer + ?Sized>(&self, scope: Sc, to: Rank, buf: &'a B, tag: Tag) -> Request<'a, B, Sc>;
+    fn immediate_receive_into<'a, Sc: Scope<'a>, B: 'a + BufferMut + ?Sized>(&self, scope: Sc, from: Rank, buf: &'a mut B, tag: Tag) -> Request<'a, B, Sc>;
+    /// A message waiting from `from` (any rank when None), any tag, without blocking.
+    fn probe(&self, from: Option<Rank>) -> Option<(Message, Status)>;
+}
+
+impl PointToPoint for SimpleCommunicator {
+    fn send<B: Buffer + ?Sized>(&self, to: Rank, buf: &B, tag: Tag) {
+        self.process_at_rank(to).send_with_tag(buf, tag)
+    }
+    fn receive_into<B: BufferMut + ?Sized>(&self, from: Rank, buf: &mut B, tag: Tag) {
+        self.process_at_rank(from).receive_into_with_tag(buf, tag);
+    }
+    fn immediate_send<'a, Sc: Scope<'a>, B: 'a + Buffer + ?Sized>(&self, scope: Sc, to: Rank, buf: &'a B, tag: Tag) -> Request<'a, B, Sc> {
+        self.process_at_rank(to).immediate_send_with_tag(scope, buf, tag)
+    }
+    fn immediate_receive_into<'a, Sc: Scope<'a>, B: 'a + BufferMut + ?Sized>(&self, scope: Sc, from: Rank, buf: &'a mut B, tag: Tag) -> Request<'a, B, Sc> {
+        self.process_at_rank(from).immediate_receive_into_with_tag(scope, buf, tag)
+    }
+    fn probe(&self, from: Option<Rank>) -> Option<(Message, Status)> {
+        match from {
+            Some(rank) => self.process_at_rank(rank).immediate_matched_probe(),
+            None => self.any_process().immediate_matched_probe(),
+        }
+    }
+}
+
+/// A communicator that several threads of a rank use at once for point-to-point messages only.
+///
+/// Under `MPI_THREAD_MULTIPLE` (checked at construction) point-to-point calls on one
+/// communicator may run concurrently from several threads (MPI 4.0, 11.6); concurrent
+/// collectives on one communicator may not, so this type offers no access to the communicator
+/// beyond [`PointToPoint`].
+pub struct PeerComm(SimpleCommunicator);
+
+impl PeerComm {
+    pub fn new(comm: SimpleCommunicator, threading: mpi::Threading) -> Result<PeerComm> {
+        require_multiple(threading, "a communicator shared by threads")?;
+        Ok(PeerComm(comm))
+    }
+}
+
+// SAFETY: MPI_THREAD_MULTIPLE is checked at construction, so MPI calls on the handle may come
+// from any thread, and concurrently; only point-to-point calls are reachable (see the type).
+unsafe impl Send for PeerComm {}
+// SAFETY: as for Send: concurrent point-to-point calls on one communicator are allowed under
+// MPI_THREAD_MULTIPLE, and nothing else can be called through a shared reference.
+unsafe impl Sync for PeerComm {}
+
+impl PointToPoint for PeerComm {
+    fn send<B: Buffer + ?Sized>(&self, to: Rank, buf: &B, tag: Tag) {
+        self.0.send(to, buf, tag)
+    }
+    fn receive_into<B: BufferMut + ?Sized>(&self, from: Rank, buf: &mut B, tag: Tag) {
+        self.0.receive_into(from, buf, tag)
+    }
+    fn immediate_send<'a, Sc: Scope<'a>, B: 'a + Buffer + ?Sized>(&self, scope: Sc, to: Rank, buf: &'a B, tag: Tag) -> Request<'a, B, Sc> {
+        self.0.immediate_send(scope, to, buf, tag)
+    }
+    fn immediate_receive_into<'a, Sc: Scope<'a>, B: 'a + BufferMut + ?Sized>(&self, scope: Sc, from: Rank, buf: &'a mut B, tag: Tag) -> Request<'a, B, Sc> {
+        self.0.immediate_receive_into(scope, from, buf, tag)
+    }
+    fn probe(&self, from: Option<Rank>) -> Option<(Message, Status)> {
+        self.0.probe(from)
+    }
+}
 
 /// The name of this host.
 pub fn hostname() -> String {
@@ -222,9 +326,6 @@ extern "C" {
     fn hpc_train_mpi_in_place() -> *mut c_void;
 }
 
-/// The most elements one MPI call is given: MPI counts are C ints.
-const MAX_MPI_COUNT: usize = 1 << 30;
-
 /// `MPI_Allreduce(MPI_IN_PLACE, ...)` over a host slice.
 pub fn all_reduce_in_place<E: Element>(
     comm: &SimpleCommunicator,
@@ -241,8 +342,11 @@ pub fn all_reduce_in_place<E: Element>(
 
 /// `MPI_Allreduce(MPI_IN_PLACE, ...)` over a CUDA tensor's memory, for a CUDA-aware MPI.
 ///
-/// The tensor must be contiguous, of element type E, and all device work writing it complete.
-pub fn all_reduce_in_place_device<E: Element>(
+/// # Safety
+/// As [`device_buffer_mut`]: a CUDA-aware MPI, device work writing the tensor complete, no other
+/// handle touching it during the call; `op` must be one MPI applies on the device (a
+/// predefined operation: a user operation's function would read device memory on the host).
+pub unsafe fn all_reduce_in_place_device<E: Element>(
     comm: &SimpleCommunicator,
     t: &mut Tensor,
     op: &impl mpi::collective::Operation,
@@ -256,7 +360,7 @@ pub fn all_reduce_in_place_device<E: Element>(
     while done < len {
         let n = (len - done).min(MAX_MPI_COUNT);
         // SAFETY: base..base+len is the tensor's device allocation (checked contiguous, of E);
-        // the pointer is only handed to a CUDA-aware MPI, never dereferenced on the host.
+        // the pointer is only handed to MPI, which the caller guarantees is CUDA-aware.
         unsafe { all_reduce_in_place_raw::<E>(comm, base.add(done) as *mut c_void, n, op)? };
         done += n;
     }
@@ -308,7 +412,10 @@ pub fn abort_world(code: i32) -> ! {
 
 /// `MPI_Reduce` to `root` of `comm`, in place on the root (MPI_IN_PLACE there); on the other
 /// ranks `buf` is only read. Host memory, or device memory with a CUDA-aware MPI.
-pub fn reduce_in_place<E: Element>(
+///
+/// # Safety
+/// As [`mpi_buffer_mut`] for the tensor; on the device, `op` must be a predefined operation.
+pub unsafe fn reduce_in_place<E: Element>(
     comm: &SimpleCommunicator,
     t: &mut Tensor,
     op: &impl mpi::collective::Operation,
@@ -326,8 +433,8 @@ pub fn reduce_in_place<E: Element>(
     let ptr = t.data_ptr();
     let is_root = comm.rank() == root;
     // SAFETY: `ptr` is the tensor's memory of `len` elements of E (checked above: contiguous,
-    // of E, on the host or on the device for a CUDA-aware MPI); the tensor is borrowed mutably
-    // for the call. On the root the buffer is both input and output (MPI_IN_PLACE); elsewhere
+    // of E, at most MAX_MPI_COUNT); the caller guarantees no other handle touches it and, on the
+    // device, a CUDA-aware MPI and a predefined operation. On the root the buffer is both input and output (MPI_IN_PLACE); elsewhere
     // it is the send buffer and the receive buffer is ignored by MPI.
     let rc = unsafe {
         if is_root {
@@ -389,6 +496,48 @@ extern "C" {
     fn hpc_clear_grad_ready_hook(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_event_synchronize(event: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_event_destroy(event: *mut c_void);
+    fn hpc_event_record(device_index: i64, error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_copy(dst: *mut c_void, src: *mut c_void, non_blocking: bool, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_set_cuda_device(device_index: i64, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_current_cuda_device(error: *mut c_char, error_length: usize) -> i64;
+}
+
+/// `dst.copy_(src, non_blocking)`: libtorch's copy between any devices (tch has no
+/// non-blocking form). Non-blocking only changes anything between pinned host memory and a GPU:
+/// the copy is then queued on the current stream, and the caller waits on an event.
+pub fn copy_into(dst: &mut Tensor, src: &Tensor, non_blocking: bool) -> Result<()> {
+    let mut err = [0 as c_char; 256];
+    let mut src_handle = src.shallow_clone();
+    // SAFETY: both pointers are tch's at::Tensor objects, alive during the call (`dst` borrowed
+    // mutably, `src_handle` owned here); the buffer is writable.
+    let rc = unsafe { hpc_copy(dst.as_mut_ptr() as *mut c_void, src_handle.as_mut_ptr() as *mut c_void, non_blocking, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    Ok(())
+}
+
+/// Makes `device` the calling thread's current CUDA device (cudaSetDevice), so that everything
+/// that uses the current device (a CUDA-aware MPI, streams, events, libraries) uses this rank's
+/// GPU rather than GPU 0. The current device is per thread: every thread that touches CUDA or
+/// hands device pointers to MPI calls this. A no-op for the CPU.
+pub fn set_cuda_device(device: Device) -> Result<()> {
+    let Device::Cuda(index) = device else { return Ok(()) };
+    let mut err = [0 as c_char; 256];
+    // SAFETY: a plain value and a writable buffer.
+    let rc = unsafe { hpc_set_cuda_device(index as i64, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::usage(format!("making cuda:{index} the current device: {}", shim_error(&err))));
+    }
+    Ok(())
+}
+
+/// The calling thread's current CUDA device, or an error where CUDA is not available.
+pub fn current_cuda_device() -> Result<usize> {
+    let mut err = [0 as c_char; 256];
+    // SAFETY: a writable buffer; the shim returns -1 with a message on failure.
+    let index = unsafe { hpc_current_cuda_device(err.as_mut_ptr(), err.len()) };
+    usize::try_from(index).map_err(|_| Error::usage(format!("asking for the current CUDA device: {}", shim_error(&err))))
 }
 
 fn shim_error(buffer: &[c_char]) -> String {
@@ -396,14 +545,30 @@ fn shim_error(buffer: &[c_char]) -> String {
     unsafe { CStr::from_ptr(buffer.as_ptr()) }.to_string_lossy().into_owned()
 }
 
-/// A CUDA event recorded on the stream that accumulated a gradient, right after it.
-pub struct GradEvent(std::ptr::NonNull<c_void>);
+/// A CUDA event recorded on a stream: after a gradient's accumulation (by the gradient hook),
+/// or after copies queued by the exchange. Waiting on it waits for that stream's work up to
+/// that point, not for the whole device.
+pub struct CudaEvent(std::ptr::NonNull<c_void>);
 
 // SAFETY: a c10::Event may be waited on and destroyed from any thread; ownership is unique.
-unsafe impl Send for GradEvent {}
+unsafe impl Send for CudaEvent {}
 
-impl GradEvent {
-    /// Waits for the gradient's accumulation (this gradient only, not the whole device).
+impl CudaEvent {
+    /// An event recorded now on the current stream of `device`; None on the CPU, where work is
+    /// done when the call that queued it returns.
+    pub fn record(device: Device) -> Result<Option<CudaEvent>> {
+        let Device::Cuda(index) = device else { return Ok(None) };
+        let mut err = [0 as c_char; 256];
+        // SAFETY: plain values and a writable buffer; the shim returns a new heap c10::Event
+        // (owned by the CudaEvent from here on) or null with a message.
+        let event = unsafe { hpc_event_record(index as i64, err.as_mut_ptr(), err.len()) };
+        match std::ptr::NonNull::new(event) {
+            Some(e) => Ok(Some(CudaEvent(e))),
+            None => Err(Error::exchange("cuda", format!("recording an event on cuda:{index}: {}", shim_error(&err)))),
+        }
+    }
+
+    /// Waits for the work recorded before the event.
     pub fn synchronize(&self) -> Result<()> {
         let mut err = [0 as c_char; 256];
         // SAFETY: the pointer is a live c10::Event owned by self; the buffer is writable.
@@ -415,7 +580,7 @@ impl GradEvent {
     }
 }
 
-impl Drop for GradEvent {
+impl Drop for CudaEvent {
     fn drop(&mut self) {
         // SAFETY: the event was made by the shim with `new` and is destroyed once, here.
         unsafe { hpc_event_destroy(self.0.as_ptr()) }
@@ -425,30 +590,32 @@ impl Drop for GradEvent {
 /// A parameter whose gradient is final for this backward pass.
 pub struct GradReady {
     pub index: usize,
-    pub event: Option<GradEvent>,
+    pub event: Option<CudaEvent>,
 }
 
-extern "C" fn on_grad_ready(context: *mut c_void, index: i64, event: *mut c_void) {
-    // SAFETY: `context` is the Box<Sender> that `GradReadyHooks` owns and keeps alive until it
-    // has removed every hook (in Drop); Sender is Sync, so a shared borrow from the autograd
-    // thread is fine. `event` is null or a fresh c10::Event handed over to us.
-    let sender = unsafe { &*(context as *const std::sync::mpsc::Sender<GradReady>) };
-    let event = std::ptr::NonNull::new(event).map(GradEvent);
+extern "C" fn on_grad_ready<T: From<GradReady> + Send>(context: *mut c_void, index: i64, event: *mut c_void) {
+    // SAFETY: `context` is the Box<Sender<T>> that `GradReadyHooks<T>` owns and keeps alive until
+    // it has removed every hook (in Drop), which its owner does only once no backward pass runs
+    // (overlap.rs joins its backward thread first); Sender is Sync, so a shared borrow from the
+    // autograd thread is fine. `event` is null or a fresh c10::Event handed over to us.
+    let sender = unsafe { &*(context as *const std::sync::mpsc::Sender<T>) };
+    let event = std::ptr::NonNull::new(event).map(CudaEvent);
     // The receiver may be gone on an error path; the event is then dropped and freed.
-    let _ = sender.send(GradReady { index: index as usize, event });
+    let _ = sender.send(T::from(GradReady { index: index as usize, event }));
 }
 
 /// Post-accumulate-grad hooks on a set of parameters, each sending its index (and, on a GPU, an
-/// event) into a channel when its gradient is final. The hooks are removed on drop.
-pub struct GradReadyHooks {
+/// event) into a channel when its gradient is final. The hooks are removed on drop, which must
+/// not happen while a backward pass over the parameters runs.
+pub struct GradReadyHooks<T> {
     params: Vec<Tensor>,
-    context: Box<std::sync::mpsc::Sender<GradReady>>,
+    context: Box<std::sync::mpsc::Sender<T>>,
 }
 
-impl GradReadyHooks {
-    pub fn register(params: &[Tensor], sender: std::sync::mpsc::Sender<GradReady>) -> Result<GradReadyHooks> {
+impl<T: From<GradReady> + Send> GradReadyHooks<T> {
+    pub fn register(params: &[Tensor], sender: std::sync::mpsc::Sender<T>) -> Result<GradReadyHooks<T>> {
         let mut hooks = GradReadyHooks { params: Vec::new(), context: Box::new(sender) };
-        let context = &*hooks.context as *const std::sync::mpsc::Sender<GradReady> as *mut c_void;
+        let context = &*hooks.context as *const std::sync::mpsc::Sender<T> as *mut c_void;
         for (index, p) in params.iter().enumerate() {
             let mut handle = p.shallow_clone();
             let mut err = [0 as c_char; 256];
@@ -456,7 +623,7 @@ impl GradReadyHooks {
             // lives (kept in hooks.params until the hooks are removed); the callback and the
             // context outlive the hook (see Drop); the buffer is writable.
             let rc = unsafe {
-                hpc_register_grad_ready_hook(handle.as_mut_ptr() as *mut c_void, index as i64, on_grad_ready, context, err.as_mut_ptr(), err.len())
+                hpc_register_grad_ready_hook(handle.as_mut_ptr() as *mut c_void, index as i64, on_grad_ready::<T>, context, err.as_mut_ptr(), err.len())
             };
             hooks.params.push(handle);
             if rc != 0 {
@@ -467,7 +634,7 @@ impl GradReadyHooks {
     }
 }
 
-impl Drop for GradReadyHooks {
+impl<T> Drop for GradReadyHooks<T> {
     fn drop(&mut self) {
         for p in &mut self.params {
             let mut err = [0 as c_char; 256];

@@ -56,6 +56,9 @@ impl Plan {
                 global / workers
             }
         };
+        if args.steps == Some(0) || (args.steps.is_none() && args.epochs == 0) {
+            return Err(Error::usage("nothing to train: --steps and --epochs must be at least 1"));
+        }
         if args.bucket_mb < 0.0 || !args.bucket_mb.is_finite() {
             return Err(Error::usage(format!("--bucket-mb {}: expected 0 or more", args.bucket_mb)));
         }
@@ -125,6 +128,21 @@ fn choose_device(choice: DeviceChoice, allow_sharing: bool, world: &World) -> Re
     }
 }
 
+/// Makes the rank's GPU this (the MPI) thread's current device, and checks that it is: a
+/// CUDA-aware MPI and everything else that uses the current device would otherwise work on
+/// GPU 0, and every rank of a node would open a context there. Threads that the exchange starts
+/// do the same for themselves (comm_thread, overlap).
+pub fn make_current(device: Device) -> Result<()> {
+    let Device::Cuda(index) = device else { return Ok(()) };
+    raw::set_cuda_device(device)?;
+    let current = raw::current_cuda_device()?;
+    if current != index {
+        return Err(Error::usage(format!("cuda:{index} was made the current device, but the current device is cuda:{current}")));
+    }
+    log::debug!("cuda:{index} is the current device of the MPI thread");
+    Ok(())
+}
+
 /// The network and its parameters.
 struct Net {
     vs: nn::VarStore,
@@ -180,7 +198,8 @@ fn broadcast_from_root(comm: &SimpleCommunicator, tensors: &[Tensor]) -> Result<
     }
     let flat: Vec<Tensor> = tensors.iter().map(|t| t.f_to_kind(Kind::Float)?.f_reshape([-1])?.f_to_device(Device::Cpu)).collect::<std::result::Result<_, _>>()?;
     let mut flat = Tensor::f_cat(&flat, 0)?;
-    comm.process_at_rank(0).broadcast_into(raw::host_slice_mut::<f32>(&mut flat)?);
+    // SAFETY: `flat` was just made by f_cat and has no other handle.
+    comm.process_at_rank(0).broadcast_into(unsafe { raw::host_slice_mut::<f32>(&mut flat)? });
     unflatten_into(&flat, tensors)
 }
 
@@ -194,8 +213,10 @@ fn average_over(comm: &SimpleCommunicator, tensors: &[Tensor], contribute: bool,
     if !contribute {
         let _ = flat.f_zero_()?;
     }
-    let send = raw::host_slice::<f32>(&flat)?.to_vec();
-    comm.all_reduce_into(&send[..], raw::host_slice_mut::<f32>(&mut flat)?, mpi::collective::SystemOperation::sum());
+    // SAFETY: `flat` was just made by f_cat and has no other handle.
+    let send = unsafe { raw::host_slice::<f32>(&flat)? }.to_vec();
+    // SAFETY: as above.
+    comm.all_reduce_into(&send[..], unsafe { raw::host_slice_mut::<f32>(&mut flat)? }, mpi::collective::SystemOperation::sum());
     let _ = flat.f_div_scalar_(contributors as f64)?;
     unflatten_into(&flat, tensors)
 }
@@ -297,6 +318,7 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     let plan = world.agree(Plan::resolve(args, world))?;
     world.agree(check_same_config(world, args))?;
     tch::set_num_threads(plan.threads as i32);
+    world.agree(make_current(plan.device))?;
     if plan.device.is_cuda() {
         tch::Cuda::cudnn_set_benchmark(true);
         // PyTorch lets cuDNN use TF32 by default: fp32 means fp32.
@@ -358,11 +380,18 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     if let Some(step) = broadcast_step(&world.comm, resume_from.as_ref().map(|c| c.meta.step)) {
         first_step = step;
     }
-    if first_step >= total_steps && resume_from.is_some() {
-        // Nothing left to do; say so rather than train zero steps.
+    if first_step > 0 && first_step >= total_steps {
+        // Nothing left to do: say so and stop here, before any strategy starts (a parameter
+        // server would wait for workers that never come) and without a record (a run of no
+        // steps would replace the real one in a study's table).
         if world.is_root() {
-            log::info!("the checkpoint at step {first_step} already covers the {total_steps} steps asked for");
+            let dir = args.checkpoint_dir.as_deref().unwrap_or(Path::new("?")).display();
+            println!("hpc-train: the checkpoint at step {first_step} in {dir} already covers the {total_steps} steps asked for; nothing to train, no record appended");
         }
+        if let Some(path) = &args.save_weights {
+            world.agree(if world.is_root() { save_checkpoint_weights(resume_from.as_ref(), &net, path) } else { Ok(()) })?;
+        }
+        return Ok(None);
     }
 
     let sgd_config = SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay };
@@ -397,6 +426,10 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
         (OnOff::On, _) => Some(world.agree(Overlap::new(&net.params, config.bucket_bytes))?),
         (OnOff::Off, _) => None,
     };
+    world.agree(match faults.setup_fails(world.rank) {
+        true => Err(Error::usage(format!("rank {}: set-up failed (injected by {})", world.rank, crate::faults::FAULT_ENV))),
+        false => Ok(()),
+    })?;
 
     // Workers-only communicator: dedicated parameter servers take no part in evaluation.
     let is_worker = matches!(role, Role::Worker { .. });
@@ -475,7 +508,8 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
                         Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_to_kind(Kind::Float)?)
                     })?;
                     let value = loss.f_double_value(&[])?;
-                    (value, Some(loss.f_mul_scalar(loss_factor)?))
+                    let factor = if fault == Some(&Fault::NanGrad) { f64::NAN } else { loss_factor };
+                    (value, Some(loss.f_mul_scalar(factor)?))
                 };
                 if fault == Some(&Fault::Nan) {
                     loss_sum = f64::NAN;
@@ -498,7 +532,7 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
                         // Backward overlapped with the exchange and the optimizer, bucket by bucket.
                         let forward = compute_start.elapsed();
                         let times = overlap.step(scaled, &mut net.params, &mut grads, exchange.as_mut(), &mut sgd, step, batch.epoch, optimize_in_exchange)?;
-                        exchange::staging::synchronize(plan.device);
+                        exchange::staging::synchronize_device(plan.device);
                         compute = forward + times.backward;
                         exchange_total = times.exchange;
                         exchange_exposed = times.exposed;
@@ -510,10 +544,10 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
                         if let Some(scaled) = scaled {
                             scaled.f_backward()?;
                         }
-                        if optimize_in_exchange && !all_finite(&grads)? {
+                        if optimize_in_exchange && !optim::all_finite(&grads)? {
                             return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
                         }
-                        exchange::staging::synchronize(plan.device);
+                        exchange::staging::synchronize_device(plan.device);
                         compute = compute_start.elapsed();
                         let comm_start = Instant::now();
                         if optimize_in_exchange {
@@ -521,7 +555,7 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
                         } else {
                             exchange.all_reduce(&mut grads, ReduceOp::Mean)?;
                         }
-                        exchange::staging::synchronize(plan.device);
+                        exchange::staging::synchronize_device(plan.device);
                         comm = comm_start.elapsed();
                         exchange_total = comm;
                         exchange_exposed = comm;
@@ -694,16 +728,6 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     Ok(Some(record))
 }
 
-/// Whether every element of every tensor is finite (one small reduction per tensor).
-pub fn all_finite(tensors: &[Tensor]) -> Result<bool> {
-    for t in tensors {
-        if t.f_isfinite()?.f_all()?.f_int64_value(&[])? == 0 {
-            return Ok(false);
-        }
-    }
-    Ok(true)
-}
-
 /// Dynamic loss scaling for fp16, as torch.cuda.amp.GradScaler: the loss is multiplied by
 /// `scale` so that small gradients survive fp16; after the exchange the averaged gradients
 /// (identical on every rank, so every rank decides alike) are checked: finite, they are
@@ -725,7 +749,7 @@ impl Default for LossScaler {
 impl LossScaler {
     /// Unscales `grads` and returns true, or returns false (skip this step) on an overflow.
     fn unscale_or_skip(&mut self, grads: &mut [Tensor]) -> Result<bool> {
-        if !all_finite(grads)? {
+        if !optim::all_finite(grads)? {
             self.scale = (self.scale / 2.0).max(1.0);
             self.good_steps = 0;
             self.skipped += 1;
@@ -1002,6 +1026,20 @@ fn evaluate(
     let (loss_sum, correct) = sum_pair(workers_comm, loss_sum, correct);
     let n = info.test.len as f64;
     Ok((loss_sum / n, correct / n))
+}
+
+/// `--save-weights` for a run that had nothing left to train: the checkpoint's weights.
+fn save_checkpoint_weights(found: Option<&Checkpoint>, net: &Net, path: &Path) -> Result<()> {
+    let found = found.ok_or_else(|| Error::exchange("checkpoint", "rank 0 has no checkpoint to take the weights from"))?;
+    let (weights, _) = checkpoint::load(found)?;
+    tch::no_grad(|| -> Result<()> {
+        for (name, t) in net.named_variables() {
+            let w = weights.get(&name).ok_or_else(|| Error::Checkpoint { path: found.dir.clone(), reason: format!("no tensor {name}") })?;
+            t.shallow_clone().f_copy_(w)?;
+        }
+        Ok(())
+    })?;
+    save_weights(net, path)
 }
 
 /// Writes the weights (parameters and batch-norm statistics) as safetensors, under a temporary

@@ -128,3 +128,58 @@ fn staged_gpu_path_when_a_gpu_is_present() {
         assert_all_right(&run, 10);
     }
 }
+
+/// The staged path (what a GPU run takes without a CUDA-aware MPI: copies into alternating
+/// host buffers, the reduction there, copies back) run on CPU tensors through
+/// HPC_TRAIN_STAGE_HOST, for every strategy and element type, including the 16-bit sums that
+/// MPI runs as a host function and Horovod's compressed fusion buffers.
+#[test]
+fn the_staged_path_gives_the_right_sums() {
+    let dir = scratch("staged");
+    let staged = [("HPC_TRAIN_STAGE_HOST", "1")];
+    let run_bench = |ranks: usize, strategies: &str, extra: &[&str]| {
+        let mut args = vec!["bench", "--strategies", strategies, "--iters", "2", "--warmup", "1", "--segment-kb", "16", "--results", dir.to_str().unwrap()];
+        args.extend(extra);
+        mpirun_env(ranks, &args, &staged, Duration::from_secs(300))
+    };
+    for ranks in [2, 3] {
+        let run = run_bench(ranks, "ring,allreduce,horovod,ps", &["--counts", COUNTS, "--verify", "allreduce"]);
+        assert_all_right(&run, 20);
+        assert!(run.stderr.is_empty() || !run.stderr.contains("error"), "{}", run.stderr);
+        for dtype in ["f16", "bf16"] {
+            let run = run_bench(ranks, "ring,allreduce,horovod", &["--counts", COUNTS, "--dtype", dtype, "--verify", "allreduce"]);
+            assert_all_right(&run, 15);
+        }
+        // Horovod's fp16 and bf16 compression of f32 buffers, reduced as 16-bit words.
+        for compression in ["fp16", "bf16"] {
+            let run = run_bench(ranks, "horovod", &["--counts", COUNTS, "--compression", compression, "--layout", "resnet50"]);
+            assert_all_right(&run, 5);
+        }
+    }
+}
+
+/// Training through the staged path, with overlap (the default), ends with the weights of the
+/// host path.
+#[test]
+fn training_through_the_staged_path_matches_the_host_path() {
+    let dir = scratch("staged-train");
+    let data = synth(&dir, "st", 90, 0, "1x12x12", 5);
+    let train = |name: &str, strategy: &str, env: &[(&str, &str)]| {
+        let out = dir.join(format!("{name}.safetensors"));
+        mpirun_env(3, &[
+            "--strategy", strategy, "--model", "tiny", "--data", data.to_str().unwrap(), "--scaling", "strong",
+            "--global-batch", "12", "--steps", "8", "--no-eval", "--threads", "1", "--bucket-mb", "0.001",
+            "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
+        ], env, Duration::from_secs(300))
+        .expect_ok();
+        out
+    };
+    let reference = train("host", "allreduce", &[]);
+    for strategy in ["allreduce", "ring", "horovod", "ps"] {
+        let staged = train(&format!("staged-{strategy}"), strategy, &[("HPC_TRAIN_STAGE_HOST", "1")]);
+        let diff = max_relative_difference(&reference, &staged);
+        assert!(diff < 1e-5, "{strategy} through the staged path differs by {diff:e}");
+    }
+    let runs = read_runs(&dir);
+    assert_eq!(runs.iter().filter(|r| r["data_path"] == "staged").count(), 4, "{runs:#?}");
+}

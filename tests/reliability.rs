@@ -256,3 +256,79 @@ fn resume_without_a_checkpoint_starts_from_the_beginning() {
     let run = mpirun_env(2, &bad, &[], Duration::from_secs(60));
     assert_eq!(run.all_output().matches("--resume needs --checkpoint-dir").count(), 1, "{}", run.all_output());
 }
+
+/// A non-finite gradient found while an overlapped backward still runs ends the job with the
+/// clear error, not with a crash: the step waits for backward before it returns, so no hook
+/// fires into the freed channel. MALLOC_PERTURB_ makes glibc fill freed memory with garbage, so
+/// that a hook calling into it (the defect of 851c172) crashes instead of passing by luck.
+#[test]
+fn a_non_finite_gradient_during_overlap_is_a_clean_error() {
+    let dir = scratch("overlap-nan");
+    // ResNet-18 on 3x32x32: backward takes long enough that the last layers' bucket is checked
+    // while the earlier layers are still being differentiated.
+    let data = synth(&dir, "nangrad", 64, 0, "3x32x32", 4);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    for strategy in ["allreduce", "ring"] {
+        let args = [
+            "--model", "resnet18", "--data", &d, "--batch-size", "8", "--steps", "4", "--no-eval", "--threads", "1",
+            "--results", &r, "--strategy", strategy, "--overlap", "on", "--bucket-mb", "1",
+        ];
+        let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "nangrad@1:2"), ("MALLOC_PERTURB_", "165")], Duration::from_secs(120));
+        let out = run.all_output();
+        assert!(!run.timed_out && !run.ok(), "{out}");
+        assert!(out.contains("rank 1 of 2: non-finite gradient at step 2"), "{strategy}: {out}");
+        for crash in ["Segmentation fault", "signal 11", "SIGSEGV", "signal 6", "panicked"] {
+            assert!(!out.contains(crash), "{strategy}: {crash}:\n{out}");
+        }
+    }
+}
+
+/// An error every rank agrees on after the exchange is built (here an injected set-up failure)
+/// ends a Horovod-style run cleanly: the background thread is joined before MPI_Finalize, which
+/// at 851c172 ran while the thread was still inside MPI.
+#[test]
+fn an_agreed_error_joins_communication_threads_before_finalize() {
+    let dir = scratch("finalize");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    for strategy in [&["--strategy", "horovod"][..], &["--strategy", "horovod", "--hierarchical"], &["--strategy", "ps", "--ps-colocate", "--ps-mode", "async"]] {
+        let mut args = base(&d, &r, strategy);
+        args.extend(["--steps", "50"]);
+        let run = mpirun_env(3, &args, &[("HPC_TRAIN_FAULT", "setup@1:0")], Duration::from_secs(60));
+        let out = run.all_output();
+        assert!(!run.timed_out && !run.ok(), "{strategy:?}: {out}");
+        assert!(run.elapsed < Duration::from_secs(30), "{strategy:?}: {:?}", run.elapsed);
+        assert_eq!(out.matches("rank 1: set-up failed (injected by HPC_TRAIN_FAULT)").count(), 1, "{strategy:?}: {out}");
+        for wrong in ["after MPI_FINALIZE", "aborting instead of finalizing", "MPI_ABORT", "panicked"] {
+            assert!(!out.contains(wrong), "{strategy:?}: {wrong}:\n{out}");
+        }
+    }
+}
+
+/// Resuming a run whose checkpoint already covers the steps asked for ends at once, says so,
+/// and appends no record, for every strategy (at 851c172 the parameter server hung for
+/// --ps-timeout-s and ring appended a record of 0 steps).
+#[test]
+fn resuming_a_finished_run_ends_at_once_without_a_record() {
+    let dir = scratch("resume-done");
+    let data = dataset(&dir);
+    let d = data.to_str().unwrap().to_string();
+    for strategy in [&["--strategy", "ps", "--servers", "1"][..], &["--strategy", "ring"], &["--strategy", "horovod"], &["--strategy", "ps", "--ps-colocate"]] {
+        let name = strategy.join("-").replace("--", "");
+        let results = dir.join(&name);
+        let r = results.to_str().unwrap().to_string();
+        let ckpt = results.join("ckpt");
+        let weights = results.join("again.safetensors");
+        let mut args = base(&d, &r, strategy);
+        args.extend(["--steps", "6", "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "3"]);
+        mpirun(3, &args).expect_ok();
+        assert_eq!(read_runs(&results).len(), 1);
+        args.extend(["--resume", "--save-weights", weights.to_str().unwrap()]);
+        let run = mpirun_env(3, &args, &[], Duration::from_secs(60));
+        assert!(run.ok(), "{name}: {}", run.all_output());
+        assert!(run.elapsed < Duration::from_secs(20), "{name}: {:?}", run.elapsed);
+        assert_eq!(run.stdout.matches("already covers the 6 steps asked for").count(), 1, "{name}: {}", run.all_output());
+        assert_eq!(read_runs(&results).len(), 1, "{name}: no record appended");
+        assert!(weights.exists(), "{name}: --save-weights writes the checkpoint's weights");
+    }
+}

@@ -210,6 +210,34 @@ fn a_malformed_line_is_an_error_naming_it() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A record without measured steps (a resume with nothing left, as written before such runs
+/// stopped being recorded) never replaces the real run at its rank count.
+#[test]
+fn records_without_measured_steps_are_left_out() {
+    let dir = scratch("report-unmeasured");
+    let mut text = std::fs::read_to_string(root().join(RUNS)).unwrap();
+    let mut empty: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    empty["steps"] = 0.into();
+    empty["epochs"] = 0.0.into();
+    empty["images_per_sec"] = 0.0.into();
+    empty["timestamp"] = "2099-01-01T00:00:00Z".into();
+    if !text.ends_with('\n') {
+        text.push('\n');
+    }
+    text.push_str(&format!("{empty}\n"));
+    let input = dir.join("runs.jsonl");
+    std::fs::write(&input, text).unwrap();
+    let out = dir.join("report");
+    let run = report(&["--input", input.to_str().unwrap(), "--out", out.to_str().unwrap()], &[]).expect_ok();
+    assert!(run.stderr.contains("left out 1 record(s) with no measured steps"), "{}", run.stderr);
+    let expected = std::fs::read_to_string(root().join(EXPECTED)).unwrap();
+    let got = std::fs::read_to_string(out.join("report.md")).unwrap();
+    // The same tables as without the empty record (only the header's count of records read differs).
+    let tables = |md: &str| md.lines().filter(|l| l.starts_with('|')).map(String::from).collect::<Vec<_>>();
+    assert_eq!(tables(&got), tables(&expected));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_missing_or_empty_input_is_an_error() {
     let dir = scratch("report-noinput");

@@ -7,7 +7,7 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use tch::Tensor;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::element::{Dtype, Element};
 use crate::exchange::staging::Staging;
@@ -54,10 +54,11 @@ impl Exchange for MpiAllreduce {
     }
 
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
-        common_dtype(tensors)?;
+        let dtype = common_dtype(tensors)?;
         let mut buckets = self.fusion.pack(tensors)?;
         let (comm, sums) = (&self.comm, &self.sums);
-        self.staging.run(self.path, &mut buckets, |_, bucket| sums.all_reduce_sum(comm, bucket))?;
+        let path = self.path.for_mpi_reduction(dtype);
+        self.staging.run(path, &mut buckets, |_, bucket| sums.all_reduce_sum(comm, bucket))?;
         if op == ReduceOp::Mean && self.size > 1 {
             for bucket in &mut buckets {
                 let _ = bucket.f_mul_scalar_(1.0 / self.size as f64)?;
@@ -88,10 +89,13 @@ impl SumOps {
         SumOps { f16: half_sum_op::<f16>(), bf16: half_sum_op::<bf16>() }
     }
 
-    /// Sums a flat tensor over the ranks of `comm` in place with `MPI_Allreduce`, on the host, or
-    /// on the device with a CUDA-aware MPI.
+    /// Sums a flat tensor over the ranks of `comm` in place with `MPI_Allreduce`: on the host, or
+    /// f32 on the device with a CUDA-aware MPI (the caller's choice of path, see
+    /// [`DataPath::for_mpi_reduction`]; 16-bit device buffers are refused).
     pub fn all_reduce_sum(&self, comm: &SimpleCommunicator, bucket: &mut Tensor) -> Result<()> {
-        match common_dtype(std::slice::from_ref(bucket))? {
+        let dtype = common_dtype(std::slice::from_ref(bucket))?;
+        refuse_device_user_op(bucket, dtype)?;
+        match dtype {
             Dtype::F32 => sum_typed::<f32, _>(comm, bucket, &SystemOperation::sum()),
             Dtype::F16 => sum_typed::<f16, _>(comm, bucket, &&self.f16),
             Dtype::Bf16 => sum_typed::<bf16, _>(comm, bucket, &&self.bf16),
@@ -102,10 +106,18 @@ impl SumOps {
 impl SumOps {
     /// Sums a flat tensor over `comm` into the `root` rank's copy (MPI_Reduce, in place there).
     pub fn reduce_sum_to_root(&self, comm: &SimpleCommunicator, bucket: &mut Tensor, root: i32) -> Result<()> {
-        match common_dtype(std::slice::from_ref(bucket))? {
-            Dtype::F32 => raw::reduce_in_place::<f32>(comm, bucket, &SystemOperation::sum(), root),
-            Dtype::F16 => raw::reduce_in_place::<f16>(comm, bucket, &&self.f16, root),
-            Dtype::Bf16 => raw::reduce_in_place::<bf16>(comm, bucket, &&self.bf16, root),
+        let dtype = common_dtype(std::slice::from_ref(bucket))?;
+        refuse_device_user_op(bucket, dtype)?;
+        // SAFETY: the bucket is a buffer of the exchange (a fusion buffer, a staging buffer or a
+        // flat view of a gradient whose backward is done) that nothing else touches during the
+        // call; on the device it is f32 (checked above), reduced by MPI's own sum, and the caller
+        // chose the direct path because MPI is CUDA-aware and waited for the stream.
+        unsafe {
+            match dtype {
+                Dtype::F32 => raw::reduce_in_place::<f32>(comm, bucket, &SystemOperation::sum(), root),
+                Dtype::F16 => raw::reduce_in_place::<f16>(comm, bucket, &&self.f16, root),
+                Dtype::Bf16 => raw::reduce_in_place::<bf16>(comm, bucket, &&self.bf16, root),
+            }
         }
     }
 }
@@ -116,11 +128,27 @@ impl Default for SumOps {
     }
 }
 
+/// The 16-bit sums are host functions (MPI calls them on host pointers): device memory given to
+/// them would be read as host memory. Such buffers take the staged path instead.
+fn refuse_device_user_op(bucket: &Tensor, dtype: Dtype) -> Result<()> {
+    if bucket.device().is_cuda() && dtype != Dtype::F32 {
+        return Err(Error::exchange(
+            "MPI reduction",
+            format!("{} values on {:?}: MPI sums 16-bit floats with a host function; stage them through host memory", dtype.name(), bucket.device()),
+        ));
+    }
+    Ok(())
+}
+
 fn sum_typed<E: Element, O: mpi::collective::Operation>(comm: &SimpleCommunicator, bucket: &mut Tensor, op: &O) -> Result<()> {
     if bucket.device().is_cuda() {
-        raw::all_reduce_in_place_device::<E>(comm, bucket, op)
+        // SAFETY: as in `reduce_sum_to_root`: an exchange buffer nothing else touches, f32 with
+        // MPI's own sum on the device (refuse_device_user_op), on the direct path.
+        unsafe { raw::all_reduce_in_place_device::<E>(comm, bucket, op) }
     } else {
-        raw::all_reduce_in_place::<E>(comm, raw::host_slice_mut::<E>(bucket)?, op)
+        // SAFETY: an exchange buffer (fusion, staging, or a finished gradient's flat view) that
+        // no other handle reads or writes while MPI reduces it.
+        raw::all_reduce_in_place::<E>(comm, unsafe { raw::host_slice_mut::<E>(bucket)? }, op)
     }
 }
 

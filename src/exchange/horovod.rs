@@ -20,7 +20,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use mpi::collective::SystemOperation;
@@ -33,7 +32,8 @@ use crate::error::{Error, Result};
 use crate::exchange::allreduce::SumOps;
 use crate::exchange::buckets::{pack, unpack, Bucket, Slot};
 use crate::exchange::element::Dtype;
-use crate::exchange::staging::{synchronize, Staging};
+use crate::exchange::comm_thread::CommThread;
+use crate::exchange::staging::{wait_for_stream, Staging};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::raw::{self, SendComm};
 use crate::topology::World;
@@ -89,7 +89,9 @@ impl Default for HorovodConfig {
 
 /// Messages from the training loop to the background thread.
 enum ToBackground {
-    Enqueue { id: usize, tensor: Tensor },
+    /// `prescale`: multiply the tensor by this before it is cast down for the wire (a mean
+    /// under compression, so that the 16-bit sum over many ranks cannot overflow).
+    Enqueue { id: usize, tensor: Tensor, prescale: Option<f64> },
     Shutdown,
 }
 
@@ -131,7 +133,7 @@ struct Finished {
 pub struct Horovod {
     to_bg: Sender<ToBackground>,
     from_bg: Receiver<FromBackground>,
-    thread: Option<JoinHandle<Result<Finished>>>,
+    thread: Option<CommThread<Finished>>,
     /// Main-thread communicator for the end-of-run gathers (timeline, counters).
     control: SimpleCommunicator,
     rank: usize,
@@ -167,9 +169,7 @@ impl Horovod {
         let (rank, size) = (world.rank, world.size as usize);
         let bg_config = hv.clone();
         let start = Instant::now();
-        let thread = std::thread::Builder::new()
-            .name("horovod-background".into())
-            .spawn(move || {
+        let thread = CommThread::spawn("horovod-background", config.device, move || {
                 let mut bg = Background {
                     coord,
                     data,
@@ -198,8 +198,7 @@ impl Horovod {
                     let _ = bg_tx.send(FromBackground::Failed(Error::exchange("horovod", e.to_string())));
                 }
                 result.map(|()| Finished { counters: bg.counters, events: std::mem::take(&mut bg.events) })
-            })
-            .expect("spawning the Horovod background thread");
+            })?;
         Ok(Horovod {
             to_bg,
             from_bg,
@@ -217,7 +216,7 @@ impl Horovod {
     fn shut_down(&mut self) -> Result<()> {
         let Some(thread) = self.thread.take() else { return Ok(()) };
         let _ = self.to_bg.send(ToBackground::Shutdown);
-        let finished = thread.join().map_err(|_| Error::exchange("horovod", "the background thread panicked"))??;
+        let finished = thread.join()?;
         let mut totals = [0u64; 5];
         let c = finished.counters;
         let mine = [c.cycles, c.negotiations, c.cache_hits, c.fused_allreduces, c.tensors];
@@ -232,9 +231,11 @@ impl Horovod {
 
 impl Drop for Horovod {
     fn drop(&mut self) {
-        // On an error path the thread may still run; tell it to stop (it exits once every rank
-        // agrees, or the job is aborted).
+        // On an error path the thread may still run: tell it to stop. It leaves its loop once
+        // every rank's has been told (an error all ranks agreed on), and dropping `thread` then
+        // joins it, so that MPI is never finalized under it (see comm_thread).
         let _ = self.to_bg.send(ToBackground::Shutdown);
+        self.thread.take();
     }
 }
 
@@ -264,6 +265,8 @@ impl Exchange for Horovod {
             use rand::SeedableRng;
             order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(self.rank as u64 * 7919 + 1));
         }
+        // Under compression a mean is taken before the cast down (see ToBackground::Enqueue).
+        let prescale = (op == ReduceOp::Mean && self.size > 1 && self.config.compression != Compression::None).then(|| 1.0 / self.size as f64);
         for (k, &id) in order.iter().enumerate() {
             if k + 1 == order.len() {
                 if let Some((rank, delay)) = self.config.test_delay.take_if(|(r, _)| *r == self.rank) {
@@ -272,7 +275,7 @@ impl Exchange for Horovod {
                 }
             }
             self.to_bg
-                .send(ToBackground::Enqueue { id, tensor: tensors[id].shallow_clone() })
+                .send(ToBackground::Enqueue { id, tensor: tensors[id].shallow_clone(), prescale })
                 .map_err(|_| Error::exchange("horovod", "the background thread has stopped"))?;
             if self.config.shuffle_enqueue && k % 3 == 2 {
                 std::thread::sleep(self.config.cycle_time / 2);
@@ -286,7 +289,7 @@ impl Exchange for Horovod {
                 Err(_) => return Err(Error::exchange("horovod", "the background thread has stopped")),
             }
         }
-        if op == ReduceOp::Mean && self.size > 1 {
+        if op == ReduceOp::Mean && self.size > 1 && prescale.is_none() {
             for t in tensors.iter_mut() {
                 let _ = t.f_div_scalar_(self.size as f64)?;
             }
@@ -317,6 +320,7 @@ impl Exchange for Horovod {
 struct Ready {
     id: usize,
     tensor: Tensor,
+    prescale: Option<f64>,
     since: Instant,
 }
 
@@ -368,7 +372,7 @@ impl Background {
             loop {
                 let wait = deadline.saturating_duration_since(Instant::now());
                 match self.inbox.recv_timeout(wait) {
-                    Ok(ToBackground::Enqueue { id, tensor }) => self.pending.push(Ready { id, tensor, since: Instant::now() }),
+                    Ok(ToBackground::Enqueue { id, tensor, prescale }) => self.pending.push(Ready { id, tensor, prescale, since: Instant::now() }),
                     Ok(ToBackground::Shutdown) | Err(RecvTimeoutError::Disconnected) => shutting_down = true,
                     Err(RecvTimeoutError::Timeout) => break,
                 }
@@ -581,6 +585,11 @@ impl Background {
                 len,
             };
             let tensors: Vec<Tensor> = group.iter().map(|r| r.tensor.shallow_clone()).collect();
+            for (r, t) in group.iter().zip(&tensors) {
+                if let Some(factor) = r.prescale {
+                    let _ = t.shallow_clone().f_mul_scalar_(factor)?;
+                }
+            }
             pack(&bucket, &tensors, &mut buffer);
             self.event("MEMCPY_IN_FUSION_BUFFER", t0, serde_json::json!({ "tensors": group.len(), "bytes": len * elem }));
 
@@ -592,7 +601,8 @@ impl Background {
             let t2 = self.now_us();
             let mut tensors = tensors;
             unpack(&bucket, &buffer, &mut tensors);
-            synchronize(device);
+            // The training loop may read the tensors once told they are done.
+            wait_for_stream(device)?;
             self.event("MEMCPY_OUT_FUSION_BUFFER", t2, serde_json::json!({ "tensors": group.len() }));
             for _ in &group {
                 self.counters.tensors += 1;
@@ -606,7 +616,8 @@ impl Background {
     fn all_reduce_buffer(&mut self, buffer: &mut Tensor) -> Result<()> {
         let mut one = [buffer.shallow_clone()];
         let (data, local, cross, sums, hierarchical) = (&self.data, &self.local, &self.cross, &self.sums, self.config.hierarchical);
-        self.staging.run(self.path, &mut one, |_, b| {
+        let path = self.path.for_mpi_reduction(common_dtype(&one)?);
+        self.staging.run(path, &mut one, |_, b| {
             if !hierarchical {
                 return sums.all_reduce_sum(data.comm(), b);
             }
@@ -619,7 +630,10 @@ impl Background {
             }
             let dtype = common_dtype(std::slice::from_ref(b))?;
             crate::with_element!(dtype, E => {
-                let mut view = raw::mpi_buffer_mut::<E>(b)?;
+                // SAFETY: `b` is this thread's fusion buffer (or its staging copy), which nothing
+                // else touches; on the device the path is direct only with a CUDA-aware MPI, and
+                // the staging run waited for the stream.
+                let mut view = unsafe { raw::mpi_buffer_mut::<E>(b)? };
                 local.process_at_rank(0).broadcast_into(&mut view);
             });
             Ok(())

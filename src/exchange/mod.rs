@@ -12,6 +12,7 @@
 
 pub mod allreduce;
 pub mod buckets;
+pub mod comm_thread;
 pub mod element;
 pub mod horovod;
 pub mod ps;
@@ -75,12 +76,28 @@ pub enum DataPath {
     Direct,
 }
 
+/// Test hook: `HPC_TRAIN_STAGE_HOST=1` sends host tensors through the staged path (copies into
+/// the staging buffers and back), so that the code GPU runs take without a CUDA-aware MPI is
+/// exercised on machines without a GPU.
+pub const STAGE_HOST_ENV: &str = "HPC_TRAIN_STAGE_HOST";
+
 impl DataPath {
     pub fn choose(device: Device, cuda_aware: bool) -> DataPath {
         match (device, cuda_aware) {
+            (Device::Cpu, _) if std::env::var(STAGE_HOST_ENV).is_ok_and(|v| v == "1") => DataPath::Staged,
             (Device::Cpu, _) => DataPath::Host,
             (_, true) => DataPath::Direct,
             (_, false) => DataPath::Staged,
+        }
+    }
+
+    /// The path for an `MPI_Allreduce`/`MPI_Reduce` of `dtype` values. MPI has no 16-bit float
+    /// sum: those run as a user operation, a host function that cannot read device memory, so
+    /// a CUDA-aware MPI still gets 16-bit buffers through the host.
+    pub fn for_mpi_reduction(self, dtype: element::Dtype) -> DataPath {
+        match (self, dtype) {
+            (DataPath::Direct, element::Dtype::F16 | element::Dtype::Bf16) => DataPath::Staged,
+            (path, _) => path,
         }
     }
 }
@@ -316,5 +333,15 @@ mod tests {
         assert_eq!(DataPath::choose(Device::Cpu, true), DataPath::Host);
         assert_eq!(DataPath::choose(Device::Cuda(0), false), DataPath::Staged);
         assert_eq!(DataPath::choose(Device::Cuda(0), true), DataPath::Direct);
+    }
+
+    #[test]
+    fn sixteen_bit_mpi_reductions_go_through_the_host() {
+        use element::Dtype;
+        assert_eq!(DataPath::Direct.for_mpi_reduction(Dtype::F32), DataPath::Direct);
+        assert_eq!(DataPath::Direct.for_mpi_reduction(Dtype::F16), DataPath::Staged);
+        assert_eq!(DataPath::Direct.for_mpi_reduction(Dtype::Bf16), DataPath::Staged);
+        assert_eq!(DataPath::Staged.for_mpi_reduction(Dtype::F16), DataPath::Staged);
+        assert_eq!(DataPath::Host.for_mpi_reduction(Dtype::Bf16), DataPath::Host);
     }
 }

@@ -24,8 +24,8 @@
 //! `down`, so that a colocated server thread and its rank's worker never take each other's
 //! messages.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use mpi::collective::SystemOperation;
@@ -40,7 +40,8 @@ use crate::error::{Error, Result};
 use crate::exchange::buckets::{pack, unpack, Bucket, Slot};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::optim::{Sgd, SgdConfig};
-use crate::raw::{self, SendComm};
+use crate::exchange::comm_thread::CommThread;
+use crate::raw::{self, PeerComm, PointToPoint};
 use crate::topology::World;
 
 const PUSH: Tag = 1;
@@ -157,9 +158,67 @@ struct Layout {
     sizes: Vec<usize>,
 }
 
+/// One of the parameter server's two communicators: used by the main thread alone, or shared
+/// with a colocated server thread (asynchronous colocated servers only, which is what needs
+/// MPI_THREAD_MULTIPLE).
+enum Link {
+    Local(SimpleCommunicator),
+    Shared(Arc<PeerComm>),
+}
+
+impl Link {
+    fn new(comm: SimpleCommunicator, shared: bool) -> Result<Link> {
+        Ok(if shared {
+            Link::Shared(Arc::new(PeerComm::new(comm, mpi::environment::threading_support())?))
+        } else {
+            Link::Local(comm)
+        })
+    }
+
+    fn shared(&self) -> Option<Arc<PeerComm>> {
+        match self {
+            Link::Shared(c) => Some(c.clone()),
+            Link::Local(_) => None,
+        }
+    }
+}
+
+impl PointToPoint for Link {
+    fn send<B: mpi::datatype::Buffer + ?Sized>(&self, to: Rank, buf: &B, tag: Tag) {
+        match self {
+            Link::Local(c) => c.send(to, buf, tag),
+            Link::Shared(c) => c.send(to, buf, tag),
+        }
+    }
+    fn receive_into<B: mpi::datatype::BufferMut + ?Sized>(&self, from: Rank, buf: &mut B, tag: Tag) {
+        match self {
+            Link::Local(c) => c.receive_into(from, buf, tag),
+            Link::Shared(c) => c.receive_into(from, buf, tag),
+        }
+    }
+    fn immediate_send<'a, Sc: mpi::request::Scope<'a>, B: 'a + mpi::datatype::Buffer + ?Sized>(&self, scope: Sc, to: Rank, buf: &'a B, tag: Tag) -> mpi::request::Request<'a, B, Sc> {
+        match self {
+            Link::Local(c) => c.immediate_send(scope, to, buf, tag),
+            Link::Shared(c) => c.immediate_send(scope, to, buf, tag),
+        }
+    }
+    fn immediate_receive_into<'a, Sc: mpi::request::Scope<'a>, B: 'a + mpi::datatype::BufferMut + ?Sized>(&self, scope: Sc, from: Rank, buf: &'a mut B, tag: Tag) -> mpi::request::Request<'a, B, Sc> {
+        match self {
+            Link::Local(c) => c.immediate_receive_into(scope, from, buf, tag),
+            Link::Shared(c) => c.immediate_receive_into(scope, from, buf, tag),
+        }
+    }
+    fn probe(&self, from: Option<Rank>) -> Option<(mpi::point_to_point::Message, Status)> {
+        match self {
+            Link::Local(c) => c.probe(from),
+            Link::Shared(c) => c.probe(from),
+        }
+    }
+}
+
 pub struct ParameterServer {
-    up: Arc<SendComm>,
-    down: Arc<SendComm>,
+    up: Link,
+    down: Link,
     /// For the few collectives (statistics at the end), never used by the server thread.
     control: SimpleCommunicator,
     rank: Rank,
@@ -175,8 +234,9 @@ pub struct ParameterServer {
     /// Colocated sync: this rank's share (weights, optimizer) and the pushes it receives.
     own: Option<ServerState>,
     push_bufs: Vec<Tensor>,
-    /// Colocated async: the server thread.
-    thread: Option<JoinHandle<Result<Staleness>>>,
+    /// Colocated async: the server thread, and the flag that stops it on an error path.
+    thread: Option<CommThread<Staleness>>,
+    stop_thread: Arc<AtomicBool>,
     staleness: Staleness,
     /// Whether training pushed through the servers (then finish() tells them it is over).
     trained: bool,
@@ -190,25 +250,19 @@ impl ParameterServer {
     pub fn new(world: &World, config: &ExchangeConfig) -> Result<ParameterServer> {
         let cfg = config.ps.clone();
         let roles = Roles::new(world.size as usize, &cfg)?;
-        if cfg.mode == PsMode::Async && cfg.colocate {
-            // The colocated server runs in a thread of its own beside the worker.
-            if mpi::environment::threading_support() < mpi::Threading::Multiple {
-                return Err(Error::usage(format!(
-                    "--ps-mode async --ps-colocate runs a server thread beside each worker, which needs \
-                     MPI_THREAD_MULTIPLE; this MPI library provides {:?}",
-                    mpi::environment::threading_support()
-                )));
-            }
-        }
+        // Only the colocated asynchronous server runs in a thread of its own beside the worker;
+        // every other layout makes all its MPI calls from the main thread.
+        let threaded = cfg.mode == PsMode::Async && cfg.colocate;
         let threading = mpi::environment::threading_support();
-        let (up, down) = if threading >= mpi::Threading::Multiple {
-            (SendComm::new(world.comm.duplicate(), threading)?, SendComm::new(world.comm.duplicate(), threading)?)
-        } else {
-            return Err(Error::usage(format!("the parameter server needs MPI_THREAD_MULTIPLE; this MPI library provides {threading:?}")));
-        };
+        if threaded && threading < mpi::Threading::Multiple {
+            return Err(Error::usage(format!(
+                "--ps-mode async --ps-colocate runs a server thread beside each worker, which needs \
+                 MPI_THREAD_MULTIPLE; this MPI library provides {threading:?}"
+            )));
+        }
         Ok(ParameterServer {
-            up: Arc::new(up),
-            down: Arc::new(down),
+            up: Link::new(world.comm.duplicate(), threaded)?,
+            down: Link::new(world.comm.duplicate(), threaded)?,
             control: world.comm.duplicate(),
             rank: world.rank,
             size: world.size as usize,
@@ -222,6 +276,7 @@ impl ParameterServer {
             own: None,
             push_bufs: Vec::new(),
             thread: None,
+            stop_thread: Arc::new(AtomicBool::new(false)),
             staleness: Staleness::default(),
             trained: false,
             restored: None,
@@ -252,7 +307,8 @@ impl ParameterServer {
         let make = |len: usize| -> Result<Tensor> {
             let t = match self.path {
                 DataPath::Direct => Tensor::f_zeros([len as i64], (kind, device))?,
-                DataPath::Staged => Tensor::f_zeros([len as i64], (kind, Device::Cpu))?.f_pin_memory(device)?,
+                DataPath::Staged if device.is_cuda() => Tensor::f_zeros([len as i64], (kind, Device::Cpu))?.f_pin_memory(device)?,
+                DataPath::Staged => Tensor::f_zeros([len as i64], (kind, Device::Cpu))?,
                 DataPath::Host => Tensor::f_zeros([len as i64], (kind, Device::Cpu))?,
             };
             Ok(t)
@@ -269,21 +325,22 @@ impl ParameterServer {
         for (bucket, buf) in layout.buckets.iter().zip(&mut self.send_bufs) {
             pack(bucket, grads, buf);
         }
-        crate::exchange::staging::synchronize(self.device);
-        let (up, down) = (self.up.comm(), self.down.comm());
+        // MPI reads the buffers outside stream order: the copies into them must be done.
+        crate::exchange::staging::wait_for_stream(self.device)?;
+        let (up, down) = (&self.up, &self.down);
         let servers = &self.roles.servers;
-        let mut sends: Vec<_> = self.send_bufs.iter_mut().map(raw::mpi_buffer_mut::<f32>).collect::<Result<_>>()?;
-        let mut recvs: Vec<_> = self.recv_bufs.iter_mut().map(raw::mpi_buffer_mut::<f32>).collect::<Result<_>>()?;
+        let mut sends: Vec<_> = mpi_buffers(&mut self.send_bufs)?;
+        let mut recvs: Vec<_> = mpi_buffers(&mut self.recv_bufs)?;
         mpi::request::scope(|scope| {
             let pulls: Vec<_> = recvs
                 .iter_mut()
                 .zip(servers)
-                .map(|(buf, &s)| down.process_at_rank(s).immediate_receive_into_with_tag(scope, buf, PULL))
+                .map(|(buf, &s)| down.immediate_receive_into(scope, s, buf, PULL))
                 .collect();
             let pushes: Vec<_> = sends
                 .iter_mut()
                 .zip(servers)
-                .map(|(buf, &s)| up.process_at_rank(s).immediate_send_with_tag(scope, &*buf, PUSH))
+                .map(|(buf, &s)| up.immediate_send(scope, s, &*buf, PUSH))
                 .collect();
             pulls.into_iter().for_each(|r| r.wait_without_status());
             pushes.into_iter().for_each(|r| r.wait_without_status());
@@ -306,30 +363,31 @@ impl ParameterServer {
         for (bucket, buf) in layout.buckets.iter().zip(&mut self.send_bufs) {
             pack(bucket, grads, buf);
         }
-        crate::exchange::staging::synchronize(self.device);
+        // MPI reads the buffers outside stream order: the copies into them must be done.
+        crate::exchange::staging::wait_for_stream(self.device)?;
         let share = layout.buckets[me].len;
         let workers = self.roles.workers.clone();
         let servers = self.roles.servers.clone();
         if self.push_bufs.len() != workers.len() || self.push_bufs.first().is_some_and(|b| b.numel() != share) {
             self.push_bufs = workers.iter().map(|_| Tensor::f_zeros([share as i64], (Kind::Float, Device::Cpu))).collect::<std::result::Result<_, _>>()?;
         }
-        let (up, down) = (self.up.comm(), self.down.comm());
+        let (up, down) = (&self.up, &self.down);
         // Gradients for my share arrive from every other worker while mine leave.
         {
-            let mut incoming: Vec<_> = self.push_bufs.iter_mut().map(raw::mpi_buffer_mut::<f32>).collect::<Result<_>>()?;
-            let mut outgoing: Vec<_> = self.send_bufs.iter_mut().map(raw::mpi_buffer_mut::<f32>).collect::<Result<_>>()?;
+            let mut incoming: Vec<_> = mpi_buffers(&mut self.push_bufs)?;
+            let mut outgoing: Vec<_> = mpi_buffers(&mut self.send_bufs)?;
             mpi::request::scope(|scope| {
                 let recvs: Vec<_> = incoming
                     .iter_mut()
                     .zip(&workers)
                     .filter(|(_, &w)| w != self.rank)
-                    .map(|(buf, &w)| up.process_at_rank(w).immediate_receive_into_with_tag(scope, buf, PUSH))
+                    .map(|(buf, &w)| up.immediate_receive_into(scope, w, buf, PUSH))
                     .collect();
                 let sends: Vec<_> = outgoing
                     .iter_mut()
                     .zip(&servers)
                     .filter(|(_, &s)| s != self.rank)
-                    .map(|(buf, &s)| up.process_at_rank(s).immediate_send_with_tag(scope, &*buf, PUSH))
+                    .map(|(buf, &s)| up.immediate_send(scope, s, &*buf, PUSH))
                     .collect();
                 recvs.into_iter().for_each(|r| r.wait_without_status());
                 sends.into_iter().for_each(|r| r.wait_without_status());
@@ -344,19 +402,21 @@ impl ParameterServer {
         // My share goes to every other worker; the other shares come from their servers.
         {
             let mut result_view = result.shallow_clone();
-            let result_mpi = raw::mpi_buffer_mut::<f32>(&mut result_view)?;
-            let mut incoming: Vec<_> = self.recv_bufs.iter_mut().map(raw::mpi_buffer_mut::<f32>).collect::<Result<_>>()?;
+            // SAFETY: the server share's result tensor (its weights or sum), a host tensor of
+            // the server state that nothing else touches until the sends below complete.
+            let result_mpi = unsafe { raw::mpi_buffer_mut::<f32>(&mut result_view)? };
+            let mut incoming: Vec<_> = mpi_buffers(&mut self.recv_bufs)?;
             mpi::request::scope(|scope| {
                 let recvs: Vec<_> = incoming
                     .iter_mut()
                     .zip(&servers)
                     .filter(|(_, &s)| s != self.rank)
-                    .map(|(buf, &s)| down.process_at_rank(s).immediate_receive_into_with_tag(scope, buf, PULL))
+                    .map(|(buf, &s)| down.immediate_receive_into(scope, s, buf, PULL))
                     .collect();
                 let sends: Vec<_> = workers
                     .iter()
                     .filter(|&&w| w != self.rank)
-                    .map(|&w| down.process_at_rank(w).immediate_send_with_tag(scope, &result_mpi, PULL))
+                    .map(|&w| down.immediate_send(scope, w, &result_mpi, PULL))
                     .collect();
                 recvs.into_iter().for_each(|r| r.wait_without_status());
                 sends.into_iter().for_each(|r| r.wait_without_status());
@@ -396,7 +456,8 @@ impl ParameterServer {
             match (&own, server == self.rank) {
                 (Some(mine), true) => share.f_copy_(mine)?,
                 _ => {
-                    self.down.comm().process_at_rank(server).receive_into_with_tag(raw::host_slice_mut::<f32>(&mut share)?, STATE);
+                    // SAFETY: `share` was just made here and has no other handle.
+                    self.down.receive_into(server, unsafe { raw::host_slice_mut::<f32>(&mut share)? }, STATE);
                 }
             }
             unpack(bucket, &share, &mut out);
@@ -469,13 +530,11 @@ impl Exchange for ParameterServer {
             // This rank's server starts with the first step; pushes that reach it earlier wait
             // in MPI until it does.
             let state = self.own.take().expect("colocated state made in prepare");
-            let (up, down, workers, config) = (self.up.clone(), self.down.clone(), self.roles.workers.clone(), self.config.clone());
-            self.thread = Some(
-                std::thread::Builder::new()
-                    .name("ps-server".into())
-                    .spawn(move || serve_async(state, &up, &down, &workers, &config, true).map(|(_, s)| s))
-                    .expect("spawning the server thread"),
-            );
+            let (up, down) = self.up.shared().zip(self.down.shared()).expect("colocated async links are shared");
+            let (workers, config, stop) = (self.roles.workers.clone(), self.config.clone(), self.stop_thread.clone());
+            self.thread = Some(CommThread::spawn("ps-server", self.device, move || {
+                serve_async(state, &*up, &*down, &workers, &config, true, &stop).map(|(_, s)| s)
+            })?);
         }
         if self.config.colocate && self.config.mode == PsMode::Sync {
             let g: Vec<Tensor> = grads.iter().map(|t| t.shallow_clone()).collect();
@@ -491,7 +550,7 @@ impl Exchange for ParameterServer {
         let state = self.server_state(index, params)?;
         let (state, staleness) = match self.config.mode {
             PsMode::Sync => serve_sync(state, &self.up, &self.down, &self.roles.workers, &self.config)?,
-            PsMode::Async => serve_async(state, &self.up, &self.down, &self.roles.workers, &self.config, false)?,
+            PsMode::Async => serve_async(state, &self.up, &self.down, &self.roles.workers, &self.config, false, &AtomicBool::new(false))?,
         };
         self.staleness = staleness;
         // Keep the final weights of this share in the server's copy of the model.
@@ -505,13 +564,13 @@ impl Exchange for ParameterServer {
     fn finish(&mut self, params: &mut [Tensor]) -> Result<()> {
         let server_loops = !(self.config.colocate && self.config.mode == PsMode::Sync);
         if self.is_worker() && self.trained && server_loops {
-            let (up, down) = (self.up.comm(), self.down.comm());
+            let (up, down) = (&self.up, &self.down);
             for &s in &self.roles.servers {
-                up.process_at_rank(s).send_with_tag(&[0u8; 0][..], DONE);
+                up.send(s, &[0u8; 0][..], DONE);
             }
-            let mut recvs: Vec<_> = self.recv_bufs.iter_mut().map(raw::mpi_buffer_mut::<f32>).collect::<Result<_>>()?;
+            let mut recvs: Vec<_> = mpi_buffers(&mut self.recv_bufs)?;
             for (buf, &s) in recvs.iter_mut().zip(&self.roles.servers) {
-                down.process_at_rank(s).receive_into_with_tag(buf, FINAL);
+                down.receive_into(s, buf, FINAL);
             }
             drop(recvs);
             let layout = self.layout.as_ref().expect("checked");
@@ -527,7 +586,7 @@ impl Exchange for ParameterServer {
             }
         }
         if let Some(thread) = self.thread.take() {
-            self.staleness = thread.join().map_err(|_| Error::exchange("ps", "the server thread panicked"))??;
+            self.staleness = thread.join()?;
         }
         // Staleness over all servers (every rank calls finish at the same point).
         let local = [self.staleness.sum, self.staleness.count as f64];
@@ -552,7 +611,8 @@ impl Exchange for ParameterServer {
             if self.rank == root {
                 return Ok(Some(self.collect_momentum(params, Some(share))?));
             }
-            self.down.comm().process_at_rank(root).send_with_tag(raw::host_slice::<f32>(&share)?, STATE);
+            // SAFETY: `share` is a fresh copy (momentum_share) with no other handle.
+            self.down.send(root, unsafe { raw::host_slice::<f32>(&share)? }, STATE);
             return Ok(None);
         }
         if self.rank == root {
@@ -585,6 +645,26 @@ impl Exchange for ParameterServer {
         }
         ExchangeReport { data_path: Some(self.path), extra }
     }
+}
+
+impl Drop for ParameterServer {
+    fn drop(&mut self) {
+        // On an error path a colocated server thread may still wait for pushes: stop it, and
+        // dropping the thread joins it before MPI can be finalized (see comm_thread).
+        self.stop_thread.store(true, Ordering::Relaxed);
+        self.thread.take();
+    }
+}
+
+/// The parameter server's own send, receive and push buffers as MPI buffers.
+fn mpi_buffers(buffers: &mut [Tensor]) -> Result<Vec<mpi::datatype::DynBufferMut<'_>>> {
+    buffers
+        .iter_mut()
+        // SAFETY: these tensors are made by the parameter server (ensure_layout, inline_round)
+        // and never handed out, so no other handle touches them; device buffers exist only on
+        // the direct path (a CUDA-aware MPI), filled by copies waited for before the exchange.
+        .map(|b| unsafe { raw::mpi_buffer_mut::<f32>(b) })
+        .collect()
 }
 
 /// A server's share: weights and optimizer state, on the host.
@@ -682,11 +762,11 @@ impl ServerState {
 
 /// Waits for the next message from `source` (any tag), reporting a silent worker after the
 /// configured timeout instead of waiting forever.
-fn probe_from(comm: &SimpleCommunicator, source: Rank, timeout: Duration) -> Result<(mpi::point_to_point::Message, Status)> {
+fn probe_from(comm: &impl PointToPoint, source: Rank, timeout: Duration) -> Result<(mpi::point_to_point::Message, Status)> {
     let start = Instant::now();
     let mut idle = 0u32;
     loop {
-        if let Some(found) = comm.process_at_rank(source).immediate_matched_probe() {
+        if let Some(found) = comm.probe(Some(source)) {
             return Ok(found);
         }
         if start.elapsed() > timeout {
@@ -712,8 +792,7 @@ fn backoff(idle: &mut u32, colocated: bool) {
 
 /// One synchronous round on a dedicated server: a push from every worker (in worker order),
 /// then the result to every worker. Returns false when the workers said DONE instead.
-fn serve_sync_round(state: &mut ServerState, up: &SendComm, down: &SendComm, workers: &[Rank], config: &PsConfig, optimize: bool) -> Result<bool> {
-    let (up, down) = (up.comm(), down.comm());
+fn serve_sync_round(state: &mut ServerState, up: &impl PointToPoint, down: &impl PointToPoint, workers: &[Rank], config: &PsConfig, optimize: bool) -> Result<bool> {
     let share = state.weights.numel() as i64;
     let mut done = 0;
     let mut received = 0;
@@ -727,7 +806,8 @@ fn serve_sync_round(state: &mut ServerState, up: &SendComm, down: &SendComm, wor
             PUSH => {
                 let target = if k == 0 || received == 0 { &mut state.sum } else { &mut state.scratch };
                 let mut view = target.f_narrow(0, 0, share)?;
-                message.matched_receive_into(raw::host_slice_mut::<f32>(&mut view)?);
+                // SAFETY: a view of the server state's own sum or scratch, which nothing else touches.
+                message.matched_receive_into(unsafe { raw::host_slice_mut::<f32>(&mut view)? });
                 if received > 0 {
                     let _ = state.sum.f_add_(&state.scratch)?;
                 }
@@ -751,9 +831,10 @@ fn serve_sync_round(state: &mut ServerState, up: &SendComm, down: &SendComm, wor
     } else {
         state.sum.shallow_clone()
     };
-    let out = raw::host_slice::<f32>(&result)?;
+    // SAFETY: the server state's weights or sum, unchanged until the sends below complete.
+    let out = unsafe { raw::host_slice::<f32>(&result)? };
     mpi::request::scope(|scope| {
-        let sends: Vec<_> = workers.iter().map(|&w| down.process_at_rank(w).immediate_send_with_tag(scope, out, PULL)).collect();
+        let sends: Vec<_> = workers.iter().map(|&w| down.immediate_send(scope, w, out, PULL)).collect();
         sends.into_iter().for_each(|r| r.wait_without_status());
     });
     Ok(true)
@@ -761,7 +842,7 @@ fn serve_sync_round(state: &mut ServerState, up: &SendComm, down: &SendComm, wor
 
 /// Synchronous server loop: rounds until every worker is done, then the final weights. After
 /// every `checkpoint_every` steps, and at the end, the momentum goes to rank 0 for checkpoints.
-fn serve_sync(mut state: ServerState, up: &SendComm, down: &SendComm, workers: &[Rank], config: &PsConfig) -> Result<(ServerState, Staleness)> {
+fn serve_sync(mut state: ServerState, up: &impl PointToPoint, down: &impl PointToPoint, workers: &[Rank], config: &PsConfig) -> Result<(ServerState, Staleness)> {
     let mut step = config.first_step;
     while serve_sync_round(&mut state, up, down, workers, config, true)? {
         step += 1;
@@ -774,23 +855,34 @@ fn serve_sync(mut state: ServerState, up: &SendComm, down: &SendComm, workers: &
     Ok((state, Staleness::default()))
 }
 
-fn send_state(state: &ServerState, down: &SendComm, root: Rank) -> Result<()> {
+fn send_state(state: &ServerState, down: &impl PointToPoint, root: Rank) -> Result<()> {
     let share = state.momentum_share()?;
-    down.comm().process_at_rank(root).send_with_tag(raw::host_slice::<f32>(&share)?, STATE);
+    // SAFETY: `share` is a fresh copy with no other handle.
+    down.send(root, unsafe { raw::host_slice::<f32>(&share)? }, STATE);
     Ok(())
 }
 
-fn send_final(state: &ServerState, down: &SendComm, workers: &[Rank]) -> Result<()> {
-    let out = raw::host_slice::<f32>(&state.weights)?;
+fn send_final(state: &ServerState, down: &impl PointToPoint, workers: &[Rank]) -> Result<()> {
+    // SAFETY: the server state's weights, which only this (server) thread writes.
+    let out = unsafe { raw::host_slice::<f32>(&state.weights)? };
     for &w in workers {
-        down.comm().process_at_rank(w).send_with_tag(out, FINAL);
+        down.send(w, out, FINAL);
     }
     Ok(())
 }
 
 /// Asynchronous server loop (on a dedicated rank, or in a colocated rank's server thread).
-fn serve_async(mut state: ServerState, up: &SendComm, down: &SendComm, workers: &[Rank], config: &PsConfig, colocated: bool) -> Result<(ServerState, Staleness)> {
-    let (up_c, down_c) = (up.comm(), down.comm());
+/// `stop`: set on an error path (a colocated server thread must end before MPI is finalized).
+fn serve_async(
+    mut state: ServerState,
+    up: &impl PointToPoint,
+    down: &impl PointToPoint,
+    workers: &[Rank],
+    config: &PsConfig,
+    colocated: bool,
+    stop: &AtomicBool,
+) -> Result<(ServerState, Staleness)> {
+    let (up_c, down_c) = (up, down);
     let n = workers.len();
     let share = state.weights.numel() as i64;
     let index_of = |rank: Rank| workers.iter().position(|&w| w == rank);
@@ -809,7 +901,10 @@ fn serve_async(mut state: ServerState, up: &SendComm, down: &SendComm, workers: 
     let bound = config.max_staleness;
 
     loop {
-        match up_c.any_process().immediate_matched_probe() {
+        if stop.load(Ordering::Relaxed) {
+            return Err(Error::exchange("ps", "the server was stopped before its workers were done"));
+        }
+        match up_c.probe(None) {
             Some((message, status)) => {
                 idle = 0;
                 let source = status.source_rank();
@@ -817,7 +912,8 @@ fn serve_async(mut state: ServerState, up: &SendComm, down: &SendComm, workers: 
                 last_heard[w] = Instant::now();
                 match status.tag() {
                     PUSH => {
-                        message.matched_receive_into(raw::host_slice_mut::<f32>(&mut incoming)?);
+                        // SAFETY: `incoming` is this loop's own receive buffer, no other handle.
+                        message.matched_receive_into(unsafe { raw::host_slice_mut::<f32>(&mut incoming)? });
                         let round = clock[w];
                         let s = round.saturating_sub(sent_complete[w]);
                         staleness.sum += s as f64;
@@ -848,7 +944,8 @@ fn serve_async(mut state: ServerState, up: &SendComm, down: &SendComm, workers: 
                         None => 0,
                     };
                     if complete >= needed {
-                        down_c.process_at_rank(workers[v]).send_with_tag(raw::host_slice::<f32>(&state.weights)?, PULL);
+                        // SAFETY: the server state's weights, which only this thread writes.
+                        down_c.send(workers[v], unsafe { raw::host_slice::<f32>(&state.weights)? }, PULL);
                         sent_complete[v] = complete.min(round + 1);
                         waiting[v] = None;
                     }

@@ -21,7 +21,7 @@ use tch::Tensor;
 use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::element::{accumulate, accumulate_scaled, Dtype, Element};
-use crate::exchange::staging::{synchronize, Staging};
+use crate::exchange::staging::{wait_for_stream, Staging};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::raw;
 use crate::topology::{ShardInfo, World};
@@ -171,7 +171,8 @@ impl Ring {
             if op == ReduceOp::Mean && s == n - 2 {
                 let _ = target.f_mul_scalar_(1.0 / n as f64)?;
             }
-            synchronize(device);
+            // The next step sends what this one added: MPI must not read it before the GPU wrote it.
+            wait_for_stream(device)?;
         }
         for s in 0..n - 1 {
             let (send, recv) = schedule.all_gather(s);
@@ -185,8 +186,11 @@ impl Ring {
     /// Sends `outgoing` right while receiving `incoming` from the left, device memory both.
     fn exchange_device<E: Element>(&self, outgoing: &mut Tensor, incoming: &mut Tensor) -> Result<()> {
         let (left, right) = self.neighbours();
-        let send_buf = raw::device_buffer_mut::<E>(outgoing)?;
-        let mut recv_buf = raw::device_buffer_mut::<E>(incoming)?;
+        // SAFETY: both are views of the ring's bucket or its scratch, which nothing but this
+        // exchange touches while it runs; the device path is only taken with a CUDA-aware MPI
+        // (DataPath::Direct), and the stream was waited for after every kernel writing them.
+        let send_buf = unsafe { raw::device_buffer_mut::<E>(outgoing)? };
+        let mut recv_buf = unsafe { raw::device_buffer_mut::<E>(incoming)? };
         mpi::request::scope(|scope| {
             let receive = left.immediate_receive_into(scope, &mut recv_buf);
             let send = right.immediate_send(scope, &send_buf);
@@ -201,7 +205,9 @@ impl Ring {
             if bucket.device().is_cuda() {
                 self.all_reduce_device::<E>(bucket, op)
             } else {
-                self.all_reduce_host::<E>(raw::host_slice_mut::<E>(bucket)?, op);
+                // SAFETY: the bucket is a fusion buffer, a staging buffer or the flat view of a
+                // gradient whose backward is done; nothing else reads or writes it meanwhile.
+                self.all_reduce_host::<E>(unsafe { raw::host_slice_mut::<E>(bucket)? }, op);
                 Ok(())
             }
         })

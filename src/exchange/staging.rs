@@ -1,9 +1,15 @@
-//! Moving GPU buckets through pinned host memory when the MPI library cannot read device memory.
+//! Moving GPU buckets through host memory when the MPI library cannot read device memory.
 //!
-//! Two pinned buffers alternate: while bucket b is exchanged from one, bucket b+1 is already
-//! being copied device-to-host into the other, and bucket b's result is copied back
-//! host-to-device behind it on the same stream. Host buckets and device buckets on the direct
-//! (CUDA-aware) path are handed over where they are.
+//! Two host buffers (pinned, for a GPU) alternate: while bucket b is exchanged from one, bucket
+//! b+1 is already being copied device-to-host into the other, and bucket b's result is copied
+//! back host-to-device behind it. All copies are queued on the current stream, so the stream
+//! orders them after the kernels that wrote the buckets and before the ones that read the
+//! results; the host waits only for the copy it is about to read, through an event recorded
+//! right after that copy. Host buckets and device buckets on the direct (CUDA-aware) path are
+//! handed over where they are.
+//!
+//! The same code runs on CPU tensors (the copies are then plain, the events absent), which is
+//! how the CPU tests exercise it: see [`DataPath::choose`].
 
 use std::time::{Duration, Instant};
 
@@ -11,10 +17,11 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::Result;
 use crate::exchange::DataPath;
+use crate::raw::{self, CudaEvent};
 
 #[derive(Default)]
 pub struct Staging {
-    /// Two pinned host buffers of `capacity` elements.
+    /// Two host buffers of `capacity` elements, pinned for a GPU.
     buffers: Vec<Tensor>,
     capacity: usize,
     layout: Option<(Kind, Device)>,
@@ -27,14 +34,18 @@ impl Staging {
         Staging::default()
     }
 
-    /// Pinned buffers for buckets of up to `len` elements of `kind`, for `device`; made once and
-    /// grown only when a larger bucket comes.
+    /// Host buffers for buckets of up to `len` elements of `kind` living on `device`; made once
+    /// and grown only when a larger bucket comes.
     fn ensure(&mut self, len: usize, kind: Kind, device: Device) -> Result<()> {
         if self.layout == Some((kind, device)) && self.capacity >= len {
             return Ok(());
         }
         self.buffers = (0..2)
-            .map(|_| Tensor::f_zeros([len as i64], (kind, Device::Cpu))?.f_pin_memory(device))
+            .map(|_| {
+                let host = Tensor::f_zeros([len as i64], (kind, Device::Cpu))?;
+                // Pinned memory is what lets a device-to-host copy run without blocking.
+                if device.is_cuda() { host.f_pin_memory(device) } else { Ok(host) }
+            })
             .collect::<std::result::Result<_, _>>()?;
         self.capacity = len;
         self.layout = Some((kind, device));
@@ -47,7 +58,7 @@ impl Staging {
     }
 
     /// Runs `reduce(b, bucket)` on every bucket in order, on `path`. On the staged path `reduce`
-    /// receives a pinned host tensor holding the bucket, and the result is copied back.
+    /// receives a host tensor holding the bucket, and the result is copied back.
     pub fn run(
         &mut self,
         path: DataPath,
@@ -57,7 +68,9 @@ impl Staging {
         if path != DataPath::Staged {
             for (b, bucket) in buckets.iter_mut().enumerate() {
                 if path == DataPath::Direct {
-                    synchronize(bucket.device()); // the kernels that wrote the bucket are done
+                    // MPI reads device memory outside stream order: the kernels that wrote the
+                    // bucket must be done first.
+                    wait_for_stream(bucket.device())?;
                 }
                 reduce(b, bucket)?;
             }
@@ -70,29 +83,90 @@ impl Staging {
 
         let host_view = |buffers: &[Tensor], b: usize, len: usize| buffers[b % 2].narrow(0, 0, len as i64);
         // Device-to-host of bucket 0; each iteration starts the copy of the next bucket before
-        // exchanging the current one.
-        let _ = first.f_internal_copy_from(&host_view(&self.buffers, 0, first.numel()), true)?;
+        // exchanging the current one. Buffer b % 2 is rewritten by the copy of bucket b + 2 only
+        // after the copy back of bucket b, which the stream runs first.
+        let mut arrived = copy_and_record(&mut host_view(&self.buffers, 0, first.numel()), first)?;
         for b in 0..buckets.len() {
             let wait = Instant::now();
-            synchronize(device); // D2H of bucket b (and H2D of b-1, which used the other buffer) done
-            self.copy_time += wait.elapsed();
-            if let Some(next) = buckets.get(b + 1) {
-                let _ = next.f_internal_copy_from(&host_view(&self.buffers, b + 1, next.numel()), true)?;
+            if let Some(event) = arrived.take() {
+                event.synchronize()?;
             }
+            self.copy_time += wait.elapsed();
+            let next_arrived = match buckets.get(b + 1) {
+                Some(next) => copy_and_record(&mut host_view(&self.buffers, b + 1, next.numel()), next)?,
+                None => None,
+            };
             let mut host = host_view(&self.buffers, b, buckets[b].numel());
             reduce(b, &mut host)?;
-            let _ = host.f_internal_copy_from(&buckets[b], true)?;
+            raw::copy_into(&mut buckets[b], &host, true)?;
+            arrived = next_arrived;
         }
-        let wait = Instant::now();
-        synchronize(device);
-        self.copy_time += wait.elapsed();
         Ok(())
     }
 }
 
-/// Waits for all queued work on `device` (a no-op on the CPU).
-pub fn synchronize(device: Device) {
+/// Queues `dst.copy_(src)` without blocking and returns an event that marks its end (None when
+/// the copy is already done, between host tensors).
+fn copy_and_record(dst: &mut Tensor, src: &Tensor) -> Result<Option<CudaEvent>> {
+    raw::copy_into(dst, src, true)?;
+    CudaEvent::record(src.device())
+}
+
+/// Waits for the work queued so far on `device`'s current stream (this stream only, unlike a
+/// device-wide synchronize, so other streams' kernels go on). Nothing to wait for on the CPU.
+pub fn wait_for_stream(device: Device) -> Result<()> {
+    match CudaEvent::record(device)? {
+        Some(event) => event.synchronize(),
+        None => Ok(()),
+    }
+}
+
+/// Waits for all queued work on `device` (a no-op on the CPU): for step timings, once a step.
+pub fn synchronize_device(device: Device) {
     if let Device::Cuda(index) = device {
         tch::Cuda::synchronize(index as i64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The staged path on CPU tensors: every bucket goes through the alternating host buffers
+    /// and comes back with the reduction applied, whatever the bucket sizes.
+    #[test]
+    fn staged_buckets_come_back_reduced() {
+        for kind in [Kind::Float, Kind::Half, Kind::BFloat16] {
+            let mut buckets: Vec<Tensor> = [5i64, 1, 9, 3, 9].iter().map(|&n| Tensor::arange(n, (kind, Device::Cpu))).collect();
+            let expected: Vec<Tensor> = buckets.iter().map(|t| t * 3.0 + 1.0).collect();
+            let mut staging = Staging::new();
+            let mut seen = Vec::new();
+            staging
+                .run(DataPath::Staged, &mut buckets, |b, host| {
+                    seen.push((b, host.numel()));
+                    // The reduction sees a copy, not the bucket itself.
+                    let _ = host.f_mul_scalar_(3.0)?.f_add_scalar_(1.0)?;
+                    Ok(())
+                })
+                .unwrap();
+            assert_eq!(seen, vec![(0, 5), (1, 1), (2, 9), (3, 3), (4, 9)]);
+            for (got, want) in buckets.iter().zip(&expected) {
+                assert!(got.equal(want), "{kind:?}: {got:?} vs {want:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn host_and_direct_paths_reduce_in_place() {
+        let mut buckets = vec![Tensor::from_slice(&[1.0f32, 2.0])];
+        let address = raw::data_address(&buckets[0]);
+        Staging::new()
+            .run(DataPath::Host, &mut buckets, |_, t| {
+                assert_eq!(raw::data_address(t), address);
+                let _ = t.f_neg_()?;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(Vec::<f32>::try_from(&buckets[0]).unwrap(), vec![-1.0, -2.0]);
     }
 }

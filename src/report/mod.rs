@@ -105,6 +105,15 @@ fn read_runs(input: &Path, study: Option<&str>) -> Result<(Vec<RunRecord>, usize
         return Err(Error::Results(format!("{}: no run records", input.display())));
     }
     let read = all.len();
+    // A run that measured nothing (a resume with no step left, from before such runs stopped
+    // being recorded) would replace the real one at its rank count: leave it out.
+    let (all, unmeasured): (Vec<RunRecord>, Vec<RunRecord>) = all.into_iter().partition(has_measured_steps);
+    if !unmeasured.is_empty() {
+        log::warn!("{}: left out {} record(s) with no measured steps", input.display(), unmeasured.len());
+    }
+    if all.is_empty() {
+        return Err(Error::Results(format!("{}: no run record with measured steps", input.display())));
+    }
     let Some(study) = study else {
         return Ok((all, read));
     };
@@ -117,6 +126,11 @@ fn read_runs(input: &Path, study: Option<&str>) -> Result<(Vec<RunRecord>, usize
     }
     let of_study = all.into_iter().filter(|r| r.study.as_deref() == Some(study)).collect();
     Ok((of_study, read))
+}
+
+/// Whether a record has steps and a throughput to show.
+fn has_measured_steps(r: &RunRecord) -> bool {
+    r.steps > 0 && r.images_per_sec.is_finite() && r.images_per_sec > 0.0
 }
 
 fn write_csv(path: &Path, rows: &[tables::CsvRow]) -> Result<()> {

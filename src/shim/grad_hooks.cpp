@@ -1,7 +1,8 @@
-// Gradient-ready hooks for hpc-train: libtorch calls a post-accumulate-grad hook once a
-// parameter's gradient is final for this backward pass; this shim registers such a hook on each
-// parameter and forwards (parameter index, CUDA event or null) to a Rust callback. tch exposes
-// no autograd hooks (tch-rs issue 769), hence these few lines of C++.
+// The libtorch calls hpc-train needs and tch does not offer. Gradient-ready hooks: libtorch calls
+// a post-accumulate-grad hook once a parameter's gradient is final for this backward pass; this
+// shim registers such a hook on each parameter and forwards (parameter index, CUDA event or
+// null) to a Rust callback. tch exposes no autograd hooks (tch-rs issue 769). Also: events on a
+// stream, non-blocking copies, the current CUDA device, and a few global settings.
 //
 // Built by build.rs against the headers of the libtorch that tch links. The hook itself does no
 // MPI and no allocation beyond the event: it only tells Rust that the gradient is ready.
@@ -102,6 +103,54 @@ int hpc_event_synchronize(void *event, char *error, size_t error_length) {
 }
 
 void hpc_event_destroy(void *event) { delete static_cast<c10::Event *>(event); }
+
+// A new event recorded on the current stream of CUDA device `device_index`; null on error.
+void *hpc_event_record(int64_t device_index, char *error, size_t error_length) {
+  try {
+    c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+    c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
+    auto event = std::make_unique<c10::Event>(c10::DeviceType::CUDA);
+    event->record(guard.getStream(device));
+    return event.release();
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return nullptr;
+  }
+}
+
+// dst.copy_(src, non_blocking): tch only has the blocking form.
+int hpc_copy(void *dst, void *src, bool non_blocking, char *error, size_t error_length) {
+  try {
+    static_cast<at::Tensor *>(dst)->copy_(*static_cast<at::Tensor *>(src), non_blocking);
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
+// cudaSetDevice for the calling thread, through libtorch's device guard (no CUDA headers here).
+int hpc_set_cuda_device(int64_t device_index, char *error, size_t error_length) {
+  try {
+    c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+    guard.setDevice(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)));
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
+// The calling thread's current CUDA device; -1 on error.
+int64_t hpc_current_cuda_device(char *error, size_t error_length) {
+  try {
+    c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+    return guard.getDevice().index();
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
 
 // ---- Settings tch does not expose (used by --precision and --channels-last). ----
 
