@@ -291,7 +291,11 @@ fn an_agreed_error_joins_communication_threads_before_finalize() {
     let dir = scratch("finalize");
     let data = dataset(&dir);
     let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
-    for strategy in [&["--strategy", "horovod"][..], &["--strategy", "horovod", "--hierarchical"], &["--strategy", "ps", "--ps-colocate", "--ps-mode", "async"]] {
+    // A long cycle: the background thread takes its shutdown message only at the end of a
+    // cycle, so MPI_Finalize, if it did not wait for the thread, would run first.
+    let horovod = ["--strategy", "horovod", "--cycle-time-ms", "100"];
+    let hierarchical = ["--strategy", "horovod", "--cycle-time-ms", "100", "--hierarchical"];
+    for strategy in [&horovod[..], &hierarchical, &["--strategy", "ps", "--ps-colocate", "--ps-mode", "async"]] {
         let mut args = base(&d, &r, strategy);
         args.extend(["--steps", "50"]);
         let run = mpirun_env(3, &args, &[("HPC_TRAIN_FAULT", "setup@1:0")], Duration::from_secs(60));
