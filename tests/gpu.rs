@@ -45,3 +45,39 @@ fn gpu_training_matches_the_cpu_and_every_precision_runs() {
     assert!(!refused.ok());
     assert!(refused.all_output().contains("--allow-gpu-sharing"), "{}", refused.all_output());
 }
+
+/// The review's GPU defects (issue 13): the staged copies (1), the rank's GPU made current (2)
+/// and 16-bit reductions, which MPI runs as host functions, on a CUDA-aware MPI (3).
+#[test]
+fn staged_copies_current_device_and_sixteen_bit_sums_on_the_gpu() {
+    if !gpu_present() {
+        eprintln!("skipped: no GPU on this machine (the staged copies, the current device and 16-bit sums of GPU buffers need one)");
+        return;
+    }
+    let dir = scratch("gpu-review");
+    let r = dir.to_str().unwrap();
+    let bench = |extra: &[&str]| {
+        let mut args = vec!["bench", "--device", "cuda", "--counts", "0,1,3,1001,262147", "--iters", "2", "--warmup", "1", "--verify", "allreduce", "--results", r];
+        args.extend(extra);
+        let run = mpirun_env(2, &args, &[("RUST_LOG", "debug")], std::time::Duration::from_secs(300));
+        assert!(run.ok(), "{extra:?}:\n{}", run.all_output());
+        for row in run.stdout.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()) {
+            assert_eq!(row.split_whitespace().last(), Some("0"), "{extra:?}: {row}");
+        }
+        run
+    };
+    for aware in ["no", "auto"] {
+        // (1) and (3): every strategy and dtype, through the staged path and, where MPI is
+        // CUDA-aware, the direct one (16-bit sums then still go through the host).
+        for dtype in ["f32", "f16", "bf16"] {
+            let strategies = if dtype == "f32" { "ring,allreduce,horovod,ps" } else { "ring,allreduce,horovod" };
+            let run = bench(&["--strategies", strategies, "--dtype", dtype, "--cuda-aware", aware]);
+            // (2) every rank's MPI thread has its GPU current.
+            assert_eq!(run.stderr.matches("is the current device of the MPI thread").count(), 2, "{}", run.stderr);
+        }
+        for compression in ["fp16", "bf16"] {
+            bench(&["--strategies", "horovod", "--compression", compression, "--layout", "resnet50", "--cuda-aware", aware, "--verify", "closed-form"]);
+            bench(&["--strategies", "horovod", "--compression", compression, "--hierarchical", "--cuda-aware", aware, "--verify", "closed-form"]);
+        }
+    }
+}
