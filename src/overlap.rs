@@ -200,7 +200,7 @@ impl Overlap {
         if check_finite && !optim::all_finite(std::slice::from_ref(&flat))? {
             return Err(Error::NonFinite { what: "gradient", step: 0, epoch: 0 });
         }
-        exchange.all_reduce(std::slice::from_mut(&mut flat), ReduceOp::Mean)?;
+        exchange.all_reduce_keyed(b, std::slice::from_mut(&mut flat), ReduceOp::Mean)?;
         if self.buffers[b].is_some() {
             unpack(bucket, &flat, grads);
         }

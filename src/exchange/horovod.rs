@@ -212,6 +212,49 @@ impl Horovod {
         })
     }
 
+    /// Enqueues every tensor (tensor i as id `first_id + i`) and waits until the background
+    /// thread has reduced them all.
+    fn enqueue_and_wait(&mut self, first_id: usize, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        common_dtype(tensors)?;
+        let mut order: Vec<usize> = (0..tensors.len()).collect();
+        if self.config.shuffle_enqueue {
+            use rand::seq::SliceRandom;
+            use rand::SeedableRng;
+            order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(self.rank as u64 * 7919 + 1));
+        }
+        // Under compression a mean is taken before the cast down (see ToBackground::Enqueue).
+        let prescale = (op == ReduceOp::Mean && self.size > 1 && self.config.compression != Compression::None).then(|| 1.0 / self.size as f64);
+        for (k, &index) in order.iter().enumerate() {
+            let id = first_id + index;
+            if k + 1 == order.len() {
+                if let Some((rank, delay)) = self.config.test_delay.take_if(|(r, _)| *r == self.rank) {
+                    log::warn!("rank {rank}: holding tensor {id} back for {:.1} s (test hook)", delay.as_secs_f64());
+                    std::thread::sleep(delay);
+                }
+            }
+            self.to_bg
+                .send(ToBackground::Enqueue { id, tensor: tensors[index].shallow_clone(), prescale })
+                .map_err(|_| Error::exchange("horovod", "the background thread has stopped"))?;
+            if self.config.shuffle_enqueue && k % 3 == 2 {
+                std::thread::sleep(self.config.cycle_time / 2);
+            }
+        }
+        let mut remaining = tensors.len();
+        while remaining > 0 {
+            match self.from_bg.recv() {
+                Ok(FromBackground::Done) => remaining -= 1,
+                Ok(FromBackground::Failed(e)) => return Err(e),
+                Err(_) => return Err(Error::exchange("horovod", "the background thread has stopped")),
+            }
+        }
+        if op == ReduceOp::Mean && self.size > 1 && prescale.is_none() {
+            for t in tensors.iter_mut() {
+                let _ = t.f_div_scalar_(self.size as f64)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Ends the background thread (all ranks together) and gathers the timeline and counters.
     fn shut_down(&mut self) -> Result<()> {
         let Some(thread) = self.thread.take() else { return Ok(()) };
@@ -256,45 +299,16 @@ impl Exchange for Horovod {
         self.config.compression.kind().and_then(Dtype::of_kind)
     }
 
-    /// Enqueues every tensor and waits until the background thread has reduced them all.
+    /// Enqueues every tensor (tensor i as id i) and waits until the background thread has
+    /// reduced them all.
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
-        common_dtype(tensors)?;
-        let mut order: Vec<usize> = (0..tensors.len()).collect();
-        if self.config.shuffle_enqueue {
-            use rand::seq::SliceRandom;
-            use rand::SeedableRng;
-            order.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(self.rank as u64 * 7919 + 1));
-        }
-        // Under compression a mean is taken before the cast down (see ToBackground::Enqueue).
-        let prescale = (op == ReduceOp::Mean && self.size > 1 && self.config.compression != Compression::None).then(|| 1.0 / self.size as f64);
-        for (k, &id) in order.iter().enumerate() {
-            if k + 1 == order.len() {
-                if let Some((rank, delay)) = self.config.test_delay.take_if(|(r, _)| *r == self.rank) {
-                    log::warn!("rank {rank}: holding tensor {id} back for {:.1} s (test hook)", delay.as_secs_f64());
-                    std::thread::sleep(delay);
-                }
-            }
-            self.to_bg
-                .send(ToBackground::Enqueue { id, tensor: tensors[id].shallow_clone(), prescale })
-                .map_err(|_| Error::exchange("horovod", "the background thread has stopped"))?;
-            if self.config.shuffle_enqueue && k % 3 == 2 {
-                std::thread::sleep(self.config.cycle_time / 2);
-            }
-        }
-        let mut remaining = tensors.len();
-        while remaining > 0 {
-            match self.from_bg.recv() {
-                Ok(FromBackground::Done) => remaining -= 1,
-                Ok(FromBackground::Failed(e)) => return Err(e),
-                Err(_) => return Err(Error::exchange("horovod", "the background thread has stopped")),
-            }
-        }
-        if op == ReduceOp::Mean && self.size > 1 && prescale.is_none() {
-            for t in tensors.iter_mut() {
-                let _ = t.f_div_scalar_(self.size as f64)?;
-            }
-        }
-        Ok(())
+        self.enqueue_and_wait(0, tensors, op)
+    }
+
+    /// Overlap's buckets: bucket `key`'s tensors get ids of their own, the same every step, so
+    /// that the response cache knows them after the first step.
+    fn all_reduce_keyed(&mut self, key: usize, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        self.enqueue_and_wait((key + 1) << 32, tensors, op)
     }
 
     fn finish(&mut self, _params: &mut [Tensor]) -> Result<()> {
@@ -307,6 +321,10 @@ impl Exchange for Horovod {
         extra.insert("horovod_cycles".into(), c.cycles.into());
         extra.insert("horovod_negotiations".into(), c.negotiations.into());
         extra.insert("horovod_cache_hits".into(), c.cache_hits.into());
+        extra.insert("horovod_tensors".into(), c.tensors.into());
+        // Tensors reduced straight from the response cache, without negotiation through rank 0.
+        let share = if c.tensors > 0 { c.cache_hits as f64 / c.tensors as f64 } else { 0.0 };
+        extra.insert("horovod_cache_hit_share".into(), share.into());
         extra.insert("horovod_fused_allreduces".into(), c.fused_allreduces.into());
         extra.insert("fusion_threshold_mb".into(), (self.config.fusion_threshold as f64 / (1 << 20) as f64).into());
         extra.insert("cycle_time_ms".into(), (self.config.cycle_time.as_secs_f64() * 1e3).into());
@@ -445,9 +463,15 @@ impl Background {
                 .collect();
             let responses = self.negotiate(&mine)?;
             for &(id, len) in &responses {
-                if !self.cache_index.contains_key(&id) {
-                    self.cache_index.insert(id, self.cache.len());
-                    self.cache.push((id, len));
+                // Every rank sees the same responses in the same order, so the caches stay equal;
+                // an entry whose tensor changed size is replaced in place, or the tensor would be
+                // negotiated again at every step.
+                match self.cache_index.get(&id) {
+                    Some(&bit) => self.cache[bit].1 = len,
+                    None => {
+                        self.cache_index.insert(id, self.cache.len());
+                        self.cache.push((id, len));
+                    }
                 }
                 order.push((id, len));
             }

@@ -151,6 +151,13 @@ pub trait Exchange {
     /// Reduces `tensors` element-wise over the ranks, in place (sum or mean).
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()>;
 
+    /// As [`Exchange::all_reduce`], for a set of tensors that `key` names alike on every rank
+    /// and at every step (overlap's bucket index), for strategies that remember tensors between
+    /// calls (Horovod's response cache).
+    fn all_reduce_keyed(&mut self, _key: usize, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        self.all_reduce(tensors, op)
+    }
+
     /// This rank's role in training.
     fn role(&self) -> Role;
 
