@@ -116,6 +116,45 @@ struct BenchRow {
     mpi_library: String,
     git_commit: String,
     date: String,
+    /// The ring's bus bandwidth bound from this machine's memory bandwidth (see MemoryBound),
+    /// measured in the same run: host f32 runs only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    memory_bound_busbw: Option<f64>,
+}
+
+/// What one core's memory bandwidth allows an all-reduce on host memory: every rank receives
+/// (copies) 2(n-1)/n of the buffer and adds (n-1)/n of it into its own, so a ring can take no
+/// less than 2(n-1)/n S / copy + (n-1)/n S / add, i.e. a bus bandwidth of at most
+/// 2 / (2 / copy + 1 / add). Measured on rank 0 over buffers of the bench's largest size.
+#[derive(Clone, Copy, Debug)]
+struct MemoryBound {
+    copy_gbs: f64,
+    add_gbs: f64,
+}
+
+impl MemoryBound {
+    fn measure(bytes: usize) -> MemoryBound {
+        let len = (bytes / 4).max(1024);
+        let src: Vec<f32> = (0..len).map(|i| (i % 1000) as f32).collect();
+        let mut dst = vec![1.0f32; len];
+        let mut copies = Vec::new();
+        let mut adds = Vec::new();
+        for _ in 0..5 {
+            let t = Instant::now();
+            dst.copy_from_slice(&src);
+            copies.push(t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            crate::exchange::element::accumulate(&mut dst, &src);
+            adds.push(t.elapsed().as_secs_f64());
+        }
+        std::hint::black_box(&dst);
+        let gbs = |t: f64| (len * 4) as f64 / t / 1e9;
+        MemoryBound { copy_gbs: gbs(median(&mut copies)), add_gbs: gbs(median(&mut adds)) }
+    }
+
+    fn ring_busbw(&self) -> f64 {
+        2.0 / (2.0 / self.copy_gbs + 1.0 / self.add_gbs)
+    }
 }
 
 pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
@@ -153,6 +192,17 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         horovod: world.agree(args.horovod.config())?,
     };
 
+    // The memory bound of a host all-reduce, measured while the other ranks wait.
+    let bound = (device == Device::Cpu && args.dtype == Dtype::F32 && n > 1).then(|| {
+        let max_bytes = counts.iter().max().copied().unwrap_or(0) * elem;
+        let mut rates = [0.0f64; 2];
+        if world.is_root() {
+            let b = MemoryBound::measure(max_bytes.max(1 << 20));
+            rates = [b.copy_gbs, b.add_gbs];
+        }
+        world.comm.process_at_rank(0).broadcast_into(&mut rates[..]);
+        MemoryBound { copy_gbs: rates[0], add_gbs: rates[1] }
+    });
     if world.is_root() {
         println!(
             "# hpc-train bench: {n} rank(s) on {} node(s), {mpi_library}, device {}, {} {}, layout {}, median of {} iterations after {} warm-up, {date}",
@@ -248,6 +298,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
                     mpi_library: mpi_library.clone(),
                     git_commit: results::GIT_COMMIT.into(),
                     date: date.clone(),
+                    memory_bound_busbw: bound.map(|b| b.ring_busbw()),
                 };
                 results::append_json_line(&args.results.join(BENCH_FILE), &row)?;
                 if wrong > 0 {
@@ -261,6 +312,12 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         println!("# Out of bounds values : see #wrong (every rank checks every element)");
         for (strategy, (sum, rows)) in strategies.iter().zip(&busbw_sums) {
             println!("# Avg bus bandwidth    : {:>10} {:.3} GB/s", strategy.name(), if *rows > 0 { sum / *rows as f64 } else { 0.0 });
+        }
+        if let Some(b) = bound {
+            println!(
+                "# Memory bound         : one core copies {:.2} GB/s and adds {:.2} GB/s: a host all-reduce's busbw is at most {:.3} GB/s",
+                b.copy_gbs, b.add_gbs, b.ring_busbw()
+            );
         }
         println!("# appended to {}", args.results.join(BENCH_FILE).display());
     }

@@ -11,6 +11,11 @@
 //! completes early waits for the ones before it. A parameter that the step did not use never
 //! reports; when backward ends, what is left counts as ready (its gradient stays zero).
 //!
+//! The first plan guesses that gradients arrive in reverse creation order. As DDP does, the
+//! buckets are rebuilt once, after the first step, from the order in which rank 0 saw them
+//! really arrive (branches such as ResNet's downsample convolutions break the guess), so that
+//! no bucket waits for a gradient that comes late.
+//!
 //! A step returns only once backward has ended, on every path (an error included): the hooks'
 //! channel lives in `Overlap`, and backward must not call into it after `Overlap` is gone.
 
@@ -18,6 +23,8 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
@@ -64,23 +71,73 @@ pub struct Overlap {
     bucket_of: Vec<usize>,
     /// Fusion buffer of each bucket of several tensors (None: reduced in place).
     buffers: Vec<Option<Tensor>>,
+    /// What a plan is made with: element size, bucket caps.
+    elem_bytes: usize,
+    bucket_bytes: usize,
+    /// Until the buckets are rebuilt: the order gradients arrived in, and the communicator
+    /// that carries rank 0's order to every rank.
+    arrivals: Option<(Vec<usize>, SimpleCommunicator)>,
 }
 
 impl Overlap {
-    pub fn new(params: &[Tensor], bucket_bytes: usize) -> Result<Overlap> {
+    /// `comm`: the ranks that train (a collective runs on it after the first step).
+    pub fn new(params: &[Tensor], bucket_bytes: usize, comm: SimpleCommunicator) -> Result<Overlap> {
         let (sender, reports) = channel();
         let hooks = GradReadyHooks::register(params, sender.clone())?;
         let sizes: Vec<usize> = params.iter().map(|p| p.numel()).collect();
         let (kind, device) = params.first().map_or((tch::Kind::Float, Device::Cpu), |p| (p.kind(), p.device()));
-        let plan = BucketPlan::new(&sizes, kind.elt_size_in_bytes(), bucket_bytes, Some(FIRST_BUCKET_BYTES.min(bucket_bytes.max(1))));
-        let bucket_of = plan.bucket_of();
-        let buffers = plan
+        let (jobs, backward_thread) = start_backward_thread(device, sender)?;
+        let mut overlap = Overlap {
+            _hooks: hooks,
+            reports,
+            jobs: Some(jobs),
+            backward_thread: Some(backward_thread),
+            plan: BucketPlan { buckets: Vec::new(), sizes: Vec::new() },
+            bucket_of: Vec::new(),
+            buffers: Vec::new(),
+            elem_bytes: kind.elt_size_in_bytes(),
+            bucket_bytes,
+            arrivals: Some((Vec::with_capacity(sizes.len()), comm)),
+        };
+        let reverse: Vec<usize> = (0..sizes.len()).rev().collect();
+        overlap.make_plan(&sizes, &reverse, kind, device)?;
+        Ok(overlap)
+    }
+
+    /// Buckets (and their fusion buffers) walking the tensors in `order`.
+    fn make_plan(&mut self, sizes: &[usize], order: &[usize], kind: tch::Kind, device: Device) -> Result<()> {
+        let first = Some(FIRST_BUCKET_BYTES.min(self.bucket_bytes.max(1)));
+        self.plan = BucketPlan::in_order(sizes, order, self.elem_bytes, self.bucket_bytes, first);
+        self.bucket_of = self.plan.bucket_of();
+        self.buffers = self
+            .plan
             .buckets
             .iter()
             .map(|b| (b.slots.len() > 1).then(|| Tensor::f_zeros([b.len as i64], (kind, device))).transpose())
             .collect::<std::result::Result<_, _>>()?;
-        let (jobs, backward_thread) = start_backward_thread(device, sender)?;
-        Ok(Overlap { _hooks: hooks, reports, jobs: Some(jobs), backward_thread: Some(backward_thread), plan, bucket_of, buffers })
+        Ok(())
+    }
+
+    /// After the first step: buckets in the order rank 0 saw the gradients arrive (the same plan
+    /// on every rank); parameters that never reported go last.
+    fn rebuild_from_arrivals(&mut self, like: &Tensor) -> Result<()> {
+        let Some((seen, comm)) = self.arrivals.take() else { return Ok(()) };
+        let n = self.plan.sizes.len();
+        let mut order: Vec<u64> = Vec::with_capacity(n);
+        let mut placed = vec![false; n];
+        for &i in seen.iter().chain((0..n).rev().collect::<Vec<_>>().iter()) {
+            if !placed[i] {
+                placed[i] = true;
+                order.push(i as u64);
+            }
+        }
+        comm.process_at_rank(0).broadcast_into(&mut order[..]);
+        let order: Vec<usize> = order.into_iter().map(|i| i as usize).collect();
+        let sizes = self.plan.sizes.clone();
+        let before = self.plan.buckets.len();
+        self.make_plan(&sizes, &order, like.kind(), like.device())?;
+        log::debug!("overlap: {} bucket(s) rebuilt from the gradients' arrival order (were {before})", self.plan.buckets.len());
+        Ok(())
     }
 
     pub fn buckets(&self) -> usize {
@@ -118,10 +175,14 @@ impl Overlap {
                 }
             }
         }
-        result.map_err(|e| match e {
+        let times = result.map_err(|e| match e {
             Error::NonFinite { what, .. } => Error::NonFinite { what, step, epoch },
             other => other,
-        })
+        })?;
+        if self.arrivals.is_some() {
+            self.rebuild_from_arrivals(&params[0])?;
+        }
+        Ok(times)
     }
 
     /// The body of [`Overlap::step`] after backward has been started; sets `backward_ended`
@@ -147,6 +208,9 @@ impl Overlap {
             // Blocks until a gradient is final or backward ends: no polling.
             match self.reports.recv().map_err(|_| Error::exchange("overlap", "the gradient hooks are gone"))? {
                 Report::Grad(GradReady { index, event }) => {
+                    if let Some((seen, _)) = &mut self.arrivals {
+                        seen.push(index);
+                    }
                     let b = self.bucket_of[index];
                     missing[b] = missing[b].saturating_sub(1);
                     if event.is_some() {

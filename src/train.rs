@@ -423,7 +423,7 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
             }
             None
         }
-        (OnOff::On, _) => Some(world.agree(Overlap::new(&net.params, config.bucket_bytes))?),
+        (OnOff::On, _) => Some(world.agree(Overlap::new(&net.params, config.bucket_bytes, world.comm.duplicate()))?),
         (OnOff::Off, _) => None,
     };
     world.agree(match faults.setup_fails(world.rank) {

@@ -129,3 +129,24 @@ fn a_stall_is_reported_with_the_missing_rank() {
     assert!(run.ok(), "{}", run.all_output());
     assert!(run.stderr.contains("horovod: stall:") && run.stderr.contains("missing on ranks [2]"), "{}", run.stderr);
 }
+
+/// With overlap (the default) every bucket keeps its id from step to step, so after the first
+/// steps every tensor is reduced straight from the response cache, without negotiation.
+#[test]
+fn overlapped_buckets_hit_the_response_cache() {
+    let dir = scratch("hvd-cache");
+    let data = synth(&dir, "cache", 240, 0, "1x12x12", 5);
+    let out = dir.join("cache.safetensors");
+    let args = [
+        "--model", "tiny", "--data", data.to_str().unwrap(), "--scaling", "strong", "--global-batch", "12",
+        "--steps", "20", "--no-eval", "--threads", "1", "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
+        "--strategy", "horovod", "--overlap", "on", "--bucket-mb", "0.001",
+    ];
+    mpirun_env(2, &args, &[], Duration::from_secs(180)).expect_ok();
+    let run = read_runs(&dir).pop().unwrap();
+    let extra = &run["extra"];
+    assert!(extra["overlap_buckets"].as_u64().unwrap() > 1, "{extra}");
+    let share = extra["horovod_cache_hit_share"].as_f64().unwrap();
+    assert!(share >= 0.9, "cache hits {share} of tensors: {extra}");
+    assert_eq!(extra["horovod_tensors"].as_u64().unwrap(), 20 * extra["overlap_buckets"].as_u64().unwrap(), "{extra}");
+}

@@ -39,9 +39,18 @@ impl BucketPlan {
     /// `first_bucket_bytes`, when given, caps the first bucket separately (DDP keeps it small so
     /// that communication starts early in the backward pass).
     pub fn new(sizes: &[usize], elem_bytes: usize, bucket_bytes: usize, first_bucket_bytes: Option<usize>) -> Self {
+        let reverse: Vec<usize> = (0..sizes.len()).rev().collect();
+        Self::in_order(sizes, &reverse, elem_bytes, bucket_bytes, first_bucket_bytes)
+    }
+
+    /// As [`BucketPlan::new`], walking the tensors in `order` (every index once): the order in
+    /// which a backward pass really produced their gradients (DDP rebuilds its buckets so after
+    /// the first step).
+    pub fn in_order(sizes: &[usize], order: &[usize], elem_bytes: usize, bucket_bytes: usize, first_bucket_bytes: Option<usize>) -> Self {
+        debug_assert_eq!(order.len(), sizes.len());
         let mut buckets: Vec<Bucket> = Vec::new();
         let mut current = Bucket { slots: Vec::new(), len: 0 };
-        for tensor in (0..sizes.len()).rev() {
+        for &tensor in order {
             let len = sizes[tensor];
             let limit = match (buckets.is_empty(), first_bucket_bytes) {
                 (true, Some(first)) => first,
@@ -194,6 +203,15 @@ mod tests {
         assert_eq!(plan.buckets[0].slots[1], Slot { tensor: 2, offset: 5, len: 2 });
         assert_eq!(plan.total_len(), 18);
         assert_eq!(plan.bucket_of(), vec![2, 1, 0, 0]);
+    }
+
+    #[test]
+    fn buckets_can_follow_the_order_gradients_arrived_in() {
+        let plan = BucketPlan::in_order(&[3, 8, 2, 5], &[1, 3, 0, 2], 4, 40, None);
+        let as_lists: Vec<Vec<usize>> = plan.buckets.iter().map(|b| b.slots.iter().map(|s| s.tensor).collect()).collect();
+        assert_eq!(as_lists, vec![vec![1], vec![3, 0, 2]]);
+        assert_eq!(plan.bucket_of(), vec![1, 0, 1, 1]);
+        assert_eq!(BucketPlan::in_order(&[3, 8, 2, 5], &[3, 2, 1, 0], 4, 40, None), BucketPlan::new(&[3, 8, 2, 5], 4, 40, None));
     }
 
     #[test]

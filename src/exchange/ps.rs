@@ -234,6 +234,8 @@ pub struct ParameterServer {
     /// Colocated sync: this rank's share (weights, optimizer) and the pushes it receives.
     own: Option<ServerState>,
     push_bufs: Vec<Tensor>,
+    /// Dedicated server in the benchmark: its share's state, kept between rounds.
+    bench_state: Option<ServerState>,
     /// Colocated async: the server thread, and the flag that stops it on an error path.
     thread: Option<CommThread<Staleness>>,
     stop_thread: Arc<AtomicBool>,
@@ -276,6 +278,7 @@ impl ParameterServer {
             own: None,
             push_bufs: Vec::new(),
             thread: None,
+            bench_state: None,
             stop_thread: Arc::new(AtomicBool::new(false)),
             staleness: Staleness::default(),
             trained: false,
@@ -316,6 +319,7 @@ impl ParameterServer {
         self.send_bufs = buckets.iter().map(|b| make(b.len)).collect::<Result<_>>()?;
         self.recv_bufs = buckets.iter().map(|b| make(b.len)).collect::<Result<_>>()?;
         self.layout = Some(Layout { buckets, sizes });
+        self.bench_state = None;
         Ok(())
     }
 
@@ -500,8 +504,13 @@ impl Exchange for ParameterServer {
             let grads: Vec<Tensor> = tensors.iter().map(|t| t.shallow_clone()).collect();
             self.inline_round(&grads, tensors, false)?;
         } else if let Some(index) = self.server_index() {
-            let mut state = self.server_state(index, tensors)?;
+            // The benchmark's rounds only sum: one state, made once per layout, serves them all.
+            let mut state = match self.bench_state.take() {
+                Some(state) => state,
+                None => self.server_state(index, tensors)?,
+            };
             serve_sync_round(&mut state, &self.up, &self.down, &self.roles.workers, &self.config, false)?;
+            self.bench_state = Some(state);
         } else {
             let grads: Vec<Tensor> = tensors.iter().map(|t| t.shallow_clone()).collect();
             self.push_pull(&grads, tensors)?;
@@ -676,6 +685,8 @@ struct ServerState {
     velocity: Tensor,
     scratch: Tensor,
     sum: Tensor,
+    /// Sync: one receive buffer per worker (made at the first round).
+    pushes: Vec<Vec<f32>>,
 }
 
 impl ServerState {
@@ -685,6 +696,7 @@ impl ServerState {
             velocity: Tensor::f_zeros([len], (Kind::Float, Device::Cpu))?,
             scratch: Tensor::f_zeros([len], (Kind::Float, Device::Cpu))?,
             sum: Tensor::f_zeros([len], (Kind::Float, Device::Cpu))?,
+            pushes: Vec::new(),
             weights,
             workers,
             sgd: Sgd::new(config.sgd),
@@ -760,22 +772,6 @@ impl ServerState {
     }
 }
 
-/// Waits for the next message from `source` (any tag), reporting a silent worker after the
-/// configured timeout instead of waiting forever.
-fn probe_from(comm: &impl PointToPoint, source: Rank, timeout: Duration) -> Result<(mpi::point_to_point::Message, Status)> {
-    let start = Instant::now();
-    let mut idle = 0u32;
-    loop {
-        if let Some(found) = comm.probe(Some(source)) {
-            return Ok(found);
-        }
-        if start.elapsed() > timeout {
-            return Err(Error::exchange("ps", format!("worker rank {source} has sent nothing for {:.0} s (--ps-timeout-s)", timeout.as_secs_f64())));
-        }
-        backoff(&mut idle, false);
-    }
-}
-
 /// How a waiting server passes time: spin briefly, then yield the core (a rank sharing a core
 /// with others must not starve them); a colocated server thread, which shares its core with
 /// its own rank's worker, sleeps once it has been idle for a while.
@@ -793,28 +789,54 @@ fn backoff(idle: &mut u32, colocated: bool) {
 /// One synchronous round on a dedicated server: a push from every worker (in worker order),
 /// then the result to every worker. Returns false when the workers said DONE instead.
 fn serve_sync_round(state: &mut ServerState, up: &impl PointToPoint, down: &impl PointToPoint, workers: &[Rank], config: &PsConfig, optimize: bool) -> Result<bool> {
-    let share = state.weights.numel() as i64;
-    let mut done = 0;
-    let mut received = 0;
-    for (k, &w) in workers.iter().enumerate() {
-        let (message, status) = probe_from(up, w, config.timeout)?;
-        match status.tag() {
-            DONE => {
-                message.matched_receive_into(&mut [0u8; 0][..]);
-                done += 1;
-            }
-            PUSH => {
-                let target = if k == 0 || received == 0 { &mut state.sum } else { &mut state.scratch };
-                let mut view = target.f_narrow(0, 0, share)?;
-                // SAFETY: a view of the server state's own sum or scratch, which nothing else touches.
-                message.matched_receive_into(unsafe { raw::host_slice_mut::<f32>(&mut view)? });
-                if received > 0 {
-                    let _ = state.sum.f_add_(&state.scratch)?;
+    let share = state.weights.numel();
+    if state.pushes.len() != workers.len() || state.pushes.first().is_some_and(|p| p.len() != share) {
+        state.pushes = workers.iter().map(|_| vec![0.0f32; share]).collect();
+    }
+    let (mut done, mut received) = (0, 0);
+    {
+        // SAFETY: the server state's own sum tensor, which nothing else holds during the round.
+        let sum = unsafe { raw::host_slice_mut::<f32>(&mut state.sum)? };
+        // One receive per worker, all posted before any arrives, so that every worker's push
+        // travels at once; the sum still goes in worker order, so that runs repeat exactly. A
+        // receive takes any tag: a worker's one message of the round is a PUSH, or DONE.
+        mpi::request::scope(|scope| -> Result<()> {
+            let mut requests: Vec<_> = state.pushes.iter_mut().zip(workers).map(|(buf, &w)| up.immediate_receive_into(scope, w, &mut buf[..], raw::any_tag())).collect::<Vec<_>>().into_iter().map(Some).collect();
+            for k in 0..requests.len() {
+                let request = requests[k].take().expect("each request is waited once");
+                let (status, pushed) = match wait_within(request, config.timeout) {
+                    Ok(arrived) => arrived,
+                    Err(request) => {
+                        // Cancel what is still posted, so that the scope can end, then report.
+                        for r in std::iter::once(request).chain(requests.iter_mut().filter_map(Option::take)) {
+                            r.cancel();
+                            r.wait_without_status();
+                        }
+                        return Err(Error::exchange("ps", format!("worker rank {} has sent nothing for {:.0} s (--ps-timeout-s)", workers[k], config.timeout.as_secs_f64())));
+                    }
+                };
+                match status.tag() {
+                    DONE => done += 1,
+                    PUSH if status.count(f32::equivalent_datatype()) as usize == share => {
+                        if received == 0 {
+                            sum.copy_from_slice(pushed);
+                        } else {
+                            crate::exchange::element::accumulate(sum, pushed);
+                        }
+                        received += 1;
+                    }
+                    tag => {
+                        let rest: Vec<_> = requests.iter_mut().filter_map(Option::take).collect();
+                        for r in rest {
+                            r.cancel();
+                            r.wait_without_status();
+                        }
+                        return Err(Error::exchange("ps", format!("unexpected message (tag {tag}, {} elements) from rank {}", status.count(f32::equivalent_datatype()), workers[k])));
+                    }
                 }
-                received += 1;
             }
-            tag => return Err(Error::exchange("ps", format!("unexpected message tag {tag} from rank {w}"))),
-        }
+            Ok(())
+        })?;
     }
     if done == workers.len() {
         return Ok(false);
@@ -838,6 +860,24 @@ fn serve_sync_round(state: &mut ServerState, up: &impl PointToPoint, down: &impl
         sends.into_iter().for_each(|r| r.wait_without_status());
     });
     Ok(true)
+}
+
+/// Waits for a receive with the parameter server's timeout: its status and data, or the request
+/// back when nothing came in time (a worker that hung or died without MPI noticing).
+fn wait_within<'a, S: mpi::request::Scope<'a>>(
+    mut request: mpi::request::Request<'a, [f32], S>,
+    timeout: Duration,
+) -> std::result::Result<(Status, &'a [f32]), mpi::request::Request<'a, [f32], S>> {
+    let start = Instant::now();
+    let mut idle = 0u32;
+    loop {
+        match request.test_with_data() {
+            Ok(arrived) => return Ok(arrived),
+            Err(pending) if start.elapsed() > timeout => return Err(pending),
+            Err(pending) => request = pending,
+        }
+        backoff(&mut idle, false);
+    }
 }
 
 /// Synchronous server loop: rounds until every worker is done, then the final weights. After

@@ -21,6 +21,7 @@ use tch::Tensor;
 use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::element::{accumulate, accumulate_scaled, Dtype, Element};
+use mpi::Tag;
 use crate::exchange::staging::{wait_for_stream, Staging};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::raw;
@@ -58,17 +59,38 @@ impl RingSchedule {
     pub fn largest_chunk(&self) -> usize {
         self.chunks.iter().map(|c| c.len).max().unwrap_or(0)
     }
-}
 
-/// A shared view of one range of `buf` and a mutable view of another, disjoint, range.
-fn split_send_recv<T>(buf: &mut [T], send: Range<usize>, recv: Range<usize>) -> (&[T], &mut [T]) {
-    assert!(send.end <= recv.start || recv.end <= send.start, "ring chunks are disjoint");
-    if send.start < recv.start {
-        let (a, b) = buf.split_at_mut(recv.start);
-        (&a[send], &mut b[..recv.len()])
-    } else {
-        let (a, b) = buf.split_at_mut(send.start);
-        (&b[..send.len()], &mut a[recv])
+    /// Hops of the pipelined ring: the n-1 reduce-scatter steps, then the n-1 all-gather steps.
+    pub fn hops(&self) -> usize {
+        2 * (self.n - 1)
+    }
+
+    /// Chunk indices (sent, received) at hop `h`. The chunk received at a hop is the one sent at
+    /// the next (the reduce-scatter's last arrival is the all-gather's first send).
+    pub fn hop_chunks(&self, h: usize) -> (usize, usize) {
+        let (p, n) = (self.pos as isize, self.n as isize);
+        let (send, recv) = if (h as isize) < n - 1 {
+            (p - h as isize, p - h as isize - 1)
+        } else {
+            let s = h as isize - (n - 1);
+            (p + 1 - s, p - s)
+        };
+        (send.rem_euclid(n) as usize, recv.rem_euclid(n) as usize)
+    }
+
+    /// Pieces every chunk is cut into, for segments of at most `segment` elements: the same
+    /// count for every chunk (from the largest), so that sender and receiver agree.
+    pub fn pieces_per_chunk(&self, segment: usize) -> usize {
+        self.largest_chunk().div_ceil(segment.max(1)).max(1)
+    }
+
+    /// The buffer's ranges, chunk by chunk, each chunk cut into `pieces` near-equal pieces
+    /// (piece k of chunk c at index c * pieces + k).
+    pub fn piece_bounds(&self, pieces: usize) -> Vec<Range<usize>> {
+        self.chunks
+            .iter()
+            .flat_map(|c| ShardInfo::all(c.len, pieces).into_iter().map(move |p| c.offset + p.offset..c.offset + p.end()))
+            .collect()
     }
 }
 
@@ -91,59 +113,81 @@ impl Ring {
         (self.comm.process_at_rank(self.left), self.comm.process_at_rank(self.right))
     }
 
-    /// All-reduce of a host buffer, in place.
-    fn all_reduce_host<E: Element>(&mut self, buf: &mut [E], op: ReduceOp) {
+    /// All-reduce of a host buffer, in place, pipelined across hops: a segment received and
+    /// reduced at one hop is sent on at once for the next, while the chunk's later segments are
+    /// still arriving, so the ring never waits for a whole chunk between hops.
+    fn all_reduce_host<E: Element>(&mut self, buf: &mut [E], op: ReduceOp) -> Result<()> {
         let n = self.n;
         if n == 1 || buf.is_empty() {
-            return;
+            return Ok(());
         }
         let schedule = RingSchedule::new(buf.len(), n, self.pos);
-        let seg = (self.segment_bytes / std::mem::size_of::<E>()).max(1);
-        let words = (schedule.largest_chunk() * std::mem::size_of::<E>()).div_ceil(4);
+        let pieces = schedule.pieces_per_chunk((self.segment_bytes / std::mem::size_of::<E>()).max(1));
+        let largest = schedule.largest_chunk();
+        // Two receive areas for reduce-scatter hops, alternating: hop h+1's receives are posted
+        // while hop h's arrivals are still being added.
+        let words = (2 * largest * std::mem::size_of::<E>()).div_ceil(4);
         if self.scratch.len() < words {
             self.scratch.resize(words, 0);
         }
-        let scratch: &mut [E] = bytemuck::cast_slice_mut(&mut self.scratch[..words]);
-        let left = self.comm.process_at_rank(self.left);
-        let right = self.comm.process_at_rank(self.right);
-
-        for s in 0..n - 1 {
-            let (send, recv) = schedule.reduce_scatter(s);
-            let scale = (op == ReduceOp::Mean && s == n - 2).then_some(1.0 / n as f32);
-            let incoming = &mut scratch[..recv.len()];
-            let (outgoing, target) = split_send_recv(buf, send, recv);
-            mpi::request::scope(|scope| {
-                let receives: Vec<_> = E::as_wire_mut(incoming)
-                    .chunks_mut(seg)
-                    .map(|part| left.immediate_receive_into(scope, part))
-                    .collect();
-                let sends: Vec<_> =
-                    E::as_wire(outgoing).chunks(seg).map(|part| right.immediate_send(scope, part)).collect();
-                // Reduce each segment as it lands; later segments are still on the wire.
-                for (request, acc) in receives.into_iter().zip(target.chunks_mut(seg)) {
-                    let arrived: &[E] = bytemuck::cast_slice(request.wait_for_data());
-                    match scale {
-                        Some(f) => accumulate_scaled(acc, arrived, f),
-                        None => accumulate(acc, arrived),
+        let scratch: &mut [E] = &mut bytemuck::cast_slice_mut(&mut self.scratch[..words])[..2 * largest];
+        let scratch_bounds: Vec<Range<usize>> = (0..2)
+            .flat_map(|area| ShardInfo::all(largest, pieces).into_iter().map(move |p| area * largest + p.offset..area * largest + p.end()))
+            .collect();
+        let (comm, left, right) = (&self.comm, self.left, self.right);
+        let hops = schedule.hops();
+        let rs_hops = n - 1;
+        let scale = (op == ReduceOp::Mean).then_some(1.0 / n as f32);
+        raw::with_segments(buf, schedule.piece_bounds(pieces), |data| {
+            raw::with_segments(scratch, scratch_bounds, |spare| {
+                let piece = |chunk: usize, k: usize| chunk * pieces + k;
+                let area = |hop: usize, k: usize| (hop % 2) * pieces + k;
+                // Receives of hop h: into a scratch area (reduce-scatter) or in place (all-gather).
+                let post_receives = |hop: usize, data: &mut raw::Segments<'_, E>, spare: &mut raw::Segments<'_, E>| -> Result<()> {
+                    let chunk = schedule.hop_chunks(hop).1;
+                    for k in 0..pieces {
+                        let len = data.len_of(piece(chunk, k));
+                        if hop < rs_hops {
+                            spare.receive(area(hop, k), len, comm, left, hop as Tag)?;
+                        } else {
+                            data.receive(piece(chunk, k), len, comm, left, hop as Tag)?;
+                        }
+                    }
+                    Ok(())
+                };
+                post_receives(0, data, spare)?;
+                let first = schedule.hop_chunks(0).0;
+                for k in 0..pieces {
+                    data.send(piece(first, k), data.len_of(piece(first, k)), comm, right, 0)?;
+                }
+                for hop in 0..hops {
+                    if hop + 1 < hops {
+                        post_receives(hop + 1, data, spare)?;
+                    }
+                    let chunk = schedule.hop_chunks(hop).1;
+                    for k in 0..pieces {
+                        let len = data.len_of(piece(chunk, k));
+                        if hop < rs_hops {
+                            // Add the arrival into this rank's copy; the last reduce-scatter hop
+                            // also scales a mean, at no extra pass.
+                            let arrived = spare.get(area(hop, k), len)?;
+                            let acc = data.get_mut(piece(chunk, k), len)?;
+                            match scale.filter(|_| hop + 1 == rs_hops) {
+                                Some(f) => accumulate_scaled(acc, arrived, f),
+                                None => accumulate(acc, arrived),
+                            }
+                        } else {
+                            data.wait(piece(chunk, k))?;
+                        }
+                        // What arrived at this hop is what the next one sends.
+                        if hop + 1 < hops {
+                            data.send(piece(chunk, k), len, comm, right, (hop + 1) as Tag)?;
+                        }
                     }
                 }
-                sends.into_iter().for_each(|r| r.wait_without_status());
-            });
-        }
-        for s in 0..n - 1 {
-            let (send, recv) = schedule.all_gather(s);
-            let (outgoing, target) = split_send_recv(buf, send, recv);
-            mpi::request::scope(|scope| {
-                let receives: Vec<_> = E::as_wire_mut(target)
-                    .chunks_mut(seg)
-                    .map(|part| left.immediate_receive_into(scope, part))
-                    .collect();
-                let sends: Vec<_> =
-                    E::as_wire(outgoing).chunks(seg).map(|part| right.immediate_send(scope, part)).collect();
-                receives.into_iter().for_each(|r| r.wait_without_status());
-                sends.into_iter().for_each(|r| r.wait_without_status());
-            });
-        }
+                Ok(())
+            })
+        })
     }
 
     /// All-reduce of a device buffer with a CUDA-aware MPI: device pointers go to MPI, and the
@@ -207,8 +251,7 @@ impl Ring {
             } else {
                 // SAFETY: the bucket is a fusion buffer, a staging buffer or the flat view of a
                 // gradient whose backward is done; nothing else reads or writes it meanwhile.
-                self.all_reduce_host::<E>(unsafe { raw::host_slice_mut::<E>(bucket)? }, op);
-                Ok(())
+                self.all_reduce_host::<E>(unsafe { raw::host_slice_mut::<E>(bucket)? }, op)
             }
         })
     }
@@ -347,11 +390,41 @@ mod tests {
     }
 
     #[test]
-    fn send_and_receive_views_are_disjoint() {
-        let mut buf: Vec<u32> = (0..10).collect();
-        let (s, r) = split_send_recv(&mut buf, 6..9, 1..3);
-        assert_eq!(s, &[6, 7, 8]);
-        r[0] = 99;
-        assert_eq!(buf[1], 99);
+    fn hops_chain_what_arrives_into_what_is_sent_next() {
+        for n in [2, 3, 5, 7] {
+            for p in 0..n {
+                let s = RingSchedule::new(100, n, p);
+                assert_eq!(s.hops(), 2 * (n - 1));
+                for h in 0..s.hops() {
+                    let (send, recv) = s.hop_chunks(h);
+                    // Hop h mirrors the per-step schedule...
+                    let (send_r, recv_r) = if h < n - 1 { s.reduce_scatter(h) } else { s.all_gather(h - (n - 1)) };
+                    assert_eq!((s.chunks[send].range(), s.chunks[recv].range()), (send_r, recv_r));
+                    // ...what this position receives is what its left neighbour sends...
+                    let left = RingSchedule::new(100, n, (p + n - 1) % n);
+                    assert_eq!(left.hop_chunks(h).0, recv);
+                    // ...and what arrives is sent on at the next hop.
+                    if h + 1 < s.hops() {
+                        assert_eq!(s.hop_chunks(h + 1).0, recv);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_tile_each_chunk_and_fit_the_largest_ones_scratch() {
+        let s = RingSchedule::new(1001, 3, 0);
+        let pieces = s.pieces_per_chunk(100);
+        assert_eq!(pieces, 4); // the largest chunk has 334 elements
+        let bounds = s.piece_bounds(pieces);
+        assert_eq!(bounds.len(), 3 * pieces);
+        assert!(bounds.windows(2).all(|w| w[0].end == w[1].start));
+        assert_eq!((bounds[0].start, bounds.last().unwrap().end), (0, 1001));
+        let largest = ShardInfo::all(s.largest_chunk(), pieces);
+        for (i, b) in bounds.iter().enumerate() {
+            assert!(b.len() <= largest[i % pieces].len, "piece {i} fits its scratch piece");
+        }
+        assert_eq!(RingSchedule::new(5, 7, 0).pieces_per_chunk(4096), 1);
     }
 }
