@@ -173,6 +173,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         }
     })?;
     world.agree(crate::train::make_current(device))?;
+    crate::watchdog::start(world.rank, world.agree(crate::train::watchdog_timeout(args.exchange_timeout_s))?);
     world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
     let weights = match args.layout {
         Layout::Single => Vec::new(),
@@ -240,7 +241,10 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
                 exchange::staging::synchronize_device(device);
                 world.comm.barrier();
                 let start = Instant::now();
-                exchange.all_reduce(&mut tensors, ReduceOp::Sum)?;
+                {
+                    let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
+                    exchange.all_reduce(&mut tensors, ReduceOp::Sum)?;
+                }
                 exchange::staging::synchronize_device(device);
                 let local = start.elapsed().as_secs_f64();
                 let mut slowest = 0.0;

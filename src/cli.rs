@@ -39,6 +39,11 @@ pub enum Command {
     Study(StudyArgs),
 }
 
+/// The exchange watchdog's default: far beyond any one exchange on a working cluster (a 100 MB
+/// bucket over a 1 Gbit/s link takes about a second; the first exchange may also set up
+/// connections), and far below a batch job's time limit.
+pub const DEFAULT_EXCHANGE_TIMEOUT_S: f64 = 300.0;
+
 impl Cli {
     /// The MPI thread level this command needs: `MPI_THREAD_MULTIPLE` where a strategy runs a
     /// communication thread beside the main one (Horovod-style, colocated asynchronous
@@ -171,6 +176,9 @@ pub struct BenchArgs {
     /// Change one element of rank 0's result before the check (tests that the check works).
     #[arg(long, hide = true)]
     pub corrupt_result: bool,
+    /// Abort when an exchange makes no progress for this many seconds; 0: never.
+    #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S)]
+    pub exchange_timeout_s: f64,
 
     #[command(flatten)]
     pub ps: PsArgs,
@@ -417,6 +425,11 @@ pub struct TrainArgs {
     /// Steps at the start excluded from throughput figures.
     #[arg(long, default_value_t = 5)]
     pub warmup_steps: u64,
+
+    /// Abort the job when an exchange makes no progress for this many seconds (a cut link or a
+    /// dead node), after every rank logs what it waits for; 0 turns the watchdog off.
+    #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S)]
+    pub exchange_timeout_s: f64,
 
     /// Log a progress line every this many steps (when no progress bar is shown).
     #[arg(long, default_value_t = 50)]

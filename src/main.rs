@@ -23,6 +23,7 @@ mod results;
 mod study;
 mod topology;
 mod train;
+mod watchdog;
 
 use cli::{Cli, Command, DataCommand, ImportFormat};
 use error::{Error, Result};

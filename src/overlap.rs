@@ -232,6 +232,8 @@ impl Overlap {
                     event.synchronize()?;
                 }
                 let t = Instant::now();
+                let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
+                crate::watchdog::set_bucket(next);
                 self.exchange_bucket(next, grads, exchange, optimize)?;
                 times.exchange += t.elapsed();
                 if optimize {

@@ -781,6 +781,7 @@ impl<E: Element> Segments<'_, E> {
             if rc != 0 {
                 return Err(Error::exchange("MPI_Wait", format!("returned error code {rc}")));
             }
+            crate::watchdog::progress();
         }
         requests.clear();
         *writes = false;

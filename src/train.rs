@@ -143,6 +143,14 @@ pub fn make_current(device: Device) -> Result<()> {
     Ok(())
 }
 
+/// `--exchange-timeout-s` as a duration (zero: no watchdog).
+pub fn watchdog_timeout(seconds: f64) -> Result<Duration> {
+    if !seconds.is_finite() || seconds < 0.0 {
+        return Err(Error::usage(format!("--exchange-timeout-s {seconds}: expected 0 (off) or a number of seconds")));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
 /// The network and its parameters.
 struct Net {
     vs: nn::VarStore,
@@ -319,6 +327,7 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     world.agree(check_same_config(world, args))?;
     tch::set_num_threads(plan.threads as i32);
     world.agree(make_current(plan.device))?;
+    crate::watchdog::start(world.rank, world.agree(watchdog_timeout(args.exchange_timeout_s))?);
     if plan.device.is_cuda() {
         tch::Cuda::cudnn_set_benchmark(true);
         // PyTorch lets cuDNN use TF32 by default: fp32 means fp32.
@@ -480,6 +489,7 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
                     rss_warmup = raw::current_rss_mb();
                 }
                 let step_start = Instant::now();
+                crate::watchdog::set_step(step);
                 let batch = loader.next()?;
                 let data_wait = step_start.elapsed();
                 trace.record(&batch)?;
@@ -550,6 +560,7 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
                         exchange::staging::synchronize_device(plan.device);
                         compute = compute_start.elapsed();
                         let comm_start = Instant::now();
+                        let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
                         if optimize_in_exchange {
                             exchange.update(&mut net.params, &mut grads, &mut sgd)?;
                         } else {

@@ -336,3 +336,28 @@ fn resuming_a_finished_run_ends_at_once_without_a_record() {
         assert!(weights.exists(), "{name}: --save-weights writes the checkpoint's weights");
     }
 }
+
+/// A rank that stops answering mid-run (a hung node, a cut link) ends the job within
+/// --exchange-timeout-s: every rank waiting in an exchange says what it waits for, and the job
+/// is aborted instead of hanging until the batch system's time limit.
+#[test]
+fn the_exchange_watchdog_ends_a_hung_exchange() {
+    let dir = scratch("watchdog");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    for (strategy, overlap) in [("ring", "on"), ("allreduce", "off"), ("horovod", "on")] {
+        let options = ["--strategy", strategy, "--overlap", overlap, "--exchange-timeout-s", "3"];
+        let mut args = base(&d, &r, &options);
+        args.extend(["--steps", "100000"]);
+        let run = mpirun_env(3, &args, &[("HPC_TRAIN_FAULT", "stall@1:5:120")], Duration::from_secs(90));
+        let out = run.all_output();
+        assert!(!run.timed_out && !run.ok(), "{strategy}: {out}");
+        assert!(run.elapsed < Duration::from_secs(30), "{strategy}: {:?}\n{out}", run.elapsed);
+        assert!(out.contains(&format!("exchange watchdog: {strategy} at step 5")), "{strategy}: {out}");
+        assert!(out.contains("has made no progress for 3 s") && out.contains("waiting for"), "{strategy}: {out}");
+    }
+    // A slow step that is not a hang: a stall shorter than the timeout goes unnoticed.
+    let mut args = base(&d, &r, &["--strategy", "ring", "--exchange-timeout-s", "5"]);
+    args.extend(["--steps", "8"]);
+    mpirun_env(3, &args, &[("HPC_TRAIN_FAULT", "stall@1:5:2")], Duration::from_secs(90)).expect_ok();
+}

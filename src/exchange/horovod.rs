@@ -242,7 +242,10 @@ impl Horovod {
         let mut remaining = tensors.len();
         while remaining > 0 {
             match self.from_bg.recv() {
-                Ok(FromBackground::Done) => remaining -= 1,
+                Ok(FromBackground::Done) => {
+                    remaining -= 1;
+                    crate::watchdog::progress();
+                }
                 Ok(FromBackground::Failed(e)) => return Err(e),
                 Err(_) => return Err(Error::exchange("horovod", "the background thread has stopped")),
             }

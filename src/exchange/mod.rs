@@ -161,6 +161,11 @@ pub trait Exchange {
     /// This rank's role in training.
     fn role(&self) -> Role;
 
+    /// Whom an exchange on this rank waits for, in words, for the watchdog's message.
+    fn waits_for(&self) -> String {
+        "every rank".into()
+    }
+
     /// Called once with the parameters before training, on every rank at the same point (a
     /// strategy that plans around the tensors checks here that they fit).
     fn prepare(&mut self, _params: &[Tensor]) -> Result<()> {

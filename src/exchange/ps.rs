@@ -527,6 +527,10 @@ impl Exchange for ParameterServer {
         self.is_worker()
     }
 
+    fn waits_for(&self) -> String {
+        format!("the server rank(s) {:?}", self.roles.servers)
+    }
+
     fn lockstep(&self) -> bool {
         self.config.mode == PsMode::Sync
     }

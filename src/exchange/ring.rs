@@ -306,6 +306,10 @@ impl Exchange for RingAllreduce {
         Role::Worker { index: self.rank, count: self.ring.n }
     }
 
+    fn waits_for(&self) -> String {
+        format!("rank {} (its left neighbour, sending) and rank {} (its right, receiving)", self.ring.left, self.ring.right)
+    }
+
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         let dtype = common_dtype(tensors)?;
         let mut buckets = self.fusion.pack(tensors)?;

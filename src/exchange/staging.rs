@@ -67,6 +67,7 @@ impl Staging {
     ) -> Result<()> {
         if path != DataPath::Staged {
             for (b, bucket) in buckets.iter_mut().enumerate() {
+                crate::watchdog::set_bucket(b);
                 if path == DataPath::Direct {
                     // MPI reads device memory outside stream order: the kernels that wrote the
                     // bucket must be done first.
@@ -87,6 +88,7 @@ impl Staging {
         // after the copy back of bucket b, which the stream runs first.
         let mut arrived = copy_and_record(&mut host_view(&self.buffers, 0, first.numel()), first)?;
         for b in 0..buckets.len() {
+            crate::watchdog::set_bucket(b);
             let wait = Instant::now();
             if let Some(event) = arrived.take() {
                 event.synchronize()?;

@@ -1,0 +1,136 @@
+//! The exchange watchdog (`--exchange-timeout-s`): a cut link or a dead peer must end the job,
+//! not hang it until the batch system's time limit.
+//!
+//! Every exchange a worker makes tells the watchdog what it is (strategy, step, bucket, the
+//! peers it waits for) while it runs, and reports progress as requests complete. A thread
+//! checks once a second: an exchange that has made no progress for the timeout is logged with
+//! what it waits for, and the job is aborted (`MPI_Abort`, the one MPI call made off the main
+//! thread, as the panic hook does). Every rank watches its own exchanges, so every rank that can
+//! still speak says what it was waiting for.
+//!
+//! Time outside exchanges (forward, backward, evaluation, checkpoints) is not watched: only a
+//! worker inside an exchange waits on others. Dedicated parameter servers, which wait for
+//! workers by design, have their own `--ps-timeout-s`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// What the running exchange is.
+#[derive(Clone, Debug)]
+struct Activity {
+    strategy: &'static str,
+    bucket: Option<usize>,
+    /// Who this rank waits for, in words ("rank 3 (left)", "all 8 ranks").
+    peers: String,
+    entered: Instant,
+}
+
+struct State {
+    timeout: Duration,
+    rank: i32,
+    step: AtomicU64,
+    /// Bumped on every completed request or message; read by the checking thread.
+    progress: AtomicU64,
+    current: Mutex<Option<Activity>>,
+}
+
+static STATE: OnceLock<State> = OnceLock::new();
+
+/// Starts the watchdog for this rank (once; later calls change nothing). `timeout` zero turns
+/// it off.
+pub fn start(rank: i32, timeout: Duration) {
+    if timeout.is_zero() || STATE.get().is_some() {
+        return;
+    }
+    let state = State { timeout, rank, step: AtomicU64::new(0), progress: AtomicU64::new(0), current: Mutex::new(None) };
+    if STATE.set(state).is_err() {
+        return;
+    }
+    let spawned = std::thread::Builder::new().name("exchange-watchdog".into()).spawn(watch);
+    if let Err(e) = spawned {
+        log::warn!("the exchange watchdog could not start ({e}); a hung exchange will not be detected");
+    }
+}
+
+/// The training step exchanges now belong to (for the message).
+pub fn set_step(step: u64) {
+    if let Some(s) = STATE.get() {
+        s.step.store(step, Ordering::Relaxed);
+    }
+}
+
+/// Progress: a request completed, a message arrived.
+pub fn progress() {
+    if let Some(s) = STATE.get() {
+        s.progress.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Marks an exchange as running until the guard is dropped.
+pub fn exchange(strategy: &'static str, peers: impl FnOnce() -> String) -> ExchangeGuard {
+    if let Some(s) = STATE.get() {
+        let activity = Activity { strategy, bucket: None, peers: peers(), entered: Instant::now() };
+        *s.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(activity);
+        s.progress.fetch_add(1, Ordering::Relaxed);
+    }
+    ExchangeGuard(())
+}
+
+/// The bucket the running exchange works on (for the message).
+pub fn set_bucket(bucket: usize) {
+    if let Some(s) = STATE.get() {
+        if let Some(a) = s.current.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            a.bucket = Some(bucket);
+        }
+        s.progress.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+pub struct ExchangeGuard(());
+
+impl Drop for ExchangeGuard {
+    fn drop(&mut self) {
+        if let Some(s) = STATE.get() {
+            *s.current.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            s.progress.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+fn watch() {
+    let s = STATE.get().expect("started after the state is set");
+    let tick = (s.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+    let mut seen = s.progress.load(Ordering::Relaxed);
+    let mut quiet_since = Instant::now();
+    loop {
+        std::thread::sleep(tick);
+        let now = s.progress.load(Ordering::Relaxed);
+        if now != seen {
+            seen = now;
+            quiet_since = Instant::now();
+            continue;
+        }
+        let current = s.current.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(activity) = current else {
+            quiet_since = Instant::now();
+            continue;
+        };
+        if quiet_since.elapsed() < s.timeout {
+            continue;
+        }
+        let bucket = activity.bucket.map_or(String::new(), |b| format!(" (bucket {b})"));
+        let line = format!(
+            "error: rank {}: exchange watchdog: {} at step {}{bucket} has made no progress for {:.0} s (in it for {:.0} s), waiting for {}; aborting the job (--exchange-timeout-s)\n",
+            s.rank,
+            activity.strategy,
+            s.step.load(Ordering::Relaxed),
+            quiet_since.elapsed().as_secs_f64(),
+            activity.entered.elapsed().as_secs_f64(),
+            activity.peers
+        );
+        use std::io::Write;
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
+        crate::raw::abort_world(1);
+    }
+}
