@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 use crate::cli::{BenchArgs, BenchDevice, Layout, Verify};
 use crate::error::{Error, Result};
 use crate::exchange::element::Dtype;
-use crate::exchange::{self, ExchangeConfig, ReduceOp, StrategyKind};
+use crate::exchange::{self, ExchangeConfig, ReduceOp};
 use crate::raw;
 use crate::results;
 use crate::topology::World;
@@ -158,7 +158,7 @@ impl MemoryBound {
 }
 
 pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
-    let strategies = world.agree(parse_strategies(&args.strategies))?;
+    let strategies = world.agree(crate::study::parse_strategies(&args.strategies))?;
     let elem = args.dtype.size();
     let counts = world.agree(sweep_counts(args, elem))?;
     let device = world.agree(match args.device {
@@ -191,6 +191,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         // The parameter server's benchmark round sums; its optimizer is not used.
         ps: args.ps.config(crate::optim::SgdConfig { lr: 0.0, momentum: 0.0, weight_decay: 0.0 }),
         horovod: world.agree(args.horovod.config())?,
+        cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,
     };
 
     // The memory bound of a host all-reduce, measured while the other ranks wait.
@@ -331,25 +332,6 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
     } else {
         Ok(())
     })
-}
-
-fn parse_strategies(list: &str) -> Result<Vec<StrategyKind>> {
-    use clap::ValueEnum;
-    let out: Result<Vec<StrategyKind>> = list
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| {
-            StrategyKind::from_str(s, true).map_err(|_| {
-                Error::usage(format!("--strategies: unknown strategy {s:?} (ring, ps, allreduce, horovod)"))
-            })
-        })
-        .collect();
-    let out = out?;
-    if out.is_empty() {
-        return Err(Error::usage("--strategies: name at least one strategy"));
-    }
-    Ok(out)
 }
 
 fn input_tensors(sizes: &[usize], rank: usize, verify: Verify, seed: u64, kind: Kind, device: Device) -> Result<Vec<Tensor>> {

@@ -179,6 +179,9 @@ pub struct BenchArgs {
     /// Abort when an exchange makes no progress for this many seconds; 0: never.
     #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S)]
     pub exchange_timeout_s: f64,
+    /// Cost model for `auto` (see the training option).
+    #[arg(long)]
+    pub cost_model: Option<PathBuf>,
 
     #[command(flatten)]
     pub ps: PsArgs,
@@ -430,6 +433,11 @@ pub struct TrainArgs {
     /// dead node), after every rank logs what it waits for; 0 turns the watchdog off.
     #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S)]
     pub exchange_timeout_s: f64,
+
+    /// Cost model (JSON, from `hpc-train model fit`) with which `--strategy auto` picks ring or
+    /// rhd per bucket [default: built-in link costs].
+    #[arg(long)]
+    pub cost_model: Option<PathBuf>,
 
     /// Log a progress line every this many steps (when no progress bar is shown).
     #[arg(long, default_value_t = 50)]

@@ -10,6 +10,7 @@ use clap::Parser;
 mod bench;
 mod checkpoint;
 mod cli;
+mod cost;
 mod data;
 mod error;
 mod exchange;

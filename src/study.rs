@@ -43,7 +43,7 @@ pub fn parse_strategies(list: &str) -> Result<Vec<StrategyKind>> {
         .split(',')
         .map(str::trim)
         .filter(|s| !s.is_empty())
-        .map(|s| StrategyKind::from_str(s, true).map_err(|_| Error::usage(format!("--strategies: unknown strategy {s:?} (ring, ps, allreduce, horovod)"))))
+        .map(|s| StrategyKind::from_str(s, true).map_err(|_| Error::usage(format!("--strategies: unknown strategy {s:?} (ring, rhd, auto, ps, allreduce, horovod)"))))
         .collect::<Result<_>>()?;
     if out.is_empty() {
         return Err(Error::usage("--strategies: name at least one strategy"));

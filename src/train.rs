@@ -414,6 +414,7 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
         segment_bytes: (args.segment_kb as usize) << 10,
         ps: ps_config,
         horovod: world.agree(args.horovod.config())?,
+        cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,
     };
     let mut exchange = world.agree(exchange::build(args.strategy, world, &config))?;
     world.agree(exchange.prepare(&net.params))?;

@@ -183,3 +183,55 @@ fn training_through_the_staged_path_matches_the_host_path() {
     let runs = read_runs(&dir);
     assert_eq!(runs.iter().filter(|r| r["data_path"] == "staged").count(), 4, "{runs:#?}");
 }
+
+/// Recursive halving-doubling and the per-bucket choice equal MPI_Allreduce for every rank
+/// count (powers of two and the others, with their pre- and post-steps), every element count
+/// and every element type.
+#[test]
+fn rhd_and_auto_equal_mpi_allreduce() {
+    let dir = scratch("rhd-vs-mpi");
+    for ranks in 1..=7 {
+        let run = bench(ranks, "rhd,auto", &["--counts", COUNTS, "--verify", "allreduce"], &dir);
+        assert_all_right(&run, 10);
+        let run = bench(ranks, "rhd,auto", &["--counts", COUNTS], &dir);
+        assert_all_right(&run, 10);
+    }
+    for dtype in ["f16", "bf16"] {
+        for ranks in [3, 4] {
+            let run = bench(ranks, "rhd,auto", &["--counts", COUNTS, "--dtype", dtype, "--verify", "allreduce"], &dir);
+            assert_all_right(&run, 10);
+        }
+    }
+}
+
+/// rhd and auto train to allreduce's weights, with overlap on and off, and auto records which
+/// algorithm its buckets went to.
+#[test]
+fn rhd_and_auto_train_to_the_same_weights_as_allreduce() {
+    let dir = scratch("rhd-train");
+    let data = synth(&dir, "rhd", 90, 0, "1x12x12", 5);
+    let train = |name: &str, ranks: usize, extra: &[&str]| {
+        let out = dir.join(format!("{name}.safetensors"));
+        let mut args = vec![
+            "--model", "tiny", "--data", data.to_str().unwrap(), "--scaling", "strong", "--global-batch", "12", "--steps", "8",
+            "--no-eval", "--threads", "1", "--bucket-mb", "0.001", "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        mpirun(ranks, &args).expect_ok();
+        out
+    };
+    for ranks in [3, 4] {
+        let reference = train(&format!("allreduce{ranks}"), ranks, &["--strategy", "allreduce", "--overlap", "off"]);
+        for strategy in ["rhd", "auto"] {
+            for overlap in ["on", "off"] {
+                let got = train(&format!("{strategy}{ranks}{overlap}"), ranks, &["--strategy", strategy, "--overlap", overlap]);
+                let diff = max_relative_difference(&reference, &got);
+                assert!(diff < 1e-5, "{strategy} at {ranks} ranks, overlap {overlap}, differs by {diff:e}");
+            }
+        }
+    }
+    let runs = read_runs(&dir);
+    let auto = runs.iter().find(|r| r["strategy"] == "auto").unwrap();
+    let buckets = auto["extra"]["auto_ring_buckets"].as_u64().unwrap() + auto["extra"]["auto_rhd_buckets"].as_u64().unwrap();
+    assert!(buckets > 0, "{auto}");
+}

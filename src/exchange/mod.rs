@@ -11,11 +11,13 @@
 //! pinned host memory when MPI cannot read device memory, [`element`] knows the dtypes.
 
 pub mod allreduce;
+pub mod auto;
 pub mod buckets;
 pub mod comm_thread;
 pub mod element;
 pub mod horovod;
 pub mod ps;
+pub mod rhd;
 pub mod ring;
 pub mod staging;
 
@@ -36,6 +38,10 @@ pub enum StrategyKind {
     Ps,
     /// The MPI library's MPI_Allreduce (the baseline).
     Allreduce,
+    /// From-scratch recursive halving-doubling all-reduce over MPI point-to-point.
+    Rhd,
+    /// Ring or rhd per bucket, whichever the cost model predicts faster.
+    Auto,
     /// Horovod-style background cycle, negotiation and tensor fusion over MPI collectives.
     Horovod,
 }
@@ -47,6 +53,8 @@ impl StrategyKind {
             StrategyKind::Ps => "ps",
             StrategyKind::Allreduce => "allreduce",
             StrategyKind::Horovod => "horovod",
+            StrategyKind::Rhd => "rhd",
+            StrategyKind::Auto => "auto",
         }
     }
 }
@@ -238,6 +246,8 @@ pub struct ExchangeConfig {
     pub segment_bytes: usize,
     pub ps: ps::PsConfig,
     pub horovod: horovod::HorovodConfig,
+    /// What `auto` chooses with.
+    pub cost_model: crate::cost::CostModel,
 }
 
 /// What decides the ranks' roles: how many are dedicated parameter servers.
@@ -273,6 +283,8 @@ pub fn build(kind: StrategyKind, world: &World, config: &ExchangeConfig) -> Resu
         StrategyKind::Ring => Box::new(ring::RingAllreduce::new(world, config)?),
         StrategyKind::Ps => Box::new(ps::ParameterServer::new(world, config)?),
         StrategyKind::Horovod => Box::new(horovod::Horovod::new(world, config)?),
+        StrategyKind::Rhd => Box::new(rhd::RhdAllreduce::new(world, config)?),
+        StrategyKind::Auto => Box::new(auto::Auto::new(world, config)?),
     })
 }
 

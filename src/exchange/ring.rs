@@ -293,6 +293,14 @@ impl RingAllreduce {
     }
 }
 
+impl RingAllreduce {
+    /// One flat bucket, already where MPI can read it (host memory, or device memory with a
+    /// CUDA-aware MPI): what `auto` hands over when it picks the ring.
+    pub fn reduce_flat(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+        self.ring.all_reduce(bucket, dtype, op)
+    }
+}
+
 impl Exchange for RingAllreduce {
     fn name(&self) -> &'static str {
         "ring"

@@ -1,0 +1,94 @@
+//! `auto`: each bucket goes to the ring or to recursive halving-doubling, whichever the cost
+//! model predicts faster for its size on this layout (as NCCL's tuner picks between ring and
+//! tree). Neither algorithm knows this file exists: it packs the buckets, stages them like the
+//! others, and hands each one to the chosen algorithm's flat reduction.
+
+use tch::Tensor;
+
+use crate::cost::{Algorithm, CostModel, Layout};
+use crate::error::Result;
+use crate::exchange::buckets::Fusion;
+use crate::exchange::rhd::RhdAllreduce;
+use crate::exchange::ring::RingAllreduce;
+use crate::exchange::staging::Staging;
+use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
+use crate::topology::World;
+
+pub struct Auto {
+    ring: RingAllreduce,
+    rhd: RhdAllreduce,
+    model: CostModel,
+    layout: Layout,
+    rank: usize,
+    path: DataPath,
+    fusion: Fusion,
+    staging: Staging,
+    /// Buckets sent to each algorithm so far (ring, rhd).
+    chosen: [u64; 2],
+}
+
+impl Auto {
+    pub fn new(world: &World, config: &ExchangeConfig) -> Result<Auto> {
+        Ok(Auto {
+            ring: RingAllreduce::new(world, config)?,
+            rhd: RhdAllreduce::new(world, config)?,
+            model: config.cost_model,
+            layout: Layout { ranks: world.size as usize, per_node: world.local_size.max(1) as usize },
+            rank: world.rank as usize,
+            path: DataPath::choose(config.device, config.cuda_aware),
+            fusion: Fusion::new(config.bucket_bytes, None),
+            staging: Staging::new(),
+            chosen: [0; 2],
+        })
+    }
+}
+
+impl Exchange for Auto {
+    fn name(&self) -> &'static str {
+        "auto"
+    }
+
+    fn bus_factor(&self) -> f64 {
+        allreduce_bus_factor(self.layout.ranks)
+    }
+
+    fn role(&self) -> Role {
+        Role::Worker { index: self.rank, count: self.layout.ranks }
+    }
+
+    fn waits_for(&self) -> String {
+        format!("{} or {}", self.ring.waits_for(), self.rhd.waits_for())
+    }
+
+    fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        let dtype = common_dtype(tensors)?;
+        let mut buckets = self.fusion.pack(tensors)?;
+        let (ring, rhd, model, layout, chosen) = (&mut self.ring, &mut self.rhd, &self.model, self.layout, &mut self.chosen);
+        self.staging.run(self.path, &mut buckets, |_, bucket| {
+            // Every rank computes the same choice from the same size and layout.
+            let bytes = (bucket.numel() * dtype.size()) as f64;
+            match model.choose(layout, bytes) {
+                Algorithm::Ring => {
+                    chosen[0] += 1;
+                    ring.reduce_flat(bucket, dtype, op)
+                }
+                Algorithm::Rhd => {
+                    chosen[1] += 1;
+                    rhd.reduce_flat(bucket, dtype, op)
+                }
+            }
+        })?;
+        self.fusion.unpack(&buckets, tensors);
+        Ok(())
+    }
+
+    fn report(&self) -> ExchangeReport {
+        let mut extra = serde_json::Map::new();
+        extra.insert("auto_ring_buckets".into(), self.chosen[0].into());
+        extra.insert("auto_rhd_buckets".into(), self.chosen[1].into());
+        if self.path == DataPath::Staged {
+            extra.insert("staging_copy_ms".into(), (self.staging.copy_time().as_secs_f64() * 1e3).into());
+        }
+        ExchangeReport { data_path: Some(self.path), extra }
+    }
+}

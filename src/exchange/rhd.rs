@@ -1,0 +1,429 @@
+//! `rhd`: recursive halving and doubling (Rabenseifner's all-reduce, as MPICH runs it for long
+//! messages) on MPI point-to-point calls.
+//!
+//! Among p = 2^k ranks, the reduce-scatter halves the vector log2(p) times: at each step a rank
+//! swaps half of its current range with a partner (the rank whose number differs in one bit,
+//! farthest first) and adds the half it keeps; afterwards each rank holds one p-th, summed. The
+//! all-gather retraces the steps, doubling the range each time. Every rank sends 2(p-1)/p of the
+//! buffer, as in a ring, but in 2 log2(p) steps instead of 2(n-1): the latency term that makes
+//! a ring slow for small buffers on many ranks.
+//!
+//! Other rank counts take the usual pre- and post-step: of the first 2r ranks (r = n - p), each
+//! even rank hands its whole buffer to the odd rank after it and waits; the odd ranks and the
+//! ranks from 2r on (p of them) run the algorithm; the odd ranks then hand the result back.
+
+use std::ops::Range;
+
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use tch::Tensor;
+
+use crate::error::{Error, Result};
+use crate::exchange::buckets::Fusion;
+use crate::exchange::element::{accumulate, Dtype, Element};
+use crate::exchange::staging::{wait_for_stream, Staging};
+use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
+use crate::raw;
+use crate::topology::{ShardInfo, World};
+
+/// What a rank does outside the power-of-two group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Extra {
+    /// In the group from the start.
+    None,
+    /// Hands its buffer to `rank` first, takes the result from it last, and sits out between.
+    SitsOut { partner: usize },
+    /// Adds `rank`'s buffer to its own first and hands it the result last.
+    Absorbs { partner: usize },
+}
+
+/// One step of the halving or doubling: with `partner`, send `send` and receive `recv`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    pub partner: usize,
+    pub send: Range<usize>,
+    pub recv: Range<usize>,
+}
+
+/// Who does what, for one rank, on a buffer of `len` elements: pure arithmetic, tested apart
+/// from the messages.
+#[derive(Clone, Debug)]
+pub struct RhdSchedule {
+    pub extra: Extra,
+    /// Reduce-scatter steps (recv: the half kept, to which the partner's copy is added).
+    pub halving: Vec<Step>,
+    /// All-gather steps (recv: the partner's summed range).
+    pub doubling: Vec<Step>,
+    /// The range this rank holds summed between the two phases (empty when it sits out).
+    pub owned: Range<usize>,
+}
+
+impl RhdSchedule {
+    pub fn new(len: usize, n: usize, rank: usize) -> RhdSchedule {
+        assert!(n >= 1 && rank < n, "rank {rank} of {n}");
+        let p = 1usize << (usize::BITS - 1 - n.leading_zeros()); // largest power of two <= n
+        let r = n - p;
+        let (extra, group_rank) = if rank < 2 * r {
+            if rank % 2 == 0 {
+                (Extra::SitsOut { partner: rank + 1 }, None)
+            } else {
+                (Extra::Absorbs { partner: rank - 1 }, Some(rank / 2))
+            }
+        } else {
+            (Extra::None, Some(rank - r))
+        };
+        let Some(me) = group_rank else {
+            return RhdSchedule { extra, halving: Vec::new(), doubling: Vec::new(), owned: 0..0 };
+        };
+        // Group rank g is world rank 2g+1 for g < r, else g + r.
+        let world_of = |g: usize| if g < r { 2 * g + 1 } else { g + r };
+        let blocks = ShardInfo::all(len, p);
+        let span = |lo: usize, hi: usize| blocks[lo].offset..if hi > lo { blocks[hi - 1].end() } else { blocks[lo].offset };
+        let (mut lo, mut hi) = (0, p);
+        let mut halving = Vec::new();
+        let mut mask = p / 2;
+        while mask > 0 {
+            let mid = lo + (hi - lo) / 2;
+            let partner = world_of(me ^ mask);
+            if me & mask == 0 {
+                halving.push(Step { partner, send: span(mid, hi), recv: span(lo, mid) });
+                hi = mid;
+            } else {
+                halving.push(Step { partner, send: span(lo, mid), recv: span(mid, hi) });
+                lo = mid;
+            }
+            mask /= 2;
+        }
+        // The all-gather undoes the halving: send what is owned, receive the partner's half.
+        let doubling = halving.iter().rev().map(|s| Step { partner: s.partner, send: s.recv.clone(), recv: s.send.clone() }).collect();
+        let owned = span(lo, hi);
+        RhdSchedule { extra, halving, doubling, owned }
+    }
+
+    /// The largest range received in one step (the scratch a rank needs).
+    pub fn largest_receive(&self, len: usize) -> usize {
+        let whole = if matches!(self.extra, Extra::Absorbs { .. }) { len } else { 0 };
+        self.halving.iter().map(|s| s.recv.len()).max().unwrap_or(0).max(whole)
+    }
+}
+
+/// The communication half of the strategy.
+struct Halving {
+    comm: SimpleCommunicator,
+    n: usize,
+    rank: usize,
+    segment_bytes: usize,
+    scratch: Vec<u32>,
+    device_scratch: Option<Tensor>,
+}
+
+/// Sends `outgoing` to `partner` while receiving `incoming` from it, in segments.
+fn swap_host<E: Element>(comm: &SimpleCommunicator, segment_bytes: usize, partner: usize, outgoing: &[E], incoming: &mut [E]) {
+    let seg = (segment_bytes / std::mem::size_of::<E>()).max(1);
+    let peer = comm.process_at_rank(partner as i32);
+    mpi::request::scope(|scope| {
+        let receives: Vec<_> = E::as_wire_mut(incoming).chunks_mut(seg).map(|part| peer.immediate_receive_into(scope, part)).collect();
+        let sends: Vec<_> = bytemuck::cast_slice::<E, E::Wire>(outgoing).chunks(seg).map(|part| peer.immediate_send(scope, part)).collect();
+        receives.into_iter().for_each(|r| r.wait_without_status());
+        sends.into_iter().for_each(|r| r.wait_without_status());
+    });
+    crate::watchdog::progress();
+}
+
+impl Halving {
+    fn all_reduce_host<E: Element>(&mut self, buf: &mut [E], op: ReduceOp) -> Result<()> {
+        if self.n == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        let len = buf.len();
+        let schedule = RhdSchedule::new(len, self.n, self.rank);
+        let words = (schedule.largest_receive(len) * std::mem::size_of::<E>()).div_ceil(4);
+        if self.scratch.len() < words {
+            self.scratch.resize(words, 0);
+        }
+        let scratch: &mut [E] = bytemuck::cast_slice_mut(&mut self.scratch[..words]);
+        let scale = (op == ReduceOp::Mean).then_some(1.0 / self.n as f32);
+        match schedule.extra {
+            Extra::SitsOut { partner } => {
+                let peer = self.comm.process_at_rank(partner as i32);
+                peer.send(bytemuck::cast_slice::<E, E::Wire>(buf));
+                peer.receive_into(E::as_wire_mut(buf));
+                crate::watchdog::progress();
+                return Ok(());
+            }
+            Extra::Absorbs { partner } => {
+                let incoming = &mut scratch[..len];
+                self.comm.process_at_rank(partner as i32).receive_into(E::as_wire_mut(incoming));
+                accumulate(buf, incoming);
+                crate::watchdog::progress();
+            }
+            Extra::None => {}
+        }
+        for step in &schedule.halving {
+            let incoming = &mut scratch[..step.recv.len()];
+            swap_host(&self.comm, self.segment_bytes, step.partner, &buf[step.send.clone()], incoming);
+            accumulate(&mut buf[step.recv.clone()], incoming);
+        }
+        if let Some(f) = scale {
+            // One pass over the owned p-th: the mean, before the all-gather spreads it.
+            let owned = &mut buf[schedule.owned.clone()];
+            for v in owned.iter_mut() {
+                *v = E::from_f32(v.to_f32() * f);
+            }
+        }
+        for step in &schedule.doubling {
+            let (send, recv) = split_disjoint(buf, step.send.clone(), step.recv.clone());
+            swap_host(&self.comm, self.segment_bytes, step.partner, send, recv);
+        }
+        if let Extra::Absorbs { partner } = schedule.extra {
+            self.comm.process_at_rank(partner as i32).send(bytemuck::cast_slice::<E, E::Wire>(buf));
+            crate::watchdog::progress();
+        }
+        Ok(())
+    }
+
+    /// With a CUDA-aware MPI: device pointers go to MPI, additions run on the GPU.
+    fn all_reduce_device<E: Element>(&mut self, bucket: &mut Tensor, op: ReduceOp) -> Result<()> {
+        let len = bucket.numel();
+        if self.n == 1 || len == 0 {
+            return Ok(());
+        }
+        let schedule = RhdSchedule::new(len, self.n, self.rank);
+        let largest = schedule.largest_receive(len).max(1) as i64;
+        if self.device_scratch.as_ref().is_none_or(|t| t.numel() < largest as usize || t.kind() != bucket.kind() || t.device() != bucket.device()) {
+            self.device_scratch = Some(Tensor::f_empty([largest], (bucket.kind(), bucket.device()))?);
+        }
+        let device = bucket.device();
+        let scratch = self.device_scratch.as_ref().expect("made above").shallow_clone();
+        let view = |t: &Tensor, r: Range<usize>| t.narrow(0, r.start as i64, r.len() as i64);
+        match schedule.extra {
+            Extra::SitsOut { partner } => {
+                self.swap_device::<E>(partner, Some(&mut bucket.shallow_clone()), None)?;
+                self.swap_device::<E>(partner, None, Some(&mut bucket.shallow_clone()))?;
+                return Ok(());
+            }
+            Extra::Absorbs { partner } => {
+                let mut incoming = view(&scratch, 0..len);
+                self.swap_device::<E>(partner, None, Some(&mut incoming))?;
+                let _ = bucket.f_add_(&incoming)?;
+                wait_for_stream(device)?;
+            }
+            Extra::None => {}
+        }
+        for step in &schedule.halving {
+            let mut incoming = view(&scratch, 0..step.recv.len());
+            self.swap_device::<E>(step.partner, Some(&mut view(bucket, step.send.clone())), Some(&mut incoming))?;
+            let _ = view(bucket, step.recv.clone()).f_add_(&incoming)?;
+            wait_for_stream(device)?;
+        }
+        if op == ReduceOp::Mean {
+            let _ = view(bucket, schedule.owned.clone()).f_mul_scalar_(1.0 / self.n as f64)?;
+            wait_for_stream(device)?;
+        }
+        for step in &schedule.doubling {
+            self.swap_device::<E>(step.partner, Some(&mut view(bucket, step.send.clone())), Some(&mut view(bucket, step.recv.clone())))?;
+        }
+        if let Extra::Absorbs { partner } = schedule.extra {
+            self.swap_device::<E>(partner, Some(&mut bucket.shallow_clone()), None)?;
+        }
+        Ok(())
+    }
+
+    /// Device memory to and from `partner` (either side may be absent).
+    fn swap_device<E: Element>(&self, partner: usize, outgoing: Option<&mut Tensor>, incoming: Option<&mut Tensor>) -> Result<()> {
+        let peer = self.comm.process_at_rank(partner as i32);
+        // SAFETY: views of this exchange's bucket or scratch, which nothing else touches while it
+        // runs; the device path is only taken with a CUDA-aware MPI (DataPath::Direct), and the
+        // stream was waited for after every kernel that wrote them.
+        let send_buf = outgoing.map(|t| unsafe { raw::device_buffer_mut::<E>(t) }).transpose()?;
+        let mut recv_buf = incoming.map(|t| unsafe { raw::device_buffer_mut::<E>(t) }).transpose()?;
+        mpi::request::scope(|scope| {
+            let receive = recv_buf.as_mut().map(|b| peer.immediate_receive_into(scope, b));
+            let send = send_buf.as_ref().map(|b| peer.immediate_send(scope, b));
+            if let Some(r) = receive {
+                r.wait_without_status();
+            }
+            if let Some(s) = send {
+                s.wait_without_status();
+            }
+        });
+        crate::watchdog::progress();
+        Ok(())
+    }
+
+    fn all_reduce(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+        crate::with_element!(dtype, E => {
+            if bucket.device().is_cuda() {
+                self.all_reduce_device::<E>(bucket, op)
+            } else {
+                // SAFETY: the bucket is a fusion buffer, a staging buffer or the flat view of a
+                // gradient whose backward is done; nothing else reads or writes it meanwhile.
+                self.all_reduce_host::<E>(unsafe { raw::host_slice_mut::<E>(bucket)? }, op)
+            }
+        })
+    }
+}
+
+/// A shared view of one range of `buf` and a mutable view of another, disjoint, range.
+fn split_disjoint<T>(buf: &mut [T], send: Range<usize>, recv: Range<usize>) -> (&[T], &mut [T]) {
+    assert!(send.end <= recv.start || recv.end <= send.start, "ranges are disjoint");
+    if send.start < recv.start {
+        let (a, b) = buf.split_at_mut(recv.start);
+        (&a[send], &mut b[..recv.len()])
+    } else {
+        let (a, b) = buf.split_at_mut(send.start);
+        (&b[..send.len()], &mut a[recv])
+    }
+}
+
+pub struct RhdAllreduce {
+    halving: Halving,
+    path: DataPath,
+    fusion: Fusion,
+    staging: Staging,
+}
+
+impl RhdAllreduce {
+    pub fn new(world: &World, config: &ExchangeConfig) -> Result<RhdAllreduce> {
+        if config.segment_bytes == 0 {
+            return Err(Error::usage("--segment-kb 0: messages need segments of at least 1 KiB"));
+        }
+        Ok(RhdAllreduce {
+            halving: Halving {
+                // A communicator of its own: its messages never match anyone else's.
+                comm: world.comm.duplicate(),
+                n: world.size as usize,
+                rank: world.rank as usize,
+                segment_bytes: config.segment_bytes,
+                scratch: Vec::new(),
+                device_scratch: None,
+            },
+            path: DataPath::choose(config.device, config.cuda_aware),
+            fusion: Fusion::new(config.bucket_bytes, None),
+            staging: Staging::new(),
+        })
+    }
+
+    /// One flat bucket, already where MPI can read it (host memory, or device memory with a
+    /// CUDA-aware MPI): what `auto` hands over when it picks this algorithm.
+    pub fn reduce_flat(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+        self.halving.all_reduce(bucket, dtype, op)
+    }
+}
+
+impl Exchange for RhdAllreduce {
+    fn name(&self) -> &'static str {
+        "rhd"
+    }
+
+    fn bus_factor(&self) -> f64 {
+        allreduce_bus_factor(self.halving.n)
+    }
+
+    fn role(&self) -> Role {
+        Role::Worker { index: self.halving.rank, count: self.halving.n }
+    }
+
+    fn waits_for(&self) -> String {
+        let s = RhdSchedule::new(self.halving.n, self.halving.n, self.halving.rank);
+        let mut peers: Vec<usize> = s.halving.iter().map(|st| st.partner).collect();
+        if let Extra::SitsOut { partner } | Extra::Absorbs { partner } = s.extra {
+            peers.push(partner);
+        }
+        format!("its partner ranks {peers:?}")
+    }
+
+    fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        let dtype = common_dtype(tensors)?;
+        let mut buckets = self.fusion.pack(tensors)?;
+        let halving = &mut self.halving;
+        self.staging.run(self.path, &mut buckets, |_, bucket| halving.all_reduce(bucket, dtype, op))?;
+        self.fusion.unpack(&buckets, tensors);
+        Ok(())
+    }
+
+    fn report(&self) -> ExchangeReport {
+        let mut extra = serde_json::Map::new();
+        if self.path == DataPath::Staged {
+            extra.insert("staging_copy_ms".into(), (self.staging.copy_time().as_secs_f64() * 1e3).into());
+        }
+        ExchangeReport { data_path: Some(self.path), extra }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs every rank's schedule on in-memory buffers, moving ranges as the messages would.
+    fn simulate(inputs: &[Vec<f64>]) -> Vec<Vec<f64>> {
+        let n = inputs.len();
+        let len = inputs[0].len();
+        let mut bufs = inputs.to_vec();
+        let s: Vec<RhdSchedule> = (0..n).map(|r| RhdSchedule::new(len, n, r)).collect();
+        for r in 0..n {
+            if let Extra::Absorbs { partner } = s[r].extra {
+                assert_eq!(s[partner].extra, Extra::SitsOut { partner: r });
+                let theirs = bufs[partner].clone();
+                bufs[r].iter_mut().zip(&theirs).for_each(|(a, b)| *a += b);
+            }
+        }
+        let steps = s.iter().map(|x| x.halving.len()).max().unwrap_or(0);
+        for k in 0..steps {
+            let sent: Vec<Option<Vec<f64>>> = (0..n).map(|r| s[r].halving.get(k).map(|st| bufs[r][st.send.clone()].to_vec())).collect();
+            for r in 0..n {
+                if let Some(st) = s[r].halving.get(k) {
+                    let theirs = sent[st.partner].as_ref().expect("partners step together");
+                    assert_eq!(s[st.partner].halving[k].partner, r);
+                    assert_eq!(theirs.len(), st.recv.len(), "n {n} rank {r} step {k}");
+                    bufs[r][st.recv.clone()].iter_mut().zip(theirs).for_each(|(a, b)| *a += b);
+                }
+            }
+        }
+        for k in 0..steps {
+            let sent: Vec<Option<Vec<f64>>> = (0..n).map(|r| s[r].doubling.get(k).map(|st| bufs[r][st.send.clone()].to_vec())).collect();
+            for r in 0..n {
+                if let Some(st) = s[r].doubling.get(k) {
+                    bufs[r][st.recv.clone()].copy_from_slice(sent[st.partner].as_ref().unwrap());
+                }
+            }
+        }
+        for r in 0..n {
+            if let Extra::SitsOut { partner } = s[r].extra {
+                bufs[r] = bufs[partner].clone();
+            }
+        }
+        bufs
+    }
+
+    #[test]
+    fn every_rank_ends_with_the_sum_for_every_rank_count_and_length() {
+        for n in 1..=9 {
+            for len in [0, 1, 2, 3, 7, 8, 13, 100] {
+                let inputs: Vec<Vec<f64>> = (0..n).map(|r| (0..len).map(|i| (r * 1000 + i) as f64).collect()).collect();
+                let expected: Vec<f64> = (0..len).map(|i| (0..n).map(|r| (r * 1000 + i) as f64).sum()).collect();
+                for (r, out) in simulate(&inputs).into_iter().enumerate() {
+                    assert_eq!(out, expected, "n {n} len {len} rank {r}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn steps_are_logarithmic_and_owned_ranges_tile_the_buffer() {
+        let (n, len) = (8, 1000);
+        let mut owned: Vec<Range<usize>> = (0..n).map(|r| RhdSchedule::new(len, n, r)).map(|s| {
+            assert_eq!(s.halving.len(), 3);
+            assert_eq!(s.halving.iter().map(|st| st.send.len()).sum::<usize>(), len - s.owned.len());
+            s.owned
+        }).collect();
+        owned.sort_by_key(|r| r.start);
+        assert!(owned.windows(2).all(|w| w[0].end == w[1].start));
+        assert_eq!((owned[0].start, owned[n - 1].end), (0, len));
+        // 6 ranks: 2 extra ranks sit out (0 and 2), 4 run the algorithm.
+        let extras: Vec<Extra> = (0..6).map(|r| RhdSchedule::new(10, 6, r).extra).collect();
+        assert_eq!(extras[0], Extra::SitsOut { partner: 1 });
+        assert_eq!(extras[3], Extra::Absorbs { partner: 2 });
+        assert_eq!(extras[5], Extra::None);
+    }
+}
