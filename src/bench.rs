@@ -120,6 +120,16 @@ struct BenchRow {
     /// measured in the same run: host f32 runs only.
     #[serde(skip_serializing_if = "Option::is_none")]
     memory_bound_busbw: Option<f64>,
+    /// One core's copy and add rates behind that bound (the cost model's gamma comes from the
+    /// add rate).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    memory_copy_gbs: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    memory_add_gbs: Option<f64>,
+    /// The network links' rate when the run says it (--link-mbit), for fitting the cost model
+    /// per link.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    link_mbit: Option<f64>,
 }
 
 /// What one core's memory bandwidth allows an all-reduce on host memory: every rank receives
@@ -304,6 +314,9 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
                     git_commit: results::GIT_COMMIT.into(),
                     date: date.clone(),
                     memory_bound_busbw: bound.map(|b| b.ring_busbw()),
+                    memory_copy_gbs: bound.map(|b| b.copy_gbs),
+                    memory_add_gbs: bound.map(|b| b.add_gbs),
+                    link_mbit: args.link_mbit,
                 };
                 results::append_json_line(&args.results.join(BENCH_FILE), &row)?;
                 if wrong > 0 {

@@ -37,6 +37,83 @@ pub enum Command {
     Report(ReportArgs),
     /// Run a whole scaling sweep (rank counts x strategies) inside this one launch.
     Study(StudyArgs),
+    /// The exchange cost model: `model fit` fits it to bench.jsonl rows.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Scaling tables projected for a cluster profile (up to thousands of ranks) from the cost
+    /// model, checked against the measurements given.
+    Project(ProjectArgs),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ModelCommand {
+    /// Fit latency and bandwidth within and between nodes (and the add rate) to bench rows.
+    Fit(FitArgs),
+}
+
+/// Options of `hpc-train model fit`.
+#[derive(Args, Debug, Clone)]
+pub struct FitArgs {
+    /// Bench rows (host f32, one tensor) of ring and rhd within a node and, for the network
+    /// link, across nodes; the other strategies' rows are predicted and shown beside them.
+    #[arg(long, default_value = "results/bench.jsonl")]
+    pub bench: PathBuf,
+    /// Only the rows recorded with this --link-mbit.
+    #[arg(long)]
+    pub link_mbit: Option<f64>,
+    /// The model file to write (JSON).
+    #[arg(long, default_value = "results/cost-model.json")]
+    pub out: PathBuf,
+    /// Parameter servers in the ps rows (as bench --servers).
+    #[arg(long, default_value_t = 1)]
+    pub servers: usize,
+    /// Horovod cycle time of the horovod rows (as bench --cycle-time-ms).
+    #[arg(long, default_value_t = 1.0)]
+    pub cycle_time_ms: f64,
+}
+
+/// Options of `hpc-train project`.
+#[derive(Args, Debug, Clone)]
+pub struct ProjectArgs {
+    /// Cluster profile (TOML; see jobs/clusters/).
+    #[arg(long)]
+    pub profile: PathBuf,
+    /// Model whose gradients are exchanged.
+    #[arg(long, value_enum, default_value_t = ModelKind::Resnet50)]
+    pub model: ModelKind,
+    /// One rank's forward, backward and optimizer per step, in ms.
+    #[arg(long)]
+    pub compute_ms: Option<f64>,
+    /// Take the compute time from the 1-rank run of the model at --batch in this runs.jsonl.
+    #[arg(long)]
+    pub from_runs: Option<PathBuf>,
+    /// Samples per rank per step (weak scaling).
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    /// Rank counts.
+    #[arg(long, default_value = "1,2,4,8,16,32,64,128,256,512,1024")]
+    pub ranks: String,
+    /// Ranks per node [default: the profile's].
+    #[arg(long)]
+    pub ranks_per_node: Option<usize>,
+    /// Gradient buckets in MiB.
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mb: f64,
+    /// Share of compute that backward takes (what overlap can hide the exchange behind).
+    #[arg(long, default_value_t = 0.67)]
+    pub backward_share: f64,
+    /// Parameter servers of the measured ps rows (validation).
+    #[arg(long, default_value_t = 1)]
+    pub servers: usize,
+    /// Folder for the tables, the projected records and their report, and validation.csv.
+    #[arg(long, default_value = "results/projection")]
+    pub out: PathBuf,
+    /// Measured bench rows to compare the model with (validation.csv).
+    #[arg(long)]
+    pub validate_bench: Option<PathBuf>,
+    /// Measured training runs to compare the model with (validation.csv).
+    #[arg(long)]
+    pub validate_runs: Option<PathBuf>,
 }
 
 /// The exchange watchdog's default: far beyond any one exchange on a working cluster (a 100 MB
@@ -59,7 +136,7 @@ impl Cli {
             None => threaded(self.train.strategy, &self.train.ps),
             Some(Command::Study(a)) => any_threaded(&a.strategies, &a.train.ps),
             Some(Command::Bench(a)) => any_threaded(&a.strategies, &a.ps),
-            Some(Command::Data(_) | Command::Report(_)) => false,
+            Some(Command::Data(_) | Command::Report(_) | Command::Model(_) | Command::Project(_)) => false,
         };
         if needs_thread { mpi::Threading::Multiple } else { mpi::Threading::Funneled }
     }
@@ -182,6 +259,10 @@ pub struct BenchArgs {
     /// Cost model for `auto` (see the training option).
     #[arg(long)]
     pub cost_model: Option<PathBuf>,
+    /// The rate of the links between nodes, in Mbit/s, recorded in bench.jsonl for
+    /// `hpc-train model fit` (the bench cannot measure it apart from the exchange).
+    #[arg(long)]
+    pub link_mbit: Option<f64>,
 
     #[command(flatten)]
     pub ps: PsArgs,

@@ -1,11 +1,14 @@
-//! The alpha-beta-gamma cost model of the all-reduce algorithms (Thakur, Rabenseifner and Gropp,
+//! The alpha-beta-gamma cost model of the exchange algorithms (Thakur, Rabenseifner and Gropp,
 //! "Optimization of Collective Communication Operations in MPICH", 2005; Patarasuk and Yuan,
 //! "Bandwidth optimal all-reduce algorithms for clusters of workstations", 2009).
 //!
 //! A message of b bytes over a link takes alpha + b beta; adding b bytes into a buffer takes
 //! b gamma. A link is within a node or between nodes; a step that crosses nodes anywhere takes
 //! the between-nodes cost (the slowest link sets the pace of a step every rank takes together).
-//! `auto` asks this model which algorithm suits each bucket, as NCCL's tuner does.
+//!
+//! Every algorithm's time is written as coefficients of the five unknowns (alpha and beta
+//! within a node, alpha and beta between nodes, gamma), so that one formula serves both the
+//! prediction (`auto`, `hpc-train project`) and the least-squares fit (`hpc-train model fit`).
 
 use serde::{Deserialize, Serialize};
 
@@ -19,15 +22,15 @@ pub struct LinkCost {
     pub alpha_s: f64,
     /// Time per byte on the wire.
     pub beta_s_per_byte: f64,
-    /// Time per byte added into a buffer.
-    pub gamma_s_per_byte: f64,
 }
 
-/// Link costs within a node and between nodes.
+/// Link costs within a node and between nodes, and the cost of adding.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CostModel {
     pub intra: LinkCost,
     pub inter: LinkCost,
+    /// Time per byte added into a buffer.
+    pub gamma_s_per_byte: f64,
 }
 
 impl Default for CostModel {
@@ -35,10 +38,10 @@ impl Default for CostModel {
     /// 10 Gbit/s TCP network (~30 us, 1.25 GB/s); additions at ~5 GB/s. Measured figures replace
     /// these through `--cost-model FILE` (see `hpc-train model fit`).
     fn default() -> Self {
-        let gamma = 1.0 / 5e9;
         CostModel {
-            intra: LinkCost { alpha_s: 2e-6, beta_s_per_byte: 1.0 / 5e9, gamma_s_per_byte: gamma },
-            inter: LinkCost { alpha_s: 30e-6, beta_s_per_byte: 1.0 / 1.25e9, gamma_s_per_byte: gamma },
+            intra: LinkCost { alpha_s: 2e-6, beta_s_per_byte: 1.0 / 5e9 },
+            inter: LinkCost { alpha_s: 30e-6, beta_s_per_byte: 1.0 / 1.25e9 },
+            gamma_s_per_byte: 1.0 / 5e9,
         }
     }
 }
@@ -60,61 +63,76 @@ impl Layout {
     }
 }
 
-/// The all-reduce algorithms the model knows in closed form.
+/// The exchange algorithms the model knows in closed form.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Algorithm {
     Ring,
     Rhd,
+    /// Parameter servers: `servers` dedicated ranks serving all the others.
+    Ps { servers: usize },
+}
+
+/// Coefficients of (alpha intra, beta intra, alpha inter, beta inter, gamma).
+pub type Coefficients = [f64; 5];
+
+fn add_link(c: &mut Coefficients, crosses: bool, messages: f64, bytes: f64) {
+    let at = if crosses { 2 } else { 0 };
+    c[at] += messages;
+    c[at + 1] += bytes;
+}
+
+/// The time of `algorithm` for `bytes` on `layout`, as coefficients of the unknowns.
+pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64) -> Coefficients {
+    let mut c = [0.0; 5];
+    let n = layout.ranks;
+    if n <= 1 {
+        return c;
+    }
+    match algorithm {
+        Algorithm::Ring => {
+            // 2(n-1) steps of S/n bytes, (n-1) S/n added; the node-aware ring crosses the
+            // network at two links per node, which then set every step's pace.
+            let nf = n as f64;
+            add_link(&mut c, layout.nodes() > 1, 2.0 * (nf - 1.0), 2.0 * (nf - 1.0) / nf * bytes);
+            c[4] += (nf - 1.0) / nf * bytes;
+        }
+        Algorithm::Rhd => {
+            // Every member of the power-of-two group takes every step; rank 1 is one of them in
+            // every layout (it absorbs rank 0 when the count is not a power of two).
+            let probe = if n.is_power_of_two() { 0 } else { 1 };
+            let unit = 1usize << 20;
+            let schedule = RhdSchedule::new(unit, n, probe);
+            for step in &schedule.halving {
+                let part = step.recv.len() as f64 / unit as f64 * bytes;
+                // The halving step and its mirror in the doubling, same partner, same size.
+                add_link(&mut c, !layout.same_node(probe, step.partner), 2.0, 2.0 * part);
+                c[4] += part;
+            }
+            if let Extra::Absorbs { partner } = schedule.extra {
+                add_link(&mut c, !layout.same_node(probe, partner), 2.0, 2.0 * bytes);
+                c[4] += bytes;
+            }
+        }
+        Algorithm::Ps { servers } => {
+            // Each server takes W S / K from its workers, sums it, and sends as much back; the
+            // servers are the last ranks, on another node when there are several.
+            let workers = n.saturating_sub(servers).max(1) as f64;
+            let per_server = workers * bytes / servers.max(1) as f64;
+            add_link(&mut c, layout.nodes() > 1, 2.0, 2.0 * per_server);
+            c[4] += per_server;
+        }
+    }
+    c
 }
 
 impl CostModel {
-    fn link(&self, crosses_nodes: bool) -> &LinkCost {
-        if crosses_nodes { &self.inter } else { &self.intra }
+    pub fn as_vector(&self) -> Coefficients {
+        [self.intra.alpha_s, self.intra.beta_s_per_byte, self.inter.alpha_s, self.inter.beta_s_per_byte, self.gamma_s_per_byte]
     }
 
-    /// Predicted seconds for an all-reduce of `bytes` on `layout`.
+    /// Predicted seconds of `algorithm` for `bytes` on `layout`.
     pub fn predict(&self, algorithm: Algorithm, layout: Layout, bytes: f64) -> f64 {
-        match algorithm {
-            Algorithm::Ring => self.ring(layout, bytes),
-            Algorithm::Rhd => self.rhd(layout, bytes),
-        }
-    }
-
-    /// 2(n-1) steps of S/n bytes each, and (n-1) S/n bytes added; the node-aware ring crosses
-    /// the network at two links per node, which then set every step's pace.
-    pub fn ring(&self, layout: Layout, bytes: f64) -> f64 {
-        let n = layout.ranks as f64;
-        if layout.ranks <= 1 {
-            return 0.0;
-        }
-        let link = self.link(layout.nodes() > 1);
-        2.0 * (n - 1.0) * (link.alpha_s + bytes / n * link.beta_s_per_byte) + (n - 1.0) * bytes / n * link.gamma_s_per_byte
-    }
-
-    /// Recursive halving then doubling among the largest power of two of ranks (each step over
-    /// the link between the partners, the halving adding what it receives), plus the whole
-    /// buffer handed in and out by the extra ranks.
-    pub fn rhd(&self, layout: Layout, bytes: f64) -> f64 {
-        if layout.ranks <= 1 {
-            return 0.0;
-        }
-        // Every member of the power-of-two group takes every step; rank 1 is one of them in every
-        // layout (it absorbs rank 0 when the count is not a power of two), so it tells for all.
-        let probe = if layout.ranks.is_power_of_two() { 0 } else { 1 };
-        let schedule = RhdSchedule::new(1 << 20, layout.ranks, probe);
-        let fraction = |len: usize| len as f64 / (1 << 20) as f64;
-        let mut t = 0.0;
-        for step in &schedule.halving {
-            // Partners of a step are as far apart for every member: one rank tells for all.
-            let link = self.link(!layout.same_node(probe, step.partner));
-            let part = fraction(step.recv.len()) * bytes;
-            t += 2.0 * (link.alpha_s + part * link.beta_s_per_byte) + part * link.gamma_s_per_byte;
-        }
-        if let Extra::Absorbs { partner } = schedule.extra {
-            let link = self.link(!layout.same_node(probe, partner));
-            t += 2.0 * (link.alpha_s + bytes * link.beta_s_per_byte) + bytes * link.gamma_s_per_byte;
-        }
-        t
+        coefficients(algorithm, layout, bytes).iter().zip(self.as_vector()).map(|(c, v)| c * v).sum()
     }
 
     /// The faster of ring and rhd for `bytes` on `layout`.
@@ -137,32 +155,75 @@ impl CostModel {
     }
 }
 
+/// Least squares for two unknowns (x, y) from rows (a, b, target, weight), clamped at zero:
+/// a negative unknown is set to zero and the other refitted.
+pub fn fit_two(rows: &[(f64, f64, f64, f64)]) -> Option<(f64, f64)> {
+    let (mut saa, mut sab, mut sbb, mut sat, mut sbt) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(a, b, t, w) in rows {
+        let w2 = w * w;
+        saa += a * a * w2;
+        sab += a * b * w2;
+        sbb += b * b * w2;
+        sat += a * t * w2;
+        sbt += b * t * w2;
+    }
+    let det = saa * sbb - sab * sab;
+    let one = |s: f64, st: f64| if s > 0.0 { (st / s).max(0.0) } else { 0.0 };
+    if det.abs() <= 1e-30 * (saa * sbb).max(1e-300) {
+        return (sbb > 0.0 || saa > 0.0).then(|| if sbb > 0.0 { (0.0, one(sbb, sbt)) } else { (one(saa, sat), 0.0) });
+    }
+    let x = (sat * sbb - sbt * sab) / det;
+    let y = (saa * sbt - sab * sat) / det;
+    Some(match (x >= 0.0, y >= 0.0) {
+        (true, true) => (x, y),
+        (false, _) => (0.0, one(sbb, sbt)),
+        (true, false) => (one(saa, sat), 0.0),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn one_link(alpha: f64, beta: f64, gamma: f64) -> CostModel {
-        let l = LinkCost { alpha_s: alpha, beta_s_per_byte: beta, gamma_s_per_byte: gamma };
-        CostModel { intra: l, inter: l }
+        let l = LinkCost { alpha_s: alpha, beta_s_per_byte: beta };
+        CostModel { intra: l, inter: l, gamma_s_per_byte: gamma }
     }
 
     #[test]
-    fn ring_and_rhd_follow_the_closed_forms() {
+    fn ring_rhd_and_ps_follow_the_closed_forms() {
         let m = one_link(1e-5, 1e-9, 5e-10);
         let (n, s) = (8.0, 1e6);
         let layout = Layout { ranks: 8, per_node: 8 };
         let ring = 2.0 * (n - 1.0) * (1e-5 + s / n * 1e-9) + (n - 1.0) * s / n * 5e-10;
-        assert!((m.ring(layout, s) - ring).abs() < 1e-12);
+        assert!((m.predict(Algorithm::Ring, layout, s) - ring).abs() < 1e-12);
         // Power of two: 2 log2(p) alpha + 2 (p-1)/p S beta + (p-1)/p S gamma.
         let rhd = 2.0 * 3.0 * 1e-5 + 2.0 * 7.0 / 8.0 * s * 1e-9 + 7.0 / 8.0 * s * 5e-10;
-        assert!((m.rhd(layout, s) - rhd).abs() < 1e-9, "{} vs {rhd}", m.rhd(layout, s));
+        assert!((m.predict(Algorithm::Rhd, layout, s) - rhd).abs() < 1e-9);
+        // 2 servers, 6 workers: each server link carries 3 S each way.
+        let ps = 2.0 * 1e-5 + 2.0 * 3.0 * s * 1e-9 + 3.0 * s * 5e-10;
+        assert!((m.predict(Algorithm::Ps { servers: 2 }, layout, s) - ps).abs() < 1e-12);
     }
 
     #[test]
     fn small_buffers_go_to_rhd_and_large_ones_to_the_ring_on_the_network() {
         let m = CostModel::default();
-        let layout = Layout { ranks: 64, per_node: 8 };
-        assert_eq!(m.choose(layout, 4096.0), Algorithm::Rhd);
+        assert_eq!(m.choose(Layout { ranks: 64, per_node: 8 }, 4096.0), Algorithm::Rhd);
         assert_eq!(m.choose(Layout { ranks: 6, per_node: 6 }, 1e8), Algorithm::Ring, "the extra ranks' whole-buffer hand-over costs rhd");
+    }
+
+    #[test]
+    fn the_fit_recovers_known_costs() {
+        let (alpha, beta) = (3e-6, 2e-10);
+        let rows: Vec<(f64, f64, f64, f64)> = [1e3, 1e5, 1e6, 1e7]
+            .iter()
+            .map(|&s| {
+                let c = coefficients(Algorithm::Ring, Layout { ranks: 4, per_node: 4 }, s);
+                let t = c[0] * alpha + c[1] * beta;
+                (c[0], c[1], t, 1.0 / t)
+            })
+            .collect();
+        let (a, b) = fit_two(&rows).unwrap();
+        assert!((a - alpha).abs() / alpha < 1e-6 && (b - beta).abs() / beta < 1e-6, "{a} {b}");
     }
 }

@@ -18,6 +18,7 @@ mod faults;
 mod model;
 mod optim;
 mod overlap;
+mod project;
 mod raw;
 mod report;
 mod results;
@@ -74,6 +75,14 @@ fn main() {
         Some(Command::Data(cmd)) => {
             // Data commands are serial: rank 0 does the work, the others wait for its verdict.
             let local = if world.is_root() { run_data(cmd) } else { Ok(()) };
+            world.agree(local)
+        }
+        Some(Command::Model(cli::ModelCommand::Fit(args))) => {
+            let local = if world.is_root() { project::fit(args) } else { Ok(()) };
+            world.agree(local)
+        }
+        Some(Command::Project(args)) => {
+            let local = if world.is_root() { project::project(args) } else { Ok(()) };
             world.agree(local)
         }
         Some(Command::Report(args)) => {

@@ -20,6 +20,14 @@ pub enum ModelKind {
 }
 
 impl ModelKind {
+    /// Trainable parameters at torchvision's ImageNet shape (3x224x224, 1,000 classes), for
+    /// projections: what every step's exchange carries.
+    pub fn parameter_count(self) -> usize {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let _model = build(self, &vs.root(), InputSpec { channels: 3, height: 224, width: 224, classes: 1000 });
+        vs.trainable_variables().iter().map(|t| t.numel()).sum()
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             ModelKind::Resnet50 => "resnet50",

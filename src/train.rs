@@ -688,6 +688,8 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     extra.insert("overlap".into(), (overlap.is_some()).into());
     extra.insert("precision".into(), serde_json::to_value(args.precision).unwrap_or_default());
     extra.insert("channels_last".into(), args.channels_last.into());
+    // What every step's exchange carries (the cost model's projections and validation read it).
+    extra.insert("parameters".into(), net.params.iter().map(|p| p.numel()).sum::<usize>().into());
     if let Some((buckets, total, hidden)) = overlap_figures {
         extra.insert("overlap_buckets".into(), buckets.into());
         extra.insert("exchange_total_ms".into(), total.into());

@@ -68,13 +68,13 @@ impl Exchange for Auto {
             // Every rank computes the same choice from the same size and layout.
             let bytes = (bucket.numel() * dtype.size()) as f64;
             match model.choose(layout, bytes) {
-                Algorithm::Ring => {
-                    chosen[0] += 1;
-                    ring.reduce_flat(bucket, dtype, op)
-                }
                 Algorithm::Rhd => {
                     chosen[1] += 1;
                     rhd.reduce_flat(bucket, dtype, op)
+                }
+                _ => {
+                    chosen[0] += 1;
+                    ring.reduce_flat(bucket, dtype, op)
                 }
             }
         })?;

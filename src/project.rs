@@ -1,0 +1,438 @@
+//! `hpc-train model fit` (the cost model's unknowns from measured bench rows) and
+//! `hpc-train project` (scaling tables for clusters larger than the one measured, from a
+//! cluster profile, with every prediction checked against the measurements it is given).
+//!
+//! The formulas are cost.rs's; this file reads rows, fits, and lays out results. Projected runs
+//! are written as run records marked `projected` and handed to `hpc-train report`, so that they
+//! come out in the report's own tables and plots.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::cli::{FitArgs, ProjectArgs};
+use crate::cost::{coefficients, fit_two, Algorithm, CostModel, Layout, LinkCost};
+use crate::error::{Error, Result, WithPath};
+use crate::results::{self, RunRecord};
+
+/// The bench.jsonl fields the fit reads.
+#[derive(Clone, Debug, Deserialize)]
+struct BenchRow {
+    size: usize,
+    strategy: String,
+    ranks: usize,
+    #[serde(default)]
+    nodes: usize,
+    time_us: f64,
+    wrong: u64,
+    #[serde(rename = "type")]
+    dtype: String,
+    #[serde(default)]
+    layout: String,
+    device: String,
+    #[serde(default)]
+    memory_add_gbs: Option<f64>,
+    #[serde(default)]
+    link_mbit: Option<f64>,
+}
+
+impl BenchRow {
+    fn layout(&self) -> Layout {
+        let nodes = self.nodes.max(1);
+        Layout { ranks: self.ranks, per_node: self.ranks.div_ceil(nodes) }
+    }
+
+    /// Rows the model describes: host f32, one tensor, right results, more than one rank.
+    fn usable(&self) -> bool {
+        self.device == "cpu" && self.dtype == "float" && (self.layout.is_empty() || self.layout == "single") && self.wrong == 0 && self.ranks > 1 && self.size > 0
+    }
+}
+
+/// What `model fit` writes.
+#[derive(Serialize, Deserialize)]
+pub struct ModelFile {
+    pub model: CostModel,
+    pub link_mbit: Option<f64>,
+    pub fitted_from: String,
+    pub rows: usize,
+    pub residuals: Vec<Residual>,
+}
+
+#[derive(Clone, Serialize, Deserialize)]
+pub struct Residual {
+    pub strategy: String,
+    pub ranks: usize,
+    pub nodes: usize,
+    pub link_mbit: Option<f64>,
+    pub size_bytes: Option<usize>,
+    pub measured_us: f64,
+    pub predicted_us: f64,
+    pub error_pct: f64,
+}
+
+fn algorithm_of(strategy: &str, servers: usize) -> Option<Algorithm> {
+    match strategy {
+        "ring" => Some(Algorithm::Ring),
+        "rhd" => Some(Algorithm::Rhd),
+        "ps" => Some(Algorithm::Ps { servers }),
+        _ => None,
+    }
+}
+
+/// Predicted seconds of a strategy's all-reduce of `bytes`: MPI_Allreduce and Horovod's
+/// collective are taken as MPI's own choice between the two algorithms (the faster), Horovod
+/// adding half a cycle of waiting on average; auto picks the faster itself.
+fn predict(model: &CostModel, strategy: &str, layout: Layout, bytes: f64, servers: usize, cycle_s: f64) -> Option<f64> {
+    let best = || model.predict(model.choose(layout, bytes), layout, bytes);
+    match strategy {
+        "allreduce" | "auto" => Some(best()),
+        "horovod" => Some(best() + cycle_s / 2.0),
+        s => algorithm_of(s, servers).map(|a| model.predict(a, layout, bytes)),
+    }
+}
+
+/// `hpc-train model fit`.
+pub fn fit(args: &FitArgs) -> Result<()> {
+    let rows: Vec<BenchRow> = results::read_json_lines(&args.bench)?;
+    let rows: Vec<BenchRow> = rows.into_iter().filter(|r| r.usable() && (args.link_mbit.is_none() || r.link_mbit == args.link_mbit)).collect();
+    let adds: Vec<f64> = rows.iter().filter_map(|r| r.memory_add_gbs).collect();
+    if adds.is_empty() {
+        return Err(Error::usage(format!(
+            "{}: no usable row with memory_add_gbs (host f32 rows from `hpc-train bench` on more than one rank{})",
+            args.bench.display(),
+            args.link_mbit.map_or(String::new(), |m| format!(" at --link-mbit {m}"))
+        )));
+    }
+    let gamma = 1.0 / (median(adds) * 1e9);
+    let fit_rows = |inter: bool, fixed: &CostModel| -> Vec<(f64, f64, f64, f64)> {
+        rows.iter()
+            .filter(|r| (r.nodes > 1) == inter && matches!(r.strategy.as_str(), "ring" | "rhd"))
+            .map(|r| {
+                let c = coefficients(algorithm_of(&r.strategy, 1).expect("ring or rhd"), r.layout(), r.size as f64);
+                let t = r.time_us * 1e-6;
+                let known = c[4] * gamma + if inter { c[0] * fixed.intra.alpha_s + c[1] * fixed.intra.beta_s_per_byte } else { 0.0 };
+                let (a, b) = if inter { (c[2], c[3]) } else { (c[0], c[1]) };
+                (a, b, t - known, 1.0 / t) // relative errors: every size counts alike
+            })
+            .collect()
+    };
+    let mut model = CostModel { gamma_s_per_byte: gamma, ..CostModel::default() };
+    let intra = fit_two(&fit_rows(false, &model)).ok_or_else(|| Error::usage("no ring or rhd rows within one node to fit the node's links"))?;
+    model.intra = LinkCost { alpha_s: intra.0, beta_s_per_byte: intra.1 };
+    match fit_two(&fit_rows(true, &model)) {
+        Some(inter) => model.inter = LinkCost { alpha_s: inter.0, beta_s_per_byte: inter.1 },
+        None => log::warn!("no ring or rhd rows across nodes: the network link keeps the built-in default"),
+    }
+    let residuals: Vec<Residual> = rows
+        .iter()
+        .filter_map(|r| {
+            let predicted = predict(&model, &r.strategy, r.layout(), r.size as f64, args.servers, args.cycle_time_ms * 1e-3)?;
+            Some(residual(&r.strategy, r.ranks, r.nodes.max(1), r.link_mbit, Some(r.size), r.time_us, predicted * 1e6))
+        })
+        .collect();
+    print_fit(&model, &residuals);
+    let file = ModelFile { model, link_mbit: args.link_mbit, fitted_from: args.bench.display().to_string(), rows: rows.len(), residuals };
+    write_json(&args.out, &file)?;
+    println!("wrote {}", args.out.display());
+    Ok(())
+}
+
+fn residual(strategy: &str, ranks: usize, nodes: usize, link_mbit: Option<f64>, size: Option<usize>, measured_us: f64, predicted_us: f64) -> Residual {
+    Residual {
+        strategy: strategy.into(),
+        ranks,
+        nodes,
+        link_mbit,
+        size_bytes: size,
+        measured_us,
+        predicted_us,
+        error_pct: (predicted_us - measured_us) / measured_us * 100.0,
+    }
+}
+
+fn print_fit(model: &CostModel, residuals: &[Residual]) {
+    println!("# cost model: alpha (us), bandwidth 1/beta (GB/s), add rate 1/gamma (GB/s)");
+    for (name, l) in [("within a node", model.intra), ("between nodes", model.inter)] {
+        println!("#   {name:<14} alpha {:>8.2}  bandwidth {:>7.3}", l.alpha_s * 1e6, 1e-9 / l.beta_s_per_byte.max(1e-30));
+    }
+    println!("#   adds {:.3} GB/s", 1e-9 / model.gamma_s_per_byte);
+    println!("# {:>10} {:>6} {:>6} {:>12} {:>12} {:>12} {:>8}", "strategy", "ranks", "nodes", "size (B)", "measured us", "predicted", "error %");
+    for r in residuals {
+        println!(
+            "  {:>10} {:>6} {:>6} {:>12} {:>12.1} {:>12.1} {:>8.1}",
+            r.strategy, r.ranks, r.nodes, r.size_bytes.map_or("-".into(), |s| s.to_string()), r.measured_us, r.predicted_us, r.error_pct
+        );
+    }
+    let errors: Vec<f64> = residuals.iter().map(|r| r.error_pct.abs()).collect();
+    if !errors.is_empty() {
+        println!("# median |error| {:.1}%, max {:.1}%, {} rows", median(errors.clone()), errors.iter().cloned().fold(0.0, f64::max), errors.len());
+    }
+}
+
+/// A cluster profile (jobs/clusters/*.toml): link costs with their sources.
+#[derive(Debug, Deserialize)]
+struct Profile {
+    name: String,
+    ranks_per_node: usize,
+    /// A fitted model file instead of the figures below (this machine's local cluster).
+    fitted: Option<PathBuf>,
+    intra: Option<ProfileLink>,
+    inter: Option<ProfileLink>,
+    add_gbs: Option<f64>,
+    #[serde(default = "default_cycle_ms")]
+    horovod_cycle_ms: f64,
+}
+
+fn default_cycle_ms() -> f64 {
+    1.0
+}
+
+#[derive(Debug, Deserialize)]
+struct ProfileLink {
+    alpha_us: f64,
+    /// Bandwidth one rank sees on this link.
+    gbs: f64,
+}
+
+impl Profile {
+    fn load(path: &Path) -> Result<Profile> {
+        let text = std::fs::read_to_string(path).at(path)?;
+        toml::from_str(&text).map_err(|e| Error::usage(format!("{}: not a cluster profile: {e}", path.display())))
+    }
+
+    fn model(&self, base: &Path) -> Result<CostModel> {
+        if let Some(f) = &self.fitted {
+            let path = if f.is_absolute() { f.clone() } else { base.join(f) };
+            return CostModel::load(&path);
+        }
+        let link = |l: &Option<ProfileLink>, what: &str| -> Result<LinkCost> {
+            let l = l.as_ref().ok_or_else(|| Error::usage(format!("profile {}: no [{what}] link", self.name)))?;
+            Ok(LinkCost { alpha_s: l.alpha_us * 1e-6, beta_s_per_byte: 1.0 / (l.gbs * 1e9) })
+        };
+        let (intra, inter) = (link(&self.intra, "intra")?, link(&self.inter, "inter")?);
+        let add = self.add_gbs.ok_or_else(|| Error::usage(format!("profile {}: no add_gbs", self.name)))?;
+        Ok(CostModel { intra, inter, gamma_s_per_byte: 1.0 / (add * 1e9) })
+    }
+}
+
+/// One projected point.
+struct Point {
+    strategy: &'static str,
+    ranks: usize,
+    step_s: f64,
+    exchange_s: f64,
+    exposed_s: f64,
+}
+
+/// The exchange of one step: `gradient_bytes` in buckets of `bucket_bytes`, each reduced by the
+/// strategy; with overlap, all but what backward cannot hide (at least the last bucket).
+fn project_step(model: &CostModel, strategy: &'static str, layout: Layout, gradient_bytes: f64, args: &ProjectArgs, cycle_s: f64, compute_s: f64) -> Option<Point> {
+    let bucket = (args.bucket_mb * (1 << 20) as f64).max(1.0);
+    let full = (gradient_bytes / bucket).floor();
+    let rest = gradient_bytes - full * bucket;
+    let servers = layout.nodes().max(1);
+    let each = |b: f64| predict(model, strategy, layout, b, servers, cycle_s);
+    let exchange = if strategy == "ps" {
+        // The parameter server exchanges whole shares after backward: one round.
+        each(gradient_bytes)?
+    } else {
+        full * each(bucket)? + if rest > 0.0 { each(rest)? } else { 0.0 }
+    };
+    let exposed = if strategy == "ps" {
+        exchange
+    } else {
+        let last = each(bucket.min(gradient_bytes))?;
+        (exchange - args.backward_share * compute_s).max(last.min(exchange))
+    };
+    Some(Point { strategy, ranks: layout.ranks, step_s: compute_s + exposed, exchange_s: exchange, exposed_s: exposed })
+}
+
+/// `hpc-train project`.
+pub fn project(args: &ProjectArgs) -> Result<()> {
+    let profile = Profile::load(&args.profile)?;
+    let base = args.profile.parent().unwrap_or(Path::new("."));
+    let model = profile.model(base).or_else(|_| profile.model(Path::new(".")))?;
+    let per_node = args.ranks_per_node.unwrap_or(profile.ranks_per_node).max(1);
+    let ranks = crate::study::parse_ranks(&args.ranks, usize::MAX)?;
+    let compute_s = match (args.compute_ms, &args.from_runs) {
+        (Some(ms), _) => ms * 1e-3,
+        (None, Some(runs)) => compute_from_runs(runs, args)?,
+        (None, None) => return Err(Error::usage("project needs --compute-ms (one rank's forward and backward per step) or --from-runs FILE")),
+    };
+    let gradient_bytes = args.model.parameter_count() as f64 * 4.0;
+    let cycle_s = profile.horovod_cycle_ms * 1e-3;
+    let strategies: [&'static str; 6] = ["ring", "rhd", "auto", "allreduce", "horovod", "ps"];
+    std::fs::create_dir_all(&args.out).at(&args.out)?;
+    let slug = format!("{}-{}", args.profile.file_stem().and_then(|s| s.to_str()).unwrap_or("profile"), args.model.name());
+
+    // The table, and the same points as run records for the report's tables and plots.
+    let mut text = format!(
+        "# Projected weak scaling: {} on {} ({} ranks per node)\n\nProjected, not measured: {:.1} ms of compute per step per rank at batch {}, {:.1} MB of f32 gradients in {} MiB buckets, backward {:.0}% of compute (what overlap can hide); cost model {}.\n\n| strategy | ranks | nodes | step ms | exchange ms | exposed ms | img/s | speedup | efficiency |\n|---|---|---|---|---|---|---|---|---|\n",
+        args.model.name(), profile.name, per_node, compute_s * 1e3, args.batch, gradient_bytes / 1e6, args.bucket_mb, args.backward_share * 100.0,
+        serde_json::to_string(&model).unwrap_or_default()
+    );
+    let mut records = Vec::new();
+    let one_rank = args.batch as f64 / compute_s;
+    for strategy in strategies {
+        for &n in &ranks {
+            let layout = Layout { ranks: n, per_node: per_node.min(n) };
+            let Some(p) = project_step(&model, strategy, layout, gradient_bytes, args, cycle_s, compute_s) else { continue };
+            if strategy == "ps" && n < 2 {
+                continue;
+            }
+            let images = (n * args.batch) as f64 / p.step_s;
+            let speedup = images / one_rank;
+            text.push_str(&format!(
+                "| {} (projected) | {} | {} | {:.1} | {:.1} | {:.1} | {:.0} | {:.2} | {:.1}% |\n",
+                p.strategy, p.ranks, layout.nodes(), p.step_s * 1e3, p.exchange_s * 1e3, p.exposed_s * 1e3, images, speedup, speedup / n as f64 * 100.0
+            ));
+            records.push(projected_record(args, &profile, p, layout, images, compute_s, &slug));
+        }
+    }
+    let md = args.out.join(format!("{slug}.md"));
+    std::fs::write(&md, &text).at(&md)?;
+    let runs = args.out.join(format!("{slug}-runs.jsonl"));
+    let _ = std::fs::remove_file(&runs);
+    for r in &records {
+        results::append_json_line(&runs, r)?;
+    }
+    print!("{text}");
+    println!("wrote {} and {}", md.display(), runs.display());
+    crate::report::run(&crate::cli::ReportArgs { input: runs, study: None, bench: None, out: args.out.join(&slug) })?;
+
+    if args.validate_bench.is_some() || args.validate_runs.is_some() {
+        validate(&model, args, cycle_s)?;
+    }
+    Ok(())
+}
+
+fn projected_record(args: &ProjectArgs, profile: &Profile, p: Point, layout: Layout, images: f64, compute_s: f64, slug: &str) -> RunRecord {
+    let mut extra = serde_json::Map::new();
+    extra.insert("projected".into(), true.into());
+    extra.insert("profile".into(), profile.name.clone().into());
+    extra.insert("exchange_total_ms".into(), (p.exchange_s * 1e3).into());
+    RunRecord {
+        strategy: format!("{} (projected)", p.strategy),
+        ranks: p.ranks,
+        workers: p.ranks,
+        nodes: layout.nodes(),
+        model: args.model.name().into(),
+        dataset: format!("projected on {}", profile.name),
+        image_shape: vec![3, 224, 224],
+        batch_per_rank: args.batch,
+        global_batch: args.batch * p.ranks,
+        scaling: "weak".into(),
+        steps: 1,
+        epochs: 0.0,
+        images_per_sec: images,
+        step_ms: p.step_s * 1e3,
+        compute_ms: compute_s * 1e3,
+        comm_ms: p.exposed_s * 1e3,
+        data_wait_ms: 0.0,
+        optimizer_ms: 0.0,
+        final_loss: 0.0,
+        test_accuracy: None,
+        test_loss: None,
+        device: "gpu (projected)".into(),
+        mpi_library: "-".into(),
+        cuda_aware: true,
+        data_path: None,
+        threads: 0,
+        bucket_mb: args.bucket_mb,
+        peak_rss_mb: 0.0,
+        rss_warmup_mb: 0.0,
+        rss_end_mb: 0.0,
+        host: "-".into(),
+        git_commit: results::GIT_COMMIT.into(),
+        timestamp: results::timestamp(),
+        study: Some(format!("projected-{slug}")),
+        extra,
+    }
+}
+
+/// One rank's compute per step from measured runs: the 1-rank run of the model at the batch.
+fn compute_from_runs(path: &Path, args: &ProjectArgs) -> Result<f64> {
+    let runs: Vec<RunRecord> = results::read_json_lines(path)?;
+    runs.iter()
+        .rev()
+        .find(|r| r.model == args.model.name() && r.ranks == 1 && r.batch_per_rank == args.batch && r.steps > 0)
+        .map(|r| (r.compute_ms + r.optimizer_ms) * 1e-3)
+        .ok_or_else(|| Error::usage(format!("{}: no 1-rank run of {} at batch {} to take the compute time from", path.display(), args.model.name(), args.batch)))
+}
+
+/// Predictions against every measured row given: validation.csv.
+fn validate(model: &CostModel, args: &ProjectArgs, cycle_s: f64) -> Result<()> {
+    let mut rows: Vec<Residual> = Vec::new();
+    if let Some(path) = &args.validate_bench {
+        let bench: Vec<BenchRow> = results::read_json_lines(path)?;
+        for r in bench.iter().filter(|r| r.usable()) {
+            if let Some(p) = predict(model, &r.strategy, r.layout(), r.size as f64, args.servers, cycle_s) {
+                rows.push(residual(&r.strategy, r.ranks, r.nodes.max(1), r.link_mbit, Some(r.size), r.time_us, p * 1e6));
+            }
+        }
+    }
+    if let Some(path) = &args.validate_runs {
+        let runs: Vec<RunRecord> = results::read_json_lines(path)?;
+        for r in runs.iter().filter(|r| r.steps > 0 && r.ranks > 1 && r.device == "cpu") {
+            let Some(parameters) = r.extra.get("parameters").and_then(|v| v.as_u64()) else { continue };
+            let layout = Layout { ranks: r.ranks, per_node: r.ranks.div_ceil(r.nodes.max(1)) };
+            let sub = ProjectArgs { bucket_mb: if r.bucket_mb > 0.0 { r.bucket_mb } else { args.bucket_mb }, ..args.clone() };
+            let compute = (r.compute_ms + r.optimizer_ms + r.data_wait_ms) * 1e-3;
+            let overlap = r.extra.get("overlap").and_then(|v| v.as_bool()).unwrap_or(false);
+            let strategy: &'static str = match r.strategy.as_str() {
+                "ring" => "ring",
+                "rhd" => "rhd",
+                "auto" => "auto",
+                "allreduce" => "allreduce",
+                "horovod" => "horovod",
+                "ps" => "ps",
+                _ => continue,
+            };
+            let Some(p) = project_step(model, strategy, layout, parameters as f64 * 4.0, &ProjectArgs { backward_share: if overlap { sub.backward_share } else { 0.0 }, ..sub }, cycle_s, compute) else { continue };
+            rows.push(residual(&r.strategy, r.ranks, r.nodes.max(1), r.extra.get("link_mbit").and_then(|v| v.as_f64()), None, r.step_ms * 1e3, p.step_s * 1e6));
+        }
+    }
+    let path = args.out.join("validation.csv");
+    let mut w = csv::Writer::from_path(&path).map_err(|e| Error::Results(format!("{}: {e}", path.display())))?;
+    w.write_record(["strategy", "ranks", "nodes", "link_mbit", "size_bytes", "measured_us", "predicted_us", "error_pct"]).map_err(|e| Error::Results(e.to_string()))?;
+    for r in &rows {
+        w.write_record([
+            r.strategy.clone(),
+            r.ranks.to_string(),
+            r.nodes.to_string(),
+            r.link_mbit.map_or(String::new(), |m| m.to_string()),
+            r.size_bytes.map_or(String::new(), |s| s.to_string()),
+            format!("{:.1}", r.measured_us),
+            format!("{:.1}", r.predicted_us),
+            format!("{:.1}", r.error_pct),
+        ])
+        .map_err(|e| Error::Results(e.to_string()))?;
+    }
+    w.flush().at(&path)?;
+    let errors: Vec<f64> = rows.iter().map(|r| r.error_pct.abs()).collect();
+    println!(
+        "validation: {} row(s), median |error| {:.1}%, within 15%: {}; wrote {}",
+        rows.len(),
+        if errors.is_empty() { 0.0 } else { median(errors.clone()) },
+        errors.iter().filter(|&&e| e <= 15.0).count(),
+        path.display()
+    );
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return 0.0;
+    }
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 }
+}
+
+fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).at(dir)?;
+    }
+    let text = serde_json::to_string_pretty(value).map_err(|e| Error::Results(e.to_string()))?;
+    std::fs::write(path, text).at(path)
+}

@@ -1,0 +1,78 @@
+//! `hpc-train model fit` and `hpc-train project`: the fit recovers known link costs from bench
+//! rows made with them, and a projection writes its tables, report and validation.
+
+mod common;
+
+use common::*;
+
+/// Bench rows as `hpc-train bench` writes them, timed by the closed forms with known costs:
+/// within a node alpha 4 us, 2 GB/s; between nodes 50 us, 0.1 GB/s; adds at 3 GB/s.
+fn synthetic_rows() -> String {
+    let (ai, bi, ae, be, g) = (4e-6, 1.0 / 2e9, 50e-6, 1.0 / 0.1e9, 1.0 / 3e9);
+    let mut out = String::new();
+    for (ranks, nodes) in [(2usize, 1usize), (4, 1), (2, 2), (4, 2)] {
+        for size in [4096usize, 65536, 1 << 20, 16 << 20] {
+            let s = size as f64;
+            let n = ranks as f64;
+            let (a, b) = if nodes > 1 { (ae, be) } else { (ai, bi) };
+            let ring = 2.0 * (n - 1.0) * (a + s / n * b) + (n - 1.0) * s / n * g;
+            // Power-of-two rhd: log2(n) steps each way; partners across nodes in the first step
+            // when the ranks span two nodes (node-major numbering).
+            let mut rhd = 0.0;
+            let mut part = s / 2.0;
+            let mut mask = ranks / 2;
+            while mask > 0 {
+                let crosses = nodes > 1 && mask >= ranks / nodes;
+                let (a, b) = if crosses { (ae, be) } else { (ai, bi) };
+                rhd += 2.0 * (a + part * b) + part * g;
+                part /= 2.0;
+                mask /= 2;
+            }
+            for (strategy, t) in [("ring", ring), ("rhd", rhd)] {
+                out.push_str(&format!(
+                    "{{\"size\":{size},\"count\":{},\"type\":\"float\",\"strategy\":\"{strategy}\",\"tensors\":1,\"layout\":\"single\",\"time_us\":{},\"algbw\":0,\"busbw\":0,\"wrong\":0,\"ranks\":{ranks},\"nodes\":{nodes},\"device\":\"cpu\",\"iters\":5,\"host\":\"h\",\"mpi_library\":\"m\",\"git_commit\":\"c\",\"date\":\"d\",\"memory_add_gbs\":3.0,\"link_mbit\":800}}\n",
+                    size / 4,
+                    t * 1e6
+                ));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_fit_recovers_known_link_costs_and_the_projection_validates_against_them() {
+    let dir = scratch("projection");
+    let bench = dir.join("bench.jsonl");
+    std::fs::write(&bench, synthetic_rows()).unwrap();
+    let model = dir.join("model.json");
+    let run = hpc_train(&["model", "fit", "--bench", bench.to_str().unwrap(), "--out", model.to_str().unwrap()]).expect_ok();
+    assert!(run.stdout.contains("median |error| 0.0%"), "{}", run.stdout);
+    let fitted: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&model).unwrap()).unwrap();
+    let close = |got: f64, want: f64| (got - want).abs() / want < 1e-3;
+    let m = &fitted["model"];
+    assert!(close(m["intra"]["alpha_s"].as_f64().unwrap(), 4e-6), "{m}");
+    assert!(close(m["intra"]["beta_s_per_byte"].as_f64().unwrap(), 0.5e-9), "{m}");
+    assert!(close(m["inter"]["alpha_s"].as_f64().unwrap(), 50e-6), "{m}");
+    assert!(close(m["inter"]["beta_s_per_byte"].as_f64().unwrap(), 1e-8), "{m}");
+
+    // A profile that points at the fitted model, projected to 1,024 ranks and validated.
+    let profile = dir.join("local.toml");
+    std::fs::write(&profile, format!("name = \"test\"\nranks_per_node = 2\nfitted = \"{}\"\n", model.display())).unwrap();
+    let out = dir.join("projection");
+    let run = hpc_train(&[
+        "project", "--profile", profile.to_str().unwrap(), "--model", "resnet18", "--compute-ms", "100", "--batch", "32",
+        "--ranks", "1,2,4,1024", "--out", out.to_str().unwrap(), "--validate-bench", bench.to_str().unwrap(),
+    ])
+    .expect_ok();
+    assert!(run.stdout.contains("| ring (projected) | 1024 | 512 |"), "{}", run.stdout);
+    let csv = std::fs::read_to_string(out.join("validation.csv")).unwrap();
+    assert!(csv.starts_with("strategy,ranks,nodes,link_mbit,size_bytes,measured_us,predicted_us,error_pct\n"), "{csv}");
+    assert_eq!(csv.lines().count(), 1 + 32, "{csv}");
+    assert!(csv.lines().skip(1).all(|l| l.ends_with(",0.0") || l.ends_with(",-0.0")), "{csv}");
+    assert!(out.join("local-resnet18").join("report.md").exists() || std::fs::read_dir(&out).unwrap().count() >= 3);
+    // A profile without the figures it needs is a clear error.
+    std::fs::write(&profile, "name = \"bad\"\nranks_per_node = 8\n").unwrap();
+    let run = hpc_train(&["project", "--profile", profile.to_str().unwrap(), "--compute-ms", "1", "--out", out.to_str().unwrap()]);
+    assert!(!run.ok() && run.all_output().contains("profile bad: no [intra] link"), "{}", run.all_output());
+}
