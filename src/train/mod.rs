@@ -1,0 +1,163 @@
+//! The training run: set-up checked on every rank (setup.rs), the step loop (here), one step
+//! (step.rs), and the record (record.rs).
+//!
+//! [`run`] reads top to bottom: set up, then serve (a dedicated parameter server) or train, then
+//! finish the exchange and record. The loop below is one screen: a step, then what follows it
+//! at some steps (a progress line, an evaluation, a checkpoint, a stop request).
+
+mod record;
+mod setup;
+mod step;
+
+use std::time::Instant;
+
+use mpi::topology::SimpleCommunicator;
+use tch::Tensor;
+
+use crate::cli::TrainArgs;
+use crate::data::{DatasetInfo, Labels};
+use crate::error::Result;
+use crate::exchange::{Exchange, Role};
+use crate::faults::Faults;
+use crate::model::InputSpec;
+use crate::optim::Sgd;
+use crate::overlap::Overlap;
+use crate::raw;
+use crate::results::RunRecord;
+use crate::topology::World;
+
+pub use record::mpi_library;
+pub use setup::{make_current, watchdog_timeout};
+
+use record::{LossWindow, Timings};
+use setup::{Net, Plan, StopSignal};
+
+/// What a caller outside the command line adds to a run (a study tags its runs).
+#[derive(Clone, Debug, Default)]
+pub struct RunContext {
+    pub study: Option<String>,
+}
+
+/// Everything a run needs once it is set up.
+struct Run<'a> {
+    world: &'a World,
+    args: &'a TrainArgs,
+    plan: Plan,
+    info: DatasetInfo,
+    labels: Labels,
+    spec: InputSpec,
+    net: Net,
+    grads: Vec<Tensor>,
+    exchange: Box<dyn Exchange>,
+    sgd: Sgd,
+    overlap: Option<Overlap>,
+    faults: Faults,
+    stop: StopSignal,
+    /// Workers only: dedicated parameter servers take no part in evaluation or the loss.
+    workers_comm: SimpleCommunicator,
+    worker: usize,
+    workers: usize,
+    global_batch: usize,
+    steps_per_epoch: u64,
+    first_step: u64,
+    total_steps: u64,
+    /// The step of the checkpoint the run resumed from.
+    resumed_at: Option<u64>,
+}
+
+/// What training leaves for the record.
+struct Outcome {
+    totals: Timings,
+    /// The steps after warm-up, which throughput is computed from.
+    measured: Timings,
+    last_eval: Option<(f64, f64)>,
+    final_loss: f64,
+    rss_warmup: f64,
+    last_step: u64,
+    saved_at: Option<u64>,
+    /// A signal ended training before its last step.
+    stopped: bool,
+}
+
+/// Trains as `args` says on the ranks of `world`; rank 0 returns the run's record (None on the
+/// other ranks, when the run was stopped by a signal, and when nothing was left to train).
+pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Option<RunRecord>> {
+    let Some(mut run) = Run::set_up(world, args)? else { return Ok(None) };
+    let outcome = match run.exchange.role() {
+        Role::Server => run.serve()?,
+        Role::Worker { .. } => run.train()?,
+    };
+    run.exchange.finish(&mut run.net.params)?;
+    run.record(outcome, context)
+}
+
+impl Run<'_> {
+    fn outcome(&self) -> Outcome {
+        Outcome {
+            totals: Timings::default(),
+            measured: Timings::default(),
+            last_eval: None,
+            final_loss: f64::NAN,
+            rss_warmup: raw::current_rss_mb(),
+            last_step: self.first_step,
+            saved_at: self.resumed_at,
+            stopped: false,
+        }
+    }
+
+    /// A dedicated parameter server: serve the workers until they are done.
+    fn serve(&mut self) -> Result<Outcome> {
+        self.exchange.serve(&mut self.net.params, &mut self.sgd)?;
+        Ok(self.outcome())
+    }
+
+    /// The step loop of a worker.
+    fn train(&mut self) -> Result<Outcome> {
+        let mut out = self.outcome();
+        let mut state = step::LoopState::new(self)?;
+        let mut window = LossWindow::default();
+        for step in self.first_step..self.total_steps {
+            if step == state.warmup {
+                out.rss_warmup = raw::current_rss_mb();
+            }
+            let started = Instant::now();
+            let done = self.step(step, &mut state)?;
+            let t = Timings { step: started.elapsed(), ..done.timings };
+            out.totals.add(&t);
+            if step >= state.warmup {
+                out.measured.add(&t);
+            }
+            window.sum += done.loss_sum;
+            window.samples += done.samples as f64;
+            out.last_step = step + 1;
+
+            let epoch_end = (step + 1) % self.steps_per_epoch == 0 || step + 1 == self.total_steps;
+            if state.progress.due(step) || epoch_end {
+                out.final_loss = self.report_progress(step, done.epoch, &mut window, &out.totals, &state.progress);
+            }
+            if epoch_end && !self.args.no_eval && self.info.test.len > 0 {
+                out.last_eval = Some(self.evaluate_epoch(step, done.epoch, &state)?);
+            }
+            if self.checkpoint_due(out.last_step) {
+                self.save_checkpoint(out.last_step)?;
+                out.saved_at = Some(out.last_step);
+            }
+            // Asynchronous workers agree only at logging steps, to stay untied.
+            let agree_now = self.exchange.lockstep() || state.progress.due(step) || epoch_end;
+            if agree_now && self.stop.agreed(&self.workers_comm) {
+                out.stopped = self.stop_requested(out.last_step, &state.progress);
+                break;
+            }
+        }
+        state.progress.finish();
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn online_cpus_parse() {
+        assert!(super::setup::num_cpus_online() >= 1);
+    }
+}

@@ -1,0 +1,284 @@
+//! The end of a run: the last checkpoint and weights, the figures over all ranks, and the
+//! record rank 0 appends to runs.jsonl; and the running sums, progress and summary they use.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tch::Device;
+
+use crate::cli::Scaling;
+use crate::data::loader::Batch;
+use crate::error::{Result, WithPath};
+use crate::exchange::Role;
+use crate::model::InputSpec;
+use crate::raw;
+use crate::results::{self, RunRecord};
+
+use super::setup::{broadcast_step, save_weights};
+use super::{Outcome, Run, RunContext};
+
+impl Run<'_> {
+    /// Writes what training ended with; rank 0 returns the record (None elsewhere, and when a
+    /// signal stopped the run).
+    pub(super) fn record(mut self, out: Outcome, context: &RunContext) -> Result<Option<RunRecord>> {
+        let (world, args) = (self.world, self.args);
+        let rss_end = raw::current_rss_mb();
+        let is_worker = matches!(self.exchange.role(), Role::Worker { .. });
+        // A last checkpoint where training ended (at the end, or where a signal stopped it).
+        if is_worker && out.saved_at != Some(out.last_step) {
+            self.save_checkpoint(out.last_step)?;
+        }
+        if let (Some(path), true) = (&args.save_weights, world.is_root()) {
+            save_weights(&self.net, path)?;
+        }
+        let last_step = broadcast_step(&world.comm, Some(out.last_step)).unwrap_or(out.last_step);
+        if world.sum_f64(if out.stopped { 1.0 } else { 0.0 }) > 0.0 {
+            if world.is_root() {
+                println!("hpc-train: stopped by a signal after step {last_step} of {}; continue with --resume", self.total_steps);
+            }
+            return Ok(None);
+        }
+        let record = self.figures(&out, rss_end, is_worker, context);
+        let Some(record) = record else { return Ok(None) };
+        let runs = results::runs_path(&args.results);
+        results::append_json_line(&runs, &record)?;
+        print_summary(&record, self.spec, &runs);
+        Ok(Some(record))
+    }
+
+    /// The run's figures over all ranks (every rank takes part); the record on rank 0.
+    fn figures(&self, out: &Outcome, rss_end: f64, is_worker: bool, context: &RunContext) -> Option<RunRecord> {
+        let (world, args, plan, m) = (self.world, self.args, &self.plan, &out.measured);
+        // Throughput counts the measured steps' own time (evaluation excluded), on the slowest worker.
+        let wall = world.max_f64(m.step.as_secs_f64());
+        let mean_over_workers = |v: f64| world.sum_f64(if is_worker { v } else { 0.0 }) / self.workers as f64;
+        let images_per_sec = if wall > 0.0 { m.samples as f64 / wall } else { 0.0 };
+        let [step_ms, compute_ms, comm_ms, data_wait_ms, optimizer_ms] =
+            [m.step, m.compute, m.comm, m.data_wait, m.optimizer].map(|d| mean_over_workers(m.mean_ms(d)));
+        let (peak_rss_mb, rss_warmup_mb, rss_end_mb) = (world.max_f64(raw::peak_rss_mb()), world.max_f64(out.rss_warmup), world.max_f64(rss_end));
+        // With overlap: exchange time per step, and the share of it that ran while backward was
+        // still going (the rest is exposed after backward).
+        let overlap_figures = self.overlap.as_ref().map(|o| {
+            let total = mean_over_workers(m.mean_ms(m.exchange_total));
+            let exposed = mean_over_workers(m.mean_ms(m.exchange_exposed));
+            let hidden = if total > 0.0 { ((total - exposed.min(total)) / total).max(0.0) } else { 0.0 };
+            (o.buckets(), total, hidden)
+        });
+        let report = self.exchange.report();
+        if !world.is_root() {
+            return None;
+        }
+        let mut extra = report.extra.clone();
+        extra.insert("overlap".into(), self.overlap.is_some().into());
+        extra.insert("precision".into(), serde_json::to_value(args.precision).unwrap_or_default());
+        extra.insert("channels_last".into(), args.channels_last.into());
+        // What every step's exchange carries (the cost model's projections and validation read it).
+        extra.insert("parameters".into(), self.net.params.iter().map(|p| p.numel()).sum::<usize>().into());
+        if let Some((buckets, total, hidden)) = overlap_figures {
+            extra.insert("overlap_buckets".into(), buckets.into());
+            extra.insert("exchange_total_ms".into(), total.into());
+            extra.insert("exchange_hidden_share".into(), hidden.into());
+        }
+        if self.first_step > 0 {
+            extra.insert("resumed_from_step".into(), self.first_step.into());
+        }
+        let steps_run = self.total_steps.saturating_sub(self.first_step);
+        let info = &self.info;
+        Some(RunRecord {
+            strategy: self.exchange.name().into(),
+            ranks: world.size as usize,
+            workers: self.workers,
+            nodes: world.nodes() as usize,
+            model: args.model.name().into(),
+            dataset: info.meta.name.clone(),
+            image_shape: vec![info.meta.channels, info.meta.height, info.meta.width],
+            batch_per_rank: plan.batch,
+            global_batch: self.global_batch,
+            scaling: match args.scaling { Scaling::Weak => "weak".into(), Scaling::Strong => "strong".into() },
+            steps: steps_run,
+            epochs: steps_run as f64 / self.steps_per_epoch as f64,
+            images_per_sec,
+            step_ms,
+            compute_ms,
+            comm_ms,
+            data_wait_ms,
+            optimizer_ms,
+            final_loss: out.final_loss,
+            test_accuracy: out.last_eval.map(|e| e.1),
+            test_loss: out.last_eval.map(|e| e.0),
+            device: device_name(plan.device),
+            mpi_library: mpi_library(),
+            cuda_aware: plan.cuda_aware,
+            data_path: report.data_path.map(|p| format!("{p:?}").to_lowercase()),
+            threads: plan.threads,
+            bucket_mb: args.bucket_mb,
+            peak_rss_mb,
+            rss_warmup_mb,
+            rss_end_mb,
+            host: raw::hostname(),
+            git_commit: results::GIT_COMMIT.into(),
+            timestamp: results::timestamp(),
+            study: context.study.clone(),
+            extra,
+        })
+    }
+}
+
+/// Running sums of one rank's step timings.
+#[derive(Default, Clone, Copy)]
+pub(super) struct Timings {
+    pub(super) steps: u64,
+    pub(super) samples: u64,
+    pub(super) data_wait: Duration,
+    pub(super) compute: Duration,
+    pub(super) comm: Duration,
+    pub(super) optimizer: Duration,
+    pub(super) step: Duration,
+    /// With overlap: all exchange time, and the part of the step after backward ended.
+    pub(super) exchange_total: Duration,
+    pub(super) exchange_exposed: Duration,
+}
+
+impl Timings {
+    pub(super) fn mean_ms(&self, d: Duration) -> f64 {
+        if self.steps == 0 { 0.0 } else { d.as_secs_f64() * 1e3 / self.steps as f64 }
+    }
+}
+
+impl Timings {
+    pub(super) fn add(&mut self, t: &Timings) {
+        self.steps += t.steps;
+        self.samples += t.samples;
+        self.data_wait += t.data_wait;
+        self.compute += t.compute;
+        self.comm += t.comm;
+        self.optimizer += t.optimizer;
+        self.step += t.step;
+        self.exchange_total += t.exchange_total;
+        self.exchange_exposed += t.exchange_exposed;
+    }
+}
+
+/// Mean training loss over a window of steps.
+#[derive(Default)]
+pub(super) struct LossWindow {
+    pub(super) sum: f64,
+    pub(super) samples: f64,
+}
+
+pub(super) fn device_name(device: Device) -> String {
+    match device {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(i) => format!("cuda:{i}"),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+pub fn mpi_library() -> String {
+    mpi::environment::library_version()
+        .ok()
+        .and_then(|v| v.split([',', '\n']).next().map(|l| l.trim().to_string()))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// One file per rank listing the samples it trained on: `epoch step index,index,...`.
+pub(super) struct SampleTrace(Option<std::io::BufWriter<std::fs::File>>, PathBuf);
+
+impl SampleTrace {
+    pub(super) fn open(dir: Option<&Path>, rank: i32) -> Result<SampleTrace> {
+        let Some(dir) = dir else { return Ok(SampleTrace(None, PathBuf::new())) };
+        std::fs::create_dir_all(dir).at(dir)?;
+        let path = dir.join(format!("rank{rank}.txt"));
+        Ok(SampleTrace(Some(std::io::BufWriter::new(std::fs::File::create(&path).at(&path)?)), path))
+    }
+
+    pub(super) fn record(&mut self, batch: &Batch) -> Result<()> {
+        use std::io::Write;
+        if let Some(w) = &mut self.0 {
+            let list: Vec<String> = batch.indices.iter().map(|i| i.to_string()).collect();
+            writeln!(w, "{} {} {}", batch.epoch, batch.step, list.join(",")).at(&self.1)?;
+            w.flush().at(&self.1)?;
+        }
+        Ok(())
+    }
+}
+
+/// Progress on rank 0: a bar on a terminal, a log line every `every` steps otherwise.
+pub(super) struct Progress {
+    pub(super) bar: Option<indicatif::ProgressBar>,
+    pub(super) active: bool,
+    pub(super) every: u64,
+}
+
+impl Progress {
+    pub(super) fn new(root: bool, total: u64, every: u64) -> Progress {
+        let bar = (root && std::io::stderr().is_terminal()).then(|| {
+            let bar = indicatif::ProgressBar::new(total);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps {msg}")
+                    .expect("a valid template")
+                    .progress_chars("=> "),
+            );
+            bar
+        });
+        Progress { bar, active: root, every: every.max(1) }
+    }
+
+    pub(super) fn due(&self, step: u64) -> bool {
+        (step + 1) % self.every == 0
+    }
+
+    pub(super) fn report(&self, step: u64, epoch: u64, loss: f64, t: &Timings) {
+        if !self.active {
+            return;
+        }
+        let rate = t.samples as f64 / t.step.as_secs_f64().max(1e-9);
+        let msg = format!(
+            "loss {loss:.4} | {rate:.1} img/s | step {:.1} ms (compute {:.1}, comm {:.1}, data {:.1})",
+            t.mean_ms(t.step), t.mean_ms(t.compute), t.mean_ms(t.comm), t.mean_ms(t.data_wait)
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(step + 1);
+                bar.set_message(msg);
+            }
+            None => log::info!("epoch {} step {}: {msg}", epoch + 1, step + 1),
+        }
+    }
+
+    pub(super) fn suspend(&self, f: impl FnOnce()) {
+        match &self.bar {
+            Some(bar) => bar.suspend(f),
+            None => f(),
+        }
+    }
+
+    pub(super) fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+pub(super) fn print_summary(r: &RunRecord, spec: InputSpec, runs: &Path) {
+    println!(
+        "hpc-train: {} on {} rank(s) ({} worker(s), {} node(s)), {} on {} [{}x{}x{}], batch {}/rank = {} global, {} scaling",
+        r.strategy, r.ranks, r.workers, r.nodes, r.model, r.dataset, spec.channels, spec.height, spec.width,
+        r.batch_per_rank, r.global_batch, r.scaling
+    );
+    println!(
+        "  {} steps ({:.2} epochs): {:.1} images/s; per step {:.1} ms = compute {:.1} + exchange {:.1} + optimizer {:.1} + data wait {:.2}",
+        r.steps, r.epochs, r.images_per_sec, r.step_ms, r.compute_ms, r.comm_ms, r.optimizer_ms, r.data_wait_ms
+    );
+    let accuracy = match (r.test_accuracy, r.test_loss) {
+        (Some(a), Some(l)) => format!("test accuracy {:.2}% (loss {l:.4})", a * 100.0),
+        _ => "no test evaluation".into(),
+    };
+    println!("  final training loss {:.4}, {accuracy}", r.final_loss);
+    println!(
+        "  device {} ({} thread(s)/rank), {}, data path {}, peak RSS {:.0} MiB",
+        r.device, r.threads, r.mpi_library, r.data_path.as_deref().unwrap_or("-"), r.peak_rss_mb
+    );
+    println!("  appended to {}", runs.display());
+}

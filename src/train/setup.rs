@@ -1,0 +1,687 @@
+//! Set-up, checked on every rank (a problem on any rank stops all of them here): the plan, the
+//! device, the data, the network, the resume point, the exchange, overlap; and the parts of a
+//! run that deal with checkpoints and the configuration check.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use mpi::topology::{Color, Communicator, SimpleCommunicator};
+use mpi::traits::*;
+use tch::nn::{self};
+use tch::{Device, Kind, Tensor};
+
+use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
+use crate::cli::{DeviceChoice, OnOff, Precision, Scaling, TrainArgs};
+use crate::data::{self, DatasetInfo};
+use crate::error::{Error, Result, WithPath};
+use crate::exchange::{self, Exchange, ExchangeConfig, Role};
+use crate::faults::Faults;
+use crate::model::{self, InputSpec};
+use crate::optim::{self, Sgd, SgdConfig};
+use crate::overlap::Overlap;
+use crate::raw;
+use crate::results::{self};
+use crate::topology::World;
+
+use super::Run;
+
+impl<'a> Run<'a> {
+    /// Everything a run needs, or None when the checkpoint it resumes from already covers the
+    /// steps asked for (said on rank 0; nothing is started and no record written).
+    pub(super) fn set_up(world: &'a World, args: &'a TrainArgs) -> Result<Option<Run<'a>>> {
+        let plan = world.agree(Plan::resolve(args, world))?;
+        world.agree(check_same_config(world, args))?;
+        tch::set_num_threads(plan.threads as i32);
+        world.agree(make_current(plan.device))?;
+        crate::watchdog::start(world.rank, world.agree(watchdog_timeout(args.exchange_timeout_s))?);
+        if plan.device.is_cuda() {
+            tch::Cuda::cudnn_set_benchmark(true);
+            // PyTorch lets cuDNN use TF32 by default: fp32 means fp32.
+            raw::set_allow_tf32(args.precision == Precision::Tf32);
+            if matches!(args.precision, Precision::Bf16 | Precision::Fp16) {
+                world.agree(raw::set_cuda_autocast_bf16(args.precision == Precision::Bf16))?;
+            }
+        }
+        world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
+        let faults = world.agree(Faults::from_env())?;
+        let stop = StopSignal::install()?;
+        let (info, labels) = world.agree(data::open(&args.data))?;
+        let global_batch = plan.batch * plan.workers;
+        if info.train.len < global_batch {
+            // Every rank computes the same verdict from the same file; agree keeps one message.
+            let why = format!("{} training samples, fewer than ranks x batch = {} x {} = {global_batch}", info.train.len, plan.workers, plan.batch);
+            world.agree::<()>(Err(Error::data(&args.data, why)))?;
+        }
+        let steps_per_epoch = info.train.len.div_ceil(global_batch) as u64;
+        let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
+        let (mut net, spec) = world.agree(Net::new(args, &info, plan.device))?;
+        // Same seed on every rank gives the same weights; rank 0's are sent anyway, so that a
+        // mismatch (another libtorch, another seed) cannot start.
+        broadcast_from_root(&world.comm, &net.named_variables().into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
+        if args.channels_last {
+            world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;
+        }
+        let grads = optim::define_grads(&net.params)?;
+
+        // The checkpoint to continue from, and whether anything is left to do.
+        let now = checkpoint_meta(args, world, &plan, &info, steps_per_epoch, 0, 0);
+        let resume_from = world.agree(find_resume_point(world, args, &now))?;
+        let first_step = broadcast_step(&world.comm, resume_from.as_ref().map(|c| c.meta.step)).unwrap_or(0);
+        if first_step > 0 && first_step >= total_steps {
+            // Stop before any strategy starts (a parameter server would wait for workers that
+            // never come), without a record (a run of no steps would replace the real one).
+            if world.is_root() {
+                let dir = args.checkpoint_dir.as_deref().unwrap_or(Path::new("?")).display();
+                println!("hpc-train: the checkpoint at step {first_step} in {dir} already covers the {total_steps} steps asked for; nothing to train, no record appended");
+            }
+            if let Some(path) = &args.save_weights {
+                world.agree(if world.is_root() { save_checkpoint_weights(resume_from.as_ref(), &net, path) } else { Ok(()) })?;
+            }
+            return Ok(None);
+        }
+
+        let sgd_config = SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay };
+        let config = exchange_config(world, args, &plan, sgd_config, first_step)?;
+        let mut exchange = world.agree(exchange::build(args.strategy, world, &config))?;
+        world.agree(exchange.prepare(&net.params))?;
+        let mut sgd = Sgd::new(sgd_config);
+        if resume_from.is_some() || first_step > 0 {
+            restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut sgd)?;
+        }
+        let overlap = make_overlap(world, args, &net, config.bucket_bytes)?;
+        world.agree(match faults.setup_fails(world.rank) {
+            true => Err(Error::usage(format!("rank {}: set-up failed (injected by {})", world.rank, crate::faults::FAULT_ENV))),
+            false => Ok(()),
+        })?;
+
+        // Workers-only communicator: dedicated parameter servers take no part in evaluation.
+        let role = exchange.role();
+        let workers_comm = world.comm.split_by_color(Color::with_value(if matches!(role, Role::Worker { .. }) { 0 } else { 1 })).expect("every rank has a colour");
+        let (worker, workers) = match role {
+            Role::Worker { index, count } => (index, count),
+            Role::Server => (0, plan.workers),
+        };
+        let run = Run {
+            world, args, plan, info, labels, spec, net, grads, exchange, sgd, overlap, faults, stop, workers_comm, worker, workers,
+            global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),
+        };
+        run.log_start();
+        Ok(Some(run))
+    }
+
+    fn log_start(&self) {
+        if !self.world.is_root() {
+            return;
+        }
+        let (args, info, plan) = (self.args, &self.info, &self.plan);
+        log::info!(
+            "{} on {} rank(s) ({} worker(s), {} node(s)), {} on {} {}x{}x{} ({} train / {} test), batch {}/rank = {} global, steps {}..{} ({:.2} epochs), device {}, {} thread(s)/rank",
+            args.strategy, self.world.size, self.workers, self.world.nodes(), args.model.name(), info.meta.name, info.meta.channels, info.meta.height, info.meta.width,
+            info.train.len, info.test.len, plan.batch, self.global_batch, self.first_step, self.total_steps, self.total_steps as f64 / self.steps_per_epoch as f64,
+            super::record::device_name(plan.device), plan.threads
+        );
+    }
+
+    /// Whether a periodic checkpoint falls after `last_step`.
+    pub(super) fn checkpoint_due(&self, last_step: u64) -> bool {
+        self.args.checkpoint_dir.is_some() && last_step % self.args.checkpoint_every == 0
+    }
+
+    /// A checkpoint after `last_step` (every worker takes part; rank 0 writes it).
+    pub(super) fn save_checkpoint(&mut self, last_step: u64) -> Result<()> {
+        let Some(dir) = &self.args.checkpoint_dir else { return Ok(()) };
+        let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, self.steps_per_epoch, last_step, self.sgd.steps());
+        save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.sgd, meta)
+    }
+}
+
+/// What a checkpoint says about the run it belongs to.
+fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info: &DatasetInfo, steps_per_epoch: u64, step: u64, optimizer_steps: u64) -> CheckpointMeta {
+    CheckpointMeta {
+        format: 0,
+        step,
+        steps_per_epoch,
+        model: args.model.name().into(),
+        dataset: info.meta.name.clone(),
+        train_samples: info.train.len,
+        image_shape: vec![info.meta.channels, info.meta.height, info.meta.width],
+        classes: info.meta.classes,
+        strategy: args.strategy.name().into(),
+        ranks: world.size as usize,
+        workers: plan.workers,
+        batch_per_rank: plan.batch,
+        global_batch: plan.batch * plan.workers,
+        seed: args.seed,
+        sgd: SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay },
+        optimizer_steps,
+        git_commit: results::GIT_COMMIT.into(),
+        timestamp: results::timestamp(),
+        files: Default::default(),
+    }
+}
+
+/// The exchange's options from the command line and the plan.
+fn exchange_config(world: &World, args: &TrainArgs, plan: &Plan, sgd: SgdConfig, first_step: u64) -> Result<ExchangeConfig> {
+    let mut ps = args.ps.config(sgd);
+    ps.checkpoint_every = args.checkpoint_dir.as_ref().map(|_| args.checkpoint_every);
+    ps.first_step = first_step;
+    Ok(ExchangeConfig {
+        device: plan.device,
+        cuda_aware: plan.cuda_aware,
+        bucket_bytes: (args.bucket_mb * (1 << 20) as f64) as usize,
+        segment_bytes: (args.segment_kb as usize) << 10,
+        ps,
+        horovod: world.agree(args.horovod.config())?,
+        cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,
+    })
+}
+
+/// Gradient-ready hooks for overlapping the exchange with backward (not for the parameter
+/// server, whose servers take whole shares after backward).
+fn make_overlap(world: &World, args: &TrainArgs, net: &Net, bucket_bytes: usize) -> Result<Option<Overlap>> {
+    Ok(match (args.overlap, args.strategy) {
+        (OnOff::On, exchange::StrategyKind::Ps) => {
+            if world.is_root() {
+                log::info!("--overlap on: the parameter server exchanges after backward (its servers take whole shares)");
+            }
+            None
+        }
+        (OnOff::On, _) => Some(world.agree(Overlap::new(&net.params, bucket_bytes, world.comm.duplicate()))?),
+        (OnOff::Off, _) => None,
+    })
+}
+
+/// Options resolved against the world: what every rank agrees to run.
+pub(super) struct Plan {
+    pub(super) device: Device,
+    pub(super) threads: usize,
+    pub(super) cuda_aware: bool,
+    pub(super) workers: usize,
+    pub(super) batch: usize,
+}
+
+impl Plan {
+    pub(super) fn resolve(args: &TrainArgs, world: &World) -> Result<Plan> {
+        let workers = exchange::worker_count(args.strategy, world.size as usize, &args.ps.roles())?;
+        let batch = match args.scaling {
+            Scaling::Weak => {
+                if args.global_batch.is_some() {
+                    return Err(Error::usage("--global-batch goes with --scaling strong; weak scaling uses --batch-size per rank"));
+                }
+                args.batch_size as usize
+            }
+            Scaling::Strong => {
+                let global = args.global_batch.ok_or_else(|| {
+                    Error::usage("--scaling strong needs --global-batch (the samples per step over all ranks)")
+                })? as usize;
+                if global % workers != 0 {
+                    return Err(Error::usage(format!(
+                        "--global-batch {global} is not divisible by the {workers} training ranks (strong scaling splits it evenly)"
+                    )));
+                }
+                global / workers
+            }
+        };
+        if args.steps == Some(0) || (args.steps.is_none() && args.epochs == 0) {
+            return Err(Error::usage("nothing to train: --steps and --epochs must be at least 1"));
+        }
+        if args.bucket_mb < 0.0 || !args.bucket_mb.is_finite() {
+            return Err(Error::usage(format!("--bucket-mb {}: expected 0 or more", args.bucket_mb)));
+        }
+        if args.lr <= 0.0 || !args.lr.is_finite() {
+            return Err(Error::usage(format!("--lr {}: expected a positive learning rate", args.lr)));
+        }
+        let device = choose_device(args.device, args.allow_gpu_sharing, world)?;
+        if device == Device::Cpu && args.precision != Precision::Fp32 {
+            return Err(Error::usage(format!(
+                "--precision {}: mixed precision and TF32 run on CUDA devices; this rank trains on the CPU (use fp32)",
+                format!("{:?}", args.precision).to_lowercase()
+            )));
+        }
+        if args.precision == Precision::Fp16 && args.strategy == exchange::StrategyKind::Ps {
+            return Err(Error::usage("--precision fp16 with --strategy ps: the loss scaler unscales gradients before the optimizer step, which the servers own; use bf16"));
+        }
+        let threads = if args.threads > 0 {
+            args.threads
+        } else {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            // With ranks bound to cores, each rank sees its own; unbound, the node's ranks share.
+            let bound = cores < num_cpus_online();
+            if bound { cores } else { (cores / world.local_size as usize).max(1) }
+        };
+        let cuda_aware = args.cuda_aware.resolve();
+        Ok(Plan { device, threads, cuda_aware, workers, batch })
+    }
+}
+
+pub(super) fn num_cpus_online() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .and_then(|s| {
+            s.trim().split(',').map(|r| match r.split_once('-') {
+                Some((a, b)) => b.parse::<usize>().ok().zip(a.parse::<usize>().ok()).map(|(b, a)| b - a + 1),
+                None => r.parse::<usize>().ok().map(|_| 1),
+            }).sum::<Option<usize>>()
+        })
+        .unwrap_or(1)
+}
+
+/// The GPU of this rank (node-local rank modulo the GPUs), or the CPU.
+pub(super) fn choose_device(choice: DeviceChoice, allow_sharing: bool, world: &World) -> Result<Device> {
+    let loaded = raw::load_torch_cuda();
+    let cuda = tch::Cuda::is_available();
+    if let Err(why) = &loaded {
+        log::debug!("CUDA support not loaded: {why}");
+    }
+    match (choice, cuda) {
+        (DeviceChoice::Cpu, _) | (DeviceChoice::Auto, false) => Ok(Device::Cpu),
+        (DeviceChoice::Cuda, false) => Err(Error::usage(format!(
+            "--device cuda: CUDA is not available on {} ({})",
+            raw::hostname(),
+            loaded.err().unwrap_or_else(|| "libtorch sees no GPU".into())
+        ))),
+        (DeviceChoice::Cuda | DeviceChoice::Auto, true) => {
+            let gpus = tch::Cuda::device_count() as i32;
+            if world.local_size > gpus && !allow_sharing {
+                return Err(Error::usage(format!(
+                    "{} ranks on {} for {gpus} GPU(s): launch one rank per GPU, or pass --allow-gpu-sharing",
+                    world.local_size,
+                    raw::hostname()
+                )));
+            }
+            Ok(Device::Cuda((world.local_rank % gpus) as usize))
+        }
+    }
+}
+
+/// Makes the rank's GPU this (the MPI) thread's current device, and checks that it is: a
+/// CUDA-aware MPI and everything else that uses the current device would otherwise work on
+/// GPU 0, and every rank of a node would open a context there. Threads that the exchange starts
+/// do the same for themselves (comm_thread, overlap).
+pub fn make_current(device: Device) -> Result<()> {
+    let Device::Cuda(index) = device else { return Ok(()) };
+    raw::set_cuda_device(device)?;
+    let current = raw::current_cuda_device()?;
+    if current != index {
+        return Err(Error::usage(format!("cuda:{index} was made the current device, but the current device is cuda:{current}")));
+    }
+    log::debug!("cuda:{index} is the current device of the MPI thread");
+    Ok(())
+}
+
+/// `--exchange-timeout-s` as a duration (zero: no watchdog).
+pub fn watchdog_timeout(seconds: f64) -> Result<Duration> {
+    if !seconds.is_finite() || seconds < 0.0 {
+        return Err(Error::usage(format!("--exchange-timeout-s {seconds}: expected 0 (off) or a number of seconds")));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// The network and its parameters.
+pub(super) struct Net {
+    pub(super) vs: nn::VarStore,
+    pub(super) model: nn::FuncT<'static>,
+    pub(super) params: Vec<Tensor>,
+    /// The name of every parameter, in `params` order.
+    pub(super) param_names: Vec<String>,
+    /// Non-trainable state (batch-norm running statistics), by name.
+    pub(super) buffers: Vec<(String, Tensor)>,
+}
+
+impl Net {
+    pub(super) fn new(args: &TrainArgs, info: &DatasetInfo, device: Device) -> Result<(Net, InputSpec)> {
+        let spec = InputSpec {
+            channels: info.meta.channels as i64,
+            height: info.meta.height as i64,
+            width: info.meta.width as i64,
+            classes: info.meta.classes as i64,
+        };
+        tch::manual_seed(args.seed as i64); // the same initial weights on every rank
+        let vs = nn::VarStore::new(device);
+        let model = model::build(args.model, &vs.root(), spec);
+        model::check_forward(&model, spec, device)?;
+        let params = vs.trainable_variables();
+        let param_addrs: Vec<usize> = params.iter().map(raw::data_address).collect();
+        let variables = vs.variables();
+        let param_names: Vec<String> = param_addrs
+            .iter()
+            .map(|a| variables.iter().find(|(_, t)| raw::data_address(t) == *a).map(|(n, _)| n.clone()).expect("every parameter is a variable"))
+            .collect();
+        let mut buffers: Vec<(String, Tensor)> =
+            variables.into_iter().filter(|(_, t)| !param_addrs.contains(&raw::data_address(t))).collect();
+        buffers.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok((Net { vs, model, params, param_names, buffers }, spec))
+    }
+
+    /// Every variable, sorted by name (the same order on every rank).
+    pub(super) fn named_variables(&self) -> Vec<(String, Tensor)> {
+        let mut all: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
+    pub(super) fn grads(&self) -> Vec<Tensor> {
+        self.params.iter().map(|p| p.grad()).collect()
+    }
+}
+
+/// Sends rank 0's values of `tensors` to every rank of `comm` (one flat message).
+pub(super) fn broadcast_from_root(comm: &SimpleCommunicator, tensors: &[Tensor]) -> Result<()> {
+    if tensors.is_empty() {
+        return Ok(());
+    }
+    let flat: Vec<Tensor> = tensors.iter().map(|t| t.f_to_kind(Kind::Float)?.f_reshape([-1])?.f_to_device(Device::Cpu)).collect::<std::result::Result<_, _>>()?;
+    let mut flat = Tensor::f_cat(&flat, 0)?;
+    // SAFETY: `flat` was just made by f_cat and has no other handle.
+    comm.process_at_rank(0).broadcast_into(unsafe { raw::host_slice_mut::<f32>(&mut flat)? });
+    unflatten_into(&flat, tensors)
+}
+
+/// Averages `tensors` over the ranks of `comm` that pass `contribute` (others send zeros).
+pub(super) fn average_over(comm: &SimpleCommunicator, tensors: &[Tensor], contribute: bool, contributors: usize) -> Result<()> {
+    if tensors.is_empty() {
+        return Ok(());
+    }
+    let flat: Vec<Tensor> = tensors.iter().map(|t| t.f_to_kind(Kind::Float)?.f_reshape([-1])?.f_to_device(Device::Cpu)).collect::<std::result::Result<_, _>>()?;
+    let mut flat = Tensor::f_cat(&flat, 0)?;
+    if !contribute {
+        let _ = flat.f_zero_()?;
+    }
+    // SAFETY: `flat` was just made by f_cat and has no other handle.
+    let send = unsafe { raw::host_slice::<f32>(&flat)? }.to_vec();
+    // SAFETY: as above.
+    comm.all_reduce_into(&send[..], unsafe { raw::host_slice_mut::<f32>(&mut flat)? }, mpi::collective::SystemOperation::sum());
+    let _ = flat.f_div_scalar_(contributors as f64)?;
+    unflatten_into(&flat, tensors)
+}
+
+pub(super) fn unflatten_into(flat: &Tensor, tensors: &[Tensor]) -> Result<()> {
+    let mut offset = 0;
+    tch::no_grad(|| -> Result<()> {
+        for t in tensors {
+            let n = t.numel() as i64;
+            let mut dst = t.shallow_clone();
+            dst.f_copy_(&flat.f_narrow(0, offset, n)?.f_view(t.size().as_slice())?)?;
+            offset += n;
+        }
+        Ok(())
+    })
+}
+
+/// Scales raw bytes to the normalised input the model trains on, on the device.
+pub(super) struct Normalizer {
+    pub(super) shape: [i64; 3],
+    pub(super) channels_last: bool,
+    /// Per-channel mean and 1/std, in units of raw byte values, shaped [1, C, 1, 1].
+    pub(super) mean: Tensor,
+    pub(super) inv_std: Tensor,
+    pub(super) device: Device,
+}
+
+impl Normalizer {
+    pub(super) fn new(info: &DatasetInfo, device: Device, channels_last: bool) -> Result<Normalizer> {
+        let c = info.meta.channels as i64;
+        let mean: Vec<f32> = info.mean.iter().map(|m| m * 255.0).collect();
+        let inv_std: Vec<f32> = info.std.iter().map(|s| 1.0 / (s * 255.0)).collect();
+        Ok(Normalizer {
+            shape: [c, info.meta.height as i64, info.meta.width as i64],
+            channels_last,
+            mean: Tensor::f_from_slice(&mean)?.f_view([1, c, 1, 1])?.f_to_device(device)?,
+            inv_std: Tensor::f_from_slice(&inv_std)?.f_view([1, c, 1, 1])?.f_to_device(device)?,
+            device,
+        })
+    }
+
+    pub(super) fn images(&self, bytes: &[u8], n: usize) -> Result<Tensor> {
+        let [c, h, w] = self.shape;
+        let host = Tensor::f_from_slice(bytes)?.f_view([n as i64, c, h, w])?;
+        // To a GPU through pinned memory, without waiting for the copy (the stream orders it
+        // before the kernels that read it); the bytes travel as uint8, a quarter of the floats.
+        let x = if self.device.is_cuda() {
+            host.f_pin_memory(self.device)?.f_to_device_(self.device, Kind::Uint8, true, false)?
+        } else {
+            host
+        };
+        let x = x.f_to_kind(Kind::Float)?.f_sub(&self.mean)?.f_mul(&self.inv_std)?;
+        if self.channels_last { raw::channels_last(&x) } else { Ok(x) }
+    }
+
+    pub(super) fn labels(&self, labels: &[i64]) -> Result<Tensor> {
+        Ok(Tensor::f_from_slice(labels)?.f_to_device(self.device)?)
+    }
+}
+
+/// SIGTERM (what Slurm sends before the time limit) and SIGUSR1 (what `--signal` jobs often
+/// ask for) set a flag; the workers agree on it after every step, so that all stop together.
+pub(super) struct StopSignal(Arc<std::sync::atomic::AtomicBool>);
+
+impl StopSignal {
+    pub(super) fn install() -> Result<StopSignal> {
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGUSR1] {
+            signal_hook::flag::register(signal, flag.clone())
+                .map_err(|e| Error::usage(format!("cannot install the handler of signal {signal}: {e}")))?;
+        }
+        Ok(StopSignal(flag))
+    }
+
+    /// Whether any rank of `comm` has been asked to stop (collective over `comm`).
+    pub(super) fn agreed(&self, comm: &SimpleCommunicator) -> bool {
+        let mine = i32::from(self.0.load(std::sync::atomic::Ordering::Relaxed));
+        let mut any = 0;
+        comm.all_reduce_into(&mine, &mut any, mpi::collective::SystemOperation::max());
+        any != 0
+    }
+}
+
+/// Rank 0's value of a step, on every rank (None travels as u64::MAX).
+pub(super) fn broadcast_step(comm: &SimpleCommunicator, step: Option<u64>) -> Option<u64> {
+    let mut value = step.unwrap_or(u64::MAX);
+    comm.process_at_rank(0).broadcast_into(&mut value);
+    (value != u64::MAX).then_some(value)
+}
+
+/// Rank 0 finds the newest complete checkpoint when `--resume` is given and checks that this
+/// run may continue from it.
+pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &CheckpointMeta) -> Result<Option<Checkpoint>> {
+    if let Some(dir) = &args.checkpoint_dir {
+        if world.is_root() {
+            checkpoint::check_writable(dir)?;
+        }
+        if args.ps.ps_mode == crate::exchange::ps::PsMode::Async && args.strategy == exchange::StrategyKind::Ps {
+            return Err(Error::usage(
+                "--checkpoint-dir with --ps-mode async: asynchronous servers hold no state consistent across ranks at any step; checkpoint a synchronous run",
+            ));
+        }
+        if args.checkpoint_every == 0 {
+            return Err(Error::usage("--checkpoint-every 0: expected a number of steps, at least 1"));
+        }
+    }
+    if !args.resume {
+        return Ok(None);
+    }
+    let Some(dir) = &args.checkpoint_dir else {
+        return Err(Error::usage("--resume needs --checkpoint-dir (where the checkpoints are)"));
+    };
+    if !world.is_root() {
+        return Ok(None);
+    }
+    match checkpoint::find_latest(dir)? {
+        None => {
+            log::warn!("--resume: no complete checkpoint in {}; starting from the beginning", dir.display());
+            Ok(None)
+        }
+        Some(found) => {
+            let accepted = checkpoint::check_compatible(&found.meta, now)
+                .map_err(|reason| Error::Checkpoint { path: found.dir.clone(), reason: format!("refused: {reason}") })?;
+            for change in accepted {
+                log::warn!("resuming from {} with a change: {change}", found.dir.display());
+            }
+            log::info!("resuming from {} (step {}, epoch {})", found.dir.display(), found.meta.step, found.meta.epoch() + 1);
+            Ok(Some(found))
+        }
+    }
+}
+
+/// Loads the checkpoint on rank 0 and sends weights and momentum to every rank.
+pub(super) fn restore(world: &World, found: Option<&Checkpoint>, net: &mut Net, exchange: &mut dyn Exchange, sgd: &mut Sgd) -> Result<()> {
+    let loaded = world.agree(match found {
+        Some(c) if world.is_root() => checkpoint::load(c).map(Some),
+        _ => Ok(None),
+    })?;
+    let variables = net.named_variables();
+    let momentum: Vec<Tensor> = net.params.iter().map(|p| p.f_zeros_like()).collect::<std::result::Result<_, _>>()?;
+    let mut optimizer_steps = 0.0;
+    world.agree((|| -> Result<()> {
+        if let Some((weights, saved_momentum)) = &loaded {
+            tch::no_grad(|| -> Result<()> {
+                for (name, t) in &variables {
+                    let w = weights.get(name).ok_or_else(|| Error::Checkpoint { path: found.unwrap().dir.clone(), reason: format!("no tensor {name}") })?;
+                    t.shallow_clone().f_copy_(w)?;
+                }
+                for (name, m) in net.param_names.iter().zip(&momentum) {
+                    if let Some(saved) = saved_momentum.get(name) {
+                        m.shallow_clone().f_copy_(saved)?;
+                    }
+                }
+                Ok(())
+            })?;
+            optimizer_steps = found.unwrap().meta.optimizer_steps as f64;
+        }
+        Ok(())
+    })())?;
+    broadcast_from_root(&world.comm, &variables.into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
+    broadcast_from_root(&world.comm, &momentum)?;
+    let mut steps = optimizer_steps;
+    world.comm.process_at_rank(0).broadcast_into(&mut steps);
+    exchange.restore_optimizer(&net.params, momentum, steps as u64, sgd)
+}
+
+/// Collects the optimizer state (every worker takes part) and has rank 0 write the checkpoint.
+/// A failed write is logged and training goes on: the previous checkpoint is intact.
+pub(super) fn save_checkpoint(
+    world: &World,
+    dir: &Path,
+    keep: usize,
+    net: &Net,
+    exchange: &mut dyn Exchange,
+    sgd: &Sgd,
+    meta: CheckpointMeta,
+) -> Result<()> {
+    let momentum = exchange.optimizer_state(&net.params, sgd)?;
+    if !world.is_root() {
+        return Ok(());
+    }
+    let momentum = momentum.ok_or_else(|| Error::exchange("checkpoint", "rank 0 received no optimizer state"))?;
+    let named_momentum: Vec<(String, Tensor)> = net.param_names.iter().cloned().zip(momentum).collect();
+    let step = meta.step;
+    match checkpoint::save(dir, meta, &net.named_variables(), &named_momentum, keep) {
+        Ok(path) => log::info!("checkpoint at step {step}: {}", path.display()),
+        Err(e) => log::error!("checkpoint at step {step} failed, training goes on (the previous one is intact): {e}"),
+    }
+    Ok(())
+}
+
+/// Compares the run's configuration across ranks before any training: every rank must run the
+/// same binary with the same options on the same data.
+pub(super) fn check_same_config(world: &World, args: &TrainArgs) -> Result<()> {
+    let mine = config_fingerprint(args);
+    let text = mine.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join("\n");
+    let hash = crc32fast::hash(text.as_bytes());
+    let mut hashes = vec![0u32; world.size as usize];
+    world.comm.all_gather_into(&hash, &mut hashes[..]);
+    if hashes.iter().all(|&h| h == hashes[0]) {
+        return Ok(());
+    }
+    // Somebody differs: rank 0 gathers the texts to say what.
+    let bytes = text.into_bytes();
+    let count = bytes.len() as i32;
+    let root = world.comm.process_at_rank(0);
+    if !world.is_root() {
+        root.gather_into(&count);
+        root.gather_varcount_into(&bytes[..]);
+        return Err(Error::usage("configuration differs between ranks"));
+    }
+    let mut counts = vec![0i32; world.size as usize];
+    root.gather_into_root(&count, &mut counts[..]);
+    let displs: Vec<i32> = counts.iter().scan(0, |acc, &c| { let d = *acc; *acc += c; Some(d) }).collect();
+    let mut all = vec![0u8; counts.iter().sum::<i32>() as usize];
+    {
+        let mut partition = mpi::datatype::PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
+        root.gather_varcount_into_root(&bytes[..], &mut partition);
+    }
+    let mut differences = Vec::new();
+    for r in 1..world.size as usize {
+        let theirs = String::from_utf8_lossy(&all[displs[r] as usize..(displs[r] + counts[r]) as usize]).into_owned();
+        for line in theirs.lines() {
+            let (key, value) = line.split_once('=').unwrap_or((line, ""));
+            let ours = mine.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str()).unwrap_or("(absent)");
+            if ours != value {
+                differences.push(format!("{key} is {ours} on rank 0 but {value} on rank {r}"));
+            }
+        }
+    }
+    differences.truncate(8);
+    Err(Error::usage(format!("the ranks were started with different configurations: {}", differences.join("; "))))
+}
+
+/// The settings every rank must share, as (name, value) pairs.
+pub(super) fn config_fingerprint(args: &TrainArgs) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = vec![
+        ("binary".into(), format!("{} {}", env!("CARGO_PKG_VERSION"), results::GIT_COMMIT)),
+        ("strategy".into(), args.strategy.name().into()),
+        ("model".into(), args.model.name().into()),
+        ("data".into(), args.data.display().to_string()),
+        ("batch-size".into(), args.batch_size.to_string()),
+        ("scaling".into(), format!("{:?}", args.scaling)),
+        ("global-batch".into(), format!("{:?}", args.global_batch)),
+        ("epochs".into(), args.epochs.to_string()),
+        ("steps".into(), format!("{:?}", args.steps)),
+        ("lr".into(), args.lr.to_string()),
+        ("momentum".into(), args.momentum.to_string()),
+        ("weight-decay".into(), args.weight_decay.to_string()),
+        ("seed".into(), args.seed.to_string()),
+        ("bucket-mb".into(), args.bucket_mb.to_string()),
+        ("segment-kb".into(), args.segment_kb.to_string()),
+        ("device".into(), format!("{:?}", args.device)),
+        ("checkpoint-dir".into(), format!("{:?}", args.checkpoint_dir)),
+        ("checkpoint-every".into(), args.checkpoint_every.to_string()),
+        ("resume".into(), args.resume.to_string()),
+        ("ps".into(), format!("{:?}", args.ps)),
+        ("horovod".into(), format!("{:?}", args.horovod)),
+    ];
+    out.sort();
+    out
+}
+
+/// `--save-weights` for a run that had nothing left to train: the checkpoint's weights.
+pub(super) fn save_checkpoint_weights(found: Option<&Checkpoint>, net: &Net, path: &Path) -> Result<()> {
+    let found = found.ok_or_else(|| Error::exchange("checkpoint", "rank 0 has no checkpoint to take the weights from"))?;
+    let (weights, _) = checkpoint::load(found)?;
+    tch::no_grad(|| -> Result<()> {
+        for (name, t) in net.named_variables() {
+            let w = weights.get(&name).ok_or_else(|| Error::Checkpoint { path: found.dir.clone(), reason: format!("no tensor {name}") })?;
+            t.shallow_clone().f_copy_(w)?;
+        }
+        Ok(())
+    })?;
+    save_weights(net, path)
+}
+
+/// Writes the weights (parameters and batch-norm statistics) as safetensors, under a temporary
+/// name first so that an interrupted write leaves no damaged file.
+pub(super) fn save_weights(net: &Net, path: &Path) -> Result<()> {
+    let vars: Vec<(String, Tensor)> = net
+        .named_variables()
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.f_to_device(Device::Cpu)?.f_contiguous()?)))
+        .collect::<Result<_>>()?;
+    let tmp = path.with_extension("safetensors.tmp");
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).at(dir)?;
+    }
+    Tensor::write_safetensors(&vars, &tmp)?;
+    std::fs::rename(&tmp, path).at(path)?;
+    Ok(())
+}

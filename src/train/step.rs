@@ -1,0 +1,276 @@
+//! One training step (data, forward, backward with the exchange, optimizer, timings), and what
+//! follows a step at some steps: a progress line, an evaluation, a checkpoint, a stop request.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use tch::nn::ModuleT;
+use tch::{Kind, Reduction, Tensor};
+
+use crate::cli::Precision;
+use crate::data::loader::{Batch, Loader, Schedule};
+use crate::data::reader::SplitReader;
+use crate::data::{DatasetInfo, Labels, Split};
+use crate::error::{Error, Result};
+use crate::exchange::{self, ReduceOp};
+use crate::faults::Fault;
+use crate::optim::{self};
+use crate::topology::ShardInfo;
+
+use super::record::{LossWindow, Progress, SampleTrace, Timings};
+use super::setup::{average_over, Net, Normalizer};
+use super::Run;
+
+/// What the loop keeps from step to step.
+pub(super) struct LoopState {
+    norm: Normalizer,
+    loader: Loader,
+    trace: SampleTrace,
+    pub(super) progress: Progress,
+    /// The first step whose time counts in throughput figures.
+    pub(super) warmup: u64,
+    scaler: Option<LossScaler>,
+}
+
+impl LoopState {
+    pub(super) fn new(run: &Run) -> Result<LoopState> {
+        let (args, first, total) = (run.args, run.first_step, run.total_steps);
+        let schedule = Schedule { samples: run.info.train.len, workers: run.workers, worker: run.worker, batch: run.plan.batch, seed: args.seed };
+        Ok(LoopState {
+            norm: Normalizer::new(&run.info, run.plan.device, args.channels_last)?,
+            loader: Loader::spawn(args.data.clone(), Arc::new(run.labels.train.clone()), schedule, first, total, args.prefetch),
+            trace: SampleTrace::open(args.trace_samples.as_deref(), run.world.rank)?,
+            progress: Progress::new(run.world.is_root(), total, args.log_every),
+            warmup: first + args.warmup_steps.min(total.saturating_sub(first + 1)),
+            scaler: (args.precision == Precision::Fp16).then(LossScaler::default),
+        })
+    }
+}
+
+/// One step's figures (its total time is the caller's to measure).
+pub(super) struct StepDone {
+    pub(super) timings: Timings,
+    pub(super) loss_sum: f64,
+    pub(super) samples: usize,
+    pub(super) epoch: u64,
+}
+
+impl Run<'_> {
+    /// Data, forward, backward overlapped with (or followed by) the exchange, optimizer.
+    pub(super) fn step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
+        let started = Instant::now();
+        crate::watchdog::set_step(step);
+        let batch = state.loader.next()?;
+        let data_wait = started.elapsed();
+        state.trace.record(&batch)?;
+        let fault = self.faults.at(self.world.rank, step).cloned();
+        if fault == Some(Fault::Exit) {
+            eprintln!("rank {}: exiting at step {step} (injected fault)", self.world.rank);
+            std::process::exit(3);
+        }
+
+        // Forward on this rank's share of the global batch. The loss is the sum over the rank's
+        // samples scaled by workers / global samples, so that the mean over workers of the
+        // gradients is the gradient of the global batch's mean loss, however the last step of
+        // an epoch is split.
+        let compute_start = Instant::now();
+        optim::zero_grads(&mut self.grads)?;
+        let n = batch.labels.len();
+        let loss_factor = self.workers as f64 / batch.global_samples.max(1) as f64 * state.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let (mut loss_sum, scaled_loss) = if n == 0 {
+            (0.0, None)
+        } else {
+            let loss = self.forward(&state.norm, &batch)?;
+            let factor = if fault == Some(Fault::NanGrad) { f64::NAN } else { loss_factor };
+            (loss.f_double_value(&[])?, Some(loss.f_mul_scalar(factor)?))
+        };
+        if fault == Some(Fault::Nan) {
+            loss_sum = f64::NAN;
+        }
+        if !loss_sum.is_finite() {
+            return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });
+        }
+        if let Some(Fault::Stall(pause)) = fault {
+            eprintln!("rank {}: stalling {:.1} s at step {step} (injected fault)", self.world.rank, pause.as_secs_f64());
+            std::thread::sleep(pause);
+        }
+
+        // Backward and the exchange. With the fp16 loss scaler the optimizer steps after the
+        // exchange, once the averaged gradients (the same on every rank) are known to be finite.
+        let optimize_in_exchange = state.scaler.is_none();
+        self.grads = self.net.grads();
+        let (compute, comm, exchange_total, exchange_exposed) = self.backward_and_exchange(scaled_loss, compute_start, step, batch.epoch, optimize_in_exchange)?;
+        if let Some(scaler) = &mut state.scaler {
+            if scaler.unscale_or_skip(&mut self.grads)? {
+                self.sgd.step(&mut self.net.params, &mut self.grads)?;
+            } else if self.world.is_root() {
+                state.progress.suspend(|| log::info!("fp16: gradients overflowed at step {step}; step skipped, loss scale now {}", scaler.scale));
+            }
+        }
+        let optimizer = self.sgd.take_busy();
+        let comm = comm.saturating_sub(optimizer);
+        let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total, exchange_exposed };
+        Ok(StepDone { timings, loss_sum, samples: n, epoch: batch.epoch })
+    }
+
+    /// The summed loss of the rank's samples, in f32 (autocast for bf16 and fp16).
+    fn forward(&self, norm: &Normalizer, batch: &Batch) -> Result<Tensor> {
+        let x = norm.images(&batch.images, batch.labels.len())?;
+        let y = norm.labels(&batch.labels)?;
+        let autocast = matches!(self.args.precision, Precision::Bf16 | Precision::Fp16);
+        tch::autocast(autocast, || -> Result<Tensor> {
+            let logits = self.net.model.forward_t(&x, true);
+            Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_to_kind(Kind::Float)?)
+        })
+    }
+
+    /// Backward overlapped with the exchange and the optimizer bucket by bucket, or backward
+    /// then the exchange (every strategy leaves the parameters updated for the next step).
+    /// Returns compute, exposed exchange, all exchange, and exposed exchange again (the last
+    /// two for the overlap figures).
+    fn backward_and_exchange(&mut self, scaled_loss: Option<Tensor>, compute_start: Instant, step: u64, epoch: u64, optimize: bool) -> Result<(Duration, Duration, Duration, Duration)> {
+        let device = self.plan.device;
+        if let (Some(overlap), Some(scaled)) = (&mut self.overlap, scaled_loss.as_ref()) {
+            let forward = compute_start.elapsed();
+            let times = overlap.step(scaled.shallow_clone(), &mut self.net.params, &mut self.grads, self.exchange.as_mut(), &mut self.sgd, step, epoch, optimize)?;
+            exchange::staging::synchronize_device(device);
+            return Ok((forward + times.backward, times.exposed, times.exchange, times.exposed));
+        }
+        if let Some(scaled) = scaled_loss {
+            scaled.f_backward()?;
+        }
+        if optimize && !optim::all_finite(&self.grads)? {
+            return Err(Error::NonFinite { what: "gradient", step, epoch });
+        }
+        exchange::staging::synchronize_device(device);
+        let compute = compute_start.elapsed();
+        let comm_start = Instant::now();
+        {
+            let exchange = &mut self.exchange;
+            let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
+            if optimize {
+                exchange.update(&mut self.net.params, &mut self.grads, &mut self.sgd)?;
+            } else {
+                exchange.all_reduce(&mut self.grads, ReduceOp::Mean)?;
+            }
+        }
+        exchange::staging::synchronize_device(device);
+        let comm = comm_start.elapsed();
+        Ok((compute, comm, comm, comm))
+    }
+
+    /// The mean training loss since the last report, over all workers; logged by rank 0.
+    pub(super) fn report_progress(&self, step: u64, epoch: u64, window: &mut LossWindow, totals: &Timings, progress: &Progress) -> f64 {
+        let (loss, samples) = sum_pair(&self.workers_comm, window.sum, window.samples);
+        *window = LossWindow::default();
+        let mean = loss / samples.max(1.0);
+        progress.report(step, epoch, mean, totals);
+        mean
+    }
+
+    /// Test loss and accuracy at an epoch's end, batch-norm statistics averaged first.
+    pub(super) fn evaluate_epoch(&self, step: u64, epoch: u64, state: &LoopState) -> Result<(f64, f64)> {
+        let buffers: Vec<Tensor> = self.net.buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
+        average_over(&self.workers_comm, &buffers, true, self.workers)?;
+        let (test_loss, accuracy) = evaluate(&self.net, &state.norm, &self.args.data, &self.info, &self.labels, &self.workers_comm, self.worker, self.workers, self.plan.batch)?;
+        if self.world.is_root() {
+            state.progress.suspend(|| log::info!("epoch {} done at step {}: test loss {test_loss:.4}, accuracy {:.2}%", epoch + 1, step + 1, accuracy * 100.0));
+        }
+        Ok((test_loss, accuracy))
+    }
+
+    /// A stop request (SIGTERM) every worker has agreed on: whether it cut training short.
+    pub(super) fn stop_requested(&self, last_step: u64, progress: &Progress) -> bool {
+        let stopped = last_step < self.total_steps;
+        if self.world.is_root() && stopped {
+            progress.suspend(|| log::warn!("stop requested (signal): ending after step {last_step} of {}", self.total_steps));
+        }
+        stopped
+    }
+}
+
+/// Dynamic loss scaling for fp16, as torch.cuda.amp.GradScaler: the loss is multiplied by
+/// `scale` so that small gradients survive fp16; after the exchange the averaged gradients
+/// (identical on every rank, so every rank decides alike) are checked: finite, they are
+/// unscaled for the optimizer, and the scale doubles after `growth_interval` good steps;
+/// not finite, the step is skipped and the scale halves.
+pub(super) struct LossScaler {
+    pub(super) scale: f64,
+    pub(super) good_steps: u32,
+    pub(super) growth_interval: u32,
+    pub(super) skipped: u64,
+}
+
+impl Default for LossScaler {
+    fn default() -> Self {
+        LossScaler { scale: 65536.0, good_steps: 0, growth_interval: 2000, skipped: 0 }
+    }
+}
+
+impl LossScaler {
+    /// Unscales `grads` and returns true, or returns false (skip this step) on an overflow.
+    pub(super) fn unscale_or_skip(&mut self, grads: &mut [Tensor]) -> Result<bool> {
+        if !optim::all_finite(grads)? {
+            self.scale = (self.scale / 2.0).max(1.0);
+            self.good_steps = 0;
+            self.skipped += 1;
+            return Ok(false);
+        }
+        for g in grads.iter_mut() {
+            let _ = g.f_mul_scalar_(1.0 / self.scale)?;
+        }
+        self.good_steps += 1;
+        if self.good_steps == self.growth_interval {
+            self.scale *= 2.0;
+            self.good_steps = 0;
+        }
+        Ok(true)
+    }
+}
+
+pub(super) fn sum_pair(comm: &SimpleCommunicator, a: f64, b: f64) -> (f64, f64) {
+    let send = [a, b];
+    let mut out = [0.0; 2];
+    comm.all_reduce_into(&send[..], &mut out[..], mpi::collective::SystemOperation::sum());
+    (out[0], out[1])
+}
+
+/// Test loss and accuracy over all workers' shards of the test set.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn evaluate(
+    net: &Net,
+    norm: &Normalizer,
+    path: &Path,
+    info: &DatasetInfo,
+    labels: &Labels,
+    workers_comm: &SimpleCommunicator,
+    worker: usize,
+    workers: usize,
+    batch: usize,
+) -> Result<(f64, f64)> {
+    let shard = ShardInfo::split(info.test.len, workers, worker);
+    let mut reader = SplitReader::open(path, Split::Test)?;
+    let (mut loss_sum, mut correct) = (0.0, 0.0);
+    let mut images = Vec::new();
+    let eval_batch = batch.max(1) * 2;
+    tch::no_grad(|| -> Result<()> {
+        for start in (shard.offset..shard.end()).step_by(eval_batch) {
+            let end = (start + eval_batch).min(shard.end());
+            let indices: Vec<usize> = (start..end).collect();
+            images.resize(indices.len() * info.sample_bytes(), 0);
+            reader.read(&indices, &mut images)?;
+            let x = norm.images(&images, indices.len())?;
+            let y = norm.labels(&labels.test[start..end])?;
+            let logits = net.model.forward_t(&x, false);
+            loss_sum += logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;
+            correct += logits.f_argmax(-1, false)?.f_eq_tensor(&y)?.f_sum(Kind::Float)?.f_double_value(&[])?;
+        }
+        Ok(())
+    })?;
+    let (loss_sum, correct) = sum_pair(workers_comm, loss_sum, correct);
+    let n = info.test.len as f64;
+    Ok((loss_sum / n, correct / n))
+}
