@@ -17,6 +17,14 @@ need_packages() {
         || { echo "could not install ${missing[*]}" >&2; return 1; }
 }
 
+# alive PID: the process exists and is no zombie (an orphan that its new parent, often PID 1,
+# has not reaped yet has ended for our purposes).
+alive() {
+    local state
+    state=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -c1) || return 1
+    [ -n "$state" ] && [ "$state" != Z ]
+}
+
 # stop_pid PID [COMM]: SIGTERM, up to 5 s for it to end, then SIGKILL. With COMM, a PID whose
 # process has another name (the recorded one ended and its PID was reused) is left alone.
 stop_pid() {
@@ -25,7 +33,7 @@ stop_pid() {
     if [ -n "$comm" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" != "$comm" ]; then return 0; fi
     kill "$pid" 2>/dev/null || return 0
     local _
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+    for _ in $(seq 50); do alive "$pid" || return 0; sleep 0.1; done
     kill -9 "$pid" 2>/dev/null || true
 }
 
