@@ -62,15 +62,19 @@ node_number() {
 
 # --- link shaping ------------------------------------------------------------------------------
 
-# shape DEV MBIT [NETNS]: a token bucket of MBIT Mbit/s on DEV's egress.
+# shape DEV MBIT [NETNS]: a token bucket of MBIT Mbit/s on DEV's egress. Both ends of a node's
+# link are shaped: the node's eth0 (its uplink) and the bridge side (its downlink, where traffic
+# from several nodes meets, as at a switch port). Measured here (README, "Many nodes on one
+# machine"): the bucket needs about 0.2-0.5 ms of traffic, or the rate is not reached above
+# 1 Gbit/s (64 KiB at 10 Gbit/s gave 370 MB/s); a larger one lets the first bytes of every message
+# pass at memory speed (a 5 MB bucket gave 1.85 GB/s for 1 MiB on a 10 Gbit/s link). The queue
+# holds 10 ms: 50 ms made TCP's round trips, and the 2 x 2 ranks' times, longer (bufferbloat).
 shape() {
     local dev=$1 mbit=$2 ns=${3:-} burst
-    # The bucket must hold at least one timer tick of traffic (rate / HZ, HZ up to 1000 here 250)
-    # or the link cannot reach its rate; 1 ms of traffic at the rate, at least 64 KiB.
-    burst=$(( mbit * 1000000 / 8 / 250 ))
-    [ "$burst" -ge 65536 ] || burst=65536
+    burst=$(( mbit * 1000000 / 8 / 2000 ))        # 0.5 ms at the rate
+    [ "$burst" -ge 65536 ] || burst=65536         # at least a 64 KiB GSO packet
     local tc=(tc); [ -n "$ns" ] && tc=(ip netns exec "$ns" tc)
-    "${tc[@]}" qdisc replace dev "$dev" root tbf rate "${mbit}mbit" burst "$burst" latency 50ms
+    "${tc[@]}" qdisc replace dev "$dev" root tbf rate "${mbit}mbit" burst "$burst" latency 10ms
 }
 
 # --- down --------------------------------------------------------------------------------------
