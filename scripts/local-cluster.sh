@@ -25,6 +25,7 @@
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=scripts/lib/daemons.sh
 source "$here/lib/daemons.sh"
 
 usage() {

@@ -10,6 +10,7 @@ set -euo pipefail
 cmd=${1:-}; dir=${2:-}
 [ -n "$cmd" ] && [ -n "$dir" ] || { echo "usage: $0 start|stop DIR" >&2; exit 2; }
 
+# shellcheck source=scripts/lib/daemons.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/daemons.sh"
 
 stop() {

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Helpers shared by the scripts that build test environments (scripts/local-slurm.sh,
 # scripts/local-cluster.sh): install what is missing, start munged, stop a process by the PID
 # recorded in a file. Sourced, not run.
