@@ -224,6 +224,9 @@ AGENT
     # routed direct (the agent is no ssh that tree-routing could use), TCP on this subnet only,
     # yield when idle (every node claims the machine's cores: polling ranks would starve the
     # network), the hostfile as default, oversubscription and no binding (all nodes share cores).
+    # Session folders go into DIR/tmp: a node's daemon killed in a test would otherwise leave
+    # /tmp/ompi.nodeK.*, and two clusters' nodeK would share one.
+    mkdir -p "$dir/tmp"
     cat > "$dir/env" <<ENV
 export OMPI_MCA_plm_rsh_agent=$dir/rsh-agent
 export OMPI_MCA_routed=direct
@@ -233,6 +236,7 @@ export OMPI_MCA_mpi_yield_when_idle=1
 export OMPI_MCA_orte_default_hostfile=$dir/hostfile
 export OMPI_MCA_rmaps_base_oversubscribe=1
 export OMPI_MCA_hwloc_base_binding_policy=none
+export OMPI_MCA_orte_tmpdir_base=$dir/tmp
 export OMPI_ALLOW_RUN_AS_ROOT=1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 ENV
@@ -276,10 +280,11 @@ cmd_slurm() {
     local socket="$s/munge/munge.socket" cpus k port
     cpus=$(nproc)
     # Tasks of jobs get the Open MPI settings that `run` gives mpirun (TCP on this subnet only,
-    # yield when idle): a task prolog's "export NAME=value" lines go into every task's environment.
+    # yield when idle, session folders in DIR/tmp): a task prolog's "export NAME=value" lines go
+    # into every task's environment.
     {
         echo '#!/bin/sh'
-        sed -n 's/^export \(OMPI_MCA_\(btl_tcp_if_include\|oob_tcp_if_include\|mpi_yield_when_idle\)=.*\)/echo "export \1"/p' "$dir/env"
+        sed -n 's/^export \(OMPI_MCA_\(btl_tcp_if_include\|oob_tcp_if_include\|mpi_yield_when_idle\|orte_tmpdir_base\)=.*\)/echo "export \1"/p' "$dir/env"
     } > "$s/task-prolog"
     chmod +x "$s/task-prolog"
     port=$(( 20000 + $(printf '%s' "$dir" | cksum | cut -d' ' -f1) % 20000 ))
