@@ -10,16 +10,12 @@ set -euo pipefail
 cmd=${1:-}; dir=${2:-}
 [ -n "$cmd" ] && [ -n "$dir" ] || { echo "usage: $0 start|stop DIR" >&2; exit 2; }
 
+# shellcheck source=scripts/lib/daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/daemons.sh"
+
 stop() {
     for name in slurmd slurmctld munged; do
-        local pidfile="$dir/$name.pid"
-        if [ -f "$pidfile" ]; then
-            local pid; pid=$(cat "$pidfile")
-            kill "$pid" 2>/dev/null || true
-            for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-            kill -9 "$pid" 2>/dev/null || true
-            rm -f "$pidfile"
-        fi
+        stop_pidfile "$dir/$name.pid" "$name"
     done
 }
 
@@ -31,15 +27,8 @@ done
 
 dir=$(mkdir -p "$dir" && cd "$dir" && pwd)
 mkdir -p "$dir/state" "$dir/spool" "$dir/log"
-# munge: a private key readable by root only, and a socket folder others can traverse.
-install -d -m 711 "$dir/munge"
-if [ ! -f "$dir/munge/munge.key" ]; then
-    dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
-fi
-chmod 0400 "$dir/munge/munge.key"
+start_munged "$dir"
 socket="$dir/munge/munge.socket"
-munged --socket="$socket" --key-file="$dir/munge/munge.key" --pid-file="$dir/munged.pid" \
-    --log-file="$dir/log/munged.log" --seed-file="$dir/munge/munge.seed" --force
 
 host=$(hostname)
 cpus=$(nproc)

@@ -1,0 +1,274 @@
+//! Several nodes on this one machine (scripts/local-cluster.sh: a network and a UTS namespace per
+//! node, linked by a bridge): training across nodes gives the weights of training on one node,
+//! the benchmark and the Slurm job files span the nodes, and the loss of a whole node ends the
+//! job, which then resumes from its checkpoint.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use common::*;
+
+/// One cluster at a time: the machine has 2 cores, and every test here is heavy.
+static CLUSTER: Mutex<()> = Mutex::new(());
+
+fn script() -> PathBuf {
+    root().join("scripts/local-cluster.sh")
+}
+
+/// A cluster for the length of a test, taken down (by the PIDs recorded in its folder) when
+/// dropped, also when the test fails.
+struct Cluster {
+    dir: PathBuf,
+}
+
+impl Cluster {
+    /// `local-cluster.sh up`; None (with the reason on stderr) only where namespaces cannot be
+    /// made at all (not root, or no permission to create them).
+    fn up(dir: &Path, nodes: usize) -> Option<Cluster> {
+        let out = Command::new(script()).arg("up").arg(dir).args(["--nodes", &nodes.to_string()]).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if !out.status.success() && (text.contains("needs root") || text.contains("Operation not permitted")) {
+            eprintln!("skipped: network namespaces cannot be created here:\n{text}");
+            return None;
+        }
+        let cluster = Cluster { dir: dir.to_path_buf() };
+        assert!(out.status.success(), "local-cluster.sh up failed:\n{text}");
+        Some(cluster)
+    }
+
+    /// `mpirun -n <ranks> --map-by ppr:<per_node>:node <hpc-train> <args>` run on the cluster.
+    fn mpirun_command(&self, ranks: usize, per_node: usize, args: &[&str]) -> Command {
+        let mut cmd = Command::new(script());
+        cmd.arg("run").arg(&self.dir).arg("--")
+            .args(["mpirun", "-n", &ranks.to_string(), "--map-by", &format!("ppr:{per_node}:node")])
+            .arg(bin())
+            .args(args)
+            .current_dir(root());
+        cmd
+    }
+
+    fn mpirun(&self, ranks: usize, per_node: usize, args: &[&str]) -> Run {
+        run_with_limit(self.mpirun_command(ranks, per_node, args), Duration::from_secs(300))
+    }
+
+    /// The holder PID and namespace of node `k` (from DIR/nodes: name, address, PID, namespace).
+    fn node(&self, k: usize) -> (u32, String) {
+        let nodes = std::fs::read_to_string(self.dir.join("nodes")).unwrap();
+        let line = nodes.lines().find(|l| l.starts_with(&format!("node{k} "))).unwrap_or_else(|| panic!("no node{k}:\n{nodes}"));
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        (fields[2].parse().unwrap(), fields[3].to_string())
+    }
+
+    /// The processes running on node `k` (in its network namespace), the holder aside.
+    fn processes_on(&self, k: usize) -> Vec<u32> {
+        let (holder, ns) = self.node(k);
+        let out = Command::new("ip").args(["netns", "pids", &ns]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).filter(|&p| p != holder).collect()
+    }
+
+    /// `local-cluster.sh slurm`: the SLURM_CONF of a Slurm with one slurmd per node, or None
+    /// (with the reason) when Slurm could not be installed.
+    fn slurm(&self) -> Option<PathBuf> {
+        let out = Command::new(script()).arg("slurm").arg(&self.dir).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if !out.status.success() && text.contains("could not install") {
+            eprintln!("skipped: Slurm (slurm-wlm, munge) is not installed and could not be:\n{text}");
+            return None;
+        }
+        assert!(out.status.success(), "local-cluster.sh slurm failed:\n{text}");
+        let line = String::from_utf8_lossy(&out.stdout).lines().find_map(|l| l.strip_prefix("export SLURM_CONF=").map(str::to_string));
+        Some(PathBuf::from(line.unwrap_or_else(|| panic!("no SLURM_CONF line:\n{text}"))))
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = Command::new(script()).arg("down").arg(&self.dir).status();
+    }
+}
+
+/// Options of the training runs compared across layouts: short, deterministic, small.
+fn training_args<'a>(data: &'a str, steps: &'a str, strategy: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "--model", "tiny", "--data", data, "--scaling", "strong", "--global-batch", "12", "--steps", steps,
+        "--no-eval", "--threads", "1", "--log-every", "1000",
+    ];
+    args.extend(strategy);
+    args
+}
+
+/// Every strategy, each trained on the cluster (`ranks` over `nodes` nodes) and with the same
+/// ranks on one node (plain mpirun): the same final weights, and a record saying `nodes`.
+fn same_weights_as_one_node(nodes: usize, per_node: usize, strategies: &[(&str, &[&str])]) {
+    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch(&format!("cluster-{nodes}x{per_node}"));
+    let Some(cluster) = Cluster::up(&dir.join("cluster"), nodes) else { return };
+    let ranks = nodes * per_node;
+    let data = synth(&dir, "cluster", 400, 40, "1x16x16", 4);
+    let d = data.to_str().unwrap();
+    let (on_one, across) = (dir.join("one-node"), dir.join("across"));
+    std::fs::create_dir_all(&across).unwrap();
+    std::fs::create_dir_all(&on_one).unwrap();
+    for (name, strategy) in strategies {
+        let args = training_args(d, "6", strategy);
+        let reference = train_saving_weights(&on_one, name, ranks, &args);
+
+        let weights = across.join(format!("{name}.safetensors"));
+        let mut cluster_args = args.clone();
+        cluster_args.extend(["--results", across.to_str().unwrap(), "--save-weights", weights.to_str().unwrap()]);
+        let run = cluster.mpirun(ranks, per_node, &cluster_args).expect_ok();
+        assert!(run.stderr.contains(&format!("{nodes} node(s)")) || run.stdout.contains(&format!("{nodes} node(s)")), "{name}: {}", run.all_output());
+        let diff = max_relative_difference(&reference, &weights);
+        assert!(diff < 1e-5, "{name} on {nodes} nodes differs from one node by {diff:e}");
+        let record = read_runs(&across).pop().unwrap();
+        assert_eq!(record["nodes"], nodes, "{name}: {record}");
+        assert_eq!(record["ranks"], ranks, "{name}: {record}");
+    }
+}
+
+const SYNC_PS: &[&str] = &["--strategy", "ps", "--servers", "1"];
+const ASYNC_PS: &[&str] = &["--strategy", "ps", "--servers", "1", "--ps-mode", "async", "--max-staleness", "0"];
+
+#[test]
+fn two_nodes_of_two_ranks_train_like_one_node() {
+    // 4 ranks, 2 per node: the parameter server (the last rank) is on node2.
+    same_weights_as_one_node(2, 2, &[
+        ("allreduce", &["--strategy", "allreduce"]),
+        ("ring", &["--strategy", "ring"]),
+        ("horovod", &["--strategy", "horovod"]),
+        ("horovod-hierarchical", &["--strategy", "horovod", "--hierarchical"]),
+        ("ps", SYNC_PS),
+        ("ps-async", ASYNC_PS),
+    ]);
+}
+
+#[test]
+fn three_nodes_of_one_rank_train_like_one_node() {
+    same_weights_as_one_node(3, 1, &[
+        ("allreduce", &["--strategy", "allreduce"]),
+        ("ring", &["--strategy", "ring"]),
+        ("horovod-hierarchical", &["--strategy", "horovod", "--hierarchical"]),
+        ("ps", SYNC_PS),
+        ("ps-async", ASYNC_PS),
+    ]);
+}
+
+#[test]
+fn the_bench_across_two_nodes_records_two_nodes() {
+    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("cluster-bench");
+    let Some(cluster) = Cluster::up(&dir.join("cluster"), 2) else { return };
+    let results = dir.join("results");
+    let run = cluster
+        .mpirun(4, 2, &["bench", "--strategies", "ring,allreduce,ps,horovod", "--min-bytes", "64K", "--max-bytes", "1M", "--factor", "4", "--iters", "3", "--warmup", "1", "--results", results.to_str().unwrap()])
+        .expect_ok();
+    assert!(run.stdout.contains("4 rank(s) on 2 node(s)"), "{}", run.all_output());
+    let bench = std::fs::read_to_string(results.join("bench.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = bench.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 4 * 3, "{bench}");
+    for row in &rows {
+        assert_eq!(row["nodes"], 2, "{row}");
+        assert_eq!(row["ranks"], 4, "{row}");
+        assert_eq!(row["wrong"], 0, "{row}");
+    }
+}
+
+#[test]
+fn job_files_run_across_two_slurm_nodes() {
+    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("cluster-slurm");
+    let Some(cluster) = Cluster::up(&dir.join("cluster"), 2) else { return };
+    let Some(conf) = cluster.slurm() else { return };
+    let data = synth(&dir, "slurm", 400, 40, "1x16x16", 4);
+    let results = dir.join("results");
+    let (d, r) = (data.to_str().unwrap(), results.to_str().unwrap());
+    let submit = |job: &str, env: &[(&str, &str)], log: &str| -> String {
+        let log = dir.join(log);
+        let mut cmd = Command::new("sbatch");
+        cmd.args(["--wait", "--nodes=2", "--ntasks-per-node=2", "--gpus-per-task=0", "--cpus-per-task=1", "--overcommit"])
+            .arg(format!("--output={}", log.display()))
+            .arg(root().join(job))
+            .current_dir(root())
+            .env("SLURM_CONF", &conf)
+            .env("HPC_TRAIN", bin())
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let run = run_with_limit(cmd, Duration::from_secs(300));
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(run.ok(), "{job} failed ({:?}):\n{}{}\n--- job log ---\n{text}", run.status, run.stdout, run.stderr);
+        text
+    };
+    let common = [
+        ("RESULTS", r), ("DATA", d), ("MODEL", "tiny"), ("STEPS", "6"), ("GPUS_PER_RANK", "0"),
+        ("RANK_COUNTS", "4"), ("EXTRA_ARGS", "--no-eval --threads 1"),
+    ];
+    // Weak scaling through srun --mpi=pmix: 4 tasks on 2 nodes, every strategy.
+    let mut env = common.to_vec();
+    env.extend([("STRATEGIES", "ring ps allreduce horovod"), ("LAUNCH_EXTRA", "--overcommit"), ("STUDY_ID", "cluster-weak"), ("BATCH", "8")]);
+    submit("jobs/weak_scaling.sbatch", &env, "weak.out");
+    // Strong scaling through mpirun inside the allocation (it starts its daemons with srun).
+    let mut env = common.to_vec();
+    env.extend([("STRATEGIES", "ring horovod"), ("LAUNCHER", "mpirun"), ("LAUNCH_EXTRA", "--oversubscribe"), ("STUDY_ID", "cluster-strong"), ("GLOBAL_BATCH", "16")]);
+    submit("jobs/strong_scaling.sbatch", &env, "strong.out");
+    // The exchange benchmark.
+    let mut env = common.to_vec();
+    env.extend([("STRATEGIES", "ring allreduce"), ("BENCH_DEVICE", "cpu"), ("MAX_BYTES", "64K"), ("ITERS", "2"), ("LAUNCH_EXTRA", "--overcommit"), ("STUDY_ID", "cluster-bench")]);
+    submit("jobs/bench.sbatch", &env, "bench.out");
+
+    let runs = read_runs(&results);
+    for (study, count) in [("cluster-weak", 4), ("cluster-strong", 2)] {
+        let of_study: Vec<_> = runs.iter().filter(|run| run["study"] == study).collect();
+        assert_eq!(of_study.len(), count, "{study}: {of_study:#?}");
+        assert!(of_study.iter().all(|run| run["nodes"] == 2 && run["ranks"] == 4), "{study}: {of_study:#?}");
+        let report = results.join(format!("report-{study}/report.md"));
+        assert!(report.exists(), "{} missing", report.display());
+    }
+    let bench = std::fs::read_to_string(results.join("bench.jsonl")).unwrap();
+    assert!(!bench.is_empty() && bench.lines().all(|l| l.contains("\"nodes\":2")), "{bench}");
+}
+
+#[test]
+fn losing_a_node_ends_the_job_and_resume_finishes() {
+    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("cluster-node-lost");
+    let Some(cluster) = Cluster::up(&dir.join("cluster"), 2) else { return };
+    let data = synth(&dir, "lost", 1200, 60, "1x16x16", 5);
+    let (d, r) = (data.to_str().unwrap(), dir.to_str().unwrap());
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let common = ["--strategy", "ring", "--results", r, "--checkpoint-dir", c, "--checkpoint-every", "25"];
+    let long = training_args(d, "100000", &common);
+    let log = dir.join("lost.log");
+    let out = std::fs::File::create(&log).unwrap();
+    let mut child = cluster.mpirun_command(4, 2, &long).stdout(out.try_clone().unwrap()).stderr(out).spawn().unwrap();
+    wait_until(Duration::from_secs(120), "two checkpoints", || checkpoint_steps(&ckpt).len() >= 2);
+    // Node 2 fails: every process on it (Open MPI's daemon and both ranks) dies at once.
+    let victims = cluster.processes_on(2);
+    assert!(victims.len() >= 3, "expected orted and 2 ranks on node2, found {victims:?}");
+    for pid in &victims {
+        let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+    }
+    let (code, took) = wait_limited(&mut child, Duration::from_secs(30)).unwrap_or_else(|| {
+        panic!("the job outlived node2 by 30 s:\n{}", std::fs::read_to_string(&log).unwrap_or_default())
+    });
+    assert_ne!(code, Some(0), "{}", std::fs::read_to_string(&log).unwrap());
+    eprintln!("job ended {took:?} after node2's processes were killed (exit {code:?})");
+    wait_until(Duration::from_secs(10), "node1's ranks to end", || cluster.processes_on(1).is_empty());
+
+    let latest = *checkpoint_steps(&ckpt).last().unwrap();
+    let total = (latest + 10).to_string();
+    let mut resume = training_args(d, &total, &common);
+    resume.push("--resume");
+    let run = cluster.mpirun(4, 2, &resume).expect_ok();
+    assert!(run.stderr.contains(&format!("(step {latest},")), "{}", run.stderr);
+    assert_eq!(checkpoint_steps(&ckpt).last(), Some(&(latest + 10)), "a final checkpoint at the end");
+    let record = read_runs(&dir).pop().unwrap();
+    assert_eq!(record["nodes"], 2, "{record}");
+}
