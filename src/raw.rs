@@ -416,6 +416,13 @@ pub fn abort_world(code: i32) -> ! {
     std::process::exit(code) // MPI_Abort does not return; this satisfies the type checker
 }
 
+/// Ends this process at once, without MPI_Finalize or destructors: for a rank whose job cannot
+/// be ended through MPI (a watchdog abort that cannot reach the launcher).
+pub fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit has no preconditions; it does not return.
+    unsafe { libc::_exit(code) }
+}
+
 /// `MPI_Reduce` to `root` of `comm`, in place on the root (MPI_IN_PLACE there); on the other
 /// ranks `buf` is only read. Host memory, or device memory with a CUDA-aware MPI.
 ///

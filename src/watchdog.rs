@@ -37,6 +37,9 @@ struct State {
 
 static STATE: OnceLock<State> = OnceLock::new();
 
+/// How long the watchdog lets MPI_Abort try before this rank exits by itself.
+const ABORT_GRACE: Duration = Duration::from_secs(5);
+
 /// Starts the watchdog for this rank (once; later calls change nothing). `timeout` zero turns
 /// it off.
 pub fn start(rank: i32, timeout: Duration) {
@@ -131,6 +134,12 @@ fn watch() {
         );
         use std::io::Write;
         let _ = std::io::stderr().lock().write_all(line.as_bytes());
+        // MPI_Abort asks the launcher to end every rank; across a cut link it may wait for a
+        // daemon it cannot reach. This rank ends either way.
+        std::thread::spawn(|| {
+            std::thread::sleep(ABORT_GRACE);
+            crate::raw::exit_now(1);
+        });
         crate::raw::abort_world(1);
     }
 }

@@ -85,6 +85,14 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// `local-cluster.sh link DIR nodeK down|up`.
+    fn link(&self, k: usize, state: &str) {
+        let status = Command::new(script()).arg("link").arg(&self.dir).arg(format!("node{k}")).arg(state).status().unwrap();
+        assert!(status.success(), "link node{k} {state}");
+    }
+}
+
 impl Drop for Cluster {
     fn drop(&mut self) {
         let _ = Command::new(script()).arg("down").arg(&self.dir).status();
@@ -271,4 +279,52 @@ fn losing_a_node_ends_the_job_and_resume_finishes() {
     assert_eq!(checkpoint_steps(&ckpt).last(), Some(&(latest + 10)), "a final checkpoint at the end");
     let record = read_runs(&dir).pop().unwrap();
     assert_eq!(record["nodes"], 2, "{record}");
+}
+
+/// A node's link cut mid-exchange: the watchdog ends the job within --exchange-timeout-s plus
+/// 30 s, naming the stalled exchange; a link back up before the timeout lets training go on.
+#[test]
+fn a_cut_link_ends_the_job_and_a_short_outage_does_not() {
+    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("cluster-link");
+    let Some(cluster) = Cluster::up(&dir.join("cluster"), 2) else { return };
+    let data = synth(&dir, "link", 1200, 60, "1x16x16", 5);
+    let (d, r) = (data.to_str().unwrap(), dir.to_str().unwrap());
+
+    // Cut for good: every rank that still runs says what it waits for, and the job ends.
+    let common = ["--strategy", "ring", "--results", r, "--exchange-timeout-s", "10"];
+    let long = training_args(d, "100000", &common);
+    let log = dir.join("cut.log");
+    let out = std::fs::File::create(&log).unwrap();
+    // mpirun itself notices a daemon behind a cut link only through TCP keepalive (300 s idle by
+    // default): a cluster that wants a cut link to end jobs fast sets it shorter, as here.
+    let mut cmd = cluster.mpirun_command(2, 1, &long);
+    cmd.env("OMPI_MCA_oob_tcp_keepalive_time", "5").env("OMPI_MCA_oob_tcp_keepalive_intvl", "2").env("OMPI_MCA_oob_tcp_keepalive_probes", "3");
+    let mut child = cmd.stdout(out.try_clone().unwrap()).stderr(out).spawn().unwrap();
+    wait_until(Duration::from_secs(120), "training to start", || std::fs::read_to_string(&log).unwrap_or_default().contains("steps 0.."));
+    std::thread::sleep(Duration::from_secs(2));
+    cluster.link(2, "down");
+    let ended = wait_limited(&mut child, Duration::from_secs(10 + 30));
+    cluster.link(2, "up");
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let (code, took) = ended.unwrap_or_else(|| panic!("the job outlived the cut link by 40 s:\n{text}"));
+    assert_ne!(code, Some(0), "{text}");
+    assert!(text.contains("exchange watchdog: ring at step") && text.contains("has made no progress for"), "{text}");
+    eprintln!("job ended {took:?} after the link was cut");
+    wait_until(Duration::from_secs(20), "the ranks to end", || cluster.processes_on(1).is_empty() && cluster.processes_on(2).is_empty());
+
+    // A short outage, shorter than the timeout: the exchange resumes and training finishes.
+    let common = ["--strategy", "ring", "--results", r, "--exchange-timeout-s", "60"];
+    let args = training_args(d, "300", &common);
+    let log = dir.join("outage.log");
+    let out = std::fs::File::create(&log).unwrap();
+    let mut child = cluster.mpirun_command(2, 1, &args).stdout(out.try_clone().unwrap()).stderr(out).spawn().unwrap();
+    wait_until(Duration::from_secs(120), "training to start", || std::fs::read_to_string(&log).unwrap_or_default().contains("steps 0.."));
+    cluster.link(2, "down");
+    std::thread::sleep(Duration::from_secs(3));
+    cluster.link(2, "up");
+    let (code, _) = wait_limited(&mut child, Duration::from_secs(240)).expect("training finished after the outage");
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(code, Some(0), "{text}");
+    assert!(!text.contains("exchange watchdog"), "{text}");
 }
