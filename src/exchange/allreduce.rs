@@ -55,25 +55,20 @@ impl Exchange for MpiAllreduce {
 
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         let dtype = common_dtype(tensors)?;
-        let mut buckets = self.fusion.pack(tensors)?;
         let (comm, sums) = (&self.comm, &self.sums);
         let path = self.path.for_mpi_reduction(dtype);
-        self.staging.run(path, &mut buckets, |_, bucket| sums.all_reduce_sum(comm, bucket))?;
-        if op == ReduceOp::Mean && self.size > 1 {
-            for bucket in &mut buckets {
-                let _ = bucket.f_mul_scalar_(1.0 / self.size as f64)?;
+        let scale = (op == ReduceOp::Mean && self.size > 1).then(|| 1.0 / self.size as f64);
+        self.staging.reduce_fused(&mut self.fusion, path, tensors, |_, bucket| {
+            sums.all_reduce_sum(comm, bucket)?;
+            if let Some(f) = scale {
+                let _ = bucket.f_mul_scalar_(f)?;
             }
-        }
-        self.fusion.unpack(&buckets, tensors);
-        Ok(())
+            Ok(())
+        })
     }
 
     fn report(&self) -> ExchangeReport {
-        let mut extra = serde_json::Map::new();
-        if self.path == DataPath::Staged {
-            extra.insert("staging_copy_ms".into(), (self.staging.copy_time().as_secs_f64() * 1e3).into());
-        }
-        ExchangeReport { data_path: Some(self.path), extra }
+        self.staging.report(self.path, serde_json::Map::new())
     }
 }
 

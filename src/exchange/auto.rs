@@ -62,9 +62,8 @@ impl Exchange for Auto {
 
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         let dtype = common_dtype(tensors)?;
-        let mut buckets = self.fusion.pack(tensors)?;
         let (ring, rhd, model, layout, chosen) = (&mut self.ring, &mut self.rhd, &self.model, self.layout, &mut self.chosen);
-        self.staging.run(self.path, &mut buckets, |_, bucket| {
+        self.staging.reduce_fused(&mut self.fusion, self.path, tensors, |_, bucket| {
             // Every rank computes the same choice from the same size and layout.
             let bytes = (bucket.numel() * dtype.size()) as f64;
             match model.choose(layout, bytes) {
@@ -77,18 +76,13 @@ impl Exchange for Auto {
                     ring.reduce_flat(bucket, dtype, op)
                 }
             }
-        })?;
-        self.fusion.unpack(&buckets, tensors);
-        Ok(())
+        })
     }
 
     fn report(&self) -> ExchangeReport {
         let mut extra = serde_json::Map::new();
         extra.insert("auto_ring_buckets".into(), self.chosen[0].into());
         extra.insert("auto_rhd_buckets".into(), self.chosen[1].into());
-        if self.path == DataPath::Staged {
-            extra.insert("staging_copy_ms".into(), (self.staging.copy_time().as_secs_f64() * 1e3).into());
-        }
-        ExchangeReport { data_path: Some(self.path), extra }
+        self.staging.report(self.path, extra)
     }
 }

@@ -335,19 +335,12 @@ impl Exchange for RhdAllreduce {
 
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         let dtype = common_dtype(tensors)?;
-        let mut buckets = self.fusion.pack(tensors)?;
         let halving = &mut self.halving;
-        self.staging.run(self.path, &mut buckets, |_, bucket| halving.all_reduce(bucket, dtype, op))?;
-        self.fusion.unpack(&buckets, tensors);
-        Ok(())
+        self.staging.reduce_fused(&mut self.fusion, self.path, tensors, |_, bucket| halving.all_reduce(bucket, dtype, op))
     }
 
     fn report(&self) -> ExchangeReport {
-        let mut extra = serde_json::Map::new();
-        if self.path == DataPath::Staged {
-            extra.insert("staging_copy_ms".into(), (self.staging.copy_time().as_secs_f64() * 1e3).into());
-        }
-        ExchangeReport { data_path: Some(self.path), extra }
+        self.staging.report(self.path, serde_json::Map::new())
     }
 }
 

@@ -320,22 +320,16 @@ impl Exchange for RingAllreduce {
 
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         let dtype = common_dtype(tensors)?;
-        let mut buckets = self.fusion.pack(tensors)?;
         let ring = &mut self.ring;
         // Buckets go back to back; on the staged path the next one is copied to the host while
         // the current one circles the ring.
-        self.staging.run(self.path, &mut buckets, |_, bucket| ring.all_reduce(bucket, dtype, op))?;
-        self.fusion.unpack(&buckets, tensors);
-        Ok(())
+        self.staging.reduce_fused(&mut self.fusion, self.path, tensors, |_, bucket| ring.all_reduce(bucket, dtype, op))
     }
 
     fn report(&self) -> ExchangeReport {
         let mut extra = serde_json::Map::new();
         extra.insert("segment_kb".into(), (self.ring.segment_bytes / 1024).into());
-        if self.path == DataPath::Staged {
-            extra.insert("staging_copy_ms".into(), (self.staging.copy_time().as_secs_f64() * 1e3).into());
-        }
-        ExchangeReport { data_path: Some(self.path), extra }
+        self.staging.report(self.path, extra)
     }
 }
 

@@ -52,9 +52,28 @@ impl Staging {
         Ok(())
     }
 
-    /// Time spent waiting for copies between device and host so far (the staged path's cost).
-    pub fn copy_time(&self) -> Duration {
-        self.copy_time
+    /// What every all-reduce strategy reports about its data path: the path, and on the staged
+    /// path the time spent waiting for copies; `extra` adds the strategy's own figures.
+    pub fn report(&self, path: DataPath, mut extra: serde_json::Map<String, serde_json::Value>) -> crate::exchange::ExchangeReport {
+        if path == DataPath::Staged {
+            extra.insert("staging_copy_ms".into(), (self.copy_time.as_secs_f64() * 1e3).into());
+        }
+        crate::exchange::ExchangeReport { data_path: Some(path), extra }
+    }
+
+    /// What every all-reduce strategy does around its algorithm: pack `tensors` into fused
+    /// buckets, run `reduce` on each where MPI can read it (staged or not), unpack the results.
+    pub fn reduce_fused(
+        &mut self,
+        fusion: &mut crate::exchange::buckets::Fusion,
+        path: DataPath,
+        tensors: &mut [Tensor],
+        reduce: impl FnMut(usize, &mut Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let mut buckets = fusion.pack(tensors)?;
+        self.run(path, &mut buckets, reduce)?;
+        fusion.unpack(&buckets, tensors);
+        Ok(())
     }
 
     /// Runs `reduce(b, bucket)` on every bucket in order, on `path`. On the staged path `reduce`
