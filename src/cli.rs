@@ -291,6 +291,11 @@ pub enum Precision {
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnOff {
+    /// On where something is free to run the exchange while backward computes: a GPU rank (the
+    /// GPU computes, the CPU exchanges) or a CPU rank with cores beyond its intra-op threads;
+    /// off where backward already uses every core the rank has (the exchange's copies and
+    /// additions would take them from backward: measured slower on such CPU runs, results/).
+    Auto,
     On,
     Off,
 }
@@ -469,7 +474,7 @@ pub struct TrainArgs {
     pub bucket_mb: f64,
 
     /// Exchange gradient buckets while backward is still running (gradient-ready hooks).
-    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    #[arg(long, value_enum, default_value_t = OnOff::Auto)]
     pub overlap: OnOff,
 
     /// Ring all-reduce segment size in KiB (the pipelining grain of the ring; the default is the

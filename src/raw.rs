@@ -373,6 +373,36 @@ pub unsafe fn all_reduce_in_place_device<E: Element>(
     Ok(())
 }
 
+/// Waits for `request` without holding the core: MPI_Wait spins while the peer is not there
+/// yet, and with overlap that core is the one backward runs on. Tests, spins a little, yields,
+/// then sleeps between tests.
+///
+/// # Safety
+/// `request` is an active request (or MPI_REQUEST_NULL) of this process; MPI sets it to
+/// MPI_REQUEST_NULL when it completes.
+unsafe fn wait_politely(request: &mut mpi::ffi::MPI_Request) -> Result<()> {
+    let mut idle = 0u32;
+    loop {
+        let mut done: c_int = 0;
+        // SAFETY: the caller's contract; the flag is a valid int and the status is ignored.
+        let rc = unsafe { mpi::ffi::MPI_Test(request, &mut done, mpi::ffi::RSMPI_STATUS_IGNORE) };
+        if rc != 0 {
+            return Err(Error::exchange("MPI_Test", format!("returned error code {rc}")));
+        }
+        if done != 0 {
+            return Ok(());
+        }
+        idle = idle.saturating_add(1);
+        if idle < 256 {
+            std::hint::spin_loop();
+        } else if idle < 1024 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+    }
+}
+
 /// # Safety
 /// `ptr` must point to `len` writable elements of E (host memory, or device memory with a
 /// CUDA-aware MPI), not aliased by anything else during the call.
@@ -387,22 +417,28 @@ unsafe fn all_reduce_in_place_raw<E: Element>(
         return Ok(());
     }
     let datatype = <E::Wire as Equivalence>::equivalent_datatype();
-    // SAFETY: forwarded from the caller's contract; the handles are live (the communicator is
-    // borrowed, the datatype predefined, the operation borrowed); MPI_IN_PLACE comes from mpi.h.
+    // Non-blocking, then a wait that leaves the core to backward while other ranks catch up.
+    let mut request = std::mem::MaybeUninit::<mpi::ffi::MPI_Request>::uninit();
+    // SAFETY: forwarded from the caller's contract (the buffer stays valid and untouched until
+    // the wait below returns); the handles are live (the communicator is borrowed, the datatype
+    // predefined, the operation borrowed); MPI_IN_PLACE comes from mpi.h; MPI writes the request.
     let rc = unsafe {
-        mpi::ffi::MPI_Allreduce(
+        mpi::ffi::MPI_Iallreduce(
             hpc_train_mpi_in_place(),
             ptr,
             len as c_int,
             datatype.as_raw(),
             op.as_raw(),
             comm.as_raw(),
+            request.as_mut_ptr(),
         )
     };
     if rc != 0 {
-        return Err(Error::exchange("MPI_Allreduce", format!("returned error code {rc}")));
+        return Err(Error::exchange("MPI_Iallreduce", format!("returned error code {rc}")));
     }
-    Ok(())
+    // SAFETY: initialised by the successful MPI_Iallreduce; the buffer stays borrowed (the
+    // caller's contract) until the wait returns.
+    unsafe { wait_politely(request.assume_init_mut()) }
 }
 
 /// Ends every rank of the job: `MPI_Abort` on MPI_COMM_WORLD. For failures seen by one rank
@@ -783,11 +819,8 @@ impl<E: Element> Segments<'_, E> {
         let (requests, writes) = &mut self.pending[segment];
         for request in requests.iter_mut() {
             // SAFETY: a request made by `send` or `receive` below and not yet completed
-            // (completed ones are removed); MPI_Wait sets it to MPI_REQUEST_NULL.
-            let rc = unsafe { mpi::ffi::MPI_Wait(request, mpi::ffi::RSMPI_STATUS_IGNORE) };
-            if rc != 0 {
-                return Err(Error::exchange("MPI_Wait", format!("returned error code {rc}")));
-            }
+            // (completed ones are removed from the list).
+            unsafe { wait_politely(request)? };
             crate::watchdog::progress();
         }
         requests.clear();

@@ -89,7 +89,7 @@ impl<'a> Run<'a> {
         if resume_from.is_some() || first_step > 0 {
             restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut sgd)?;
         }
-        let overlap = make_overlap(world, args, &net, config.bucket_bytes)?;
+        let overlap = make_overlap(world, args, &plan, &net, config.bucket_bytes)?;
         world.agree(match faults.setup_fails(world.rank) {
             true => Err(Error::usage(format!("rank {}: set-up failed (injected by {})", world.rank, crate::faults::FAULT_ENV))),
             false => Ok(()),
@@ -179,16 +179,37 @@ fn exchange_config(world: &World, args: &TrainArgs, plan: &Plan, sgd: SgdConfig,
 
 /// Gradient-ready hooks for overlapping the exchange with backward (not for the parameter
 /// server, whose servers take whole shares after backward).
-fn make_overlap(world: &World, args: &TrainArgs, net: &Net, bucket_bytes: usize) -> Result<Option<Overlap>> {
-    Ok(match (args.overlap, args.strategy) {
+fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &Net, bucket_bytes: usize) -> Result<Option<Overlap>> {
+    let choice = match args.overlap {
+        OnOff::Auto => {
+            // Cores this rank's backward leaves free: those it may use beyond its threads (each
+            // rank of the node counted).
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let bound = cores < num_cpus_online();
+            let mine = if bound { cores } else { cores / world.local_size.max(1) as usize };
+            let spare = mine > plan.threads;
+            let on = plan.device.is_cuda() || spare;
+            if world.is_root() {
+                log::info!("--overlap auto: {}", if on { "on" } else { "off (backward uses every core of the rank: the exchange would take them from it)" });
+            }
+            if on { OnOff::On } else { OnOff::Off }
+        }
+        other => other,
+    };
+    Ok(match (choice, args.strategy) {
         (OnOff::On, exchange::StrategyKind::Ps) => {
             if world.is_root() {
                 log::info!("--overlap on: the parameter server exchanges after backward (its servers take whole shares)");
             }
             None
         }
+        // One rank exchanges nothing: backward on a thread of its own would only cost a hand-over.
+        (OnOff::On, _) if world.size == 1 => {
+            log::info!("--overlap on: one rank has nothing to exchange; backward runs on the MPI thread");
+            None
+        }
         (OnOff::On, _) => Some(world.agree(Overlap::new(&net.params, bucket_bytes, world.comm.duplicate()))?),
-        (OnOff::Off, _) => None,
+        (OnOff::Off | OnOff::Auto, _) => None,
     })
 }
 
