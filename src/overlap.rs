@@ -219,7 +219,9 @@ impl Overlap {
                 }
                 Report::BackwardDone { result, took } => {
                     *backward_ended = true;
-                    backward_end = Some(Instant::now());
+                    // When backward ended, not when this thread got to read it (it may have
+                    // been exchanging a bucket): what follows is the exposed part.
+                    backward_end = Some(started + took);
                     times.backward = took;
                     result?;
                     // Parameters the step did not use never report: they are ready now.
