@@ -58,7 +58,7 @@ pub struct FitArgs {
     /// link, across nodes; the other strategies' rows are predicted and shown beside them.
     #[arg(long, default_value = "results/bench.jsonl")]
     pub bench: PathBuf,
-    /// Only the rows recorded with this --link-mbit.
+    /// Only the rows across nodes recorded with this --link-mbit (rows within one node all count).
     #[arg(long)]
     pub link_mbit: Option<f64>,
     /// The model file to write (JSON).

@@ -94,7 +94,8 @@ fn predict(model: &CostModel, strategy: &str, layout: Layout, bytes: f64, server
 /// `hpc-train model fit`.
 pub fn fit(args: &FitArgs) -> Result<()> {
     let rows: Vec<BenchRow> = results::read_json_lines(&args.bench)?;
-    let rows: Vec<BenchRow> = rows.into_iter().filter(|r| r.usable() && (args.link_mbit.is_none() || r.link_mbit == args.link_mbit)).collect();
+    // --link-mbit picks the network rows; rows within one node never crossed it and all count.
+    let rows: Vec<BenchRow> = rows.into_iter().filter(|r| r.usable() && (args.link_mbit.is_none() || r.nodes <= 1 || r.link_mbit == args.link_mbit)).collect();
     let adds: Vec<f64> = rows.iter().filter_map(|r| r.memory_add_gbs).collect();
     if adds.is_empty() {
         return Err(Error::usage(format!(

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The multi-node figures of results/cluster/ (issues 15 and 16), on namespaced nodes of this one
+# machine (scripts/local-cluster.sh), on an otherwise idle machine (about 15 minutes):
+#   1. hpc-train bench across 2 nodes x 1 and x 2 ranks (and 4 x 1), links at 1,000 and 10,000
+#      Mbit/s, 1-64 MiB, every strategy, rows tagged with --link-mbit;
+#   2. a weak-scaling ResNet-18 study over 1, 2 and 4 nodes (1 rank each) at 1,000 Mbit/s, and
+#      its report;
+#   3. the cost model fitted per link rate, and its predictions checked against every row.
+#   scripts/measure-cluster.sh
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$HPC_TRAIN_ROOT"
+B="$HPC_TRAIN_BIN"
+R=results/cluster
+C=$(mktemp -d /tmp/hpc-measure-cluster.XXXX)
+mkdir -p "$R/logs"
+stamp() { echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), $(nproc) cores, $(git rev-parse --short HEAD): $*"; }
+cleanup() { scripts/local-cluster.sh down "$C/cluster" >/dev/null 2>&1 || true; rm -rf "$C"; }
+trap cleanup EXIT
+
+STRATEGIES=ring,rhd,auto,allreduce,horovod,ps
+for mbit in 1000 10000; do
+    for nodes in 2 4; do
+        scripts/local-cluster.sh up "$C/cluster" --nodes "$nodes" --link-mbit "$mbit"
+        layouts="1"; [ "$nodes" -eq 2 ] && layouts="1 2"
+        for per_node in $layouts; do
+            ranks=$((nodes * per_node))
+            { stamp "bench, $nodes nodes x $per_node rank(s), links $mbit Mbit/s"
+              scripts/local-cluster.sh run "$C/cluster" -- mpirun -n "$ranks" --map-by "ppr:$per_node:node" "$B" bench \
+                  --strategies "$STRATEGIES" --min-bytes 1M --max-bytes 64M --factor 4 --iters 5 --warmup 2 \
+                  --link-mbit "$mbit" --results "$R"; } 2>&1 | tee "$R/logs/bench-${nodes}x${per_node}-${mbit}mbit.txt"
+        done
+        scripts/local-cluster.sh down "$C/cluster"
+    done
+done
+
+# Weak scaling over nodes at 1 Gbit/s: ResNet-18 on 3x32x32, batch 16 per rank.
+data="$C/synth-3x32.h5"
+"$B" data synth --samples 2048 --test-samples 64 --shape 3x32x32 --classes 10 --out "$data" >/dev/null
+for nodes in 1 2 4; do
+    scripts/local-cluster.sh up "$C/cluster" --nodes "$nodes" --link-mbit 1000
+    { stamp "weak scaling, ResNet-18 3x32x32, $nodes node(s) x 1 rank, links 1000 Mbit/s"
+      scripts/local-cluster.sh run "$C/cluster" -- mpirun -n "$nodes" --map-by ppr:1:node "$B" --strategy ring \
+          --model resnet18 --data "$data" --batch-size 16 --steps 23 --warmup-steps 3 --threads 1 --no-eval \
+          --study-tag cluster-weak-1gbit --results "$R"; } 2>&1 | tee "$R/logs/weak-${nodes}-nodes.txt"
+    scripts/local-cluster.sh down "$C/cluster"
+done
+"$B" report --input "$R/runs.jsonl" --study cluster-weak-1gbit --out "$R/report"
+
+# The cost model per link rate, and every row against its prediction.
+# Rows within one node (results/speed, the same machine) give the node's own links.
+cat results/speed/bench.jsonl "$R/bench.jsonl" > "$C/all-bench.jsonl"
+for mbit in 1000 10000; do
+    "$B" model fit --bench "$C/all-bench.jsonl" --link-mbit "$mbit" --servers 1 --out "$R/cost-model-${mbit}mbit.json" | tee "$R/logs/fit-${mbit}mbit.txt"
+done
