@@ -340,3 +340,26 @@ fn a_cut_link_ends_the_job_and_a_short_outage_does_not() {
 fn is_hpc_train(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "hpc-train")
 }
+
+/// On 2 nodes x 2 ranks (`--map-by ppr:2:node`) every rank sees the node-local rank the mapping
+/// implies (ranks 0, 1 on the first node, 2, 3 on the second), and the ring's order crosses the
+/// network once per node: two of its four links.
+#[test]
+fn node_local_ranks_follow_the_mapping_and_the_ring_crosses_once_per_node() {
+    let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch("cluster-layout");
+    let Some(cluster) = Cluster::up(&dir.join("cluster"), 2) else { return };
+    let r = dir.to_str().unwrap();
+    let mut cmd = Command::new(script());
+    cmd.arg("run").arg(&cluster.dir).arg("--")
+        .args(["mpirun", "-n", "4", "--map-by", "ppr:2:node", "-x", "RUST_LOG=debug"])
+        .arg(bin())
+        .args(["bench", "--strategies", "ring", "--counts", "1000", "--iters", "1", "--warmup", "0", "--results", r])
+        .current_dir(root());
+    let run = run_with_limit(cmd, Duration::from_secs(120)).expect_ok();
+    let text = run.all_output();
+    for (rank, node, local) in [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)] {
+        assert!(text.contains(&format!("ring: rank {rank} on node {node} (node-local rank {local} of 2)")), "rank {rank}:\n{text}");
+    }
+    assert_eq!(text.matches(", across the network").count(), 2, "{text}");
+}

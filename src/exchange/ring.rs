@@ -273,6 +273,15 @@ impl RingAllreduce {
         if config.segment_bytes == 0 {
             return Err(Error::usage("--segment-kb 0: the ring needs segments of at least 1 KiB"));
         }
+        let right = order[(pos + 1) % n];
+        // Where this rank sits, for checking a launch's layout (RUST_LOG=debug on every rank):
+        // the node-aware order crosses the network once per node.
+        let crosses = world.node_of[right as usize] != world.node_of[world.rank as usize];
+        log::debug!(
+            "ring: rank {} on node {} (node-local rank {} of {}), right neighbour rank {right}{}",
+            world.rank, world.node_of[world.rank as usize], world.local_rank, world.local_size,
+            if crosses { ", across the network" } else { "" }
+        );
         Ok(RingAllreduce {
             ring: Ring {
                 // A communicator of its own: ring messages never match anyone else's.
