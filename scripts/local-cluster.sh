@@ -287,7 +287,8 @@ cmd_slurm() {
         sed -n 's/^export \(OMPI_MCA_\(btl_tcp_if_include\|oob_tcp_if_include\|mpi_yield_when_idle\|orte_tmpdir_base\)=.*\)/echo "export \1"/p' "$dir/env"
     } > "$s/task-prolog"
     chmod +x "$s/task-prolog"
-    port=$(( 20000 + $(printf '%s' "$dir" | cksum | cut -d' ' -f1) % 20000 ))
+    # Below the kernel's ephemeral range (32768 and up), where an outgoing connection could hold it.
+    port=$(( 10000 + $(printf '%s' "$dir" | cksum | cut -d' ' -f1) % 20000 ))
     {
         cat <<CONF
 ClusterName=hpctraincluster
@@ -331,8 +332,9 @@ CONF
         mkdir -p "$s/spool/node$k" "$s/tmp/node$k"
         nsenter -t "$(holder_pid "$k")" -n -u -- slurmd -f "$SLURM_CONF" -N "node$k"
     done
-    for _ in $(seq 150); do
-        if [ "$(sinfo -h -N -o '%N %T' 2>/dev/null | grep -cE ' (idle|mixed|allocated)$')" -eq "$NODES" ]; then
+    SECONDS=0
+    while [ "$SECONDS" -lt 60 ]; do
+        if [ "$(timeout 5 sinfo -h -N -o '%N %T' 2>/dev/null | grep -cE ' (idle|mixed|allocated)$')" -eq "$NODES" ]; then
             echo "export SLURM_CONF=$SLURM_CONF"
             return 0
         fi

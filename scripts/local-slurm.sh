@@ -33,7 +33,8 @@ socket="$dir/munge/munge.socket"
 host=$(hostname)
 cpus=$(nproc)
 # Ports of its own (derived from the folder) so that two test runs never meet.
-port=$(( 20000 + $(printf '%s' "$dir" | cksum | cut -d' ' -f1) % 20000 ))
+# Below the kernel's ephemeral range (32768 and up), where an outgoing connection could hold it.
+port=$(( 10000 + $(printf '%s' "$dir" | cksum | cut -d' ' -f1) % 20000 ))
 cat > "$dir/slurm.conf" <<CONF
 ClusterName=hpctraintest
 SlurmctldHost=$host(127.0.0.1)
@@ -68,9 +69,11 @@ CONF
 export SLURM_CONF="$dir/slurm.conf"
 slurmctld -f "$SLURM_CONF" -i
 slurmd -f "$SLURM_CONF"
-# Wait for the node to come up.
-for _ in $(seq 100); do
-    if sinfo -h -o '%T' 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then
+# Wait for the node to come up: at most 60 s, each query bounded (sinfo waits long for a
+# controller that is not there).
+SECONDS=0
+while [ "$SECONDS" -lt 60 ]; do
+    if timeout 5 sinfo -h -o '%T' 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then
         echo "export SLURM_CONF=$SLURM_CONF"
         exit 0
     fi
