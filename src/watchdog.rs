@@ -132,14 +132,15 @@ fn watch() {
             activity.entered.elapsed().as_secs_f64(),
             activity.peers
         );
-        use std::io::Write;
-        let _ = std::io::stderr().lock().write_all(line.as_bytes());
         // MPI_Abort asks the launcher to end every rank; across a cut link it may wait for a
-        // daemon it cannot reach. This rank ends either way.
+        // daemon it cannot reach. This rank ends either way: the timer starts first, because
+        // even the message below can block when the launcher stops reading this rank's stderr.
         std::thread::spawn(|| {
             std::thread::sleep(ABORT_GRACE);
             crate::raw::exit_now(1);
         });
+        use std::io::Write;
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
         crate::raw::abort_world(1);
     }
 }

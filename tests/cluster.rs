@@ -67,7 +67,22 @@ impl Cluster {
     fn processes_on(&self, k: usize) -> Vec<u32> {
         let (holder, ns) = self.node(k);
         let out = Command::new("ip").args(["netns", "pids", &ns]).output().unwrap();
-        String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).filter(|&p| p != holder).collect()
+        // A zombie has ended: it only waits for a parent to collect it, and in a container
+        // whose init never does, it would wait forever.
+        let pids = String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<u32>>();
+        pids.into_iter().filter(|&p| p != holder && process_state(p).is_some_and(|s| s != 'Z' && s != 'X')).collect()
+    }
+
+    /// `pid ppid state comm` of every process in node k's namespace, for failure messages.
+    fn describe_processes(&self, k: usize) -> String {
+        let (_, ns) = self.node(k);
+        let out = Command::new("ip").args(["netns", "pids", &ns]).output().unwrap();
+        let mut text = String::new();
+        for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            text.push_str(&format!("node{k}: {}\n", stat.split_whitespace().take(4).collect::<Vec<_>>().join(" ")));
+        }
+        text
     }
 
     /// `local-cluster.sh slurm`: the SLURM_CONF of a Slurm with one slurmd per node, or None
@@ -310,10 +325,11 @@ fn a_cut_link_ends_the_job_and_a_short_outage_does_not() {
     }
     let took = cut.elapsed();
     let ended_in_time = !ranks_alive();
+    let left = format!("{}{}", cluster.describe_processes(1), cluster.describe_processes(2));
     cluster.link(2, "up");
     let ended = wait_limited(&mut child, Duration::from_secs(30));
     let text = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(ended_in_time, "ranks outlived the cut link by 35 s:\n{text}");
+    assert!(ended_in_time, "ranks outlived the cut link by 35 s; processes then:\n{left}\n{text}");
     let (code, _) = ended.unwrap_or_else(|| panic!("mpirun outlived its ranks by 30 s once the link was back:\n{text}"));
     assert_ne!(code, Some(0), "{text}");
     assert!(text.contains("exchange watchdog: ring at step") && text.contains("has made no progress for"), "{text}");
@@ -337,6 +353,13 @@ fn a_cut_link_ends_the_job_and_a_short_outage_does_not() {
 }
 
 /// Whether process `pid` is an hpc-train rank.
+/// The state letter of /proc/PID/stat (R, S, D, Z, ...), None once the process is gone.
+fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ...": comm may hold spaces and parentheses, so read after the last ')'.
+    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+}
+
 fn is_hpc_train(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "hpc-train")
 }
