@@ -202,6 +202,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         ps: args.ps.config(crate::optim::SgdConfig { lr: 0.0, momentum: 0.0, weight_decay: 0.0 }),
         horovod: world.agree(args.horovod.config())?,
         cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,
+        zero: 0,
     };
 
     // The memory bound of a host all-reduce, measured while the other ranks wait.

@@ -507,6 +507,11 @@ pub struct TrainArgs {
     #[arg(long)]
     pub channels_last: bool,
 
+    /// ZeRO stage (ring only): 1 shards the optimizer state (momentum) over the ranks, 2 also
+    /// the gradients held between steps; 0 keeps everything on every rank.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    pub zero: u8,
+
     /// Let several ranks of a node share one GPU (for testing on a machine with fewer GPUs).
     #[arg(long)]
     pub allow_gpu_sharing: bool,

@@ -125,7 +125,7 @@ impl Sgd {
 /// device-to-host read for all of them (a read per tensor would stall a GPU once per
 /// parameter).
 pub fn all_finite(tensors: &[Tensor]) -> Result<bool> {
-    let flags: Vec<Tensor> = tensors.iter().map(|t| t.f_isfinite()?.f_all()).collect::<std::result::Result<_, _>>()?;
+    let flags: Vec<Tensor> = tensors.iter().filter(|t| t.defined()).map(|t| t.f_isfinite()?.f_all()).collect::<std::result::Result<_, _>>()?;
     match flags.as_slice() {
         [] => Ok(true),
         [one] => Ok(one.f_int64_value(&[])? != 0),
@@ -133,9 +133,10 @@ pub fn all_finite(tensors: &[Tensor]) -> Result<bool> {
     }
 }
 
-/// Zeroes every gradient in place (keeping its storage, which the exchange buffers rely on).
+/// Zeroes every gradient in place (keeping its storage, which the exchange buffers rely on);
+/// a gradient that was let go (ZeRO stage 2) stays undefined until backward makes it.
 pub fn zero_grads(grads: &mut [Tensor]) -> Result<()> {
-    for g in grads {
+    for g in grads.iter_mut().filter(|g| g.defined()) {
         let _ = g.f_zero_()?;
     }
     Ok(())

@@ -69,8 +69,11 @@ pub struct Overlap {
     backward_thread: Option<JoinHandle<()>>,
     plan: BucketPlan,
     bucket_of: Vec<usize>,
-    /// Fusion buffer of each bucket of several tensors (None: reduced in place).
+    /// Fusion buffer of each bucket of several tensors, once used (a bucket of one tensor is
+    /// reduced in place).
     buffers: Vec<Option<Tensor>>,
+    /// The gradients' dtype and device, for the fusion buffers.
+    layout: (tch::Kind, Device),
     /// What a plan is made with: element size, bucket caps.
     elem_bytes: usize,
     bucket_bytes: usize,
@@ -95,6 +98,7 @@ impl Overlap {
             plan: BucketPlan { buckets: Vec::new(), sizes: Vec::new() },
             bucket_of: Vec::new(),
             buffers: Vec::new(),
+            layout: (kind, device),
             elem_bytes: kind.elt_size_in_bytes(),
             bucket_bytes,
             arrivals: Some((Vec::with_capacity(sizes.len()), comm)),
@@ -109,12 +113,9 @@ impl Overlap {
         let first = Some(FIRST_BUCKET_BYTES.min(self.bucket_bytes.max(1)));
         self.plan = BucketPlan::in_order(sizes, order, self.elem_bytes, self.bucket_bytes, first);
         self.bucket_of = self.plan.bucket_of();
-        self.buffers = self
-            .plan
-            .buckets
-            .iter()
-            .map(|b| (b.slots.len() > 1).then(|| Tensor::f_zeros([b.len as i64], (kind, device))).transpose())
-            .collect::<std::result::Result<_, _>>()?;
+        // Made at a bucket's first all-reduce: ZeRO packs into a buffer of its own.
+        self.buffers = self.plan.buckets.iter().map(|_| None).collect();
+        self.layout = (kind, device);
         Ok(())
     }
 
@@ -203,6 +204,9 @@ impl Overlap {
         let mut next = 0;
         let mut times = OverlapTimes::default();
         let mut backward_end = None;
+        if let Some(zero) = exchange.zero() {
+            zero.use_plan(&self.plan, params, sgd)?;
+        }
 
         while next < missing.len() || !*backward_ended {
             // Blocks until a gradient is final or backward ends: no polling.
@@ -236,6 +240,14 @@ impl Overlap {
                 let t = Instant::now();
                 let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
                 crate::watchdog::set_bucket(next);
+                if let Some(zero) = exchange.zero() {
+                    // ZeRO: reduce-scatter, step this rank's shard, all-gather the weights.
+                    zero.reduce_bucket(next, params, optimize)?;
+                    zero.step_bucket(next, params, sgd)?;
+                    times.exchange += t.elapsed();
+                    next += 1;
+                    continue;
+                }
                 self.exchange_bucket(next, grads, exchange, optimize)?;
                 times.exchange += t.elapsed();
                 if optimize {
@@ -258,6 +270,10 @@ impl Overlap {
     /// bucket; off under a loss scaler, which expects them now and then).
     fn exchange_bucket(&mut self, b: usize, grads: &mut [Tensor], exchange: &mut dyn Exchange, check_finite: bool) -> Result<()> {
         let bucket = &self.plan.buckets[b];
+        let fused = bucket.slots.len() > 1;
+        if fused && self.buffers[b].is_none() {
+            self.buffers[b] = Some(Tensor::f_zeros([bucket.len as i64], self.layout)?);
+        }
         let mut flat = match &mut self.buffers[b] {
             None => crate::raw::flat_dense_view(&grads[bucket.slots[0].tensor])?,
             Some(buffer) => {

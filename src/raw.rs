@@ -700,6 +700,7 @@ extern "C" {
     fn hpc_set_cuda_autocast_dtype(which: c_int, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
     fn hpc_param_to_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_release_grad(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
 }
 
 /// Allows or forbids TF32 in cuBLAS and cuDNN (libtorch's global setting).
@@ -740,6 +741,20 @@ pub fn param_to_channels_last(p: &Tensor) -> Result<()> {
     // SAFETY: tch's at::Tensor pointer, alive during the call; set_data keeps the tensor's
     // identity, so other handles of it see the new storage.
     let rc = unsafe { hpc_param_to_channels_last(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    Ok(())
+}
+
+/// Drops the parameter's gradient (set to none): its memory goes back once no other handle
+/// holds it, and the next backward makes a new one.
+pub fn release_grad(p: &Tensor) -> Result<()> {
+    let mut err = [0 as c_char; 256];
+    let mut handle = p.shallow_clone();
+    // SAFETY: tch's at::Tensor pointer, alive during the call; the handle shares the
+    // parameter's autograd meta, so the parameter itself loses its gradient.
+    let rc = unsafe { hpc_release_grad(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
         return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
     }

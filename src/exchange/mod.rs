@@ -5,7 +5,11 @@
 //! - [`allreduce`]: the MPI library's own `MPI_Allreduce`, the baseline;
 //! - [`ring`]: a ring all-reduce (reduce-scatter then all-gather) on point-to-point calls;
 //! - [`ps`]: parameter servers on point-to-point calls, synchronous or asynchronous;
-//! - [`horovod`]: a Horovod-style background cycle with negotiation and tensor fusion.
+//! - [`horovod`]: a Horovod-style background cycle with negotiation and tensor fusion;
+//! - [`rhd`]: recursive halving-doubling on point-to-point calls; [`auto`]: ring or rhd per
+//!   bucket, from the cost model;
+//! - [`zero`]: `--zero 1|2`, ZeRO's sharded optimizer on the ring's reduce-scatter and
+//!   all-gather (wraps the ring).
 //!
 //! Shared parts: [`buckets`] plans and packs buckets, [`staging`] moves GPU buckets through
 //! pinned host memory when MPI cannot read device memory, [`element`] knows the dtypes.
@@ -20,6 +24,7 @@ pub mod ps;
 pub mod rhd;
 pub mod ring;
 pub mod staging;
+pub mod zero;
 
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
@@ -232,6 +237,17 @@ pub trait Exchange {
         Ok(())
     }
 
+    /// ZeRO's per-bucket update, when this strategy shards the optimizer (`--zero 1|2`):
+    /// overlap hands it each bucket instead of all-reducing it.
+    fn zero(&mut self) -> Option<&mut zero::ZeroExchange> {
+        None
+    }
+
+    /// Optimizer state and gradient bytes this rank holds between steps.
+    fn held_bytes(&self, params: &[Tensor], sgd: &Sgd) -> zero::HeldBytes {
+        zero::HeldBytes::of(params, sgd)
+    }
+
     fn report(&self) -> ExchangeReport;
 }
 
@@ -248,6 +264,8 @@ pub struct ExchangeConfig {
     pub horovod: horovod::HorovodConfig,
     /// What `auto` chooses with.
     pub cost_model: crate::cost::CostModel,
+    /// `--zero`: 0 (every rank keeps the whole optimizer state), 1 or 2.
+    pub zero: u8,
 }
 
 /// What decides the ranks' roles: how many are dedicated parameter servers.
@@ -278,6 +296,12 @@ pub fn worker_count(kind: StrategyKind, ranks: usize, roles: &RoleOptions) -> Re
 
 /// Makes the chosen strategy on `world`. Collective over the world's communicator.
 pub fn build(kind: StrategyKind, world: &World, config: &ExchangeConfig) -> Result<Box<dyn Exchange>> {
+    check_zero(kind, config.zero)?;
+    if config.zero > 0 {
+        let ring = Box::new(ring::RingAllreduce::new(world, config)?);
+        let path = DataPath::choose(config.device, config.cuda_aware);
+        return Ok(Box::new(zero::ZeroExchange::new(ring, config.zero, config.bucket_bytes, path)));
+    }
     Ok(match kind {
         StrategyKind::Allreduce => Box::new(allreduce::MpiAllreduce::new(world, config)?),
         StrategyKind::Ring => Box::new(ring::RingAllreduce::new(world, config)?),
@@ -286,6 +310,21 @@ pub fn build(kind: StrategyKind, world: &World, config: &ExchangeConfig) -> Resu
         StrategyKind::Rhd => Box::new(rhd::RhdAllreduce::new(world, config)?),
         StrategyKind::Auto => Box::new(auto::Auto::new(world, config)?),
     })
+}
+
+/// `--zero` is for the ring, whose reduce-scatter leaves every rank a shard balanced to within
+/// one element.
+pub fn check_zero(kind: StrategyKind, stage: u8) -> Result<()> {
+    match (stage, kind) {
+        (0, _) | (1 | 2, StrategyKind::Ring) => Ok(()),
+        (1 | 2, StrategyKind::Rhd | StrategyKind::Auto) => Err(Error::usage(format!(
+            "--zero {stage} with --strategy {kind}: recursive halving leaves the ranks outside its power-of-two group without a shard, so ZeRO's shards could not be balanced; use --strategy ring"
+        ))),
+        (1 | 2, _) => Err(Error::usage(format!(
+            "--zero {stage} with --strategy {kind}: ZeRO shards the optimizer along a reduce-scatter and an all-gather, which only the from-scratch ring runs apart; use --strategy ring"
+        ))),
+        (other, _) => Err(Error::usage(format!("--zero {other}: expected 0, 1 or 2"))),
+    }
 }
 
 /// The momentum buffers of `sgd` for `params`, zeros before its first step.

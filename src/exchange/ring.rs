@@ -23,6 +23,7 @@ use crate::exchange::buckets::Fusion;
 use crate::exchange::element::{accumulate, accumulate_scaled, Dtype, Element};
 use mpi::Tag;
 use crate::exchange::staging::{wait_for_stream, Staging};
+use crate::exchange::zero::ShardedCollectives;
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::raw;
 use crate::topology::{ShardInfo, World};
@@ -54,6 +55,12 @@ impl RingSchedule {
     pub fn all_gather(&self, s: usize) -> (Range<usize>, Range<usize>) {
         let (p, s) = (self.pos as isize, s as isize);
         (self.chunk(p + 1 - s), self.chunk(p - s))
+    }
+
+    /// The chunk this position holds summed after the reduce-scatter, and sends first in the
+    /// all-gather: the one after its own position (received at the last reduce-scatter step).
+    pub fn reduced_chunk(&self) -> Range<usize> {
+        self.chunk(self.pos as isize + 1)
     }
 
     pub fn largest_chunk(&self) -> usize {
@@ -113,12 +120,14 @@ impl Ring {
         (self.comm.process_at_rank(self.left), self.comm.process_at_rank(self.right))
     }
 
-    /// All-reduce of a host buffer, in place, pipelined across hops: a segment received and
-    /// reduced at one hop is sent on at once for the next, while the chunk's later segments are
-    /// still arriving, so the ring never waits for a whole chunk between hops.
-    fn all_reduce_host<E: Element>(&mut self, buf: &mut [E], op: ReduceOp) -> Result<()> {
+    /// Hops `run` of the ring on a host buffer, in place: `0..n-1` is the reduce-scatter (this
+    /// rank's chunk ends summed), `n-1..2(n-1)` the all-gather (its chunk goes around), the
+    /// two together the all-reduce. Pipelined across hops: a segment received and reduced at
+    /// one hop is sent on at once for the next, while the chunk's later segments are still
+    /// arriving, so the ring never waits for a whole chunk between hops.
+    fn run_hops_host<E: Element>(&mut self, buf: &mut [E], op: ReduceOp, run: Range<usize>) -> Result<()> {
         let n = self.n;
-        if n == 1 || buf.is_empty() {
+        if n == 1 || buf.is_empty() || run.is_empty() {
             return Ok(());
         }
         let schedule = RingSchedule::new(buf.len(), n, self.pos);
@@ -135,7 +144,7 @@ impl Ring {
             .flat_map(|area| ShardInfo::all(largest, pieces).into_iter().map(move |p| area * largest + p.offset..area * largest + p.end()))
             .collect();
         let (comm, left, right) = (&self.comm, self.left, self.right);
-        let hops = schedule.hops();
+        let (first_hop, hops) = (run.start, run.end.min(schedule.hops()));
         let rs_hops = n - 1;
         let scale = (op == ReduceOp::Mean).then_some(1.0 / n as f32);
         raw::with_segments(buf, schedule.piece_bounds(pieces), |data| {
@@ -155,12 +164,12 @@ impl Ring {
                     }
                     Ok(())
                 };
-                post_receives(0, data, spare)?;
-                let first = schedule.hop_chunks(0).0;
+                post_receives(first_hop, data, spare)?;
+                let first = schedule.hop_chunks(first_hop).0;
                 for k in 0..pieces {
-                    data.send(piece(first, k), data.len_of(piece(first, k)), comm, right, 0)?;
+                    data.send(piece(first, k), data.len_of(piece(first, k)), comm, right, first_hop as Tag)?;
                 }
-                for hop in 0..hops {
+                for hop in first_hop..hops {
                     if hop + 1 < hops {
                         post_receives(hop + 1, data, spare)?;
                     }
@@ -192,7 +201,7 @@ impl Ring {
 
     /// All-reduce of a device buffer with a CUDA-aware MPI: device pointers go to MPI, and the
     /// reduction runs on the GPU. Each step waits for the GPU before sending what it computed.
-    fn all_reduce_device<E: Element>(&mut self, bucket: &mut Tensor, op: ReduceOp) -> Result<()> {
+    fn all_reduce_device<E: Element>(&mut self, bucket: &mut Tensor, op: ReduceOp, phases: Phases) -> Result<()> {
         let n = self.n;
         let len = bucket.numel();
         if n == 1 || len == 0 {
@@ -205,7 +214,7 @@ impl Ring {
         }
         let device = bucket.device();
         let view = |t: &Tensor, r: &Range<usize>| t.narrow(0, r.start as i64, r.len() as i64);
-        for s in 0..n - 1 {
+        for s in (0..n - 1).filter(|_| phases.reduce_scatter) {
             let (send, recv) = schedule.reduce_scatter(s);
             let mut outgoing = view(bucket, &send);
             let mut incoming = view(self.device_scratch.as_ref().expect("made above"), &(0..recv.len()));
@@ -218,7 +227,7 @@ impl Ring {
             // The next step sends what this one added: MPI must not read it before the GPU wrote it.
             wait_for_stream(device)?;
         }
-        for s in 0..n - 1 {
+        for s in (0..n - 1).filter(|_| phases.all_gather) {
             let (send, recv) = schedule.all_gather(s);
             let mut outgoing = view(bucket, &send);
             let mut target = view(bucket, &recv);
@@ -245,16 +254,31 @@ impl Ring {
     }
 
     fn all_reduce(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+        self.run_phases(bucket, dtype, op, Phases { reduce_scatter: true, all_gather: true })
+    }
+
+    /// The reduce-scatter, the all-gather or both, on a host or (CUDA-aware MPI) device buffer.
+    fn run_phases(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp, phases: Phases) -> Result<()> {
+        let rs_hops = self.n.max(1) - 1;
+        let hops = if phases.reduce_scatter { 0 } else { rs_hops }..if phases.all_gather { 2 * rs_hops } else { rs_hops };
         crate::with_element!(dtype, E => {
             if bucket.device().is_cuda() {
-                self.all_reduce_device::<E>(bucket, op)
+                self.all_reduce_device::<E>(bucket, op, phases)
             } else {
-                // SAFETY: the bucket is a fusion buffer, a staging buffer or the flat view of a
-                // gradient whose backward is done; nothing else reads or writes it meanwhile.
-                self.all_reduce_host::<E>(unsafe { raw::host_slice_mut::<E>(bucket)? }, op)
+                // SAFETY: the bucket is a fusion buffer, a staging buffer, ZeRO's bucket buffer
+                // or the flat view of a gradient whose backward is done; nothing else reads or
+                // writes it meanwhile.
+                self.run_hops_host::<E>(unsafe { raw::host_slice_mut::<E>(bucket)? }, op, hops)
             }
         })
     }
+}
+
+/// Which halves of the all-reduce to run.
+#[derive(Clone, Copy, Debug)]
+struct Phases {
+    reduce_scatter: bool,
+    all_gather: bool,
 }
 
 pub struct RingAllreduce {
@@ -339,6 +363,20 @@ impl Exchange for RingAllreduce {
         let mut extra = serde_json::Map::new();
         extra.insert("segment_kb".into(), (self.ring.segment_bytes / 1024).into());
         self.staging.report(self.path, extra)
+    }
+}
+
+impl ShardedCollectives for RingAllreduce {
+    fn shard(&self, len: usize) -> Range<usize> {
+        RingSchedule::new(len, self.ring.n, self.ring.pos).reduced_chunk()
+    }
+
+    fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+        self.ring.run_phases(buffer, dtype, op, Phases { reduce_scatter: true, all_gather: false })
+    }
+
+    fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype) -> Result<()> {
+        self.ring.run_phases(buffer, dtype, ReduceOp::Sum, Phases { reduce_scatter: false, all_gather: true })
     }
 }
 

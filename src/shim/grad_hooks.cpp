@@ -197,4 +197,16 @@ int hpc_param_to_channels_last(void *tensor, char *error, size_t error_length) {
   }
 }
 
+// Drops a parameter's gradient (ZeRO stage 2 keeps only the rank's shard of it between steps);
+// the next backward makes a new one, as after PyTorch's zero_grad(set_to_none=True).
+int hpc_release_grad(void *tensor, char *error, size_t error_length) {
+  try {
+    static_cast<at::Tensor *>(tensor)->mutable_grad().reset();
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
 }  // extern "C"

@@ -12,7 +12,6 @@ mod step;
 use std::time::Instant;
 
 use mpi::topology::SimpleCommunicator;
-use tch::Tensor;
 
 use crate::cli::TrainArgs;
 use crate::data::{DatasetInfo, Labels};
@@ -47,7 +46,6 @@ struct Run<'a> {
     labels: Labels,
     spec: InputSpec,
     net: Net,
-    grads: Vec<Tensor>,
     exchange: Box<dyn Exchange>,
     sgd: Sgd,
     overlap: Option<Overlap>,

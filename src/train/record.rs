@@ -66,10 +66,16 @@ impl Run<'_> {
             (o.buckets(), total, hidden)
         });
         let report = self.exchange.report();
+        // Memory held between steps (after the last one), the largest over the ranks.
+        let held = self.exchange.held_bytes(&self.net.params, &self.sgd);
+        let (optimizer_state_bytes, gradient_bytes) = (world.max_f64(held.optimizer_state as f64), world.max_f64(held.gradients as f64));
         if !world.is_root() {
             return None;
         }
         let mut extra = report.extra.clone();
+        extra.entry("zero").or_insert(0.into());
+        extra.insert("optimizer_state_bytes".into(), (optimizer_state_bytes as u64).into());
+        extra.insert("gradient_bytes".into(), (gradient_bytes as u64).into());
         extra.insert("overlap".into(), self.overlap.is_some().into());
         extra.insert("precision".into(), serde_json::to_value(args.precision).unwrap_or_default());
         extra.insert("channels_last".into(), args.channels_last.into());

@@ -62,7 +62,8 @@ impl<'a> Run<'a> {
         if args.channels_last {
             world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;
         }
-        let grads = optim::define_grads(&net.params)?;
+        // Every parameter gets a gradient, so that every rank exchanges the same set.
+        optim::define_grads(&net.params)?;
 
         // The checkpoint to continue from, and whether anything is left to do.
         let now = checkpoint_meta(args, world, &plan, &info, steps_per_epoch, 0, 0);
@@ -103,7 +104,7 @@ impl<'a> Run<'a> {
             Role::Server => (0, plan.workers),
         };
         let run = Run {
-            world, args, plan, info, labels, spec, net, grads, exchange, sgd, overlap, faults, stop, workers_comm, worker, workers,
+            world, args, plan, info, labels, spec, net, exchange, sgd, overlap, faults, stop, workers_comm, worker, workers,
             global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),
         };
         run.log_start();
@@ -174,6 +175,7 @@ fn exchange_config(world: &World, args: &TrainArgs, plan: &Plan, sgd: SgdConfig,
         ps,
         horovod: world.agree(args.horovod.config())?,
         cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,
+        zero: args.zero,
     })
 }
 
@@ -259,6 +261,10 @@ impl Plan {
                 "--precision {}: mixed precision and TF32 run on CUDA devices; this rank trains on the CPU (use fp32)",
                 format!("{:?}", args.precision).to_lowercase()
             )));
+        }
+        exchange::check_zero(args.strategy, args.zero)?;
+        if args.precision == Precision::Fp16 && args.zero > 0 {
+            return Err(Error::usage(format!("--precision fp16 with --zero {}: the loss scaler checks and unscales whole gradients before the optimizer step, which ZeRO shards; use bf16", args.zero)));
         }
         if args.precision == Precision::Fp16 && args.strategy == exchange::StrategyKind::Ps {
             return Err(Error::usage("--precision fp16 with --strategy ps: the loss scaler unscales gradients before the optimizer step, which the servers own; use bf16"));
@@ -671,6 +677,7 @@ pub(super) fn config_fingerprint(args: &TrainArgs) -> Vec<(String, String)> {
         ("resume".into(), args.resume.to_string()),
         ("ps".into(), format!("{:?}", args.ps)),
         ("horovod".into(), format!("{:?}", args.horovod)),
+        ("zero".into(), args.zero.to_string()),
     ];
     out.sort();
     out

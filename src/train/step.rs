@@ -77,7 +77,10 @@ impl Run<'_> {
         // gradients is the gradient of the global batch's mean loss, however the last step of
         // an epoch is split.
         let compute_start = Instant::now();
-        optim::zero_grads(&mut self.grads)?;
+        // The gradients' handles live for this step only: after ZeRO stage 2 lets go of a
+        // gradient, no handle may keep its memory until the next step.
+        let mut grads = self.net.grads();
+        optim::zero_grads(&mut grads)?;
         let n = batch.labels.len();
         let loss_factor = self.workers as f64 / batch.global_samples.max(1) as f64 * state.scaler.as_ref().map_or(1.0, |s| s.scale);
         let (mut loss_sum, scaled_loss) = if n == 0 {
@@ -101,11 +104,10 @@ impl Run<'_> {
         // Backward and the exchange. With the fp16 loss scaler the optimizer steps after the
         // exchange, once the averaged gradients (the same on every rank) are known to be finite.
         let optimize_in_exchange = state.scaler.is_none();
-        self.grads = self.net.grads();
-        let (compute, comm, exchange_total, exchange_exposed) = self.backward_and_exchange(scaled_loss, compute_start, step, batch.epoch, optimize_in_exchange)?;
+        let (compute, comm, exchange_total, exchange_exposed) = self.backward_and_exchange(scaled_loss, &mut grads, compute_start, step, batch.epoch, optimize_in_exchange)?;
         if let Some(scaler) = &mut state.scaler {
-            if scaler.unscale_or_skip(&mut self.grads)? {
-                self.sgd.step(&mut self.net.params, &mut self.grads)?;
+            if scaler.unscale_or_skip(&mut grads)? {
+                self.sgd.step(&mut self.net.params, &mut grads)?;
             } else if self.world.is_root() {
                 state.progress.suspend(|| log::info!("fp16: gradients overflowed at step {step}; step skipped, loss scale now {}", scaler.scale));
             }
@@ -131,18 +133,29 @@ impl Run<'_> {
     /// then the exchange (every strategy leaves the parameters updated for the next step).
     /// Returns compute, exposed exchange, all exchange, and exposed exchange again (the last
     /// two for the overlap figures).
-    fn backward_and_exchange(&mut self, scaled_loss: Option<Tensor>, compute_start: Instant, step: u64, epoch: u64, optimize: bool) -> Result<(Duration, Duration, Duration, Duration)> {
+    #[allow(clippy::type_complexity)]
+    fn backward_and_exchange(
+        &mut self,
+        scaled_loss: Option<Tensor>,
+        grads: &mut Vec<Tensor>,
+        compute_start: Instant,
+        step: u64,
+        epoch: u64,
+        optimize: bool,
+    ) -> Result<(Duration, Duration, Duration, Duration)> {
         let device = self.plan.device;
         if let (Some(overlap), Some(scaled)) = (&mut self.overlap, scaled_loss.as_ref()) {
             let forward = compute_start.elapsed();
-            let times = overlap.step(scaled.shallow_clone(), &mut self.net.params, &mut self.grads, self.exchange.as_mut(), &mut self.sgd, step, epoch, optimize)?;
+            let times = overlap.step(scaled.shallow_clone(), &mut self.net.params, grads, self.exchange.as_mut(), &mut self.sgd, step, epoch, optimize)?;
             exchange::staging::synchronize_device(device);
             return Ok((forward + times.backward, times.exposed, times.exchange, times.exposed));
         }
         if let Some(scaled) = scaled_loss {
             scaled.f_backward()?;
         }
-        if optimize && !optim::all_finite(&self.grads)? {
+        // Backward made the gradients that were let go (ZeRO stage 2) anew.
+        *grads = self.net.grads();
+        if optimize && !optim::all_finite(grads)? {
             return Err(Error::NonFinite { what: "gradient", step, epoch });
         }
         exchange::staging::synchronize_device(device);
@@ -152,9 +165,9 @@ impl Run<'_> {
             let exchange = &mut self.exchange;
             let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
             if optimize {
-                exchange.update(&mut self.net.params, &mut self.grads, &mut self.sgd)?;
+                exchange.update(&mut self.net.params, grads, &mut self.sgd)?;
             } else {
-                exchange.all_reduce(&mut self.grads, ReduceOp::Mean)?;
+                exchange.all_reduce(grads, ReduceOp::Mean)?;
             }
         }
         exchange::staging::synchronize_device(device);

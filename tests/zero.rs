@@ -1,0 +1,129 @@
+//! ZeRO (`--zero 1|2`) on the ring: the weights of MPI_Allreduce, with overlap on and off, for
+//! rank counts whose shards split tensors, are uneven or empty; across a resume with another
+//! rank count and another stage; the memory figures in runs.jsonl; refusals.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+
+/// Tiny model on 3 classes: its tensors have 144, 16, 4608, 32, 96 and 3 elements.
+fn dataset(dir: &Path) -> PathBuf {
+    synth(dir, "zero", 300, 0, "1x12x12", 3)
+}
+
+fn args<'a>(data: &'a str, steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec![
+        "--model", "tiny", "--data", data, "--scaling", "strong", "--global-batch", "30", "--steps", steps,
+        "--no-eval", "--threads", "1", "--log-every", "1000", "--weight-decay", "0.01",
+    ];
+    a.extend(extra);
+    a
+}
+
+/// Every stage, with overlap on and off, ends with the weights MPI_Allreduce gives, at 1, 2, 3
+/// and 5 ranks. Buckets of about 512 elements put several tensors in a bucket and cut shards
+/// through them; at 5 ranks, one tensor per bucket gives the 3-element bias a bucket with more
+/// ranks than elements (two ranks own nothing of it).
+#[test]
+fn every_stage_trains_to_the_weights_of_allreduce() {
+    let dir = scratch("zero-equal");
+    let data = dataset(&dir);
+    let d = data.to_str().unwrap();
+    for ranks in [1, 2, 3, 5] {
+        let reference = train_saving_weights(&dir, &format!("allreduce-{ranks}"), ranks, &args(d, "6", &["--strategy", "allreduce", "--overlap", "off"]));
+        let mut cases: Vec<(String, Vec<&str>)> = Vec::new();
+        for overlap in ["off", "on"] {
+            for zero in ["0", "1", "2"] {
+                cases.push((format!("ring-z{zero}-overlap-{overlap}-{ranks}"), vec!["--overlap", overlap, "--zero", zero, "--bucket-mb", "0.002"]));
+            }
+        }
+        if ranks == 5 {
+            for zero in ["1", "2"] {
+                cases.push((format!("ring-z{zero}-per-tensor-{ranks}"), vec!["--overlap", "on", "--zero", zero, "--bucket-mb", "0"]));
+            }
+        }
+        for (name, extra) in cases {
+            let mut a = args(d, "6", &["--strategy", "ring"]);
+            a.extend(extra);
+            let weights = train_saving_weights(&dir, &name, ranks, &a);
+            let diff = max_relative_difference(&reference, &weights);
+            assert!(diff < 1e-5, "{name} differs from MPI_Allreduce by {diff:e}");
+        }
+    }
+    // The record says which stage ran and what it held.
+    let runs = read_runs(&dir);
+    let ring3: Vec<&serde_json::Value> = runs.iter().filter(|r| r["strategy"] == "ring" && r["ranks"] == 3).collect();
+    assert_eq!(ring3.len(), 6, "{ring3:#?}");
+    for r in ring3 {
+        let extra = &r["extra"];
+        let (zero, params) = (extra["zero"].as_u64().unwrap(), extra["parameters"].as_u64().unwrap());
+        let (state, grads) = (extra["optimizer_state_bytes"].as_u64().unwrap(), extra["gradient_bytes"].as_u64().unwrap());
+        let full = 4 * params;
+        // Within one element per bucket of a third (the shards' rounding; 10 buckets at most).
+        let third = |bytes: u64| bytes.abs_diff(full / 3) <= 4 * 10;
+        match zero {
+            0 => assert_eq!((state, grads), (full, full), "{r}"),
+            // The parameters' own gradients stay whole, beside the shards.
+            1 => assert!(third(state) && grads >= full && third(grads - full), "{r}"),
+            2 => assert!(third(state) && third(grads), "{r}"),
+            other => panic!("zero {other}"),
+        }
+    }
+}
+
+/// A checkpoint made with --zero 2 on 3 ranks resumes on 2 ranks with --zero 1, and on 5 ranks
+/// with --zero 0, and both end with the weights of an uninterrupted run.
+#[test]
+fn a_zero_checkpoint_resumes_with_another_rank_count_and_stage() {
+    let dir = scratch("zero-resume");
+    let data = dataset(&dir);
+    let d = data.to_str().unwrap();
+    let reference = train_saving_weights(&dir, "uninterrupted", 3, &args(d, "12", &["--strategy", "allreduce"]));
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    train_saving_weights(&dir, "first-half", 3, &args(d, "6", &["--strategy", "ring", "--zero", "2", "--overlap", "on", "--bucket-mb", "0.002", "--checkpoint-dir", c, "--checkpoint-every", "6"]));
+    assert_eq!(checkpoint_steps(&ckpt), vec![6]);
+    let copy = dir.join("ckpt-copy");
+    copy_dir(&ckpt, &copy);
+    let cases = [(2, "1", c.to_string()), (5, "0", copy.to_str().unwrap().to_string())];
+    for (ranks, zero, from) in &cases {
+        let name = format!("resumed-{ranks}-z{zero}");
+        let a = args(d, "12", &["--strategy", "ring", "--zero", zero, "--overlap", "off", "--bucket-mb", "0.001", "--checkpoint-dir", from, "--resume"]);
+        let weights = train_saving_weights(&dir, &name, *ranks, &a);
+        let diff = max_relative_difference(&reference, &weights);
+        assert!(diff < 1e-5, "{name} differs from the uninterrupted run by {diff:e}");
+    }
+    // The resumed zero-1 run wrote its own checkpoint at the end; it resumes again with zero 2.
+    let a = args(d, "14", &["--strategy", "ring", "--zero", "2", "--checkpoint-dir", c, "--resume"]);
+    train_saving_weights(&dir, "again", 3, &a);
+    assert_eq!(checkpoint_steps(&ckpt).last(), Some(&14));
+}
+
+/// --zero with a strategy that cannot shard, or fp16 loss scaling, is refused once, naming it.
+#[test]
+fn zero_with_another_strategy_is_refused() {
+    let dir = scratch("zero-refused");
+    let data = dataset(&dir);
+    let d = data.to_str().unwrap();
+    for (strategy, reason) in [
+        ("allreduce", "--zero 1 with --strategy allreduce"),
+        ("ps", "--zero 1 with --strategy ps"),
+        ("horovod", "--zero 1 with --strategy horovod"),
+        ("rhd", "--zero 1 with --strategy rhd"),
+    ] {
+        let mut a = args(d, "2", &["--strategy", strategy, "--zero", "1"]);
+        a.extend(["--results", dir.to_str().unwrap()]);
+        let run = mpirun(2, &a);
+        assert!(!run.ok(), "{strategy} accepted --zero");
+        assert_eq!(run.all_output().matches(reason).count(), 1, "{}", run.all_output());
+    }
+    let run = hpc_train(&["--data", d, "--zero", "3"]);
+    assert!(!run.ok() && run.all_output().contains("--zero"), "{}", run.all_output());
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    let status = std::process::Command::new("cp").arg("-a").arg(from).arg(to).status().unwrap();
+    assert!(status.success());
+}
