@@ -173,7 +173,7 @@ fn a_study_selects_its_runs() {
     let out = scratch("report-study");
     report(&["--input", RUNS, "--study", "models", "--out", out.to_str().unwrap()], &[]).expect_ok();
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
-    assert!(md.contains("From `tests/fixtures/runs.jsonl`: 3 of its 15 records, those of study `models`, in 2 tables."), "{md}");
+    assert!(md.contains("From `tests/fixtures/runs.jsonl`: 3 of its 15 records, those of study `models`, in 2 sections."), "{md}");
     let headings: Vec<&str> = md.lines().filter(|l| l.starts_with("## ") && !l.contains("benchmark")).collect();
     assert_eq!(
         headings,
