@@ -18,7 +18,7 @@ const DEFAULT_FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 /// The tables the fixture makes, and the (strategy, ranks) cells each one has.
 fn expected_tables() -> BTreeMap<&'static str, Vec<(&'static str, usize)>> {
     BTreeMap::from([
-        ("weak-tiny-fashion-mnist-1x28x28-cpu-b64", vec![("allreduce", 1), ("allreduce", 4), ("ring", 1), ("ring", 2), ("ring", 4)]),
+        ("weak-tiny-fashion-mnist-1x28x28-cpu-b64", vec![("allreduce", 1), ("allreduce", 4), ("ps (sync)", 4), ("ring", 1), ("ring", 2), ("ring", 4)]),
         ("weak-tiny-fashion-mnist-1x28x28-cpu-b32", vec![("allreduce", 1)]),
         ("weak-resnet18-fashion-mnist-1x28x28-cpu-b64", vec![("horovod", 1), ("horovod", 2)]),
         (
@@ -70,9 +70,113 @@ fn the_report_matches_the_expected_markdown() {
     let written = std::fs::read_to_string(out.join("report.md")).unwrap();
     let expected = std::fs::read_to_string(root().join(EXPECTED)).unwrap();
     assert!(written == expected, "report.md differs from {EXPECTED}:\n--- written\n{written}\n--- expected\n{expected}");
-    assert!(run.stdout.contains(&format!("wrote {}: 4 tables from 15 runs (1 superseded)", out.join("report.md").display())), "{}", run.stdout);
+    assert!(run.stdout.contains(&format!("wrote {}: 4 tables from 16 runs (1 superseded)", out.join("report.md").display())), "{}", run.stdout);
     // The truncated last line of the fixture is skipped with a warning naming it.
-    assert!(run.stderr.contains("runs.jsonl:16: skipping a truncated line"), "{}", run.stderr);
+    assert!(run.stderr.contains("runs.jsonl:17: skipping a truncated line"), "{}", run.stderr);
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+/// A table of report.md: the caption line above it, its header and its rows, cells trimmed.
+struct MdTable {
+    caption: String,
+    header: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+/// A `## ` section of report.md: its text, the slug its data link names, and its tables.
+struct Section {
+    text: String,
+    slug: String,
+    tables: Vec<MdTable>,
+}
+
+fn cells(line: &str) -> Vec<String> {
+    line.trim().trim_matches('|').split('|').map(|c| c.trim().to_string()).collect()
+}
+
+/// The scaling sections of a report (those with a data link), in order.
+fn scaling_sections(md: &str) -> Vec<Section> {
+    let mut sections = Vec::new();
+    for text in md.split("\n## ").skip(1) {
+        let Some(link) = text.lines().find_map(|l| l.strip_prefix("Data: [")) else { continue };
+        let slug = link.split(".csv]").next().unwrap().to_string();
+        let mut tables: Vec<MdTable> = Vec::new();
+        let mut caption = String::new();
+        let mut lines = text.lines().peekable();
+        while let Some(line) = lines.next() {
+            if !line.starts_with('|') {
+                if !line.is_empty() {
+                    caption = line.to_string();
+                }
+                continue;
+            }
+            let header = cells(line);
+            lines.next(); // the alignment line
+            let mut rows = Vec::new();
+            while let Some(row) = lines.next_if(|l| l.starts_with('|')) {
+                rows.push(cells(row));
+            }
+            tables.push(MdTable { caption: caption.clone(), header, rows });
+        }
+        sections.push(Section { text: text.to_string(), slug, tables });
+    }
+    sections
+}
+
+/// Whether a summary cell is one figure: a number or a percentage, "—" or "n/a", perhaps
+/// marked as run with another global batch. Never a list.
+fn is_one_figure(cell: &str) -> bool {
+    let figure = cell.trim_end_matches('†').trim_end_matches('%');
+    figure == "—" || figure == "n/a" || figure.parse::<f64>().is_ok()
+}
+
+/// The layout of the issue: per section, images/s, efficiency and speedup, each with the
+/// columns Ranks, Global batch and one per strategy, a number as global batch, then a detail
+/// table per strategy with a row per rank count it ran at.
+#[test]
+fn each_section_has_a_narrow_table_per_figure_and_a_detail_table_per_strategy() {
+    let out = scratch("report-layout");
+    report(&["--input", RUNS, "--out", out.to_str().unwrap()], &[]).expect_ok();
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    let sections = scaling_sections(&md);
+    let expected = expected_tables();
+    assert_eq!(sections.len(), expected.len(), "{md}");
+    for section in &sections {
+        let cells_run = &expected[section.slug.as_str()];
+        let mut strategies: Vec<&str> = cells_run.iter().map(|&(s, _)| s).collect();
+        strategies.dedup();
+        let detail_columns = ["Ranks", "Global batch", "images/s", "images/s per rank", "speedup", "efficiency", "compute ms", "exchange ms"];
+        let detail_columns = if section.slug.starts_with("strong") { [&detail_columns[..], &["epoch s"]].concat() } else { detail_columns.to_vec() };
+        let mut want: Vec<(String, Vec<&str>)> = ["**Images/s**", "**Scaling efficiency**", "**Speedup**"]
+            .iter()
+            .map(|c| (c.to_string(), [&["Ranks", "Global batch"][..], &strategies].concat()))
+            .collect();
+        want.extend(strategies.iter().map(|s| (format!("**Detail: {s}**"), detail_columns.clone())));
+        let got: Vec<(String, Vec<&str>)> = section.tables.iter().map(|t| (t.caption.clone(), t.header.iter().map(String::as_str).collect())).collect();
+        assert_eq!(got, want, "{}", section.slug);
+        for t in &section.tables {
+            for row in &t.rows {
+                assert!(row[1].parse::<usize>().is_ok(), "{}, {}: global batch {:?}", section.slug, t.caption, row[1]);
+            }
+        }
+        for t in &section.tables[..3] {
+            assert!(t.rows.iter().flat_map(|r| &r[2..]).all(|c| is_one_figure(c)), "{}, {}: {:?}", section.slug, t.caption, t.rows);
+        }
+        for (s, t) in strategies.iter().zip(&section.tables[3..]) {
+            let ranks: Vec<usize> = t.rows.iter().map(|r| r[0].parse().unwrap()).collect();
+            let ran: Vec<usize> = cells_run.iter().filter(|&&(c, _)| c == *s).map(|&(_, n)| n).collect();
+            assert_eq!(ranks, ran, "{}, {s}", section.slug);
+        }
+    }
+    // At 4 ranks, ps with a dedicated server has 3 workers taking a batch of 64: the row shows
+    // the others' 256, marks ps's cells and names its own under the tables and in its detail.
+    let tiny = sections.iter().find(|s| s.slug == "weak-tiny-fashion-mnist-1x28x28-cpu-b64").unwrap();
+    assert_eq!(tiny.tables[0].rows[2], ["4", "256", "3500.0", "2400.0†", "3600.0"]);
+    assert_eq!(tiny.tables[1].rows[2], ["4", "256", "86.6%", "n/a†", "90.0%"]);
+    assert!(tiny.text.contains("\n- † ps (sync) ran with global batch 192 at 4 ranks\n"), "{}", tiny.text);
+    assert_eq!(tiny.tables[4].rows, [["4", "192", "2400.0", "600.0", "n/a", "n/a", "61.0", "30.0"]]);
+    // Strong scaling holds the global batch: nothing differs, nothing is marked.
+    assert!(!sections.iter().find(|s| s.slug.starts_with("strong")).unwrap().text.contains('†'));
     std::fs::remove_dir_all(&out).unwrap();
 }
 
@@ -173,7 +277,7 @@ fn a_study_selects_its_runs() {
     let out = scratch("report-study");
     report(&["--input", RUNS, "--study", "models", "--out", out.to_str().unwrap()], &[]).expect_ok();
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
-    assert!(md.contains("From `tests/fixtures/runs.jsonl`: 3 of its 15 records, those of study `models`, in 2 tables."), "{md}");
+    assert!(md.contains("From `tests/fixtures/runs.jsonl`: 3 of its 16 records, those of study `models`, in 2 sections."), "{md}");
     let headings: Vec<&str> = md.lines().filter(|l| l.starts_with("## ") && !l.contains("benchmark")).collect();
     assert_eq!(
         headings,

@@ -168,7 +168,7 @@ fn document(input: &Path, study: Option<&str>, used: usize, read: usize, tables:
         Some(s) => format!("{used} of its {read} records, those of study `{s}`"),
         None => format!("{read} record{}", plural(read)),
     };
-    let _ = writeln!(out, "From `{}`: {which}, in {} table{}.\n", input.display(), tables.len(), plural(tables.len()));
+    let _ = writeln!(out, "From `{}`: {which}, in {} section{}.\n", input.display(), tables.len(), plural(tables.len()));
     out.push_str(READING_GUIDE);
     for section in sections {
         out.push('\n');
@@ -179,15 +179,21 @@ fn document(input: &Path, study: Option<&str>, used: usize, read: usize, tables:
 
 const READING_GUIDE: &str = "\
 How to read the tables:
-- A table holds runs that differ only in strategy and rank count: same scaling mode, model, dataset, image shape, \
-device and batch (per rank for weak scaling, global for strong scaling). Rows are rank counts (N), strategies side by side.
+- A section holds runs that differ only in strategy and rank count: same scaling mode, model, dataset, image shape, \
+device and batch (per rank for weak scaling, global for strong scaling).
+- A section opens with three narrow tables, images/s, scaling efficiency and speedup: a row per rank count (N), \
+its global batch, then a column per strategy. A detail table per strategy follows, a row per rank count it ran at, \
+with all its figures.
 - A strategy's column names its variant where it has one: ps (sync), ps (async, colocated), horovod (fp16, hierarchical).
+- Global batch: images per step over all ranks. Where strategies differ at a rank count, the row shows the most common \
+(on a tie the largest) and marks with † the cells of a strategy that ran with another; a note under the tables \
+gives it, and the strategy's detail table shows its own in every row.
 - speedup(N) = images/s at N ranks / images/s at 1 rank, of the same strategy.
 - efficiency, weak scaling = images/s(N) / (N x images/s(1)); strong scaling = speedup(N) / N, the same formula.
 - images/s per rank = images/s / N.
-- compute / exchange ms: mean time per step computing gradients / exchanging them (compute_ms / comm_ms).
-- epoch s (strong scaling) = steps per epoch x global batch / images/s, with steps per epoch = steps / epochs: \
-the records do not hold the training-set size.
+- compute ms / exchange ms: mean time per step computing gradients / exchanging them (compute_ms / comm_ms).
+- epoch s (strong scaling, in the detail tables) = steps per epoch x global batch / images/s, with steps per epoch = \
+steps / epochs: the records do not hold the training-set size.
 - N counts every rank, dedicated parameter servers included: efficiency is measured against the resources used.
 - — : no run at that rank count (never interpolated); n/a: not computable (no 1-rank run of the strategy).
 - Where a strategy ran more than once at a rank count, the most recent run is shown (by timestamp; on a tie, the later line).

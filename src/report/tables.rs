@@ -14,6 +14,8 @@ use crate::results::RunRecord;
 pub const NO_RUN: &str = "—";
 /// Shown where a figure cannot be computed (no 1-rank run to compare with).
 pub const NOT_COMPUTED: &str = "n/a";
+/// Marks a strategy's cell in a row whose global batch is not its own.
+pub const OTHER_BATCH: &str = "†";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Scaling {
@@ -287,9 +289,23 @@ impl<'a> Table<'a> {
         self.cells.values().map(|c| c.superseded).sum()
     }
 
+    /// For each strategy marked in the summary tables, its own global batch where it differs.
+    fn batch_notes(&self) -> Vec<String> {
+        let note = |s: &String| {
+            let differing: Vec<String> = self
+                .ranks
+                .iter()
+                .filter(|&&n| self.batch_differs(s, n))
+                .filter_map(|&n| Some(format!("{} at {n} ranks", self.cell(s, n)?.record.global_batch)))
+                .collect();
+            (!differing.is_empty()).then(|| format!("{OTHER_BATCH} {s} ran with global batch {}", differing.join(", ")))
+        };
+        self.strategies.iter().filter_map(note).collect()
+    }
+
     /// What a reader must know to read the table right, one line each.
     pub fn notes(&self) -> Vec<String> {
-        let mut notes = Vec::new();
+        let mut notes = self.batch_notes();
         for s in &self.strategies {
             if self.one_rank(s).is_none() {
                 notes.push(format!("no 1-rank run of {s}: speedup and efficiency not computed"));
@@ -329,79 +345,95 @@ impl<'a> Table<'a> {
         notes
     }
 
-    /// The global batch of a row: one number when every strategy used the same, else each
-    /// strategy's (weak scaling with dedicated servers: only the workers take a batch).
-    fn global_batch(&self, ranks: usize) -> String {
-        let per_strategy: Vec<(&str, usize)> = self
-            .strategies
-            .iter()
-            .filter_map(|s| Some((s.as_str(), self.cell(s, ranks)?.record.global_batch)))
-            .collect();
-        match per_strategy.first() {
-            Some(&(_, first)) if per_strategy.iter().all(|&(_, b)| b == first) => first.to_string(),
-            _ => per_strategy.iter().map(|(s, b)| format!("{s}: {b}")).collect::<Vec<_>>().join(", "),
+    /// The global batch a row shows: the one most strategies used at `ranks`, on a tie the
+    /// largest (in weak scaling a strategy with dedicated servers has fewer ranks computing, so
+    /// a smaller global batch: the largest is the one of every rank computing). None where no
+    /// strategy ran at `ranks`.
+    pub fn common_global_batch(&self, ranks: usize) -> Option<usize> {
+        let mut counts: BTreeMap<usize, usize> = BTreeMap::new();
+        for s in &self.strategies {
+            if let Some(c) = self.cell(s, ranks) {
+                *counts.entry(c.record.global_batch).or_default() += 1;
+            }
+        }
+        // Batches ascend and max_by_key keeps the last maximum: a tie goes to the largest.
+        counts.into_iter().max_by_key(|&(_, count)| count).map(|(batch, _)| batch)
+    }
+
+    /// Whether `strategy` ran at `ranks` with another global batch than the row shows.
+    pub fn batch_differs(&self, strategy: &str, ranks: usize) -> bool {
+        let own = self.cell(strategy, ranks).map(|c| c.record.global_batch);
+        own.is_some() && own != self.common_global_batch(ranks)
+    }
+
+    /// One figure of every strategy: a row per rank count, a column per strategy.
+    fn summary_table(&self, caption: &str, figure: impl Fn(&Figures) -> String) -> String {
+        let mut header = vec!["Ranks".to_string(), "Global batch".to_string()];
+        header.extend(self.strategies.iter().cloned());
+        let rows = self.ranks.iter().map(|&n| {
+            let batch = self.common_global_batch(n).map_or(NO_RUN.to_string(), |b| b.to_string());
+            let mut row = vec![n.to_string(), batch];
+            row.extend(self.strategies.iter().map(|s| self.summary_cell(s, n, &figure)));
+            row
+        });
+        markdown_table(caption, &header, rows)
+    }
+
+    /// A strategy's figure at `ranks`, marked where its global batch is not the row's.
+    fn summary_cell(&self, strategy: &str, ranks: usize, figure: &impl Fn(&Figures) -> String) -> String {
+        match self.figures(strategy, ranks) {
+            None => NO_RUN.to_string(),
+            Some(f) if self.batch_differs(strategy, ranks) => format!("{}{OTHER_BATCH}", figure(&f)),
+            Some(f) => figure(&f),
         }
     }
 
-    /// Column headings of one strategy.
-    fn strategy_columns(&self, s: &str) -> Vec<String> {
-        let mut cols = vec![
-            format!("{s} images/s"),
-            format!("{s} images/s per rank"),
-            format!("{s} speedup"),
-            format!("{s} efficiency"),
-            format!("{s} compute / exchange ms"),
-        ];
+    /// Every figure of one strategy, a row per rank count it ran at.
+    fn detail_table(&self, strategy: &str) -> String {
+        let mut header: Vec<String> =
+            ["Ranks", "Global batch", "images/s", "images/s per rank", "speedup", "efficiency", "compute ms", "exchange ms"]
+                .map(String::from)
+                .into();
         if self.key.scaling == Scaling::Strong {
-            cols.push(format!("{s} epoch s"));
+            header.push("epoch s".to_string());
         }
-        cols
+        let rows = self.ranks.iter().filter_map(|&n| self.figures(strategy, n)).map(|f| self.detail_row(&f));
+        markdown_table(&format!("**Detail: {strategy}**"), &header, rows)
     }
 
-    /// The cells of one strategy in one row.
-    fn strategy_cells(&self, s: &str, ranks: usize) -> Vec<String> {
-        let width = self.strategy_columns(s).len();
-        let Some(f) = self.figures(s, ranks) else {
-            return vec![NO_RUN.to_string(); width];
-        };
-        let mut cells = vec![
+    fn detail_row(&self, f: &Figures) -> Vec<String> {
+        let mut row = vec![
+            f.ranks.to_string(),
+            f.global_batch.to_string(),
             fixed(f.images_per_sec, 1),
             fixed(f.images_per_sec_per_rank, 1),
-            f.speedup.map_or(NOT_COMPUTED.to_string(), |v| fixed(v, 2)),
-            f.efficiency.map_or(NOT_COMPUTED.to_string(), percent),
-            format!("{} / {}", fixed(f.compute_ms, 1), fixed(f.comm_ms, 1)),
+            speedup_cell(f.speedup),
+            efficiency_cell(f.efficiency),
+            fixed(f.compute_ms, 1),
+            fixed(f.comm_ms, 1),
         ];
         if self.key.scaling == Scaling::Strong {
-            cells.push(f.epoch_s.map_or(NOT_COMPUTED.to_string(), |v| fixed(v, 1)));
+            row.push(f.epoch_s.map_or(NOT_COMPUTED.to_string(), |v| fixed(v, 1)));
         }
-        cells
+        row
     }
 
-    /// The table in Markdown: heading, table, notes. Numbers have fixed decimals so that the
-    /// same records always give the same text.
+    /// The section of this table in Markdown: heading; images/s, efficiency and speedup, each
+    /// a narrow table with a column per strategy; notes; then every figure of each strategy.
+    /// Numbers have fixed decimals so that the same records always give the same text.
     pub fn markdown(&self) -> String {
-        let mut header = vec!["Ranks".to_string(), "Global batch".to_string()];
-        for s in &self.strategies {
-            header.extend(self.strategy_columns(s));
-        }
-        let mut out = format!("## {}\n\n", self.key.title());
-        let _ = writeln!(out, "| {} |", header.join(" | "));
-        let _ = writeln!(out, "|{}", header.iter().map(|_| "---:|").collect::<String>());
-        for &n in &self.ranks {
-            let mut row = vec![n.to_string(), self.global_batch(n)];
-            for s in &self.strategies {
-                row.extend(self.strategy_cells(s, n));
-            }
-            let _ = writeln!(out, "| {} |", row.join(" | "));
-        }
+        let mut blocks = vec![
+            format!("## {}\n", self.key.title()),
+            self.summary_table("**Images/s**", |f| fixed(f.images_per_sec, 1)),
+            self.summary_table("**Scaling efficiency**", |f| efficiency_cell(f.efficiency)),
+            self.summary_table("**Speedup**", |f| speedup_cell(f.speedup)),
+        ];
         let notes = self.notes();
         if !notes.is_empty() {
-            out.push('\n');
-            for note in notes {
-                let _ = writeln!(out, "- {note}");
-            }
+            blocks.push(notes.iter().map(|n| format!("- {n}\n")).collect());
         }
-        out
+        blocks.extend(self.strategies.iter().map(|s| self.detail_table(s)));
+        blocks.join("\n")
     }
 
     /// One CSV row per (strategy, ranks) with a run.
@@ -473,6 +505,23 @@ fn fixed(value: f64, decimals: usize) -> String {
     }
 }
 
+/// A Markdown table under its caption, numbers right-aligned.
+fn markdown_table(caption: &str, header: &[String], rows: impl Iterator<Item = Vec<String>>) -> String {
+    let mut out = format!("{caption}\n\n| {} |\n|{}\n", header.join(" | "), "---:|".repeat(header.len()));
+    for row in rows {
+        let _ = writeln!(out, "| {} |", row.join(" | "));
+    }
+    out
+}
+
+fn speedup_cell(speedup: Option<f64>) -> String {
+    speedup.map_or(NOT_COMPUTED.to_string(), |v| fixed(v, 2))
+}
+
+fn efficiency_cell(efficiency: Option<f64>) -> String {
+    efficiency.map_or(NOT_COMPUTED.to_string(), percent)
+}
+
 fn percent(fraction: f64) -> String {
     if fraction.is_finite() {
         format!("{:.1}%", fraction * 100.0)
@@ -524,6 +573,21 @@ pub(crate) mod tests {
             study: None,
             extra: Default::default(),
         }
+    }
+
+    /// The rows of the table under `caption` in `md`, header and alignment line included.
+    pub(crate) fn table_under<'m>(md: &'m str, caption: &str) -> Vec<&'m str> {
+        let mut lines = md.lines().skip_while(|l| *l != caption).skip(1).skip_while(|l| l.is_empty());
+        lines.by_ref().take_while(|l| l.starts_with('|')).collect()
+    }
+
+    /// A weak-scaling sync parameter server run with one dedicated server: one rank fewer takes a batch.
+    fn ps_with_a_server(ranks: usize, images_per_sec: f64) -> RunRecord {
+        let mut ps = record("ps", ranks, images_per_sec);
+        ps.workers = ranks - 1;
+        ps.global_batch = ps.workers * ps.batch_per_rank;
+        ps.extra.insert("ps_mode".into(), "sync".into());
+        ps
     }
 
     fn strong(strategy: &str, ranks: usize, global_batch: usize, images_per_sec: f64) -> RunRecord {
@@ -613,7 +677,10 @@ pub(crate) mod tests {
         assert_eq!((f.speedup, f.efficiency, f.images_per_sec_per_rank), (Some(3.0), Some(0.75), 75.0));
         // 10 steps over 0.5 epochs: 20 steps of 256 images per epoch, at 300 images/s.
         assert_eq!(f.epoch_s, Some(20.0 * 256.0 / 300.0));
-        assert!(tables[0].markdown().contains("| 4 | 256 | 300.0 | 75.0 | 3.00 | 75.0% | 10.0 / 2.0 | 17.1 |"), "{}", tables[0].markdown());
+        let md = tables[0].markdown();
+        let detail = table_under(&md, "**Detail: ring**");
+        assert_eq!(detail[0], "| Ranks | Global batch | images/s | images/s per rank | speedup | efficiency | compute ms | exchange ms | epoch s |");
+        assert_eq!(detail[3], "| 4 | 256 | 300.0 | 75.0 | 3.00 | 75.0% | 10.0 | 2.0 | 17.1 |", "{md}");
     }
 
     #[test]
@@ -626,8 +693,10 @@ pub(crate) mod tests {
         assert_eq!(t.notes(), vec!["no 1-rank run of allreduce: speedup and efficiency not computed".to_string()]);
         let md = t.markdown();
         // The missing 1-rank cell is a dash, never made up; the figures that need it are n/a.
-        assert!(md.contains("| 1 | 64 | — | — | — | — | — | 100.0 | 100.0 | 1.00 | 100.0% | 10.0 / 2.0 |"), "{md}");
-        assert!(md.contains("| 4 | 256 | 350.0 | 87.5 | n/a | n/a | 10.0 / 2.0 | 360.0 | 90.0 | 3.60 | 90.0% | 10.0 / 2.0 |"), "{md}");
+        assert_eq!(table_under(&md, "**Images/s**")[2..], ["| 1 | 64 | — | 100.0 |", "| 2 | 128 | 180.0 | 190.0 |", "| 4 | 256 | 350.0 | 360.0 |"], "{md}");
+        assert_eq!(table_under(&md, "**Scaling efficiency**")[2..], ["| 1 | 64 | — | 100.0% |", "| 2 | 128 | n/a | 95.0% |", "| 4 | 256 | n/a | 90.0% |"], "{md}");
+        assert_eq!(table_under(&md, "**Speedup**")[2..], ["| 1 | 64 | — | 1.00 |", "| 2 | 128 | n/a | 1.90 |", "| 4 | 256 | n/a | 3.60 |"], "{md}");
+        assert_eq!(table_under(&md, "**Detail: allreduce**")[2..], ["| 2 | 128 | 180.0 | 90.0 | n/a | n/a | 10.0 | 2.0 |", "| 4 | 256 | 350.0 | 87.5 | n/a | n/a | 10.0 | 2.0 |"], "{md}");
     }
 
     #[test]
@@ -635,23 +704,61 @@ pub(crate) mod tests {
         let runs = vec![record("ring", 1, 100.0), record("ring", 2, 190.0), record("ring", 4, 360.0), record("allreduce", 1, 100.0), record("allreduce", 4, 350.0)];
         let t = &group(&runs).unwrap()[0];
         assert!(t.figures("allreduce", 2).is_none());
-        assert!(t.markdown().contains("| 2 | 128 | — | — | — | — | — | 190.0 | 95.0 | 1.90 | 95.0% | 10.0 / 2.0 |"), "{}", t.markdown());
+        let md = t.markdown();
+        assert_eq!(table_under(&md, "**Images/s**")[3], "| 2 | 128 | — | 190.0 |", "{md}");
+        // The detail table lists the rank counts the strategy ran at: no row of dashes.
+        let ranks = |table: Vec<&str>| table[2..].iter().map(|row| row.split(" | ").next().unwrap().to_string()).collect::<Vec<_>>();
+        assert_eq!(ranks(table_under(&md, "**Detail: allreduce**")), ["| 1", "| 4"], "{md}");
+        assert_eq!(ranks(table_under(&md, "**Detail: ring**")), ["| 1", "| 2", "| 4"], "{md}");
         assert_eq!(t.csv_rows().len(), 5);
     }
 
     #[test]
     fn dedicated_servers_are_counted_as_ranks() {
-        let mut ps = record("ps", 4, 300.0);
-        ps.workers = 3;
-        ps.global_batch = 3 * 64;
-        ps.extra.insert("ps_mode".into(), "sync".into());
-        let runs = vec![record("ring", 4, 380.0), ps];
+        let runs = vec![record("ring", 4, 380.0), ps_with_a_server(4, 300.0)];
         let t = &group(&runs).unwrap()[0];
         assert_eq!(t.strategies, vec!["ps (sync)", "ring"]);
         assert_eq!(t.figures("ps (sync)", 4).unwrap().images_per_sec_per_rank, 75.0);
         assert!(t.notes().iter().any(|n| n.starts_with("ps (sync) has dedicated parameter servers (4 ranks, 3 computing)")));
-        // Only the workers take a batch: the row says whose global batch is whose.
-        assert!(t.markdown().contains("| 4 | ps (sync): 192, ring: 256 |"), "{}", t.markdown());
+        // Only the workers take a batch: the row shows one number, the other strategy's cell is
+        // marked and a note and its detail table give its own.
+        let md = t.markdown();
+        assert_eq!(table_under(&md, "**Images/s**")[2], "| 4 | 256 | 300.0† | 380.0 |", "{md}");
+        assert_eq!(table_under(&md, "**Scaling efficiency**")[2], "| 4 | 256 | n/a† | n/a |", "{md}");
+        assert!(md.contains("\n- † ps (sync) ran with global batch 192 at 4 ranks\n"), "{md}");
+        assert!(table_under(&md, "**Detail: ps (sync)**")[2].starts_with("| 4 | 192 | 300.0 | 75.0 |"), "{md}");
+    }
+
+    #[test]
+    fn a_row_shows_the_most_common_global_batch() {
+        // Two strategies against one: the two win, whichever is larger.
+        let runs = vec![record("ring", 4, 380.0), ps_with_a_server(4, 300.0), RunRecord { workers: 3, global_batch: 192, ..record("allreduce", 4, 290.0) }];
+        let t = &group(&runs).unwrap()[0];
+        assert_eq!(t.common_global_batch(4), Some(192));
+        assert_eq!((t.batch_differs("ring", 4), t.batch_differs("ps (sync)", 4)), (true, false));
+        assert_eq!(table_under(&t.markdown(), "**Images/s**")[2], "| 4 | 192 | 290.0 | 300.0 | 380.0† |");
+        // On a tie the largest: every rank computing.
+        let runs = vec![record("ring", 2, 190.0), ps_with_a_server(2, 90.0), record("ring", 4, 380.0), ps_with_a_server(4, 300.0)];
+        let t = &group(&runs).unwrap()[0];
+        assert_eq!((t.common_global_batch(2), t.common_global_batch(4), t.common_global_batch(8)), (Some(128), Some(256), None));
+        assert!(t.notes().contains(&"† ps (sync) ran with global batch 64 at 2 ranks, 192 at 4 ranks".to_string()), "{:?}", t.notes());
+        // The same batch everywhere: nothing marked, no note.
+        let runs = vec![record("ring", 1, 100.0), record("ring", 2, 190.0), record("allreduce", 1, 100.0), record("allreduce", 2, 180.0)];
+        let t = &group(&runs).unwrap()[0];
+        assert!(!t.markdown().contains('†') && t.notes().is_empty(), "{}", t.markdown());
+    }
+
+    #[test]
+    fn summary_tables_have_a_column_per_strategy() {
+        let runs = vec![record("ring", 1, 100.0), record("allreduce", 1, 100.0), ps_with_a_server(2, 90.0)];
+        let md = group(&runs).unwrap()[0].markdown();
+        for caption in ["**Images/s**", "**Scaling efficiency**", "**Speedup**"] {
+            let table = table_under(&md, caption);
+            assert_eq!(table[..2], ["| Ranks | Global batch | allreduce | ps (sync) | ring |", "|---:|---:|---:|---:|---:|"], "{md}");
+        }
+        for s in ["allreduce", "ps (sync)", "ring"] {
+            assert_eq!(table_under(&md, &format!("**Detail: {s}**"))[0], "| Ranks | Global batch | images/s | images/s per rank | speedup | efficiency | compute ms | exchange ms |", "{md}");
+        }
     }
 
     #[test]
