@@ -507,8 +507,9 @@ pub struct TrainArgs {
     #[arg(long)]
     pub channels_last: bool,
 
-    /// ZeRO stage (ring only): 1 shards the optimizer state (momentum) over the ranks, 2 also
-    /// the gradients held between steps; 0 keeps everything on every rank.
+    /// ZeRO stage (ring, rhd on a power of two of ranks, auto): 1 shards the optimizer state
+    /// (momentum) over the ranks, 2 also the gradients held between steps; 0 keeps everything
+    /// on every rank.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
     pub zero: u8,
 

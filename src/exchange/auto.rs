@@ -3,6 +3,8 @@
 //! tree). Neither algorithm knows this file exists: it packs the buckets, stages them like the
 //! others, and hands each one to the chosen algorithm's flat reduction.
 
+use std::ops::Range;
+
 use tch::Tensor;
 
 use crate::cost::{Algorithm, CostModel, Layout};
@@ -11,6 +13,8 @@ use crate::exchange::buckets::Fusion;
 use crate::exchange::rhd::RhdAllreduce;
 use crate::exchange::ring::RingAllreduce;
 use crate::exchange::staging::Staging;
+use crate::exchange::element::Dtype;
+use crate::exchange::zero::ShardedCollectives;
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::topology::World;
 
@@ -40,6 +44,50 @@ impl Auto {
             staging: Staging::new(),
             chosen: [0; 2],
         })
+    }
+}
+
+impl Auto {
+    /// The algorithm for ZeRO's halves of a bucket of `len` elements: the model's choice, but
+    /// the ring where recursive halving would leave ranks without a shard (rank counts that are
+    /// not powers of two). Every rank computes the same from the same size and layout.
+    fn choose_sharded(&self, len: usize, dtype: Dtype) -> Algorithm {
+        if !crate::exchange::rhd::zero_shards_balance(self.layout.ranks) {
+            return Algorithm::Ring;
+        }
+        match self.model.choose(self.layout, (len * dtype.size()) as f64) {
+            Algorithm::Rhd => Algorithm::Rhd,
+            _ => Algorithm::Ring,
+        }
+    }
+}
+
+impl ShardedCollectives for Auto {
+    fn shard(&self, len: usize, dtype: Dtype) -> Range<usize> {
+        match self.choose_sharded(len, dtype) {
+            Algorithm::Rhd => self.rhd.shard(len, dtype),
+            _ => self.ring.shard(len, dtype),
+        }
+    }
+
+    fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+        match self.choose_sharded(buffer.numel(), dtype) {
+            Algorithm::Rhd => {
+                self.chosen[1] += 1;
+                self.rhd.reduce_scatter(buffer, dtype, op)
+            }
+            _ => {
+                self.chosen[0] += 1;
+                self.ring.reduce_scatter(buffer, dtype, op)
+            }
+        }
+    }
+
+    fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype) -> Result<()> {
+        match self.choose_sharded(buffer.numel(), dtype) {
+            Algorithm::Rhd => self.rhd.all_gather(buffer, dtype),
+            _ => self.ring.all_gather(buffer, dtype),
+        }
     }
 }
 

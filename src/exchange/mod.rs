@@ -8,8 +8,8 @@
 //! - [`horovod`]: a Horovod-style background cycle with negotiation and tensor fusion;
 //! - [`rhd`]: recursive halving-doubling on point-to-point calls; [`auto`]: ring or rhd per
 //!   bucket, from the cost model;
-//! - [`zero`]: `--zero 1|2`, ZeRO's sharded optimizer on the ring's reduce-scatter and
-//!   all-gather (wraps the ring).
+//! - [`zero`]: `--zero 1|2`, ZeRO's sharded optimizer on the reduce-scatter and all-gather of
+//!   ring, rhd or auto (wraps them).
 //!
 //! Shared parts: [`buckets`] plans and packs buckets, [`staging`] moves GPU buckets through
 //! pinned host memory when MPI cannot read device memory, [`element`] knows the dtypes.
@@ -296,11 +296,15 @@ pub fn worker_count(kind: StrategyKind, ranks: usize, roles: &RoleOptions) -> Re
 
 /// Makes the chosen strategy on `world`. Collective over the world's communicator.
 pub fn build(kind: StrategyKind, world: &World, config: &ExchangeConfig) -> Result<Box<dyn Exchange>> {
-    check_zero(kind, config.zero)?;
+    check_zero(kind, config.zero, world.size as usize)?;
     if config.zero > 0 {
-        let ring = Box::new(ring::RingAllreduce::new(world, config)?);
+        let sharded: Box<dyn zero::ShardedCollectives> = match kind {
+            StrategyKind::Rhd => Box::new(rhd::RhdAllreduce::new(world, config)?),
+            StrategyKind::Auto => Box::new(auto::Auto::new(world, config)?),
+            _ => Box::new(ring::RingAllreduce::new(world, config)?),
+        };
         let path = DataPath::choose(config.device, config.cuda_aware);
-        return Ok(Box::new(zero::ZeroExchange::new(ring, config.zero, config.bucket_bytes, path)));
+        return Ok(Box::new(zero::ZeroExchange::new(sharded, config.zero, config.bucket_bytes, path)));
     }
     Ok(match kind {
         StrategyKind::Allreduce => Box::new(allreduce::MpiAllreduce::new(world, config)?),
@@ -312,16 +316,18 @@ pub fn build(kind: StrategyKind, world: &World, config: &ExchangeConfig) -> Resu
     })
 }
 
-/// `--zero` is for the ring, whose reduce-scatter leaves every rank a shard balanced to within
-/// one element.
-pub fn check_zero(kind: StrategyKind, stage: u8) -> Result<()> {
+/// `--zero` is for the from-scratch all-reduces, whose reduce-scatter leaves every rank a shard
+/// balanced to within one element: the ring always, recursive halving among a power of two of
+/// ranks (`auto` then keeps to the ring).
+pub fn check_zero(kind: StrategyKind, stage: u8, ranks: usize) -> Result<()> {
     match (stage, kind) {
-        (0, _) | (1 | 2, StrategyKind::Ring) => Ok(()),
-        (1 | 2, StrategyKind::Rhd | StrategyKind::Auto) => Err(Error::usage(format!(
-            "--zero {stage} with --strategy {kind}: recursive halving leaves the ranks outside its power-of-two group without a shard, so ZeRO's shards could not be balanced; use --strategy ring"
+        (0, _) | (1 | 2, StrategyKind::Ring | StrategyKind::Auto) => Ok(()),
+        (1 | 2, StrategyKind::Rhd) if rhd::zero_shards_balance(ranks) => Ok(()),
+        (1 | 2, StrategyKind::Rhd) => Err(Error::usage(format!(
+            "--zero {stage} with --strategy rhd on {ranks} ranks: recursive halving leaves the ranks outside its power-of-two group without a shard; launch a power of two of ranks, or use --strategy ring or auto"
         ))),
         (1 | 2, _) => Err(Error::usage(format!(
-            "--zero {stage} with --strategy {kind}: ZeRO shards the optimizer along a reduce-scatter and an all-gather, which only the from-scratch ring runs apart; use --strategy ring"
+            "--zero {stage} with --strategy {kind}: ZeRO shards the optimizer along a reduce-scatter and an all-gather, which only the from-scratch all-reduces (ring, rhd, auto) run apart"
         ))),
         (other, _) => Err(Error::usage(format!("--zero {other}: expected 0, 1 or 2"))),
     }

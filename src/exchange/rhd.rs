@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::element::{accumulate, Dtype, Element};
 use crate::exchange::staging::{wait_for_stream, Staging};
+use crate::exchange::zero::{Phases, ShardedCollectives};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::raw;
 use crate::topology::{ShardInfo, World};
@@ -131,7 +132,9 @@ fn swap_host<E: Element>(comm: &SimpleCommunicator, segment_bytes: usize, partne
 }
 
 impl Halving {
-    fn all_reduce_host<E: Element>(&mut self, buf: &mut [E], op: ReduceOp) -> Result<()> {
+    /// The reduce-scatter (the pre-step, the halving, the mean on the owned range), the
+    /// all-gather (the doubling, the post-step), or both, on a host buffer in place.
+    fn run_host<E: Element>(&mut self, buf: &mut [E], op: ReduceOp, phases: Phases) -> Result<()> {
         if self.n == 1 || buf.is_empty() {
             return Ok(());
         }
@@ -143,47 +146,52 @@ impl Halving {
         }
         let scratch: &mut [E] = bytemuck::cast_slice_mut(&mut self.scratch[..words]);
         let scale = (op == ReduceOp::Mean).then_some(1.0 / self.n as f32);
-        match schedule.extra {
-            Extra::SitsOut { partner } => {
-                let peer = self.comm.process_at_rank(partner as i32);
+        if let Extra::SitsOut { partner } = schedule.extra {
+            let peer = self.comm.process_at_rank(partner as i32);
+            if phases.reduce_scatter {
                 peer.send(bytemuck::cast_slice::<E, E::Wire>(buf));
-                peer.receive_into(E::as_wire_mut(buf));
-                crate::watchdog::progress();
-                return Ok(());
             }
-            Extra::Absorbs { partner } => {
+            if phases.all_gather {
+                peer.receive_into(E::as_wire_mut(buf));
+            }
+            crate::watchdog::progress();
+            return Ok(());
+        }
+        if phases.reduce_scatter {
+            if let Extra::Absorbs { partner } = schedule.extra {
                 let incoming = &mut scratch[..len];
                 self.comm.process_at_rank(partner as i32).receive_into(E::as_wire_mut(incoming));
                 accumulate(buf, incoming);
                 crate::watchdog::progress();
             }
-            Extra::None => {}
-        }
-        for step in &schedule.halving {
-            let incoming = &mut scratch[..step.recv.len()];
-            swap_host(&self.comm, self.segment_bytes, step.partner, &buf[step.send.clone()], incoming);
-            accumulate(&mut buf[step.recv.clone()], incoming);
-        }
-        if let Some(f) = scale {
-            // One pass over the owned p-th: the mean, before the all-gather spreads it.
-            let owned = &mut buf[schedule.owned.clone()];
-            for v in owned.iter_mut() {
-                *v = E::from_f32(v.to_f32() * f);
+            for step in &schedule.halving {
+                let incoming = &mut scratch[..step.recv.len()];
+                swap_host(&self.comm, self.segment_bytes, step.partner, &buf[step.send.clone()], incoming);
+                accumulate(&mut buf[step.recv.clone()], incoming);
+            }
+            if let Some(f) = scale {
+                // One pass over the owned p-th: the mean, before the all-gather spreads it.
+                let owned = &mut buf[schedule.owned.clone()];
+                for v in owned.iter_mut() {
+                    *v = E::from_f32(v.to_f32() * f);
+                }
             }
         }
-        for step in &schedule.doubling {
-            let (send, recv) = split_disjoint(buf, step.send.clone(), step.recv.clone());
-            swap_host(&self.comm, self.segment_bytes, step.partner, send, recv);
-        }
-        if let Extra::Absorbs { partner } = schedule.extra {
-            self.comm.process_at_rank(partner as i32).send(bytemuck::cast_slice::<E, E::Wire>(buf));
-            crate::watchdog::progress();
+        if phases.all_gather {
+            for step in &schedule.doubling {
+                let (send, recv) = split_disjoint(buf, step.send.clone(), step.recv.clone());
+                swap_host(&self.comm, self.segment_bytes, step.partner, send, recv);
+            }
+            if let Extra::Absorbs { partner } = schedule.extra {
+                self.comm.process_at_rank(partner as i32).send(bytemuck::cast_slice::<E, E::Wire>(buf));
+                crate::watchdog::progress();
+            }
         }
         Ok(())
     }
 
     /// With a CUDA-aware MPI: device pointers go to MPI, additions run on the GPU.
-    fn all_reduce_device<E: Element>(&mut self, bucket: &mut Tensor, op: ReduceOp) -> Result<()> {
+    fn run_device<E: Element>(&mut self, bucket: &mut Tensor, op: ReduceOp, phases: Phases) -> Result<()> {
         let len = bucket.numel();
         if self.n == 1 || len == 0 {
             return Ok(());
@@ -196,35 +204,40 @@ impl Halving {
         let device = bucket.device();
         let scratch = self.device_scratch.as_ref().expect("made above").shallow_clone();
         let view = |t: &Tensor, r: Range<usize>| t.narrow(0, r.start as i64, r.len() as i64);
-        match schedule.extra {
-            Extra::SitsOut { partner } => {
+        if let Extra::SitsOut { partner } = schedule.extra {
+            if phases.reduce_scatter {
                 self.swap_device::<E>(partner, Some(&mut bucket.shallow_clone()), None)?;
-                self.swap_device::<E>(partner, None, Some(&mut bucket.shallow_clone()))?;
-                return Ok(());
             }
-            Extra::Absorbs { partner } => {
+            if phases.all_gather {
+                self.swap_device::<E>(partner, None, Some(&mut bucket.shallow_clone()))?;
+            }
+            return Ok(());
+        }
+        if phases.reduce_scatter {
+            if let Extra::Absorbs { partner } = schedule.extra {
                 let mut incoming = view(&scratch, 0..len);
                 self.swap_device::<E>(partner, None, Some(&mut incoming))?;
                 let _ = bucket.f_add_(&incoming)?;
                 wait_for_stream(device)?;
             }
-            Extra::None => {}
+            for step in &schedule.halving {
+                let mut incoming = view(&scratch, 0..step.recv.len());
+                self.swap_device::<E>(step.partner, Some(&mut view(bucket, step.send.clone())), Some(&mut incoming))?;
+                let _ = view(bucket, step.recv.clone()).f_add_(&incoming)?;
+                wait_for_stream(device)?;
+            }
+            if op == ReduceOp::Mean {
+                let _ = view(bucket, schedule.owned.clone()).f_mul_scalar_(1.0 / self.n as f64)?;
+                wait_for_stream(device)?;
+            }
         }
-        for step in &schedule.halving {
-            let mut incoming = view(&scratch, 0..step.recv.len());
-            self.swap_device::<E>(step.partner, Some(&mut view(bucket, step.send.clone())), Some(&mut incoming))?;
-            let _ = view(bucket, step.recv.clone()).f_add_(&incoming)?;
-            wait_for_stream(device)?;
-        }
-        if op == ReduceOp::Mean {
-            let _ = view(bucket, schedule.owned.clone()).f_mul_scalar_(1.0 / self.n as f64)?;
-            wait_for_stream(device)?;
-        }
-        for step in &schedule.doubling {
-            self.swap_device::<E>(step.partner, Some(&mut view(bucket, step.send.clone())), Some(&mut view(bucket, step.recv.clone())))?;
-        }
-        if let Extra::Absorbs { partner } = schedule.extra {
-            self.swap_device::<E>(partner, Some(&mut bucket.shallow_clone()), None)?;
+        if phases.all_gather {
+            for step in &schedule.doubling {
+                self.swap_device::<E>(step.partner, Some(&mut view(bucket, step.send.clone())), Some(&mut view(bucket, step.recv.clone())))?;
+            }
+            if let Extra::Absorbs { partner } = schedule.extra {
+                self.swap_device::<E>(partner, Some(&mut bucket.shallow_clone()), None)?;
+            }
         }
         Ok(())
     }
@@ -252,13 +265,18 @@ impl Halving {
     }
 
     fn all_reduce(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+        self.run_phases(bucket, dtype, op, Phases::BOTH)
+    }
+
+    fn run_phases(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp, phases: Phases) -> Result<()> {
         crate::with_element!(dtype, E => {
             if bucket.device().is_cuda() {
-                self.all_reduce_device::<E>(bucket, op)
+                self.run_device::<E>(bucket, op, phases)
             } else {
-                // SAFETY: the bucket is a fusion buffer, a staging buffer or the flat view of a
-                // gradient whose backward is done; nothing else reads or writes it meanwhile.
-                self.all_reduce_host::<E>(unsafe { raw::host_slice_mut::<E>(bucket)? }, op)
+                // SAFETY: the bucket is a fusion buffer, a staging buffer, ZeRO's bucket buffer
+                // or the flat view of a gradient whose backward is done; nothing else reads or
+                // writes it meanwhile.
+                self.run_host::<E>(unsafe { raw::host_slice_mut::<E>(bucket)? }, op, phases)
             }
         })
     }
@@ -342,6 +360,27 @@ impl Exchange for RhdAllreduce {
     fn report(&self) -> ExchangeReport {
         self.staging.report(self.path, serde_json::Map::new())
     }
+}
+
+/// ZeRO's halves: shards are balanced only among a power of two of ranks (otherwise the ranks
+/// that sit out would own nothing), which `zero_shards_balance` tells.
+impl ShardedCollectives for RhdAllreduce {
+    fn shard(&self, len: usize, _dtype: Dtype) -> Range<usize> {
+        RhdSchedule::new(len, self.halving.n, self.halving.rank).owned
+    }
+
+    fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+        self.halving.run_phases(buffer, dtype, op, Phases::REDUCE_SCATTER)
+    }
+
+    fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype) -> Result<()> {
+        self.halving.run_phases(buffer, dtype, ReduceOp::Sum, Phases::ALL_GATHER)
+    }
+}
+
+/// Whether recursive halving gives every one of `n` ranks a shard: only for powers of two.
+pub fn zero_shards_balance(n: usize) -> bool {
+    n.is_power_of_two()
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ use crate::exchange::buckets::Fusion;
 use crate::exchange::element::{accumulate, accumulate_scaled, Dtype, Element};
 use mpi::Tag;
 use crate::exchange::staging::{wait_for_stream, Staging};
-use crate::exchange::zero::ShardedCollectives;
+use crate::exchange::zero::{Phases, ShardedCollectives};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::raw;
 use crate::topology::{ShardInfo, World};
@@ -254,7 +254,7 @@ impl Ring {
     }
 
     fn all_reduce(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
-        self.run_phases(bucket, dtype, op, Phases { reduce_scatter: true, all_gather: true })
+        self.run_phases(bucket, dtype, op, Phases::BOTH)
     }
 
     /// The reduce-scatter, the all-gather or both, on a host or (CUDA-aware MPI) device buffer.
@@ -274,12 +274,6 @@ impl Ring {
     }
 }
 
-/// Which halves of the all-reduce to run.
-#[derive(Clone, Copy, Debug)]
-struct Phases {
-    reduce_scatter: bool,
-    all_gather: bool,
-}
 
 pub struct RingAllreduce {
     ring: Ring,
@@ -367,16 +361,16 @@ impl Exchange for RingAllreduce {
 }
 
 impl ShardedCollectives for RingAllreduce {
-    fn shard(&self, len: usize) -> Range<usize> {
+    fn shard(&self, len: usize, _dtype: Dtype) -> Range<usize> {
         RingSchedule::new(len, self.ring.n, self.ring.pos).reduced_chunk()
     }
 
     fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
-        self.ring.run_phases(buffer, dtype, op, Phases { reduce_scatter: true, all_gather: false })
+        self.ring.run_phases(buffer, dtype, op, Phases::REDUCE_SCATTER)
     }
 
     fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype) -> Result<()> {
-        self.ring.run_phases(buffer, dtype, ReduceOp::Sum, Phases { reduce_scatter: false, all_gather: true })
+        self.ring.run_phases(buffer, dtype, ReduceOp::Sum, Phases::ALL_GATHER)
     }
 }
 

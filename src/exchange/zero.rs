@@ -38,13 +38,26 @@ use crate::raw;
 pub trait ShardedCollectives: Exchange {
     /// The range of a `len`-element buffer that this rank holds reduced after
     /// [`ShardedCollectives::reduce_scatter`], and brings to [`ShardedCollectives::all_gather`].
-    fn shard(&self, len: usize) -> Range<usize>;
+    fn shard(&self, len: usize, dtype: Dtype) -> Range<usize>;
 
     /// Afterwards `buffer[shard(len)]` holds the reduction over the ranks; the rest is scratch.
     fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()>;
 
     /// Fills every rank's shard of `buffer` from its owner (this rank's shard is read).
     fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype) -> Result<()>;
+}
+
+/// Which halves of an all-reduce to run.
+#[derive(Clone, Copy, Debug)]
+pub struct Phases {
+    pub reduce_scatter: bool,
+    pub all_gather: bool,
+}
+
+impl Phases {
+    pub const BOTH: Phases = Phases { reduce_scatter: true, all_gather: true };
+    pub const REDUCE_SCATTER: Phases = Phases { reduce_scatter: true, all_gather: false };
+    pub const ALL_GATHER: Phases = Phases { reduce_scatter: false, all_gather: true };
 }
 
 /// The shards of one bucket plan.
@@ -88,7 +101,8 @@ impl ZeroExchange {
             Some(old) if had_momentum => Some(self.whole_momentum(&old, params, sgd)?),
             _ => self.restored.take(),
         };
-        let shards: Vec<Range<usize>> = plan.buckets.iter().map(|b| self.inner.shard(b.len)).collect();
+        let dtype = common_dtype(params)?;
+        let shards: Vec<Range<usize>> = plan.buckets.iter().map(|b| self.inner.shard(b.len, dtype)).collect();
         let cut = |tensors: &[Tensor]| -> Result<Vec<Tensor>> {
             plan.buckets.iter().zip(&shards).map(|(b, r)| gather_range(b, r, tensors)).collect()
         };

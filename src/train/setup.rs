@@ -262,7 +262,7 @@ impl Plan {
                 format!("{:?}", args.precision).to_lowercase()
             )));
         }
-        exchange::check_zero(args.strategy, args.zero)?;
+        exchange::check_zero(args.strategy, args.zero, world.size as usize)?;
         if args.precision == Precision::Fp16 && args.zero > 0 {
             return Err(Error::usage(format!("--precision fp16 with --zero {}: the loss scaler checks and unscales whole gradients before the optimizer step, which ZeRO shards; use bf16", args.zero)));
         }
