@@ -35,6 +35,16 @@ fn gpu_training_matches_the_cpu_and_every_precision_runs() {
             assert!(diff < 1e-4, "{strategy} (cuda-aware {aware}) on the GPU differs from the CPU by {diff:e}");
         }
     }
+    // ZeRO on the GPU: the bucket buffer on the host with a device copy of the shard (staged),
+    // or on the device (CUDA-aware); overlap on and off.
+    for zero in ["1", "2"] {
+        for (aware, overlap) in [("no", "on"), ("no", "off"), ("auto", "on")] {
+            let name = format!("gpu-zero{zero}-{aware}-{overlap}");
+            let gpu = run(&name, 2, &["--device", "cuda", "--precision", "fp32", "--strategy", "ring", "--zero", zero, "--cuda-aware", aware, "--overlap", overlap, "--bucket-mb", "0.01"]);
+            let diff = max_relative_difference(&cpu, &gpu);
+            assert!(diff < 1e-4, "{name} differs from the CPU by {diff:e}");
+        }
+    }
     for precision in ["tf32", "bf16", "fp16"] {
         run(&format!("p-{precision}"), 2, &["--device", "cuda", "--precision", precision, "--channels-last", "--strategy", "ring"]);
     }

@@ -60,16 +60,44 @@ impl Phases {
     pub const ALL_GATHER: Phases = Phases { reduce_scatter: false, all_gather: true };
 }
 
-/// The shards of one bucket plan.
+/// The part of one tensor that falls in this rank's shard of a bucket.
+#[derive(Clone, Debug)]
+struct Piece {
+    tensor: usize,
+    /// Where it starts in the tensor's flat view, and in the shard.
+    at: usize,
+    shard_at: usize,
+    len: usize,
+}
+
+/// The pieces of `range` of a bucket's flat layout: a shard may start and end inside a tensor
+/// and span several.
+fn pieces(bucket: &Bucket, range: &Range<usize>) -> Vec<Piece> {
+    bucket
+        .slots
+        .iter()
+        .filter_map(|slot| {
+            let (start, end) = (range.start.max(slot.offset), range.end.min(slot.offset + slot.len));
+            (start < end).then(|| Piece { tensor: slot.tensor, at: start - slot.offset, shard_at: start - range.start, len: end - start })
+        })
+        .collect()
+}
+
+/// The shards of one bucket plan, and the tensors the optimizer steps: one per piece.
 struct Layout {
     plan: BucketPlan,
     /// This rank's range of each bucket.
     shards: Vec<Range<usize>>,
-    /// This rank's copy of its shard of the weights, one flat tensor per bucket: what the
-    /// optimizer steps (the parameters receive it through the all-gather).
+    pieces: Vec<Piece>,
+    /// Per bucket, the indices of its pieces.
+    pieces_of: Vec<Vec<usize>>,
+    /// Per piece, a view of the parameter's elements: the optimizer updates them in place.
     weights: Vec<Tensor>,
-    /// The averaged gradient of this rank's shard, one flat tensor per bucket.
+    /// Per piece, a view of where its averaged gradient lands: the bucket buffer, or the device
+    /// copy of the shard when the buffer is on the host.
     grads: Vec<Tensor>,
+    /// The device copy of a shard's gradients (staged path only).
+    shard_copy: Option<Tensor>,
 }
 
 pub struct ZeroExchange {
@@ -102,33 +130,55 @@ impl ZeroExchange {
             _ => self.restored.take(),
         };
         let dtype = common_dtype(params)?;
+        let (kind, device) = params.first().map_or((tch::Kind::Float, Device::Cpu), |p| (p.kind(), p.device()));
+        let largest = plan.buckets.iter().map(|b| b.len).max().unwrap_or(0);
+        let buffer_device = self.buffer_device(device);
+        if self.buffer.as_ref().is_none_or(|b| (b.numel() as usize) < largest || b.device() != buffer_device) {
+            self.buffer = Some(Tensor::f_zeros([largest as i64], (kind, buffer_device))?);
+        }
+        let buffer = self.buffer.as_ref().expect("made above");
         let shards: Vec<Range<usize>> = plan.buckets.iter().map(|b| self.inner.shard(b.len, dtype)).collect();
-        let cut = |tensors: &[Tensor]| -> Result<Vec<Tensor>> {
-            plan.buckets.iter().zip(&shards).map(|(b, r)| gather_range(b, r, tensors)).collect()
-        };
-        let weights = cut(params)?;
-        let grads = weights.iter().map(|w| w.f_zeros_like()).collect::<std::result::Result<_, _>>()?;
+        let largest_shard = shards.iter().map(|r| r.len()).max().unwrap_or(0);
+        let shard_copy = (buffer_device != device).then(|| Tensor::f_zeros([largest_shard as i64], (kind, device))).transpose()?;
+        let (mut all, mut pieces_of) = (Vec::new(), Vec::new());
+        for (bucket, shard) in plan.buckets.iter().zip(&shards) {
+            let mine = pieces(bucket, shard);
+            pieces_of.push((all.len()..all.len() + mine.len()).collect());
+            all.extend(mine);
+        }
+        // Views made without autograd: the optimizer writes the parameters through them.
+        let (weights, grads) = tch::no_grad(|| -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+            let mut weights = Vec::with_capacity(all.len());
+            let mut grads = Vec::with_capacity(all.len());
+            for (b, ids) in pieces_of.iter().enumerate() {
+                for &i in ids {
+                    let piece: &Piece = &all[i];
+                    weights.push(raw::flat_dense_view(&params[piece.tensor])?.f_narrow(0, piece.at as i64, piece.len as i64)?);
+                    grads.push(match &shard_copy {
+                        Some(copy) => copy.f_narrow(0, piece.shard_at as i64, piece.len as i64)?,
+                        None => buffer.f_narrow(0, (shards[b].start + piece.shard_at) as i64, piece.len as i64)?,
+                    });
+                }
+            }
+            Ok((weights, grads))
+        })?;
         let momentum = match whole {
-            Some(whole) => cut(&whole)?.into_iter().map(Some).collect(),
+            Some(whole) => tch::no_grad(|| {
+                all.iter().map(|p| Ok(Some(raw::flat_dense_view(&whole[p.tensor])?.f_narrow(0, p.at as i64, p.len as i64)?.f_detach_copy()?))).collect::<Result<Vec<_>>>()
+            })?,
             None => Vec::new(),
         };
         sgd.restore(momentum, sgd.steps());
-        let largest = plan.buckets.iter().map(|b| b.len).max().unwrap_or(0);
-        let device = self.buffer_device(params);
-        if self.buffer.as_ref().is_none_or(|b| (b.numel() as usize) < largest || b.device() != device) {
-            let kind = params.first().map_or(tch::Kind::Float, |p| p.kind());
-            self.buffer = Some(Tensor::f_zeros([largest as i64], (kind, device))?);
-        }
-        self.layout = Some(Layout { plan: plan.clone(), shards, weights, grads });
+        self.layout = Some(Layout { plan: plan.clone(), shards, pieces: all, pieces_of, weights, grads, shard_copy });
         Ok(())
     }
 
     /// The bucket buffer lives where MPI reads: with the parameters, or on the host when they
     /// are on a GPU that MPI cannot read.
-    fn buffer_device(&self, params: &[Tensor]) -> Device {
+    fn buffer_device(&self, params_device: Device) -> Device {
         match self.path {
             DataPath::Staged => Device::Cpu,
-            _ => params.first().map_or(Device::Cpu, |p| p.device()),
+            _ => params_device,
         }
     }
 
@@ -137,8 +187,9 @@ impl ZeroExchange {
         self.buffer.as_ref().expect("a plan is in use").narrow(0, 0, len as i64)
     }
 
-    /// Reduce-scatters bucket `b`'s gradients (averaged): this rank keeps its shard; stage 2
-    /// lets go of the bucket's full gradients. `check_finite`: refuse non-finite gradients.
+    /// Reduce-scatters bucket `b`'s gradients (averaged): this rank's shard stays in the
+    /// buffer for [`ZeroExchange::step_bucket`]; stage 2 lets go of the bucket's full
+    /// gradients. `check_finite`: refuse non-finite gradients.
     pub fn reduce_bucket(&mut self, b: usize, params: &[Tensor], check_finite: bool) -> Result<()> {
         let layout = self.layout.as_mut().expect("use_plan comes first");
         let (bucket, shard) = (&layout.plan.buckets[b], &layout.shards[b]);
@@ -150,7 +201,9 @@ impl ZeroExchange {
         ready_for_mpi(&buffer)?;
         let dtype = common_dtype(std::slice::from_ref(&buffer))?;
         self.inner.reduce_scatter(&mut buffer, dtype, ReduceOp::Mean)?;
-        tch::no_grad(|| layout.grads[b].f_copy_(&narrow(&buffer, shard)))?;
+        if let Some(copy) = &layout.shard_copy {
+            tch::no_grad(|| copy.narrow(0, 0, shard.len() as i64).f_copy_(&narrow(&buffer, shard)))?;
+        }
         if self.stage >= 2 {
             for slot in &bucket.slots {
                 raw::release_grad(&params[slot.tensor])?;
@@ -159,14 +212,20 @@ impl ZeroExchange {
         Ok(())
     }
 
-    /// Steps the optimizer on this rank's shard of bucket `b`, then all-gathers the bucket's
-    /// weights into the parameters.
+    /// Steps the optimizer on this rank's shard of bucket `b` (the parameters' own elements),
+    /// then all-gathers the bucket's weights into the parameters.
     pub fn step_bucket(&mut self, b: usize, params: &mut [Tensor], sgd: &mut Sgd) -> Result<()> {
         let layout = self.layout.as_mut().expect("use_plan comes first");
-        sgd.step_some(&mut layout.weights, &mut layout.grads, &[b])?;
+        sgd.step_some(&mut layout.weights, &mut layout.grads, &layout.pieces_of[b])?;
         let (bucket, shard) = (&layout.plan.buckets[b], &layout.shards[b]);
         let mut buffer = self.buffer.as_ref().expect("a plan is in use").narrow(0, 0, bucket.len as i64);
-        tch::no_grad(|| narrow(&buffer, shard).f_copy_(&layout.weights[b]))?;
+        tch::no_grad(|| -> Result<()> {
+            for &i in &layout.pieces_of[b] {
+                let piece = &layout.pieces[i];
+                buffer.f_narrow(0, (shard.start + piece.shard_at) as i64, piece.len as i64)?.f_copy_(&layout.weights[i])?;
+            }
+            Ok(())
+        })?;
         ready_for_mpi(&buffer)?;
         let dtype = common_dtype(std::slice::from_ref(&buffer))?;
         self.inner.all_gather(&mut buffer, dtype)?;
@@ -180,10 +239,16 @@ impl ZeroExchange {
         let mut whole: Vec<Tensor> = params.iter().map(|p| p.f_zeros_like()).collect::<std::result::Result<_, _>>()?;
         for (b, (bucket, shard)) in layout.plan.buckets.iter().zip(&layout.shards).enumerate() {
             let mut buffer = self.buffer(bucket.len);
-            let mut mine = narrow(&buffer, shard);
-            tch::no_grad(|| match sgd.momentum_buffers().get(b) {
-                Some(Some(m)) => mine.f_copy_(m).map(|_| ()),
-                _ => mine.f_zero_().map(|_| ()),
+            tch::no_grad(|| -> Result<()> {
+                for &i in &layout.pieces_of[b] {
+                    let piece = &layout.pieces[i];
+                    let mut mine = buffer.f_narrow(0, (shard.start + piece.shard_at) as i64, piece.len as i64)?;
+                    match sgd.momentum_buffers().get(i) {
+                        Some(Some(m)) => mine.f_copy_(m)?,
+                        _ => drop(mine.f_zero_()?),
+                    }
+                }
+                Ok(())
             })?;
             ready_for_mpi(&buffer)?;
             let dtype = common_dtype(std::slice::from_ref(&buffer))?;
@@ -191,11 +256,6 @@ impl ZeroExchange {
             tch::no_grad(|| unpack(bucket, &buffer, &mut whole));
         }
         Ok(whole)
-    }
-
-    /// Bytes of this rank's gradient shards.
-    fn grad_shard_bytes(&self) -> usize {
-        self.layout.as_ref().map_or(0, |l| l.grads.iter().map(|g| g.numel() * g.kind().elt_size_in_bytes()).sum())
     }
 }
 
@@ -210,22 +270,6 @@ fn ready_for_mpi(buffer: &Tensor) -> Result<()> {
 /// The view of `range` of a flat tensor.
 fn narrow(flat: &Tensor, range: &Range<usize>) -> Tensor {
     flat.narrow(0, range.start as i64, range.len() as i64)
-}
-
-/// The elements of `range` of the bucket's flat layout, taken from `tensors` (a new flat tensor
-/// on their device): a shard may start and end inside a tensor and span several.
-fn gather_range(bucket: &Bucket, range: &Range<usize>, tensors: &[Tensor]) -> Result<Tensor> {
-    let like = tensors.first().expect("a bucket holds tensors");
-    let out = Tensor::f_zeros([range.len() as i64], (like.kind(), like.device()))?;
-    for slot in &bucket.slots {
-        let (start, end) = (range.start.max(slot.offset), range.end.min(slot.offset + slot.len));
-        if start >= end {
-            continue;
-        }
-        let src = raw::flat_dense_view(&tensors[slot.tensor])?.narrow(0, (start - slot.offset) as i64, (end - start) as i64);
-        tch::no_grad(|| out.narrow(0, (start - range.start) as i64, (end - start) as i64).f_copy_(&src))?;
-    }
-    Ok(out)
 }
 
 /// Packs the bucket's gradients into `buffer`; a parameter without one (unused by this step,
@@ -312,12 +356,6 @@ impl Exchange for ZeroExchange {
         Ok(())
     }
 
-    fn held_bytes(&self, params: &[Tensor], sgd: &Sgd) -> HeldBytes {
-        let mut held = HeldBytes::of(params, sgd);
-        held.gradients += self.grad_shard_bytes();
-        held
-    }
-
     fn report(&self) -> ExchangeReport {
         let mut report = self.inner.report();
         report.extra.insert("zero".into(), self.stage.into());
@@ -351,29 +389,27 @@ mod tests {
     use crate::topology::ShardInfo;
     use tch::Kind;
 
-    fn t(v: &[f32]) -> Tensor {
-        Tensor::from_slice(v)
-    }
-
     #[test]
-    fn shards_that_split_tensors_are_gathered_and_scattered_back_exactly() {
-        let tensors = vec![t(&[0., 1., 2.]), t(&[3., 4., 5., 6., 7.]), t(&[8.])];
+    fn the_pieces_of_every_shard_tile_the_bucket_exactly() {
+        // Tensors of 3, 5 and 1 elements in one bucket of 9, cut into 1 to 12 shards.
         let plan = BucketPlan::in_order(&[3, 5, 1], &[0, 1, 2], 4, 1 << 20, None);
         let bucket = &plan.buckets[0];
         for n in [1, 2, 3, 4, 9, 12] {
-            let mut whole = Tensor::zeros([9], (Kind::Float, Device::Cpu));
+            let mut covered = vec![vec![0u32; 3], vec![0u32; 5], vec![0u32; 1]];
             for shard in ShardInfo::all(9, n) {
                 let range = shard.range();
-                let part = gather_range(bucket, &range, &tensors).unwrap();
-                assert_eq!(part.numel(), range.len(), "n {n}");
-                narrow(&whole, &range).copy_(&part);
+                let mine = pieces(bucket, &range);
+                assert_eq!(mine.iter().map(|p| p.len).sum::<usize>(), range.len(), "n {n}");
+                let mut next = 0;
+                for p in &mine {
+                    assert_eq!(p.shard_at, next, "pieces follow each other in the shard");
+                    next += p.len;
+                    let slot = &bucket.slots.iter().find(|s| s.tensor == p.tensor).unwrap();
+                    assert_eq!(slot.offset + p.at, range.start + p.shard_at, "the same element of the bucket");
+                    covered[p.tensor][p.at..p.at + p.len].iter_mut().for_each(|c| *c += 1);
+                }
             }
-            assert_eq!(Vec::<f32>::try_from(&whole).unwrap(), (0..9).map(|i| i as f32).collect::<Vec<_>>(), "n {n}");
-            let mut back = vec![Tensor::zeros([3], (Kind::Float, Device::Cpu)), Tensor::zeros([5], (Kind::Float, Device::Cpu)), Tensor::zeros([1], (Kind::Float, Device::Cpu))];
-            unpack(bucket, &whole, &mut back);
-            for (a, b) in back.iter().zip(&tensors) {
-                assert_eq!(Vec::<f32>::try_from(a).unwrap(), Vec::<f32>::try_from(b).unwrap());
-            }
+            assert!(covered.iter().flatten().all(|&c| c == 1), "n {n}: every element in exactly one shard");
         }
     }
 
