@@ -36,7 +36,7 @@ print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
 for r in runs:
     e = r["extra"]
     print(f"| {'on' if e['overlap'] else 'off'} | {e['zero']} | {mb(e['optimizer_state_bytes']):.1f} | {mb(e['gradient_bytes']):.1f} | "
-          f"{r['rss_warmup_mb']:.0f} | {r['rss_end_mb']:.0f} | {r['peak_rss_mb']:.0f} | {r['step_ms']:.0f} | {r['git_commit'][:7]} |")
+          f"{r['rss_warmup_mb']:.0f} | {r['rss_end_mb']:.0f} | {r['peak_rss_mb']:.0f} | {r['step_ms']:.0f} | {r['git_commit']} |")
 print()
 print("Means of the rounds, against --zero 0 with the same overlap setting:")
 print()
