@@ -5,21 +5,23 @@
 //! Per bucket: the gradients are packed into one bucket-sized buffer and reduce-scattered, so
 //! that this rank holds the averaged gradient of its shard of the bucket (the range the
 //! strategy's reduce-scatter leaves summed here, balanced to within one element by
-//! `ShardInfo`). The optimizer steps only that shard, with the momentum of that shard only,
-//! on this rank's copy of the shard's weights. The updated shard goes back into the buffer, the
-//! all-gather fills in every other rank's shard, and the buffer is unpacked into the parameters.
+//! `ShardInfo`). The optimizer steps only that shard, with the momentum of that shard only: a
+//! shard is cut into pieces, one per tensor it touches, and the optimizer updates views of the
+//! parameters' own elements from views of the buffer. The updated shard goes back into the
+//! buffer, the all-gather fills in every other rank's shard, and the buffer is unpacked into the
+//! parameters.
 //!
 //! - Stage 1 shards the optimizer state: momentum is 1/n per rank.
-//! - Stage 2 also lets go of a bucket's full gradients once they are reduce-scattered: between
-//!   steps a rank holds only its 1/n shard of them. With overlap, that happens bucket by bucket
-//!   while backward still runs.
+//! - Stage 2 also lets go of a bucket's full gradients once they are reduce-scattered (the
+//!   shard is consumed from the buffer at once): between steps a rank holds no gradients. With
+//!   overlap, that happens bucket by bucket while backward still runs.
 //!
 //! The shards follow the bucket plan. When the plan changes (overlap rebuilds its buckets after
 //! the first step) the momentum is made whole by an all-gather and cut again along the new one.
 //! Checkpoints hold it whole, so a run resumes with any rank count and any stage.
 //!
 //! One buffer of the largest bucket serves every bucket in turn (on the host when MPI cannot
-//! read device memory); the weights' shards and the gradients' shards live on the device.
+//! read device memory; the optimizer then reads a device copy of the shard's gradients).
 
 use std::ops::Range;
 
