@@ -163,11 +163,16 @@ impl Fusion {
 /// Copies the bucket's tensors into its flat buffer.
 pub fn pack(bucket: &Bucket, tensors: &[Tensor], buffer: &mut Tensor) {
     for slot in &bucket.slots {
-        let src = flat(&tensors[slot.tensor]);
-        if !raw::copy_host_elements(buffer, slot.offset, &src, 0, slot.len) {
-            let mut dst = buffer.narrow(0, slot.offset as i64, slot.len as i64);
-            tch::no_grad(|| dst.copy_(&src));
-        }
+        pack_slot(slot, &flat(&tensors[slot.tensor]), buffer);
+    }
+}
+
+/// Copies one tensor's flat elements `src` to its slot in the bucket's buffer (a plain memory
+/// copy for host tensors).
+pub fn pack_slot(slot: &Slot, src: &Tensor, buffer: &mut Tensor) {
+    if !raw::copy_host_elements(buffer, slot.offset, src, 0, slot.len) {
+        let mut dst = buffer.narrow(0, slot.offset as i64, slot.len as i64);
+        tch::no_grad(|| dst.copy_(src));
     }
 }
 

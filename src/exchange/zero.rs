@@ -28,7 +28,7 @@ use std::ops::Range;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::buckets::{unpack, Bucket, BucketPlan};
+use crate::exchange::buckets::{pack_slot, unpack, Bucket, BucketPlan};
 use crate::exchange::element::Dtype;
 use crate::exchange::staging::wait_for_stream;
 use crate::exchange::{common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
@@ -283,10 +283,7 @@ fn pack_grads(bucket: &Bucket, params: &[Tensor], buffer: &mut Tensor) -> Result
             tch::no_grad(|| buffer.narrow(0, slot.offset as i64, slot.len as i64).f_zero_().map(|_| ()))?;
             continue;
         }
-        let src = raw::flat_dense_view(&grad)?;
-        if !raw::copy_host_elements(buffer, slot.offset, &src, 0, slot.len) {
-            tch::no_grad(|| buffer.narrow(0, slot.offset as i64, slot.len as i64).f_copy_(&src))?;
-        }
+        pack_slot(slot, &raw::flat_dense_view(&grad)?, buffer);
     }
     Ok(())
 }
