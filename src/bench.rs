@@ -251,7 +251,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
                     t.f_copy_(p)?;
                 }
                 exchange::staging::synchronize_device(device);
-                world.comm.barrier();
+                crate::watchdog::collective("the barrier before a timed exchange", &world.comm, || world.comm.barrier());
                 let start = Instant::now();
                 {
                     let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
@@ -260,7 +260,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
                 exchange::staging::synchronize_device(device);
                 let local = start.elapsed().as_secs_f64();
                 let mut slowest = 0.0;
-                world.comm.all_reduce_into(&local, &mut slowest, SystemOperation::max());
+                crate::watchdog::collective("taking the slowest rank's time", &world.comm, || world.comm.all_reduce_into(&local, &mut slowest, SystemOperation::max()));
                 if iter >= args.warmup {
                     times.push(slowest);
                 }
@@ -280,7 +280,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
                 0
             };
             let mut wrong = 0u64;
-            world.comm.all_reduce_into(&wrong_local, &mut wrong, SystemOperation::sum());
+            crate::watchdog::collective("counting wrong elements", &world.comm, || world.comm.all_reduce_into(&wrong_local, &mut wrong, SystemOperation::sum()));
             total_wrong += wrong;
             let time = median(&mut times);
             let bytes = count * elem;

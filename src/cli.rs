@@ -521,8 +521,9 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 5)]
     pub warmup_steps: u64,
 
-    /// Abort the job when an exchange makes no progress for this many seconds (a cut link or a
-    /// dead node), after every rank logs what it waits for; 0 turns the watchdog off.
+    /// Abort the job when an exchange, or a collective between exchanges, makes no progress for
+    /// this many seconds (a cut link or a dead node), after every rank logs what it waits for;
+    /// keep it above rank 0's longest checkpoint write, which the others wait for; 0: off.
     #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S)]
     pub exchange_timeout_s: f64,
 

@@ -5,6 +5,8 @@
 //!   gradient check during an overlapped backward),
 //! - `exit`: that rank exits abruptly at that step, without MPI_Finalize (a crash),
 //! - `stall`: that rank sleeps SECONDS before its exchange at that step (a hung node),
+//! - `stall-after`: that rank sleeps SECONDS after its exchange at that step (a node lost
+//!   between two exchanges: the others wait for it in the small collectives that follow),
 //! - `setup`: that rank's set-up fails after the exchange strategy is built (STEP is ignored;
 //!   an error every rank agrees on while communication threads run).
 //!
@@ -23,6 +25,7 @@ pub enum Fault {
     Setup,
     Exit,
     Stall(Duration),
+    StallAfter(Duration),
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -37,7 +40,7 @@ impl Faults {
     }
 
     pub fn parse(spec: &str) -> Result<Faults> {
-        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, exit, stall or setup)"));
+        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, exit, stall, stall-after or setup)"));
         let mut out = Vec::new();
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (kind, at) = item.split_once('@').ok_or_else(|| bad(item))?;
@@ -50,6 +53,7 @@ impl Faults {
                 ("setup", None) => Fault::Setup,
                 ("exit", None) => Fault::Exit,
                 ("stall", Some(secs)) => Fault::Stall(Duration::from_secs_f64(secs.parse().map_err(|_| bad(item))?)),
+                ("stall-after", Some(secs)) => Fault::StallAfter(Duration::from_secs_f64(secs.parse().map_err(|_| bad(item))?)),
                 _ => return Err(bad(item)),
             };
             out.push((fault, rank, step));
@@ -74,7 +78,7 @@ mod tests {
 
     #[test]
     fn parses_and_rejects() {
-        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0").unwrap();
+        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0,stall-after@1:9:2").unwrap();
         assert_eq!(f.at(0, 4), Some(&Fault::NanGrad));
         assert!(f.setup_fails(1) && !f.setup_fails(0));
         assert_eq!(f.at(1, 0), None);
@@ -82,7 +86,8 @@ mod tests {
         assert_eq!(f.at(0, 2), Some(&Fault::Stall(Duration::from_millis(1500))));
         assert_eq!(f.at(2, 7), Some(&Fault::Exit));
         assert_eq!(f.at(2, 6), None);
-        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "nan@1:2:3"] {
+        assert_eq!(f.at(1, 9), Some(&Fault::StallAfter(Duration::from_secs(2))));
+        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "stall-after@1:1", "nan@1:2:3"] {
             assert!(Faults::parse(bad).is_err(), "{bad}");
         }
     }

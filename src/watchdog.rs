@@ -8,9 +8,15 @@
 //! thread, as the panic hook does). Every rank watches its own exchanges, so every rank that can
 //! still speak says what it was waiting for.
 //!
-//! Time outside exchanges (forward, backward, evaluation, checkpoints) is not watched: only a
-//! worker inside an exchange waits on others. Dedicated parameter servers, which wait for
-//! workers by design, have their own `--ps-timeout-s`.
+//! The small collectives between exchanges (the loss report, the stop agreement each step,
+//! evaluation's sums, the bench's barriers) are watched too, through [`collective`]: a rank that
+//! has received all it needs from an exchange goes on to them while a peer behind a cut link
+//! is still stuck in the exchange, and would otherwise wait there unwatched for ever. Compute
+//! (forward, backward, evaluation's forward passes, rank 0 writing a checkpoint) is not
+//! watched, but a rank waiting for a peer's compute is: the other ranks wait for rank 0's
+//! checkpoint write in the stop agreement, so `--exchange-timeout-s` must exceed the longest
+//! write. Dedicated parameter servers, which wait for workers by design, have their own
+//! `--ps-timeout-s`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -88,6 +94,13 @@ pub fn set_bucket(bucket: usize) {
         }
         s.progress.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// Runs `f`, a blocking collective over the ranks of `comm` outside any exchange, watched as
+/// `what` (see the module comment).
+pub fn collective<T>(what: &'static str, comm: &impl mpi::topology::Communicator, f: impl FnOnce() -> T) -> T {
+    let _watched = exchange(what, || format!("all {} ranks of its communicator", comm.size()));
+    f()
 }
 
 pub struct ExchangeGuard(());

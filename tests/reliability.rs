@@ -356,6 +356,15 @@ fn the_exchange_watchdog_ends_a_hung_exchange() {
         assert!(out.contains(&format!("exchange watchdog: {strategy} at step 5")), "{strategy}: {out}");
         assert!(out.contains("has made no progress for 3 s") && out.contains("waiting for"), "{strategy}: {out}");
     }
+    // A rank lost between two exchanges: the others, done with the exchange, wait for it in
+    // the stop agreement that follows every step, which is watched as well.
+    let mut args = base(&d, &r, &["--strategy", "ring", "--exchange-timeout-s", "3"]);
+    args.extend(["--steps", "100000"]);
+    let run = mpirun_env(3, &args, &[("HPC_TRAIN_FAULT", "stall-after@1:5:120")], Duration::from_secs(90));
+    let out = run.all_output();
+    assert!(!run.timed_out && !run.ok(), "{out}");
+    assert!(run.elapsed < Duration::from_secs(30), "{:?}\n{out}", run.elapsed);
+    assert!(out.contains("exchange watchdog: the stop agreement at step 5 has made no progress for 3 s"), "{out}");
     // A slow step that is not a hang: a stall shorter than the timeout goes unnoticed.
     let mut args = base(&d, &r, &["--strategy", "ring", "--exchange-timeout-s", "5"]);
     args.extend(["--steps", "8"]);

@@ -418,7 +418,8 @@ pub(super) fn average_over(comm: &SimpleCommunicator, tensors: &[Tensor], contri
     // SAFETY: `flat` was just made by f_cat and has no other handle.
     let send = unsafe { raw::host_slice::<f32>(&flat)? }.to_vec();
     // SAFETY: as above.
-    comm.all_reduce_into(&send[..], unsafe { raw::host_slice_mut::<f32>(&mut flat)? }, mpi::collective::SystemOperation::sum());
+    let sums = unsafe { raw::host_slice_mut::<f32>(&mut flat)? };
+    crate::watchdog::collective("averaging buffers", comm, || comm.all_reduce_into(&send[..], sums, mpi::collective::SystemOperation::sum()));
     let _ = flat.f_div_scalar_(contributors as f64)?;
     unflatten_into(&flat, tensors)
 }
@@ -497,7 +498,8 @@ impl StopSignal {
     pub(super) fn agreed(&self, comm: &SimpleCommunicator) -> bool {
         let mine = i32::from(self.0.load(std::sync::atomic::Ordering::Relaxed));
         let mut any = 0;
-        comm.all_reduce_into(&mine, &mut any, mpi::collective::SystemOperation::max());
+        // After a checkpoint step the other ranks wait here for rank 0's write.
+        crate::watchdog::collective("the stop agreement", comm, || comm.all_reduce_into(&mine, &mut any, mpi::collective::SystemOperation::max()));
         any != 0
     }
 }
@@ -596,7 +598,8 @@ pub(super) fn save_checkpoint(
     sgd: &Sgd,
     meta: CheckpointMeta,
 ) -> Result<()> {
-    let momentum = exchange.optimizer_state(&net.params, sgd)?;
+    // Collective where the state is sharded (ZeRO) or held by servers.
+    let momentum = crate::watchdog::collective("gathering the optimizer state", &world.comm, || exchange.optimizer_state(&net.params, sgd))?;
     if !world.is_root() {
         return Ok(());
     }

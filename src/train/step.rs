@@ -112,6 +112,10 @@ impl Run<'_> {
                 state.progress.suspend(|| log::info!("fp16: gradients overflowed at step {step}; step skipped, loss scale now {}", scaler.scale));
             }
         }
+        if let Some(Fault::StallAfter(pause)) = fault {
+            eprintln!("rank {}: stalling {:.1} s after the exchange of step {step} (injected fault)", self.world.rank, pause.as_secs_f64());
+            std::thread::sleep(pause);
+        }
         let optimizer = self.sgd.take_busy();
         let comm = comm.saturating_sub(optimizer);
         let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total, exchange_exposed };
@@ -247,7 +251,7 @@ impl LossScaler {
 pub(super) fn sum_pair(comm: &SimpleCommunicator, a: f64, b: f64) -> (f64, f64) {
     let send = [a, b];
     let mut out = [0.0; 2];
-    comm.all_reduce_into(&send[..], &mut out[..], mpi::collective::SystemOperation::sum());
+    crate::watchdog::collective("summing the loss", comm, || comm.all_reduce_into(&send[..], &mut out[..], mpi::collective::SystemOperation::sum()));
     (out[0], out[1])
 }
 
