@@ -301,6 +301,18 @@ pub enum OnOff {
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheData {
+    /// Cached when every rank of the node together needs at most a quarter of the memory
+    /// available: reading a batch's samples one by one from HDF5 costs a thread that competes
+    /// with backward for the cores (measured on the tiny CNN: results/pytorch_comparison.md).
+    Auto,
+    /// Cached; an error where the node's ranks together would need more than the memory
+    /// available.
+    On,
+    Off,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceChoice {
     /// The rank's GPU when CUDA is available, else the CPU.
     Auto,
@@ -539,6 +551,11 @@ pub struct TrainArgs {
     /// Batches the loader thread reads ahead.
     #[arg(long, default_value_t = 4)]
     pub prefetch: usize,
+
+    /// Hold the training split in memory, read once, instead of reading each batch's samples
+    /// from the file.
+    #[arg(long, value_enum, default_value_t = CacheData::Auto)]
+    pub cache_data: CacheData,
 
     /// Skip the test-set evaluation at the end of each epoch.
     #[arg(long)]

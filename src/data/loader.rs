@@ -17,7 +17,8 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::data::reader::SplitReader;
+use crate::data::reader::{SplitCache, SplitReader};
+use crate::cli::CacheData;
 use crate::data::Split;
 use crate::error::{Error, Result};
 
@@ -67,6 +68,33 @@ impl Schedule {
     }
 }
 
+/// Whether to hold the training split in memory (`--cache-data`): `split_bytes` per rank,
+/// `ranks_on_node` copies on this node, `available` the node's available memory in bytes
+/// (None where unknown: `auto` then reads from the file).
+pub fn cache_decision(mode: CacheData, split_bytes: usize, ranks_on_node: usize, available: Option<u64>) -> Result<bool> {
+    let needed = split_bytes as u64 * ranks_on_node as u64;
+    match (mode, available) {
+        (CacheData::Off, _) => Ok(false),
+        (CacheData::Auto, None) => Ok(false),
+        (CacheData::Auto, Some(free)) => Ok(needed <= free / 4),
+        (CacheData::On, Some(free)) if needed > free => Err(Error::usage(format!(
+            "--cache-data on: the training split ({:.1} MB) held by each of the {ranks_on_node} rank(s) on this node needs {:.1} MB, more than the {:.1} MB of memory available; use --cache-data off",
+            split_bytes as f64 / 1e6,
+            needed as f64 / 1e6,
+            free as f64 / 1e6
+        ))),
+        (CacheData::On, _) => Ok(true),
+    }
+}
+
+/// MemAvailable of /proc/meminfo, in bytes.
+pub fn memory_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// One worker's batch, as raw bytes and labels.
 pub struct Batch {
     pub epoch: u64,
@@ -87,7 +115,8 @@ pub struct Loader {
 
 impl Loader {
     /// Starts reading at global step `first_step` (epoch * steps_per_epoch + step) and stops
-    /// after `end_step`, keeping up to `depth` batches ready.
+    /// after `end_step`, keeping up to `depth` batches ready; `cache`: read the whole split
+    /// into memory first and serve the batches from there.
     pub fn spawn(
         path: PathBuf,
         labels: Arc<Vec<i64>>,
@@ -95,6 +124,7 @@ impl Loader {
         first_step: u64,
         end_step: u64,
         depth: usize,
+        cache: bool,
     ) -> Loader {
         let (tx, rx) = sync_channel(depth.max(1));
         let handle = std::thread::Builder::new()
@@ -107,6 +137,17 @@ impl Loader {
                         return;
                     }
                 };
+                let cached = if cache {
+                    match SplitCache::load(&mut reader) {
+                        Ok(c) => Some(c),
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                    }
+                } else {
+                    None
+                };
                 let spe = schedule.steps_per_epoch();
                 let mut order: Option<(u64, Vec<u32>)> = None;
                 for global in first_step..end_step {
@@ -116,7 +157,11 @@ impl Loader {
                     }
                     let indices = schedule.local_indices(&order.as_ref().unwrap().1, step);
                     let mut images = vec![0u8; indices.len() * reader.sample_bytes()];
-                    let batch = reader.read(&indices, &mut images).map(|()| Batch {
+                    let read = match &cached {
+                        Some(c) => c.read(&indices, &mut images),
+                        None => reader.read(&indices, &mut images),
+                    };
+                    let batch = read.map(|()| Batch {
                         epoch,
                         step,
                         labels: indices.iter().map(|&i| labels[i]).collect(),
@@ -157,6 +202,20 @@ impl Drop for Loader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_split_is_cached_where_the_node_has_memory_for_it() {
+        let gb = 1u64 << 30;
+        assert!(cache_decision(CacheData::Auto, 1 << 20, 4, Some(gb)).unwrap());
+        assert!(!cache_decision(CacheData::Auto, (gb / 8) as usize, 4, Some(gb)).unwrap(), "4 x 1/8 > 1/4 of the memory");
+        assert!(!cache_decision(CacheData::Auto, 1, 1, None).unwrap(), "unknown memory: read from the file");
+        assert!(!cache_decision(CacheData::Off, 1, 1, Some(gb)).unwrap());
+        assert!(cache_decision(CacheData::On, (gb / 8) as usize, 4, Some(gb)).unwrap());
+        assert!(cache_decision(CacheData::On, 1, 1, None).unwrap());
+        let err = cache_decision(CacheData::On, (gb / 2) as usize, 4, Some(gb)).unwrap_err().to_string();
+        assert!(err.contains("--cache-data on") && err.contains("4 rank(s)"), "{err}");
+        assert!(memory_available().is_some_and(|b| b > 0));
+    }
 
     fn schedule(samples: usize, workers: usize, worker: usize, batch: usize) -> Schedule {
         Schedule { samples, workers, worker, batch, seed: 7 }

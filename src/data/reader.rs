@@ -77,6 +77,16 @@ impl SplitReader {
         self.check_not_shrunk()
     }
 
+    /// Every image of the split, in one read (for [`SplitCache`]).
+    pub fn read_all(&mut self) -> Result<Vec<u8>> {
+        let all = self.images.read_raw::<u8>().at(&self.path)?;
+        if all.len() != self.len * self.sample_bytes {
+            return Err(Error::data(&self.path, format!("read {} bytes of images, expected {}", all.len(), self.len * self.sample_bytes)));
+        }
+        self.check_not_shrunk()?;
+        Ok(all)
+    }
+
     /// HDF5's POSIX driver answers a read past the end of the file with zeros, not an error,
     /// once the file is open: if the storage loses the tail of a file during training (a
     /// truncating copy, a full quota, a failing OST), training would go on with blank images.
@@ -90,6 +100,32 @@ impl SplitReader {
                 &self.path,
                 format!("the file shrank from {} to {len} bytes while it was being read (truncated or lost on its storage)", self.file_len),
             ));
+        }
+        Ok(())
+    }
+}
+
+/// A whole split's images held in memory, read from the file once: serving a batch is then a
+/// copy per sample instead of an HDF5 read per sample (each a hyperslab selection, a chunk
+/// lookup and perhaps a decompression), which on a rank whose cores all run backward takes
+/// time from it.
+pub struct SplitCache {
+    images: Vec<u8>,
+    sample_bytes: usize,
+}
+
+impl SplitCache {
+    pub fn load(reader: &mut SplitReader) -> Result<SplitCache> {
+        Ok(SplitCache { images: reader.read_all()?, sample_bytes: reader.sample_bytes() })
+    }
+
+    /// As [`SplitReader::read`].
+    pub fn read(&self, indices: &[usize], out: &mut [u8]) -> Result<()> {
+        let row = self.sample_bytes;
+        assert_eq!(out.len(), indices.len() * row, "output sized for the request");
+        for (pos, &i) in indices.iter().enumerate() {
+            let sample = self.images.get(i * row..(i + 1) * row).ok_or_else(|| Error::Results(format!("image {i} requested from a cached split of {}", self.images.len() / row.max(1))))?;
+            out[pos * row..(pos + 1) * row].copy_from_slice(sample);
         }
         Ok(())
     }
@@ -118,6 +154,24 @@ mod tests {
         std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
         let err = reader.read(&[62, 63], &mut out).unwrap_err().to_string();
         assert!(err.contains("shrinks.h5") && err.contains(&format!("shrank from {len} to {} bytes", len / 2)), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_cache_serves_the_bytes_the_file_holds() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-cache-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cached.h5");
+        let spec = SynthSpec { train: 50, test: 4, shape: [3, 5, 7], classes: 3, seed: 2 };
+        generate(&spec, &path, Compression::None, true).unwrap();
+        let mut reader = SplitReader::open(&path, Split::Train).unwrap();
+        let cache = SplitCache::load(&mut reader).unwrap();
+        let indices = [49, 0, 17, 18, 19, 3, 48];
+        let (mut from_file, mut from_cache) = (vec![0u8; indices.len() * 105], vec![1u8; indices.len() * 105]);
+        reader.read(&indices, &mut from_file).unwrap();
+        cache.read(&indices, &mut from_cache).unwrap();
+        assert_eq!(from_file, from_cache);
+        assert!(cache.read(&[50], &mut from_cache[..105]).is_err(), "past the end");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

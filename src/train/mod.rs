@@ -44,6 +44,8 @@ struct Run<'a> {
     plan: Plan,
     info: DatasetInfo,
     labels: Labels,
+    /// The training split is held in memory (`--cache-data`).
+    cache_data: bool,
     spec: InputSpec,
     net: Net,
     exchange: Box<dyn Exchange>,

@@ -79,6 +79,7 @@ impl Run<'_> {
         extra.insert("overlap".into(), self.overlap.is_some().into());
         extra.insert("precision".into(), serde_json::to_value(args.precision).unwrap_or_default());
         extra.insert("channels_last".into(), args.channels_last.into());
+        extra.insert("data_cached".into(), self.cache_data.into());
         // What every step's exchange carries (the cost model's projections and validation read it).
         extra.insert("parameters".into(), self.net.params.iter().map(|p| p.numel()).sum::<usize>().into());
         if let Some((buckets, total, hidden)) = overlap_figures {

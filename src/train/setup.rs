@@ -53,6 +53,8 @@ impl<'a> Run<'a> {
             let why = format!("{} training samples, fewer than ranks x batch = {} x {} = {global_batch}", info.train.len, plan.workers, plan.batch);
             world.agree::<()>(Err(Error::data(&args.data, why)))?;
         }
+        let split_bytes = info.train.len * info.sample_bytes();
+        let cache_data = world.agree(data::loader::cache_decision(args.cache_data, split_bytes, world.local_size as usize, data::loader::memory_available()))?;
         let steps_per_epoch = info.train.len.div_ceil(global_batch) as u64;
         let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
         let (mut net, spec) = world.agree(Net::new(args, &info, plan.device))?;
@@ -104,7 +106,7 @@ impl<'a> Run<'a> {
             Role::Server => (0, plan.workers),
         };
         let run = Run {
-            world, args, plan, info, labels, spec, net, exchange, sgd, overlap, faults, stop, workers_comm, worker, workers,
+            world, args, plan, info, labels, cache_data, spec, net, exchange, sgd, overlap, faults, stop, workers_comm, worker, workers,
             global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),
         };
         run.log_start();
@@ -122,6 +124,12 @@ impl<'a> Run<'a> {
             info.train.len, info.test.len, plan.batch, self.global_batch, self.first_step, self.total_steps, self.total_steps as f64 / self.steps_per_epoch as f64,
             super::record::device_name(plan.device), plan.threads
         );
+        let split_mb = (info.train.len * info.sample_bytes()) as f64 / 1e6;
+        if self.cache_data {
+            log::info!("training split held in memory ({split_mb:.1} MB per rank; --cache-data)");
+        } else if args.cache_data == crate::cli::CacheData::Auto {
+            log::info!("training split read from the file per batch ({split_mb:.1} MB per rank is more than this node's ranks may hold: --cache-data auto)");
+        }
     }
 
     /// Whether a periodic checkpoint falls after `last_step`.

@@ -41,7 +41,7 @@ impl LoopState {
         let schedule = Schedule { samples: run.info.train.len, workers: run.workers, worker: run.worker, batch: run.plan.batch, seed: args.seed };
         Ok(LoopState {
             norm: Normalizer::new(&run.info, run.plan.device, args.channels_last)?,
-            loader: Loader::spawn(args.data.clone(), Arc::new(run.labels.train.clone()), schedule, first, total, args.prefetch),
+            loader: Loader::spawn(args.data.clone(), Arc::new(run.labels.train.clone()), schedule, first, total, args.prefetch, run.cache_data),
             trace: SampleTrace::open(args.trace_samples.as_deref(), run.world.rank)?,
             progress: Progress::new(run.world.is_root(), total, args.log_every),
             warmup: first + args.warmup_steps.min(total.saturating_sub(first + 1)),
