@@ -32,6 +32,7 @@ use error::{Error, Result};
 use topology::World;
 
 fn main() {
+    raw::keep_freed_memory();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

@@ -188,6 +188,28 @@ pub fn peak_rss_mb() -> f64 {
     usage.ru_maxrss as f64 / 1024.0 // Linux reports kibibytes
 }
 
+/// Keeps memory that libtorch frees inside the process for its next allocation, instead of
+/// handing it back to the kernel. glibc's defaults serve large blocks from fresh mmaps and
+/// trim the heap's top once a little of it is free, so every training step frees its
+/// activations and then faults the same pages back in, each zeroed by the kernel: a quarter of
+/// a short CPU step on the tiny CNN (perf, results/pytorch_comparison.md). A step's peak is
+/// needed again by the next step, so holding it costs nothing that the step does not already
+/// use (PyTorch's GPU caching allocator holds it the same way). A user's own `MALLOC_*_`
+/// environment settings are left to win.
+pub fn keep_freed_memory() {
+    let user_tuned = std::env::vars_os().any(|(k, _)| k.to_str().is_some_and(|k| k.starts_with("MALLOC_") && k.ends_with('_')));
+    if user_tuned {
+        return;
+    }
+    // SAFETY: mallopt only sets glibc allocator parameters (it takes the allocator's own lock);
+    // it is called first thing in main, and a value it rejects leaves the default in place.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
+    }
+}
+
 /// Current resident memory of this process, in MiB (from /proc/self/statm).
 pub fn current_rss_mb() -> f64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
