@@ -82,6 +82,13 @@ pub struct Overlap {
     arrivals: Option<(Vec<usize>, SimpleCommunicator)>,
 }
 
+/// Whether every gradient falls into one bucket, in any order: its exchange can only start
+/// after the last gradient, so overlap would have nothing to hide behind backward.
+pub fn one_bucket(params: &[Tensor], bucket_bytes: usize) -> bool {
+    let bytes: usize = params.iter().map(|p| p.numel() * p.kind().elt_size_in_bytes()).sum();
+    bytes <= FIRST_BUCKET_BYTES.min(bucket_bytes.max(1))
+}
+
 impl Overlap {
     /// `comm`: the ranks that train (a collective runs on it after the first step).
     pub fn new(params: &[Tensor], bucket_bytes: usize, comm: SimpleCommunicator) -> Result<Overlap> {

@@ -31,7 +31,9 @@ fn overlap_gives_the_weights_of_no_overlap_for_every_strategy() {
     }
     let runs = read_runs(&dir);
     let overlapped: Vec<_> = runs.iter().filter(|r| r["extra"]["overlap"] == true).collect();
-    assert_eq!(overlapped.len(), 6);
+    // The tiny CNN's gradients fit one 25 MiB bucket: nothing to overlap, backward runs on
+    // the MPI thread (same weights, checked above).
+    assert_eq!(overlapped.len(), 3, "only the runs with several buckets overlap");
     assert!(overlapped.iter().all(|r| r["extra"]["exchange_hidden_share"].as_f64().is_some()));
     assert!(overlapped.iter().any(|r| r["extra"]["overlap_buckets"].as_u64().unwrap() > 1));
 }
