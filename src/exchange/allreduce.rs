@@ -55,6 +55,11 @@ impl Exchange for MpiAllreduce {
 
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         let dtype = common_dtype(tensors)?;
+        if self.size == 1 {
+            // The sum and the mean over one rank are the tensors themselves: packing them into
+            // fusion buffers for MPI to copy cost ResNet-18 12 ms a step (results/).
+            return Ok(());
+        }
         let (comm, sums) = (&self.comm, &self.sums);
         let path = self.path.for_mpi_reduction(dtype);
         let scale = (op == ReduceOp::Mean && self.size > 1).then(|| 1.0 / self.size as f64);

@@ -92,6 +92,11 @@ enum ToBackground {
     /// `prescale`: multiply the tensor by this before it is cast down for the wire (a mean
     /// under compression, so that the 16-bit sum over many ranks cannot overflow).
     Enqueue { id: usize, tensor: Tensor, prescale: Option<f64> },
+    /// The training loop has enqueued all it will before waiting: negotiate now rather than at
+    /// the end of the cycle. Horovod's cycle gathers tensors that a framework hands over one op
+    /// at a time; here each call hands over all of its tensors at once and then waits, so the
+    /// rest of the cycle would be idle time on every exchange.
+    Flush,
     Shutdown,
 }
 
@@ -239,6 +244,7 @@ impl Horovod {
                 std::thread::sleep(self.config.cycle_time / 2);
             }
         }
+        let _ = self.to_bg.send(ToBackground::Flush);
         let mut remaining = tensors.len();
         while remaining > 0 {
             match self.from_bg.recv() {
@@ -394,6 +400,7 @@ impl Background {
                 let wait = deadline.saturating_duration_since(Instant::now());
                 match self.inbox.recv_timeout(wait) {
                     Ok(ToBackground::Enqueue { id, tensor, prescale }) => self.pending.push(Ready { id, tensor, prescale, since: Instant::now() }),
+                    Ok(ToBackground::Flush) => break,
                     Ok(ToBackground::Shutdown) | Err(RecvTimeoutError::Disconnected) => shutting_down = true,
                     Err(RecvTimeoutError::Timeout) => break,
                 }
