@@ -195,7 +195,9 @@ fn an_io_error_on_one_rank_ends_the_job() {
     // the lost half), so the size of the file does not matter.
     let data = synth(&dir, "big", 2000, 10, "3x32x32", 5);
     let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
-    let args = ["--model", "tiny", "--data", &d, "--batch-size", "4", "--steps", "100000", "--no-eval", "--threads", "1", "--results", &r, "--prefetch", "1"];
+    // Read from the file at every step: a split held in memory (--cache-data) was read whole,
+    // and checked, before training started.
+    let args = ["--model", "tiny", "--data", &d, "--batch-size", "4", "--steps", "100000", "--no-eval", "--threads", "1", "--results", &r, "--prefetch", "1", "--cache-data", "off"];
     let log = dir.join("io.log");
     let mut child = spawn_mpirun(2, &args, &[], &log);
     wait_until(Duration::from_secs(60), "training to start", || std::fs::read_to_string(&log).unwrap_or_default().contains("steps 0.."));
