@@ -723,6 +723,19 @@ extern "C" {
     fn hpc_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
     fn hpc_param_to_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_release_grad(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn hpc_fused_sgd(
+        params: *const *mut c_void,
+        grads: *const *mut c_void,
+        momentum_buffers: *const *mut c_void,
+        count: i64,
+        weight_decay: f64,
+        momentum: f64,
+        lr: f64,
+        is_first_step: bool,
+        error: *mut c_char,
+        error_length: usize,
+    ) -> c_int;
 }
 
 /// Allows or forbids TF32 in cuBLAS and cuDNN (libtorch's global setting).
@@ -777,6 +790,35 @@ pub fn release_grad(p: &Tensor) -> Result<()> {
     // SAFETY: tch's at::Tensor pointer, alive during the call; the handle shares the
     // parameter's autograd meta, so the parameter itself loses its gradient.
     let rc = unsafe { hpc_release_grad(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    Ok(())
+}
+
+/// The SGD update of `params` in one pass per tensor (libtorch's fused SGD kernel): with
+/// d = g + weight_decay w, the momentum buffer v becomes d on the first step and momentum v + d
+/// after, and w -= lr v. `grads` are left as they are. The caller makes each parameter, its
+/// gradient and its buffer alike in device, kind and strides; `momentum_buffers` is empty when
+/// momentum is 0, else one per parameter (contents ignored on the first step).
+pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: &[&Tensor], weight_decay: f64, momentum: f64, lr: f64, is_first_step: bool) -> Result<()> {
+    let buffers_expected = if momentum != 0.0 { params.len() } else { 0 };
+    if grads.len() != params.len() || momentum_buffers.len() != buffers_expected {
+        return Err(Error::Torch(tch::TchError::Torch(format!(
+            "fused SGD: {} parameters, {} gradients, {} momentum buffers",
+            params.len(),
+            grads.len(),
+            momentum_buffers.len()
+        ))));
+    }
+    let pointers = |tensors: &[&Tensor]| -> Vec<*mut c_void> { tensors.iter().map(|t| t.as_ptr() as *mut c_void).collect() };
+    let (p, g, v) = (pointers(params), pointers(grads), pointers(momentum_buffers));
+    let mut err = [0 as c_char; 256];
+    // SAFETY: each pointer is a tch at::Tensor borrowed for the call; the arrays hold `count`
+    // entries each (the buffers' array is read only when momentum is non-zero, and then holds
+    // `count` too: checked above). The shim copies the handles (a reference count) and updates
+    // the tensors' data in place, as any in-place libtorch op on a shared handle does.
+    let rc = unsafe { hpc_fused_sgd(p.as_ptr(), g.as_ptr(), v.as_ptr(), p.len() as i64, weight_decay, momentum, lr, is_first_step, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
         return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
     }

@@ -2,7 +2,8 @@
 // a post-accumulate-grad hook once a parameter's gradient is final for this backward pass; this
 // shim registers such a hook on each parameter and forwards (parameter index, CUDA event or
 // null) to a Rust callback. tch exposes no autograd hooks (tch-rs issue 769). Also: events on a
-// stream, non-blocking copies, the current CUDA device, and a few global settings.
+// stream, non-blocking copies, the current CUDA device, a few global settings, and the fused
+// SGD kernel.
 //
 // Built by build.rs against the headers of the libtorch that tch links. The hook itself does no
 // MPI and no allocation beyond the event: it only tells Rust that the gradient is ready.
@@ -14,11 +15,13 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/ops/_fused_sgd.h>
 
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <vector>
 
 extern "C" {
 // index: the parameter's position; event: a c10::Event recorded on the current CUDA stream
@@ -209,4 +212,34 @@ int hpc_release_grad(void *tensor, char *error, size_t error_length) {
   }
 }
 
+// ---- The optimizer's update in one pass (at::_fused_sgd_, which tch does not expose). ----
+
+// torch.optim.SGD(fused=True)'s kernel over `count` tensors: per element, d = g + weight_decay w,
+// v = d (first step) or momentum v + d, w -= lr v; one read of w, g, v and one write of w, v,
+// where separate kernels make four passes. `momentum_buffers` is ignored when momentum is 0.
+// Every pointer is a tch at::Tensor*; the caller makes w, g and v alike in device, kind and
+// strides (the CPU kernel walks the three as flat arrays).
+int hpc_fused_sgd(void **params, void **grads, void **momentum_buffers, int64_t count, double weight_decay,
+                  double momentum, double lr, bool is_first_step, char *error, size_t error_length) {
+  try {
+    std::vector<at::Tensor> p, g, v;
+    p.reserve(count);
+    g.reserve(count);
+    for (int64_t i = 0; i < count; ++i) {
+      p.push_back(*static_cast<at::Tensor *>(params[i]));
+      g.push_back(*static_cast<at::Tensor *>(grads[i]));
+      if (momentum != 0.0) {
+        v.push_back(*static_cast<at::Tensor *>(momentum_buffers[i]));
+      }
+    }
+    at::_fused_sgd_(p, g, v, weight_decay, momentum, lr, /*dampening=*/0.0, /*nesterov=*/false,
+                    /*maximize=*/false, is_first_step);
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
 }  // extern "C"
+
