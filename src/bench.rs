@@ -126,6 +126,12 @@ struct BenchRow {
     memory_copy_gbs: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     memory_add_gbs: Option<f64>,
+    /// The same bound with MPI's measured point-to-point rate in place of the copy rate, and
+    /// that rate (see MemoryBound::transport_gbs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    transport_bound_busbw: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    transport_gbs: Option<f64>,
     /// The network links' rate when the run says it (--link-mbit), for fitting the cost model
     /// per link.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -140,10 +146,16 @@ struct BenchRow {
 struct MemoryBound {
     copy_gbs: f64,
     add_gbs: f64,
+    /// What one rank receives per second by MPI point-to-point while every rank sends to its
+    /// right and receives from its left at once (a ring hop): the copy rate MPI's transport
+    /// really reaches (Open MPI's CMA copies in the kernel, below a user-space memcpy).
+    transport_gbs: f64,
 }
 
 impl MemoryBound {
-    fn measure(bytes: usize) -> MemoryBound {
+    /// One core's copy and add rates over `bytes` (the caller runs it on one rank while the
+    /// others wait).
+    fn measure_memory(bytes: usize) -> (f64, f64) {
         let len = (bytes / 4).max(1024);
         let src: Vec<f32> = (0..len).map(|i| (i % 1000) as f32).collect();
         let mut dst = vec![1.0f32; len];
@@ -159,11 +171,45 @@ impl MemoryBound {
         }
         std::hint::black_box(&dst);
         let gbs = |t: f64| (len * 4) as f64 / t / 1e9;
-        MemoryBound { copy_gbs: gbs(median(&mut copies)), add_gbs: gbs(median(&mut adds)) }
+        (gbs(median(&mut copies)), gbs(median(&mut adds)))
     }
 
+    /// The transport rate: every rank sends `bytes` to its right and receives as many from its
+    /// left, in messages of `message` bytes (the ring's segments) one after another, six times;
+    /// the median of the slowest rank's times, the first left out (it maps the pages).
+    fn measure_transport(world: &World, bytes: usize, message: usize) -> f64 {
+        let (n, rank) = (world.size, world.rank);
+        let len = (bytes / 4).max(1024);
+        let piece = (message / 4).clamp(1, len);
+        let out = vec![1.0f32; len];
+        let mut into = vec![0.0f32; len];
+        let (right, left) = (world.comm.process_at_rank((rank + 1) % n), world.comm.process_at_rank((rank + n - 1) % n));
+        let mut times = Vec::new();
+        for _ in 0..6 {
+            crate::watchdog::collective("measuring MPI's transport", &world.comm, || {
+                world.comm.barrier();
+                let t = Instant::now();
+                for (send, receive) in out.chunks(piece).zip(into.chunks_mut(piece)) {
+                    mpi::point_to_point::send_receive_into(send, &right, receive, &left);
+                }
+                let mine = t.elapsed().as_secs_f64();
+                let mut slowest = 0.0f64;
+                world.comm.all_reduce_into(&mine, &mut slowest, mpi::collective::SystemOperation::max());
+                times.push(slowest);
+            });
+        }
+        times.remove(0);
+        (len * 4) as f64 / median(&mut times) / 1e9
+    }
+
+    /// The bound on busbw (see above).
     fn ring_busbw(&self) -> f64 {
         2.0 / (2.0 / self.copy_gbs + 1.0 / self.add_gbs)
+    }
+
+    /// The same with the copies at the transport's rate.
+    fn transport_busbw(&self) -> f64 {
+        2.0 / (2.0 / self.transport_gbs + 1.0 / self.add_gbs)
     }
 }
 
@@ -210,11 +256,13 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         let max_bytes = counts.iter().max().copied().unwrap_or(0) * elem;
         let mut rates = [0.0f64; 2];
         if world.is_root() {
-            let b = MemoryBound::measure(max_bytes.max(1 << 20));
-            rates = [b.copy_gbs, b.add_gbs];
+            let (copy, add) = MemoryBound::measure_memory(max_bytes.max(1 << 20));
+            rates = [copy, add];
         }
-        world.comm.process_at_rank(0).broadcast_into(&mut rates[..]);
-        MemoryBound { copy_gbs: rates[0], add_gbs: rates[1] }
+        crate::watchdog::collective("sharing the memory bound", &world.comm, || world.comm.process_at_rank(0).broadcast_into(&mut rates[..]));
+        // A ring hop at the largest size, in the ring's segments.
+        let transport_gbs = MemoryBound::measure_transport(world, (max_bytes / n).max(1 << 20), (args.segment_kb as usize) << 10);
+        MemoryBound { copy_gbs: rates[0], add_gbs: rates[1], transport_gbs }
     });
     if world.is_root() {
         println!(
@@ -317,6 +365,8 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
                     memory_bound_busbw: bound.map(|b| b.ring_busbw()),
                     memory_copy_gbs: bound.map(|b| b.copy_gbs),
                     memory_add_gbs: bound.map(|b| b.add_gbs),
+                    transport_bound_busbw: bound.map(|b| b.transport_busbw()),
+                    transport_gbs: bound.map(|b| b.transport_gbs),
                     link_mbit: args.link_mbit,
                 };
                 results::append_json_line(&args.results.join(BENCH_FILE), &row)?;
@@ -336,6 +386,12 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
             println!(
                 "# Memory bound         : one core copies {:.2} GB/s and adds {:.2} GB/s: a host all-reduce's busbw is at most {:.3} GB/s",
                 b.copy_gbs, b.add_gbs, b.ring_busbw()
+            );
+            println!(
+                "# Transport bound      : MPI point-to-point moves {:.2} GB/s per rank ({} KiB messages, every rank sending to its right at once): with the add, busbw is at most {:.3} GB/s",
+                b.transport_gbs,
+                args.segment_kb,
+                b.transport_busbw()
             );
         }
         println!("# appended to {}", args.results.join(BENCH_FILE).display());

@@ -93,6 +93,20 @@ fn bench_rows_are_recorded() {
     }
     assert_eq!(row["size"], 20);
     assert_eq!(row["busbw"].as_f64().unwrap(), row["algbw"].as_f64().unwrap(), "2 ranks: bus factor 1");
+    assert!(row["memory_bound_busbw"].is_null(), "the bounds are for f32 only: {row}");
+
+    // Host f32 runs carry both bounds, each in the footer and in every row: one core's memory
+    // rates, and MPI's own point-to-point rate with every rank sending at once.
+    let f32_dir = scratch("bench-rows-f32");
+    let run = bench(2, "ring", &["--counts", "1000"], &f32_dir);
+    assert_all_right(&run, 1);
+    assert!(run.stdout.contains("# Memory bound") && run.stdout.contains("# Transport bound"), "{}", run.stdout);
+    let text = std::fs::read_to_string(f32_dir.join("bench.jsonl")).unwrap();
+    let row: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    for field in ["memory_bound_busbw", "memory_copy_gbs", "memory_add_gbs", "transport_bound_busbw", "transport_gbs"] {
+        assert!(row[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {row}");
+    }
+    assert!(row["transport_bound_busbw"].as_f64() < Some(row["transport_gbs"].as_f64().unwrap()), "the add only lowers the bound: {row}");
 }
 
 #[test]
