@@ -128,7 +128,10 @@ impl<'a> Run<'a> {
         if self.cache_data {
             log::info!("training split held in memory ({split_mb:.1} MB per rank; --cache-data)");
         } else if args.cache_data == crate::cli::CacheData::Auto {
-            log::info!("training split read from the file per batch ({split_mb:.1} MB per rank is more than this node's ranks may hold: --cache-data auto)");
+            match data::loader::memory_available() {
+                Some(_) => log::info!("training split read from the file per batch ({split_mb:.1} MB per rank is more than this node's ranks may hold: --cache-data auto)"),
+                None => log::info!("training split read from the file per batch (MemAvailable could not be read from /proc/meminfo; --cache-data on holds it anyway)"),
+            }
         }
     }
 
