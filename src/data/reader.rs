@@ -112,11 +112,13 @@ impl SplitReader {
 pub struct SplitCache {
     images: Vec<u8>,
     sample_bytes: usize,
+    /// The file the split came from, for error messages.
+    path: PathBuf,
 }
 
 impl SplitCache {
     pub fn load(reader: &mut SplitReader) -> Result<SplitCache> {
-        Ok(SplitCache { images: reader.read_all()?, sample_bytes: reader.sample_bytes() })
+        Ok(SplitCache { images: reader.read_all()?, sample_bytes: reader.sample_bytes(), path: reader.path.clone() })
     }
 
     /// As [`SplitReader::read`].
@@ -124,7 +126,7 @@ impl SplitCache {
         let row = self.sample_bytes;
         assert_eq!(out.len(), indices.len() * row, "output sized for the request");
         for (pos, &i) in indices.iter().enumerate() {
-            let sample = self.images.get(i * row..(i + 1) * row).ok_or_else(|| Error::Results(format!("image {i} requested from a cached split of {}", self.images.len() / row.max(1))))?;
+            let sample = self.images.get(i * row..(i + 1) * row).ok_or_else(|| Error::data(&self.path, format!("image {i} requested, the split (held in memory) holds {}", self.images.len() / row.max(1))))?;
             out[pos * row..(pos + 1) * row].copy_from_slice(sample);
         }
         Ok(())
