@@ -139,13 +139,18 @@ mod tests {
     use crate::data::synth::{generate, SynthSpec};
     use crate::data::writer::Compression;
 
+    /// A synthetic uncompressed file `name` in a scratch folder of its own: (folder, file).
+    fn synthetic_file(folder: &str, name: &str, spec: SynthSpec) -> (std::path::PathBuf, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("hpc-train-{folder}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(name);
+        generate(&spec, &path, Compression::None, true).unwrap();
+        (dir, path)
+    }
+
     #[test]
     fn a_file_that_shrinks_while_open_is_an_error_not_blank_images() {
-        let dir = std::env::temp_dir().join(format!("hpc-train-reader-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("shrinks.h5");
-        let spec = SynthSpec { train: 64, test: 4, shape: [1, 32, 32], classes: 3, seed: 1 };
-        generate(&spec, &path, Compression::None, true).unwrap();
+        let (dir, path) = synthetic_file("reader", "shrinks.h5", SynthSpec { train: 64, test: 4, shape: [1, 32, 32], classes: 3, seed: 1 });
 
         let mut reader = SplitReader::open(&path, Split::Train).unwrap();
         let mut out = vec![0u8; 2 * reader.sample_bytes()];
@@ -161,11 +166,7 @@ mod tests {
 
     #[test]
     fn the_cache_serves_the_bytes_the_file_holds() {
-        let dir = std::env::temp_dir().join(format!("hpc-train-cache-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("cached.h5");
-        let spec = SynthSpec { train: 50, test: 4, shape: [3, 5, 7], classes: 3, seed: 2 };
-        generate(&spec, &path, Compression::None, true).unwrap();
+        let (dir, path) = synthetic_file("cache", "cached.h5", SynthSpec { train: 50, test: 4, shape: [3, 5, 7], classes: 3, seed: 2 });
         let mut reader = SplitReader::open(&path, Split::Train).unwrap();
         let cache = SplitCache::load(&mut reader).unwrap();
         let indices = [49, 0, 17, 18, 19, 3, 48];
@@ -173,7 +174,8 @@ mod tests {
         reader.read(&indices, &mut from_file).unwrap();
         cache.read(&indices, &mut from_cache).unwrap();
         assert_eq!(from_file, from_cache);
-        assert!(cache.read(&[50], &mut from_cache[..105]).is_err(), "past the end");
+        let err = cache.read(&[50], &mut from_cache[..105]).unwrap_err().to_string();
+        assert!(err.contains("cached.h5") && err.contains("image 50 requested"), "past the end, naming the file: {err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
