@@ -141,7 +141,8 @@ struct BenchRow {
 /// What one core's memory bandwidth allows an all-reduce on host memory: every rank receives
 /// (copies) 2(n-1)/n of the buffer and adds (n-1)/n of it into its own, so a ring can take no
 /// less than 2(n-1)/n S / copy + (n-1)/n S / add, i.e. a bus bandwidth of at most
-/// 2 / (2 / copy + 1 / add). Measured on rank 0 over buffers of the bench's largest size.
+/// 2 / (2 / copy + 1 / add). Measured on rank 0 over buffers of the bench's largest size; the
+/// same bound with MPI's measured transfer rate as the copy is the transport bound.
 #[derive(Clone, Copy, Debug)]
 struct MemoryBound {
     copy_gbs: f64,
