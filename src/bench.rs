@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 use crate::cli::{BenchArgs, BenchDevice, Layout, Verify};
 use crate::error::{Error, Result};
 use crate::exchange::element::Dtype;
-use crate::exchange::{self, ExchangeConfig, ReduceOp};
+use crate::exchange::{self, ExchangeConfig, ReduceOp, StrategyKind};
 use crate::raw;
 use crate::results;
 use crate::topology::World;
@@ -112,6 +112,8 @@ struct BenchRow {
     nodes: usize,
     device: String,
     iters: usize,
+    /// Sweeps over every strategy whose iterations the row's median pools (--rounds).
+    rounds: usize,
     host: String,
     mpi_library: String,
     git_commit: String,
@@ -203,6 +205,30 @@ impl MemoryBound {
         (len * 4) as f64 / median(&mut times) / 1e9
     }
 
+    /// Both rates: memory on rank 0 while the others wait, then the transport on every rank,
+    /// over the bench's largest buffer (`max_bytes`) in `segment` messages.
+    fn measure(world: &World, max_bytes: usize, segment: usize) -> MemoryBound {
+        let n = world.size as usize;
+        let mut rates = [0.0f64; 2];
+        if world.is_root() {
+            let (copy, add) = MemoryBound::measure_memory(max_bytes.max(1 << 20));
+            rates = [copy, add];
+        }
+        crate::watchdog::collective("sharing the memory bound", &world.comm, || world.comm.process_at_rank(0).broadcast_into(&mut rates[..]));
+        // A ring hop at the largest size, in the ring's segments.
+        let transport_gbs = MemoryBound::measure_transport(world, (max_bytes / n).max(1 << 20), segment);
+        MemoryBound { copy_gbs: rates[0], add_gbs: rates[1], transport_gbs }
+    }
+
+    /// Each rate's median over the rounds (None without any).
+    fn median(rounds: &[MemoryBound]) -> Option<MemoryBound> {
+        if rounds.is_empty() {
+            return None;
+        }
+        let of = |f: fn(&MemoryBound) -> f64| median(&mut rounds.iter().map(f).collect::<Vec<_>>());
+        Some(MemoryBound { copy_gbs: of(|b| b.copy_gbs), add_gbs: of(|b| b.add_gbs), transport_gbs: of(|b| b.transport_gbs) })
+    }
+
     /// The bound on busbw (see above).
     fn ring_busbw(&self) -> f64 {
         2.0 / (2.0 / self.copy_gbs + 1.0 / self.add_gbs)
@@ -237,7 +263,6 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         Layout::Resnet50 => resnet50_sizes(),
     };
     let n = world.size as usize;
-    let rank = world.rank as usize;
     let mpi_library = crate::train::mpi_library();
     let date = results::timestamp();
     let config = ExchangeConfig {
@@ -252,131 +277,92 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         zero: 0,
     };
 
-    // The memory bound of a host all-reduce, measured while the other ranks wait.
-    let bound = (device == Device::Cpu && args.dtype == Dtype::F32 && n > 1).then(|| {
-        let max_bytes = counts.iter().max().copied().unwrap_or(0) * elem;
-        let mut rates = [0.0f64; 2];
-        if world.is_root() {
-            let (copy, add) = MemoryBound::measure_memory(max_bytes.max(1 << 20));
-            rates = [copy, add];
-        }
-        crate::watchdog::collective("sharing the memory bound", &world.comm, || world.comm.process_at_rank(0).broadcast_into(&mut rates[..]));
-        // A ring hop at the largest size, in the ring's segments.
-        let transport_gbs = MemoryBound::measure_transport(world, (max_bytes / n).max(1 << 20), (args.segment_kb as usize) << 10);
-        MemoryBound { copy_gbs: rates[0], add_gbs: rates[1], transport_gbs }
-    });
+    let is_host_f32 = device == Device::Cpu && args.dtype == Dtype::F32 && n > 1;
+    let max_bytes = counts.iter().max().copied().unwrap_or(0) * elem;
     if world.is_root() {
+        let rounds = if args.rounds > 1 { format!(", {} rounds in rotated order", args.rounds) } else { String::new() };
         println!(
-            "# hpc-train bench: {n} rank(s) on {} node(s), {mpi_library}, device {}, {} {}, layout {}, median of {} iterations after {} warm-up, {date}",
+            "# hpc-train bench: {n} rank(s) on {} node(s), {mpi_library}, device {}, {} {}, layout {}, median of {} iterations after {} warm-up{rounds}, {date}",
             world.nodes(), device_label(device), args.dtype.name(), if config.cuda_aware { "(CUDA-aware MPI)" } else { "" },
             layout_name(args.layout), args.iters, args.warmup
         );
+    }
+    // Every round measures the bounds and then every strategy, starting one strategy later than
+    // the round before: on a machine whose speed drifts (a shared VM), no strategy always runs
+    // first or last, and each row is the median over all rounds' timed iterations.
+    let k = strategies.len();
+    let mut samples: Vec<Vec<SizeSample>> = vec![vec![SizeSample::default(); counts.len()]; k];
+    let mut bounds: Vec<MemoryBound> = Vec::new();
+    for round in 0..usize::from(args.rounds) {
+        if is_host_f32 {
+            bounds.push(MemoryBound::measure(world, max_bytes, (args.segment_kb as usize) << 10));
+        }
+        for index in (0..k).map(|i| (i + round) % k) {
+            let measured = measure_strategy(world, strategies[index], &config, &counts, &weights, args, device)?;
+            for (sample, new) in samples[index].iter_mut().zip(measured) {
+                sample.add_round(new);
+            }
+        }
+    }
+    let bound = MemoryBound::median(&bounds);
+
+    if world.is_root() {
         println!("#");
         println!("# {:>12} {:>12} {:>8} {:>10} {:>7} {:>11} {:>9} {:>9} {:>7}", "size", "count", "type", "strategy", "tensors", "time", "algbw", "busbw", "#wrong");
         println!("# {:>12} {:>12} {:>8} {:>10} {:>7} {:>11} {:>9} {:>9} {:>7}", "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "");
     }
-    // One strategy at a time, made just before its sizes and finished just after: a strategy's
-    // background thread (Horovod's cycle) must not take the cores while another is measured.
-    let mut busbw_sums = vec![(0.0f64, 0usize); strategies.len()];
+    let mut busbw_sums = vec![(0.0f64, 0usize); k];
     let mut total_wrong = 0u64;
-    let kind = args.dtype.kind();
     for (index, &strategy) in strategies.iter().enumerate() {
-        let mut exchange = world.agree(exchange::build(strategy, world, &config))?;
-        // The ranks whose buffers count in the sum (not dedicated servers').
-        let mine = u8::from(exchange.contributes());
-        let mut flags = vec![0u8; n];
-        world.comm.all_gather_into(&mine, &mut flags[..]);
-        let contributors: Vec<usize> = (0..n).filter(|&r| flags[r] == 1).collect();
-        for &count in &counts {
-            let sizes = if weights.is_empty() { vec![count] } else { split_by_weights(count, &weights) };
-            // The input each run starts from, and the expected result.
-            let pristine: Vec<Tensor> = input_tensors(&sizes, rank, args.verify, args.seed, kind, device)?;
-            world.agree(exchange.prepare(&pristine))?;
-            let reference = mpi_reference(world, &pristine, &contributors, args.verify)?;
-            let mut tensors: Vec<Tensor> = pristine.iter().map(|t| t.copy()).collect();
-            let mut times: Vec<f64> = Vec::with_capacity(args.iters);
-            for iter in 0..args.warmup + args.iters {
-                for (t, p) in tensors.iter_mut().zip(&pristine) {
-                    t.f_copy_(p)?;
-                }
-                exchange::staging::synchronize_device(device);
-                crate::watchdog::collective("the barrier before a timed exchange", &world.comm, || world.comm.barrier());
-                let start = Instant::now();
-                {
-                    let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
-                    exchange.all_reduce(&mut tensors, ReduceOp::Sum)?;
-                }
-                exchange::staging::synchronize_device(device);
-                let local = start.elapsed().as_secs_f64();
-                let mut slowest = 0.0;
-                crate::watchdog::collective("taking the slowest rank's time", &world.comm, || world.comm.all_reduce_into(&local, &mut slowest, SystemOperation::max()));
-                if iter >= args.warmup {
-                    times.push(slowest);
-                }
-            }
-            if args.corrupt_result && rank == 0 {
-                if let Some(t) = tensors.iter_mut().find(|t| t.numel() > 0) {
-                    let mut first = t.f_view([-1])?.f_narrow(0, 0, 1)?;
-                    let _ = first.f_add_scalar_(1.0)?;
-                }
-            }
-            // Ranks whose buffers do not count (dedicated servers) have nothing to check; a
-            // strategy that compresses is held to its wire format's rounding.
-            let wrong_local = if contributors.contains(&rank) {
-                let precision = exchange.wire_dtype().unwrap_or(args.dtype);
-                count_wrong(&tensors, &sizes, &contributors, reference.as_deref(), precision)?
-            } else {
-                0
-            };
-            let mut wrong = 0u64;
-            crate::watchdog::collective("counting wrong elements", &world.comm, || world.comm.all_reduce_into(&wrong_local, &mut wrong, SystemOperation::sum()));
-            total_wrong += wrong;
-            let time = median(&mut times);
+        for (&count, sample) in counts.iter().zip(&mut samples[index]) {
+            total_wrong += sample.wrong;
+            let time = median(&mut sample.times);
             let bytes = count * elem;
             let algbw = if time > 0.0 { bytes as f64 / time / 1e9 } else { 0.0 };
-            let busbw = algbw * exchange.bus_factor();
+            let busbw = algbw * sample.bus_factor;
             if bytes > 0 {
                 busbw_sums[index].0 += busbw;
                 busbw_sums[index].1 += 1;
             }
-            if world.is_root() {
-                println!(
-                    "  {:>12} {:>12} {:>8} {:>10} {:>7} {:>11.2} {:>9.3} {:>9.3} {:>7}",
-                    bytes, count, args.dtype.name(), strategy.name(), sizes.len(), time * 1e6, algbw, busbw, wrong
-                );
-                let row = BenchRow {
-                    size: bytes,
-                    count,
-                    dtype: args.dtype.name(),
-                    strategy: strategy.name().into(),
-                    tensors: sizes.len(),
-                    layout: layout_name(args.layout).into(),
-                    time_us: time * 1e6,
-                    algbw,
-                    busbw,
-                    wrong,
-                    ranks: n,
-                    nodes: world.nodes() as usize,
-                    device: device_label(device),
-                    iters: args.iters,
-                    host: raw::hostname(),
-                    mpi_library: mpi_library.clone(),
-                    git_commit: results::GIT_COMMIT.into(),
-                    date: date.clone(),
-                    memory_bound_busbw: bound.map(|b| b.ring_busbw()),
-                    memory_copy_gbs: bound.map(|b| b.copy_gbs),
-                    memory_add_gbs: bound.map(|b| b.add_gbs),
-                    transport_bound_busbw: bound.map(|b| b.transport_busbw()),
-                    transport_gbs: bound.map(|b| b.transport_gbs),
-                    link_mbit: args.link_mbit,
-                };
-                results::append_json_line(&args.results.join(BENCH_FILE), &row)?;
-                if wrong > 0 {
-                    log::error!("{}: {wrong} wrong element(s) at {count} elements", strategy.name());
-                }
+            if !world.is_root() {
+                continue;
+            }
+            println!(
+                "  {:>12} {:>12} {:>8} {:>10} {:>7} {:>11.2} {:>9.3} {:>9.3} {:>7}",
+                bytes, count, args.dtype.name(), strategy.name(), sample.tensors, time * 1e6, algbw, busbw, sample.wrong
+            );
+            let row = BenchRow {
+                size: bytes,
+                count,
+                dtype: args.dtype.name(),
+                strategy: strategy.name().into(),
+                tensors: sample.tensors,
+                layout: layout_name(args.layout).into(),
+                time_us: time * 1e6,
+                algbw,
+                busbw,
+                wrong: sample.wrong,
+                ranks: n,
+                nodes: world.nodes() as usize,
+                device: device_label(device),
+                iters: args.iters,
+                rounds: usize::from(args.rounds),
+                host: raw::hostname(),
+                mpi_library: mpi_library.clone(),
+                git_commit: results::GIT_COMMIT.into(),
+                date: date.clone(),
+                memory_bound_busbw: bound.map(|b| b.ring_busbw()),
+                memory_copy_gbs: bound.map(|b| b.copy_gbs),
+                memory_add_gbs: bound.map(|b| b.add_gbs),
+                transport_bound_busbw: bound.map(|b| b.transport_busbw()),
+                transport_gbs: bound.map(|b| b.transport_gbs),
+                link_mbit: args.link_mbit,
+            };
+            results::append_json_line(&args.results.join(BENCH_FILE), &row)?;
+            if sample.wrong > 0 {
+                log::error!("{}: {} wrong element(s) at {count} elements", strategy.name(), sample.wrong);
             }
         }
-        exchange.finish(&mut [])?;
     }
     if world.is_root() {
         println!("# Out of bounds values : see #wrong (every rank checks every element)");
@@ -384,8 +370,9 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
             println!("# Avg bus bandwidth    : {:>10} {:.3} GB/s", strategy.name(), if *rows > 0 { sum / *rows as f64 } else { 0.0 });
         }
         if let Some(b) = bound {
+            let of_rounds = if bounds.len() > 1 { format!(" (medians of {} rounds)", bounds.len()) } else { String::new() };
             println!(
-                "# Memory bound         : one core copies {:.2} GB/s and adds {:.2} GB/s: a host all-reduce's busbw is at most {:.3} GB/s",
+                "# Memory bound         : one core copies {:.2} GB/s and adds {:.2} GB/s{of_rounds}: a host all-reduce's busbw is at most {:.3} GB/s",
                 b.copy_gbs, b.add_gbs, b.ring_busbw()
             );
             println!(
@@ -403,6 +390,97 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
     } else {
         Ok(())
     })
+}
+
+/// One strategy's timings and checks at one size, in one round.
+#[derive(Clone, Debug, Default)]
+struct SizeSample {
+    /// The slowest rank's time of each timed iteration, in seconds.
+    times: Vec<f64>,
+    /// Elements wrong on any rank, summed over the ranks.
+    wrong: u64,
+    tensors: usize,
+    bus_factor: f64,
+}
+
+impl SizeSample {
+    /// Pools another round's iterations and wrong elements into this one.
+    fn add_round(&mut self, round: SizeSample) {
+        self.times.extend(round.times);
+        self.wrong += round.wrong;
+        self.tensors = round.tensors;
+        self.bus_factor = round.bus_factor;
+    }
+}
+
+/// One strategy over every size: made just before and finished just after, so that a
+/// strategy's background thread (Horovod's cycle) never takes the cores while another is
+/// measured.
+fn measure_strategy(
+    world: &World,
+    strategy: StrategyKind,
+    config: &ExchangeConfig,
+    counts: &[usize],
+    weights: &[usize],
+    args: &BenchArgs,
+    device: Device,
+) -> Result<Vec<SizeSample>> {
+    let (n, rank) = (world.size as usize, world.rank as usize);
+    let kind = args.dtype.kind();
+    let mut exchange = world.agree(exchange::build(strategy, world, config))?;
+    // The ranks whose buffers count in the sum (not dedicated servers').
+    let mine = u8::from(exchange.contributes());
+    let mut flags = vec![0u8; n];
+    world.comm.all_gather_into(&mine, &mut flags[..]);
+    let contributors: Vec<usize> = (0..n).filter(|&r| flags[r] == 1).collect();
+    let mut samples = Vec::with_capacity(counts.len());
+    for &count in counts {
+        let sizes = if weights.is_empty() { vec![count] } else { split_by_weights(count, weights) };
+        // The input each run starts from, and the expected result.
+        let pristine: Vec<Tensor> = input_tensors(&sizes, rank, args.verify, args.seed, kind, device)?;
+        world.agree(exchange.prepare(&pristine))?;
+        let reference = mpi_reference(world, &pristine, &contributors, args.verify)?;
+        let mut tensors: Vec<Tensor> = pristine.iter().map(|t| t.copy()).collect();
+        let mut times: Vec<f64> = Vec::with_capacity(args.iters);
+        for iter in 0..args.warmup + args.iters {
+            for (t, p) in tensors.iter_mut().zip(&pristine) {
+                t.f_copy_(p)?;
+            }
+            exchange::staging::synchronize_device(device);
+            crate::watchdog::collective("the barrier before a timed exchange", &world.comm, || world.comm.barrier());
+            let start = Instant::now();
+            {
+                let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
+                exchange.all_reduce(&mut tensors, ReduceOp::Sum)?;
+            }
+            exchange::staging::synchronize_device(device);
+            let local = start.elapsed().as_secs_f64();
+            let mut slowest = 0.0;
+            crate::watchdog::collective("taking the slowest rank's time", &world.comm, || world.comm.all_reduce_into(&local, &mut slowest, SystemOperation::max()));
+            if iter >= args.warmup {
+                times.push(slowest);
+            }
+        }
+        if args.corrupt_result && rank == 0 {
+            if let Some(t) = tensors.iter_mut().find(|t| t.numel() > 0) {
+                let mut first = t.f_view([-1])?.f_narrow(0, 0, 1)?;
+                let _ = first.f_add_scalar_(1.0)?;
+            }
+        }
+        // Ranks whose buffers do not count (dedicated servers) have nothing to check; a
+        // strategy that compresses is held to its wire format's rounding.
+        let wrong_local = if contributors.contains(&rank) {
+            let precision = exchange.wire_dtype().unwrap_or(args.dtype);
+            count_wrong(&tensors, &sizes, &contributors, reference.as_deref(), precision)?
+        } else {
+            0
+        };
+        let mut wrong = 0u64;
+        crate::watchdog::collective("counting wrong elements", &world.comm, || world.comm.all_reduce_into(&wrong_local, &mut wrong, SystemOperation::sum()));
+        samples.push(SizeSample { times, wrong, tensors: sizes.len(), bus_factor: exchange.bus_factor() });
+    }
+    exchange.finish(&mut [])?;
+    Ok(samples)
 }
 
 fn input_tensors(sizes: &[usize], rank: usize, verify: Verify, seed: u64, kind: Kind, device: Device) -> Result<Vec<Tensor>> {

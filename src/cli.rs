@@ -223,6 +223,11 @@ pub struct BenchArgs {
     /// Untimed iterations first.
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
+    /// Sweeps over all strategies, each starting one strategy later than the one before; each
+    /// row is the median of every round's timed iterations. On a shared or drifting machine,
+    /// no strategy is then always the one measured first.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub rounds: u16,
     /// Where the buffers live.
     #[arg(long, value_enum, default_value_t = BenchDevice::Cpu)]
     pub device: BenchDevice,

@@ -110,6 +110,31 @@ fn bench_rows_are_recorded() {
 }
 
 #[test]
+fn bench_rounds_pool_into_one_row_per_strategy_and_size() {
+    // Three rounds of two strategies at two sizes: still four rows, each the median of every
+    // round's iterations, in the order the strategies were given (not the rotated order).
+    let dir = scratch("bench-rounds");
+    let run = bench(2, "ring,allreduce", &["--counts", "1000,10", "--rounds", "3"], &dir);
+    assert_all_right(&run, 4);
+    assert!(run.stdout.contains("3 rounds in rotated order"), "{}", run.stdout);
+    let strategies: Vec<&str> = run.stdout.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.split_whitespace().nth(3)).collect();
+    assert_eq!(strategies, ["ring", "ring", "allreduce", "allreduce"]);
+    let text = std::fs::read_to_string(dir.join("bench.jsonl")).unwrap();
+    for line in text.lines() {
+        let row: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert_eq!(row["rounds"], 3, "{row}");
+    }
+    // A wrong element in every round is counted in every round, and fails the run.
+    let run = bench(2, "ring", &["--counts", "1000", "--rounds", "3", "--corrupt-result"], &dir);
+    assert!(!run.ok(), "a corrupted result passed:\n{}", run.all_output());
+    let wrong: Vec<&str> = run.stdout.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).filter_map(|l| l.split_whitespace().last()).collect();
+    assert_eq!(wrong, ["3"], "{}", run.stdout);
+    // Zero rounds is refused by name.
+    let run = bench(2, "ring", &["--counts", "10", "--rounds", "0"], &dir);
+    assert!(!run.ok() && run.all_output().contains("--rounds"), "{}", run.all_output());
+}
+
+#[test]
 fn ring_trains_to_the_same_weights_as_allreduce() {
     let dir = scratch("ring-train");
     let data = synth(&dir, "rt", 90, 0, "1x12x12", 5);
