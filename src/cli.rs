@@ -544,8 +544,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S)]
     pub exchange_timeout_s: f64,
 
-    /// Cost model (JSON, from `hpc-train model fit`) with which `--strategy auto` picks ring or
-    /// rhd per bucket [default: built-in link costs].
+    /// Cost model (JSON, from `hpc-train model fit`) with which `--strategy auto` picks ring,
+    /// rhd or recursive doubling per bucket [default: built-in link costs].
     #[arg(long)]
     pub cost_model: Option<PathBuf>,
 

@@ -67,7 +67,10 @@ impl Layout {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Algorithm {
     Ring,
+    /// Recursive halving (reduce-scatter) and doubling (all-gather): Rabenseifner's.
     Rhd,
+    /// Recursive doubling: every step swaps and adds the whole buffer (short messages).
+    RecursiveDoubling,
     /// Parameter servers: `servers` dedicated ranks serving all the others.
     Ps { servers: usize },
 }
@@ -113,6 +116,19 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64) -> Coeffic
                 c[4] += bytes;
             }
         }
+        Algorithm::RecursiveDoubling => {
+            // The halving's partners and pre- and post-step, the whole buffer at every step.
+            let probe = if n.is_power_of_two() { 0 } else { 1 };
+            let schedule = RhdSchedule::new(1, n, probe);
+            for step in &schedule.halving {
+                add_link(&mut c, !layout.same_node(probe, step.partner), 1.0, bytes);
+                c[4] += bytes;
+            }
+            if let Extra::Absorbs { partner } = schedule.extra {
+                add_link(&mut c, !layout.same_node(probe, partner), 2.0, 2.0 * bytes);
+                c[4] += bytes;
+            }
+        }
         Algorithm::Ps { servers } => {
             // Each server takes W S / K from its workers, sums it, and sends as much back; the
             // servers are the last ranks, on another node when there are several.
@@ -135,10 +151,21 @@ impl CostModel {
         coefficients(algorithm, layout, bytes).iter().zip(self.as_vector()).map(|(c, v)| c * v).sum()
     }
 
-    /// The faster of ring and rhd for `bytes` on `layout`.
+    /// The fastest of the all-reduce algorithms for `bytes` on `layout` (ties to the earlier
+    /// of ring, rhd, recursive doubling).
     pub fn choose(&self, layout: Layout, bytes: f64) -> Algorithm {
-        let (ring, rhd) = (self.predict(Algorithm::Ring, layout, bytes), self.predict(Algorithm::Rhd, layout, bytes));
-        if rhd < ring { Algorithm::Rhd } else { Algorithm::Ring }
+        self.fastest(&[Algorithm::Ring, Algorithm::Rhd, Algorithm::RecursiveDoubling], layout, bytes)
+    }
+
+    /// The fastest of `candidates` (the first on a tie).
+    pub fn fastest(&self, candidates: &[Algorithm], layout: Layout, bytes: f64) -> Algorithm {
+        let mut best = candidates[0];
+        for &a in &candidates[1..] {
+            if self.predict(a, layout, bytes) < self.predict(best, layout, bytes) {
+                best = a;
+            }
+        }
+        best
     }
 
     /// `--cost-model FILE`, or the defaults without one.
@@ -200,15 +227,25 @@ mod tests {
         // Power of two: 2 log2(p) alpha + 2 (p-1)/p S beta + (p-1)/p S gamma.
         let rhd = 2.0 * 3.0 * 1e-5 + 2.0 * 7.0 / 8.0 * s * 1e-9 + 7.0 / 8.0 * s * 5e-10;
         assert!((m.predict(Algorithm::Rhd, layout, s) - rhd).abs() < 1e-9);
+        // Recursive doubling: log2(p) (alpha + S beta + S gamma).
+        let rd = 3.0 * (1e-5 + s * 1e-9 + s * 5e-10);
+        assert!((m.predict(Algorithm::RecursiveDoubling, layout, s) - rd).abs() < 1e-12);
+        // Not a power of two (6 = 4 + 2): the pre- and post-step move the whole buffer.
+        let six = Layout { ranks: 6, per_node: 6 };
+        let rd6 = 2.0 * (1e-5 + s * 1e-9 + s * 5e-10) + 2.0 * (1e-5 + s * 1e-9) + s * 5e-10;
+        assert!((m.predict(Algorithm::RecursiveDoubling, six, s) - rd6).abs() < 1e-12);
         // 2 servers, 6 workers: each server link carries 3 S each way.
         let ps = 2.0 * 1e-5 + 2.0 * 3.0 * s * 1e-9 + 3.0 * s * 5e-10;
         assert!((m.predict(Algorithm::Ps { servers: 2 }, layout, s) - ps).abs() < 1e-12);
     }
 
     #[test]
-    fn small_buffers_go_to_rhd_and_large_ones_to_the_ring_on_the_network() {
+    fn latency_bound_buffers_go_to_doubling_middle_ones_to_rhd_and_large_ones_to_the_ring() {
         let m = CostModel::default();
-        assert_eq!(m.choose(Layout { ranks: 64, per_node: 8 }, 4096.0), Algorithm::Rhd);
+        let cluster = Layout { ranks: 64, per_node: 8 };
+        assert_eq!(m.choose(cluster, 4096.0), Algorithm::RecursiveDoubling);
+        assert_eq!(m.choose(cluster, 4e6), Algorithm::Rhd);
+        assert_eq!(m.fastest(&[Algorithm::Ring, Algorithm::Rhd], cluster, 4096.0), Algorithm::Rhd);
         assert_eq!(m.choose(Layout { ranks: 6, per_node: 6 }, 1e8), Algorithm::Ring, "the extra ranks' whole-buffer hand-over costs rhd");
     }
 

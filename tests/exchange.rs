@@ -241,6 +241,24 @@ fn rhd_and_auto_equal_mpi_allreduce() {
             assert_all_right(&run, 10);
         }
     }
+    // A model where only the message count matters sends every bucket, large ones too, to
+    // recursive doubling (the fewest messages): the short-message algorithm on every path.
+    let doubling = dir.join("messages-only-model.json");
+    let link = serde_json::json!({ "alpha_s": 1.0, "beta_s_per_byte": 0.0 });
+    std::fs::write(&doubling, serde_json::json!({ "intra": link, "inter": link, "gamma_s_per_byte": 0.0 }).to_string()).unwrap();
+    let model = doubling.to_str().unwrap();
+    for ranks in 1..=7 {
+        let run = bench(ranks, "auto", &["--counts", COUNTS, "--verify", "allreduce", "--cost-model", model], &dir);
+        assert_all_right(&run, 5);
+        let run = bench(ranks, "auto", &["--counts", COUNTS, "--cost-model", model], &dir);
+        assert_all_right(&run, 5);
+    }
+    for dtype in ["f16", "bf16"] {
+        for ranks in [3, 4] {
+            let run = bench(ranks, "auto", &["--counts", COUNTS, "--dtype", dtype, "--verify", "allreduce", "--cost-model", model], &dir);
+            assert_all_right(&run, 5);
+        }
+    }
 }
 
 /// rhd and auto train to allreduce's weights, with overlap on and off, and auto records which
@@ -271,6 +289,9 @@ fn rhd_and_auto_train_to_the_same_weights_as_allreduce() {
     }
     let runs = read_runs(&dir);
     let auto = runs.iter().find(|r| r["strategy"] == "auto").unwrap();
-    let buckets = auto["extra"]["auto_ring_buckets"].as_u64().unwrap() + auto["extra"]["auto_rhd_buckets"].as_u64().unwrap();
+    let buckets: u64 = ["ring", "rhd", "doubling"].iter().map(|a| auto["extra"][format!("auto_{a}_buckets")].as_u64().unwrap()).sum();
     assert!(buckets > 0, "{auto}");
+    // The tiny CNN's 1 KB buckets are latency-bound: the default model sends them to recursive
+    // doubling.
+    assert!(auto["extra"]["auto_doubling_buckets"].as_u64().unwrap() > 0, "{auto}");
 }

@@ -1,6 +1,7 @@
-//! `auto`: each bucket goes to the ring or to recursive halving-doubling, whichever the cost
-//! model predicts faster for its size on this layout (as NCCL's tuner picks between ring and
-//! tree). Neither algorithm knows this file exists: it packs the buckets, stages them like the
+//! `auto`: each bucket goes to the ring, to recursive halving-doubling or (short buckets) to
+//! recursive doubling, whichever the cost model predicts fastest for its size on this layout
+//! (as NCCL's tuner picks between ring and tree, and MPICH between its short- and
+//! long-message algorithms). Neither algorithm knows this file exists: it packs the buckets, stages them like the
 //! others, and hands each one to the chosen algorithm's flat reduction.
 
 use std::ops::Range;
@@ -27,8 +28,8 @@ pub struct Auto {
     path: DataPath,
     fusion: Fusion,
     staging: Staging,
-    /// Buckets sent to each algorithm so far (ring, rhd).
-    chosen: [u64; 2],
+    /// Buckets sent to each algorithm so far (ring, rhd, recursive doubling).
+    chosen: [u64; 3],
 }
 
 impl Auto {
@@ -42,7 +43,7 @@ impl Auto {
             path: DataPath::choose(config.device, config.cuda_aware),
             fusion: Fusion::new(config.bucket_bytes, None),
             staging: Staging::new(),
-            chosen: [0; 2],
+            chosen: [0; 3],
         })
     }
 }
@@ -55,10 +56,8 @@ impl Auto {
         if !crate::exchange::rhd::zero_shards_balance(self.layout.ranks) {
             return Algorithm::Ring;
         }
-        match self.model.choose(self.layout, (len * dtype.size()) as f64) {
-            Algorithm::Rhd => Algorithm::Rhd,
-            _ => Algorithm::Ring,
-        }
+        // Recursive doubling leaves every rank the whole sum, not a shard: not a candidate.
+        self.model.fastest(&[Algorithm::Ring, Algorithm::Rhd], self.layout, (len * dtype.size()) as f64)
     }
 }
 
@@ -119,6 +118,10 @@ impl Exchange for Auto {
                     chosen[1] += 1;
                     rhd.reduce_flat(bucket, dtype, op)
                 }
+                Algorithm::RecursiveDoubling => {
+                    chosen[2] += 1;
+                    rhd.reduce_flat_doubling(bucket, dtype, op)
+                }
                 _ => {
                     chosen[0] += 1;
                     ring.reduce_flat(bucket, dtype, op)
@@ -131,6 +134,7 @@ impl Exchange for Auto {
         let mut extra = serde_json::Map::new();
         extra.insert("auto_ring_buckets".into(), self.chosen[0].into());
         extra.insert("auto_rhd_buckets".into(), self.chosen[1].into());
+        extra.insert("auto_doubling_buckets".into(), self.chosen[2].into());
         self.staging.report(self.path, extra)
     }
 }

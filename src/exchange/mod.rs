@@ -6,8 +6,9 @@
 //! - [`ring`]: a ring all-reduce (reduce-scatter then all-gather) on point-to-point calls;
 //! - [`ps`]: parameter servers on point-to-point calls, synchronous or asynchronous;
 //! - [`horovod`]: a Horovod-style background cycle with negotiation and tensor fusion;
-//! - [`rhd`]: recursive halving-doubling on point-to-point calls; [`auto`]: ring or rhd per
-//!   bucket, from the cost model;
+//! - [`rhd`]: recursive halving-doubling (and recursive doubling for short buckets) on
+//!   point-to-point calls; [`auto`]: ring, rhd or recursive doubling per bucket, from the cost
+//!   model;
 //! - [`zero`]: `--zero 1|2`, ZeRO's sharded optimizer on the reduce-scatter and all-gather of
 //!   ring, rhd or auto (wraps them).
 //!

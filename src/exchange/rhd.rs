@@ -8,6 +8,11 @@
 //! buffer, as in a ring, but in 2 log2(p) steps instead of 2(n-1): the latency term that makes
 //! a ring slow for small buffers on many ranks.
 //!
+//! Recursive doubling, MPICH's algorithm for short messages, lives here too: the same partners
+//! and the same pre- and post-step, but every step swaps the whole buffer and adds it, so
+//! log2(p) messages instead of 2 log2(p), each of the whole size. `auto` hands it the buckets
+//! whose time the per-message latency dominates.
+//!
 //! Other rank counts take the usual pre- and post-step: of the first 2r ranks (r = n - p), each
 //! even rank hands its whole buffer to the odd rank after it and waits; the odd ranks and the
 //! ranks from 2r on (p of them) run the algorithm; the odd ranks then hand the result back.
@@ -190,6 +195,103 @@ impl Halving {
         Ok(())
     }
 
+    /// Recursive doubling on a host buffer, in place: the pre-step, log2(p) swaps of the whole
+    /// buffer with the halving's partners, each followed by an add, the mean, the post-step.
+    /// Partners add the same two partial sums in opposite order, and IEEE addition is
+    /// commutative, so every rank ends with the same bits.
+    fn doubling_host<E: Element>(&mut self, buf: &mut [E], op: ReduceOp) -> Result<()> {
+        if self.n == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        let len = buf.len();
+        let schedule = RhdSchedule::new(len, self.n, self.rank);
+        let words = (len * std::mem::size_of::<E>()).div_ceil(4);
+        if self.scratch.len() < words {
+            self.scratch.resize(words, 0);
+        }
+        let incoming: &mut [E] = &mut bytemuck::cast_slice_mut(&mut self.scratch[..words])[..len];
+        match schedule.extra {
+            Extra::SitsOut { partner } => {
+                let peer = self.comm.process_at_rank(partner as i32);
+                peer.send(bytemuck::cast_slice::<E, E::Wire>(buf));
+                peer.receive_into(E::as_wire_mut(buf));
+                crate::watchdog::progress();
+                return Ok(());
+            }
+            Extra::Absorbs { partner } => {
+                self.comm.process_at_rank(partner as i32).receive_into(E::as_wire_mut(incoming));
+                accumulate(buf, incoming);
+                crate::watchdog::progress();
+            }
+            Extra::None => {}
+        }
+        for step in &schedule.halving {
+            swap_host(&self.comm, self.segment_bytes, step.partner, buf, incoming);
+            accumulate(buf, incoming);
+        }
+        if op == ReduceOp::Mean {
+            let f = 1.0 / self.n as f32;
+            buf.iter_mut().for_each(|v| *v = E::from_f32(v.to_f32() * f));
+        }
+        if let Extra::Absorbs { partner } = schedule.extra {
+            self.comm.process_at_rank(partner as i32).send(bytemuck::cast_slice::<E, E::Wire>(buf));
+            crate::watchdog::progress();
+        }
+        Ok(())
+    }
+
+    /// Recursive doubling on a device buffer (CUDA-aware MPI, additions on the GPU).
+    fn doubling_device<E: Element>(&mut self, bucket: &mut Tensor, op: ReduceOp) -> Result<()> {
+        let len = bucket.numel();
+        if self.n == 1 || len == 0 {
+            return Ok(());
+        }
+        let schedule = RhdSchedule::new(len, self.n, self.rank);
+        if self.device_scratch.as_ref().is_none_or(|t| t.numel() < len || t.kind() != bucket.kind() || t.device() != bucket.device()) {
+            self.device_scratch = Some(Tensor::f_empty([len as i64], (bucket.kind(), bucket.device()))?);
+        }
+        let device = bucket.device();
+        let mut incoming = self.device_scratch.as_ref().expect("made above").narrow(0, 0, len as i64);
+        match schedule.extra {
+            Extra::SitsOut { partner } => {
+                self.swap_device::<E>(partner, Some(&mut bucket.shallow_clone()), None)?;
+                self.swap_device::<E>(partner, None, Some(&mut bucket.shallow_clone()))?;
+                return Ok(());
+            }
+            Extra::Absorbs { partner } => {
+                self.swap_device::<E>(partner, None, Some(&mut incoming))?;
+                let _ = bucket.f_add_(&incoming)?;
+                wait_for_stream(device)?;
+            }
+            Extra::None => {}
+        }
+        for step in &schedule.halving {
+            self.swap_device::<E>(step.partner, Some(&mut bucket.shallow_clone()), Some(&mut incoming))?;
+            let _ = bucket.f_add_(&incoming)?;
+            wait_for_stream(device)?;
+        }
+        if op == ReduceOp::Mean {
+            let _ = bucket.f_mul_scalar_(1.0 / self.n as f64)?;
+            wait_for_stream(device)?;
+        }
+        if let Extra::Absorbs { partner } = schedule.extra {
+            self.swap_device::<E>(partner, Some(&mut bucket.shallow_clone()), None)?;
+        }
+        Ok(())
+    }
+
+    fn all_reduce_doubling(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+        crate::with_element!(dtype, E => {
+            if bucket.device().is_cuda() {
+                self.doubling_device::<E>(bucket, op)
+            } else {
+                // SAFETY: as in run_phases: a buffer of this exchange's, or the flat view of a
+                // gradient whose backward is done; nothing else touches it meanwhile.
+                self.doubling_host::<E>(unsafe { raw::host_slice_mut::<E>(bucket)? }, op)
+            }
+        })
+    }
+
     /// With a CUDA-aware MPI: device pointers go to MPI, additions run on the GPU.
     fn run_device<E: Element>(&mut self, bucket: &mut Tensor, op: ReduceOp, phases: Phases) -> Result<()> {
         let len = bucket.numel();
@@ -327,6 +429,11 @@ impl RhdAllreduce {
     pub fn reduce_flat(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
         self.halving.all_reduce(bucket, dtype, op)
     }
+
+    /// The same bucket by recursive doubling (short messages; see the module's notes).
+    pub fn reduce_flat_doubling(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+        self.halving.all_reduce_doubling(bucket, dtype, op)
+    }
 }
 
 impl Exchange for RhdAllreduce {
@@ -437,6 +544,51 @@ mod tests {
                 for (r, out) in simulate(&inputs).into_iter().enumerate() {
                     assert_eq!(out, expected, "n {n} len {len} rank {r}");
                 }
+            }
+        }
+    }
+
+    /// Recursive doubling on in-memory f32 buffers, as `doubling_host` moves them.
+    fn simulate_doubling(inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        let n = inputs.len();
+        let mut bufs = inputs.to_vec();
+        let s: Vec<RhdSchedule> = (0..n).map(|r| RhdSchedule::new(1, n, r)).collect();
+        for r in 0..n {
+            if let Extra::Absorbs { partner } = s[r].extra {
+                let theirs = bufs[partner].clone();
+                bufs[r].iter_mut().zip(&theirs).for_each(|(a, b)| *a += b);
+            }
+        }
+        for k in 0..s.iter().map(|x| x.halving.len()).max().unwrap_or(0) {
+            let before = bufs.clone();
+            for r in 0..n {
+                if let Some(st) = s[r].halving.get(k) {
+                    assert_eq!(s[st.partner].halving[k].partner, r, "partners step together");
+                    bufs[r].iter_mut().zip(&before[st.partner]).for_each(|(a, b)| *a += b);
+                }
+            }
+        }
+        for r in 0..n {
+            if let Extra::SitsOut { partner } = s[r].extra {
+                bufs[r] = bufs[partner].clone();
+            }
+        }
+        bufs
+    }
+
+    #[test]
+    fn recursive_doubling_leaves_every_rank_the_same_bits() {
+        // Values whose f32 sums round differently in different orders: every rank must still
+        // hold the same bits (partners add the same partial sums, in opposite order).
+        for n in 1..=9 {
+            let inputs: Vec<Vec<f32>> = (0..n).map(|r| (0..50).map(|i| ((r * 7919 + i * 104729) % 1000) as f32 * 1.37e-3 + 1e3 * (i % 3) as f32).collect()).collect();
+            let out = simulate_doubling(&inputs);
+            for r in 1..n {
+                assert_eq!(out[r].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), out[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "n {n} rank {r}");
+            }
+            for (i, v) in out[0].iter().enumerate() {
+                let exact: f64 = inputs.iter().map(|b| b[i] as f64).sum();
+                assert!((*v as f64 - exact).abs() <= 1e-5 * exact.abs().max(1.0), "n {n} element {i}: {v} against {exact}");
             }
         }
     }
