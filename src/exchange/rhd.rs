@@ -205,7 +205,7 @@ impl Halving {
         }
         let len = buf.len();
         let schedule = RhdSchedule::new(len, self.n, self.rank);
-        let words = (len * std::mem::size_of::<E>()).div_ceil(4);
+        let words = std::mem::size_of_val(buf).div_ceil(4);
         if self.scratch.len() < words {
             self.scratch.resize(words, 0);
         }
