@@ -15,10 +15,18 @@ stamp() { echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), $(nproc) cores,
 # One rank per core when they fit (Open MPI binds them), unbound when oversubscribed.
 mpi() { local n=$1 bin=$2; shift 2; mpirun -n "$n" --oversubscribe "$bin" "$@"; }
 
+# Rounds: every strategy measured in turn, the first one changing from round to round, each row
+# pooled over the rounds (this VM's speed drifts by tens of percent within minutes).
 { stamp "bench, 2 ranks, one tensor, ring and rhd against MPI_Allreduce and the memory bound"
-  mpi 2 "$B" bench --strategies ring,rhd,auto,allreduce --min-bytes 1M --max-bytes 64M --factor 4 --iters 20 --warmup 3 --results "$R"; } 2>&1 | tee "$R/bench-2-ranks.txt"
-{ stamp "bench, 4 ranks (oversubscribed), auto against MPI_Allreduce"
-  mpi 4 "$B" bench --strategies auto,rhd,ring,allreduce --min-bytes 4K --max-bytes 16M --factor 4 --iters 20 --warmup 3 --results "$R"; } 2>&1 | tee "$R/bench-4-ranks.txt"
+  mpi 2 "$B" bench --strategies ring,rhd,auto,allreduce --min-bytes 1M --max-bytes 64M --factor 4 --iters 10 --warmup 2 --rounds 5 --results "$R"; } 2>&1 | tee "$R/bench-2-ranks.txt"
+# auto chooses with the model fitted to this layout's own ring and rhd rows, as a user would run
+# it (`hpc-train model fit`, then --cost-model).
+rm -rf "$R/fit-4-ranks" && mkdir -p "$R/fit-4-ranks"
+{ stamp "bench, 4 ranks (oversubscribed), ring and rhd for the cost model; the fit"
+  mpi 4 "$B" bench --strategies ring,rhd --min-bytes 4K --max-bytes 16M --factor 4 --iters 20 --warmup 3 --rounds 3 --results "$R/fit-4-ranks"
+  "$B" model fit --bench "$R/fit-4-ranks/bench.jsonl" --out "$R/cost-model-4-ranks.json"; } 2>&1 | tee "$R/fit-4-ranks.txt"
+{ stamp "bench, 4 ranks (oversubscribed), auto (fitted model) against MPI_Allreduce"
+  mpi 4 "$B" bench --strategies auto,rhd,ring,allreduce --min-bytes 4K --max-bytes 16M --factor 4 --iters 20 --warmup 3 --rounds 5 --cost-model "$R/cost-model-4-ranks.json" --results "$R"; } 2>&1 | tee "$R/bench-4-ranks.txt"
 { stamp "bench, 2 ranks, ResNet-50's 161 tensors: Horovod-style against MPI_Allreduce"
   mpi 2 "$B" bench --strategies horovod,allreduce --layout resnet50 --min-bytes 1M --max-bytes 128M --factor 4 --iters 10 --warmup 3 --results "$R"; } 2>&1 | tee "$R/bench-2-ranks-resnet50-horovod.txt"
 for bin in ${HPC_TRAIN_BEFORE:-} "$B"; do
