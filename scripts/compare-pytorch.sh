@@ -20,7 +20,7 @@
 #   3  tiny CNN, 2 ranks x batch 32, 1 thread each: hpc-train allreduce and ring, overlap on and
 #        off, against PyTorch DDP (gloo on 127.0.0.1)
 #   4  ResNet-18 3x128x128, 2 ranks x batch 16, 1 thread each: the same five
-#   5  ResNet-50, synthetic 3x64x64, 2 ranks x batch 16, 1 thread each: hpc-train allreduce
+#   5  ResNet-50, synthetic 3x64x64, 2 ranks x batch 16, 1 thread each: hpc-train allreduce and ring,
 #        overlap on / off, and DDP
 # Every configuration runs --reps times, the order rotated each repetition (the machine is
 # noisy); the table gives medians and the min-max spread.
@@ -144,7 +144,7 @@ row_defs=(
     "2|resnet18|$R18_DATA|1|16|2|$r18_1_steps|allreduce:on allreduce:off torch|0.97|ResNet-18, synthetic 3x128x128"
     "3|tiny|$FASHION|2|32|1|$tiny_steps|allreduce:on allreduce:off ring:on ring:off torch|0.97|tiny CNN, Fashion-MNIST 1x28x28"
     "4|resnet18|$R18_DATA|2|16|1|$r18_2_steps|allreduce:on allreduce:off ring:on ring:off torch|0.97|ResNet-18, synthetic 3x128x128"
-    "5|resnet50|$R50_DATA|2|16|1|$r50_steps|allreduce:on allreduce:off torch|faster|ResNet-50, synthetic 3x64x64"
+    "5|resnet50|$R50_DATA|2|16|1|$r50_steps|allreduce:on allreduce:off ring:on ring:off torch|faster|ResNet-50, synthetic 3x64x64"
 )
 
 rm -rf "$raw_dir"
