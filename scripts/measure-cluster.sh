@@ -51,5 +51,5 @@ done
 # Rows within one node (results/speed, the same machine) give the node's own links.
 cat results/speed/bench.jsonl "$R/bench.jsonl" > "$C/all-bench.jsonl"
 for mbit in 1000 10000; do
-    "$B" model fit --bench "$C/all-bench.jsonl" --link-mbit "$mbit" --servers 1 --out "$R/cost-model-${mbit}mbit.json" | tee "$R/logs/fit-${mbit}mbit.txt"
+    "$B" model fit --bench "$C/all-bench.jsonl" --link-mbit "$mbit" --servers 1 --nics-per-node 1 --out "$R/cost-model-${mbit}mbit.json" | tee "$R/logs/fit-${mbit}mbit.txt"
 done

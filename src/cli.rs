@@ -67,6 +67,11 @@ pub struct FitArgs {
     /// Parameter servers in the ps rows (as bench --servers).
     #[arg(long, default_value_t = 1)]
     pub servers: usize,
+    /// Network links per node in the rows across nodes: the node's ranks that cross the network
+    /// in the same step share them (rhd's steps between nodes; the node-aware ring crosses with
+    /// one flow each way). Written into the model. [default: a link per rank]
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub nics_per_node: Option<u16>,
     /// Horovod cycle time of the horovod rows (as bench --cycle-time-ms).
     #[arg(long, default_value_t = 1.0)]
     pub cycle_time_ms: f64,

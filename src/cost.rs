@@ -31,6 +31,11 @@ pub struct CostModel {
     pub inter: LinkCost,
     /// Time per byte added into a buffer.
     pub gamma_s_per_byte: f64,
+    /// Network links (NICs) per node: the ranks of a node that cross the network in the same
+    /// step share them. None: a link per rank (rail-optimized GPU nodes; models fitted before
+    /// this field).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nics_per_node: Option<usize>,
 }
 
 impl Default for CostModel {
@@ -42,6 +47,7 @@ impl Default for CostModel {
             intra: LinkCost { alpha_s: 2e-6, beta_s_per_byte: 1.0 / 5e9 },
             inter: LinkCost { alpha_s: 30e-6, beta_s_per_byte: 1.0 / 1.25e9 },
             gamma_s_per_byte: 1.0 / 5e9,
+            nics_per_node: None,
         }
     }
 }
@@ -84,8 +90,15 @@ fn add_link(c: &mut Coefficients, crosses: bool, messages: f64, bytes: f64) {
     c[at + 1] += bytes;
 }
 
-/// The time of `algorithm` for `bytes` on `layout`, as coefficients of the unknowns.
-pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64) -> Coefficients {
+/// How many times slower each flow is when `flows` ranks of a node cross the network at once
+/// over its `nics` links (None: a link per rank).
+fn sharing(flows: usize, nics: Option<usize>) -> f64 {
+    nics.map_or(1.0, |k| flows.div_ceil(k.max(1)).max(1) as f64)
+}
+
+/// The time of `algorithm` for `bytes` on `layout`, as coefficients of the unknowns, with
+/// `nics` network links per node (see [`CostModel::nics_per_node`]).
+pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Option<usize>) -> Coefficients {
     let mut c = [0.0; 5];
     let n = layout.ranks;
     if n <= 1 {
@@ -94,7 +107,8 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64) -> Coeffic
     match algorithm {
         Algorithm::Ring => {
             // 2(n-1) steps of S/n bytes, (n-1) S/n added; the node-aware ring crosses the
-            // network at two links per node, which then set every step's pace.
+            // network at two links per node (one flow each way), which then set every step's
+            // pace.
             let nf = n as f64;
             add_link(&mut c, layout.nodes() > 1, 2.0 * (nf - 1.0), 2.0 * (nf - 1.0) / nf * bytes);
             c[4] += (nf - 1.0) / nf * bytes;
@@ -102,13 +116,18 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64) -> Coeffic
         Algorithm::Rhd => {
             // Every member of the power-of-two group takes every step; rank 1 is one of them in
             // every layout (it absorbs rank 0 when the count is not a power of two).
+            // A step that crosses nodes sends from every rank of a node at once (node-major
+            // numbering: the partner of each is on the other node), sharing the node's links.
             let probe = if n.is_power_of_two() { 0 } else { 1 };
             let unit = 1usize << 20;
             let schedule = RhdSchedule::new(unit, n, probe);
+            let crossing_share = sharing(layout.per_node.min(n), nics);
             for step in &schedule.halving {
                 let part = step.recv.len() as f64 / unit as f64 * bytes;
+                let crosses = !layout.same_node(probe, step.partner);
+                let share = if crosses { crossing_share } else { 1.0 };
                 // The halving step and its mirror in the doubling, same partner, same size.
-                add_link(&mut c, !layout.same_node(probe, step.partner), 2.0, 2.0 * part);
+                add_link(&mut c, crosses, 2.0, 2.0 * part * share);
                 c[4] += part;
             }
             if let Extra::Absorbs { partner } = schedule.extra {
@@ -120,8 +139,10 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64) -> Coeffic
             // The halving's partners and pre- and post-step, the whole buffer at every step.
             let probe = if n.is_power_of_two() { 0 } else { 1 };
             let schedule = RhdSchedule::new(1, n, probe);
+            let crossing_share = sharing(layout.per_node.min(n), nics);
             for step in &schedule.halving {
-                add_link(&mut c, !layout.same_node(probe, step.partner), 1.0, bytes);
+                let crosses = !layout.same_node(probe, step.partner);
+                add_link(&mut c, crosses, 1.0, bytes * if crosses { crossing_share } else { 1.0 });
                 c[4] += bytes;
             }
             if let Extra::Absorbs { partner } = schedule.extra {
@@ -148,7 +169,7 @@ impl CostModel {
 
     /// Predicted seconds of `algorithm` for `bytes` on `layout`.
     pub fn predict(&self, algorithm: Algorithm, layout: Layout, bytes: f64) -> f64 {
-        coefficients(algorithm, layout, bytes).iter().zip(self.as_vector()).map(|(c, v)| c * v).sum()
+        coefficients(algorithm, layout, bytes, self.nics_per_node).iter().zip(self.as_vector()).map(|(c, v)| c * v).sum()
     }
 
     /// The fastest of the all-reduce algorithms for `bytes` on `layout` (ties to the earlier
@@ -214,7 +235,7 @@ mod tests {
 
     fn one_link(alpha: f64, beta: f64, gamma: f64) -> CostModel {
         let l = LinkCost { alpha_s: alpha, beta_s_per_byte: beta };
-        CostModel { intra: l, inter: l, gamma_s_per_byte: gamma }
+        CostModel { intra: l, inter: l, gamma_s_per_byte: gamma, nics_per_node: None }
     }
 
     #[test]
@@ -250,12 +271,31 @@ mod tests {
     }
 
     #[test]
+    fn ranks_crossing_the_network_at_once_share_the_nodes_links() {
+        let own = CostModel { inter: LinkCost { alpha_s: 0.0, beta_s_per_byte: 1e-9 }, intra: LinkCost { alpha_s: 0.0, beta_s_per_byte: 0.0 }, gamma_s_per_byte: 0.0, nics_per_node: None };
+        let one_nic = CostModel { nics_per_node: Some(1), ..own };
+        let two_nodes = Layout { ranks: 8, per_node: 4 };
+        let s = 1e6;
+        // rhd's first step pairs every rank with one on the other node: 4 flows over one link.
+        let first = 2.0 * s / 2.0 * 1e-9;
+        let (alone, shared) = (own.predict(Algorithm::Rhd, two_nodes, s), one_nic.predict(Algorithm::Rhd, two_nodes, s));
+        assert!((shared - alone - 3.0 * first).abs() < 1e-12, "{alone} {shared}");
+        let (alone, shared) = (own.predict(Algorithm::RecursiveDoubling, two_nodes, s), one_nic.predict(Algorithm::RecursiveDoubling, two_nodes, s));
+        assert!((shared - 4.0 * alone).abs() < 1e-12, "{alone} {shared}");
+        // The node-aware ring crosses with one flow each way: no sharing.
+        assert_eq!(own.predict(Algorithm::Ring, two_nodes, s), one_nic.predict(Algorithm::Ring, two_nodes, s));
+        // Four links for four ranks: as good as a link per rank.
+        let four = CostModel { nics_per_node: Some(4), ..own };
+        assert_eq!(own.predict(Algorithm::Rhd, two_nodes, s), four.predict(Algorithm::Rhd, two_nodes, s));
+    }
+
+    #[test]
     fn the_fit_recovers_known_costs() {
         let (alpha, beta) = (3e-6, 2e-10);
         let rows: Vec<(f64, f64, f64, f64)> = [1e3, 1e5, 1e6, 1e7]
             .iter()
             .map(|&s| {
-                let c = coefficients(Algorithm::Ring, Layout { ranks: 4, per_node: 4 }, s);
+                let c = coefficients(Algorithm::Ring, Layout { ranks: 4, per_node: 4 }, s, None);
                 let t = c[0] * alpha + c[1] * beta;
                 (c[0], c[1], t, 1.0 / t)
             })

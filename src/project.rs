@@ -109,7 +109,7 @@ pub fn fit(args: &FitArgs) -> Result<()> {
         rows.iter()
             .filter(|r| (r.nodes > 1) == inter && matches!(r.strategy.as_str(), "ring" | "rhd"))
             .map(|r| {
-                let c = coefficients(algorithm_of(&r.strategy, 1).expect("ring or rhd"), r.layout(), r.size as f64);
+                let c = coefficients(algorithm_of(&r.strategy, 1).expect("ring or rhd"), r.layout(), r.size as f64, args.nics_per_node.map(usize::from));
                 let t = r.time_us * 1e-6;
                 let known = c[4] * gamma + if inter { c[0] * fixed.intra.alpha_s + c[1] * fixed.intra.beta_s_per_byte } else { 0.0 };
                 let (a, b) = if inter { (c[2], c[3]) } else { (c[0], c[1]) };
@@ -117,7 +117,7 @@ pub fn fit(args: &FitArgs) -> Result<()> {
             })
             .collect()
     };
-    let mut model = CostModel { gamma_s_per_byte: gamma, ..CostModel::default() };
+    let mut model = CostModel { gamma_s_per_byte: gamma, nics_per_node: args.nics_per_node.map(usize::from), ..CostModel::default() };
     let intra = fit_two(&fit_rows(false, &model)).ok_or_else(|| Error::usage("no ring or rhd rows within one node to fit the node's links"))?;
     model.intra = LinkCost { alpha_s: intra.0, beta_s_per_byte: intra.1 };
     match fit_two(&fit_rows(true, &model)) {
@@ -157,6 +157,10 @@ fn print_fit(model: &CostModel, residuals: &[Residual]) {
         println!("#   {name:<14} alpha {:>8.2}  bandwidth {:>7.3}", l.alpha_s * 1e6, 1e-9 / l.beta_s_per_byte.max(1e-30));
     }
     println!("#   adds {:.3} GB/s", 1e-9 / model.gamma_s_per_byte);
+    match model.nics_per_node {
+        Some(k) => println!("#   {k} network link(s) per node, shared by the node's ranks crossing at once"),
+        None => println!("#   a network link per rank"),
+    }
     println!("# {:>10} {:>6} {:>6} {:>12} {:>12} {:>12} {:>8}", "strategy", "ranks", "nodes", "size (B)", "measured us", "predicted", "error %");
     for r in residuals {
         println!(
@@ -180,6 +184,9 @@ struct Profile {
     intra: Option<ProfileLink>,
     inter: Option<ProfileLink>,
     add_gbs: Option<f64>,
+    /// Network links per node, shared by the node's ranks that cross at once (absent: one per
+    /// rank). A fitted model carries its own.
+    nics_per_node: Option<usize>,
     #[serde(default = "default_cycle_ms")]
     horovod_cycle_ms: f64,
 }
@@ -212,7 +219,7 @@ impl Profile {
         };
         let (intra, inter) = (link(&self.intra, "intra")?, link(&self.inter, "inter")?);
         let add = self.add_gbs.ok_or_else(|| Error::usage(format!("profile {}: no add_gbs", self.name)))?;
-        Ok(CostModel { intra, inter, gamma_s_per_byte: 1.0 / (add * 1e9) })
+        Ok(CostModel { intra, inter, gamma_s_per_byte: 1.0 / (add * 1e9), nics_per_node: self.nics_per_node })
     }
 }
 

@@ -6,8 +6,9 @@ mod common;
 use common::*;
 
 /// Bench rows as `hpc-train bench` writes them, timed by the closed forms with known costs:
-/// within a node alpha 4 us, 2 GB/s; between nodes 50 us, 0.1 GB/s; adds at 3 GB/s.
-fn synthetic_rows() -> String {
+/// within a node alpha 4 us, 2 GB/s; between nodes 50 us, 0.1 GB/s; adds at 3 GB/s. With
+/// `nics_per_node`, rhd's ranks crossing the network at once share that many links per node.
+fn synthetic_rows(nics_per_node: Option<usize>) -> String {
     let (ai, bi, ae, be, g) = (4e-6, 1.0 / 2e9, 50e-6, 1.0 / 0.1e9, 1.0 / 3e9);
     let mut out = String::new();
     for (ranks, nodes) in [(2usize, 1usize), (4, 1), (2, 2), (4, 2)] {
@@ -24,7 +25,11 @@ fn synthetic_rows() -> String {
             while mask > 0 {
                 let crosses = nodes > 1 && mask >= ranks / nodes;
                 let (a, b) = if crosses { (ae, be) } else { (ai, bi) };
-                rhd += 2.0 * (a + part * b) + part * g;
+                let share = match nics_per_node {
+                    Some(k) if crosses => (ranks / nodes).div_ceil(k) as f64,
+                    _ => 1.0,
+                };
+                rhd += 2.0 * (a + part * b * share) + part * g;
                 part /= 2.0;
                 mask /= 2;
             }
@@ -44,7 +49,7 @@ fn synthetic_rows() -> String {
 fn the_fit_recovers_known_link_costs_and_the_projection_validates_against_them() {
     let dir = scratch("projection");
     let bench = dir.join("bench.jsonl");
-    std::fs::write(&bench, synthetic_rows()).unwrap();
+    std::fs::write(&bench, synthetic_rows(None)).unwrap();
     let model = dir.join("model.json");
     let run = hpc_train(&["model", "fit", "--bench", bench.to_str().unwrap(), "--out", model.to_str().unwrap()]).expect_ok();
     assert!(run.stdout.contains("median |error| 0.0%"), "{}", run.stdout);
@@ -75,4 +80,30 @@ fn the_fit_recovers_known_link_costs_and_the_projection_validates_against_them()
     std::fs::write(&profile, "name = \"bad\"\nranks_per_node = 8\n").unwrap();
     let run = hpc_train(&["project", "--profile", profile.to_str().unwrap(), "--compute-ms", "1", "--out", out.to_str().unwrap()]);
     assert!(!run.ok() && run.all_output().contains("profile bad: no [intra] link"), "{}", run.all_output());
+}
+
+#[test]
+fn the_fit_knows_ranks_that_share_a_nodes_link() {
+    // Rows made with one link per node (rhd's 2 ranks per node crossing at once at half rate):
+    // fitted with --nics-per-node 1 the costs come back exactly, and the model file says so;
+    // fitted as if every rank had its own link, they do not.
+    let dir = scratch("projection-nics");
+    let bench = dir.join("bench.jsonl");
+    std::fs::write(&bench, synthetic_rows(Some(1))).unwrap();
+    let model = dir.join("model.json");
+    let fit = |extra: &[&str]| {
+        let mut args = vec!["model", "fit", "--bench", bench.to_str().unwrap(), "--out", model.to_str().unwrap()];
+        args.extend(extra);
+        hpc_train(&args).expect_ok()
+    };
+    let run = fit(&["--nics-per-node", "1"]);
+    assert!(run.stdout.contains("median |error| 0.0%") && run.stdout.contains("1 network link(s) per node"), "{}", run.stdout);
+    let fitted: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&model).unwrap()).unwrap();
+    assert_eq!(fitted["model"]["nics_per_node"], 1, "{fitted}");
+    let beta = fitted["model"]["inter"]["beta_s_per_byte"].as_f64().unwrap();
+    assert!((beta - 1e-8).abs() / 1e-8 < 1e-3, "{beta}");
+    let run = fit(&[]);
+    assert!(!run.stdout.contains("median |error| 0.0%"), "{}", run.stdout);
+    let run = hpc_train(&["model", "fit", "--bench", bench.to_str().unwrap(), "--out", model.to_str().unwrap(), "--nics-per-node", "0"]);
+    assert!(!run.ok() && run.all_output().contains("--nics-per-node"), "{}", run.all_output());
 }
