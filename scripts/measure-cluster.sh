@@ -5,7 +5,8 @@
 #      Mbit/s, 1-64 MiB, every strategy, rows tagged with --link-mbit;
 #   2. a weak-scaling ResNet-18 study over 1, 2 and 4 nodes (1 rank each) at 1,000 Mbit/s, and
 #      its report;
-#   3. the cost model fitted per link rate, and its predictions checked against every row.
+#   3. the cost model fitted per link rate, and its predictions checked against every row
+#      (scripts/fit-cluster.sh, which can also be run alone on the recorded rows).
 #   scripts/measure-cluster.sh
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -47,9 +48,6 @@ for nodes in 1 2 4; do
 done
 "$B" report --input "$R/runs.jsonl" --study cluster-weak-1gbit --out "$R/report"
 
-# The cost model per link rate, and every row against its prediction.
-# Rows within one node (results/speed, the same machine) give the node's own links.
-cat results/speed/bench.jsonl "$R/bench.jsonl" > "$C/all-bench.jsonl"
-for mbit in 1000 10000; do
-    "$B" model fit --bench "$C/all-bench.jsonl" --link-mbit "$mbit" --servers 1 --nics-per-node 1 --out "$R/cost-model-${mbit}mbit.json" | tee "$R/logs/fit-${mbit}mbit.txt"
-done
+# The cost model per link rate, and every row against its prediction (rows within one node,
+# results/speed on the same machine, give the node's own links).
+scripts/fit-cluster.sh
