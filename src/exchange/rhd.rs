@@ -494,19 +494,34 @@ pub fn zero_shards_balance(n: usize) -> bool {
 mod tests {
     use super::*;
 
+    /// The extra ranks' hand-over before either algorithm: each absorbing rank adds its
+    /// partner's buffer.
+    fn pre_step<T: Copy + std::ops::AddAssign>(bufs: &mut [Vec<T>], s: &[RhdSchedule]) {
+        for r in 0..bufs.len() {
+            if let Extra::Absorbs { partner } = s[r].extra {
+                assert_eq!(s[partner].extra, Extra::SitsOut { partner: r });
+                let theirs = bufs[partner].clone();
+                bufs[r].iter_mut().zip(&theirs).for_each(|(a, b)| *a += *b);
+            }
+        }
+    }
+
+    /// The hand-back after either algorithm: each rank that sat out takes its partner's result.
+    fn post_step<T: Clone>(bufs: &mut [Vec<T>], s: &[RhdSchedule]) {
+        for r in 0..bufs.len() {
+            if let Extra::SitsOut { partner } = s[r].extra {
+                bufs[r] = bufs[partner].clone();
+            }
+        }
+    }
+
     /// Runs every rank's schedule on in-memory buffers, moving ranges as the messages would.
     fn simulate(inputs: &[Vec<f64>]) -> Vec<Vec<f64>> {
         let n = inputs.len();
         let len = inputs[0].len();
         let mut bufs = inputs.to_vec();
         let s: Vec<RhdSchedule> = (0..n).map(|r| RhdSchedule::new(len, n, r)).collect();
-        for r in 0..n {
-            if let Extra::Absorbs { partner } = s[r].extra {
-                assert_eq!(s[partner].extra, Extra::SitsOut { partner: r });
-                let theirs = bufs[partner].clone();
-                bufs[r].iter_mut().zip(&theirs).for_each(|(a, b)| *a += b);
-            }
-        }
+        pre_step(&mut bufs, &s);
         let steps = s.iter().map(|x| x.halving.len()).max().unwrap_or(0);
         for k in 0..steps {
             let sent: Vec<Option<Vec<f64>>> = (0..n).map(|r| s[r].halving.get(k).map(|st| bufs[r][st.send.clone()].to_vec())).collect();
@@ -527,11 +542,7 @@ mod tests {
                 }
             }
         }
-        for r in 0..n {
-            if let Extra::SitsOut { partner } = s[r].extra {
-                bufs[r] = bufs[partner].clone();
-            }
-        }
+        post_step(&mut bufs, &s);
         bufs
     }
 
@@ -553,12 +564,7 @@ mod tests {
         let n = inputs.len();
         let mut bufs = inputs.to_vec();
         let s: Vec<RhdSchedule> = (0..n).map(|r| RhdSchedule::new(1, n, r)).collect();
-        for r in 0..n {
-            if let Extra::Absorbs { partner } = s[r].extra {
-                let theirs = bufs[partner].clone();
-                bufs[r].iter_mut().zip(&theirs).for_each(|(a, b)| *a += b);
-            }
-        }
+        pre_step(&mut bufs, &s);
         for k in 0..s.iter().map(|x| x.halving.len()).max().unwrap_or(0) {
             let before = bufs.clone();
             for r in 0..n {
@@ -568,11 +574,7 @@ mod tests {
                 }
             }
         }
-        for r in 0..n {
-            if let Extra::SitsOut { partner } = s[r].extra {
-                bufs[r] = bufs[partner].clone();
-            }
-        }
+        post_step(&mut bufs, &s);
         bufs
     }
 
