@@ -302,6 +302,10 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
             for (sample, new) in samples[index].iter_mut().zip(measured) {
                 sample.add_round(new);
             }
+            // The table comes once every round is in: say how far the sweep has got meanwhile.
+            if world.is_root() {
+                log::info!("round {} of {}: {} measured", round + 1, args.rounds, strategies[index].name());
+            }
         }
     }
     let bound = MemoryBound::median(&bounds);
