@@ -26,7 +26,7 @@ use tch::Tensor;
 use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::element::{accumulate, Dtype, Element};
-use crate::exchange::staging::{wait_for_stream, Staging};
+use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
 use crate::exchange::zero::{Phases, ShardedCollectives};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::raw;
@@ -119,8 +119,9 @@ struct Halving {
     n: usize,
     rank: usize,
     segment_bytes: usize,
-    scratch: Vec<u32>,
-    device_scratch: Option<Tensor>,
+    /// Receive space: the largest step's range (the whole buffer for recursive doubling and for
+    /// a rank that absorbs another's).
+    scratch: Scratch,
 }
 
 /// Sends `outgoing` to `partner` while receiving `incoming` from it, in segments.
@@ -145,11 +146,7 @@ impl Halving {
         }
         let len = buf.len();
         let schedule = RhdSchedule::new(len, self.n, self.rank);
-        let words = (schedule.largest_receive(len) * std::mem::size_of::<E>()).div_ceil(4);
-        if self.scratch.len() < words {
-            self.scratch.resize(words, 0);
-        }
-        let scratch: &mut [E] = bytemuck::cast_slice_mut(&mut self.scratch[..words]);
+        let scratch: &mut [E] = self.scratch.host(schedule.largest_receive(len));
         let scale = (op == ReduceOp::Mean).then_some(1.0 / self.n as f32);
         if let Extra::SitsOut { partner } = schedule.extra {
             let peer = self.comm.process_at_rank(partner as i32);
@@ -205,11 +202,7 @@ impl Halving {
         }
         let len = buf.len();
         let schedule = RhdSchedule::new(len, self.n, self.rank);
-        let words = std::mem::size_of_val(buf).div_ceil(4);
-        if self.scratch.len() < words {
-            self.scratch.resize(words, 0);
-        }
-        let incoming: &mut [E] = &mut bytemuck::cast_slice_mut(&mut self.scratch[..words])[..len];
+        let incoming: &mut [E] = self.scratch.host(len);
         match schedule.extra {
             Extra::SitsOut { partner } => {
                 let peer = self.comm.process_at_rank(partner as i32);
@@ -247,11 +240,8 @@ impl Halving {
             return Ok(());
         }
         let schedule = RhdSchedule::new(len, self.n, self.rank);
-        if self.device_scratch.as_ref().is_none_or(|t| t.numel() < len || t.kind() != bucket.kind() || t.device() != bucket.device()) {
-            self.device_scratch = Some(Tensor::f_empty([len as i64], (bucket.kind(), bucket.device()))?);
-        }
         let device = bucket.device();
-        let mut incoming = self.device_scratch.as_ref().expect("made above").narrow(0, 0, len as i64);
+        let mut incoming = self.scratch.device_like(bucket, len)?;
         match schedule.extra {
             Extra::SitsOut { partner } => {
                 self.swap_device::<E>(partner, Some(&mut bucket.shallow_clone()), None)?;
@@ -299,12 +289,8 @@ impl Halving {
             return Ok(());
         }
         let schedule = RhdSchedule::new(len, self.n, self.rank);
-        let largest = schedule.largest_receive(len).max(1) as i64;
-        if self.device_scratch.as_ref().is_none_or(|t| t.numel() < largest as usize || t.kind() != bucket.kind() || t.device() != bucket.device()) {
-            self.device_scratch = Some(Tensor::f_empty([largest], (bucket.kind(), bucket.device()))?);
-        }
         let device = bucket.device();
-        let scratch = self.device_scratch.as_ref().expect("made above").shallow_clone();
+        let scratch = self.scratch.device_like(bucket, schedule.largest_receive(len))?;
         let view = |t: &Tensor, r: Range<usize>| t.narrow(0, r.start as i64, r.len() as i64);
         if let Extra::SitsOut { partner } = schedule.extra {
             if phases.reduce_scatter {
@@ -415,8 +401,7 @@ impl RhdAllreduce {
                 n: world.size as usize,
                 rank: world.rank as usize,
                 segment_bytes: config.segment_bytes,
-                scratch: Vec::new(),
-                device_scratch: None,
+                scratch: Scratch::default(),
             },
             path: DataPath::choose(config.device, config.cuda_aware),
             fusion: Fusion::new(config.bucket_bytes, None),

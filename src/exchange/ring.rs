@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::element::{accumulate, accumulate_scaled, Dtype, Element};
 use mpi::Tag;
-use crate::exchange::staging::{wait_for_stream, Staging};
+use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
 use crate::exchange::zero::{Phases, ShardedCollectives};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::raw;
@@ -109,10 +109,8 @@ struct Ring {
     left: i32,
     right: i32,
     segment_bytes: usize,
-    /// Receive space for one chunk on the host (grown when a larger chunk comes, never shrunk).
-    scratch: Vec<u32>,
-    /// Receive space for one chunk on the device (direct path).
-    device_scratch: Option<Tensor>,
+    /// Receive space: two chunks on the host, one on the device (direct path).
+    scratch: Scratch,
 }
 
 impl Ring {
@@ -135,11 +133,7 @@ impl Ring {
         let largest = schedule.largest_chunk();
         // Two receive areas for reduce-scatter hops, alternating: hop h+1's receives are posted
         // while hop h's arrivals are still being added.
-        let words = (2 * largest * std::mem::size_of::<E>()).div_ceil(4);
-        if self.scratch.len() < words {
-            self.scratch.resize(words, 0);
-        }
-        let scratch: &mut [E] = &mut bytemuck::cast_slice_mut(&mut self.scratch[..words])[..2 * largest];
+        let scratch: &mut [E] = self.scratch.host(2 * largest);
         let scratch_bounds: Vec<Range<usize>> = (0..2)
             .flat_map(|area| ShardInfo::all(largest, pieces).into_iter().map(move |p| area * largest + p.offset..area * largest + p.end()))
             .collect();
@@ -208,16 +202,13 @@ impl Ring {
             return Ok(());
         }
         let schedule = RingSchedule::new(len, n, self.pos);
-        let largest = schedule.largest_chunk() as i64;
-        if self.device_scratch.as_ref().is_none_or(|t| t.numel() < largest as usize || t.kind() != bucket.kind() || t.device() != bucket.device()) {
-            self.device_scratch = Some(Tensor::f_empty([largest], (bucket.kind(), bucket.device()))?);
-        }
+        let scratch = self.scratch.device_like(bucket, schedule.largest_chunk())?;
         let device = bucket.device();
         let view = |t: &Tensor, r: &Range<usize>| t.narrow(0, r.start as i64, r.len() as i64);
         for s in (0..n - 1).filter(|_| phases.reduce_scatter) {
             let (send, recv) = schedule.reduce_scatter(s);
             let mut outgoing = view(bucket, &send);
-            let mut incoming = view(self.device_scratch.as_ref().expect("made above"), &(0..recv.len()));
+            let mut incoming = view(&scratch, &(0..recv.len()));
             self.exchange_device::<E>(&mut outgoing, &mut incoming)?;
             let mut target = view(bucket, &recv);
             let _ = target.f_add_(&incoming)?;
@@ -309,8 +300,7 @@ impl RingAllreduce {
                 left: order[(pos + n - 1) % n],
                 right: order[(pos + 1) % n],
                 segment_bytes: config.segment_bytes,
-                scratch: Vec::new(),
-                device_scratch: None,
+                scratch: Scratch::default(),
             },
             rank: world.rank as usize,
             path: DataPath::choose(config.device, config.cuda_aware),

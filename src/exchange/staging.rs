@@ -19,6 +19,35 @@ use crate::error::Result;
 use crate::exchange::DataPath;
 use crate::raw::{self, CudaEvent};
 
+/// Receive space an algorithm reuses from call to call: host memory (kept as u32 words, which
+/// every element kind can be cast from) and one device tensor, each grown when a call needs more
+/// (or another kind or device) and never shrunk.
+#[derive(Default)]
+pub struct Scratch {
+    host: Vec<u32>,
+    device: Option<Tensor>,
+}
+
+impl Scratch {
+    /// `len` elements of E in host memory (contents left from earlier calls).
+    pub fn host<E: crate::exchange::element::Element>(&mut self, len: usize) -> &mut [E] {
+        let words = (len * std::mem::size_of::<E>()).div_ceil(4);
+        if self.host.len() < words {
+            self.host.resize(words, 0);
+        }
+        &mut bytemuck::cast_slice_mut(&mut self.host[..words])[..len]
+    }
+
+    /// A tensor of `len` elements (at least one) of `like`'s kind on its device.
+    pub fn device_like(&mut self, like: &Tensor, len: usize) -> Result<Tensor> {
+        let len = len.max(1);
+        if self.device.as_ref().is_none_or(|t| t.numel() < len || t.kind() != like.kind() || t.device() != like.device()) {
+            self.device = Some(Tensor::f_empty([len as i64], (like.kind(), like.device()))?);
+        }
+        Ok(self.device.as_ref().expect("made above").narrow(0, 0, len as i64))
+    }
+}
+
 #[derive(Default)]
 pub struct Staging {
     /// Two host buffers of `capacity` elements, pinned for a GPU.
