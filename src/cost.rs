@@ -113,9 +113,11 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Opti
             add_link(&mut c, layout.nodes() > 1, 2.0 * (nf - 1.0), 2.0 * (nf - 1.0) / nf * bytes);
             c[4] += (nf - 1.0) / nf * bytes;
         }
-        Algorithm::Rhd => {
+        Algorithm::Rhd | Algorithm::RecursiveDoubling => {
             // Every member of the power-of-two group takes every step; rank 1 is one of them in
-            // every layout (it absorbs rank 0 when the count is not a power of two).
+            // every layout (it absorbs rank 0 when the count is not a power of two). Both walk
+            // the same partners: rhd swaps a shrinking part each way (the halving step and its
+            // mirror in the doubling), recursive doubling the whole buffer once per partner.
             // A step that crosses nodes sends from every rank of a node at once (node-major
             // numbering: the partner of each is on the other node), sharing the node's links.
             let probe = if n.is_power_of_two() { 0 } else { 1 };
@@ -123,27 +125,14 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Opti
             let schedule = RhdSchedule::new(unit, n, probe);
             let crossing_share = sharing(layout.per_node.min(n), nics);
             for step in &schedule.halving {
-                let part = step.recv.len() as f64 / unit as f64 * bytes;
                 let crosses = !layout.same_node(probe, step.partner);
                 let share = if crosses { crossing_share } else { 1.0 };
-                // The halving step and its mirror in the doubling, same partner, same size.
-                add_link(&mut c, crosses, 2.0, 2.0 * part * share);
+                let (messages, part) = match algorithm {
+                    Algorithm::Rhd => (2.0, step.recv.len() as f64 / unit as f64 * bytes),
+                    _ => (1.0, bytes),
+                };
+                add_link(&mut c, crosses, messages, messages * part * share);
                 c[4] += part;
-            }
-            if let Extra::Absorbs { partner } = schedule.extra {
-                add_link(&mut c, !layout.same_node(probe, partner), 2.0, 2.0 * bytes);
-                c[4] += bytes;
-            }
-        }
-        Algorithm::RecursiveDoubling => {
-            // The halving's partners and pre- and post-step, the whole buffer at every step.
-            let probe = if n.is_power_of_two() { 0 } else { 1 };
-            let schedule = RhdSchedule::new(1, n, probe);
-            let crossing_share = sharing(layout.per_node.min(n), nics);
-            for step in &schedule.halving {
-                let crosses = !layout.same_node(probe, step.partner);
-                add_link(&mut c, crosses, 1.0, bytes * if crosses { crossing_share } else { 1.0 });
-                c[4] += bytes;
             }
             if let Extra::Absorbs { partner } = schedule.extra {
                 add_link(&mut c, !layout.same_node(probe, partner), 2.0, 2.0 * bytes);
