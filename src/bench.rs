@@ -138,6 +138,9 @@ struct BenchRow {
     /// per link.
     #[serde(skip_serializing_if = "Option::is_none")]
     link_mbit: Option<f64>,
+    /// How the ring moved its chunks (ring and auto rows): "shared-memory" or "mpi".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ring_transport: Option<String>,
 }
 
 /// What one core's memory bandwidth allows an all-reduce on host memory: every rank receives
@@ -258,6 +261,10 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
     world.agree(crate::train::make_current(device))?;
     crate::watchdog::start(world.rank, world.agree(crate::train::watchdog_timeout(args.exchange_timeout_s))?);
     world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
+    world.agree(match (&args.save_result, world.is_root()) {
+        (Some(path), true) => std::fs::File::create(path).map(drop).map_err(|e| Error::io(path, e)),
+        _ => Ok(()),
+    })?;
     let weights = match args.layout {
         Layout::Single => Vec::new(),
         Layout::Resnet50 => resnet50_sizes(),
@@ -270,6 +277,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         cuda_aware: args.cuda_aware.resolve(),
         bucket_bytes: (args.bucket_mb * (1 << 20) as f64) as usize,
         segment_bytes: (args.segment_kb as usize) << 10,
+        ring_transport: args.ring_transport,
         // The parameter server's benchmark round sums; its optimizer is not used.
         ps: args.ps.config(crate::optim::SgdConfig { lr: 0.0, momentum: 0.0, weight_decay: 0.0 }),
         horovod: world.agree(args.horovod.config())?,
@@ -361,6 +369,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
                 transport_bound_busbw: bound.map(|b| b.transport_busbw()),
                 transport_gbs: bound.map(|b| b.transport_gbs),
                 link_mbit: args.link_mbit,
+                ring_transport: sample.ring_transport.clone(),
             };
             results::append_json_line(&args.results.join(BENCH_FILE), &row)?;
             if sample.wrong > 0 {
@@ -405,6 +414,7 @@ struct SizeSample {
     wrong: u64,
     tensors: usize,
     bus_factor: f64,
+    ring_transport: Option<String>,
 }
 
 impl SizeSample {
@@ -414,6 +424,7 @@ impl SizeSample {
         self.wrong += round.wrong;
         self.tensors = round.tensors;
         self.bus_factor = round.bus_factor;
+        self.ring_transport = round.ring_transport;
     }
 }
 
@@ -465,6 +476,9 @@ fn measure_strategy(
                 times.push(slowest);
             }
         }
+        if let (Some(path), true) = (&args.save_result, world.is_root()) {
+            append_values(path, &tensors)?;
+        }
         if args.corrupt_result && rank == 0 {
             if let Some(t) = tensors.iter_mut().find(|t| t.numel() > 0) {
                 let mut first = t.f_view([-1])?.f_narrow(0, 0, 1)?;
@@ -481,10 +495,22 @@ fn measure_strategy(
         };
         let mut wrong = 0u64;
         crate::watchdog::collective("counting wrong elements", &world.comm, || world.comm.all_reduce_into(&wrong_local, &mut wrong, SystemOperation::sum()));
-        samples.push(SizeSample { times, wrong, tensors: sizes.len(), bus_factor: exchange.bus_factor() });
+        let ring_transport = exchange.report().extra.get("ring_transport").and_then(|v| v.as_str()).map(String::from);
+        samples.push(SizeSample { times, wrong, tensors: sizes.len(), bus_factor: exchange.bus_factor(), ring_transport });
     }
     exchange.finish(&mut [])?;
     Ok(samples)
+}
+
+/// Appends `tensors`' values, as f32 (exact for every element type), to `path`.
+fn append_values(path: &std::path::Path, tensors: &[Tensor]) -> Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new().append(true).open(path).map_err(|e| Error::io(path, e))?;
+    for t in tensors {
+        let values = Vec::<f32>::try_from(&t.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?).map_err(Error::from)?;
+        file.write_all(bytemuck::cast_slice(&values)).map_err(|e| Error::io(path, e))?;
+    }
+    Ok(())
 }
 
 fn input_tensors(sizes: &[usize], rank: usize, verify: Verify, seed: u64, kind: Kind, device: Device) -> Result<Vec<Tensor>> {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::data::writer::Compression;
-use crate::exchange::CudaAware;
+use crate::exchange::{CudaAware, RingTransport};
 use crate::exchange::StrategyKind;
 use crate::model::ModelKind;
 
@@ -254,6 +254,9 @@ pub struct BenchArgs {
     /// Ring segment size in KiB.
     #[arg(long, default_value_t = 4096)]
     pub segment_kb: u64,
+    /// How the ring's ranks reach each other: node-shared memory when all are on one node (auto).
+    #[arg(long, value_enum, default_value_t = RingTransport::Auto)]
+    pub ring_transport: RingTransport,
     /// Whether MPI can read GPU memory.
     #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
     pub cuda_aware: CudaAware,
@@ -263,6 +266,10 @@ pub struct BenchArgs {
     /// Change one element of rank 0's result before the check (tests that the check works).
     #[arg(long, hide = true)]
     pub corrupt_result: bool,
+    /// Write rank 0's summed buffers, every strategy and size in turn (as f32, little-endian,
+    /// after the last iteration), to this file: for comparing two runs bit for bit.
+    #[arg(long)]
+    pub save_result: Option<PathBuf>,
     /// Abort when an exchange makes no progress for this many seconds; 0: never.
     #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S)]
     pub exchange_timeout_s: f64,
@@ -503,6 +510,11 @@ pub struct TrainArgs {
     /// best measured in results/README.md).
     #[arg(long, default_value_t = 4096)]
     pub segment_kb: u64,
+
+    /// How the ring's ranks reach each other: `auto` reads and adds a neighbour's chunk straight
+    /// from node-shared memory when every rank is on one node, and sends MPI messages otherwise.
+    #[arg(long, value_enum, default_value_t = RingTransport::Auto)]
+    pub ring_transport: RingTransport,
 
     /// Folder for runs.jsonl and other results.
     #[arg(long, default_value = "results")]

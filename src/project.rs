@@ -34,6 +34,9 @@ struct BenchRow {
     memory_add_gbs: Option<f64>,
     #[serde(default)]
     link_mbit: Option<f64>,
+    /// "shared-memory" for a ring that ran through node-shared memory (not MPI messages).
+    #[serde(default)]
+    ring_transport: Option<String>,
 }
 
 impl BenchRow {
@@ -42,9 +45,11 @@ impl BenchRow {
         Layout { ranks: self.ranks, per_node: self.ranks.div_ceil(nodes) }
     }
 
-    /// Rows the model describes: host f32, one tensor, right results, more than one rank.
+    /// Rows the model describes: host f32, one tensor, right results, more than one rank, and
+    /// MPI messages (its links are MPI's; a ring through node-shared memory sends none).
     fn usable(&self) -> bool {
         self.device == "cpu" && self.dtype == "float" && (self.layout.is_empty() || self.layout == "single") && self.wrong == 0 && self.ranks > 1 && self.size > 0
+            && self.ring_transport.as_deref() != Some("shared-memory")
     }
 }
 
@@ -443,4 +448,22 @@ fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
     }
     let text = serde_json::to_string_pretty(value).map_err(|e| Error::Results(e.to_string()))?;
     std::fs::write(path, text).at(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(extra: &str) -> BenchRow {
+        let text = format!(r#"{{"size":1024,"strategy":"ring","ranks":2,"nodes":1,"time_us":10.0,"wrong":0,"type":"float","layout":"single","device":"cpu"{extra}}}"#);
+        serde_json::from_str(&text).unwrap()
+    }
+
+    #[test]
+    fn the_fit_leaves_out_rings_that_sent_no_mpi_messages() {
+        // Rows recorded before the field existed went over MPI.
+        assert!(row("").usable());
+        assert!(row(r#","ring_transport":"mpi""#).usable());
+        assert!(!row(r#","ring_transport":"shared-memory""#).usable());
+    }
 }

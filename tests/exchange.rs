@@ -66,6 +66,41 @@ fn ring_follows_the_node_layout() {
     let run = mpirun_env(5, &args, &[("HPC_TRAIN_RANKS_PER_NODE", "2")], Duration::from_secs(120));
     assert_all_right(&run, 5);
     assert!(run.stdout.contains("on 3 node(s)"), "{}", run.stdout);
+    // Ranks on several nodes go over MPI, never through node-shared memory.
+    assert!(run.all_output().contains("ring: 5 ranks, MPI point-to-point"), "{}", run.all_output());
+}
+
+#[test]
+fn the_shared_memory_ring_gives_the_bits_of_the_ring_over_mpi() {
+    // On one node the ring reads its neighbours' chunks from node-shared memory; the schedule
+    // and the order of every addition are the ring's, so the sums must be equal bit for bit,
+    // whatever the rank count, size (pieces of 256 KiB: 262147 floats make several) or type.
+    let dir = scratch("ring-shm");
+    for ranks in [2, 3, 5] {
+        for dtype in ["f32", "bf16"] {
+            let mut sums = Vec::new();
+            for transport in ["shm", "mpi"] {
+                let saved = dir.join(format!("sums-{transport}.bin"));
+                let run = bench(ranks, "ring", &["--counts", COUNTS, "--dtype", dtype, "--verify", "allreduce", "--ring-transport", transport, "--save-result", saved.to_str().unwrap()], &dir);
+                assert_all_right(&run, 5);
+                let way = if transport == "shm" { "node-shared memory" } else { "MPI point-to-point" };
+                assert!(run.all_output().contains(&format!("ring: {ranks} ranks, {way}")), "{}", run.all_output());
+                sums.push(std::fs::read(&saved).unwrap());
+            }
+            assert!(!sums[0].is_empty());
+            assert!(sums[0] == sums[1], "{ranks} ranks, {dtype}: the shared-memory ring's sums differ from the MPI ring's");
+        }
+    }
+}
+
+#[test]
+fn the_shared_memory_ring_is_refused_across_nodes() {
+    let dir = scratch("ring-shm-nodes");
+    let args = ["bench", "--strategies", "ring", "--counts", "10", "--ring-transport", "shm", "--results", dir.to_str().unwrap()];
+    let run = mpirun_env(4, &args, &[("HPC_TRAIN_RANKS_PER_NODE", "2")], Duration::from_secs(60));
+    assert!(!run.ok() && !run.timed_out, "{}", run.all_output());
+    let message = "--ring-transport shm: the 4 ranks are on 2 node(s)";
+    assert_eq!(run.all_output().matches(message).count(), 1, "{}", run.all_output());
 }
 
 #[test]
@@ -140,18 +175,26 @@ fn ring_trains_to_the_same_weights_as_allreduce() {
     let data = synth(&dir, "rt", 90, 0, "1x12x12", 5);
     for ranks in [2, 3, 4] {
         let mut outs = Vec::new();
-        for strategy in ["allreduce", "ring"] {
-            let out = dir.join(format!("{strategy}{ranks}.safetensors"));
+        // The ring through node-shared memory (the default on one node), then over MPI.
+        for (strategy, transport) in [("allreduce", "auto"), ("ring", "auto"), ("ring", "mpi")] {
+            let out = dir.join(format!("{strategy}{ranks}{transport}.safetensors"));
             mpirun(ranks, &[
                 "--strategy", strategy, "--model", "tiny", "--data", data.to_str().unwrap(), "--scaling", "strong",
                 "--global-batch", "12", "--steps", "8", "--no-eval", "--threads", "1", "--segment-kb", "1",
-                "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
+                "--ring-transport", transport, "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
             ])
             .expect_ok();
             outs.push(out);
+            if strategy == "ring" {
+                let run = read_runs(&dir).pop().unwrap();
+                let expected = if transport == "mpi" { "mpi" } else { "shared-memory" };
+                assert_eq!(run["extra"]["ring_transport"], expected, "{run}");
+            }
         }
         let diff = max_relative_difference(&outs[0], &outs[1]);
         assert!(diff < 1e-5, "{ranks} ranks: ring differs from allreduce by {diff:e}");
+        let diff = max_relative_difference(&outs[1], &outs[2]);
+        assert_eq!(diff, 0.0, "{ranks} ranks: the ring through shared memory differs from the ring over MPI");
     }
 }
 

@@ -130,11 +130,17 @@ impl Exchange for Auto {
         })
     }
 
+    fn finish(&mut self, params: &mut [Tensor]) -> Result<()> {
+        self.ring.finish(params)?;
+        self.rhd.finish(params)
+    }
+
     fn report(&self) -> ExchangeReport {
         let mut extra = serde_json::Map::new();
         extra.insert("auto_ring_buckets".into(), self.chosen[0].into());
         extra.insert("auto_rhd_buckets".into(), self.chosen[1].into());
         extra.insert("auto_doubling_buckets".into(), self.chosen[2].into());
+        extra.insert("ring_transport".into(), self.ring.transport().into());
         self.staging.report(self.path, extra)
     }
 }

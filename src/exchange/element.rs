@@ -77,6 +77,37 @@ pub fn accumulate_scaled<E: Element>(acc: &mut [E], src: &[E], scale: f32) {
     }
 }
 
+/// `out[i] = own[i] + arrived[i]`, summed in f32 with the operands in `accumulate`'s order, so
+/// that a sum written elsewhere has the same bits as one added in place.
+#[inline]
+pub fn sum_into<E: Element>(out: &mut [E], own: &[E], arrived: &[E]) {
+    debug_assert!(out.len() == own.len() && own.len() == arrived.len());
+    for ((o, a), s) in out.iter_mut().zip(own).zip(arrived) {
+        *o = E::from_f32(a.to_f32() + s.to_f32());
+    }
+}
+
+/// `acc[i] += src[i]` (then `*= scale`, for a mean), also written to `copy[i]`: one pass for a
+/// sum that is needed in two places.
+#[inline]
+pub fn accumulate_and_copy<E: Element>(acc: &mut [E], src: &[E], copy: &mut [E], scale: Option<f32>) {
+    debug_assert!(acc.len() == src.len() && src.len() == copy.len());
+    match scale {
+        Some(f) => {
+            for ((a, s), c) in acc.iter_mut().zip(src).zip(copy.iter_mut()) {
+                *a = E::from_f32((a.to_f32() + s.to_f32()) * f);
+                *c = *a;
+            }
+        }
+        None => {
+            for ((a, s), c) in acc.iter_mut().zip(src).zip(copy.iter_mut()) {
+                *a = E::from_f32(a.to_f32() + s.to_f32());
+                *c = *a;
+            }
+        }
+    }
+}
+
 /// The dtypes a benchmark or a compressed exchange can use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -131,6 +162,27 @@ mod tests {
         let mut b = [bf16::from_f32(1.0)];
         accumulate_scaled(&mut b, &[bf16::from_f32(3.0)], 0.5);
         assert_eq!(b[0].to_f32(), 2.0);
+    }
+
+    #[test]
+    fn sums_written_elsewhere_have_the_bits_of_sums_in_place() {
+        let own: Vec<f32> = (0..37).map(|i| 0.1 * i as f32 + 1e7).collect();
+        let arrived: Vec<f32> = (0..37).map(|i| 0.3 - 0.07 * i as f32).collect();
+        let mut in_place = own.clone();
+        accumulate(&mut in_place, &arrived);
+        let mut out = vec![0.0f32; 37];
+        sum_into(&mut out, &own, &arrived);
+        assert_eq!(out, in_place);
+        for scale in [None, Some(0.25f32)] {
+            let (mut acc, mut copy) = (own.clone(), vec![0.0f32; 37]);
+            accumulate_and_copy(&mut acc, &arrived, &mut copy, scale);
+            let mut expected = own.clone();
+            match scale {
+                Some(f) => accumulate_scaled(&mut expected, &arrived, f),
+                None => accumulate(&mut expected, &arrived),
+            }
+            assert_eq!((&acc, &copy), (&expected, &expected), "scale {scale:?}");
+        }
     }
 
     #[test]

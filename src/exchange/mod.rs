@@ -24,6 +24,7 @@ pub mod horovod;
 pub mod ps;
 pub mod rhd;
 pub mod ring;
+pub mod shared_ring;
 pub mod staging;
 pub mod zero;
 
@@ -252,6 +253,17 @@ pub trait Exchange {
     fn report(&self) -> ExchangeReport;
 }
 
+/// How the ring (`ring`, and `auto` when it picks the ring) moves its chunks between ranks.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingTransport {
+    /// Node-shared memory when every rank of the ring is on one node, MPI messages otherwise.
+    Auto,
+    /// Node-shared memory (an MPI-3 shared window); an error unless every rank is on one node.
+    Shm,
+    /// MPI point-to-point messages only, as between nodes.
+    Mpi,
+}
+
 /// Options every strategy may read.
 #[derive(Clone, Debug)]
 pub struct ExchangeConfig {
@@ -261,6 +273,8 @@ pub struct ExchangeConfig {
     pub bucket_bytes: usize,
     /// Ring segment size in bytes.
     pub segment_bytes: usize,
+    /// How the ring's ranks reach each other.
+    pub ring_transport: RingTransport,
     pub ps: ps::PsConfig,
     pub horovod: horovod::HorovodConfig,
     /// What `auto` chooses with.

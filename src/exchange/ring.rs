@@ -11,6 +11,10 @@
 //! flight, so reduction overlaps communication. A mean is scaled in the last reduce-scatter
 //! step, at no extra pass. Ranks sit on the ring in node order, so that only two ring links
 //! per node cross the network.
+//!
+//! When every rank of the ring is on one node, host buffers go through node-shared memory
+//! instead of MPI messages (`--ring-transport`, [`SharedRing`]): the same schedule and sums,
+//! without the copy into a receive buffer that every MPI message costs.
 
 use std::ops::Range;
 
@@ -22,9 +26,10 @@ use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::element::{accumulate, accumulate_scaled, Dtype, Element};
 use mpi::Tag;
+use crate::exchange::shared_ring::SharedRing;
 use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
 use crate::exchange::zero::{Phases, ShardedCollectives};
-use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
+use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, RingTransport, Role};
 use crate::raw;
 use crate::topology::{ShardInfo, World};
 
@@ -111,6 +116,8 @@ struct Ring {
     segment_bytes: usize,
     /// Receive space: two chunks on the host, one on the device (direct path).
     scratch: Scratch,
+    /// The transport for host buffers when every rank shares one node (`--ring-transport`).
+    shared: Option<SharedRing>,
 }
 
 impl Ring {
@@ -259,7 +266,11 @@ impl Ring {
                 // SAFETY: the bucket is a fusion buffer, a staging buffer, ZeRO's bucket buffer
                 // or the flat view of a gradient whose backward is done; nothing else reads or
                 // writes it meanwhile.
-                self.run_hops_host::<E>(unsafe { raw::host_slice_mut::<E>(bucket)? }, op, hops)
+                let buf = unsafe { raw::host_slice_mut::<E>(bucket)? };
+                match &mut self.shared {
+                    Some(shared) => shared.run::<E>(buf, op, phases),
+                    None => self.run_hops_host::<E>(buf, op, hops),
+                }
             }
         })
     }
@@ -291,6 +302,26 @@ impl RingAllreduce {
             world.rank, world.node_of[world.rank as usize], world.local_rank, world.local_size,
             if crosses { ", across the network" } else { "" }
         );
+        // Node-shared memory only where the ranks are one node both to the launch's layout
+        // (which tests may fake) and to MPI (which must map the window into every rank).
+        let one_node = n > 1 && world.nodes() == 1;
+        let shared = match config.ring_transport {
+            RingTransport::Mpi => None,
+            _ if n == 1 => None,
+            RingTransport::Auto => one_node.then(|| SharedRing::new(&world.comm, n, pos)).flatten(),
+            RingTransport::Shm => match one_node.then(|| SharedRing::new(&world.comm, n, pos)).flatten() {
+                Some(shared) => Some(shared),
+                None => {
+                    return Err(Error::usage(format!(
+                        "--ring-transport shm: the {n} ranks are on {} node(s) that do not share memory, and the shared-memory ring needs one; use --ring-transport auto or mpi",
+                        world.nodes()
+                    )))
+                }
+            },
+        };
+        if world.is_root() {
+            log::info!("ring: {} ranks, {}", n, if shared.is_some() { "node-shared memory (one node)" } else { "MPI point-to-point" });
+        }
         Ok(RingAllreduce {
             ring: Ring {
                 // A communicator of its own: ring messages never match anyone else's.
@@ -301,6 +332,7 @@ impl RingAllreduce {
                 right: order[(pos + 1) % n],
                 segment_bytes: config.segment_bytes,
                 scratch: Scratch::default(),
+                shared,
             },
             rank: world.rank as usize,
             path: DataPath::choose(config.device, config.cuda_aware),
@@ -315,6 +347,11 @@ impl RingAllreduce {
     /// CUDA-aware MPI): what `auto` hands over when it picks the ring.
     pub fn reduce_flat(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
         self.ring.all_reduce(bucket, dtype, op)
+    }
+
+    /// How host buffers travel: "shared-memory" or "mpi" (runs.jsonl and bench.jsonl say which).
+    pub fn transport(&self) -> &'static str {
+        if self.ring.shared.is_some() { "shared-memory" } else { "mpi" }
     }
 }
 
@@ -343,9 +380,19 @@ impl Exchange for RingAllreduce {
         self.staging.reduce_fused(&mut self.fusion, self.path, tensors, |_, bucket| ring.all_reduce(bucket, dtype, op))
     }
 
+    fn finish(&mut self, _params: &mut [Tensor]) -> Result<()> {
+        // Every rank is here together: the one place the shared window can be freed (a drop may
+        // come on an error path, where a peer would never join the free).
+        if let Some(shared) = &mut self.ring.shared {
+            shared.release();
+        }
+        Ok(())
+    }
+
     fn report(&self) -> ExchangeReport {
         let mut extra = serde_json::Map::new();
         extra.insert("segment_kb".into(), (self.ring.segment_bytes / 1024).into());
+        extra.insert("ring_transport".into(), self.transport().into());
         self.staging.report(self.path, extra)
     }
 }

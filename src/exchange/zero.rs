@@ -313,6 +313,10 @@ impl Exchange for ZeroExchange {
         self.inner.prepare(params)
     }
 
+    fn finish(&mut self, params: &mut [Tensor]) -> Result<()> {
+        self.inner.finish(params)
+    }
+
     /// Bucket by bucket: reduce-scatter, step the shard, all-gather the weights.
     fn update(&mut self, params: &mut [Tensor], _grads: &mut [Tensor], sgd: &mut Sgd) -> Result<()> {
         let sizes: Vec<usize> = params.iter().map(|p| p.numel()).collect();

@@ -1,0 +1,177 @@
+//! The ring's transport when every rank of the ring shares one node: node-shared memory (an
+//! MPI-3 shared window) in place of MPI messages.
+//!
+//! Through MPI, a ring hop on one node costs a copy into the receiver's scratch (Open MPI's
+//! single-copy path, `process_vm_readv` in the kernel, measured at about half a user-space
+//! memcpy on the development VM), and the add then reads that scratch again. Here each rank
+//! reads its left neighbour's partial sum straight from the neighbour's part of the window and
+//! adds it to its own data in one pass, writing the result into its own part for its right
+//! neighbour. The schedule, and so every sum's operands and their order, is the ring's
+//! ([`RingSchedule`]): the results have the same bits as the ring over MPI.
+//!
+//! Stages run in pieces, as the ring's segments do: stage 0 publishes the chunk the right
+//! neighbour adds first, stage t (1..n) is reduce-scatter step t-1. After each piece a rank
+//! raises its progress counter, and a rank waits for its neighbour's counter before reading a
+//! piece, so a piece is read while it is still in the shared cache, not after a whole chunk.
+//! Within one call every chunk of a rank's part is written once (stage t writes chunk pos-t),
+//! so counters are the only ordering reads need; a barrier ends each call, so that the next
+//! call, whose chunks may lie elsewhere, writes nothing another rank may still be reading.
+
+use std::sync::atomic::Ordering;
+
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+use crate::error::Result;
+use crate::exchange::element::{accumulate_and_copy, sum_into, Element};
+use crate::exchange::ring::RingSchedule;
+use crate::exchange::zero::Phases;
+use crate::exchange::ReduceOp;
+use crate::raw::SharedWindow;
+
+/// Bytes per piece: small enough that a piece is still in the last-level cache when the next
+/// rank reads it, large enough that waiting on counters costs nothing beside the copy.
+const PIECE_BYTES: usize = 256 << 10;
+
+pub struct SharedRing {
+    /// Made at the first call, grown with the buckets, freed by [`SharedRing::release`].
+    window: Option<SharedWindow>,
+    /// The node's ranks, numbered by ring position.
+    comm: SimpleCommunicator,
+    n: usize,
+    pos: usize,
+    /// Pieces every rank published in the calls since the window was made: the counters'
+    /// common starting point (every rank runs the same calls on the same lengths).
+    published: u64,
+}
+
+impl SharedRing {
+    /// The shared-memory ring of `world`'s ranks, `pos` being this rank's ring position, or None
+    /// when they do not all share one node's memory. Collective over `world`.
+    pub fn new(world: &SimpleCommunicator, n: usize, pos: usize) -> Option<SharedRing> {
+        let comm = world.split_shared(pos as i32);
+        // Every rank sees the same sizes, so every rank decides alike.
+        (comm.size() as usize == n).then_some(SharedRing { window: None, comm, n, pos, published: 0 })
+    }
+
+    /// Makes sure the window holds `bytes` per rank: the current one, or (collectively: every
+    /// rank passes the same size, as all exchange the same bucket) a larger one in its place.
+    fn reserve(&mut self, bytes: usize) -> Result<()> {
+        if self.window.as_ref().is_none_or(|w| w.bytes() < bytes) {
+            self.release();
+            self.window = Some(SharedWindow::allocate(&self.comm, bytes)?);
+            self.published = 0;
+        }
+        Ok(())
+    }
+
+    /// Frees the window (a later call makes a new one). Collective: every rank calls it at the
+    /// same point, which the exchange's `finish` is.
+    pub fn release(&mut self) {
+        if let Some(window) = self.window.take() {
+            window.free();
+        }
+    }
+
+    /// The ring's `phases` on `buf`, in place (same chunks and results as over MPI).
+    pub fn run<E: Element>(&mut self, buf: &mut [E], op: ReduceOp, phases: Phases) -> Result<()> {
+        let (n, pos) = (self.n, self.pos);
+        if n == 1 || buf.is_empty() {
+            return Ok(());
+        }
+        self.reserve(std::mem::size_of_val(buf))?;
+        let schedule = RingSchedule::new(buf.len(), n, pos);
+        let pieces = schedule.pieces_per_chunk((PIECE_BYTES / std::mem::size_of::<E>()).max(1));
+        let bounds = schedule.piece_bounds(pieces);
+        let piece = |chunk: usize, k: usize| bounds[chunk * pieces + k].clone();
+        let left = (pos + n - 1) % n;
+        // The chunk ring position q holds summed after the reduce-scatter.
+        let reduced_chunk = |q: usize| (q + 1) % n;
+        let scale = (op == ReduceOp::Mean).then_some(1.0 / n as f32);
+        let window = self.window.as_ref().expect("reserved above");
+        let base = self.published;
+        // Counter value once `rank` has published piece k of stage t.
+        let mark = |t: usize, k: usize| base + (t * pieces + k + 1) as u64;
+        let publish = |t: usize, k: usize| window.progress(pos).store(mark(t, k), Ordering::Release);
+
+        // Stage 0: this rank's first chunk (reduce-scatter) or its summed chunk (all-gather
+        // alone), into its part.
+        let first = if phases.reduce_scatter { schedule.hop_chunks(0).0 } else { reduced_chunk(pos) };
+        for k in 0..pieces {
+            let range = piece(first, k);
+            // SAFETY: stage 0 writes chunk `first` of this rank's part, which no rank reads
+            // before this piece's counter says so; the last call ended on a fence.
+            unsafe { window.own_part_mut::<E>(range.clone())? }.copy_from_slice(&buf[range]);
+            publish(0, k);
+        }
+        let mut stages = 1;
+        if phases.reduce_scatter {
+            for s in 0..n - 1 {
+                let chunk = schedule.hop_chunks(s).1;
+                for k in 0..pieces {
+                    wait_for(window, &self.comm, left, mark(s, k));
+                    let range = piece(chunk, k);
+                    // SAFETY: the left neighbour published this piece at stage s and writes
+                    // this chunk of its part at no other stage of this call; this rank writes
+                    // chunk pos-s-1 of its own part only here, and the right neighbour reads it
+                    // only after the counter below covers it.
+                    let (arrived, mine) = unsafe { (window.part::<E>(left, range.clone())?, window.own_part_mut::<E>(range.clone())?) };
+                    if s + 1 == n - 1 {
+                        // The last step: the summed chunk, for this rank and for the all-gather.
+                        accumulate_and_copy(&mut buf[range], arrived, mine, scale);
+                    } else {
+                        sum_into(mine, &buf[range], arrived);
+                    }
+                    publish(s + 1, k);
+                }
+            }
+            stages = n;
+        }
+        if phases.all_gather {
+            // Each rank's summed chunk from its part, nearest left first as the ring passes them.
+            for d in 1..n {
+                let from = (pos + n - d) % n;
+                let chunk = reduced_chunk(from);
+                for k in 0..pieces {
+                    wait_for(window, &self.comm, from, mark(stages - 1, k));
+                    let range = piece(chunk, k);
+                    // SAFETY: published by its owner at its last stage, and written again only
+                    // after the fence that ends this call.
+                    buf[range.clone()].copy_from_slice(unsafe { window.part::<E>(from, range)? });
+                }
+            }
+        }
+        self.published = base + (stages * pieces) as u64;
+        // Nobody writes the window again before every rank has read what it needs from it.
+        window.fence(&self.comm);
+        Ok(())
+    }
+}
+
+/// Waits until `rank`'s progress counter reaches `target`, as `raw::wait_politely` waits for a
+/// request: spinning briefly (the neighbour is usually a piece ahead), then yielding the core
+/// (a rank that shares it, or backward under overlap, needs it), then sleeping between looks.
+/// Past the spinning it also lets MPI make progress: a job whose rank failed is ended through
+/// MPI's runtime (the SIGTERM it sends first is taken as a stop request), which a rank hears
+/// only inside MPI calls.
+fn wait_for(window: &SharedWindow, comm: &SimpleCommunicator, rank: usize, target: u64) {
+    let counter = window.progress(rank);
+    let mut idle = 0u32;
+    while counter.load(Ordering::Acquire) < target {
+        idle = idle.saturating_add(1);
+        if idle < 256 {
+            std::hint::spin_loop();
+            continue;
+        }
+        // Nothing is ever sent on this communicator: the probe only drives MPI's progress.
+        let _ = comm.any_process().immediate_probe();
+        if idle < 1024 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+    }
+    // A neighbour that stops publishing (a dead rank) leaves this loop waiting: the watchdog
+    // then ends the job, as for a receive that never completes.
+    crate::watchdog::progress();
+}
