@@ -6,9 +6,10 @@
 //! b gamma. A link is within a node or between nodes; a step that crosses nodes anywhere takes
 //! the between-nodes cost (the slowest link sets the pace of a step every rank takes together).
 //!
-//! Every algorithm's time is written as coefficients of the five unknowns (alpha and beta
-//! within a node, alpha and beta between nodes, gamma), so that one formula serves both the
-//! prediction (`auto`, `hpc-train project`) and the least-squares fit (`hpc-train model fit`).
+//! Every algorithm's time is written as coefficients of the unknowns (alpha and beta within a
+//! node, alpha and beta between nodes, gamma, and alpha and beta of the ring through node-shared
+//! memory), so that one formula serves both the prediction (`auto`, `hpc-train project`) and the
+//! least-squares fit (`hpc-train model fit`).
 
 use serde::{Deserialize, Serialize};
 
@@ -36,6 +37,12 @@ pub struct CostModel {
     /// this field).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nics_per_node: Option<usize>,
+    /// The ring through node-shared memory (`--ring-transport`, one node): alpha is a step's
+    /// wait for the neighbour's progress counter, beta the time per byte of reading the
+    /// neighbour's part. None (models fitted without such rows): that ring is costed as the
+    /// ring over MPI messages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared: Option<LinkCost>,
 }
 
 impl Default for CostModel {
@@ -48,6 +55,7 @@ impl Default for CostModel {
             inter: LinkCost { alpha_s: 30e-6, beta_s_per_byte: 1.0 / 1.25e9 },
             gamma_s_per_byte: 1.0 / 5e9,
             nics_per_node: None,
+            shared: None,
         }
     }
 }
@@ -73,6 +81,9 @@ impl Layout {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Algorithm {
     Ring,
+    /// The ring on one node through node-shared memory: the ring's steps and bytes, at the
+    /// shared-memory costs.
+    SharedRing,
     /// Recursive halving (reduce-scatter) and doubling (all-gather): Rabenseifner's.
     Rhd,
     /// Recursive doubling: every step swaps and adds the whole buffer (short messages).
@@ -81,8 +92,9 @@ pub enum Algorithm {
     Ps { servers: usize },
 }
 
-/// Coefficients of (alpha intra, beta intra, alpha inter, beta inter, gamma).
-pub type Coefficients = [f64; 5];
+/// Coefficients of (alpha intra, beta intra, alpha inter, beta inter, gamma, alpha shared, beta
+/// shared).
+pub type Coefficients = [f64; 7];
 
 fn add_link(c: &mut Coefficients, crosses: bool, messages: f64, bytes: f64) {
     let at = if crosses { 2 } else { 0 };
@@ -99,12 +111,20 @@ fn sharing(flows: usize, nics: Option<usize>) -> f64 {
 /// The time of `algorithm` for `bytes` on `layout`, as coefficients of the unknowns, with
 /// `nics` network links per node (see [`CostModel::nics_per_node`]).
 pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Option<usize>) -> Coefficients {
-    let mut c = [0.0; 5];
+    let mut c = [0.0; 7];
     let n = layout.ranks;
     if n <= 1 {
         return c;
     }
     match algorithm {
+        Algorithm::SharedRing if layout.nodes() == 1 => {
+            let nf = n as f64;
+            c[5] += 2.0 * (nf - 1.0);
+            c[6] += 2.0 * (nf - 1.0) / nf * bytes;
+            c[4] += (nf - 1.0) / nf * bytes;
+        }
+        // Across nodes the ring never runs through shared memory.
+        Algorithm::SharedRing => return coefficients(Algorithm::Ring, layout, bytes, nics),
         Algorithm::Ring => {
             // 2(n-1) steps of S/n bytes, (n-1) S/n added; the node-aware ring crosses the
             // network at two links per node (one flow each way), which then set every step's
@@ -153,18 +173,24 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Opti
 
 impl CostModel {
     pub fn as_vector(&self) -> Coefficients {
-        [self.intra.alpha_s, self.intra.beta_s_per_byte, self.inter.alpha_s, self.inter.beta_s_per_byte, self.gamma_s_per_byte]
+        let shared = self.shared.unwrap_or(LinkCost { alpha_s: 0.0, beta_s_per_byte: 0.0 });
+        [
+            self.intra.alpha_s, self.intra.beta_s_per_byte, self.inter.alpha_s, self.inter.beta_s_per_byte, self.gamma_s_per_byte,
+            shared.alpha_s, shared.beta_s_per_byte,
+        ]
     }
 
     /// Predicted seconds of `algorithm` for `bytes` on `layout`.
     pub fn predict(&self, algorithm: Algorithm, layout: Layout, bytes: f64) -> f64 {
+        // Without shared-memory costs, that ring is costed as the ring over MPI.
+        let algorithm = if algorithm == Algorithm::SharedRing && self.shared.is_none() { Algorithm::Ring } else { algorithm };
         coefficients(algorithm, layout, bytes, self.nics_per_node).iter().zip(self.as_vector()).map(|(c, v)| c * v).sum()
     }
 
     /// The fastest of the all-reduce algorithms for `bytes` on `layout` (ties to the earlier
-    /// of ring, rhd, recursive doubling).
-    pub fn choose(&self, layout: Layout, bytes: f64) -> Algorithm {
-        self.fastest(&[Algorithm::Ring, Algorithm::Rhd, Algorithm::RecursiveDoubling], layout, bytes)
+    /// of ring, rhd, recursive doubling), `ring` being the ring as it runs (Ring or SharedRing).
+    pub fn choose(&self, ring: Algorithm, layout: Layout, bytes: f64) -> Algorithm {
+        self.fastest(&[ring, Algorithm::Rhd, Algorithm::RecursiveDoubling], layout, bytes)
     }
 
     /// The fastest of `candidates` (the first on a tie).
@@ -224,7 +250,7 @@ mod tests {
 
     fn one_link(alpha: f64, beta: f64, gamma: f64) -> CostModel {
         let l = LinkCost { alpha_s: alpha, beta_s_per_byte: beta };
-        CostModel { intra: l, inter: l, gamma_s_per_byte: gamma, nics_per_node: None }
+        CostModel { intra: l, inter: l, gamma_s_per_byte: gamma, nics_per_node: None, shared: None }
     }
 
     #[test]
@@ -253,15 +279,15 @@ mod tests {
     fn latency_bound_buffers_go_to_doubling_middle_ones_to_rhd_and_large_ones_to_the_ring() {
         let m = CostModel::default();
         let cluster = Layout { ranks: 64, per_node: 8 };
-        assert_eq!(m.choose(cluster, 4096.0), Algorithm::RecursiveDoubling);
-        assert_eq!(m.choose(cluster, 4e6), Algorithm::Rhd);
+        assert_eq!(m.choose(Algorithm::Ring, cluster, 4096.0), Algorithm::RecursiveDoubling);
+        assert_eq!(m.choose(Algorithm::Ring, cluster, 4e6), Algorithm::Rhd);
         assert_eq!(m.fastest(&[Algorithm::Ring, Algorithm::Rhd], cluster, 4096.0), Algorithm::Rhd);
-        assert_eq!(m.choose(Layout { ranks: 6, per_node: 6 }, 1e8), Algorithm::Ring, "the extra ranks' whole-buffer hand-over costs rhd");
+        assert_eq!(m.choose(Algorithm::Ring, Layout { ranks: 6, per_node: 6 }, 1e8), Algorithm::Ring, "the extra ranks' whole-buffer hand-over costs rhd");
     }
 
     #[test]
     fn ranks_crossing_the_network_at_once_share_the_nodes_links() {
-        let own = CostModel { inter: LinkCost { alpha_s: 0.0, beta_s_per_byte: 1e-9 }, intra: LinkCost { alpha_s: 0.0, beta_s_per_byte: 0.0 }, gamma_s_per_byte: 0.0, nics_per_node: None };
+        let own = CostModel { inter: LinkCost { alpha_s: 0.0, beta_s_per_byte: 1e-9 }, intra: LinkCost { alpha_s: 0.0, beta_s_per_byte: 0.0 }, gamma_s_per_byte: 0.0, nics_per_node: None, shared: None };
         let one_nic = CostModel { nics_per_node: Some(1), ..own };
         let two_nodes = Layout { ranks: 8, per_node: 4 };
         let s = 1e6;
@@ -276,6 +302,22 @@ mod tests {
         // Four links for four ranks: as good as a link per rank.
         let four = CostModel { nics_per_node: Some(4), ..own };
         assert_eq!(own.predict(Algorithm::Rhd, two_nodes, s), four.predict(Algorithm::Rhd, two_nodes, s));
+    }
+
+    #[test]
+    fn the_shared_memory_ring_has_the_rings_steps_at_its_own_costs() {
+        let mpi = one_link(1e-5, 1e-9, 5e-10);
+        let shm = CostModel { shared: Some(LinkCost { alpha_s: 1e-6, beta_s_per_byte: 1e-10 }), ..mpi };
+        let (one_node, s) = (Layout { ranks: 4, per_node: 4 }, 1e6);
+        let expected = 2.0 * 3.0 * (1e-6 + s / 4.0 * 1e-10) + 3.0 * s / 4.0 * 5e-10;
+        assert!((shm.predict(Algorithm::SharedRing, one_node, s) - expected).abs() < 1e-12);
+        // Without its costs, or across nodes, it is the ring over MPI.
+        assert_eq!(mpi.predict(Algorithm::SharedRing, one_node, s), mpi.predict(Algorithm::Ring, one_node, s));
+        let two_nodes = Layout { ranks: 4, per_node: 2 };
+        assert_eq!(shm.predict(Algorithm::SharedRing, two_nodes, s), shm.predict(Algorithm::Ring, two_nodes, s));
+        // Cheap enough, it wins where the MPI ring loses to rhd.
+        assert_ne!(mpi.choose(Algorithm::Ring, one_node, 1e4), Algorithm::Ring);
+        assert_eq!(shm.choose(Algorithm::SharedRing, one_node, 1e4), Algorithm::SharedRing);
     }
 
     #[test]

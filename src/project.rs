@@ -45,11 +45,14 @@ impl BenchRow {
         Layout { ranks: self.ranks, per_node: self.ranks.div_ceil(nodes) }
     }
 
-    /// Rows the model describes: host f32, one tensor, right results, more than one rank, and
-    /// MPI messages (its links are MPI's; a ring through node-shared memory sends none).
+    /// Rows the model describes: host f32, one tensor, right results, more than one rank.
     fn usable(&self) -> bool {
         self.device == "cpu" && self.dtype == "float" && (self.layout.is_empty() || self.layout == "single") && self.wrong == 0 && self.ranks > 1 && self.size > 0
-            && self.ring_transport.as_deref() != Some("shared-memory")
+    }
+
+    /// Whether the row's ring ran through node-shared memory rather than MPI messages.
+    fn shared_ring(&self) -> bool {
+        self.ring_transport.as_deref() == Some("shared-memory")
     }
 }
 
@@ -75,8 +78,11 @@ pub struct Residual {
     pub error_pct: f64,
 }
 
-fn algorithm_of(strategy: &str, servers: usize) -> Option<Algorithm> {
+/// The algorithm of a strategy's rows; `shared_ring` when the ring ran through node-shared
+/// memory.
+fn algorithm_of(strategy: &str, servers: usize, shared_ring: bool) -> Option<Algorithm> {
     match strategy {
+        "ring" if shared_ring => Some(Algorithm::SharedRing),
         "ring" => Some(Algorithm::Ring),
         "rhd" => Some(Algorithm::Rhd),
         "ps" => Some(Algorithm::Ps { servers }),
@@ -86,13 +92,15 @@ fn algorithm_of(strategy: &str, servers: usize) -> Option<Algorithm> {
 
 /// Predicted seconds of a strategy's all-reduce of `bytes`: MPI_Allreduce and Horovod's
 /// collective are taken as MPI's own choice between the two algorithms (the faster), Horovod
-/// adding half a cycle of waiting on average; auto picks the faster itself.
-fn predict(model: &CostModel, strategy: &str, layout: Layout, bytes: f64, servers: usize, cycle_s: f64) -> Option<f64> {
-    let best = || model.predict(model.choose(layout, bytes), layout, bytes);
+/// adding half a cycle of waiting on average; auto picks the fastest itself, with its ring
+/// through node-shared memory when `shared_ring`.
+fn predict(model: &CostModel, strategy: &str, layout: Layout, bytes: f64, servers: usize, cycle_s: f64, shared_ring: bool) -> Option<f64> {
+    let best = |ring| model.predict(model.choose(ring, layout, bytes), layout, bytes);
     match strategy {
-        "allreduce" | "auto" => Some(best()),
-        "horovod" => Some(best() + cycle_s / 2.0),
-        s => algorithm_of(s, servers).map(|a| model.predict(a, layout, bytes)),
+        "allreduce" => Some(best(Algorithm::Ring)),
+        "auto" => Some(best(if shared_ring { Algorithm::SharedRing } else { Algorithm::Ring })),
+        "horovod" => Some(best(Algorithm::Ring) + cycle_s / 2.0),
+        s => algorithm_of(s, servers, shared_ring).map(|a| model.predict(a, layout, bytes)),
     }
 }
 
@@ -112,9 +120,9 @@ pub fn fit(args: &FitArgs) -> Result<()> {
     let gamma = 1.0 / (median(adds) * 1e9);
     let fit_rows = |inter: bool, fixed: &CostModel| -> Vec<(f64, f64, f64, f64)> {
         rows.iter()
-            .filter(|r| (r.nodes > 1) == inter && matches!(r.strategy.as_str(), "ring" | "rhd"))
+            .filter(|r| (r.nodes > 1) == inter && matches!(r.strategy.as_str(), "ring" | "rhd") && !r.shared_ring())
             .map(|r| {
-                let c = coefficients(algorithm_of(&r.strategy, 1).expect("ring or rhd"), r.layout(), r.size as f64, args.nics_per_node.map(usize::from));
+                let c = coefficients(algorithm_of(&r.strategy, 1, false).expect("ring or rhd"), r.layout(), r.size as f64, args.nics_per_node.map(usize::from));
                 let t = r.time_us * 1e-6;
                 let known = c[4] * gamma + if inter { c[0] * fixed.intra.alpha_s + c[1] * fixed.intra.beta_s_per_byte } else { 0.0 };
                 let (a, b) = if inter { (c[2], c[3]) } else { (c[0], c[1]) };
@@ -129,10 +137,21 @@ pub fn fit(args: &FitArgs) -> Result<()> {
         Some(inter) => model.inter = LinkCost { alpha_s: inter.0, beta_s_per_byte: inter.1 },
         None => log::warn!("no ring or rhd rows across nodes: the network link keeps the built-in default"),
     }
+    // The ring through node-shared memory, from its own rows (the adds known).
+    let shared_rows: Vec<(f64, f64, f64, f64)> = rows
+        .iter()
+        .filter(|r| r.strategy == "ring" && r.shared_ring() && r.nodes <= 1)
+        .map(|r| {
+            let c = coefficients(Algorithm::SharedRing, r.layout(), r.size as f64, None);
+            let t = r.time_us * 1e-6;
+            (c[5], c[6], t - c[4] * gamma, 1.0 / t)
+        })
+        .collect();
+    model.shared = fit_two(&shared_rows).map(|(alpha, beta)| LinkCost { alpha_s: alpha, beta_s_per_byte: beta });
     let residuals: Vec<Residual> = rows
         .iter()
         .filter_map(|r| {
-            let predicted = predict(&model, &r.strategy, r.layout(), r.size as f64, args.servers, args.cycle_time_ms * 1e-3)?;
+            let predicted = predict(&model, &r.strategy, r.layout(), r.size as f64, args.servers, args.cycle_time_ms * 1e-3, r.shared_ring())?;
             Some(residual(&r.strategy, r.ranks, r.nodes.max(1), r.link_mbit, Some(r.size), r.time_us, predicted * 1e6))
         })
         .collect();
@@ -160,6 +179,9 @@ fn print_fit(model: &CostModel, residuals: &[Residual]) {
     println!("# cost model: alpha (us), bandwidth 1/beta (GB/s), add rate 1/gamma (GB/s)");
     for (name, l) in [("within a node", model.intra), ("between nodes", model.inter)] {
         println!("#   {name:<14} alpha {:>8.2}  bandwidth {:>7.3}", l.alpha_s * 1e6, 1e-9 / l.beta_s_per_byte.max(1e-30));
+    }
+    if let Some(l) = model.shared {
+        println!("#   {:<14} alpha {:>8.2}  bandwidth {:>7.3}", "shared memory", l.alpha_s * 1e6, 1e-9 / l.beta_s_per_byte.max(1e-30));
     }
     println!("#   adds {:.3} GB/s", 1e-9 / model.gamma_s_per_byte);
     match model.nics_per_node {
@@ -224,7 +246,7 @@ impl Profile {
         };
         let (intra, inter) = (link(&self.intra, "intra")?, link(&self.inter, "inter")?);
         let add = self.add_gbs.ok_or_else(|| Error::usage(format!("profile {}: no add_gbs", self.name)))?;
-        Ok(CostModel { intra, inter, gamma_s_per_byte: 1.0 / (add * 1e9), nics_per_node: self.nics_per_node })
+        Ok(CostModel { intra, inter, gamma_s_per_byte: 1.0 / (add * 1e9), nics_per_node: self.nics_per_node, shared: None })
     }
 }
 
@@ -244,7 +266,9 @@ fn project_step(model: &CostModel, strategy: &'static str, layout: Layout, gradi
     let full = (gradient_bytes / bucket).floor();
     let rest = gradient_bytes - full * bucket;
     let servers = layout.nodes().max(1);
-    let each = |b: f64| predict(model, strategy, layout, b, servers, cycle_s);
+    // The ring as it runs by default: through node-shared memory on one node (costed so when
+    // the model has those costs; across nodes, or without them, it is the ring over MPI).
+    let each = |b: f64| predict(model, strategy, layout, b, servers, cycle_s, true);
     let exchange = if strategy == "ps" {
         // The parameter server exchanges whole shares after backward: one round.
         each(gradient_bytes)?
@@ -379,7 +403,7 @@ fn validate(model: &CostModel, args: &ProjectArgs, cycle_s: f64) -> Result<()> {
     if let Some(path) = &args.validate_bench {
         let bench: Vec<BenchRow> = results::read_json_lines(path)?;
         for r in bench.iter().filter(|r| r.usable()) {
-            if let Some(p) = predict(model, &r.strategy, r.layout(), r.size as f64, args.servers, cycle_s) {
+            if let Some(p) = predict(model, &r.strategy, r.layout(), r.size as f64, args.servers, cycle_s, r.shared_ring()) {
                 rows.push(residual(&r.strategy, r.ranks, r.nodes.max(1), r.link_mbit, Some(r.size), r.time_us, p * 1e6));
             }
         }
@@ -460,10 +484,12 @@ mod tests {
     }
 
     #[test]
-    fn the_fit_leaves_out_rings_that_sent_no_mpi_messages() {
+    fn rows_say_whether_their_ring_sent_mpi_messages() {
         // Rows recorded before the field existed went over MPI.
-        assert!(row("").usable());
-        assert!(row(r#","ring_transport":"mpi""#).usable());
-        assert!(!row(r#","ring_transport":"shared-memory""#).usable());
+        assert!(!row("").shared_ring());
+        assert!(!row(r#","ring_transport":"mpi""#).shared_ring());
+        assert!(row(r#","ring_transport":"shared-memory""#).shared_ring());
+        assert_eq!(algorithm_of("ring", 1, true), Some(Algorithm::SharedRing));
+        assert_eq!(algorithm_of("rhd", 1, true), Some(Algorithm::Rhd));
     }
 }

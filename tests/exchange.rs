@@ -337,4 +337,26 @@ fn rhd_and_auto_train_to_the_same_weights_as_allreduce() {
     // The tiny CNN's 1 KB buckets are latency-bound: the default model sends them to recursive
     // doubling.
     assert!(auto["extra"]["auto_doubling_buckets"].as_u64().unwrap() > 0, "{auto}");
+
+    // A model whose shared-memory ring is free and whose MPI messages are dear: on one node auto
+    // sends every bucket to the ring, which then runs through shared memory; told to keep the
+    // ring on MPI, it costs it as MPI messages and sends it nothing.
+    let model = dir.join("cheap-shared-memory.json");
+    let dear = serde_json::json!({ "alpha_s": 1e-3, "beta_s_per_byte": 1e-9 });
+    let free = serde_json::json!({ "alpha_s": 0.0, "beta_s_per_byte": 0.0 });
+    std::fs::write(&model, serde_json::json!({ "intra": dear, "inter": dear, "shared": free, "gamma_s_per_byte": 1e-10 }).to_string()).unwrap();
+    let reference = train("allreduce3-overlap", 3, &["--strategy", "allreduce"]);
+    for transport in ["auto", "mpi"] {
+        let got = train(&format!("auto-shm-{transport}"), 3, &["--strategy", "auto", "--cost-model", model.to_str().unwrap(), "--ring-transport", transport]);
+        assert!(max_relative_difference(&reference, &got) < 1e-5);
+        let auto = read_runs(&dir).into_iter().rev().find(|r| r["strategy"] == "auto").unwrap();
+        let ring = auto["extra"]["auto_ring_buckets"].as_u64().unwrap();
+        if transport == "auto" {
+            assert!(ring > 0 && auto["extra"]["auto_rhd_buckets"] == 0 && auto["extra"]["auto_doubling_buckets"] == 0, "{auto}");
+            assert_eq!(auto["extra"]["ring_transport"], "shared-memory", "{auto}");
+        } else {
+            assert_eq!(ring, 0, "{auto}");
+            assert_eq!(auto["extra"]["ring_transport"], "mpi", "{auto}");
+        }
+    }
 }

@@ -23,6 +23,8 @@ pub struct Auto {
     ring: RingAllreduce,
     rhd: RhdAllreduce,
     model: CostModel,
+    /// The ring as it runs: through node-shared memory (one node) or over MPI.
+    ring_algorithm: Algorithm,
     layout: Layout,
     rank: usize,
     path: DataPath,
@@ -34,10 +36,13 @@ pub struct Auto {
 
 impl Auto {
     pub fn new(world: &World, config: &ExchangeConfig) -> Result<Auto> {
+        let ring = RingAllreduce::new(world, config)?;
+        let ring_algorithm = if ring.transport() == "shared-memory" { Algorithm::SharedRing } else { Algorithm::Ring };
         Ok(Auto {
-            ring: RingAllreduce::new(world, config)?,
+            ring,
             rhd: RhdAllreduce::new(world, config)?,
             model: config.cost_model,
+            ring_algorithm,
             layout: Layout { ranks: world.size as usize, per_node: world.local_size.max(1) as usize },
             rank: world.rank as usize,
             path: DataPath::choose(config.device, config.cuda_aware),
@@ -57,7 +62,7 @@ impl Auto {
             return Algorithm::Ring;
         }
         // Recursive doubling leaves every rank the whole sum, not a shard: not a candidate.
-        self.model.fastest(&[Algorithm::Ring, Algorithm::Rhd], self.layout, (len * dtype.size()) as f64)
+        self.model.fastest(&[self.ring_algorithm, Algorithm::Rhd], self.layout, (len * dtype.size()) as f64)
     }
 }
 
@@ -110,10 +115,11 @@ impl Exchange for Auto {
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         let dtype = common_dtype(tensors)?;
         let (ring, rhd, model, layout, chosen) = (&mut self.ring, &mut self.rhd, &self.model, self.layout, &mut self.chosen);
+        let ring_algorithm = self.ring_algorithm;
         self.staging.reduce_fused(&mut self.fusion, self.path, tensors, |_, bucket| {
             // Every rank computes the same choice from the same size and layout.
             let bytes = (bucket.numel() * dtype.size()) as f64;
-            match model.choose(layout, bytes) {
+            match model.choose(ring_algorithm, layout, bytes) {
                 Algorithm::Rhd => {
                     chosen[1] += 1;
                     rhd.reduce_flat(bucket, dtype, op)
