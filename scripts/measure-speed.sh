@@ -24,11 +24,12 @@ mpi() { local n=$1 bin=$2; shift 2; mpirun -n "$n" --oversubscribe "$bin" "$@"; 
 { stamp "bench, 2 ranks, one tensor, the ring over MPI point-to-point (--ring-transport mpi)"
   mpi 2 "$B" bench --strategies ring --ring-transport mpi --min-bytes 1M --max-bytes 64M --factor 4 --iters 10 --warmup 2 --rounds 5 --results "$R"; } 2>&1 | tee "$R/bench-2-ranks-ring-mpi.txt"
 # auto chooses with the model fitted to this layout's own ring and rhd rows, as a user would run
-# it (`hpc-train model fit`, then --cost-model). The model's links are MPI's, so the ring it is
-# fitted to sends MPI messages.
+# it (`hpc-train model fit`, then --cost-model): MPI's link costs from the ring over MPI and rhd,
+# the shared-memory ring's own from its rows.
 rm -rf "$R/fit-4-ranks" && mkdir -p "$R/fit-4-ranks"
-{ stamp "bench, 4 ranks (oversubscribed), ring (over MPI) and rhd for the cost model; the fit"
+{ stamp "bench, 4 ranks (oversubscribed), ring (over MPI, then through shared memory) and rhd for the cost model; the fit"
   mpi 4 "$B" bench --strategies ring,rhd --ring-transport mpi --min-bytes 4K --max-bytes 16M --factor 4 --iters 20 --warmup 3 --rounds 3 --results "$R/fit-4-ranks"
+  mpi 4 "$B" bench --strategies ring --min-bytes 4K --max-bytes 16M --factor 4 --iters 20 --warmup 3 --rounds 3 --results "$R/fit-4-ranks"
   "$B" model fit --bench "$R/fit-4-ranks/bench.jsonl" --out "$R/cost-model-4-ranks.json"; } 2>&1 | tee "$R/fit-4-ranks.txt"
 { stamp "bench, 4 ranks (oversubscribed), auto (fitted model) against MPI_Allreduce"
   mpi 4 "$B" bench --strategies auto,rhd,ring,allreduce --min-bytes 4K --max-bytes 16M --factor 4 --iters 20 --warmup 3 --rounds 5 --cost-model "$R/cost-model-4-ranks.json" --results "$R"; } 2>&1 | tee "$R/bench-4-ranks.txt"
