@@ -984,11 +984,12 @@ impl<E: Element> Segments<'_, E> {
 
 /// Memory that every rank of a node communicator loads from and stores to directly: an MPI-3
 /// shared window (`MPI_Win_allocate_shared`), one part per rank, each part mapped into every
-/// rank's address space. A part holds a progress counter (an atomic the owner publishes with
-/// release stores and the others read with acquire loads) and then `bytes` of data. Kept in a
-/// passive-target epoch (`MPI_Win_lock_all`) from allocation to free, so that
-/// [`SharedWindow::fence`] can order plain loads and stores with `MPI_Win_sync` around a barrier,
-/// the "unified model" pattern of MPI 4.0 section 12.7.
+/// rank's address space. A part holds two counters (atomics the owner publishes with release
+/// stores and the others read with acquire loads: how far it has written, and how many calls it
+/// has finished reading) and then `bytes` of data. The counters order the plain loads and
+/// stores of the data (release/acquire on coherent memory: MPI's "unified" memory model, which
+/// shared windows have). The window stays in a passive-target epoch (`MPI_Win_lock_all`) from
+/// allocation to free, as that model asks of direct loads and stores (MPI 4.0 section 12.7).
 ///
 /// Freeing is collective (`MPI_Win_free` waits for every rank), so it is explicit:
 /// [`SharedWindow::free`], which every rank calls at the same point. A window dropped without it
@@ -1002,12 +1003,12 @@ pub struct SharedWindow {
     me: usize,
 }
 
-/// Bytes before the data of each part: the progress counter, alone on its cache line as far
-/// as the part's alignment allows.
-const PART_HEADER: usize = 64;
+/// Bytes before the data of each part: the two counters, 64 bytes apart (each alone on its
+/// cache line as far as the part's alignment allows).
+const PART_HEADER: usize = 128;
 
 impl SharedWindow {
-    /// Allocates `bytes` of data per rank of `comm`, with every progress counter at zero.
+    /// Allocates `bytes` of data per rank of `comm`, with every counter at zero.
     /// Collective over `comm`, whose ranks must share one node (a communicator from
     /// `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`).
     pub fn allocate(comm: &SimpleCommunicator, bytes: usize) -> Result<SharedWindow> {
@@ -1045,9 +1046,10 @@ impl SharedWindow {
             return Err(Error::exchange("MPI_Win_lock_all", format!("returned error code {rc}")));
         }
         let window = SharedWindow { win, parts, bytes, me: comm.rank() as usize };
-        // MPI does not promise zeroed memory: each rank clears its own counter before anyone
+        // MPI does not promise zeroed memory: each rank clears its own counters before anyone
         // reads one.
         window.progress(window.me).store(0, std::sync::atomic::Ordering::Release);
+        window.finished(window.me).store(0, std::sync::atomic::Ordering::Release);
         window.fence(comm);
         Ok(window)
     }
@@ -1060,16 +1062,27 @@ impl SharedWindow {
     /// `rank`'s progress counter: its owner stores (Release) how far it has written, the others
     /// load it (Acquire) before reading what it covers.
     pub fn progress(&self, rank: usize) -> &std::sync::atomic::AtomicU64 {
-        // SAFETY: the first 8 bytes of a live part, 8-byte aligned (checked at allocation),
-        // mapped for as long as the window (and so the returned reference) lives. Every access
-        // to them, from any process, goes through this atomic.
-        unsafe { &*self.parts[rank].cast::<std::sync::atomic::AtomicU64>() }
+        self.counter(rank, 0)
+    }
+
+    /// `rank`'s count of calls it has finished reading the window for: what a rank waits for
+    /// before it writes its part again.
+    pub fn finished(&self, rank: usize) -> &std::sync::atomic::AtomicU64 {
+        self.counter(rank, 64)
+    }
+
+    fn counter(&self, rank: usize, offset: usize) -> &std::sync::atomic::AtomicU64 {
+        // SAFETY: 8 bytes of a live part's header (offset 0 or 64, below PART_HEADER), 8-byte
+        // aligned (the part is, checked at allocation), mapped for as long as the window (and
+        // so the returned reference) lives. Every access to them, from any process, goes
+        // through this atomic.
+        unsafe { &*self.parts[rank].add(offset).cast::<std::sync::atomic::AtomicU64>() }
     }
 
     /// Makes every store any rank made to the window before this call visible to every load
     /// any rank makes after it: a barrier over `comm` (the window's communicator) between two
-    /// memory synchronisations.
-    pub fn fence(&self, comm: &SimpleCommunicator) {
+    /// memory synchronisations. Used once, after the counters are cleared.
+    fn fence(&self, comm: &SimpleCommunicator) {
         // SAFETY: MPI_Win_sync on a window of this process inside its lock_all epoch.
         unsafe { mpi::ffi::MPI_Win_sync(self.win) };
         mpi::collective::CommunicatorCollectives::barrier(comm);
@@ -1091,9 +1104,9 @@ impl SharedWindow {
     /// Elements `range` of `rank`'s data, to read.
     ///
     /// # Safety
-    /// No rank may store to these elements while the slice lives: the caller's schedule has
-    /// seen (through a progress counter or a fence) that their writer is done with them, and
-    /// they are written again only after a later fence.
+    /// No rank may store to these elements while the slice lives: the caller has seen through
+    /// their writer's progress counter that it is done with them, and the writer writes them
+    /// again only after this rank's finished-reading counter says so.
     pub unsafe fn part<E: Element>(&self, rank: usize, range: std::ops::Range<usize>) -> Result<&[E]> {
         let ptr = self.span::<E>(rank, &range)?;
         // SAFETY: inside the mapped part (span checks), aligned, and by the caller's contract
@@ -1105,8 +1118,9 @@ impl SharedWindow {
     ///
     /// # Safety
     /// No other rank may load or store these elements, and no other slice of them may exist in
-    /// this process, while the slice lives: others read them only after the progress counter
-    /// that covers them says so, or after a fence.
+    /// this process, while the slice lives: others read them only after this rank's progress
+    /// counter covers them, and the caller has seen through every rank's finished-reading
+    /// counter that no one still reads them from an earlier call.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn own_part_mut<E: Element>(&self, range: std::ops::Range<usize>) -> Result<&mut [E]> {
         let ptr = self.span::<E>(self.me, &range)?;

@@ -14,10 +14,12 @@
 //! raises its progress counter, and a rank waits for its neighbour's counter before reading a
 //! piece, so a piece is read while it is still in the shared cache, not after a whole chunk.
 //! Within one call every chunk of a rank's part is written once (stage t writes chunk pos-t),
-//! so counters are the only ordering reads need; a barrier ends each call, so that the next
-//! call, whose chunks may lie elsewhere, writes nothing another rank may still be reading.
+//! so counters are the only ordering reads need. Between calls, whose chunks may lie elsewhere,
+//! a rank writes its part again only once every rank has said (a second counter) that it has
+//! finished reading the last call: a barrier, but one that is usually passed at once, long
+//! after the others finished, instead of one more synchronisation at the end of every call.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
@@ -43,6 +45,8 @@ pub struct SharedRing {
     /// Pieces every rank published in the calls since the window was made: the counters'
     /// common starting point (every rank runs the same calls on the same lengths).
     published: u64,
+    /// Calls run since the window was made.
+    calls: u64,
 }
 
 impl SharedRing {
@@ -51,7 +55,7 @@ impl SharedRing {
     pub fn new(world: &SimpleCommunicator, n: usize, pos: usize) -> Option<SharedRing> {
         let comm = world.split_shared(pos as i32);
         // Every rank sees the same sizes, so every rank decides alike.
-        (comm.size() as usize == n).then_some(SharedRing { window: None, comm, n, pos, published: 0 })
+        (comm.size() as usize == n).then_some(SharedRing { window: None, comm, n, pos, published: 0, calls: 0 })
     }
 
     /// Makes sure the window holds `bytes` per rank: the current one, or (collectively: every
@@ -61,6 +65,7 @@ impl SharedRing {
             self.release();
             self.window = Some(SharedWindow::allocate(&self.comm, bytes)?);
             self.published = 0;
+            self.calls = 0;
         }
         Ok(())
     }
@@ -93,6 +98,10 @@ impl SharedRing {
         // Counter value once `rank` has published piece k of stage t.
         let mark = |t: usize, k: usize| base + (t * pieces + k + 1) as u64;
         let publish = |t: usize, k: usize| window.progress(pos).store(mark(t, k), Ordering::Release);
+        // Nobody may still be reading this rank's part from the last call.
+        for q in 0..n {
+            wait_until(window.finished(q), &self.comm, self.calls);
+        }
 
         // Stage 0: this rank's first chunk (reduce-scatter) or its summed chunk (all-gather
         // alone), into its part.
@@ -100,7 +109,8 @@ impl SharedRing {
         for k in 0..pieces {
             let range = piece(first, k);
             // SAFETY: stage 0 writes chunk `first` of this rank's part, which no rank reads
-            // before this piece's counter says so; the last call ended on a fence.
+            // before this piece's counter says so; every rank has finished reading the last
+            // call (waited for above).
             unsafe { window.own_part_mut::<E>(range.clone())? }.copy_from_slice(&buf[range]);
             publish(0, k);
         }
@@ -109,7 +119,7 @@ impl SharedRing {
             for s in 0..n - 1 {
                 let chunk = schedule.hop_chunks(s).1;
                 for k in 0..pieces {
-                    wait_for(window, &self.comm, left, mark(s, k));
+                    wait_until(window.progress(left), &self.comm, mark(s, k));
                     let range = piece(chunk, k);
                     // SAFETY: the left neighbour published this piece at stage s and writes
                     // this chunk of its part at no other stage of this call; this rank writes
@@ -133,29 +143,28 @@ impl SharedRing {
                 let from = (pos + n - d) % n;
                 let chunk = reduced_chunk(from);
                 for k in 0..pieces {
-                    wait_for(window, &self.comm, from, mark(stages - 1, k));
+                    wait_until(window.progress(from), &self.comm, mark(stages - 1, k));
                     let range = piece(chunk, k);
                     // SAFETY: published by its owner at its last stage, and written again only
-                    // after the fence that ends this call.
+                    // once this rank has said it finished reading this call.
                     buf[range.clone()].copy_from_slice(unsafe { window.part::<E>(from, range)? });
                 }
             }
         }
         self.published = base + (stages * pieces) as u64;
-        // Nobody writes the window again before every rank has read what it needs from it.
-        window.fence(&self.comm);
+        self.calls += 1;
+        window.finished(pos).store(self.calls, Ordering::Release);
         Ok(())
     }
 }
 
-/// Waits until `rank`'s progress counter reaches `target`, as `raw::wait_politely` waits for a
+/// Waits until a rank's `counter` reaches `target`, as `raw::wait_politely` waits for a
 /// request: spinning briefly (the neighbour is usually a piece ahead), then yielding the core
 /// (a rank that shares it, or backward under overlap, needs it), then sleeping between looks.
 /// Past the spinning it also lets MPI make progress: a job whose rank failed is ended through
 /// MPI's runtime (the SIGTERM it sends first is taken as a stop request), which a rank hears
 /// only inside MPI calls.
-fn wait_for(window: &SharedWindow, comm: &SimpleCommunicator, rank: usize, target: u64) {
-    let counter = window.progress(rank);
+fn wait_until(counter: &AtomicU64, comm: &SimpleCommunicator, target: u64) {
     let mut idle = 0u32;
     while counter.load(Ordering::Acquire) < target {
         idle = idle.saturating_add(1);
