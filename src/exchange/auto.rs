@@ -37,7 +37,7 @@ pub struct Auto {
 impl Auto {
     pub fn new(world: &World, config: &ExchangeConfig) -> Result<Auto> {
         let ring = RingAllreduce::new(world, config)?;
-        let ring_algorithm = if ring.transport() == "shared-memory" { Algorithm::SharedRing } else { Algorithm::Ring };
+        let ring_algorithm = if ring.in_shared_memory() { Algorithm::SharedRing } else { Algorithm::Ring };
         Ok(Auto {
             ring,
             rhd: RhdAllreduce::new(world, config)?,

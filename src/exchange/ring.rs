@@ -308,19 +308,19 @@ impl RingAllreduce {
         let shared = match config.ring_transport {
             RingTransport::Mpi => None,
             _ if n == 1 => None,
-            RingTransport::Auto => one_node.then(|| SharedRing::new(&world.comm, n, pos)).flatten(),
-            RingTransport::Shm => match one_node.then(|| SharedRing::new(&world.comm, n, pos)).flatten() {
-                Some(shared) => Some(shared),
-                None => {
+            transport => {
+                let shared = one_node.then(|| SharedRing::new(&world.comm, n, pos)).flatten();
+                if shared.is_none() && transport == RingTransport::Shm {
                     return Err(Error::usage(format!(
                         "--ring-transport shm: the {n} ranks are on {} node(s) that do not share memory, and the shared-memory ring needs one; use --ring-transport auto or mpi",
                         world.nodes()
-                    )))
+                    )));
                 }
-            },
+                shared
+            }
         };
         if world.is_root() {
-            log::info!("ring: {} ranks, {}", n, if shared.is_some() { "node-shared memory (one node)" } else { "MPI point-to-point" });
+            log::info!("ring: {n} ranks, {}", if shared.is_some() { "node-shared memory (one node)" } else { "MPI point-to-point" });
         }
         Ok(RingAllreduce {
             ring: Ring {
@@ -349,9 +349,14 @@ impl RingAllreduce {
         self.ring.all_reduce(bucket, dtype, op)
     }
 
-    /// How host buffers travel: "shared-memory" or "mpi" (runs.jsonl and bench.jsonl say which).
+    /// Whether host buffers go through node-shared memory (else MPI messages).
+    pub fn in_shared_memory(&self) -> bool {
+        self.ring.shared.is_some()
+    }
+
+    /// The same, as runs.jsonl and bench.jsonl say it.
     pub fn transport(&self) -> &'static str {
-        if self.ring.shared.is_some() { "shared-memory" } else { "mpi" }
+        if self.in_shared_memory() { "shared-memory" } else { "mpi" }
     }
 }
 
