@@ -74,6 +74,11 @@ impl SharedRing {
     /// same point, which the exchange's `finish` is.
     pub fn release(&mut self) {
         if let Some(window) = self.window.take() {
+            // Unmapping under a rank still reading this part would fault it: wait until every
+            // rank has finished reading every call (MPI_Win_free knows nothing of plain loads).
+            for q in 0..self.n {
+                wait_until(window.finished(q), &self.comm, self.calls);
+            }
             window.free();
         }
     }
