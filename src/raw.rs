@@ -403,7 +403,7 @@ pub unsafe fn all_reduce_in_place_device<E: Element>(
 /// `request` is an active request (or MPI_REQUEST_NULL) of this process; MPI sets it to
 /// MPI_REQUEST_NULL when it completes.
 unsafe fn wait_politely(request: &mut mpi::ffi::MPI_Request) -> Result<()> {
-    let mut idle = 0u32;
+    let mut backoff = crate::exchange::Backoff::default();
     loop {
         let mut done: c_int = 0;
         // SAFETY: the caller's contract; the flag is a valid int and the status is ignored.
@@ -414,14 +414,7 @@ unsafe fn wait_politely(request: &mut mpi::ffi::MPI_Request) -> Result<()> {
         if done != 0 {
             return Ok(());
         }
-        idle = idle.saturating_add(1);
-        if idle < 256 {
-            std::hint::spin_loop();
-        } else if idle < 1024 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(std::time::Duration::from_micros(20));
-        }
+        backoff.pause();
     }
 }
 

@@ -264,6 +264,32 @@ pub enum RingTransport {
     Mpi,
 }
 
+/// How a rank waits for a peer without holding its core (MPI_Wait would spin, and with overlap
+/// that core is the one backward runs on): a few hundred spins, then yielding the core, then
+/// sleeps of 20 us between looks.
+#[derive(Default)]
+pub struct Backoff {
+    idle: u32,
+}
+
+impl Backoff {
+    /// One pause between two looks. Returns false while still spinning (the peer is probably
+    /// about to arrive), true after, when a look may be worth more work.
+    pub fn pause(&mut self) -> bool {
+        self.idle = self.idle.saturating_add(1);
+        if self.idle < 256 {
+            std::hint::spin_loop();
+            return false;
+        }
+        if self.idle < 1024 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+        true
+    }
+}
+
 /// Options every strategy may read.
 #[derive(Clone, Debug)]
 pub struct ExchangeConfig {

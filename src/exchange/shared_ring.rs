@@ -28,7 +28,7 @@ use crate::error::Result;
 use crate::exchange::element::{accumulate_and_copy, sum_into, Element};
 use crate::exchange::ring::RingSchedule;
 use crate::exchange::zero::Phases;
-use crate::exchange::ReduceOp;
+use crate::exchange::{Backoff, ReduceOp};
 use crate::raw::SharedWindow;
 
 /// Bytes per piece. On the development VM pieces of 32 KiB to 64 MiB gave the same rate on a
@@ -163,26 +163,16 @@ impl SharedRing {
     }
 }
 
-/// Waits until a rank's `counter` reaches `target`, as `raw::wait_politely` waits for a
-/// request: spinning briefly (the neighbour is usually a piece ahead), then yielding the core
-/// (a rank that shares it, or backward under overlap, needs it), then sleeping between looks.
-/// Past the spinning it also lets MPI make progress: a job whose rank failed is ended through
-/// MPI's runtime (the SIGTERM it sends first is taken as a stop request), which a rank hears
-/// only inside MPI calls.
+/// Waits until a rank's `counter` reaches `target`, pausing as waits for MPI requests do
+/// ([`Backoff`]). Past the spinning it also lets MPI make progress: a job whose rank failed is
+/// ended through MPI's runtime (the SIGTERM it sends first is taken as a stop request), which a
+/// rank hears only inside MPI calls.
 fn wait_until(counter: &AtomicU64, comm: &SimpleCommunicator, target: u64) {
-    let mut idle = 0u32;
+    let mut backoff = Backoff::default();
     while counter.load(Ordering::Acquire) < target {
-        idle = idle.saturating_add(1);
-        if idle < 256 {
-            std::hint::spin_loop();
-            continue;
-        }
-        // Nothing is ever sent on this communicator: the probe only drives MPI's progress.
-        let _ = comm.any_process().immediate_probe();
-        if idle < 1024 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(std::time::Duration::from_micros(20));
+        if backoff.pause() {
+            // Nothing is ever sent on this communicator: the probe only drives MPI's progress.
+            let _ = comm.any_process().immediate_probe();
         }
     }
     // A neighbour that stops publishing (a dead rank) leaves this loop waiting: the watchdog
