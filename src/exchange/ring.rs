@@ -65,7 +65,12 @@ impl RingSchedule {
     /// The chunk this position holds summed after the reduce-scatter, and sends first in the
     /// all-gather: the one after its own position (received at the last reduce-scatter step).
     pub fn reduced_chunk(&self) -> Range<usize> {
-        self.chunk(self.pos as isize + 1)
+        self.chunks[self.reduced_chunk_of(self.pos)].range()
+    }
+
+    /// The index of the chunk ring position `pos` holds summed after the reduce-scatter.
+    pub fn reduced_chunk_of(&self, pos: usize) -> usize {
+        (pos + 1) % self.n
     }
 
     pub fn largest_chunk(&self) -> usize {

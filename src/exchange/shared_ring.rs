@@ -95,8 +95,6 @@ impl SharedRing {
         let bounds = schedule.piece_bounds(pieces);
         let piece = |chunk: usize, k: usize| bounds[chunk * pieces + k].clone();
         let left = (pos + n - 1) % n;
-        // The chunk ring position q holds summed after the reduce-scatter.
-        let reduced_chunk = |q: usize| (q + 1) % n;
         let scale = (op == ReduceOp::Mean).then_some(1.0 / n as f32);
         let window = self.window.as_ref().expect("reserved above");
         let base = self.published;
@@ -110,7 +108,7 @@ impl SharedRing {
 
         // Stage 0: this rank's first chunk (reduce-scatter) or its summed chunk (all-gather
         // alone), into its part.
-        let first = if phases.reduce_scatter { schedule.hop_chunks(0).0 } else { reduced_chunk(pos) };
+        let first = if phases.reduce_scatter { schedule.hop_chunks(0).0 } else { schedule.reduced_chunk_of(pos) };
         for k in 0..pieces {
             let range = piece(first, k);
             // SAFETY: stage 0 writes chunk `first` of this rank's part, which no rank reads
@@ -146,7 +144,7 @@ impl SharedRing {
             // Each rank's summed chunk from its part, nearest left first as the ring passes them.
             for d in 1..n {
                 let from = (pos + n - d) % n;
-                let chunk = reduced_chunk(from);
+                let chunk = schedule.reduced_chunk_of(from);
                 for k in 0..pieces {
                     wait_until(window.progress(from), &self.comm, mark(stages - 1, k));
                     let range = piece(chunk, k);
