@@ -160,12 +160,29 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Opti
             }
         }
         Algorithm::Ps { servers } => {
-            // Each server takes W S / K from its workers, sums it, and sends as much back; the
-            // servers are the last ranks, on another node when there are several.
-            let workers = n.saturating_sub(servers).max(1) as f64;
-            let per_server = workers * bytes / servers.max(1) as f64;
-            add_link(&mut c, layout.nodes() > 1, 2.0, 2.0 * per_server);
-            c[4] += per_server;
+            // The servers are the last K ranks; each takes a share S / K from every worker,
+            // sums it, and sends as much back. Shares from workers on the server's own node stay
+            // on the node; the others cross its network links, which the node's servers share.
+            // The server with the most crossing traffic sets the pace.
+            let k = servers.clamp(1, n - 1);
+            let workers = n - k;
+            let share = bytes / k as f64;
+            let node_of = |r: usize| r / layout.per_node.max(1);
+            let busiest = (workers..n)
+                .map(|s| {
+                    let local = (0..workers).filter(|&w| node_of(w) == node_of(s)).count();
+                    let servers_here = (workers..n).filter(|&t| node_of(t) == node_of(s)).count();
+                    ((workers - local) as f64 * sharing(servers_here, nics), local as f64)
+                })
+                .fold((0.0, 0.0), |a: (f64, f64), b| if b.0 > a.0 || (b.0 == a.0 && b.1 > a.1) { b } else { a });
+            let (crossing, local) = busiest;
+            if crossing > 0.0 {
+                add_link(&mut c, true, 2.0, 2.0 * crossing * share);
+            }
+            if local > 0.0 {
+                add_link(&mut c, false, 2.0, 2.0 * local * share);
+            }
+            c[4] += workers as f64 * share;
         }
     }
     c
@@ -215,6 +232,65 @@ impl CostModel {
         let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::usage(format!("{}: not JSON: {e}", path.display())))?;
         let model = value.get("model").cloned().unwrap_or(value);
         serde_json::from_value(model).map_err(|e| Error::usage(format!("{}: not a cost model ({e})", path.display())))
+    }
+}
+
+/// One measured time of MPI_Allreduce.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MeasuredPoint {
+    pub ranks: usize,
+    pub per_node: usize,
+    pub size_bytes: f64,
+    pub time_s: f64,
+}
+
+impl MeasuredPoint {
+    fn layout(&self) -> Layout {
+        Layout { ranks: self.ranks, per_node: self.per_node }
+    }
+}
+
+/// MPI_Allreduce as a measured curve. What the library does inside (its algorithm switch
+/// points, segmenting, its transport's habits) is its own, so no closed form describes it;
+/// its bench rows do. A prediction is the model's best algorithm for the layout and size times
+/// the ratio of measured to modelled time, interpolated in log size between the measured sizes
+/// (held at the ends), from the measured layout nearest to the one asked for: the same side of
+/// the node boundary first, then the nearest rank count and ranks per node.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MeasuredCurve {
+    pub points: Vec<MeasuredPoint>,
+}
+
+impl MeasuredCurve {
+    /// Predicted seconds for `bytes` on `layout`, `formula` being the model's time for a layout
+    /// and size. `held_out` leaves out the points of exactly this layout and size, so that a
+    /// measured row is checked against the others only. None: no point to go by.
+    pub fn predict(&self, layout: Layout, bytes: f64, held_out: bool, formula: impl Fn(Layout, f64) -> f64) -> Option<f64> {
+        let points: Vec<&MeasuredPoint> = self.points.iter().filter(|p| !(held_out && p.layout() == layout && p.size_bytes == bytes)).collect();
+        let log_gap = |a: usize, b: usize| ((a.max(1) as f64).ln() - (b.max(1) as f64).ln()).abs();
+        let distance = |l: Layout| ((l.nodes() > 1) != (layout.nodes() > 1), log_gap(l.ranks, layout.ranks), log_gap(l.per_node, layout.per_node));
+        let nearest = points.iter().map(|p| p.layout()).min_by(|a, b| distance(*a).partial_cmp(&distance(*b)).unwrap_or(std::cmp::Ordering::Equal))?;
+        // (log size, measured / modelled), repeated sizes averaged.
+        let mut ratios: Vec<(f64, f64, usize)> = Vec::new();
+        for p in points.iter().filter(|p| p.layout() == nearest) {
+            let (x, r) = (p.size_bytes.ln(), p.time_s / formula(nearest, p.size_bytes));
+            match ratios.iter_mut().find(|q| q.0 == x) {
+                Some(q) => (q.1, q.2) = (q.1 + r, q.2 + 1),
+                None => ratios.push((x, r, 1)),
+            }
+        }
+        let mut ratios: Vec<(f64, f64)> = ratios.into_iter().map(|(x, sum, k)| (x, sum / k as f64)).collect();
+        ratios.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let x = bytes.ln();
+        let ratio = match ratios.iter().position(|q| q.0 >= x) {
+            Some(0) => ratios[0].1,
+            None => ratios.last()?.1,
+            Some(i) => {
+                let (a, b) = (ratios[i - 1], ratios[i]);
+                a.1 + (b.1 - a.1) * (x - a.0) / (b.0 - a.0)
+            }
+        };
+        Some(formula(layout, bytes) * ratio)
     }
 }
 
@@ -318,6 +394,43 @@ mod tests {
         // Cheap enough, it wins where the MPI ring loses to rhd.
         assert_ne!(mpi.choose(Algorithm::Ring, one_node, 1e4), Algorithm::Ring);
         assert_eq!(shm.choose(Algorithm::SharedRing, one_node, 1e4), Algorithm::SharedRing);
+    }
+
+    #[test]
+    fn parameter_servers_take_their_own_nodes_workers_over_the_node() {
+        let m = CostModel { inter: LinkCost { alpha_s: 0.0, beta_s_per_byte: 1e-8 }, intra: LinkCost { alpha_s: 0.0, beta_s_per_byte: 1e-10 }, gamma_s_per_byte: 0.0, nics_per_node: Some(1), shared: None };
+        let s = 1e6;
+        // Rank 3 serves; workers 0 and 1 cross to it, worker 2 shares its node.
+        let two_by_two = Layout { ranks: 4, per_node: 2 };
+        let expected = 2.0 * 2.0 * s * 1e-8 + 2.0 * s * 1e-10;
+        assert!((m.predict(Algorithm::Ps { servers: 1 }, two_by_two, s) - expected).abs() < 1e-12);
+        // Two servers on the last node share its one link: each carries 2 x S/2 each way, twice
+        // as slow as alone.
+        let expected = 2.0 * 2.0 * (s / 2.0) * 2.0 * 1e-8;
+        assert!((m.predict(Algorithm::Ps { servers: 2 }, two_by_two, s) - expected).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_measured_curve_scales_the_formula_by_the_measured_ratio() {
+        let m = one_link(0.0, 1e-9, 0.0);
+        let formula = |l: Layout, b: f64| m.predict(m.choose(Algorithm::Ring, l, b), l, b);
+        let two = Layout { ranks: 2, per_node: 1 };
+        let point = |size: f64, ratio: f64| MeasuredPoint { ranks: 2, per_node: 1, size_bytes: size, time_s: ratio * formula(two, size) };
+        let curve = MeasuredCurve { points: vec![point(1e6, 2.0), point(1e8, 3.0)] };
+        // Measured sizes come back as measured; between them the ratio follows log size; beyond
+        // them it holds.
+        assert!((curve.predict(two, 1e6, false, formula).unwrap() - 2.0 * formula(two, 1e6)).abs() < 1e-12);
+        assert!((curve.predict(two, 1e7, false, formula).unwrap() - 2.5 * formula(two, 1e7)).abs() < 1e-12);
+        assert!((curve.predict(two, 1e9, false, formula).unwrap() - 3.0 * formula(two, 1e9)).abs() < 1e-12);
+        // Held out, a measured size is predicted from the other points only.
+        assert!((curve.predict(two, 1e6, true, formula).unwrap() - 3.0 * formula(two, 1e6)).abs() < 1e-12);
+        // A layout never measured takes the ratio of the nearest one across nodes.
+        let sixteen = Layout { ranks: 16, per_node: 4 };
+        assert!((curve.predict(sixteen, 1e8, false, formula).unwrap() - 3.0 * formula(sixteen, 1e8)).abs() < 1e-12);
+        let one_node = MeasuredPoint { ranks: 8, per_node: 8, size_bytes: 1e8, time_s: 5.0 * formula(Layout { ranks: 8, per_node: 8 }, 1e8) };
+        let within = MeasuredCurve { points: vec![one_node, point(1e8, 3.0)] };
+        assert!((within.predict(sixteen, 1e8, false, formula).unwrap() - 3.0 * formula(sixteen, 1e8)).abs() < 1e-12, "across nodes, not the nearer rank count on one node");
+        assert_eq!(MeasuredCurve::default().predict(two, 1e6, false, formula), None);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::cli::{FitArgs, ProjectArgs};
-use crate::cost::{coefficients, fit_two, Algorithm, CostModel, Layout, LinkCost};
+use crate::cost::{coefficients, fit_two, Algorithm, CostModel, Layout, LinkCost, MeasuredCurve, MeasuredPoint};
 use crate::error::{Error, Result, WithPath};
 use crate::results::{self, RunRecord};
 
@@ -60,6 +60,9 @@ impl BenchRow {
 #[derive(Serialize, Deserialize)]
 pub struct ModelFile {
     pub model: CostModel,
+    /// MPI_Allreduce's measured times (absent in files fitted before it was kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mpi_allreduce: Option<MeasuredCurve>,
     pub link_mbit: Option<f64>,
     pub fitted_from: String,
     pub rows: usize,
@@ -90,17 +93,35 @@ fn algorithm_of(strategy: &str, servers: usize, shared_ring: bool) -> Option<Alg
     }
 }
 
-/// Predicted seconds of a strategy's all-reduce of `bytes`: MPI_Allreduce and Horovod's
-/// collective are taken as MPI's own choice between the two algorithms (the faster), Horovod
-/// adding half a cycle of waiting on average; auto picks the fastest itself, with its ring
-/// through node-shared memory when `shared_ring`.
-fn predict(model: &CostModel, strategy: &str, layout: Layout, bytes: f64, servers: usize, cycle_s: f64, shared_ring: bool) -> Option<f64> {
-    let best = |ring| model.predict(model.choose(ring, layout, bytes), layout, bytes);
-    match strategy {
-        "allreduce" => Some(best(Algorithm::Ring)),
-        "auto" => Some(best(if shared_ring { Algorithm::SharedRing } else { Algorithm::Ring })),
-        "horovod" => Some(best(Algorithm::Ring) + cycle_s / 2.0),
-        s => algorithm_of(s, servers, shared_ring).map(|a| model.predict(a, layout, bytes)),
+/// What predicts a strategy's exchange time: the formulas of cost.rs, MPI_Allreduce's measured
+/// curve where there is one, the parameter servers' count and Horovod's cycle.
+#[derive(Clone, Copy)]
+struct Predictor<'a> {
+    model: &'a CostModel,
+    mpi_allreduce: Option<&'a MeasuredCurve>,
+    servers: usize,
+    cycle_s: f64,
+}
+
+impl Predictor<'_> {
+    /// Predicted seconds of a strategy's all-reduce of `bytes`. MPI_Allreduce is its measured
+    /// curve, or without one MPI's choice between the algorithms taken as the faster; Horovod
+    /// is MPI_Allreduce plus half a cycle of waiting on average; auto picks the fastest itself,
+    /// with its ring through node-shared memory when `shared_ring`. `held_out`: a measured row
+    /// being checked, which MPI's curve must not contain.
+    fn exchange(&self, strategy: &str, layout: Layout, bytes: f64, shared_ring: bool, held_out: bool) -> Option<f64> {
+        let model = self.model;
+        let best = |ring, layout, bytes| model.predict(model.choose(ring, layout, bytes), layout, bytes);
+        let mpi = || {
+            let formula = |l, b| best(Algorithm::Ring, l, b);
+            self.mpi_allreduce.and_then(|c| c.predict(layout, bytes, held_out, formula)).unwrap_or_else(|| formula(layout, bytes))
+        };
+        match strategy {
+            "allreduce" => Some(mpi()),
+            "horovod" => Some(mpi() + self.cycle_s / 2.0),
+            "auto" => Some(best(if shared_ring { Algorithm::SharedRing } else { Algorithm::Ring }, layout, bytes)),
+            s => algorithm_of(s, self.servers, shared_ring).map(|a| model.predict(a, layout, bytes)),
+        }
     }
 }
 
@@ -120,9 +141,9 @@ pub fn fit(args: &FitArgs) -> Result<()> {
     let gamma = 1.0 / (median(adds) * 1e9);
     let fit_rows = |inter: bool, fixed: &CostModel| -> Vec<(f64, f64, f64, f64)> {
         rows.iter()
-            .filter(|r| (r.nodes > 1) == inter && matches!(r.strategy.as_str(), "ring" | "rhd") && !r.shared_ring())
+            .filter(|r| (r.nodes > 1) == inter && matches!(r.strategy.as_str(), "ring" | "rhd" | "ps") && !r.shared_ring())
             .map(|r| {
-                let c = coefficients(algorithm_of(&r.strategy, 1, false).expect("ring or rhd"), r.layout(), r.size as f64, args.nics_per_node.map(usize::from));
+                let c = coefficients(algorithm_of(&r.strategy, args.servers, false).expect("ring, rhd or ps"), r.layout(), r.size as f64, args.nics_per_node.map(usize::from));
                 let t = r.time_us * 1e-6;
                 let known = c[4] * gamma + if inter { c[0] * fixed.intra.alpha_s + c[1] * fixed.intra.beta_s_per_byte } else { 0.0 };
                 let (a, b) = if inter { (c[2], c[3]) } else { (c[0], c[1]) };
@@ -148,18 +169,34 @@ pub fn fit(args: &FitArgs) -> Result<()> {
         })
         .collect();
     model.shared = fit_two(&shared_rows).map(|(alpha, beta)| LinkCost { alpha_s: alpha, beta_s_per_byte: beta });
+    let mpi_allreduce = measured_curve(&rows);
+    // Every row predicted; MPI_Allreduce's from the curve without that row (held out).
+    let predictor = Predictor { model: &model, mpi_allreduce: mpi_allreduce.as_ref(), servers: args.servers, cycle_s: args.cycle_time_ms * 1e-3 };
     let residuals: Vec<Residual> = rows
         .iter()
         .filter_map(|r| {
-            let predicted = predict(&model, &r.strategy, r.layout(), r.size as f64, args.servers, args.cycle_time_ms * 1e-3, r.shared_ring())?;
+            let predicted = predictor.exchange(&r.strategy, r.layout(), r.size as f64, r.shared_ring(), true)?;
             Some(residual(&r.strategy, r.ranks, r.nodes.max(1), r.link_mbit, Some(r.size), r.time_us, predicted * 1e6))
         })
         .collect();
-    print_fit(&model, &residuals);
-    let file = ModelFile { model, link_mbit: args.link_mbit, fitted_from: args.bench.display().to_string(), rows: rows.len(), residuals };
+    print_fit(&model, mpi_allreduce.as_ref(), &residuals);
+    let file = ModelFile { model, mpi_allreduce, link_mbit: args.link_mbit, fitted_from: args.bench.display().to_string(), rows: rows.len(), residuals };
     write_json(&args.out, &file)?;
     println!("wrote {}", args.out.display());
     Ok(())
+}
+
+/// MPI_Allreduce's rows as its measured curve (None without such rows).
+fn measured_curve(rows: &[BenchRow]) -> Option<MeasuredCurve> {
+    let points: Vec<MeasuredPoint> = rows
+        .iter()
+        .filter(|r| r.strategy == "allreduce")
+        .map(|r| {
+            let layout = r.layout();
+            MeasuredPoint { ranks: layout.ranks, per_node: layout.per_node, size_bytes: r.size as f64, time_s: r.time_us * 1e-6 }
+        })
+        .collect();
+    (!points.is_empty()).then_some(MeasuredCurve { points })
 }
 
 fn residual(strategy: &str, ranks: usize, nodes: usize, link_mbit: Option<f64>, size: Option<usize>, measured_us: f64, predicted_us: f64) -> Residual {
@@ -175,7 +212,7 @@ fn residual(strategy: &str, ranks: usize, nodes: usize, link_mbit: Option<f64>, 
     }
 }
 
-fn print_fit(model: &CostModel, residuals: &[Residual]) {
+fn print_fit(model: &CostModel, mpi_allreduce: Option<&MeasuredCurve>, residuals: &[Residual]) {
     println!("# cost model: alpha (us), bandwidth 1/beta (GB/s), add rate 1/gamma (GB/s)");
     for (name, l) in [("within a node", model.intra), ("between nodes", model.inter)] {
         println!("#   {name:<14} alpha {:>8.2}  bandwidth {:>7.3}", l.alpha_s * 1e6, 1e-9 / l.beta_s_per_byte.max(1e-30));
@@ -187,6 +224,10 @@ fn print_fit(model: &CostModel, residuals: &[Residual]) {
     match model.nics_per_node {
         Some(k) => println!("#   {k} network link(s) per node, shared by the node's ranks crossing at once"),
         None => println!("#   a network link per rank"),
+    }
+    match mpi_allreduce {
+        Some(c) => println!("#   MPI_Allreduce: a measured curve of {} point(s); its rows below are each predicted from the others", c.points.len()),
+        None => println!("#   MPI_Allreduce: no rows, taken as the faster of the algorithms"),
     }
     println!("# {:>10} {:>6} {:>6} {:>12} {:>12} {:>12} {:>8}", "strategy", "ranks", "nodes", "size (B)", "measured us", "predicted", "error %");
     for r in residuals {
@@ -235,10 +276,21 @@ impl Profile {
         toml::from_str(&text).map_err(|e| Error::usage(format!("{}: not a cluster profile: {e}", path.display())))
     }
 
-    fn model(&self, base: &Path) -> Result<CostModel> {
+    /// The profile's cost model, and MPI_Allreduce's measured curve when the model was fitted
+    /// from rows that had some.
+    fn model(&self, base: &Path) -> Result<(CostModel, Option<MeasuredCurve>)> {
         if let Some(f) = &self.fitted {
             let path = if f.is_absolute() { f.clone() } else { base.join(f) };
-            return CostModel::load(&path);
+            let model = CostModel::load(&path)?;
+            // A bare model (no file around it) has no curve.
+            let curve = std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+                .and_then(|v| v.get("mpi_allreduce").cloned())
+                .map(serde_json::from_value::<MeasuredCurve>)
+                .transpose()
+                .map_err(|e| Error::usage(format!("{}: mpi_allreduce is not a measured curve ({e})", path.display())))?;
+            return Ok((model, curve));
         }
         let link = |l: &Option<ProfileLink>, what: &str| -> Result<LinkCost> {
             let l = l.as_ref().ok_or_else(|| Error::usage(format!("profile {}: no [{what}] link", self.name)))?;
@@ -246,7 +298,7 @@ impl Profile {
         };
         let (intra, inter) = (link(&self.intra, "intra")?, link(&self.inter, "inter")?);
         let add = self.add_gbs.ok_or_else(|| Error::usage(format!("profile {}: no add_gbs", self.name)))?;
-        Ok(CostModel { intra, inter, gamma_s_per_byte: 1.0 / (add * 1e9), nics_per_node: self.nics_per_node, shared: None })
+        Ok((CostModel { intra, inter, gamma_s_per_byte: 1.0 / (add * 1e9), nics_per_node: self.nics_per_node, shared: None }, None))
     }
 }
 
@@ -261,14 +313,14 @@ struct Point {
 
 /// The exchange of one step: `gradient_bytes` in buckets of `bucket_bytes`, each reduced by the
 /// strategy; with overlap, all but what backward cannot hide (at least the last bucket).
-fn project_step(model: &CostModel, strategy: &'static str, layout: Layout, gradient_bytes: f64, args: &ProjectArgs, cycle_s: f64, compute_s: f64) -> Option<Point> {
+fn project_step(predictor: Predictor, strategy: &'static str, layout: Layout, gradient_bytes: f64, args: &ProjectArgs, compute_s: f64) -> Option<Point> {
     let bucket = (args.bucket_mb * (1 << 20) as f64).max(1.0);
     let full = (gradient_bytes / bucket).floor();
     let rest = gradient_bytes - full * bucket;
-    let servers = layout.nodes().max(1);
+    let predictor = Predictor { servers: layout.nodes().max(1), ..predictor };
     // The ring as it runs by default: through node-shared memory on one node (costed so when
     // the model has those costs; across nodes, or without them, it is the ring over MPI).
-    let each = |b: f64| predict(model, strategy, layout, b, servers, cycle_s, true);
+    let each = |b: f64| predictor.exchange(strategy, layout, b, true, false);
     let exchange = if strategy == "ps" {
         // The parameter server exchanges whole shares after backward: one round.
         each(gradient_bytes)?
@@ -288,7 +340,7 @@ fn project_step(model: &CostModel, strategy: &'static str, layout: Layout, gradi
 pub fn project(args: &ProjectArgs) -> Result<()> {
     let profile = Profile::load(&args.profile)?;
     let base = args.profile.parent().unwrap_or(Path::new("."));
-    let model = profile.model(base).or_else(|_| profile.model(Path::new(".")))?;
+    let (model, mpi_allreduce) = profile.model(base).or_else(|_| profile.model(Path::new(".")))?;
     let per_node = args.ranks_per_node.unwrap_or(profile.ranks_per_node).max(1);
     let ranks = crate::study::parse_ranks(&args.ranks, usize::MAX)?;
     let compute_s = match (args.compute_ms, &args.from_runs) {
@@ -297,7 +349,7 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
         (None, None) => return Err(Error::usage("project needs --compute-ms (one rank's forward and backward per step) or --from-runs FILE")),
     };
     let gradient_bytes = args.model.parameter_count() as f64 * 4.0;
-    let cycle_s = profile.horovod_cycle_ms * 1e-3;
+    let predictor = Predictor { model: &model, mpi_allreduce: mpi_allreduce.as_ref(), servers: args.servers, cycle_s: profile.horovod_cycle_ms * 1e-3 };
     let strategies: [&'static str; 6] = ["ring", "rhd", "auto", "allreduce", "horovod", "ps"];
     std::fs::create_dir_all(&args.out).at(&args.out)?;
     let slug = format!("{}-{}", args.profile.file_stem().and_then(|s| s.to_str()).unwrap_or("profile"), args.model.name());
@@ -313,7 +365,7 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
     for strategy in strategies {
         for &n in &ranks {
             let layout = Layout { ranks: n, per_node: per_node.min(n) };
-            let Some(p) = project_step(&model, strategy, layout, gradient_bytes, args, cycle_s, compute_s) else { continue };
+            let Some(p) = project_step(predictor, strategy, layout, gradient_bytes, args, compute_s) else { continue };
             if strategy == "ps" && n < 2 {
                 continue;
             }
@@ -338,7 +390,7 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
     crate::report::run(&crate::cli::ReportArgs { input: runs, study: None, bench: None, out: args.out.join(&slug) })?;
 
     if args.validate_bench.is_some() || args.validate_runs.is_some() {
-        validate(&model, args, cycle_s)?;
+        validate(predictor, args)?;
     }
     Ok(())
 }
@@ -398,12 +450,12 @@ fn compute_from_runs(path: &Path, args: &ProjectArgs) -> Result<f64> {
 }
 
 /// Predictions against every measured row given: validation.csv.
-fn validate(model: &CostModel, args: &ProjectArgs, cycle_s: f64) -> Result<()> {
+fn validate(predictor: Predictor, args: &ProjectArgs) -> Result<()> {
     let mut rows: Vec<Residual> = Vec::new();
     if let Some(path) = &args.validate_bench {
         let bench: Vec<BenchRow> = results::read_json_lines(path)?;
         for r in bench.iter().filter(|r| r.usable()) {
-            if let Some(p) = predict(model, &r.strategy, r.layout(), r.size as f64, args.servers, cycle_s, r.shared_ring()) {
+            if let Some(p) = predictor.exchange(&r.strategy, r.layout(), r.size as f64, r.shared_ring(), true) {
                 rows.push(residual(&r.strategy, r.ranks, r.nodes.max(1), r.link_mbit, Some(r.size), r.time_us, p * 1e6));
             }
         }
@@ -425,7 +477,7 @@ fn validate(model: &CostModel, args: &ProjectArgs, cycle_s: f64) -> Result<()> {
                 "ps" => "ps",
                 _ => continue,
             };
-            let Some(p) = project_step(model, strategy, layout, parameters as f64 * 4.0, &ProjectArgs { backward_share: if overlap { sub.backward_share } else { 0.0 }, ..sub }, cycle_s, compute) else { continue };
+            let Some(p) = project_step(predictor, strategy, layout, parameters as f64 * 4.0, &ProjectArgs { backward_share: if overlap { sub.backward_share } else { 0.0 }, ..sub }, compute) else { continue };
             rows.push(residual(&r.strategy, r.ranks, r.nodes.max(1), r.extra.get("link_mbit").and_then(|v| v.as_f64()), None, r.step_ms * 1e3, p.step_s * 1e6));
         }
     }
