@@ -9,7 +9,9 @@
 //! Every algorithm's time is written as coefficients of the unknowns (alpha and beta within a
 //! node, alpha and beta between nodes, gamma, and alpha and beta of the ring through node-shared
 //! memory), so that one formula serves both the prediction (`auto`, `hpc-train project`) and the
-//! least-squares fit (`hpc-train model fit`).
+//! least-squares fit (`hpc-train model fit`). One more coefficient, the bytes all ranks together
+//! send across the network, meets the fabric's capacity where the model has one: the network
+//! part of a step is the slower of its busiest link and the whole fabric's load.
 
 use serde::{Deserialize, Serialize};
 
@@ -43,6 +45,12 @@ pub struct CostModel {
     /// ring over MPI messages.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared: Option<LinkCost>,
+    /// Time per byte of the network fabric as a whole: what all nodes together can move at
+    /// once (an oversubscribed fat tree's core, a switch's backplane, or, for nodes that are
+    /// namespaces of one host, that host's cores running every node's network stack). None: a
+    /// non-blocking fabric, every link at its own rate whatever the others do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fabric_s_per_byte: Option<f64>,
 }
 
 impl Default for CostModel {
@@ -56,6 +64,7 @@ impl Default for CostModel {
             gamma_s_per_byte: 1.0 / 5e9,
             nics_per_node: None,
             shared: None,
+            fabric_s_per_byte: None,
         }
     }
 }
@@ -93,8 +102,12 @@ pub enum Algorithm {
 }
 
 /// Coefficients of (alpha intra, beta intra, alpha inter, beta inter, gamma, alpha shared, beta
-/// shared).
-pub type Coefficients = [f64; 7];
+/// shared), and last the bytes sent across the network by all ranks together (the fabric's
+/// load, see [`CostModel::fabric_s_per_byte`]).
+pub type Coefficients = [f64; 8];
+
+/// Index of the fabric's load in [`Coefficients`].
+pub const FABRIC_LOAD: usize = 7;
 
 fn add_link(c: &mut Coefficients, crosses: bool, messages: f64, bytes: f64) {
     let at = if crosses { 2 } else { 0 };
@@ -111,7 +124,7 @@ fn sharing(flows: usize, nics: Option<usize>) -> f64 {
 /// The time of `algorithm` for `bytes` on `layout`, as coefficients of the unknowns, with
 /// `nics` network links per node (see [`CostModel::nics_per_node`]).
 pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Option<usize>) -> Coefficients {
-    let mut c = [0.0; 7];
+    let mut c = [0.0; 8];
     let n = layout.ranks;
     if n <= 1 {
         return c;
@@ -130,8 +143,12 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Opti
             // network at two links per node (one flow each way), which then set every step's
             // pace.
             let nf = n as f64;
-            add_link(&mut c, layout.nodes() > 1, 2.0 * (nf - 1.0), 2.0 * (nf - 1.0) / nf * bytes);
+            let per_link = 2.0 * (nf - 1.0) / nf * bytes;
+            add_link(&mut c, layout.nodes() > 1, 2.0 * (nf - 1.0), per_link);
             c[4] += (nf - 1.0) / nf * bytes;
+            if layout.nodes() > 1 {
+                c[FABRIC_LOAD] += layout.nodes() as f64 * per_link;
+            }
         }
         Algorithm::Rhd | Algorithm::RecursiveDoubling => {
             // Every member of the power-of-two group takes every step; rank 1 is one of them in
@@ -143,6 +160,7 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Opti
             let probe = if n.is_power_of_two() { 0 } else { 1 };
             let unit = 1usize << 20;
             let schedule = RhdSchedule::new(unit, n, probe);
+            let group = 1usize << (usize::BITS - 1 - n.leading_zeros()); // the power-of-two group
             let crossing_share = sharing(layout.per_node.min(n), nics);
             for step in &schedule.halving {
                 let crosses = !layout.same_node(probe, step.partner);
@@ -153,10 +171,17 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Opti
                 };
                 add_link(&mut c, crosses, messages, messages * part * share);
                 c[4] += part;
+                if crosses {
+                    c[FABRIC_LOAD] += group as f64 * messages * part;
+                }
             }
             if let Extra::Absorbs { partner } = schedule.extra {
-                add_link(&mut c, !layout.same_node(probe, partner), 2.0, 2.0 * bytes);
+                let crosses = !layout.same_node(probe, partner);
+                add_link(&mut c, crosses, 2.0, 2.0 * bytes);
                 c[4] += bytes;
+                if crosses {
+                    c[FABRIC_LOAD] += (n - group) as f64 * 2.0 * bytes;
+                }
             }
         }
         Algorithm::Ps { servers } => {
@@ -168,14 +193,15 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Opti
             let workers = n - k;
             let share = bytes / k as f64;
             let node_of = |r: usize| r / layout.per_node.max(1);
+            let local_to = |s: usize| (0..workers).filter(|&w| node_of(w) == node_of(s)).count();
             let busiest = (workers..n)
                 .map(|s| {
-                    let local = (0..workers).filter(|&w| node_of(w) == node_of(s)).count();
                     let servers_here = (workers..n).filter(|&t| node_of(t) == node_of(s)).count();
-                    ((workers - local) as f64 * sharing(servers_here, nics), local as f64)
+                    ((workers - local_to(s)) as f64 * sharing(servers_here, nics), local_to(s) as f64)
                 })
                 .fold((0.0, 0.0), |a: (f64, f64), b| if b.0 > a.0 || (b.0 == a.0 && b.1 > a.1) { b } else { a });
             let (crossing, local) = busiest;
+            c[FABRIC_LOAD] += (workers..n).map(|s| (workers - local_to(s)) as f64 * 2.0 * share).sum::<f64>();
             if crossing > 0.0 {
                 add_link(&mut c, true, 2.0, 2.0 * crossing * share);
             }
@@ -189,11 +215,12 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Opti
 }
 
 impl CostModel {
+    /// The unknowns in [`Coefficients`] order, the fabric's time per byte last (0: none).
     pub fn as_vector(&self) -> Coefficients {
         let shared = self.shared.unwrap_or(LinkCost { alpha_s: 0.0, beta_s_per_byte: 0.0 });
         [
             self.intra.alpha_s, self.intra.beta_s_per_byte, self.inter.alpha_s, self.inter.beta_s_per_byte, self.gamma_s_per_byte,
-            shared.alpha_s, shared.beta_s_per_byte,
+            shared.alpha_s, shared.beta_s_per_byte, self.fabric_s_per_byte.unwrap_or(0.0),
         ]
     }
 
@@ -201,7 +228,7 @@ impl CostModel {
     pub fn predict(&self, algorithm: Algorithm, layout: Layout, bytes: f64) -> f64 {
         // Without shared-memory costs, that ring is costed as the ring over MPI.
         let algorithm = if algorithm == Algorithm::SharedRing && self.shared.is_none() { Algorithm::Ring } else { algorithm };
-        coefficients(algorithm, layout, bytes, self.nics_per_node).iter().zip(self.as_vector()).map(|(c, v)| c * v).sum()
+        time_of(&coefficients(algorithm, layout, bytes, self.nics_per_node), &self.as_vector())
     }
 
     /// The fastest of the all-reduce algorithms for `bytes` on `layout` (ties to the earlier
@@ -233,6 +260,13 @@ impl CostModel {
         let model = value.get("model").cloned().unwrap_or(value);
         serde_json::from_value(model).map_err(|e| Error::usage(format!("{}: not a cost model ({e})", path.display())))
     }
+}
+
+/// The time of `c` at the unknowns `v`: the sum of the terms, the network's bytes costed at the
+/// slower of the busiest link and the fabric.
+pub fn time_of(c: &Coefficients, v: &Coefficients) -> f64 {
+    let network_bytes = (c[3] * v[3]).max(c[FABRIC_LOAD] * v[FABRIC_LOAD]);
+    c.iter().zip(v).take(FABRIC_LOAD).enumerate().filter(|&(i, _)| i != 3).map(|(_, (c, v))| c * v).sum::<f64>() + network_bytes
 }
 
 /// One measured time of MPI_Allreduce.
@@ -320,13 +354,83 @@ pub fn fit_two(rows: &[(f64, f64, f64, f64)]) -> Option<(f64, f64)> {
     })
 }
 
+/// The network's unknowns from rows that crossed it: `(coefficients, measured seconds)`, the
+/// node's links, the adds and the shared ring known from `known`. Returns the link's alpha and
+/// beta, and the fabric's time per byte when a fabric that saturates explains the rows better:
+/// with a fabric, each row is costed by whichever of its busiest link and the fabric's load is
+/// slower, and alpha and beta are fitted to the rows the link bounds (alpha to all). The
+/// fabric's candidates are the rates the rows imply; one is kept only if it carries more than
+/// one link, binds at least two rows and cuts the squared relative error by a tenth.
+pub fn fit_network(rows: &[(Coefficients, f64)], known: &CostModel) -> Option<(LinkCost, Option<f64>)> {
+    let mut fixed = known.as_vector();
+    (fixed[2], fixed[3], fixed[FABRIC_LOAD]) = (0.0, 0.0, 0.0);
+    let rest = |c: &Coefficients| time_of(c, &fixed);
+    let with = |a: f64, b: f64, fabric: Option<f64>| {
+        let mut v = fixed;
+        (v[2], v[3], v[FABRIC_LOAD]) = (a, b, fabric.unwrap_or(0.0));
+        v
+    };
+    let fabric_bound = |c: &Coefficients, b: f64, fabric: Option<f64>| fabric.is_some_and(|f| c[FABRIC_LOAD] * f > c[3] * b);
+    let fit_for = |fabric: Option<f64>| -> Option<(f64, f64)> {
+        let mut ab = fit_two(&rows.iter().map(|(c, t)| (c[2], c[3], t - rest(c), 1.0 / t)).collect::<Vec<_>>())?;
+        for _ in 0..20 {
+            let next = fit_two(
+                &rows
+                    .iter()
+                    .map(|(c, t)| match fabric {
+                        Some(f) if fabric_bound(c, ab.1, fabric) => (c[2], 0.0, t - rest(c) - c[FABRIC_LOAD] * f, 1.0 / t),
+                        _ => (c[2], c[3], t - rest(c), 1.0 / t),
+                    })
+                    .collect::<Vec<_>>(),
+            )?;
+            if next == ab {
+                break;
+            }
+            ab = next;
+        }
+        Some(ab)
+    };
+    let score = |(a, b): (f64, f64), fabric: Option<f64>| rows.iter().map(|(c, t)| ((time_of(c, &with(a, b, fabric)) - t) / t).powi(2)).sum::<f64>();
+    let plain = fit_for(None)?;
+    let mut best = (plain, None, score(plain, None));
+    for (c, t) in rows.iter().filter(|(c, _)| c[FABRIC_LOAD] > 0.0) {
+        let mut fabric = Some((t - rest(c)) / c[FABRIC_LOAD]).filter(|f| *f > 0.0);
+        let Some(mut ab) = fabric.and_then(|_| fit_for(fabric)) else { continue };
+        // Alternate: the fabric from the rows it binds (their alpha known), then the link.
+        for _ in 0..10 {
+            let (mut scc, mut scy) = (0.0, 0.0);
+            for (c, t) in rows.iter().filter(|(c, _)| fabric_bound(c, ab.1, fabric)) {
+                let w2 = 1.0 / (t * t);
+                scc += c[FABRIC_LOAD] * c[FABRIC_LOAD] * w2;
+                scy += c[FABRIC_LOAD] * (t - rest(c) - c[2] * ab.0) * w2;
+            }
+            let refined = Some(scy / scc).filter(|f| scc > 0.0 && *f > 0.0);
+            let Some(next) = refined.and_then(|_| fit_for(refined)) else { break };
+            if (refined, next) == (fabric, ab) {
+                break;
+            }
+            (fabric, ab) = (refined, next);
+        }
+        let bound = rows.iter().filter(|(c, _)| fabric_bound(c, ab.1, fabric)).count();
+        let e = score(ab, fabric);
+        // A fabric slower than one link, or links that cost nothing, would explain the rows by
+        // the fabric alone: what one link can carry is the link's to explain.
+        let plausible = fabric.is_some_and(|f| ab.1 > 0.0 && f < ab.1);
+        if plausible && bound >= 2 && e < best.2 && e < 0.9 * score(plain, None) {
+            best = (ab, fabric, e);
+        }
+    }
+    let ((alpha, beta), fabric, _) = best;
+    Some((LinkCost { alpha_s: alpha, beta_s_per_byte: beta }, fabric))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn one_link(alpha: f64, beta: f64, gamma: f64) -> CostModel {
         let l = LinkCost { alpha_s: alpha, beta_s_per_byte: beta };
-        CostModel { intra: l, inter: l, gamma_s_per_byte: gamma, nics_per_node: None, shared: None }
+        CostModel { intra: l, inter: l, gamma_s_per_byte: gamma, nics_per_node: None, shared: None, fabric_s_per_byte: None }
     }
 
     #[test]
@@ -363,7 +467,7 @@ mod tests {
 
     #[test]
     fn ranks_crossing_the_network_at_once_share_the_nodes_links() {
-        let own = CostModel { inter: LinkCost { alpha_s: 0.0, beta_s_per_byte: 1e-9 }, intra: LinkCost { alpha_s: 0.0, beta_s_per_byte: 0.0 }, gamma_s_per_byte: 0.0, nics_per_node: None, shared: None };
+        let own = CostModel { inter: LinkCost { alpha_s: 0.0, beta_s_per_byte: 1e-9 }, intra: LinkCost { alpha_s: 0.0, beta_s_per_byte: 0.0 }, gamma_s_per_byte: 0.0, nics_per_node: None, shared: None, fabric_s_per_byte: None };
         let one_nic = CostModel { nics_per_node: Some(1), ..own };
         let two_nodes = Layout { ranks: 8, per_node: 4 };
         let s = 1e6;
@@ -398,7 +502,7 @@ mod tests {
 
     #[test]
     fn parameter_servers_take_their_own_nodes_workers_over_the_node() {
-        let m = CostModel { inter: LinkCost { alpha_s: 0.0, beta_s_per_byte: 1e-8 }, intra: LinkCost { alpha_s: 0.0, beta_s_per_byte: 1e-10 }, gamma_s_per_byte: 0.0, nics_per_node: Some(1), shared: None };
+        let m = CostModel { inter: LinkCost { alpha_s: 0.0, beta_s_per_byte: 1e-8 }, intra: LinkCost { alpha_s: 0.0, beta_s_per_byte: 1e-10 }, gamma_s_per_byte: 0.0, nics_per_node: Some(1), shared: None, fabric_s_per_byte: None };
         let s = 1e6;
         // Rank 3 serves; workers 0 and 1 cross to it, worker 2 shares its node.
         let two_by_two = Layout { ranks: 4, per_node: 2 };
@@ -431,6 +535,39 @@ mod tests {
         let within = MeasuredCurve { points: vec![one_node, point(1e8, 3.0)] };
         assert!((within.predict(sixteen, 1e8, false, formula).unwrap() - 3.0 * formula(sixteen, 1e8)).abs() < 1e-12, "across nodes, not the nearer rank count on one node");
         assert_eq!(MeasuredCurve::default().predict(two, 1e6, false, formula), None);
+    }
+
+    #[test]
+    fn a_saturated_fabric_slows_the_steps_that_load_it_and_the_fit_finds_it() {
+        let link = LinkCost { alpha_s: 1e-4, beta_s_per_byte: 1e-8 };
+        let free = CostModel { inter: link, nics_per_node: Some(1), ..one_link(0.0, 0.0, 0.0) };
+        let free = CostModel { inter: link, ..free };
+        let full = CostModel { fabric_s_per_byte: Some(5e-9), ..free };
+        let s = 1e7;
+        // Two nodes: the ring loads two links, 2 x S: the fabric at twice a link's rate keeps
+        // up. Four nodes load four: the fabric sets the pace.
+        let (two, four) = (Layout { ranks: 2, per_node: 1 }, Layout { ranks: 4, per_node: 1 });
+        assert_eq!(free.predict(Algorithm::Ring, two, s), full.predict(Algorithm::Ring, two, s));
+        let link_bytes = 2.0 * 3.0 / 4.0 * s;
+        let expected = 6.0 * 1e-4 + 4.0 * link_bytes * 5e-9;
+        assert!((full.predict(Algorithm::Ring, four, s) - expected).abs() < 1e-12);
+        // One parameter server's link carries all the traffic: link-bound either way.
+        assert_eq!(free.predict(Algorithm::Ps { servers: 1 }, four, s), full.predict(Algorithm::Ps { servers: 1 }, four, s));
+        // The fit recovers the link and the fabric from rows of both kinds.
+        let mut rows = Vec::new();
+        for layout in [two, four, Layout { ranks: 8, per_node: 1 }, Layout { ranks: 4, per_node: 2 }] {
+            for a in [Algorithm::Ring, Algorithm::Rhd, Algorithm::Ps { servers: 1 }] {
+                for bytes in [1e5, 1e6, 1e7] {
+                    rows.push((coefficients(a, layout, bytes, Some(1)), full.predict(a, layout, bytes)));
+                }
+            }
+        }
+        let (fitted, fabric) = fit_network(&rows, &free).unwrap();
+        assert!((fitted.beta_s_per_byte / 1e-8 - 1.0).abs() < 1e-6 && (fitted.alpha_s / 1e-4 - 1.0).abs() < 1e-6, "{fitted:?}");
+        assert!((fabric.unwrap() / 5e-9 - 1.0).abs() < 1e-6, "{fabric:?}");
+        // Rows that never saturate it give no fabric.
+        let rows: Vec<_> = rows.iter().map(|(c, _)| (*c, time_of(c, &free.as_vector()))).collect();
+        assert_eq!(fit_network(&rows, &free).unwrap().1, None);
     }
 
     #[test]

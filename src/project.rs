@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::cli::{FitArgs, ProjectArgs};
-use crate::cost::{coefficients, fit_two, Algorithm, CostModel, Layout, LinkCost, MeasuredCurve, MeasuredPoint};
+use crate::cost::{coefficients, fit_network, fit_two, Algorithm, Coefficients, CostModel, Layout, LinkCost, MeasuredCurve, MeasuredPoint};
 use crate::error::{Error, Result, WithPath};
 use crate::results::{self, RunRecord};
 
@@ -139,24 +139,24 @@ pub fn fit(args: &FitArgs) -> Result<()> {
         )));
     }
     let gamma = 1.0 / (median(adds) * 1e9);
-    let fit_rows = |inter: bool, fixed: &CostModel| -> Vec<(f64, f64, f64, f64)> {
+    // The algorithms' own rows (ring over MPI, rhd, ps), with their coefficients and seconds.
+    let algorithm_rows = |inter: bool| -> Vec<(Coefficients, f64)> {
         rows.iter()
             .filter(|r| (r.nodes > 1) == inter && matches!(r.strategy.as_str(), "ring" | "rhd" | "ps") && !r.shared_ring())
             .map(|r| {
-                let c = coefficients(algorithm_of(&r.strategy, args.servers, false).expect("ring, rhd or ps"), r.layout(), r.size as f64, args.nics_per_node.map(usize::from));
-                let t = r.time_us * 1e-6;
-                let known = c[4] * gamma + if inter { c[0] * fixed.intra.alpha_s + c[1] * fixed.intra.beta_s_per_byte } else { 0.0 };
-                let (a, b) = if inter { (c[2], c[3]) } else { (c[0], c[1]) };
-                (a, b, t - known, 1.0 / t) // relative errors: every size counts alike
+                let algorithm = algorithm_of(&r.strategy, args.servers, false).expect("ring, rhd or ps");
+                (coefficients(algorithm, r.layout(), r.size as f64, args.nics_per_node.map(usize::from)), r.time_us * 1e-6)
             })
             .collect()
     };
     let mut model = CostModel { gamma_s_per_byte: gamma, nics_per_node: args.nics_per_node.map(usize::from), ..CostModel::default() };
-    let intra = fit_two(&fit_rows(false, &model)).ok_or_else(|| Error::usage("no ring or rhd rows within one node to fit the node's links"))?;
+    // Relative errors: every size counts alike.
+    let node_rows: Vec<(f64, f64, f64, f64)> = algorithm_rows(false).iter().map(|(c, t)| (c[0], c[1], t - c[4] * gamma, 1.0 / t)).collect();
+    let intra = fit_two(&node_rows).ok_or_else(|| Error::usage("no ring, rhd or ps rows within one node to fit the node's links"))?;
     model.intra = LinkCost { alpha_s: intra.0, beta_s_per_byte: intra.1 };
-    match fit_two(&fit_rows(true, &model)) {
-        Some(inter) => model.inter = LinkCost { alpha_s: inter.0, beta_s_per_byte: inter.1 },
-        None => log::warn!("no ring or rhd rows across nodes: the network link keeps the built-in default"),
+    match fit_network(&algorithm_rows(true), &model) {
+        Some((inter, fabric)) => (model.inter, model.fabric_s_per_byte) = (inter, fabric),
+        None => log::warn!("no ring, rhd or ps rows across nodes: the network link keeps the built-in default"),
     }
     // The ring through node-shared memory, from its own rows (the adds known).
     let shared_rows: Vec<(f64, f64, f64, f64)> = rows
@@ -220,6 +220,10 @@ fn print_fit(model: &CostModel, mpi_allreduce: Option<&MeasuredCurve>, residuals
     if let Some(l) = model.shared {
         println!("#   {:<14} alpha {:>8.2}  bandwidth {:>7.3}", "shared memory", l.alpha_s * 1e6, 1e-9 / l.beta_s_per_byte.max(1e-30));
     }
+    match model.fabric_s_per_byte {
+        Some(f) => println!("#   the network as a whole carries {:.3} GB/s (all nodes' traffic together)", 1e-9 / f),
+        None => println!("#   a non-blocking network (no fabric limit fits the rows better)"),
+    }
     println!("#   adds {:.3} GB/s", 1e-9 / model.gamma_s_per_byte);
     match model.nics_per_node {
         Some(k) => println!("#   {k} network link(s) per node, shared by the node's ranks crossing at once"),
@@ -255,6 +259,9 @@ struct Profile {
     /// Network links per node, shared by the node's ranks that cross at once (absent: one per
     /// rank). A fitted model carries its own.
     nics_per_node: Option<usize>,
+    /// What the whole network can carry at once, GB/s summed over every node (absent: a
+    /// non-blocking fabric). A fitted model carries its own.
+    fabric_gbs: Option<f64>,
     #[serde(default = "default_cycle_ms")]
     horovod_cycle_ms: f64,
 }
@@ -298,7 +305,8 @@ impl Profile {
         };
         let (intra, inter) = (link(&self.intra, "intra")?, link(&self.inter, "inter")?);
         let add = self.add_gbs.ok_or_else(|| Error::usage(format!("profile {}: no add_gbs", self.name)))?;
-        Ok((CostModel { intra, inter, gamma_s_per_byte: 1.0 / (add * 1e9), nics_per_node: self.nics_per_node, shared: None }, None))
+        let fabric_s_per_byte = self.fabric_gbs.map(|gbs| 1.0 / (gbs * 1e9));
+        Ok((CostModel { intra, inter, gamma_s_per_byte: 1.0 / (add * 1e9), nics_per_node: self.nics_per_node, shared: None, fabric_s_per_byte }, None))
     }
 }
 
