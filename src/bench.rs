@@ -141,6 +141,9 @@ struct BenchRow {
     /// How the ring moved its chunks (ring and auto rows): "shared-memory" or "mpi".
     #[serde(skip_serializing_if = "Option::is_none")]
     ring_transport: Option<String>,
+    /// Horovod-style rows: whether the all-reduce was hierarchical (node, nodes, node).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hierarchical: Option<bool>,
 }
 
 /// What one core's memory bandwidth allows an all-reduce on host memory: every rank receives
@@ -370,6 +373,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
                 transport_gbs: bound.map(|b| b.transport_gbs),
                 link_mbit: args.link_mbit,
                 ring_transport: sample.ring_transport.clone(),
+                hierarchical: sample.hierarchical,
             };
             results::append_json_line(&args.results.join(BENCH_FILE), &row)?;
             if sample.wrong > 0 {
@@ -415,6 +419,7 @@ struct SizeSample {
     tensors: usize,
     bus_factor: f64,
     ring_transport: Option<String>,
+    hierarchical: Option<bool>,
 }
 
 impl SizeSample {
@@ -425,6 +430,7 @@ impl SizeSample {
         self.tensors = round.tensors;
         self.bus_factor = round.bus_factor;
         self.ring_transport = round.ring_transport;
+        self.hierarchical = round.hierarchical;
     }
 }
 
@@ -495,8 +501,10 @@ fn measure_strategy(
         };
         let mut wrong = 0u64;
         crate::watchdog::collective("counting wrong elements", &world.comm, || world.comm.all_reduce_into(&wrong_local, &mut wrong, SystemOperation::sum()));
-        let ring_transport = exchange.report().extra.get("ring_transport").and_then(|v| v.as_str()).map(String::from);
-        samples.push(SizeSample { times, wrong, tensors: sizes.len(), bus_factor: exchange.bus_factor(), ring_transport });
+        let extra = exchange.report().extra;
+        let ring_transport = extra.get("ring_transport").and_then(|v| v.as_str()).map(String::from);
+        let hierarchical = extra.get("hierarchical").and_then(|v| v.as_bool());
+        samples.push(SizeSample { times, wrong, tensors: sizes.len(), bus_factor: exchange.bus_factor(), ring_transport, hierarchical });
     }
     exchange.finish(&mut [])?;
     Ok(samples)

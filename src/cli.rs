@@ -54,8 +54,9 @@ pub enum ModelCommand {
 /// Options of `hpc-train model fit`.
 #[derive(Args, Debug, Clone)]
 pub struct FitArgs {
-    /// Bench rows (host f32, one tensor) of ring and rhd within a node and, for the network
-    /// link, across nodes; the other strategies' rows are predicted and shown beside them.
+    /// Bench rows (host f32, one tensor): ring, rhd and ps within a node and, for the network
+    /// link and the fabric, across nodes; MPI_Allreduce's rows become its measured curve; every
+    /// row is predicted and shown beside its measurement (MPI_Allreduce's from the others).
     #[arg(long, default_value = "results/bench.jsonl")]
     pub bench: PathBuf,
     /// Only the rows across nodes recorded with this --link-mbit (rows within one node all count).

@@ -37,6 +37,9 @@ struct BenchRow {
     /// "shared-memory" for a ring that ran through node-shared memory (not MPI messages).
     #[serde(default)]
     ring_transport: Option<String>,
+    /// Horovod-style rows: a hierarchical all-reduce (absent: flat).
+    #[serde(default)]
+    hierarchical: Option<bool>,
 }
 
 impl BenchRow {
@@ -50,11 +53,22 @@ impl BenchRow {
         self.device == "cpu" && self.dtype == "float" && (self.layout.is_empty() || self.layout == "single") && self.wrong == 0 && self.ranks > 1 && self.size > 0
     }
 
+    /// The strategy as the model knows it: Horovod's hierarchical all-reduce apart from its flat one.
+    fn strategy(&self) -> &str {
+        match (self.strategy.as_str(), self.hierarchical) {
+            ("horovod", Some(true)) => HOROVOD_HIERARCHICAL,
+            (s, _) => s,
+        }
+    }
+
     /// Whether the row's ring ran through node-shared memory rather than MPI messages.
     fn shared_ring(&self) -> bool {
         self.ring_transport.as_deref() == Some("shared-memory")
     }
 }
+
+/// Horovod-style with `--hierarchical`, as the model and the tables name it.
+const HOROVOD_HIERARCHICAL: &str = "horovod-hierarchical";
 
 /// What `model fit` writes.
 #[derive(Serialize, Deserialize)]
@@ -106,19 +120,30 @@ struct Predictor<'a> {
 impl Predictor<'_> {
     /// Predicted seconds of a strategy's all-reduce of `bytes`. MPI_Allreduce is its measured
     /// curve, or without one MPI's choice between the algorithms taken as the faster; Horovod
-    /// is MPI_Allreduce plus half a cycle of waiting on average; auto picks the fastest itself,
-    /// with its ring through node-shared memory when `shared_ring`. `held_out`: a measured row
-    /// being checked, which MPI's curve must not contain.
+    /// is MPI_Allreduce plus half a cycle of waiting on average, and hierarchical Horovod a
+    /// reduce within the node (an all-reduce's bytes), MPI_Allreduce among the nodes' first
+    /// ranks and a broadcast within the node; auto picks the fastest itself, with its ring
+    /// through node-shared memory when `shared_ring`. `held_out`: a measured row being
+    /// checked, which MPI's curve must not contain.
     fn exchange(&self, strategy: &str, layout: Layout, bytes: f64, shared_ring: bool, held_out: bool) -> Option<f64> {
         let model = self.model;
         let best = |ring, layout, bytes| model.predict(model.choose(ring, layout, bytes), layout, bytes);
-        let mpi = || {
+        let mpi = |layout: Layout, held_out| {
             let formula = |l, b| best(Algorithm::Ring, l, b);
             self.mpi_allreduce.and_then(|c| c.predict(layout, bytes, held_out, formula)).unwrap_or_else(|| formula(layout, bytes))
         };
+        let hierarchical = || {
+            let per_node = layout.per_node.clamp(1, layout.ranks);
+            let node = Layout { ranks: per_node, per_node };
+            let leaders = Layout { ranks: layout.nodes(), per_node: 1 };
+            let broadcast = model.intra.alpha_s * (per_node as f64).log2().ceil() + bytes * model.intra.beta_s_per_byte;
+            let within = if per_node > 1 { mpi(node, false) + broadcast } else { 0.0 };
+            within + if leaders.ranks > 1 { mpi(leaders, false) } else { 0.0 }
+        };
         match strategy {
-            "allreduce" => Some(mpi()),
-            "horovod" => Some(mpi() + self.cycle_s / 2.0),
+            "allreduce" => Some(mpi(layout, held_out)),
+            "horovod" => Some(mpi(layout, held_out) + self.cycle_s / 2.0),
+            HOROVOD_HIERARCHICAL => Some(hierarchical() + self.cycle_s / 2.0),
             "auto" => Some(best(if shared_ring { Algorithm::SharedRing } else { Algorithm::Ring }, layout, bytes)),
             s => algorithm_of(s, self.servers, shared_ring).map(|a| model.predict(a, layout, bytes)),
         }
@@ -175,8 +200,8 @@ pub fn fit(args: &FitArgs) -> Result<()> {
     let residuals: Vec<Residual> = rows
         .iter()
         .filter_map(|r| {
-            let predicted = predictor.exchange(&r.strategy, r.layout(), r.size as f64, r.shared_ring(), true)?;
-            Some(residual(&r.strategy, r.ranks, r.nodes.max(1), r.link_mbit, Some(r.size), r.time_us, predicted * 1e6))
+            let predicted = predictor.exchange(r.strategy(), r.layout(), r.size as f64, r.shared_ring(), true)?;
+            Some(residual(r.strategy(), r.ranks, r.nodes.max(1), r.link_mbit, Some(r.size), r.time_us, predicted * 1e6))
         })
         .collect();
     print_fit(&model, mpi_allreduce.as_ref(), &residuals);
@@ -358,7 +383,7 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
     };
     let gradient_bytes = args.model.parameter_count() as f64 * 4.0;
     let predictor = Predictor { model: &model, mpi_allreduce: mpi_allreduce.as_ref(), servers: args.servers, cycle_s: profile.horovod_cycle_ms * 1e-3 };
-    let strategies: [&'static str; 6] = ["ring", "rhd", "auto", "allreduce", "horovod", "ps"];
+    let strategies: [&'static str; 7] = ["ring", "rhd", "auto", "allreduce", "horovod", HOROVOD_HIERARCHICAL, "ps"];
     std::fs::create_dir_all(&args.out).at(&args.out)?;
     let slug = format!("{}-{}", args.profile.file_stem().and_then(|s| s.to_str()).unwrap_or("profile"), args.model.name());
 
@@ -463,8 +488,8 @@ fn validate(predictor: Predictor, args: &ProjectArgs) -> Result<()> {
     if let Some(path) = &args.validate_bench {
         let bench: Vec<BenchRow> = results::read_json_lines(path)?;
         for r in bench.iter().filter(|r| r.usable()) {
-            if let Some(p) = predictor.exchange(&r.strategy, r.layout(), r.size as f64, r.shared_ring(), true) {
-                rows.push(residual(&r.strategy, r.ranks, r.nodes.max(1), r.link_mbit, Some(r.size), r.time_us, p * 1e6));
+            if let Some(p) = predictor.exchange(r.strategy(), r.layout(), r.size as f64, r.shared_ring(), true) {
+                rows.push(residual(r.strategy(), r.ranks, r.nodes.max(1), r.link_mbit, Some(r.size), r.time_us, p * 1e6));
             }
         }
     }
@@ -481,12 +506,13 @@ fn validate(predictor: Predictor, args: &ProjectArgs) -> Result<()> {
                 "rhd" => "rhd",
                 "auto" => "auto",
                 "allreduce" => "allreduce",
+                "horovod" if r.extra.get("hierarchical").and_then(|v| v.as_bool()) == Some(true) => HOROVOD_HIERARCHICAL,
                 "horovod" => "horovod",
                 "ps" => "ps",
                 _ => continue,
             };
             let Some(p) = project_step(predictor, strategy, layout, parameters as f64 * 4.0, &ProjectArgs { backward_share: if overlap { sub.backward_share } else { 0.0 }, ..sub }, compute) else { continue };
-            rows.push(residual(&r.strategy, r.ranks, r.nodes.max(1), r.extra.get("link_mbit").and_then(|v| v.as_f64()), None, r.step_ms * 1e3, p.step_s * 1e6));
+            rows.push(residual(strategy, r.ranks, r.nodes.max(1), r.extra.get("link_mbit").and_then(|v| v.as_f64()), None, r.step_ms * 1e3, p.step_s * 1e6));
         }
     }
     let path = args.out.join("validation.csv");
@@ -551,5 +577,27 @@ mod tests {
         assert!(row(r#","ring_transport":"shared-memory""#).shared_ring());
         assert_eq!(algorithm_of("ring", 1, true), Some(Algorithm::SharedRing));
         assert_eq!(algorithm_of("rhd", 1, true), Some(Algorithm::Rhd));
+    }
+
+    #[test]
+    fn hierarchical_horovod_reduces_on_the_node_then_among_the_nodes_first_ranks() {
+        let horovod = |hierarchical| BenchRow { strategy: "horovod".into(), hierarchical, ..row("") };
+        assert_eq!(horovod(None).strategy(), "horovod");
+        assert_eq!(horovod(Some(false)).strategy(), "horovod");
+        assert_eq!(horovod(Some(true)).strategy(), HOROVOD_HIERARCHICAL);
+        let model = CostModel::default();
+        let p = Predictor { model: &model, mpi_allreduce: None, servers: 1, cycle_s: 1e-3 };
+        let s = 1e7;
+        let best = |l: Layout| model.predict(model.choose(Algorithm::Ring, l, s), l, s);
+        let (node, leaders) = (Layout { ranks: 4, per_node: 4 }, Layout { ranks: 8, per_node: 1 });
+        let broadcast = 2.0 * model.intra.alpha_s + s * model.intra.beta_s_per_byte;
+        let expected = best(node) + broadcast + best(leaders) + 0.5e-3;
+        let got = p.exchange(HOROVOD_HIERARCHICAL, Layout { ranks: 32, per_node: 4 }, s, false, false).unwrap();
+        assert!((got - expected).abs() < 1e-12, "{got} {expected}");
+        // One rank per node: only the nodes' all-reduce; one node: only the node's work.
+        let one_each = p.exchange(HOROVOD_HIERARCHICAL, leaders, s, false, false).unwrap();
+        assert!((one_each - best(leaders) - 0.5e-3).abs() < 1e-12);
+        let one_node = p.exchange(HOROVOD_HIERARCHICAL, node, s, false, false).unwrap();
+        assert!((one_node - best(node) - broadcast - 0.5e-3).abs() < 1e-12);
     }
 }
