@@ -87,6 +87,10 @@ impl Default for HorovodConfig {
     }
 }
 
+/// After a flush, for how many cycles' time the background thread negotiates back to back while
+/// the flushed tensors wait for another rank (see `Background::run`).
+const HURRY_CYCLES: u32 = 10;
+
 /// Messages from the training loop to the background thread.
 enum ToBackground {
     /// `prescale`: multiply the tensor by this before it is cast down for the wire (a mean
@@ -392,15 +396,31 @@ impl Background {
 
     fn run(&mut self) -> Result<()> {
         let mut shutting_down = false;
+        // When the training loop last flushed: it waits for what it enqueued, and nothing more
+        // comes until that is done. The tensors can outlive the cycle that took the flush, when
+        // another rank had not enqueued them yet (the cycle agreed on nothing, or on part of
+        // them); the next cycles then negotiate at once, each waiting in the collective for the
+        // slower rank, instead of idling to the end of a cycle first (up to a whole cycle per
+        // exchange: tensors waited 0.95 ms in the queue, median, at 16 MiB on 2 ranks). For a
+        // few cycles only: ranks that enqueued different tensors (a stall) go back to the
+        // cycle's pace.
+        let mut flushed_at: Option<Instant> = None;
         loop {
             let cycle_start = Instant::now();
             // Take what the training loop enqueued (waiting at most one cycle for something).
             let deadline = cycle_start + self.config.cycle_time;
-            loop {
+            if self.pending.is_empty() {
+                flushed_at = None;
+            }
+            let hurry = flushed_at.is_some_and(|t| t.elapsed() < HURRY_CYCLES * self.config.cycle_time);
+            while !hurry {
                 let wait = deadline.saturating_duration_since(Instant::now());
                 match self.inbox.recv_timeout(wait) {
                     Ok(ToBackground::Enqueue { id, tensor, prescale }) => self.pending.push(Ready { id, tensor, prescale, since: Instant::now() }),
-                    Ok(ToBackground::Flush) => break,
+                    Ok(ToBackground::Flush) => {
+                        flushed_at = Some(Instant::now());
+                        break;
+                    }
                     Ok(ToBackground::Shutdown) | Err(RecvTimeoutError::Disconnected) => shutting_down = true,
                     Err(RecvTimeoutError::Timeout) => break,
                 }
