@@ -324,14 +324,26 @@ impl Profile {
                 .map_err(|e| Error::usage(format!("{}: mpi_allreduce is not a measured curve ({e})", path.display())))?;
             return Ok((model, curve));
         }
+        // A rate of zero or less (or not a number) would cost every byte nothing or forever.
+        let seconds_per_byte = |gbs: f64, what: &str| -> Result<f64> {
+            if gbs.is_finite() && gbs > 0.0 {
+                Ok(1.0 / (gbs * 1e9))
+            } else {
+                Err(Error::usage(format!("profile {}: {what} is {gbs}; a rate in GB/s must be a positive number", self.name)))
+            }
+        };
         let link = |l: &Option<ProfileLink>, what: &str| -> Result<LinkCost> {
             let l = l.as_ref().ok_or_else(|| Error::usage(format!("profile {}: no [{what}] link", self.name)))?;
-            Ok(LinkCost { alpha_s: l.alpha_us * 1e-6, beta_s_per_byte: 1.0 / (l.gbs * 1e9) })
+            if !(l.alpha_us.is_finite() && l.alpha_us >= 0.0) {
+                return Err(Error::usage(format!("profile {}: [{what}] alpha_us is {}; a latency must be a number of microseconds, 0 or more", self.name, l.alpha_us)));
+            }
+            Ok(LinkCost { alpha_s: l.alpha_us * 1e-6, beta_s_per_byte: seconds_per_byte(l.gbs, &format!("[{what}] gbs"))? })
         };
         let (intra, inter) = (link(&self.intra, "intra")?, link(&self.inter, "inter")?);
         let add = self.add_gbs.ok_or_else(|| Error::usage(format!("profile {}: no add_gbs", self.name)))?;
-        let fabric_s_per_byte = self.fabric_gbs.map(|gbs| 1.0 / (gbs * 1e9));
-        Ok((CostModel { intra, inter, gamma_s_per_byte: 1.0 / (add * 1e9), nics_per_node: self.nics_per_node, shared: None, fabric_s_per_byte }, None))
+        let gamma_s_per_byte = seconds_per_byte(add, "add_gbs")?;
+        let fabric_s_per_byte = self.fabric_gbs.map(|gbs| seconds_per_byte(gbs, "fabric_gbs")).transpose()?;
+        Ok((CostModel { intra, inter, gamma_s_per_byte, nics_per_node: self.nics_per_node, shared: None, fabric_s_per_byte }, None))
     }
 }
 
@@ -577,6 +589,23 @@ mod tests {
         assert!(row(r#","ring_transport":"shared-memory""#).shared_ring());
         assert_eq!(algorithm_of("ring", 1, true), Some(Algorithm::SharedRing));
         assert_eq!(algorithm_of("rhd", 1, true), Some(Algorithm::Rhd));
+    }
+
+    #[test]
+    fn profiles_with_rates_of_zero_or_less_are_refused_by_name() {
+        let profile = |extra: &str| -> Profile {
+            toml::from_str(&format!("name = \"p\"\nranks_per_node = 8\nadd_gbs = 100.0\n{extra}\n[intra]\ngbs = 100.0\nalpha_us = 2.0\n[inter]\ngbs = 10.0\nalpha_us = 5.0\n")).unwrap()
+        };
+        let (model, curve) = profile("fabric_gbs = 40.0").model(Path::new(".")).unwrap();
+        assert_eq!((model.fabric_s_per_byte, curve), (Some(1.0 / 40e9), None));
+        assert_eq!(profile("").model(Path::new(".")).unwrap().0.fabric_s_per_byte, None);
+        for (extra, named) in [("fabric_gbs = 0.0", "fabric_gbs is 0"), ("fabric_gbs = -1.0", "fabric_gbs is -1")] {
+            let message = profile(extra).model(Path::new(".")).unwrap_err().to_string();
+            assert!(message.contains(named), "{message}");
+        }
+        let zero_link: Profile = toml::from_str("name = \"p\"\nranks_per_node = 8\nadd_gbs = 100.0\n[intra]\ngbs = 0.0\nalpha_us = 2.0\n[inter]\ngbs = 10.0\nalpha_us = -5.0\n").unwrap();
+        let message = zero_link.model(Path::new(".")).unwrap_err().to_string();
+        assert!(message.contains("[intra] gbs is 0"), "{message}");
     }
 
     #[test]
