@@ -194,13 +194,15 @@ pub fn coefficients(algorithm: Algorithm, layout: Layout, bytes: f64, nics: Opti
             let share = bytes / k as f64;
             let node_of = |r: usize| r / layout.per_node.max(1);
             let local_to = |s: usize| (0..workers).filter(|&w| node_of(w) == node_of(s)).count();
-            let busiest = (workers..n)
+            // (crossing shares, as slowed by the node's other servers; local shares), the most
+            // crossing first.
+            let (crossing, local) = (workers..n)
                 .map(|s| {
                     let servers_here = (workers..n).filter(|&t| node_of(t) == node_of(s)).count();
                     ((workers - local_to(s)) as f64 * sharing(servers_here, nics), local_to(s) as f64)
                 })
-                .fold((0.0, 0.0), |a: (f64, f64), b| if b.0 > a.0 || (b.0 == a.0 && b.1 > a.1) { b } else { a });
-            let (crossing, local) = busiest;
+                .max_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal))
+                .unwrap_or((0.0, 0.0));
             c[FABRIC_LOAD] += (workers..n).map(|s| (workers - local_to(s)) as f64 * 2.0 * share).sum::<f64>();
             if crossing > 0.0 {
                 add_link(&mut c, true, 2.0, 2.0 * crossing * share);
