@@ -3,7 +3,8 @@
 # predictions checked against the recorded rows of that same rate (and, at 1 Gbit/s, against the
 # weak-scaling training runs). Needs no cluster and takes seconds: it reads rows that
 # scripts/measure-cluster.sh recorded. Writes results/cluster/cost-model-<rate>mbit.json,
-# results/cluster/logs/fit-<rate>mbit.txt and results/projection/local-<rate>mbit/.
+# results/cluster/logs/fit-<rate>mbit.txt, results/projection/local-<rate>mbit/ and both rates'
+# validation in results/projection/validation.csv.
 #   scripts/fit-cluster.sh [ONE_NODE_ROWS]
 # ONE_NODE_ROWS: bench rows within one node of the same machine, for the node's own links
 # (default results/speed/bench.jsonl).
@@ -34,3 +35,8 @@ for mbit in 1000 10000; do
         --validate-bench "$T/bench-${mbit}.jsonl" "${runs[@]}" --out "$out" > "$T/project-${mbit}.log"
     echo "# validation: $out/validation.csv"
 done
+# Both rates in one table (the columns carry link_mbit): results/projection/validation.csv.
+all=results/projection/validation.csv
+head -n 1 results/projection/local-1000mbit/validation.csv > "$all"
+for mbit in 1000 10000; do tail -n +2 "results/projection/local-${mbit}mbit/validation.csv" >> "$all"; done
+echo "# validation, both rates: $all ($(($(wc -l < "$all") - 1)) rows)"
