@@ -257,10 +257,17 @@ impl CostModel {
 
     /// Reads a model file written by `hpc-train model fit` (its `model` field), or a bare model.
     pub fn load(path: &std::path::Path) -> Result<CostModel> {
+        Ok(CostModel::load_file(path)?.0)
+    }
+
+    /// As [`CostModel::load`], with the whole file's JSON for what else it holds (MPI's
+    /// measured curve).
+    pub fn load_file(path: &std::path::Path) -> Result<(CostModel, serde_json::Value)> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::usage(format!("{}: not JSON: {e}", path.display())))?;
-        let model = value.get("model").cloned().unwrap_or(value);
-        serde_json::from_value(model).map_err(|e| Error::usage(format!("{}: not a cost model ({e})", path.display())))
+        let model = value.get("model").cloned().unwrap_or_else(|| value.clone());
+        let model = serde_json::from_value(model).map_err(|e| Error::usage(format!("{}: not a cost model ({e})", path.display())))?;
+        Ok((model, value))
     }
 }
 
@@ -394,7 +401,8 @@ pub fn fit_network(rows: &[(Coefficients, f64)], known: &CostModel) -> Option<(L
     };
     let score = |(a, b): (f64, f64), fabric: Option<f64>| rows.iter().map(|(c, t)| ((time_of(c, &with(a, b, fabric)) - t) / t).powi(2)).sum::<f64>();
     let plain = fit_for(None)?;
-    let mut best = (plain, None, score(plain, None));
+    let plain_score = score(plain, None);
+    let mut best = (plain, None, plain_score);
     for (c, t) in rows.iter().filter(|(c, _)| c[FABRIC_LOAD] > 0.0) {
         let mut fabric = Some((t - rest(c)) / c[FABRIC_LOAD]).filter(|f| *f > 0.0);
         let Some(mut ab) = fabric.and_then(|_| fit_for(fabric)) else { continue };
@@ -418,7 +426,7 @@ pub fn fit_network(rows: &[(Coefficients, f64)], known: &CostModel) -> Option<(L
         // A fabric slower than one link, or links that cost nothing, would explain the rows by
         // the fabric alone: what one link can carry is the link's to explain.
         let plausible = fabric.is_some_and(|f| ab.1 > 0.0 && f < ab.1);
-        if plausible && bound >= 2 && e < best.2 && e < 0.9 * score(plain, None) {
+        if plausible && bound >= 2 && e < best.2 && e < 0.9 * plain_score {
             best = (ab, fabric, e);
         }
     }

@@ -313,12 +313,11 @@ impl Profile {
     fn model(&self, base: &Path) -> Result<(CostModel, Option<MeasuredCurve>)> {
         if let Some(f) = &self.fitted {
             let path = if f.is_absolute() { f.clone() } else { base.join(f) };
-            let model = CostModel::load(&path)?;
+            let (model, file) = CostModel::load_file(&path)?;
             // A bare model (no file around it) has no curve.
-            let curve = std::fs::read_to_string(&path)
-                .ok()
-                .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
-                .and_then(|v| v.get("mpi_allreduce").cloned())
+            let curve = file
+                .get("mpi_allreduce")
+                .cloned()
                 .map(serde_json::from_value::<MeasuredCurve>)
                 .transpose()
                 .map_err(|e| Error::usage(format!("{}: mpi_allreduce is not a measured curve ({e})", path.display())))?;
