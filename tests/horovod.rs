@@ -119,6 +119,28 @@ fn the_timeline_holds_every_ranks_events() {
 }
 
 #[test]
+fn one_tensor_is_reduced_in_place_and_many_through_the_fusion_buffer() {
+    // Horovod's MPIAllreduce::Execute copies into the fusion buffer only when a response holds
+    // more than one tensor; with compression the cast needs the buffer even for one.
+    let dir = scratch("hvd-in-place");
+    let names = |extra: &[&str]| -> Vec<String> {
+        let timeline = dir.join("timeline.json");
+        let mut args = vec!["--counts", "262147", "--verify", "allreduce", "--timeline", timeline.to_str().unwrap()];
+        args.extend(extra);
+        rows_all_right(&bench(2, &args, &[], &dir), 1);
+        let value: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&timeline).unwrap()).expect("valid JSON");
+        value["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str().map(String::from)).collect()
+    };
+    let alone = names(&[]);
+    assert!(alone.iter().any(|n| n == "ALLREDUCE"), "{alone:?}");
+    assert!(!alone.iter().any(|n| n.starts_with("MEMCPY")), "one tensor was copied: {alone:?}");
+    let fused = names(&["--layout", "resnet50"]);
+    assert!(fused.iter().any(|n| n == "MEMCPY_IN_FUSION_BUFFER") && fused.iter().any(|n| n == "MEMCPY_OUT_FUSION_BUFFER"), "{fused:?}");
+    let cast = names(&["--compression", "fp16"]);
+    assert!(cast.iter().any(|n| n == "MEMCPY_IN_FUSION_BUFFER"), "{cast:?}");
+}
+
+#[test]
 fn a_stall_is_reported_with_the_missing_rank() {
     let dir = scratch("hvd-stall");
     let args = [

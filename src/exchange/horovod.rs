@@ -13,7 +13,8 @@
 //! 3. execution: ready tensors, in that common order, are packed into fusion buffers of up to
 //!    `--fusion-threshold-mb` (optionally cast to fp16/bf16), one `MPI_Allreduce` per buffer
 //!    (or node reduce, cross-node all-reduce of one rank per node, node broadcast with
-//!    `--hierarchical`), then unpacked.
+//!    `--hierarchical`), then unpacked; a buffer's worth of one tensor, uncompressed, is reduced
+//!    in place with no copy, as Horovod does.
 //!
 //! `--timeline FILE` writes every rank's events in the Chrome tracing format.
 
@@ -622,6 +623,21 @@ impl Background {
         for group in groups {
             let len: usize = group.iter().map(|r| r.tensor.numel()).sum();
             let device = group[0].tensor.device();
+            if let Some(mut alone) = in_place(&group, wire_kind) {
+                // One tensor: reduced where it lies, as Horovod's MPIAllreduce::Execute does for
+                // a single entry (no copy in or out of the fusion buffer).
+                if let Some(factor) = group[0].prescale {
+                    let _ = alone.f_mul_scalar_(factor)?;
+                }
+                let t1 = self.now_us();
+                self.all_reduce_buffer(&mut alone)?;
+                self.counters.fused_allreduces += 1;
+                self.event("ALLREDUCE", t1, serde_json::json!({ "bytes": len * elem, "hierarchical": self.config.hierarchical }));
+                wait_for_stream(device)?;
+                self.counters.tensors += 1;
+                let _ = self.outbox.send(FromBackground::Done);
+                continue;
+            }
             let fusion_fits = self.fusion.as_ref().is_some_and(|f| f.numel() >= len && f.kind() == wire_kind && f.device() == device);
             if !fusion_fits {
                 let capacity = len.max(self.config.fusion_threshold / elem).max(1);
@@ -692,6 +708,15 @@ impl Background {
             });
             Ok(())
         })
+    }
+}
+
+/// A flat view of a group's one tensor when it can be reduced where it lies: alone, already of
+/// the wire's kind (no compression cast), dense in memory. None: it goes through the fusion buffer.
+fn in_place(group: &VecDeque<Ready>, wire_kind: Kind) -> Option<Tensor> {
+    match group.front() {
+        Some(r) if group.len() == 1 && r.tensor.kind() == wire_kind => raw::flat_dense_view(&r.tensor).ok(),
+        _ => None,
     }
 }
 
