@@ -29,7 +29,7 @@ bench_all() {
     local name=$1 strategies=$2; shift 2
     for mbit in 1000 10000; do
         local iters=5 warmup=2
-        [ "$mbit" -eq 10000 ] && { iters=20; warmup=5; }
+        [ "$mbit" -eq 10000 ] && { iters=40; warmup=5; }
         for nodes in 2 4; do
             scripts/local-cluster.sh up "$C/cluster" --nodes "$nodes" --link-mbit "$mbit"
             layouts="1"; [ "$nodes" -eq 2 ] && layouts="1 2"
