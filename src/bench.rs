@@ -122,8 +122,9 @@ struct BenchRow {
     /// measured in the same run: host f32 runs only.
     #[serde(skip_serializing_if = "Option::is_none")]
     memory_bound_busbw: Option<f64>,
-    /// One core's copy and add rates behind that bound (the cost model's gamma comes from the
-    /// add rate).
+    /// The copy and add rates behind that bound, each core's with every rank at work (the cost
+    /// model's gamma comes from the add rate). Rows written before 2026-11-24 hold rank 0's
+    /// rates measured alone.
     #[serde(skip_serializing_if = "Option::is_none")]
     memory_copy_gbs: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -149,8 +150,11 @@ struct BenchRow {
 /// What one core's memory bandwidth allows an all-reduce on host memory: every rank receives
 /// (copies) 2(n-1)/n of the buffer and adds (n-1)/n of it into its own, so a ring can take no
 /// less than 2(n-1)/n S / copy + (n-1)/n S / add, i.e. a bus bandwidth of at most
-/// 2 / (2 / copy + 1 / add). Measured on rank 0 over buffers of the bench's largest size; the
-/// same bound with MPI's measured transfer rate as the copy is the transport bound.
+/// 2 / (2 / copy + 1 / add). Measured on every rank at once over buffers of the bench's largest
+/// size, the slowest rank's rates, since the ranks of an all-reduce copy and add at the same
+/// time and share the node's memory system (a core measured alone while the others wait copies
+/// faster than any of them can during the all-reduce); the same bound with MPI's measured
+/// transfer rate as the copy is the transport bound.
 #[derive(Clone, Copy, Debug)]
 struct MemoryBound {
     copy_gbs: f64,
@@ -162,18 +166,21 @@ struct MemoryBound {
 }
 
 impl MemoryBound {
-    /// One core's copy and add rates over `bytes` (the caller runs it on one rank while the
-    /// others wait).
-    fn measure_memory(bytes: usize) -> (f64, f64) {
+    /// This rank's copy and add rates over `bytes`, every rank of `world` copying (then adding)
+    /// at the same time.
+    fn measure_memory(world: &World, bytes: usize) -> (f64, f64) {
         let len = (bytes / 4).max(1024);
         let src: Vec<f32> = (0..len).map(|i| (i % 1000) as f32).collect();
         let mut dst = vec![1.0f32; len];
         let mut copies = Vec::new();
         let mut adds = Vec::new();
+        let together = || crate::watchdog::collective("measuring the memory bound", &world.comm, || world.comm.barrier());
         for _ in 0..5 {
+            together();
             let t = Instant::now();
             dst.copy_from_slice(&src);
             copies.push(t.elapsed().as_secs_f64());
+            together();
             let t = Instant::now();
             crate::exchange::element::accumulate(&mut dst, &src);
             adds.push(t.elapsed().as_secs_f64());
@@ -211,16 +218,15 @@ impl MemoryBound {
         (len * 4) as f64 / median(&mut times) / 1e9
     }
 
-    /// Both rates: memory on rank 0 while the others wait, then the transport on every rank,
-    /// over the bench's largest buffer (`max_bytes`) in `segment` messages.
+    /// Both rates, memory then transport, on every rank at once over the bench's largest buffer
+    /// (`max_bytes`), the transport in `segment` messages.
     fn measure(world: &World, max_bytes: usize, segment: usize) -> MemoryBound {
         let n = world.size as usize;
+        let (copy, add) = MemoryBound::measure_memory(world, max_bytes.max(1 << 20));
         let mut rates = [0.0f64; 2];
-        if world.is_root() {
-            let (copy, add) = MemoryBound::measure_memory(max_bytes.max(1 << 20));
-            rates = [copy, add];
-        }
-        crate::watchdog::collective("sharing the memory bound", &world.comm, || world.comm.process_at_rank(0).broadcast_into(&mut rates[..]));
+        crate::watchdog::collective("taking the slowest rank's memory rates", &world.comm, || {
+            world.comm.all_reduce_into(&[copy, add][..], &mut rates[..], mpi::collective::SystemOperation::min())
+        });
         // A ring hop at the largest size, in the ring's segments.
         let transport_gbs = MemoryBound::measure_transport(world, (max_bytes / n).max(1 << 20), segment);
         MemoryBound { copy_gbs: rates[0], add_gbs: rates[1], transport_gbs }
@@ -389,7 +395,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         if let Some(b) = bound {
             let of_rounds = if bounds.len() > 1 { format!(" (medians of {} rounds)", bounds.len()) } else { String::new() };
             println!(
-                "# Memory bound         : one core copies {:.2} GB/s and adds {:.2} GB/s{of_rounds}: a host all-reduce's busbw is at most {:.3} GB/s",
+                "# Memory bound         : each core copies {:.2} GB/s and adds {:.2} GB/s, every rank at once{of_rounds}: a host all-reduce's busbw is at most {:.3} GB/s",
                 b.copy_gbs, b.add_gbs, b.ring_busbw()
             );
             println!(
