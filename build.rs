@@ -55,12 +55,20 @@ fn record_git_commit() {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     let commit = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into());
-    let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+    // Dirty means the code differs from the commit: what goes into the binary, not results/
+    // files that a measurement script has just rewritten before building.
+    let code = ["src", "build.rs", "Cargo.toml", "Cargo.lock"];
+    let dirty = git(&[&["status", "--porcelain", "--untracked-files=no", "--"][..], &code[..]].concat()).is_some_and(|s| !s.is_empty());
     let value = if dirty { format!("{commit}-dirty") } else { commit };
     println!("cargo:rustc-env=HPC_TRAIN_GIT_COMMIT={value}");
     if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
+        // HEAD names a branch whose own file (or packed-refs) is what a commit changes.
         println!("cargo:rerun-if-changed={dir}/HEAD");
         println!("cargo:rerun-if-changed={dir}/index");
+        println!("cargo:rerun-if-changed={dir}/packed-refs");
+        if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
+            println!("cargo:rerun-if-changed={dir}/{branch}");
+        }
     }
 }
 
