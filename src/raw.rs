@@ -330,6 +330,24 @@ impl PointToPoint for PeerComm {
     }
 }
 
+/// Bytes an unprivileged process may still write in the file system holding `dir` (statvfs's
+/// f_bavail blocks of f_frsize bytes); None where it cannot be asked (no such directory).
+pub fn free_bytes(dir: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is a NUL-terminated string that outlives the call, and `stat` an
+    // out-parameter statvfs fills when it returns 0.
+    if unsafe { libc::statvfs(path.as_ptr(), stat.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: written by the successful call above.
+    let stat = unsafe { stat.assume_init() };
+    // Both fields are u64 here, narrower on 32-bit targets.
+    #[allow(clippy::unnecessary_cast)]
+    Some((stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
+}
+
 /// The name of this host.
 pub fn hostname() -> String {
     let mut buf = [0 as c_char; 256];
@@ -1001,11 +1019,17 @@ pub struct SharedWindow {
 const PART_HEADER: usize = 128;
 
 impl SharedWindow {
+    /// Bytes of one rank's part for `bytes` of data (header and page rounding included): a
+    /// window over `ranks` ranks takes `ranks` times this in the backing file system.
+    pub fn part_bytes(bytes: usize) -> usize {
+        (PART_HEADER + bytes).next_multiple_of(4096)
+    }
+
     /// Allocates `bytes` of data per rank of `comm`, with every counter at zero.
     /// Collective over `comm`, whose ranks must share one node (a communicator from
     /// `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`).
     pub fn allocate(comm: &SimpleCommunicator, bytes: usize) -> Result<SharedWindow> {
-        let part = (PART_HEADER + bytes).next_multiple_of(4096);
+        let part = SharedWindow::part_bytes(bytes);
         let aint = mpi::ffi::MPI_Aint::try_from(part).map_err(|_| Error::exchange("MPI_Win_allocate_shared", format!("{part} bytes do not fit an MPI_Aint")))?;
         let mut base: *mut c_void = std::ptr::null_mut();
         let mut win = std::mem::MaybeUninit::<mpi::ffi::MPI_Win>::uninit();

@@ -104,6 +104,41 @@ fn the_shared_memory_ring_is_refused_across_nodes() {
 }
 
 #[test]
+fn a_full_shared_memory_file_system_sends_the_ring_over_mpi_or_stops_it_by_name() {
+    // Shared windows are files of the node's shared-memory file system (Open MPI's
+    // osc_sm_backing_directory, /dev/shm unless set), which MPI_Win_allocate_shared aborts the
+    // job on when it is full: here a 16 MiB tmpfs, as a container's small /dev/shm.
+    let dir = scratch("ring-small-shm");
+    let shm = dir.join("shm");
+    let shm_env = [("OMPI_MCA_osc_sm_backing_directory", shm.to_str().unwrap())];
+    let bench = |count: &str, transport: &str| {
+        let results = dir.join(format!("{count}-{transport}"));
+        let args = ["bench", "--strategies", "ring", "--counts", count, "--iters", "2", "--warmup", "1", "--verify", "allreduce", "--ring-transport", transport, "--results", results.to_str().unwrap()];
+        let run = mpirun_with_tmpfs(2, &args, &shm_env, &shm, "16m", Duration::from_secs(120));
+        let rows: Vec<serde_json::Value> = std::fs::read_to_string(results.join("bench.jsonl")).unwrap_or_default().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        (run, rows)
+    };
+    let warning = "the ring goes over MPI point-to-point instead";
+    // A window of 2 x 4 KiB fits: shared memory, no warning.
+    let (run, rows) = bench("1000", "auto");
+    assert!(run.ok(), "{}", run.all_output());
+    assert_eq!(rows[0]["ring_transport"], "shared-memory", "{}", run.all_output());
+    assert!(!run.all_output().contains(warning), "{}", run.all_output());
+    // 2 x 16 MiB does not: the same sums over MPI, said once.
+    let (run, rows) = bench("4194304", "auto");
+    assert!(run.ok(), "{}", run.all_output());
+    assert!(run.stdout.lines().filter(|l| !l.starts_with('#')).all(|l| l.ends_with(" 0")), "{}", run.stdout);
+    assert_eq!(rows[0]["ring_transport"], "mpi", "{}", run.all_output());
+    assert_eq!(run.all_output().matches(warning).count(), 1, "{}", run.all_output());
+    assert!(run.all_output().contains(&format!("needs 32.0 MiB in {}", shm.display())), "{}", run.all_output());
+    // Asked for shared memory by name: one clear error, every rank out, nothing hangs.
+    let (run, _) = bench("4194304", "shm");
+    assert!(!run.ok() && !run.timed_out, "{}", run.all_output());
+    assert_eq!(run.all_output().matches("--ring-transport shm: the ring's node-shared window for 2 ranks needs").count(), 1, "{}", run.all_output());
+    assert!(!run.all_output().contains("MPI_Win_allocate_shared"), "MPI's own abort, not ours: {}", run.all_output());
+}
+
+#[test]
 fn the_bench_catches_a_wrong_sum() {
     // A fault injected into one element of one rank's result must show in #wrong and fail the run.
     let dir = scratch("bench-fails");

@@ -23,8 +23,6 @@ pub struct Auto {
     ring: RingAllreduce,
     rhd: RhdAllreduce,
     model: CostModel,
-    /// The ring as it runs: through node-shared memory (one node) or over MPI.
-    ring_algorithm: Algorithm,
     layout: Layout,
     rank: usize,
     path: DataPath,
@@ -37,12 +35,10 @@ pub struct Auto {
 impl Auto {
     pub fn new(world: &World, config: &ExchangeConfig) -> Result<Auto> {
         let ring = RingAllreduce::new(world, config)?;
-        let ring_algorithm = if ring.in_shared_memory() { Algorithm::SharedRing } else { Algorithm::Ring };
         Ok(Auto {
             ring,
             rhd: RhdAllreduce::new(world, config)?,
             model: config.cost_model,
-            ring_algorithm,
             layout: Layout { ranks: world.size as usize, per_node: world.local_size.max(1) as usize },
             rank: world.rank as usize,
             path: DataPath::choose(config.device, config.cuda_aware),
@@ -62,7 +58,7 @@ impl Auto {
             return Algorithm::Ring;
         }
         // Recursive doubling leaves every rank the whole sum, not a shard: not a candidate.
-        self.model.fastest(&[self.ring_algorithm, Algorithm::Rhd], self.layout, (len * dtype.size()) as f64)
+        self.model.fastest(&[ring_algorithm(&self.ring), Algorithm::Rhd], self.layout, (len * dtype.size()) as f64)
     }
 }
 
@@ -115,11 +111,10 @@ impl Exchange for Auto {
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         let dtype = common_dtype(tensors)?;
         let (ring, rhd, model, layout, chosen) = (&mut self.ring, &mut self.rhd, &self.model, self.layout, &mut self.chosen);
-        let ring_algorithm = self.ring_algorithm;
         self.staging.reduce_fused(&mut self.fusion, self.path, tensors, |_, bucket| {
             // Every rank computes the same choice from the same size and layout.
             let bytes = (bucket.numel() * dtype.size()) as f64;
-            match model.choose(ring_algorithm, layout, bytes) {
+            match model.choose(ring_algorithm(ring), layout, bytes) {
                 Algorithm::Rhd => {
                     chosen[1] += 1;
                     rhd.reduce_flat(bucket, dtype, op)
@@ -149,4 +144,10 @@ impl Exchange for Auto {
         extra.insert("ring_transport".into(), self.ring.transport().into());
         self.staging.report(self.path, extra)
     }
+}
+
+/// The ring as it runs now, for the model: through node-shared memory (one node) or over MPI
+/// (across nodes, or since its window found no room).
+fn ring_algorithm(ring: &RingAllreduce) -> Algorithm {
+    if ring.in_shared_memory() { Algorithm::SharedRing } else { Algorithm::Ring }
 }

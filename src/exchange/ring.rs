@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::element::{accumulate, accumulate_scaled, Dtype, Element};
 use mpi::Tag;
-use crate::exchange::shared_ring::SharedRing;
+use crate::exchange::shared_ring::{Room, SharedRing};
 use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
 use crate::exchange::zero::{Phases, ShardedCollectives};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, RingTransport, Role};
@@ -123,6 +123,8 @@ struct Ring {
     scratch: Scratch,
     /// The transport for host buffers when every rank shares one node (`--ring-transport`).
     shared: Option<SharedRing>,
+    /// `--ring-transport shm`: no falling back to MPI messages when the window has no room.
+    shared_required: bool,
 }
 
 impl Ring {
@@ -260,6 +262,33 @@ impl Ring {
         self.run_phases(bucket, dtype, op, Phases::BOTH)
     }
 
+    /// Whether `bytes` go through node-shared memory. Where the node's shared-memory file
+    /// system has no room for the window (every rank learns it at the same call), the ring
+    /// goes over MPI messages from then on, and says so once; with `--ring-transport shm` that
+    /// is an error instead.
+    fn shared_memory_for(&mut self, bytes: usize) -> Result<bool> {
+        let Some(shared) = &mut self.shared else { return Ok(false) };
+        let Room::Short { dir, free, need } = shared.reserve(bytes)? else { return Ok(true) };
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let what = format!(
+            "the ring's node-shared window for {} ranks needs {:.1} MiB in {} and {:.1} MiB are free (a container's /dev/shm is 64 MiB unless raised, e.g. docker run --shm-size)",
+            self.n, mib(need), dir.display(), mib(free)
+        );
+        if self.shared_required {
+            // Every rank stops here alike (the answer came from an all-reduce): rank 0 says why.
+            let error = Error::usage(format!("--ring-transport shm: {what}; use --ring-transport auto or mpi, or smaller --bucket-mb"));
+            return Err(if self.comm.rank() == 0 { Error::Agreed(Box::new(error)) } else { Error::Reported(0) });
+        }
+        if self.pos == 0 {
+            log::warn!("{what}: the ring goes over MPI point-to-point instead (--ring-transport mpi says so from the start)");
+        }
+        // Collective, and every rank is here: the Short answer came from an all-reduce.
+        if let Some(mut shared) = self.shared.take() {
+            shared.release();
+        }
+        Ok(false)
+    }
+
     /// The reduce-scatter, the all-gather or both, on a host or (CUDA-aware MPI) device buffer.
     fn run_phases(&mut self, bucket: &mut Tensor, dtype: Dtype, op: ReduceOp, phases: Phases) -> Result<()> {
         let rs_hops = self.n.max(1) - 1;
@@ -272,10 +301,11 @@ impl Ring {
                 // or the flat view of a gradient whose backward is done; nothing else reads or
                 // writes it meanwhile.
                 let buf = unsafe { raw::host_slice_mut::<E>(bucket)? };
-                match &mut self.shared {
-                    Some(shared) => shared.run::<E>(buf, op, phases),
-                    None => self.run_hops_host::<E>(buf, op, hops),
+                if self.shared_memory_for(std::mem::size_of_val(buf))? {
+                    let shared = self.shared.as_mut().expect("checked just above");
+                    return shared.run::<E>(buf, op, phases);
                 }
+                self.run_hops_host::<E>(buf, op, hops)
             }
         })
     }
@@ -338,6 +368,7 @@ impl RingAllreduce {
                 segment_bytes: config.segment_bytes,
                 scratch: Scratch::default(),
                 shared,
+                shared_required: config.ring_transport == RingTransport::Shm,
             },
             rank: world.rank as usize,
             path: DataPath::choose(config.device, config.cuda_aware),

@@ -19,12 +19,13 @@
 //! finished reading the last call: a barrier, but one that is usually passed at once, long
 //! after the others finished, instead of one more synchronisation at the end of every call.
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::exchange::element::{accumulate_and_copy, sum_into, Element};
 use crate::exchange::ring::RingSchedule;
 use crate::exchange::zero::Phases;
@@ -60,14 +61,28 @@ impl SharedRing {
 
     /// Makes sure the window holds `bytes` per rank: the current one, or (collectively: every
     /// rank passes the same size, as all exchange the same bucket) a larger one in its place.
-    fn reserve(&mut self, bytes: usize) -> Result<()> {
-        if self.window.as_ref().is_none_or(|w| w.bytes() < bytes) {
-            self.release();
-            self.window = Some(SharedWindow::allocate(&self.comm, bytes)?);
-            self.published = 0;
-            self.calls = 0;
+    /// A window lives in a file of the node's shared-memory file system, and MPI aborts the job
+    /// when that has no room (a container's /dev/shm is 64 MiB by default): where the free space
+    /// is short on any rank, nothing is allocated and every rank gets the same `Room::Short`.
+    pub fn reserve(&mut self, bytes: usize) -> Result<Room> {
+        if self.window.as_ref().is_some_and(|w| w.bytes() >= bytes) {
+            return Ok(Room::Ready);
         }
-        Ok(())
+        let dir = backing_directory();
+        let need = (self.n * SharedWindow::part_bytes(bytes)) as u64;
+        // The window being replaced gives its space back first.
+        let held = self.window.as_ref().map_or(0, |w| (self.n * SharedWindow::part_bytes(w.bytes())) as u64);
+        let free = crate::raw::free_bytes(&dir).map_or(u64::MAX, |f| f.saturating_add(held));
+        let mut least = 0u64;
+        self.comm.all_reduce_into(&free, &mut least, mpi::collective::SystemOperation::min());
+        if least < need {
+            return Ok(Room::Short { dir, free: least, need });
+        }
+        self.release();
+        self.window = Some(SharedWindow::allocate(&self.comm, bytes)?);
+        self.published = 0;
+        self.calls = 0;
+        Ok(Room::Ready)
     }
 
     /// Frees the window (a later call makes a new one). Collective: every rank calls it at the
@@ -83,13 +98,16 @@ impl SharedRing {
         }
     }
 
-    /// The ring's `phases` on `buf`, in place (same chunks and results as over MPI).
+    /// The ring's `phases` on `buf`, in place (same chunks and results as over MPI), in a
+    /// window that [`SharedRing::reserve`] has made room for.
     pub fn run<E: Element>(&mut self, buf: &mut [E], op: ReduceOp, phases: Phases) -> Result<()> {
         let (n, pos) = (self.n, self.pos);
         if n == 1 || buf.is_empty() {
             return Ok(());
         }
-        self.reserve(std::mem::size_of_val(buf))?;
+        if self.reserve(std::mem::size_of_val(buf))? != Room::Ready {
+            return Err(Error::exchange("ring", "the shared-memory ring ran without room for its window"));
+        }
         let schedule = RingSchedule::new(buf.len(), n, pos);
         let pieces = schedule.pieces_per_chunk((PIECE_BYTES / std::mem::size_of::<E>()).max(1));
         let bounds = schedule.piece_bounds(pieces);
@@ -159,6 +177,20 @@ impl SharedRing {
         window.finished(pos).store(self.calls, Ordering::Release);
         Ok(())
     }
+}
+
+/// Whether a window of the asked size fits the node's shared-memory file system.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Room {
+    Ready,
+    /// `need` bytes in `dir`, where the fullest rank saw `free`.
+    Short { dir: PathBuf, free: u64, need: u64 },
+}
+
+/// Where Open MPI puts the files behind shared windows (its `osc_sm_backing_directory`,
+/// /dev/shm on Linux unless set); MPICH maps them from /dev/shm too.
+fn backing_directory() -> PathBuf {
+    std::env::var_os("OMPI_MCA_osc_sm_backing_directory").map_or_else(|| PathBuf::from("/dev/shm"), PathBuf::from)
 }
 
 /// Waits until a rank's `counter` reaches `target`, pausing as waits for MPI requests do

@@ -109,6 +109,27 @@ fn mpirun_command(ranks: usize, args: &[&str], env: &[(&str, &str)]) -> Command 
     cmd
 }
 
+/// As [`mpirun_env`], in a mount namespace of its own (`unshare --mount`, root) in which a
+/// tmpfs of `size` (e.g. "16m") is mounted on `dir` first: a small file system for tests of
+/// what hpc-train does when one runs full. The mount goes with the namespace when mpirun ends.
+pub fn mpirun_with_tmpfs(ranks: usize, args: &[&str], env: &[(&str, &str)], dir: &Path, size: &str, limit: Duration) -> Run {
+    let _guard = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    std::fs::create_dir_all(dir).unwrap();
+    let inner = mpirun_command(ranks, args, env);
+    let mut cmd = Command::new("unshare");
+    cmd.args(["--mount", "--propagation", "private", "sh", "-c", r#"mount -t tmpfs -o "size=$1" tmpfs "$2" && shift 2 && exec "$@""#, "sh", size])
+        .arg(dir)
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .current_dir(root());
+    for (k, v) in inner.get_envs() {
+        if let Some(v) = v {
+            cmd.env(k, v);
+        }
+    }
+    run_with_limit(cmd, limit)
+}
+
 pub fn mpirun(ranks: usize, args: &[&str]) -> Run {
     mpirun_env(ranks, args, &[], Duration::from_secs(300))
 }
