@@ -623,45 +623,38 @@ impl Background {
         for group in groups {
             let len: usize = group.iter().map(|r| r.tensor.numel()).sum();
             let device = group[0].tensor.device();
-            if let Some(mut alone) = in_place(&group, wire_kind) {
-                // One tensor: reduced where it lies, as Horovod's MPIAllreduce::Execute does for
-                // a single entry (no copy in or out of the fusion buffer).
-                if let Some(factor) = group[0].prescale {
-                    let _ = alone.f_mul_scalar_(factor)?;
-                }
-                let t1 = self.now_us();
-                self.all_reduce_buffer(&mut alone)?;
-                self.counters.fused_allreduces += 1;
-                self.event("ALLREDUCE", t1, serde_json::json!({ "bytes": len * elem, "hierarchical": self.config.hierarchical }));
-                wait_for_stream(device)?;
-                self.counters.tensors += 1;
-                let _ = self.outbox.send(FromBackground::Done);
-                continue;
-            }
-            let fusion_fits = self.fusion.as_ref().is_some_and(|f| f.numel() >= len && f.kind() == wire_kind && f.device() == device);
-            if !fusion_fits {
-                let capacity = len.max(self.config.fusion_threshold / elem).max(1);
-                self.fusion = Some(Tensor::f_zeros([capacity as i64], (wire_kind, device))?);
-            }
-            let fusion = self.fusion.as_ref().expect("made above").shallow_clone();
-            let mut buffer = fusion.f_narrow(0, 0, len as i64)?;
-
-            let t0 = self.now_us();
-            // Tensors in and out of the fusion buffer: a memory copy for host tensors, libtorch's
-            // copy (which also casts, when compressing) otherwise.
-            let bucket = Bucket {
-                slots: group.iter().scan(0, |at, r| { let slot = Slot { tensor: 0, offset: *at, len: r.tensor.numel() }; *at += slot.len; Some(slot) })
-                    .enumerate().map(|(i, s)| Slot { tensor: i, ..s }).collect(),
-                len,
-            };
             let tensors: Vec<Tensor> = group.iter().map(|r| r.tensor.shallow_clone()).collect();
             for (r, t) in group.iter().zip(&tensors) {
                 if let Some(factor) = r.prescale {
                     let _ = t.shallow_clone().f_mul_scalar_(factor)?;
                 }
             }
-            pack(&bucket, &tensors, &mut buffer);
-            self.event("MEMCPY_IN_FUSION_BUFFER", t0, serde_json::json!({ "tensors": group.len(), "bytes": len * elem }));
+            // One tensor is reduced where it lies, as Horovod's MPIAllreduce::Execute does for a
+            // single entry; several go through the fusion buffer.
+            let alone = in_place(&group, wire_kind);
+            let fused = alone.is_none();
+            let bucket = Bucket {
+                slots: group.iter().scan(0, |at, r| { let slot = Slot { tensor: 0, offset: *at, len: r.tensor.numel() }; *at += slot.len; Some(slot) })
+                    .enumerate().map(|(i, s)| Slot { tensor: i, ..s }).collect(),
+                len,
+            };
+            let mut buffer = match alone {
+                Some(view) => view,
+                None => {
+                    let fusion_fits = self.fusion.as_ref().is_some_and(|f| f.numel() >= len && f.kind() == wire_kind && f.device() == device);
+                    if !fusion_fits {
+                        let capacity = len.max(self.config.fusion_threshold / elem).max(1);
+                        self.fusion = Some(Tensor::f_zeros([capacity as i64], (wire_kind, device))?);
+                    }
+                    let mut buffer = self.fusion.as_ref().expect("made above").f_narrow(0, 0, len as i64)?;
+                    // Tensors in and out of the fusion buffer: a memory copy for host tensors,
+                    // libtorch's copy (which also casts, when compressing) otherwise.
+                    let t0 = self.now_us();
+                    pack(&bucket, &tensors, &mut buffer);
+                    self.event("MEMCPY_IN_FUSION_BUFFER", t0, serde_json::json!({ "tensors": group.len(), "bytes": len * elem }));
+                    buffer
+                }
+            };
 
             let t1 = self.now_us();
             self.all_reduce_buffer(&mut buffer)?;
@@ -669,11 +662,15 @@ impl Background {
             self.event("ALLREDUCE", t1, serde_json::json!({ "bytes": len * elem, "hierarchical": self.config.hierarchical }));
 
             let t2 = self.now_us();
-            let mut tensors = tensors;
-            unpack(&bucket, &buffer, &mut tensors);
+            if fused {
+                let mut tensors = tensors;
+                unpack(&bucket, &buffer, &mut tensors);
+            }
             // The training loop may read the tensors once told they are done.
             wait_for_stream(device)?;
-            self.event("MEMCPY_OUT_FUSION_BUFFER", t2, serde_json::json!({ "tensors": group.len() }));
+            if fused {
+                self.event("MEMCPY_OUT_FUSION_BUFFER", t2, serde_json::json!({ "tensors": group.len() }));
+            }
             for _ in &group {
                 self.counters.tensors += 1;
                 let _ = self.outbox.send(FromBackground::Done);
