@@ -151,10 +151,10 @@ struct BenchRow {
 /// (copies) 2(n-1)/n of the buffer and adds (n-1)/n of it into its own, so a ring can take no
 /// less than 2(n-1)/n S / copy + (n-1)/n S / add, i.e. a bus bandwidth of at most
 /// 2 / (2 / copy + 1 / add). Measured on every rank at once over buffers of the bench's largest
-/// size, the slowest rank's rates, since the ranks of an all-reduce copy and add at the same
-/// time and share the node's memory system (a core measured alone while the others wait copies
-/// faster than any of them can during the all-reduce); the same bound with MPI's measured
-/// transfer rate as the copy is the transport bound.
+/// size (256 MiB at most), the slowest rank's rates, since the ranks of an all-reduce copy and
+/// add at the same time and share the node's memory system (a core measured alone while the
+/// others wait copies faster than any of them can during the all-reduce); the same bound with
+/// MPI's measured transfer rate as the copy is the transport bound.
 #[derive(Clone, Copy, Debug)]
 struct MemoryBound {
     copy_gbs: f64,
@@ -222,7 +222,9 @@ impl MemoryBound {
     /// (`max_bytes`), the transport in `segment` messages.
     fn measure(world: &World, max_bytes: usize, segment: usize) -> MemoryBound {
         let n = world.size as usize;
-        let (copy, add) = MemoryBound::measure_memory(world, max_bytes.max(1 << 20));
+        // Every rank holds two such buffers beside the bench's own: at most 256 MiB each, far
+        // beyond any cache, so the rates are memory's whatever the largest size.
+        let (copy, add) = MemoryBound::measure_memory(world, max_bytes.clamp(1 << 20, 256 << 20));
         let mut rates = [0.0f64; 2];
         crate::watchdog::collective("taking the slowest rank's memory rates", &world.comm, || {
             world.comm.all_reduce_into(&[copy, add][..], &mut rates[..], mpi::collective::SystemOperation::min())
