@@ -277,7 +277,7 @@ cmd_slurm() {
     rm -rf "$s/state" "$s/spool" "$s/tmp"
     mkdir -p "$s/state" "$s/log"
     start_munged "$s"
-    local socket="$s/munge/munge.socket" cpus k port
+    local cpus k
     cpus=$(nproc)
     # Tasks of jobs get the Open MPI settings that `run` gives mpirun (TCP on this subnet only,
     # yield when idle, session folders in DIR/tmp): a task prolog's "export NAME=value" lines go
@@ -287,45 +287,16 @@ cmd_slurm() {
         sed -n 's/^export \(OMPI_MCA_\(btl_tcp_if_include\|oob_tcp_if_include\|mpi_yield_when_idle\|orte_tmpdir_base\)=.*\)/echo "export \1"/p' "$dir/env"
     } > "$s/task-prolog"
     chmod +x "$s/task-prolog"
-    # Below the kernel's ephemeral range (32768 and up), where an outgoing connection could hold it.
-    port=$(( 10000 + $(printf '%s' "$dir" | cksum | cut -d' ' -f1) % 20000 ))
     {
-        cat <<CONF
-ClusterName=hpctraincluster
-SlurmctldHost=node1($NET.1)
-SlurmctldPort=$port
-SlurmdPort=$((port + 1))
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket=$socket
-SlurmUser=root
-SlurmdUser=root
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-TaskProlog=$s/task-prolog
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-ReturnToService=2
-StateSaveLocation=$s/state
-SlurmdSpoolDir=$s/spool/%n
-TmpFS=$s/tmp/%n
-SlurmctldPidFile=$s/slurmctld.pid
-SlurmdPidFile=$s/slurmd.%n.pid
-SlurmctldLogFile=$s/log/slurmctld.log
-SlurmdLogFile=$s/log/slurmd.%n.log
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-KillWait=30
-InactiveLimit=0
-MinJobAge=300
-CONF
+        echo "TaskProlog=$s/task-prolog"
+        echo "SlurmdSpoolDir=$s/spool/%n"
+        echo "TmpFS=$s/tmp/%n"
+        echo "SlurmdPidFile=$s/slurmd.%n.pid"
+        echo "SlurmdLogFile=$s/log/slurmd.%n.log"
         for k in $(seq "$NODES"); do
             echo "NodeName=node$k NodeAddr=$NET.$k NodeHostname=node$k CPUs=$cpus State=UNKNOWN"
         done
-        echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES"
-    } > "$s/slurm.conf"
+    } | write_slurm_conf "$s" hpctraincluster node1 "$NET.1"
     export SLURM_CONF="$s/slurm.conf"
     nsenter -t "$(holder_pid 1)" -n -u -- slurmctld -f "$SLURM_CONF" -i
     for k in $(seq "$NODES"); do

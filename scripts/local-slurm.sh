@@ -28,43 +28,13 @@ done
 dir=$(mkdir -p "$dir" && cd "$dir" && pwd)
 mkdir -p "$dir/state" "$dir/spool" "$dir/log"
 start_munged "$dir"
-socket="$dir/munge/munge.socket"
 
 host=$(hostname)
-cpus=$(nproc)
-# Ports of its own (derived from the folder) so that two test runs never meet.
-# Below the kernel's ephemeral range (32768 and up), where an outgoing connection could hold it.
-port=$(( 10000 + $(printf '%s' "$dir" | cksum | cut -d' ' -f1) % 20000 ))
-cat > "$dir/slurm.conf" <<CONF
-ClusterName=hpctraintest
-SlurmctldHost=$host(127.0.0.1)
-SlurmctldPort=$port
-SlurmdPort=$((port + 1))
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket=$socket
-SlurmUser=root
-SlurmdUser=root
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-ReturnToService=2
-StateSaveLocation=$dir/state
+write_slurm_conf "$dir" hpctraintest "$host" 127.0.0.1 <<CONF
 SlurmdSpoolDir=$dir/spool
-SlurmctldPidFile=$dir/slurmctld.pid
 SlurmdPidFile=$dir/slurmd.pid
-SlurmctldLogFile=$dir/log/slurmctld.log
 SlurmdLogFile=$dir/log/slurmd.log
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-JobCompType=jobcomp/none
-KillWait=30
-InactiveLimit=0
-MinJobAge=300
-NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+NodeName=$host NodeAddr=127.0.0.1 CPUs=$(nproc) State=UNKNOWN
 CONF
 export SLURM_CONF="$dir/slurm.conf"
 slurmctld -f "$SLURM_CONF" -i

@@ -62,3 +62,44 @@ start_munged() {
     munged --socket="$dir/munge/munge.socket" --key-file="$dir/munge/munge.key" --pid-file="$dir/munged.pid" \
         --log-file="$dir/log/munged.log" --seed-file="$dir/munge/munge.seed" --force
 }
+
+# write_slurm_conf DIR NAME HOST ADDR: writes DIR/slurm.conf for a test cluster called NAME
+# whose controller runs on HOST at ADDR, with the controller's state, log and PID file in DIR,
+# the munged of `start_munged DIR`, and ports of its own derived from DIR (so that two test
+# clusters never meet). The slurmd settings and node lines, which differ between one node and
+# many, come on stdin; one partition of all nodes follows them. Prints nothing.
+write_slurm_conf() {
+    local dir=$1 name=$2 host=$3 addr=$4 port
+    # Below the kernel's ephemeral range (32768 and up), where an outgoing connection could hold it.
+    port=$(( 10000 + $(printf '%s' "$dir" | cksum | cut -d' ' -f1) % 20000 ))
+    {
+        cat <<CONF
+ClusterName=$name
+SlurmctldHost=$host($addr)
+SlurmctldPort=$port
+SlurmdPort=$((port + 1))
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$dir/munge/munge.socket
+SlurmUser=root
+SlurmdUser=root
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+StateSaveLocation=$dir/state
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+KillWait=30
+InactiveLimit=0
+MinJobAge=300
+CONF
+        cat
+        echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES"
+    } > "$dir/slurm.conf"
+}
