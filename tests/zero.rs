@@ -81,6 +81,39 @@ fn every_stage_trains_to_the_weights_of_allreduce() {
     }
 }
 
+/// Issue 31, item 3: `auto` chooses each bucket's algorithm (the ring or recursive halving,
+/// whose shards differ) when ZeRO plans the shards, and keeps it. Here the cost model makes the
+/// node-shared ring the cheapest and recursive halving cheaper than the ring over MPI; the
+/// window's file system (a tmpfs of 8 KiB) has no room, so the ring falls back to MPI at its
+/// first bucket, after the plan was made. Choosing again per call sent that bucket to recursive
+/// halving along the ring's shards: weights 1e6 away, exit 0.
+#[test]
+fn auto_keeps_each_buckets_algorithm_when_the_ring_leaves_shared_memory() {
+    let dir = scratch("zero-auto-fallback");
+    let data = dataset(&dir);
+    let d = data.to_str().unwrap();
+    let reference = train_saving_weights(&dir, "allreduce-4", 4, &args(d, "6", &["--strategy", "allreduce", "--overlap", "off"]));
+    let model = dir.join("shared-ring-wins.json");
+    let dear = serde_json::json!({ "alpha_s": 1e-3, "beta_s_per_byte": 1e-9 });
+    let free = serde_json::json!({ "alpha_s": 0.0, "beta_s_per_byte": 0.0 });
+    std::fs::write(&model, serde_json::json!({ "intra": dear, "inter": dear, "shared": free, "gamma_s_per_byte": 1e-10 }).to_string()).unwrap();
+    let shm = dir.join("shm");
+    let shm_env = [("OMPI_MCA_osc_sm_backing_directory", shm.to_str().unwrap())];
+    let results = dir.join("results");
+    for zero in ["1", "2"] {
+        let out = dir.join(format!("auto-z{zero}.safetensors"));
+        let extra = [
+            "--strategy", "auto", "--zero", zero, "--overlap", "off", "--bucket-mb", "0.002", "--cost-model", model.to_str().unwrap(),
+            "--results", results.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
+        ];
+        let run = mpirun_with_tmpfs(4, &args(d, "6", &extra), &shm_env, &shm, "8k", std::time::Duration::from_secs(180));
+        assert!(run.ok(), "{}", run.all_output());
+        assert!(run.all_output().contains("the ring goes over MPI point-to-point instead"), "the fallback did not happen: {}", run.all_output());
+        let diff = max_relative_difference(&reference, &out);
+        assert!(diff < 1e-5, "auto with --zero {zero} after the ring's fallback differs from MPI_Allreduce by {diff:e}");
+    }
+}
+
 /// A checkpoint made with --zero 2 on 3 ranks resumes on 2 ranks with --zero 1, and on 5 ranks
 /// with --zero 0, and both end with the weights of an uninterrupted run.
 #[test]

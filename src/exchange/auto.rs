@@ -15,7 +15,7 @@ use crate::exchange::rhd::RhdAllreduce;
 use crate::exchange::ring::RingAllreduce;
 use crate::exchange::staging::Staging;
 use crate::exchange::element::Dtype;
-use crate::exchange::zero::ShardedCollectives;
+use crate::exchange::zero::{ShardAlgorithm, ShardedCollectives};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::topology::World;
 
@@ -49,44 +49,46 @@ impl Auto {
     }
 }
 
-impl Auto {
-    /// The algorithm for ZeRO's halves of a bucket of `len` elements: the model's choice, but
-    /// the ring where recursive halving would leave ranks without a shard (rank counts that are
-    /// not powers of two). Every rank computes the same from the same size and layout.
-    fn choose_sharded(&self, len: usize, dtype: Dtype) -> Algorithm {
+impl ShardedCollectives for Auto {
+    /// The model's choice for ZeRO's halves of a bucket of `len` elements, but the ring where
+    /// recursive halving would leave ranks without a shard (rank counts that are not powers of
+    /// two). Every rank computes the same from the same size and layout; ZeRO keeps the answer
+    /// for the bucket (the model's answer changes when the ring leaves shared memory).
+    fn choose(&self, len: usize, dtype: Dtype) -> ShardAlgorithm {
         if !crate::exchange::rhd::zero_shards_balance(self.layout.ranks) {
-            return Algorithm::Ring;
+            return ShardAlgorithm::Ring;
         }
         // Recursive doubling leaves every rank the whole sum, not a shard: not a candidate.
-        self.model.fastest(&[ring_algorithm(&self.ring), Algorithm::Rhd], self.layout, (len * dtype.size()) as f64)
-    }
-}
-
-impl ShardedCollectives for Auto {
-    fn shard(&self, len: usize, dtype: Dtype) -> Range<usize> {
-        match self.choose_sharded(len, dtype) {
-            Algorithm::Rhd => self.rhd.shard(len, dtype),
-            _ => self.ring.shard(len, dtype),
+        match self.model.fastest(&[ring_algorithm(&self.ring), Algorithm::Rhd], self.layout, (len * dtype.size()) as f64) {
+            Algorithm::Rhd => ShardAlgorithm::Rhd,
+            _ => ShardAlgorithm::Ring,
         }
     }
 
-    fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
-        match self.choose_sharded(buffer.numel(), dtype) {
-            Algorithm::Rhd => {
+    fn shard(&self, len: usize, algorithm: ShardAlgorithm) -> Range<usize> {
+        match algorithm {
+            ShardAlgorithm::Rhd => self.rhd.shard(len, algorithm),
+            ShardAlgorithm::Ring => self.ring.shard(len, algorithm),
+        }
+    }
+
+    fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp, algorithm: ShardAlgorithm) -> Result<()> {
+        match algorithm {
+            ShardAlgorithm::Rhd => {
                 self.chosen[1] += 1;
-                self.rhd.reduce_scatter(buffer, dtype, op)
+                self.rhd.reduce_scatter(buffer, dtype, op, algorithm)
             }
-            _ => {
+            ShardAlgorithm::Ring => {
                 self.chosen[0] += 1;
-                self.ring.reduce_scatter(buffer, dtype, op)
+                self.ring.reduce_scatter(buffer, dtype, op, algorithm)
             }
         }
     }
 
-    fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype) -> Result<()> {
-        match self.choose_sharded(buffer.numel(), dtype) {
-            Algorithm::Rhd => self.rhd.all_gather(buffer, dtype),
-            _ => self.ring.all_gather(buffer, dtype),
+    fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype, algorithm: ShardAlgorithm) -> Result<()> {
+        match algorithm {
+            ShardAlgorithm::Rhd => self.rhd.all_gather(buffer, dtype, algorithm),
+            ShardAlgorithm::Ring => self.ring.all_gather(buffer, dtype, algorithm),
         }
     }
 }

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::element::{accumulate, Dtype, Element};
 use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
-use crate::exchange::zero::{Phases, ShardedCollectives};
+use crate::exchange::zero::{expect_algorithm, Phases, ShardAlgorithm, ShardedCollectives};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::raw;
 use crate::topology::{ShardInfo, World};
@@ -457,15 +457,21 @@ impl Exchange for RhdAllreduce {
 /// ZeRO's halves: shards are balanced only among a power of two of ranks (otherwise the ranks
 /// that sit out would own nothing), which `zero_shards_balance` tells.
 impl ShardedCollectives for RhdAllreduce {
-    fn shard(&self, len: usize, _dtype: Dtype) -> Range<usize> {
+    fn choose(&self, _len: usize, _dtype: Dtype) -> ShardAlgorithm {
+        ShardAlgorithm::Rhd
+    }
+
+    fn shard(&self, len: usize, _algorithm: ShardAlgorithm) -> Range<usize> {
         RhdSchedule::new(len, self.halving.n, self.halving.rank).owned
     }
 
-    fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+    fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp, algorithm: ShardAlgorithm) -> Result<()> {
+        expect_algorithm("rhd", ShardAlgorithm::Rhd, algorithm)?;
         self.halving.run_phases(buffer, dtype, op, Phases::REDUCE_SCATTER)
     }
 
-    fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype) -> Result<()> {
+    fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype, algorithm: ShardAlgorithm) -> Result<()> {
+        expect_algorithm("rhd", ShardAlgorithm::Rhd, algorithm)?;
         self.halving.run_phases(buffer, dtype, ReduceOp::Sum, Phases::ALL_GATHER)
     }
 }

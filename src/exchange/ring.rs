@@ -28,7 +28,7 @@ use crate::exchange::element::{accumulate, accumulate_scaled, Dtype, Element};
 use mpi::Tag;
 use crate::exchange::shared_ring::{Room, SharedRing};
 use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
-use crate::exchange::zero::{Phases, ShardedCollectives};
+use crate::exchange::zero::{expect_algorithm, Phases, ShardAlgorithm, ShardedCollectives};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, RingTransport, Role};
 use crate::raw;
 use crate::topology::{ShardInfo, World};
@@ -442,15 +442,21 @@ impl Exchange for RingAllreduce {
 }
 
 impl ShardedCollectives for RingAllreduce {
-    fn shard(&self, len: usize, _dtype: Dtype) -> Range<usize> {
+    fn choose(&self, _len: usize, _dtype: Dtype) -> ShardAlgorithm {
+        ShardAlgorithm::Ring
+    }
+
+    fn shard(&self, len: usize, _algorithm: ShardAlgorithm) -> Range<usize> {
         RingSchedule::new(len, self.ring.n, self.ring.pos).reduced_chunk()
     }
 
-    fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()> {
+    fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp, algorithm: ShardAlgorithm) -> Result<()> {
+        expect_algorithm("ring", ShardAlgorithm::Ring, algorithm)?;
         self.ring.run_phases(buffer, dtype, op, Phases::REDUCE_SCATTER)
     }
 
-    fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype) -> Result<()> {
+    fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype, algorithm: ShardAlgorithm) -> Result<()> {
+        expect_algorithm("ring", ShardAlgorithm::Ring, algorithm)?;
         self.ring.run_phases(buffer, dtype, ReduceOp::Sum, Phases::ALL_GATHER)
     }
 }

@@ -35,18 +35,44 @@ use crate::exchange::{common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp
 use crate::optim::{self, Sgd};
 use crate::raw;
 
+/// The algorithm whose reduce-scatter and all-gather run a bucket: each leaves the ranks
+/// different shards of it, so a bucket keeps one for as long as its shards are in use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShardAlgorithm {
+    Ring,
+    Rhd,
+}
+
 /// The halves of an all-reduce, for strategies that can run them apart. Buffers are flat and
 /// where MPI can read them: host memory, or device memory with a CUDA-aware MPI.
+///
+/// The algorithm of a bucket is chosen once, when ZeRO plans its shards ([`ZeroExchange::use_plan`]),
+/// and passed back on every call for that bucket: a strategy whose choice can change during a
+/// run (`auto` follows the ring out of node-shared memory when /dev/shm is short) must not
+/// reduce-scatter a bucket along one algorithm's shards while ZeRO steps another's.
 pub trait ShardedCollectives: Exchange {
-    /// The range of a `len`-element buffer that this rank holds reduced after
-    /// [`ShardedCollectives::reduce_scatter`], and brings to [`ShardedCollectives::all_gather`].
-    fn shard(&self, len: usize, dtype: Dtype) -> Range<usize>;
+    /// The algorithm for a bucket of `len` elements of `dtype`, as things stand now.
+    fn choose(&self, len: usize, dtype: Dtype) -> ShardAlgorithm;
 
-    /// Afterwards `buffer[shard(len)]` holds the reduction over the ranks; the rest is scratch.
-    fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp) -> Result<()>;
+    /// The range of a `len`-element buffer that this rank holds reduced after `algorithm`'s
+    /// [`ShardedCollectives::reduce_scatter`], and brings to its [`ShardedCollectives::all_gather`].
+    fn shard(&self, len: usize, algorithm: ShardAlgorithm) -> Range<usize>;
+
+    /// Afterwards `buffer[shard(len, algorithm)]` holds the reduction over the ranks; the rest
+    /// is scratch.
+    fn reduce_scatter(&mut self, buffer: &mut Tensor, dtype: Dtype, op: ReduceOp, algorithm: ShardAlgorithm) -> Result<()>;
 
     /// Fills every rank's shard of `buffer` from its owner (this rank's shard is read).
-    fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype) -> Result<()>;
+    fn all_gather(&mut self, buffer: &mut Tensor, dtype: Dtype, algorithm: ShardAlgorithm) -> Result<()>;
+}
+
+/// For a strategy that runs one algorithm only: an error when asked for another (a plan made
+/// by a different strategy).
+pub fn expect_algorithm(strategy: &'static str, own: ShardAlgorithm, asked: ShardAlgorithm) -> Result<()> {
+    if own != asked {
+        return Err(Error::exchange(strategy, format!("asked to run a bucket planned for {asked:?} with {own:?}")));
+    }
+    Ok(())
 }
 
 /// Which halves of an all-reduce to run.
@@ -88,6 +114,8 @@ fn pieces(bucket: &Bucket, range: &Range<usize>) -> Vec<Piece> {
 /// The shards of one bucket plan, and the tensors the optimizer steps: one per piece.
 struct Layout {
     plan: BucketPlan,
+    /// The algorithm of each bucket, fixed with its shards.
+    algorithms: Vec<ShardAlgorithm>,
     /// This rank's range of each bucket.
     shards: Vec<Range<usize>>,
     pieces: Vec<Piece>,
@@ -139,7 +167,8 @@ impl ZeroExchange {
             self.buffer = Some(Tensor::f_zeros([largest as i64], (kind, buffer_device))?);
         }
         let buffer = self.buffer.as_ref().expect("made above");
-        let shards: Vec<Range<usize>> = plan.buckets.iter().map(|b| self.inner.shard(b.len, dtype)).collect();
+        let algorithms: Vec<ShardAlgorithm> = plan.buckets.iter().map(|b| self.inner.choose(b.len, dtype)).collect();
+        let shards: Vec<Range<usize>> = plan.buckets.iter().zip(&algorithms).map(|(b, &a)| self.inner.shard(b.len, a)).collect();
         let largest_shard = shards.iter().map(|r| r.len()).max().unwrap_or(0);
         let shard_copy = (buffer_device != device).then(|| Tensor::f_zeros([largest_shard as i64], (kind, device))).transpose()?;
         let (mut all, mut pieces_of) = (Vec::new(), Vec::new());
@@ -171,7 +200,7 @@ impl ZeroExchange {
             None => Vec::new(),
         };
         sgd.restore(momentum, sgd.steps());
-        self.layout = Some(Layout { plan: plan.clone(), shards, pieces: all, pieces_of, weights, grads, shard_copy });
+        self.layout = Some(Layout { plan: plan.clone(), algorithms, shards, pieces: all, pieces_of, weights, grads, shard_copy });
         Ok(())
     }
 
@@ -202,7 +231,7 @@ impl ZeroExchange {
         }
         ready_for_mpi(&buffer)?;
         let dtype = common_dtype(std::slice::from_ref(&buffer))?;
-        self.inner.reduce_scatter(&mut buffer, dtype, ReduceOp::Mean)?;
+        self.inner.reduce_scatter(&mut buffer, dtype, ReduceOp::Mean, layout.algorithms[b])?;
         if let Some(copy) = &layout.shard_copy {
             tch::no_grad(|| copy.narrow(0, 0, shard.len() as i64).f_copy_(&narrow(&buffer, shard)))?;
         }
@@ -230,7 +259,7 @@ impl ZeroExchange {
         })?;
         ready_for_mpi(&buffer)?;
         let dtype = common_dtype(std::slice::from_ref(&buffer))?;
-        self.inner.all_gather(&mut buffer, dtype)?;
+        self.inner.all_gather(&mut buffer, dtype, layout.algorithms[b])?;
         tch::no_grad(|| unpack(bucket, &buffer, params));
         Ok(())
     }
@@ -254,7 +283,7 @@ impl ZeroExchange {
             })?;
             ready_for_mpi(&buffer)?;
             let dtype = common_dtype(std::slice::from_ref(&buffer))?;
-            self.inner.all_gather(&mut buffer, dtype)?;
+            self.inner.all_gather(&mut buffer, dtype, layout.algorithms[b])?;
             tch::no_grad(|| unpack(bucket, &buffer, &mut whole));
         }
         Ok(whole)
