@@ -174,8 +174,21 @@ fn loaded_library_dir(file_name: &str) -> Option<String> {
         .and_then(|path| path.rsplit_once('/').map(|(dir, _)| dir.to_string()))
 }
 
-/// Peak resident memory of this process, in MiB.
+/// Peak resident memory of this process, in MiB: the kernel's high-water mark, or the resident
+/// memory now where that is higher. Linux updates `ru_maxrss` from per-thread counters that it
+/// folds in lazily, so right after a growth it can read below the current RSS that
+/// /proc/self/statm gives (seen in results/zero: "peak" below "RSS at end").
 pub fn peak_rss_mb() -> f64 {
+    let now = current_rss_mb(); // also raises the highest seen
+    max_rss_mb().max(now).max(f64::from_bits(HIGHEST_RSS_SEEN.load(std::sync::atomic::Ordering::Relaxed)))
+}
+
+/// The highest value [`current_rss_mb`] has returned, as f64 bits (non-negative floats order
+/// like their bits), so that the peak is never below a figure recorded earlier in the run.
+static HIGHEST_RSS_SEEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// `ru_maxrss` of this process, in MiB (0 when getrusage fails).
+fn max_rss_mb() -> f64 {
     let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
     // SAFETY: getrusage writes a complete rusage into the pointer it is given; the struct was
     // zero-initialised, so it is fully initialised even if the call failed (checked).
@@ -216,7 +229,9 @@ pub fn current_rss_mb() -> f64 {
     let pages: f64 = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0.0);
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as f64;
-    pages * page / (1024.0 * 1024.0)
+    let mb = pages * page / (1024.0 * 1024.0);
+    HIGHEST_RSS_SEEN.fetch_max(mb.to_bits(), std::sync::atomic::Ordering::Relaxed);
+    mb
 }
 
 /// A communicator that moves to a communication thread, which then makes all the calls on it.
@@ -732,6 +747,9 @@ extern "C" {
     fn hpc_set_allow_tf32(allow: bool);
     fn hpc_set_cuda_autocast_dtype(which: c_int, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_cuda_autocast_enter() -> bool;
+    fn hpc_cuda_autocast_exit(was_enabled: bool);
+    fn hpc_pin_memory(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
     fn hpc_param_to_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_release_grad(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
     #[allow(clippy::too_many_arguments)]
@@ -764,6 +782,40 @@ pub fn set_cuda_autocast_bf16(bf16: bool) -> Result<()> {
         return Err(Error::usage(format!("setting the autocast type: {}", shim_error(&err))));
     }
     Ok(())
+}
+
+/// Runs `f` with CUDA autocast on (the type set by [`set_cuda_autocast_bf16`]), through
+/// libtorch's device-type API: tch's `autocast` calls the deprecated one, which warns on every
+/// call. Call it only where a precision asks for autocast.
+pub fn with_cuda_autocast<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: flips libtorch's thread-local autocast state; no pointers involved.
+    let was = unsafe { hpc_cuda_autocast_enter() };
+    // Left on every path, a panic included, so that no later code runs under autocast.
+    struct Exit(bool);
+    impl Drop for Exit {
+        fn drop(&mut self) {
+            // SAFETY: as above; pairs with the enter call.
+            unsafe { hpc_cuda_autocast_exit(self.0) }
+        }
+    }
+    let _exit = Exit(was);
+    f()
+}
+
+/// A pinned (page-locked) copy of a host tensor, from which copies to a GPU run without
+/// blocking. `Tensor.pin_memory()` without a device: tch passes one, which libtorch 2.x
+/// deprecates with a warning per call.
+pub fn pin_memory(t: &Tensor) -> Result<Tensor> {
+    let mut err = [0 as c_char; 256];
+    let mut handle = t.shallow_clone();
+    // SAFETY: the pointer is tch's at::Tensor, alive during the call; the shim returns a new
+    // heap at::Tensor (or null), whose ownership passes to the tch Tensor made from it.
+    let out = unsafe { hpc_pin_memory(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
+    if out.is_null() {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    // SAFETY: a fresh at::Tensor* from the shim, owned by nobody else.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
 }
 
 /// A copy of a 4-d tensor in channels-last (NHWC) memory order.
@@ -1155,5 +1207,25 @@ impl SharedWindow {
             mpi::ffi::MPI_Win_unlock_all(self.win);
             mpi::ffi::MPI_Win_free(&mut self.win);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The peak is never below a resident-memory figure read earlier, nor below the one now
+    /// (issue 31: results/zero showed a "peak" below "RSS at end").
+    #[test]
+    fn the_peak_is_at_least_every_resident_figure() {
+        let before = current_rss_mb();
+        let mut block = vec![0u8; 96 << 20];
+        // Touch every page so that it becomes resident.
+        block.iter_mut().step_by(4096).for_each(|b| *b = 1);
+        let during = current_rss_mb();
+        assert!(during > before + 64.0, "96 MiB touched: {before:.1} -> {during:.1} MiB");
+        drop(std::hint::black_box(block));
+        let peak = peak_rss_mb();
+        assert!(peak >= during && peak >= current_rss_mb(), "peak {peak:.1} < a figure read before ({during:.1})");
     }
 }

@@ -121,4 +121,7 @@ fn memory_stays_flat_over_a_long_run() {
     assert!(warm > 0.0);
     // 1400 steps after warm-up: any per-step leak of even a few KiB would show.
     assert!(end - warm < 8.0, "resident memory grew from {warm:.1} MiB to {end:.1} MiB");
+    // The peak is a peak: never below a resident figure of the same run (issue 31, item 9).
+    let peak = run["peak_rss_mb"].as_f64().unwrap();
+    assert!(peak >= warm && peak >= end, "peak_rss_mb {peak:.1} below warm-up {warm:.1} or end {end:.1}");
 }
