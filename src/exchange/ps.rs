@@ -310,7 +310,7 @@ impl ParameterServer {
         let make = |len: usize| -> Result<Tensor> {
             let t = match self.path {
                 DataPath::Direct => Tensor::f_zeros([len as i64], (kind, device))?,
-                DataPath::Staged if device.is_cuda() => Tensor::f_zeros([len as i64], (kind, Device::Cpu))?.f_pin_memory(device)?,
+                DataPath::Staged if device.is_cuda() => raw::pin_memory(&Tensor::f_zeros([len as i64], (kind, Device::Cpu))?)?,
                 DataPath::Staged => Tensor::f_zeros([len as i64], (kind, Device::Cpu))?,
                 DataPath::Host => Tensor::f_zeros([len as i64], (kind, Device::Cpu))?,
             };

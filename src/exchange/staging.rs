@@ -70,12 +70,12 @@ impl Staging {
             return Ok(());
         }
         self.buffers = (0..2)
-            .map(|_| {
+            .map(|_| -> Result<Tensor> {
                 let host = Tensor::f_zeros([len as i64], (kind, Device::Cpu))?;
                 // Pinned memory is what lets a device-to-host copy run without blocking.
-                if device.is_cuda() { host.f_pin_memory(device) } else { Ok(host) }
+                if device.is_cuda() { raw::pin_memory(&host) } else { Ok(host) }
             })
-            .collect::<std::result::Result<_, _>>()?;
+            .collect::<Result<_>>()?;
         self.capacity = len;
         self.layout = Some((kind, device));
         Ok(())

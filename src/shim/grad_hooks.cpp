@@ -174,6 +174,35 @@ int hpc_set_cuda_autocast_dtype(int which, char *error, size_t error_length) {
   }
 }
 
+// CUDA autocast on (entering a region) through the device-type API: at::autocast::set_enabled,
+// which tch calls, is deprecated and warns on every call. Returns whether it was on before.
+bool hpc_cuda_autocast_enter() {
+  bool was = at::autocast::is_autocast_enabled(at::kCUDA);
+  at::autocast::set_autocast_enabled(at::kCUDA, true);
+  at::autocast::increment_nesting();
+  return was;
+}
+
+// Leaving an autocast region: the cast cache is cleared when the outermost region ends, as
+// torch.autocast's __exit__ does, and the previous setting comes back.
+void hpc_cuda_autocast_exit(bool was_enabled) {
+  if (at::autocast::decrement_nesting() == 0) {
+    at::autocast::clear_cache();
+  }
+  at::autocast::set_autocast_enabled(at::kCUDA, was_enabled);
+}
+
+// A pinned copy of a host tensor: Tensor.pin_memory() without the device argument, which is
+// deprecated (tch always passes one, and libtorch warns each time). Null on error.
+void *hpc_pin_memory(void *tensor, char *error, size_t error_length) {
+  try {
+    return new at::Tensor(static_cast<at::Tensor *>(tensor)->pin_memory());
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return nullptr;
+  }
+}
+
 // A new tensor with `tensor`'s values in channels-last (NHWC) memory order; null on error.
 void *hpc_channels_last(void *tensor, char *error, size_t error_length) {
   try {

@@ -126,11 +126,16 @@ impl Run<'_> {
     fn forward(&self, norm: &Normalizer, batch: &Batch) -> Result<Tensor> {
         let x = norm.images(&batch.images, batch.labels.len())?;
         let y = norm.labels(&batch.labels)?;
-        let autocast = matches!(self.args.precision, Precision::Bf16 | Precision::Fp16);
-        tch::autocast(autocast, || -> Result<Tensor> {
+        let loss = || -> Result<Tensor> {
             let logits = self.net.model.forward_t(&x, true);
             Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_to_kind(Kind::Float)?)
-        })
+        };
+        // Autocast only where the precision asks for it (bf16 and fp16 run on CUDA only: see
+        // Plan::resolve); fp32 and tf32 steps make no autocast call at all.
+        match self.args.precision {
+            Precision::Bf16 | Precision::Fp16 => crate::raw::with_cuda_autocast(loss),
+            Precision::Fp32 | Precision::Tf32 => loss(),
+        }
     }
 
     /// Backward overlapped with the exchange and the optimizer bucket by bucket, or backward
