@@ -384,9 +384,14 @@ impl Net {
             width: info.meta.width as i64,
             classes: info.meta.classes as i64,
         };
-        tch::manual_seed(args.seed as i64); // the same initial weights on every rank
-        let vs = nn::VarStore::new(device);
+        // The same initial weights on every rank and every device: initialised on the CPU from
+        // the seed, then moved. CUDA's random stream differs from the CPU's, so weights drawn on
+        // the GPU would differ from a CPU run's with the same seed. Moving keeps each variable's
+        // identity (set_data), so the model's layers see the moved tensors.
+        tch::manual_seed(args.seed as i64);
+        let mut vs = nn::VarStore::new(Device::Cpu);
         let model = model::build(args.model, &vs.root(), spec);
+        vs.set_device(device);
         model::check_forward(&model, spec, device)?;
         let params = vs.trainable_variables();
         let param_addrs: Vec<usize> = params.iter().map(raw::data_address).collect();
@@ -487,7 +492,7 @@ impl Normalizer {
         // To a GPU through pinned memory, without waiting for the copy (the stream orders it
         // before the kernels that read it); the bytes travel as uint8, a quarter of the floats.
         let x = if self.device.is_cuda() {
-            host.f_pin_memory(self.device)?.f_to_device_(self.device, Kind::Uint8, true, false)?
+            raw::pin_memory(&host)?.f_to_device_(self.device, Kind::Uint8, true, false)?
         } else {
             host
         };
