@@ -258,17 +258,13 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
     let strategies = world.agree(crate::study::parse_strategies(&args.strategies))?;
     let elem = args.dtype.size();
     let counts = world.agree(sweep_counts(args, elem))?;
-    let device = world.agree(match args.device {
-        BenchDevice::Cpu => Ok(Device::Cpu),
-        BenchDevice::Cuda => {
-            let _ = raw::load_torch_cuda();
-            if tch::Cuda::is_available() {
-                Ok(Device::Cuda(world.local_rank as usize % tch::Cuda::device_count() as usize))
-            } else {
-                Err(Error::usage(format!("--device cuda: CUDA is not available on {}", raw::hostname())))
-            }
-        }
-    })?;
+    // The node's ranks may share a GPU here (the bench measures the exchange, and tests run
+    // several ranks on one GPU); each takes the GPU that training would give it.
+    let choice = match args.device {
+        BenchDevice::Cpu => crate::cli::DeviceChoice::Cpu,
+        BenchDevice::Cuda => crate::cli::DeviceChoice::Cuda,
+    };
+    let device = world.agree(crate::train::choose_device(choice, true, world))?;
     world.agree(crate::train::make_current(device))?;
     crate::watchdog::start(world.rank, world.agree(crate::train::watchdog_timeout(args.exchange_timeout_s))?);
     world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;

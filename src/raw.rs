@@ -165,6 +165,67 @@ pub fn load_torch_cuda() -> std::result::Result<String, String> {
     Ok(path)
 }
 
+/// The identity of each GPU this process sees, in CUDA's index order (the order
+/// `CUDA_VISIBLE_DEVICES` and `CUDA_DEVICE_ORDER` give): its UUID from the CUDA driver, written
+/// as nvidia-smi writes it. MIG instances have UUIDs of their own (`cuDeviceGetUuid_v2`), so two
+/// ranks on two instances of one GPU do not count as sharing it. Call after libtorch has seen
+/// CUDA (its device count initialises the driver, which loads libcuda.so.1).
+pub fn cuda_device_uuids(count: usize) -> std::result::Result<Vec<String>, String> {
+    type CuInit = unsafe extern "C" fn(flags: u32) -> c_int;
+    type CuDeviceGet = unsafe extern "C" fn(device: *mut c_int, ordinal: c_int) -> c_int;
+    type CuDeviceGetUuid = unsafe extern "C" fn(uuid: *mut [u8; 16], device: c_int) -> c_int;
+    let library = CString::new("libcuda.so.1").expect("no NUL in the name");
+    // SAFETY: dlopen with a valid NUL-terminated name; the driver library stays loaded for the
+    // process (CUDA itself keeps it), and the handle is intentionally never closed.
+    let handle = unsafe { libc::dlopen(library.as_ptr(), libc::RTLD_NOW) };
+    if handle.is_null() {
+        return Err("the CUDA driver (libcuda.so.1) cannot be loaded".into());
+    }
+    let symbol = |name: &str| -> Option<*mut c_void> {
+        let c_name = CString::new(name).expect("no NUL in the name");
+        // SAFETY: a live handle and a NUL-terminated name; a null result is checked by callers.
+        let sym = unsafe { libc::dlsym(handle, c_name.as_ptr()) };
+        (!sym.is_null()).then_some(sym)
+    };
+    let (Some(init), Some(get), Some(get_uuid)) =
+        (symbol("cuInit"), symbol("cuDeviceGet"), symbol("cuDeviceGetUuid_v2").or_else(|| symbol("cuDeviceGetUuid")))
+    else {
+        return Err("the CUDA driver lacks cuInit, cuDeviceGet or cuDeviceGetUuid".into());
+    };
+    // SAFETY: these are the CUDA driver API's entry points, with the signatures its cuda.h
+    // declares (CUresult is an int enum, CUdevice an int, CUuuid 16 bytes); each is called with
+    // valid out-pointers, and cuInit(0) may be called any number of times.
+    unsafe {
+        let (init, get, get_uuid): (CuInit, CuDeviceGet, CuDeviceGetUuid) =
+            (std::mem::transmute(init), std::mem::transmute(get), std::mem::transmute(get_uuid));
+        let rc = init(0);
+        if rc != 0 {
+            return Err(format!("cuInit returned {rc}"));
+        }
+        (0..count)
+            .map(|ordinal| {
+                let mut device: c_int = 0;
+                let rc = get(&mut device, ordinal as c_int);
+                if rc != 0 {
+                    return Err(format!("cuDeviceGet({ordinal}) returned {rc}"));
+                }
+                let mut uuid = [0u8; 16];
+                let rc = get_uuid(&mut uuid, device);
+                if rc != 0 {
+                    return Err(format!("cuDeviceGetUuid({ordinal}) returned {rc}"));
+                }
+                Ok(format_gpu_uuid(&uuid))
+            })
+            .collect()
+    }
+}
+
+/// A GPU UUID as nvidia-smi writes it: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.
+fn format_gpu_uuid(bytes: &[u8; 16]) -> String {
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("GPU-{}-{}-{}-{}-{}", &hex[0..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..32])
+}
+
 /// The folder of a shared library already mapped into this process, from /proc/self/maps.
 fn loaded_library_dir(file_name: &str) -> Option<String> {
     let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
@@ -1213,6 +1274,12 @@ impl SharedWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpu_uuids_are_written_as_nvidia_smi_writes_them() {
+        let bytes: [u8; 16] = [0x3f, 0x1a, 0x00, 0x9b, 0x12, 0x34, 0xab, 0xcd, 0x00, 0x01, 0xfe, 0xdc, 0xba, 0x98, 0x76, 0x54];
+        assert_eq!(format_gpu_uuid(&bytes), "GPU-3f1a009b-1234-abcd-0001-fedcba987654");
+    }
 
     /// The peak is never below a resident-memory figure read earlier, nor below the one now
     /// (issue 31: results/zero showed a "peak" below "RSS at end").

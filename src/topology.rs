@@ -134,6 +134,53 @@ pub fn ring_order(node_of: &[i32]) -> Vec<i32> {
     order
 }
 
+/// The GPU a rank of a node takes: an index into the GPUs that rank sees (what it passes to
+/// CUDA), and the node's other ranks that took the same physical GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuChoice {
+    pub index: usize,
+    /// The GPU's identity (UUID), as the rank sees it.
+    pub id: String,
+    /// Node-local ranks that took the same GPU, this one excluded.
+    pub shared_with: Vec<usize>,
+}
+
+/// Which GPU each rank of one node takes, from every node-local rank's list of the GPUs it sees
+/// (their identities in CUDA's index order; empty for a rank that trains on the CPU).
+///
+/// Sharing is decided by identity, not by counting: under `srun --gpus-per-task=1` (Slurm's
+/// per-task binding) or a per-rank `CUDA_VISIBLE_DEVICES`, every rank sees one GPU, its own, as
+/// index 0, so four ranks see one GPU each and share nothing. Ranks take GPUs in local-rank
+/// order; each starts looking at its local rank modulo its GPUs (with every rank seeing every
+/// GPU, rank r takes GPU r as before) and takes the first that no lower rank has. A rank that
+/// finds every one of its GPUs taken shares the one it started at.
+pub fn assign_gpus(visible: &[Vec<String>]) -> Vec<Option<GpuChoice>> {
+    let mut holders: std::collections::HashMap<&str, Vec<usize>> = std::collections::HashMap::new();
+    let mut picks: Vec<Option<(usize, &str)>> = Vec::with_capacity(visible.len());
+    for (rank, gpus) in visible.iter().enumerate() {
+        if gpus.is_empty() {
+            picks.push(None);
+            continue;
+        }
+        let start = rank % gpus.len();
+        let free = (0..gpus.len()).map(|k| (start + k) % gpus.len()).find(|&i| !holders.contains_key(gpus[i].as_str()));
+        let index = free.unwrap_or(start);
+        holders.entry(gpus[index].as_str()).or_default().push(rank);
+        picks.push(Some((index, gpus[index].as_str())));
+    }
+    picks
+        .iter()
+        .enumerate()
+        .map(|(rank, pick)| {
+            pick.map(|(index, id)| GpuChoice {
+                index,
+                id: id.to_string(),
+                shared_with: holders[id].iter().copied().filter(|&r| r != rank).collect(),
+            })
+        })
+        .collect()
+}
+
 /// One part of a count split into near-equal parts: the first `total % parts` parts hold one more.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShardInfo {
@@ -197,6 +244,51 @@ mod tests {
             .filter(|&i| node_of[order[i] as usize] != node_of[order[(i + 1) % order.len()] as usize])
             .count();
         assert_eq!(crossings, 2);
+    }
+
+    fn gpus(lists: &[&[&str]]) -> Vec<Vec<String>> {
+        lists.iter().map(|l| l.iter().map(|s| s.to_string()).collect()).collect()
+    }
+
+    fn indices_and_sharing(choices: &[Option<GpuChoice>]) -> Vec<Option<(usize, bool)>> {
+        choices.iter().map(|c| c.as_ref().map(|c| (c.index, !c.shared_with.is_empty()))).collect()
+    }
+
+    #[test]
+    fn every_rank_seeing_every_gpu_takes_its_local_rank() {
+        let all = ["A", "B", "C", "D"];
+        let choices = assign_gpus(&gpus(&[&all, &all, &all, &all]));
+        assert_eq!(indices_and_sharing(&choices), vec![Some((0, false)), Some((1, false)), Some((2, false)), Some((3, false))]);
+    }
+
+    #[test]
+    fn ranks_bound_to_one_gpu_each_share_nothing() {
+        // srun --gpus-per-task=1: each rank sees its own GPU as index 0 (issue 31, item 1).
+        let choices = assign_gpus(&gpus(&[&["A"], &["B"], &["C"], &["D"]]));
+        assert_eq!(indices_and_sharing(&choices), vec![Some((0, false)); 4]);
+        // Two GPUs per task: ranks 0 and 1 see A and B, ranks 2 and 3 see C and D.
+        let choices = assign_gpus(&gpus(&[&["A", "B"], &["A", "B"], &["C", "D"], &["C", "D"]]));
+        let ids: Vec<&str> = choices.iter().map(|c| c.as_ref().unwrap().id.as_str()).collect();
+        assert_eq!(ids, vec!["A", "B", "C", "D"]);
+        assert!(choices.iter().all(|c| c.as_ref().unwrap().shared_with.is_empty()));
+    }
+
+    #[test]
+    fn more_ranks_than_gpus_share_and_say_with_whom() {
+        let all = ["A", "B"];
+        let choices = assign_gpus(&gpus(&[&all, &all, &all]));
+        assert_eq!(indices_and_sharing(&choices), vec![Some((0, true)), Some((1, false)), Some((0, true))]);
+        assert_eq!(choices[0].as_ref().unwrap().shared_with, vec![2]);
+        assert_eq!(choices[2].as_ref().unwrap().shared_with, vec![0]);
+        // Every rank masked to the same GPU (CUDA_VISIBLE_DEVICES=0 for all): all share it.
+        let choices = assign_gpus(&gpus(&[&["A"], &["A"]]));
+        assert_eq!(indices_and_sharing(&choices), vec![Some((0, true)), Some((0, true))]);
+    }
+
+    #[test]
+    fn cpu_ranks_take_no_gpu() {
+        let choices = assign_gpus(&gpus(&[&[], &["A"], &[]]));
+        assert_eq!(indices_and_sharing(&choices), vec![None, Some((0, false)), None]);
     }
 
     #[test]

@@ -91,3 +91,50 @@ fn staged_copies_current_device_and_sixteen_bit_sums_on_the_gpu() {
         }
     }
 }
+
+/// Issue 31, item 1: whether ranks share a GPU is decided by the GPUs' identities, not by
+/// counting: under `srun --gpus-per-task=1` (or a per-rank CUDA_VISIBLE_DEVICES) each rank sees
+/// one GPU, its own, and must start without --allow-gpu-sharing; ranks that would really share
+/// one are refused once, by name. The GPUs are simulated (HPC_TRAIN_SIMULATE_GPUS: the node's
+/// GPU identities, masked by each rank's CUDA_VISIBLE_DEVICES as CUDA does; training then runs
+/// on the CPU), so this runs on every machine.
+#[test]
+fn gpu_sharing_is_decided_by_the_gpus_identities() {
+    let dir = scratch("gpu-identity");
+    let data = synth(&dir, "gpu-identity", 64, 0, "1x8x8", 2);
+    let (d, r) = (data.to_str().unwrap(), dir.to_str().unwrap());
+    let per_rank = dir.join("one-gpu-per-rank.sh");
+    std::fs::write(&per_rank, "#!/bin/sh\n# As srun --gpus-per-task=1 leaves a rank: its own GPU, seen as index 0.\nexport CUDA_VISIBLE_DEVICES=\"$OMPI_COMM_WORLD_LOCAL_RANK\"\nexec \"$@\"\n").unwrap();
+    std::fs::set_permissions(&per_rank, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let plain = dir.join("as-launched.sh");
+    std::fs::write(&plain, "#!/bin/sh\nexec \"$@\"\n").unwrap();
+    std::fs::set_permissions(&plain, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let four = "GPU-a,GPU-b,GPU-c,GPU-d";
+    let train = |wrapper: &Path, ranks: usize, gpus: &str, extra: &[&str], env: &[(&str, &str)]| {
+        let mut args = vec!["--model", "tiny", "--data", d, "--batch-size", "4", "--steps", "1", "--no-eval", "--results", r];
+        args.extend(extra);
+        let mut all_env = vec![("HPC_TRAIN_SIMULATE_GPUS", gpus)];
+        all_env.extend(env);
+        mpirun_wrapped(ranks, wrapper, &args, &all_env, std::time::Duration::from_secs(120))
+    };
+    let refusal = "would share GPU";
+    // One GPU per rank through the mask: 4 ranks, 4 GPUs, each rank sees one.
+    let run = train(&per_rank, 4, four, &[], &[]);
+    assert!(run.ok(), "ranks bound to one GPU each were refused:\n{}", run.all_output());
+    // Every rank sees every GPU: each takes its own.
+    let run = train(&plain, 4, four, &[], &[]);
+    assert!(run.ok(), "{}", run.all_output());
+    // 4 ranks for 2 GPUs: refused once, naming the GPU and the flag; accepted with the flag.
+    let run = train(&plain, 4, "GPU-a,GPU-b", &[], &[]);
+    assert!(!run.ok() && !run.timed_out, "{}", run.all_output());
+    assert_eq!(run.all_output().matches(refusal).count(), 1, "{}", run.all_output());
+    assert!(run.all_output().contains("--allow-gpu-sharing"), "{}", run.all_output());
+    let run = train(&plain, 4, "GPU-a,GPU-b", &["--allow-gpu-sharing"], &[]);
+    assert!(run.ok(), "{}", run.all_output());
+    // Every rank masked to the same GPU: they would share it.
+    let run = train(&plain, 2, four, &[], &[("CUDA_VISIBLE_DEVICES", "2")]);
+    assert!(!run.ok() && run.all_output().contains("would share GPU GPU-c"), "{}", run.all_output());
+    // --device cpu asks nothing of the GPUs.
+    let run = train(&plain, 4, "GPU-a", &["--device", "cpu"], &[]);
+    assert!(run.ok(), "{}", run.all_output());
+}

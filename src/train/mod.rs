@@ -26,7 +26,7 @@ use crate::results::RunRecord;
 use crate::topology::World;
 
 pub use record::mpi_library;
-pub use setup::{make_current, watchdog_timeout};
+pub use setup::{choose_device, make_current, watchdog_timeout};
 
 use record::{LossWindow, Timings};
 use setup::{Net, Plan, StopSignal};

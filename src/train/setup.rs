@@ -22,7 +22,7 @@ use crate::optim::{self, Sgd, SgdConfig};
 use crate::overlap::Overlap;
 use crate::raw;
 use crate::results::{self};
-use crate::topology::World;
+use crate::topology::{assign_gpus, World};
 
 use super::Run;
 
@@ -246,6 +246,8 @@ pub(super) struct Plan {
 
 impl Plan {
     pub(super) fn resolve(args: &TrainArgs, world: &World) -> Result<Plan> {
+        // First: choosing the device is collective over the node's ranks (before any early return).
+        let device = choose_device(args.device, args.allow_gpu_sharing, world);
         let workers = exchange::worker_count(args.strategy, world.size as usize, &args.ps.roles())?;
         let batch = match args.scaling {
             Scaling::Weak => {
@@ -275,7 +277,7 @@ impl Plan {
         if args.lr <= 0.0 || !args.lr.is_finite() {
             return Err(Error::usage(format!("--lr {}: expected a positive learning rate", args.lr)));
         }
-        let device = choose_device(args.device, args.allow_gpu_sharing, world)?;
+        let device = device?;
         if device == Device::Cpu && args.precision != Precision::Fp32 {
             return Err(Error::usage(format!(
                 "--precision {}: mixed precision and TF32 run on CUDA devices; this rank trains on the CPU (use fp32)",
@@ -314,32 +316,116 @@ pub(super) fn num_cpus_online() -> usize {
         .unwrap_or(1)
 }
 
-/// The GPU of this rank (node-local rank modulo the GPUs), or the CPU.
-pub(super) fn choose_device(choice: DeviceChoice, allow_sharing: bool, world: &World) -> Result<Device> {
+/// Test hook: the identities of a node's GPUs, comma-separated, simulated on a machine without
+/// one. Each rank then "sees" them filtered by its `CUDA_VISIBLE_DEVICES` (indices or
+/// identities, as CUDA reads it), the node's ranks choose among them as on a GPU node (an error
+/// where they would share one without --allow-gpu-sharing), and training runs on the CPU.
+pub const SIMULATED_GPUS_ENV: &str = "HPC_TRAIN_SIMULATE_GPUS";
+
+/// The rank's GPU, or the CPU. Collective over the node's ranks (`world.local`), which compare
+/// the identities of the GPUs each one sees, so that ranks share a GPU only with
+/// `--allow-gpu-sharing` however the launcher masks devices (see [`assign_gpus`]).
+pub fn choose_device(choice: DeviceChoice, allow_sharing: bool, world: &World) -> Result<Device> {
+    // Every rank reaches the exchange of identities below, whatever it finds here.
+    let (visible, simulated) = match std::env::var(SIMULATED_GPUS_ENV) {
+        Ok(node) if choice != DeviceChoice::Cpu => (Ok(simulated_visible_gpus(&node, std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref())), true),
+        _ => (visible_gpus(choice), false),
+    };
+    // One identity per line, each line ended (an all-gather of no bytes at all is refused by
+    // Open MPI: a CPU rank still sends its newline).
+    let mine: String = visible.as_ref().map(|ids| ids.iter().map(|id| format!("{id}\n")).collect()).unwrap_or_else(|_| "\n".into());
+    let all = gather_strings(&world.local, if mine.is_empty() { "\n" } else { &mine });
+    let visible = visible?;
+    if visible.is_empty() {
+        return Ok(Device::Cpu);
+    }
+    let lists: Vec<Vec<String>> = all.iter().map(|s| s.lines().filter(|l| !l.is_empty()).map(String::from).collect()).collect();
+    let choices = assign_gpus(&lists);
+    let me = choices[world.local_rank as usize].clone().expect("this rank sees a GPU");
+    if !me.shared_with.is_empty() && !allow_sharing {
+        let ranks: Vec<String> = std::iter::once(world.local_rank as usize).chain(me.shared_with.iter().copied()).map(|r| r.to_string()).collect();
+        return Err(Error::usage(format!(
+            "node-local ranks {} on {} would share GPU {} ({} rank(s) on the node, {} GPU(s) visible to this one): launch one rank per GPU (srun --gpus-per-task=1, or a CUDA_VISIBLE_DEVICES per rank), or pass --allow-gpu-sharing",
+            ranks.join(", "),
+            raw::hostname(),
+            me.id,
+            world.local_size,
+            visible.len()
+        )));
+    }
+    log::debug!("rank {}: GPU {} (cuda:{} of {} visible){}", world.rank, me.id, me.index, visible.len(), if simulated { ", simulated: training on the CPU" } else { "" });
+    if simulated {
+        return Ok(Device::Cpu);
+    }
+    Ok(Device::Cuda(me.index))
+}
+
+/// The identities of the GPUs this rank may train on: none for `--device cpu` or where CUDA is
+/// absent (`--device auto`), an error for `--device cuda` without CUDA.
+fn visible_gpus(choice: DeviceChoice) -> Result<Vec<String>> {
+    if choice == DeviceChoice::Cpu {
+        return Ok(Vec::new());
+    }
     let loaded = raw::load_torch_cuda();
-    let cuda = tch::Cuda::is_available();
     if let Err(why) = &loaded {
         log::debug!("CUDA support not loaded: {why}");
     }
-    match (choice, cuda) {
-        (DeviceChoice::Cpu, _) | (DeviceChoice::Auto, false) => Ok(Device::Cpu),
-        (DeviceChoice::Cuda, false) => Err(Error::usage(format!(
-            "--device cuda: CUDA is not available on {} ({})",
-            raw::hostname(),
-            loaded.err().unwrap_or_else(|| "libtorch sees no GPU".into())
-        ))),
-        (DeviceChoice::Cuda | DeviceChoice::Auto, true) => {
-            let gpus = tch::Cuda::device_count() as i32;
-            if world.local_size > gpus && !allow_sharing {
-                return Err(Error::usage(format!(
-                    "{} ranks on {} for {gpus} GPU(s): launch one rank per GPU, or pass --allow-gpu-sharing",
-                    world.local_size,
-                    raw::hostname()
-                )));
-            }
-            Ok(Device::Cuda((world.local_rank % gpus) as usize))
+    if !tch::Cuda::is_available() {
+        return match choice {
+            DeviceChoice::Cuda => Err(Error::usage(format!(
+                "--device cuda: CUDA is not available on {} ({})",
+                raw::hostname(),
+                loaded.err().unwrap_or_else(|| "libtorch sees no GPU".into())
+            ))),
+            _ => Ok(Vec::new()),
+        };
+    }
+    let count = tch::Cuda::device_count().max(0) as usize;
+    Ok(raw::cuda_device_uuids(count).unwrap_or_else(|why| {
+        // Without identities, assume that the node's ranks see the same GPUs in the same order
+        // (the count then decides, as before identities were compared).
+        log::warn!("the GPUs' identities cannot be read ({why}); assuming that every rank of {} sees the same {count} GPU(s)", raw::hostname());
+        (0..count).map(|i| format!("cuda:{i}")).collect()
+    }))
+}
+
+/// What a rank sees of a simulated node's GPUs (`node`, comma-separated identities) through
+/// `CUDA_VISIBLE_DEVICES` as CUDA reads it: indices or identities, comma-separated, up to the
+/// first that names no device; unset means all.
+fn simulated_visible_gpus(node: &str, mask: Option<&str>) -> Vec<String> {
+    let gpus: Vec<&str> = node.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    let Some(mask) = mask else { return gpus.iter().map(|s| s.to_string()).collect() };
+    let mut seen = Vec::new();
+    for entry in mask.split(',').map(str::trim) {
+        let found = match entry.parse::<usize>() {
+            Ok(i) => gpus.get(i).copied(),
+            Err(_) => gpus.iter().copied().find(|g| *g == entry),
+        };
+        match found {
+            Some(g) if !seen.iter().any(|s: &String| s == g) => seen.push(g.to_string()),
+            _ => break,
         }
     }
+    seen
+}
+
+/// Every rank's `text` on every rank of `comm`, in rank order. Collective.
+fn gather_strings(comm: &SimpleCommunicator, text: &str) -> Vec<String> {
+    let bytes = text.as_bytes();
+    let count = bytes.len() as i32;
+    let mut counts = vec![0i32; comm.size() as usize];
+    comm.all_gather_into(&count, &mut counts[..]);
+    let displs: Vec<i32> = counts.iter().scan(0, |acc, &c| { let d = *acc; *acc += c; Some(d) }).collect();
+    let mut all = vec![0u8; counts.iter().sum::<i32>() as usize];
+    {
+        let mut partition = mpi::datatype::PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
+        comm.all_gather_varcount_into(bytes, &mut partition);
+    }
+    counts
+        .iter()
+        .zip(&displs)
+        .map(|(&c, &d)| String::from_utf8_lossy(&all[d as usize..(d + c) as usize]).into_owned())
+        .collect()
 }
 
 /// Makes the rank's GPU this (the MPI) thread's current device, and checks that it is: a
@@ -740,4 +826,20 @@ pub(super) fn save_weights(net: &Net, path: &Path) -> Result<()> {
     Tensor::write_safetensors(&vars, &tmp)?;
     std::fs::rename(&tmp, path).at(path)?;
     Ok(())
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn simulated_masks_read_as_cuda_reads_them() {
+        let node = "GPU-a,GPU-b,GPU-c";
+        assert_eq!(simulated_visible_gpus(node, None), vec!["GPU-a", "GPU-b", "GPU-c"]);
+        assert_eq!(simulated_visible_gpus(node, Some("2")), vec!["GPU-c"]);
+        assert_eq!(simulated_visible_gpus(node, Some("1,0")), vec!["GPU-b", "GPU-a"]);
+        assert_eq!(simulated_visible_gpus(node, Some("GPU-b")), vec!["GPU-b"]);
+        // CUDA stops at the first entry that names no device.
+        assert_eq!(simulated_visible_gpus(node, Some("0,7,1")), vec!["GPU-a"]);
+        assert!(simulated_visible_gpus(node, Some("")).is_empty());
+    }
 }

@@ -95,9 +95,14 @@ pub fn mpirun_env(ranks: usize, args: &[&str], env: &[(&str, &str)], limit: Dura
 /// The `mpirun` command line tests launch hpc-train with: as root, oversubscribed, unbound (the
 /// test machine has fewer cores than ranks), in the repository root, plus `env`.
 fn mpirun_command(ranks: usize, args: &[&str], env: &[(&str, &str)]) -> Command {
+    mpirun_command_of(ranks, &[std::ffi::OsStr::new(bin())], args, env)
+}
+
+/// As [`mpirun_command`], each rank running `program` (a program and its first arguments).
+fn mpirun_command_of(ranks: usize, program: &[&std::ffi::OsStr], args: &[&str], env: &[(&str, &str)]) -> Command {
     let mut cmd = Command::new("mpirun");
     cmd.args(["-n", &ranks.to_string(), "--oversubscribe", "--bind-to", "none"])
-        .arg(bin())
+        .args(program)
         .args(args)
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -107,6 +112,13 @@ fn mpirun_command(ranks: usize, args: &[&str], env: &[(&str, &str)]) -> Command 
         cmd.env(k, v);
     }
     cmd
+}
+
+/// As [`mpirun_env`], each rank started as `<wrapper> <hpc-train> <args>`: a script that sets
+/// up a rank's environment the way a launcher would (e.g. a per-rank CUDA_VISIBLE_DEVICES).
+pub fn mpirun_wrapped(ranks: usize, wrapper: &Path, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Run {
+    let _guard = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    run_with_limit(mpirun_command_of(ranks, &[wrapper.as_os_str(), std::ffi::OsStr::new(bin())], args, env), limit)
 }
 
 /// As [`mpirun_env`], in a mount namespace of its own (`unshare --mount`, root) in which a
