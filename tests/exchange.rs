@@ -276,29 +276,43 @@ fn the_staged_path_gives_the_right_sums() {
 }
 
 /// Training through the staged path, with overlap (the default), ends with the weights of the
-/// host path.
+/// host path: every strategy, ZeRO's bucket through its host mirror (stages 1 and 2, overlap on
+/// and off) and the colocated parameter server's packing through its device buffers.
 #[test]
 fn training_through_the_staged_path_matches_the_host_path() {
     let dir = scratch("staged-train");
     let data = synth(&dir, "st", 90, 0, "1x12x12", 5);
-    let train = |name: &str, strategy: &str, env: &[(&str, &str)]| {
+    let train = |name: &str, extra: &[&str], env: &[(&str, &str)]| {
         let out = dir.join(format!("{name}.safetensors"));
-        mpirun_env(3, &[
-            "--strategy", strategy, "--model", "tiny", "--data", data.to_str().unwrap(), "--scaling", "strong",
+        let mut args = vec![
+            "--model", "tiny", "--data", data.to_str().unwrap(), "--scaling", "strong",
             "--global-batch", "12", "--steps", "8", "--no-eval", "--threads", "1", "--bucket-mb", "0.001",
             "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
-        ], env, Duration::from_secs(300))
-        .expect_ok();
+        ];
+        args.extend(extra);
+        mpirun_env(3, &args, env, Duration::from_secs(300)).expect_ok();
         out
     };
-    let reference = train("host", "allreduce", &[]);
-    for strategy in ["allreduce", "ring", "horovod", "ps"] {
-        let staged = train(&format!("staged-{strategy}"), strategy, &[("HPC_TRAIN_STAGE_HOST", "1")]);
+    let reference = train("host", &["--strategy", "allreduce"], &[]);
+    let cases: Vec<(&str, Vec<&str>)> = vec![
+        ("allreduce", vec!["--strategy", "allreduce"]),
+        ("ring", vec!["--strategy", "ring"]),
+        ("horovod", vec!["--strategy", "horovod"]),
+        ("ps", vec!["--strategy", "ps"]),
+        ("ps-colocated", vec!["--strategy", "ps", "--ps-colocate"]),
+        ("ring-zero1-overlap", vec!["--strategy", "ring", "--zero", "1", "--overlap", "on"]),
+        ("ring-zero2", vec!["--strategy", "ring", "--zero", "2", "--overlap", "off"]),
+    ];
+    for (name, extra) in &cases {
+        let staged = train(&format!("staged-{name}"), extra, &[("HPC_TRAIN_STAGE_HOST", "1")]);
         let diff = max_relative_difference(&reference, &staged);
-        assert!(diff < 1e-5, "{strategy} through the staged path differs by {diff:e}");
+        assert!(diff < 1e-5, "{name} through the staged path differs by {diff:e}");
     }
     let runs = read_runs(&dir);
-    assert_eq!(runs.iter().filter(|r| r["data_path"] == "staged").count(), 4, "{runs:#?}");
+    assert_eq!(runs.iter().filter(|r| r["data_path"] == "staged").count(), cases.len(), "{runs:#?}");
+    for zero in runs.iter().filter(|r| r["extra"]["zero"].as_u64().unwrap_or(0) > 0) {
+        assert!(zero["extra"]["staging_copy_ms"].as_f64().is_some(), "ZeRO on the staged path reports its copies: {zero}");
+    }
 }
 
 /// Recursive halving-doubling and the per-bucket choice equal MPI_Allreduce for every rank

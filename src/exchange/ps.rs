@@ -228,9 +228,14 @@ pub struct ParameterServer {
     path: DataPath,
     device: Device,
     layout: Option<Layout>,
-    /// Worker side: one flat buffer per server for gradients out and weights in.
+    /// Worker side: one flat buffer per server for gradients out and weights in, where MPI
+    /// reads them (pinned host memory on the staged path).
     send_bufs: Vec<Tensor>,
     recv_bufs: Vec<Tensor>,
+    /// Staged path: the same buffers on the device, where the gradients are packed and the
+    /// weights unpacked, so that each crosses in one non-blocking copy per server.
+    device_send_bufs: Vec<Tensor>,
+    device_recv_bufs: Vec<Tensor>,
     /// Colocated sync: this rank's share (weights, optimizer) and the pushes it receives.
     own: Option<ServerState>,
     push_bufs: Vec<Tensor>,
@@ -275,6 +280,8 @@ impl ParameterServer {
             layout: None,
             send_bufs: Vec::new(),
             recv_bufs: Vec::new(),
+            device_send_bufs: Vec::new(),
+            device_recv_bufs: Vec::new(),
             own: None,
             push_bufs: Vec::new(),
             thread: None,
@@ -318,19 +325,57 @@ impl ParameterServer {
         };
         self.send_bufs = buckets.iter().map(|b| make(b.len)).collect::<Result<_>>()?;
         self.recv_bufs = buckets.iter().map(|b| make(b.len)).collect::<Result<_>>()?;
+        let on_device = |len: usize| Tensor::f_zeros([len as i64], (kind, device));
+        let staged = self.path == DataPath::Staged;
+        self.device_send_bufs = if staged { buckets.iter().map(|b| on_device(b.len)).collect::<std::result::Result<_, _>>()? } else { Vec::new() };
+        self.device_recv_bufs = if staged { buckets.iter().map(|b| on_device(b.len)).collect::<std::result::Result<_, _>>()? } else { Vec::new() };
         self.layout = Some(Layout { buckets, sizes });
         self.bench_state = None;
         Ok(())
     }
 
+    /// Packs `grads` into the send buffers and waits until MPI may read them (MPI reads outside
+    /// stream order). On the staged path the packing runs on the device and each server's
+    /// buffer crosses to the host in one non-blocking copy (not one blocking copy per tensor).
+    /// The wait also covers every copy queued earlier from the receive buffers, which MPI may
+    /// then write.
+    fn pack_for_mpi(&mut self, grads: &[Tensor]) -> Result<()> {
+        let layout = self.layout.as_ref().expect("layout made first");
+        if self.device_send_bufs.is_empty() {
+            for (bucket, buf) in layout.buckets.iter().zip(&mut self.send_bufs) {
+                pack(bucket, grads, buf);
+            }
+        } else {
+            for ((bucket, on_device), host) in layout.buckets.iter().zip(&mut self.device_send_bufs).zip(&mut self.send_bufs) {
+                pack(bucket, grads, on_device);
+                raw::copy_into(host, on_device, true)?;
+            }
+        }
+        crate::exchange::staging::wait_for_stream(self.device)
+    }
+
+    /// Unpacks the receive buffers into `out`; on the staged path through the device buffers,
+    /// each filled by one non-blocking copy that the stream orders before the unpacking.
+    fn unpack_from_mpi(&mut self, out: &mut [Tensor]) -> Result<()> {
+        let layout = self.layout.as_ref().expect("layout made first");
+        if self.device_recv_bufs.is_empty() {
+            tch::no_grad(|| {
+                for (bucket, buf) in layout.buckets.iter().zip(&self.recv_bufs) {
+                    unpack(bucket, buf, out);
+                }
+            });
+            return Ok(());
+        }
+        for ((bucket, on_device), host) in layout.buckets.iter().zip(&mut self.device_recv_bufs).zip(&self.recv_bufs) {
+            raw::copy_into(on_device, host, true)?;
+            tch::no_grad(|| unpack(bucket, on_device, out));
+        }
+        Ok(())
+    }
+
     /// Worker side of one exchange with every server: push `grads`, pull into `out`.
     fn push_pull(&mut self, grads: &[Tensor], out: &mut [Tensor]) -> Result<()> {
-        let layout = self.layout.as_ref().expect("layout made first");
-        for (bucket, buf) in layout.buckets.iter().zip(&mut self.send_bufs) {
-            pack(bucket, grads, buf);
-        }
-        // MPI reads the buffers outside stream order: the copies into them must be done.
-        crate::exchange::staging::wait_for_stream(self.device)?;
+        self.pack_for_mpi(grads)?;
         let (up, down) = (&self.up, &self.down);
         let servers = &self.roles.servers;
         let mut sends: Vec<_> = mpi_buffers(&mut self.send_bufs)?;
@@ -350,25 +395,15 @@ impl ParameterServer {
             pushes.into_iter().for_each(|r| r.wait_without_status());
         });
         drop((sends, recvs));
-        let layout = self.layout.as_ref().expect("layout made first");
-        tch::no_grad(|| {
-            for (bucket, buf) in layout.buckets.iter().zip(&self.recv_bufs) {
-                unpack(bucket, buf, out);
-            }
-        });
-        Ok(())
+        self.unpack_from_mpi(out)
     }
 
     /// Colocated sync: one round in which this rank serves its share inline while working.
     /// `optimize`: step the optimizer and return weights; otherwise return the plain sum.
     fn inline_round(&mut self, grads: &[Tensor], out: &mut [Tensor], optimize: bool) -> Result<()> {
         let me = self.server_index().expect("colocated ranks all serve");
+        self.pack_for_mpi(grads)?;
         let layout = self.layout.as_ref().expect("layout made first");
-        for (bucket, buf) in layout.buckets.iter().zip(&mut self.send_bufs) {
-            pack(bucket, grads, buf);
-        }
-        // MPI reads the buffers outside stream order: the copies into them must be done.
-        crate::exchange::staging::wait_for_stream(self.device)?;
         let share = layout.buckets[me].len;
         let workers = self.roles.workers.clone();
         let servers = self.roles.servers.clone();
@@ -427,13 +462,7 @@ impl ParameterServer {
             });
         }
         self.recv_bufs[me].f_copy_(&result)?;
-        let layout = self.layout.as_ref().expect("layout made first");
-        tch::no_grad(|| {
-            for (bucket, buf) in layout.buckets.iter().zip(&self.recv_bufs) {
-                unpack(bucket, buf, out);
-            }
-        });
-        Ok(())
+        self.unpack_from_mpi(out)
     }
 
     /// The server of share `index` with weights taken from `params`.
@@ -581,17 +610,15 @@ impl Exchange for ParameterServer {
             for &s in &self.roles.servers {
                 up.send(s, &[0u8; 0][..], DONE);
             }
+            // Copies to the device queued from the receive buffers by the last step must be
+            // done before MPI writes them again.
+            crate::exchange::staging::wait_for_stream(self.device)?;
             let mut recvs: Vec<_> = mpi_buffers(&mut self.recv_bufs)?;
             for (buf, &s) in recvs.iter_mut().zip(&self.roles.servers) {
                 down.receive_into(s, buf, FINAL);
             }
             drop(recvs);
-            let layout = self.layout.as_ref().expect("checked");
-            tch::no_grad(|| {
-                for (bucket, buf) in layout.buckets.iter().zip(&self.recv_bufs) {
-                    unpack(bucket, buf, params);
-                }
-            });
+            self.unpack_from_mpi(params)?;
             // Synchronous servers follow their final weights with their momentum, for the
             // checkpoint rank 0 may write at the end.
             if self.config.mode == PsMode::Sync && self.rank == self.roles.workers[0] {

@@ -155,6 +155,78 @@ impl Staging {
     }
 }
 
+/// A flat buffer on the device and its host mirror (pinned for a GPU), for exchanges that keep
+/// one bucket-sized buffer and hand MPI host memory only (ZeRO's bucket, the parameter server's
+/// push and pull buffers on the staged path): packing and unpacking run on the device, queued on
+/// the stream like any kernel, and the bytes cross in one non-blocking copy each way instead of
+/// one blocking copy per tensor. On the CPU (the test hook of [`DataPath::choose`]) both halves
+/// are host tensors and the copies plain.
+///
+/// Every host read or write by MPI follows a wait on a copy to the host queued after every
+/// earlier copy from it ([`Mirror::to_host`]), so a copy to the device still queued from the
+/// host buffer cannot race with MPI writing it.
+pub struct Mirror {
+    device: Tensor,
+    host: Tensor,
+    /// Time spent waiting for copies to the host, in all.
+    copy_time: Duration,
+}
+
+impl Mirror {
+    /// A mirror of `len` elements of `kind`, with its device half on `device`.
+    pub fn new(len: usize, kind: Kind, device: Device) -> Result<Mirror> {
+        let host = Tensor::f_zeros([len as i64], (kind, Device::Cpu))?;
+        Ok(Mirror {
+            device: Tensor::f_zeros([len as i64], (kind, device))?,
+            host: if device.is_cuda() { raw::pin_memory(&host)? } else { host },
+            copy_time: Duration::ZERO,
+        })
+    }
+
+    /// Elements the mirror holds.
+    pub fn len(&self) -> usize {
+        self.device.numel()
+    }
+
+    pub fn device_kind(&self) -> (Kind, Device) {
+        (self.device.kind(), self.device.device())
+    }
+
+    /// The first `len` elements of the device half (a view).
+    pub fn on_device(&self, len: usize) -> Tensor {
+        self.device.narrow(0, 0, len as i64)
+    }
+
+    /// The first `len` elements of the host half (a view), for MPI.
+    pub fn on_host(&self, len: usize) -> Tensor {
+        self.host.narrow(0, 0, len as i64)
+    }
+
+    /// Copies elements `range` from the device to the host and waits for that copy (and so for
+    /// the kernels queued before it that wrote them).
+    pub fn to_host(&mut self, range: std::ops::Range<usize>) -> Result<()> {
+        let (at, len) = (range.start as i64, range.len() as i64);
+        let wait = Instant::now();
+        if let Some(event) = copy_and_record(&mut self.host.narrow(0, at, len), &self.device.narrow(0, at, len))? {
+            event.synchronize()?;
+        }
+        self.copy_time += wait.elapsed();
+        Ok(())
+    }
+
+    /// Queues the copy of elements `range` from the host to the device, without waiting: the
+    /// stream runs it before any kernel queued after it reads the device half.
+    pub fn to_device(&mut self, range: std::ops::Range<usize>) -> Result<()> {
+        let (at, len) = (range.start as i64, range.len() as i64);
+        raw::copy_into(&mut self.device.narrow(0, at, len), &self.host.narrow(0, at, len), true)
+    }
+
+    /// Time spent waiting for copies to the host.
+    pub fn copy_time(&self) -> Duration {
+        self.copy_time
+    }
+}
+
 /// Queues `dst.copy_(src)` without blocking and returns an event that marks its end (None when
 /// the copy is already done, between host tensors).
 fn copy_and_record(dst: &mut Tensor, src: &Tensor) -> Result<Option<CudaEvent>> {

@@ -20,8 +20,11 @@
 //! the first step) the momentum is made whole by an all-gather and cut again along the new one.
 //! Checkpoints hold it whole, so a run resumes with any rank count and any stage.
 //!
-//! One buffer of the largest bucket serves every bucket in turn (on the host when MPI cannot
-//! read device memory; the optimizer then reads a device copy of the shard's gradients).
+//! One buffer of the largest bucket, on the parameters' device, serves every bucket in turn:
+//! packing, the optimizer and unpacking run there. When MPI cannot read device memory (the
+//! staged path) it has a pinned host mirror: the packed bucket crosses to the host in one
+//! non-blocking copy before the reduce-scatter, the shard comes back in one, and so on for the
+//! all-gather (see [`Mirror`]).
 
 use std::ops::Range;
 
@@ -30,7 +33,7 @@ use tch::{Device, Tensor};
 use crate::error::{Error, Result};
 use crate::exchange::buckets::{pack_slot, unpack, Bucket, BucketPlan};
 use crate::exchange::element::Dtype;
-use crate::exchange::staging::wait_for_stream;
+use crate::exchange::staging::{wait_for_stream, Mirror};
 use crate::exchange::{common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
 use crate::optim::{self, Sgd};
 use crate::raw;
@@ -123,11 +126,74 @@ struct Layout {
     pieces_of: Vec<Vec<usize>>,
     /// Per piece, a view of the parameter's elements: the optimizer updates them in place.
     weights: Vec<Tensor>,
-    /// Per piece, a view of where its averaged gradient lands: the bucket buffer, or the device
-    /// copy of the shard when the buffer is on the host.
+    /// Per piece, a view of where its averaged gradient lands in the bucket buffer.
     grads: Vec<Tensor>,
-    /// The device copy of a shard's gradients (staged path only).
-    shard_copy: Option<Tensor>,
+}
+
+/// ZeRO's bucket buffer: on the parameters' device, where MPI reads it (host memory, or device
+/// memory with a CUDA-aware MPI), or mirrored in host memory for MPI (the staged path).
+enum BucketBuffer {
+    InPlace(Tensor),
+    Mirrored(Mirror),
+}
+
+impl BucketBuffer {
+    fn new(len: usize, kind: tch::Kind, device: Device, path: DataPath) -> Result<BucketBuffer> {
+        Ok(match path {
+            DataPath::Staged => BucketBuffer::Mirrored(Mirror::new(len, kind, device)?),
+            DataPath::Host | DataPath::Direct => BucketBuffer::InPlace(Tensor::f_zeros([len as i64], (kind, device))?),
+        })
+    }
+
+    /// Whether it holds `len` elements of `kind` on `device`.
+    fn fits(&self, len: usize, kind: tch::Kind, device: Device) -> bool {
+        let (n, k, d) = match self {
+            BucketBuffer::InPlace(t) => (t.numel(), t.kind(), t.device()),
+            BucketBuffer::Mirrored(m) => (m.len(), m.device_kind().0, m.device_kind().1),
+        };
+        n >= len && k == kind && d == device
+    }
+
+    /// The first `len` elements on the parameters' device: where buckets are packed, stepped
+    /// and unpacked.
+    fn on_device(&self, len: usize) -> Tensor {
+        match self {
+            BucketBuffer::InPlace(t) => t.narrow(0, 0, len as i64),
+            BucketBuffer::Mirrored(m) => m.on_device(len),
+        }
+    }
+
+    /// The first `len` elements where MPI works on them, once elements `fresh` (written on the
+    /// device) are there.
+    fn for_mpi(&mut self, len: usize, fresh: Range<usize>) -> Result<Tensor> {
+        match self {
+            BucketBuffer::InPlace(t) => {
+                let view = t.narrow(0, 0, len as i64);
+                ready_for_mpi(&view)?;
+                Ok(view)
+            }
+            BucketBuffer::Mirrored(m) => {
+                m.to_host(fresh)?;
+                Ok(m.on_host(len))
+            }
+        }
+    }
+
+    /// Elements `written` (by MPI) back where the device reads them: queued, not waited for.
+    fn from_mpi(&mut self, written: Range<usize>) -> Result<()> {
+        match self {
+            BucketBuffer::InPlace(_) => Ok(()),
+            BucketBuffer::Mirrored(m) => m.to_device(written),
+        }
+    }
+
+    /// Time spent waiting for copies to the host (staged path).
+    fn copy_time(&self) -> std::time::Duration {
+        match self {
+            BucketBuffer::InPlace(_) => std::time::Duration::ZERO,
+            BucketBuffer::Mirrored(m) => m.copy_time(),
+        }
+    }
 }
 
 pub struct ZeroExchange {
@@ -137,7 +203,7 @@ pub struct ZeroExchange {
     path: DataPath,
     layout: Option<Layout>,
     /// The bucket buffer: packed gradients, then gathered weights (grown, never shrunk).
-    buffer: Option<Tensor>,
+    buffer: Option<BucketBuffer>,
     /// Whole momentum per parameter from a checkpoint, until the first plan cuts it.
     restored: Option<Vec<Tensor>>,
 }
@@ -162,15 +228,12 @@ impl ZeroExchange {
         let dtype = common_dtype(params)?;
         let (kind, device) = params.first().map_or((tch::Kind::Float, Device::Cpu), |p| (p.kind(), p.device()));
         let largest = plan.buckets.iter().map(|b| b.len).max().unwrap_or(0);
-        let buffer_device = self.buffer_device(device);
-        if self.buffer.as_ref().is_none_or(|b| (b.numel() as usize) < largest || b.device() != buffer_device) {
-            self.buffer = Some(Tensor::f_zeros([largest as i64], (kind, buffer_device))?);
+        if self.buffer.as_ref().is_none_or(|b| !b.fits(largest, kind, device)) {
+            self.buffer = Some(BucketBuffer::new(largest, kind, device, self.path)?);
         }
-        let buffer = self.buffer.as_ref().expect("made above");
+        let buffer = self.buffer.as_ref().expect("made above").on_device(largest);
         let algorithms: Vec<ShardAlgorithm> = plan.buckets.iter().map(|b| self.inner.choose(b.len, dtype)).collect();
         let shards: Vec<Range<usize>> = plan.buckets.iter().zip(&algorithms).map(|(b, &a)| self.inner.shard(b.len, a)).collect();
-        let largest_shard = shards.iter().map(|r| r.len()).max().unwrap_or(0);
-        let shard_copy = (buffer_device != device).then(|| Tensor::f_zeros([largest_shard as i64], (kind, device))).transpose()?;
         let (mut all, mut pieces_of) = (Vec::new(), Vec::new());
         for (bucket, shard) in plan.buckets.iter().zip(&shards) {
             let mine = pieces(bucket, shard);
@@ -185,10 +248,7 @@ impl ZeroExchange {
                 for &i in ids {
                     let piece: &Piece = &all[i];
                     weights.push(raw::flat_dense_view(&params[piece.tensor])?.f_narrow(0, piece.at as i64, piece.len as i64)?);
-                    grads.push(match &shard_copy {
-                        Some(copy) => copy.f_narrow(0, piece.shard_at as i64, piece.len as i64)?,
-                        None => buffer.f_narrow(0, (shards[b].start + piece.shard_at) as i64, piece.len as i64)?,
-                    });
+                    grads.push(buffer.f_narrow(0, (shards[b].start + piece.shard_at) as i64, piece.len as i64)?);
                 }
             }
             Ok((weights, grads))
@@ -200,22 +260,13 @@ impl ZeroExchange {
             None => Vec::new(),
         };
         sgd.restore(momentum, sgd.steps());
-        self.layout = Some(Layout { plan: plan.clone(), algorithms, shards, pieces: all, pieces_of, weights, grads, shard_copy });
+        self.layout = Some(Layout { plan: plan.clone(), algorithms, shards, pieces: all, pieces_of, weights, grads });
         Ok(())
     }
 
-    /// The bucket buffer lives where MPI reads: with the parameters, or on the host when they
-    /// are on a GPU that MPI cannot read.
-    fn buffer_device(&self, params_device: Device) -> Device {
-        match self.path {
-            DataPath::Staged => Device::Cpu,
-            _ => params_device,
-        }
-    }
-
-    /// The first `len` elements of the bucket buffer.
-    fn buffer(&self, len: usize) -> Tensor {
-        self.buffer.as_ref().expect("a plan is in use").narrow(0, 0, len as i64)
+    /// The bucket buffer (made by the plan).
+    fn buffer(&mut self) -> &mut BucketBuffer {
+        self.buffer.as_mut().expect("a plan is in use")
     }
 
     /// Reduce-scatters bucket `b`'s gradients (averaged): this rank's shard stays in the
@@ -224,17 +275,16 @@ impl ZeroExchange {
     pub fn reduce_bucket(&mut self, b: usize, params: &[Tensor], check_finite: bool) -> Result<()> {
         let layout = self.layout.as_mut().expect("use_plan comes first");
         let (bucket, shard) = (&layout.plan.buckets[b], &layout.shards[b]);
-        let mut buffer = self.buffer.as_ref().expect("a plan is in use").narrow(0, 0, bucket.len as i64);
-        pack_grads(bucket, params, &mut buffer)?;
-        if check_finite && !optim::all_finite(std::slice::from_ref(&buffer))? {
+        let buffer = self.buffer.as_mut().expect("a plan is in use");
+        let mut packed = buffer.on_device(bucket.len);
+        pack_grads(bucket, params, &mut packed)?;
+        if check_finite && !optim::all_finite(std::slice::from_ref(&packed))? {
             return Err(Error::NonFinite { what: "gradient", step: 0, epoch: 0 });
         }
-        ready_for_mpi(&buffer)?;
-        let dtype = common_dtype(std::slice::from_ref(&buffer))?;
-        self.inner.reduce_scatter(&mut buffer, dtype, ReduceOp::Mean, layout.algorithms[b])?;
-        if let Some(copy) = &layout.shard_copy {
-            tch::no_grad(|| copy.narrow(0, 0, shard.len() as i64).f_copy_(&narrow(&buffer, shard)))?;
-        }
+        let mut mpi_buffer = buffer.for_mpi(bucket.len, 0..bucket.len)?;
+        let dtype = common_dtype(std::slice::from_ref(&mpi_buffer))?;
+        self.inner.reduce_scatter(&mut mpi_buffer, dtype, ReduceOp::Mean, layout.algorithms[b])?;
+        buffer.from_mpi(shard.clone())?;
         if self.stage >= 2 {
             for slot in &bucket.slots {
                 raw::release_grad(&params[slot.tensor])?;
@@ -249,18 +299,20 @@ impl ZeroExchange {
         let layout = self.layout.as_mut().expect("use_plan comes first");
         sgd.step_some(&mut layout.weights, &mut layout.grads, &layout.pieces_of[b])?;
         let (bucket, shard) = (&layout.plan.buckets[b], &layout.shards[b]);
-        let mut buffer = self.buffer.as_ref().expect("a plan is in use").narrow(0, 0, bucket.len as i64);
+        let buffer = self.buffer.as_mut().expect("a plan is in use");
+        let on_device = buffer.on_device(bucket.len);
         tch::no_grad(|| -> Result<()> {
             for &i in &layout.pieces_of[b] {
                 let piece = &layout.pieces[i];
-                buffer.f_narrow(0, (shard.start + piece.shard_at) as i64, piece.len as i64)?.f_copy_(&layout.weights[i])?;
+                on_device.f_narrow(0, (shard.start + piece.shard_at) as i64, piece.len as i64)?.f_copy_(&layout.weights[i])?;
             }
             Ok(())
         })?;
-        ready_for_mpi(&buffer)?;
-        let dtype = common_dtype(std::slice::from_ref(&buffer))?;
-        self.inner.all_gather(&mut buffer, dtype, layout.algorithms[b])?;
-        tch::no_grad(|| unpack(bucket, &buffer, params));
+        let mut mpi_buffer = buffer.for_mpi(bucket.len, shard.clone())?;
+        let dtype = common_dtype(std::slice::from_ref(&mpi_buffer))?;
+        self.inner.all_gather(&mut mpi_buffer, dtype, layout.algorithms[b])?;
+        buffer.from_mpi(0..bucket.len)?;
+        tch::no_grad(|| unpack(bucket, &on_device, params));
         Ok(())
     }
 
@@ -269,11 +321,11 @@ impl ZeroExchange {
     fn whole_momentum(&mut self, layout: &Layout, params: &[Tensor], sgd: &Sgd) -> Result<Vec<Tensor>> {
         let mut whole: Vec<Tensor> = params.iter().map(|p| p.f_zeros_like()).collect::<std::result::Result<_, _>>()?;
         for (b, (bucket, shard)) in layout.plan.buckets.iter().zip(&layout.shards).enumerate() {
-            let mut buffer = self.buffer(bucket.len);
+            let on_device = self.buffer().on_device(bucket.len);
             tch::no_grad(|| -> Result<()> {
                 for &i in &layout.pieces_of[b] {
                     let piece = &layout.pieces[i];
-                    let mut mine = buffer.f_narrow(0, (shard.start + piece.shard_at) as i64, piece.len as i64)?;
+                    let mut mine = on_device.f_narrow(0, (shard.start + piece.shard_at) as i64, piece.len as i64)?;
                     match sgd.momentum_buffers().get(i) {
                         Some(Some(m)) => mine.f_copy_(m)?,
                         _ => drop(mine.f_zero_()?),
@@ -281,10 +333,11 @@ impl ZeroExchange {
                 }
                 Ok(())
             })?;
-            ready_for_mpi(&buffer)?;
-            let dtype = common_dtype(std::slice::from_ref(&buffer))?;
-            self.inner.all_gather(&mut buffer, dtype, layout.algorithms[b])?;
-            tch::no_grad(|| unpack(bucket, &buffer, &mut whole));
+            let mut mpi_buffer = self.buffer().for_mpi(bucket.len, shard.clone())?;
+            let dtype = common_dtype(std::slice::from_ref(&mpi_buffer))?;
+            self.inner.all_gather(&mut mpi_buffer, dtype, layout.algorithms[b])?;
+            self.buffer().from_mpi(0..bucket.len)?;
+            tch::no_grad(|| unpack(bucket, &on_device, &mut whole));
         }
         Ok(whole)
     }
@@ -296,11 +349,6 @@ fn ready_for_mpi(buffer: &Tensor) -> Result<()> {
         wait_for_stream(buffer.device())?;
     }
     Ok(())
-}
-
-/// The view of `range` of a flat tensor.
-fn narrow(flat: &Tensor, range: &Range<usize>) -> Tensor {
-    flat.narrow(0, range.start as i64, range.len() as i64)
 }
 
 /// Packs the bucket's gradients into `buffer`; a parameter without one (unused by this step,
@@ -391,6 +439,14 @@ impl Exchange for ZeroExchange {
     fn report(&self) -> ExchangeReport {
         let mut report = self.inner.report();
         report.extra.insert("zero".into(), self.stage.into());
+        if let Some(buffer) = &self.buffer {
+            // ZeRO's own copies through the host mirror, beside whatever the inner strategy's
+            // all-reduces staged.
+            let inner = report.extra.get("staging_copy_ms").and_then(|v| v.as_f64()).unwrap_or(0.0);
+            if self.path == DataPath::Staged {
+                report.extra.insert("staging_copy_ms".into(), (inner + buffer.copy_time().as_secs_f64() * 1e3).into());
+            }
+        }
         report
     }
 }
