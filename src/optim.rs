@@ -175,6 +175,42 @@ fn fusable(w: &Tensor, g: &Tensor, first: &Tensor) -> bool {
         && crate::raw::flat_dense_view(w).is_ok()
 }
 
+/// Whether a step's gradients are all finite, gathered on the device bucket by bucket and read
+/// once at the step's end: a read of a device value makes the host wait for the GPU, and with
+/// overlap a read per bucket made each bucket's exchange wait for every backward kernel queued
+/// so far. Each tensor adds its minimum and maximum (one pass, `aminmax`, no temporary as large
+/// as the tensor), in f64: NaN carries through both, an infinity shows in one of them, and the
+/// extremes of finite values add up to a finite f64, so the total is finite exactly when every
+/// element is.
+#[derive(Default)]
+pub struct FiniteCheck {
+    total: Option<Tensor>,
+}
+
+impl FiniteCheck {
+    /// Adds `t`'s elements (queued on the device; nothing is read).
+    pub fn add(&mut self, t: &Tensor) -> Result<()> {
+        if !t.defined() || t.numel() == 0 {
+            return Ok(());
+        }
+        let (low, high) = t.f_aminmax(None, false)?;
+        let extremes = low.f_to_kind(Kind::Double)?.f_add(&high.f_to_kind(Kind::Double)?)?;
+        self.total = Some(match self.total.take() {
+            None => extremes,
+            Some(total) => total.f_add(&extremes)?,
+        });
+        Ok(())
+    }
+
+    /// Whether every element added so far is finite: one read of the device.
+    pub fn all_finite(&self) -> Result<bool> {
+        match &self.total {
+            None => Ok(true),
+            Some(total) => Ok(total.f_double_value(&[])?.is_finite()),
+        }
+    }
+}
+
 /// Whether every element of every tensor is finite, in one pass over them: a sum per tensor in
 /// its own kind, then a single device-to-host read for all of them (a read per tensor would stall
 /// a GPU once per parameter). NaN and infinities carry through a sum, so a finite total proves
@@ -275,6 +311,26 @@ mod tests {
             assert!(diff < 1e-6, "momentum {momentum}, weight decay {weight_decay}: {diff}");
             assert!((&fused_w[0] - &w0).abs().max().double_value(&[]) > 1e-3, "the weights moved");
         }
+    }
+
+    #[test]
+    fn the_deferred_check_sees_one_bad_element_and_no_false_one() {
+        let t = |v: &[f32]| Tensor::from_slice(v);
+        let verdict = |tensors: &[Tensor]| {
+            let mut check = FiniteCheck::default();
+            tensors.iter().for_each(|x| check.add(x).unwrap());
+            check.all_finite().unwrap()
+        };
+        assert!(verdict(&[]));
+        assert!(verdict(&[t(&[1.0, -2.0]), t(&[0.0])]));
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert!(!verdict(&[t(&[1.0]), t(&[0.0, bad, 2.0])]), "{bad}");
+        }
+        assert!(!verdict(&[t(&[f32::INFINITY, f32::NEG_INFINITY])]), "opposite infinities");
+        // Finite values whose f32 sum overflows, in many tensors: still finite.
+        assert!(verdict(&[t(&[f32::MAX; 8]), t(&[f32::MAX, -f32::MAX]), t(&[f32::MAX])]));
+        let half = Tensor::from_slice(&[60000.0f32; 4]).to_kind(Kind::Half);
+        assert!(verdict(&[half.shallow_clone(), half]), "f16 values whose f16 sum overflows");
     }
 
     #[test]

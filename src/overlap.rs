@@ -18,6 +18,13 @@
 //!
 //! A step returns only once backward has ended, on every path (an error included): the hooks'
 //! channel lives in `Overlap`, and backward must not call into it after `Overlap` is gone.
+//!
+//! On a GPU, this thread queues its work (packing, copies, the optimizer, events) on a
+//! communication stream of its own for the step, which waits on each bucket's last hook event
+//! on the device: on the default stream, each bucket's exchange would wait for every backward
+//! kernel launched so far. The gradients' finiteness is gathered on the device and read once,
+//! at the step's end ([`FiniteCheck`]); the default stream waits for the communication stream
+//! before the next step reads the weights.
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
@@ -30,8 +37,8 @@ use tch::{Device, Tensor};
 use crate::error::{Error, Result};
 use crate::exchange::buckets::{pack, unpack, BucketPlan};
 use crate::exchange::{Exchange, ReduceOp};
-use crate::optim::{self, Sgd};
-use crate::raw::{CudaEvent, GradReady, GradReadyHooks};
+use crate::optim::{FiniteCheck, Sgd};
+use crate::raw::{CudaEvent, CudaStream, GradReady, GradReadyHooks};
 
 /// DDP's first bucket: small, so that communication starts early in the backward pass.
 pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
@@ -80,6 +87,8 @@ pub struct Overlap {
     /// Until the buckets are rebuilt: the order gradients arrived in, and the communicator
     /// that carries rank 0's order to every rank.
     arrivals: Option<(Vec<usize>, SimpleCommunicator)>,
+    /// On a GPU: the stream this (the MPI) thread queues its work on during a step.
+    comm_stream: Option<CudaStream>,
 }
 
 /// Whether every gradient falls into one bucket, in any order: its exchange can only start
@@ -109,6 +118,7 @@ impl Overlap {
             elem_bytes: kind.elt_size_in_bytes(),
             bucket_bytes,
             arrivals: Some((Vec::with_capacity(sizes.len()), comm)),
+            comm_stream: CudaStream::from_pool(device)?,
         };
         let reverse: Vec<usize> = (0..sizes.len()).rev().collect();
         overlap.make_plan(&sizes, &reverse, kind, device)?;
@@ -153,7 +163,9 @@ impl Overlap {
     }
 
     /// Backward of `loss` (already scaled) overlapped with the exchange of the gradients and,
-    /// with `optimize`, the optimizer step: the parameters are updated when it returns.
+    /// with `optimize`, the optimizer step: the parameters are updated when it returns. With
+    /// `optimize`, the local gradients' finiteness comes back unread (the caller reads it once,
+    /// after the step: see [`FiniteCheck`]).
     #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
@@ -165,7 +177,7 @@ impl Overlap {
         step: u64,
         epoch: u64,
         optimize: bool,
-    ) -> Result<OverlapTimes> {
+    ) -> Result<(OverlapTimes, FiniteCheck)> {
         let started = Instant::now();
         self.jobs
             .as_ref()
@@ -173,7 +185,14 @@ impl Overlap {
             .send(loss)
             .map_err(|_| Error::exchange("overlap", "the backward thread has stopped"))?;
         let mut backward_ended = false;
-        let result = self.exchange_during_backward(params, grads, exchange, sgd, optimize, started, &mut backward_ended);
+        let mut finite = FiniteCheck::default();
+        let on_comm_stream = self.comm_stream.as_ref().map(CudaStream::make_current).transpose();
+        let result = on_comm_stream.and_then(|on_comm_stream| {
+            let times = self.exchange_during_backward(params, grads, exchange, sgd, optimize.then_some(&mut finite), started, &mut backward_ended)?;
+            // The next step's kernels, on the default stream, read what this stream wrote.
+            on_comm_stream.map(|s| s.restore()).transpose()?;
+            Ok(times)
+        });
         if !backward_ended {
             // An error left the loop while backward still runs: wait for its end, so that no
             // hook fires into a channel or a step that is gone (whatever it reports is moot).
@@ -190,7 +209,7 @@ impl Overlap {
         if self.arrivals.is_some() {
             self.rebuild_from_arrivals(&params[0])?;
         }
-        Ok(times)
+        Ok((times, finite))
     }
 
     /// The body of [`Overlap::step`] after backward has been started; sets `backward_ended`
@@ -202,10 +221,12 @@ impl Overlap {
         grads: &mut [Tensor],
         exchange: &mut dyn Exchange,
         sgd: &mut Sgd,
-        optimize: bool,
+        mut finite: Option<&mut FiniteCheck>,
         started: Instant,
         backward_ended: &mut bool,
     ) -> Result<OverlapTimes> {
+        let optimize = finite.is_some();
+        let device = self.layout.1;
         let mut missing: Vec<usize> = self.plan.buckets.iter().map(|b| b.slots.len()).collect();
         let mut events: Vec<Option<CudaEvent>> = (0..missing.len()).map(|_| None).collect();
         let mut next = 0;
@@ -242,20 +263,22 @@ impl Overlap {
             // Exchange, in plan order, every bucket that is complete.
             while next < missing.len() && missing[next] == 0 {
                 if let Some(event) = events[next].take() {
-                    event.synchronize()?;
+                    // The communication stream (current here) waits for the bucket's gradients,
+                    // on the device.
+                    event.block_current(device)?;
                 }
                 let t = Instant::now();
                 let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
                 crate::watchdog::set_bucket(next);
                 if let Some(zero) = exchange.zero() {
                     // ZeRO: reduce-scatter, step this rank's shard, all-gather the weights.
-                    zero.reduce_bucket(next, params, optimize)?;
+                    zero.reduce_bucket(next, params, finite.as_deref_mut())?;
                     zero.step_bucket(next, params, sgd)?;
                     times.exchange += t.elapsed();
                     next += 1;
                     continue;
                 }
-                self.exchange_bucket(next, grads, exchange, optimize)?;
+                self.exchange_bucket(next, grads, exchange, finite.as_deref_mut())?;
                 times.exchange += t.elapsed();
                 if optimize {
                     let which: Vec<usize> = self.plan.buckets[next].slots.iter().map(|s| s.tensor).collect();
@@ -272,10 +295,10 @@ impl Overlap {
         Ok(times)
     }
 
-    /// Averages bucket `b`'s gradients over the workers, in place in the gradients
-    /// (`check_finite`: refuse non-finite gradients first, with one device-to-host sync for the
-    /// bucket; off under a loss scaler, which expects them now and then).
-    fn exchange_bucket(&mut self, b: usize, grads: &mut [Tensor], exchange: &mut dyn Exchange, check_finite: bool) -> Result<()> {
+    /// Averages bucket `b`'s gradients over the workers, in place in the gradients, adding the
+    /// local ones to `finite` first (None under a loss scaler, which expects non-finite ones now
+    /// and then).
+    fn exchange_bucket(&mut self, b: usize, grads: &mut [Tensor], exchange: &mut dyn Exchange, finite: Option<&mut FiniteCheck>) -> Result<()> {
         let bucket = &self.plan.buckets[b];
         let fused = bucket.slots.len() > 1;
         if fused && self.buffers[b].is_none() {
@@ -288,8 +311,8 @@ impl Overlap {
                 buffer.shallow_clone()
             }
         };
-        if check_finite && !optim::all_finite(std::slice::from_ref(&flat))? {
-            return Err(Error::NonFinite { what: "gradient", step: 0, epoch: 0 });
+        if let Some(finite) = finite {
+            finite.add(&flat)?;
         }
         exchange.all_reduce_keyed(b, std::slice::from_mut(&mut flat), ReduceOp::Mean)?;
         if self.buffers[b].is_some() {

@@ -657,6 +657,10 @@ extern "C" {
     fn hpc_event_record(device_index: i64, error: *mut c_char, error_length: usize) -> *mut c_void;
     fn hpc_copy(dst: *mut c_void, src: *mut c_void, non_blocking: bool, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_set_cuda_device(device_index: i64, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_stream_from_pool(device_index: i64, error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_stream_destroy(stream: *mut c_void);
+    fn hpc_stream_exchange(stream: *mut c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_event_block_current(event: *mut c_void, device_index: i64, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_current_cuda_device(error: *mut c_char, error_length: usize) -> i64;
 }
 
@@ -735,6 +739,113 @@ impl CudaEvent {
             return Err(Error::exchange("overlap", format!("waiting on a CUDA event: {}", shim_error(&err))));
         }
         Ok(())
+    }
+}
+
+impl CudaEvent {
+    /// Makes the calling thread's current stream on `device` wait for the work recorded before
+    /// the event, on the device: the host does not wait.
+    pub fn block_current(&self, device: Device) -> Result<()> {
+        let Device::Cuda(index) = device else { return self.synchronize() };
+        let mut err = [0 as c_char; 256];
+        // SAFETY: the pointer is a live c10::Event owned by self; plain values and a writable
+        // buffer.
+        let rc = unsafe { hpc_event_block_current(self.0.as_ptr(), index as i64, err.as_mut_ptr(), err.len()) };
+        if rc != 0 {
+            return Err(Error::exchange("cuda", format!("making cuda:{index}'s stream wait on an event: {}", shim_error(&err))));
+        }
+        Ok(())
+    }
+}
+
+/// A CUDA stream of libtorch's pool: work queued on it runs apart from the default stream's
+/// (the communication stream of overlap, so that packing and copies for one bucket do not
+/// queue behind every backward kernel launched so far).
+pub struct CudaStream {
+    stream: std::ptr::NonNull<c_void>,
+    device: Device,
+}
+
+// SAFETY: a c10::Stream is a plain value (device, id); ownership of the heap copy is unique.
+unsafe impl Send for CudaStream {}
+
+impl CudaStream {
+    /// A stream of `device` from the pool; None on the CPU.
+    pub fn from_pool(device: Device) -> Result<Option<CudaStream>> {
+        let Device::Cuda(index) = device else { return Ok(None) };
+        let mut err = [0 as c_char; 256];
+        // SAFETY: plain values and a writable buffer; the shim returns a new heap c10::Stream
+        // (owned by the CudaStream from here on) or null with a message.
+        let stream = unsafe { hpc_stream_from_pool(index as i64, err.as_mut_ptr(), err.len()) };
+        match std::ptr::NonNull::new(stream) {
+            Some(stream) => Ok(Some(CudaStream { stream, device })),
+            None => Err(Error::exchange("cuda", format!("taking a stream of cuda:{index}: {}", shim_error(&err)))),
+        }
+    }
+
+    /// Makes this the calling thread's current stream on its device until the guard is given
+    /// back ([`CurrentStream::restore`]) or dropped; work the thread queues meanwhile (copies,
+    /// packing, the optimizer, events) goes to this stream.
+    pub fn make_current(&self) -> Result<CurrentStream> {
+        let mut err = [0 as c_char; 256];
+        // SAFETY: the pointer is a live c10::Stream owned by self; the shim returns the stream it
+        // replaced as a new heap c10::Stream (owned by the guard) or null with a message.
+        let previous = unsafe { hpc_stream_exchange(self.stream.as_ptr(), err.as_mut_ptr(), err.len()) };
+        match std::ptr::NonNull::new(previous) {
+            Some(previous) => Ok(CurrentStream { previous: Some(previous), device: self.device }),
+            None => Err(Error::exchange("cuda", format!("making a stream current: {}", shim_error(&err)))),
+        }
+    }
+}
+
+impl Drop for CudaStream {
+    fn drop(&mut self) {
+        // SAFETY: made by the shim with `new`, destroyed once, here.
+        unsafe { hpc_stream_destroy(self.stream.as_ptr()) }
+    }
+}
+
+/// A stream made current by [`CudaStream::make_current`]; the one it replaced comes back on
+/// [`CurrentStream::restore`] (which also orders it after the work queued meanwhile) or drop.
+pub struct CurrentStream {
+    previous: Option<std::ptr::NonNull<c_void>>,
+    device: Device,
+}
+
+impl CurrentStream {
+    /// Gives the previous stream back and makes it wait, on the device, for everything queued
+    /// on this one meanwhile: what the previous stream runs next sees that work done.
+    pub fn restore(mut self) -> Result<()> {
+        let done = CudaEvent::record(self.device)?;
+        self.swap_back()?;
+        match done {
+            Some(event) => event.block_current(self.device),
+            None => Ok(()),
+        }
+    }
+
+    fn swap_back(&mut self) -> Result<()> {
+        let Some(previous) = self.previous.take() else { return Ok(()) };
+        let mut err = [0 as c_char; 256];
+        // SAFETY: `previous` is the heap c10::Stream the shim returned; it is made current again,
+        // and the stream the shim hands back (ours, a new heap copy) is destroyed at once; the
+        // previous one is destroyed after, each once.
+        unsafe {
+            let ours = hpc_stream_exchange(previous.as_ptr(), err.as_mut_ptr(), err.len());
+            hpc_stream_destroy(previous.as_ptr());
+            if ours.is_null() {
+                return Err(Error::exchange("cuda", format!("restoring the current stream: {}", shim_error(&err))));
+            }
+            hpc_stream_destroy(ours);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CurrentStream {
+    fn drop(&mut self) {
+        // On an error path: the previous stream comes back, without ordering (the step failed).
+        let _ = self.swap_back();
     }
 }
 

@@ -271,15 +271,15 @@ impl ZeroExchange {
 
     /// Reduce-scatters bucket `b`'s gradients (averaged): this rank's shard stays in the
     /// buffer for [`ZeroExchange::step_bucket`]; stage 2 lets go of the bucket's full
-    /// gradients. `check_finite`: refuse non-finite gradients.
-    pub fn reduce_bucket(&mut self, b: usize, params: &[Tensor], check_finite: bool) -> Result<()> {
+    /// gradients. The packed local gradients are added to `finite` when given.
+    pub fn reduce_bucket(&mut self, b: usize, params: &[Tensor], finite: Option<&mut optim::FiniteCheck>) -> Result<()> {
         let layout = self.layout.as_mut().expect("use_plan comes first");
         let (bucket, shard) = (&layout.plan.buckets[b], &layout.shards[b]);
         let buffer = self.buffer.as_mut().expect("a plan is in use");
         let mut packed = buffer.on_device(bucket.len);
         pack_grads(bucket, params, &mut packed)?;
-        if check_finite && !optim::all_finite(std::slice::from_ref(&packed))? {
-            return Err(Error::NonFinite { what: "gradient", step: 0, epoch: 0 });
+        if let Some(finite) = finite {
+            finite.add(&packed)?;
         }
         let mut mpi_buffer = buffer.for_mpi(bucket.len, 0..bucket.len)?;
         let dtype = common_dtype(std::slice::from_ref(&mpi_buffer))?;
@@ -402,7 +402,7 @@ impl Exchange for ZeroExchange {
         self.use_plan(&plan, params, sgd)?;
         for b in 0..plan.buckets.len() {
             crate::watchdog::set_bucket(b);
-            self.reduce_bucket(b, params, false)?;
+            self.reduce_bucket(b, params, None)?;
             self.step_bucket(b, params, sgd)?;
         }
         sgd.count_step();

@@ -121,6 +121,47 @@ void *hpc_event_record(int64_t device_index, char *error, size_t error_length) {
   }
 }
 
+// A stream of CUDA device `device_index` from libtorch's pool (a heap c10::Stream, freed with
+// hpc_stream_destroy); null on error.
+void *hpc_stream_from_pool(int64_t device_index, char *error, size_t error_length) {
+  try {
+    c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+    c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
+    return new c10::Stream(guard.getStreamFromGlobalPool(device, /*isHighPriority=*/false));
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return nullptr;
+  }
+}
+
+void hpc_stream_destroy(void *stream) { delete static_cast<c10::Stream *>(stream); }
+
+// Makes `stream` the calling thread's current stream on its device; returns the one it replaces
+// (a heap c10::Stream), or null on error.
+void *hpc_stream_exchange(void *stream, char *error, size_t error_length) {
+  try {
+    c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+    return new c10::Stream(guard.exchangeStream(*static_cast<c10::Stream *>(stream)));
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return nullptr;
+  }
+}
+
+// Makes the current stream of CUDA device `device_index` wait (on the device, the host goes
+// on) for the work recorded before `event`.
+int hpc_event_block_current(void *event, int64_t device_index, char *error, size_t error_length) {
+  try {
+    c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+    c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
+    static_cast<c10::Event *>(event)->block(guard.getStream(device));
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
 // dst.copy_(src, non_blocking): tch only has the blocking form.
 int hpc_copy(void *dst, void *src, bool non_blocking, char *error, size_t error_length) {
   try {

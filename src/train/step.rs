@@ -50,6 +50,38 @@ impl LoopState {
     }
 }
 
+/// A step's loss on the device: the rank's summed loss (read once the step's backward has run)
+/// and the scaled one that backward starts from.
+pub(super) struct Losses {
+    loss: Tensor,
+    scaled: Tensor,
+    /// Test hook (`nan` fault): the loss reads as NaN.
+    injected_nan: bool,
+    step: u64,
+    epoch: u64,
+}
+
+impl Losses {
+    /// The summed loss, refused when it is not finite.
+    fn read(&self) -> Result<f64> {
+        let value = if self.injected_nan { f64::NAN } else { self.loss.f_double_value(&[])? };
+        if !value.is_finite() {
+            return Err(Error::NonFinite { what: "loss", step: self.step, epoch: self.epoch });
+        }
+        Ok(value)
+    }
+}
+
+/// What backward and the exchange took, and the loss read after them.
+struct Exchanged {
+    compute: Duration,
+    /// The exchange not hidden behind backward.
+    comm: Duration,
+    exchange_total: Duration,
+    exchange_exposed: Duration,
+    loss_sum: f64,
+}
+
 /// One step's figures (its total time is the caller's to measure).
 pub(super) struct StepDone {
     pub(super) timings: Timings,
@@ -83,19 +115,14 @@ impl Run<'_> {
         optim::zero_grads(&mut grads)?;
         let n = batch.labels.len();
         let loss_factor = self.workers as f64 / batch.global_samples.max(1) as f64 * state.scaler.as_ref().map_or(1.0, |s| s.scale);
-        let (mut loss_sum, scaled_loss) = if n == 0 {
-            (0.0, None)
+        let losses = if n == 0 {
+            None
         } else {
             let loss = self.forward(&state.norm, &batch)?;
             let factor = if fault == Some(Fault::NanGrad) { f64::NAN } else { loss_factor };
-            (loss.f_double_value(&[])?, Some(loss.f_mul_scalar(factor)?))
+            let scaled = loss.f_mul_scalar(factor)?;
+            Some(Losses { loss: loss.f_detach()?, scaled, injected_nan: fault == Some(Fault::Nan), step, epoch: batch.epoch })
         };
-        if fault == Some(Fault::Nan) {
-            loss_sum = f64::NAN;
-        }
-        if !loss_sum.is_finite() {
-            return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });
-        }
         if let Some(Fault::Stall(pause)) = fault {
             eprintln!("rank {}: stalling {:.1} s at step {step} (injected fault)", self.world.rank, pause.as_secs_f64());
             std::thread::sleep(pause);
@@ -104,7 +131,8 @@ impl Run<'_> {
         // Backward and the exchange. With the fp16 loss scaler the optimizer steps after the
         // exchange, once the averaged gradients (the same on every rank) are known to be finite.
         let optimize_in_exchange = state.scaler.is_none();
-        let (compute, comm, exchange_total, exchange_exposed) = self.backward_and_exchange(scaled_loss, &mut grads, compute_start, step, batch.epoch, optimize_in_exchange)?;
+        let Exchanged { compute, comm, exchange_total, exchange_exposed, loss_sum } =
+            self.backward_and_exchange(losses, &mut grads, compute_start, step, batch.epoch, optimize_in_exchange)?;
         if let Some(scaler) = &mut state.scaler {
             if scaler.unscale_or_skip(&mut grads)? {
                 self.sgd.step(&mut self.net.params, &mut grads)?;
@@ -140,28 +168,35 @@ impl Run<'_> {
 
     /// Backward overlapped with the exchange and the optimizer bucket by bucket, or backward
     /// then the exchange (every strategy leaves the parameters updated for the next step).
-    /// Returns compute, exposed exchange, all exchange, and exposed exchange again (the last
-    /// two for the overlap figures).
-    #[allow(clippy::type_complexity)]
+    ///
+    /// The loss is read (and checked) once backward has run, where the host waits for the
+    /// device anyway: read after forward, it made the GPU idle between forward and backward.
+    /// The gradients' finiteness is checked before the exchange without overlap, and gathered
+    /// on the device during an overlapped step and read once at its end.
     fn backward_and_exchange(
         &mut self,
-        scaled_loss: Option<Tensor>,
+        losses: Option<Losses>,
         grads: &mut Vec<Tensor>,
         compute_start: Instant,
         step: u64,
         epoch: u64,
         optimize: bool,
-    ) -> Result<(Duration, Duration, Duration, Duration)> {
+    ) -> Result<Exchanged> {
         let device = self.plan.device;
-        if let (Some(overlap), Some(scaled)) = (&mut self.overlap, scaled_loss.as_ref()) {
+        if let (Some(overlap), Some(losses)) = (&mut self.overlap, losses.as_ref()) {
             let forward = compute_start.elapsed();
-            let times = overlap.step(scaled.shallow_clone(), &mut self.net.params, grads, self.exchange.as_mut(), &mut self.sgd, step, epoch, optimize)?;
+            let (times, finite) = overlap.step(losses.scaled.shallow_clone(), &mut self.net.params, grads, self.exchange.as_mut(), &mut self.sgd, step, epoch, optimize)?;
             exchange::staging::synchronize_device(device);
-            return Ok((forward + times.backward, times.exposed, times.exchange, times.exposed));
+            let loss_sum = losses.read()?;
+            if !finite.all_finite()? {
+                return Err(Error::NonFinite { what: "gradient", step, epoch });
+            }
+            return Ok(Exchanged { compute: forward + times.backward, comm: times.exposed, exchange_total: times.exchange, exchange_exposed: times.exposed, loss_sum });
         }
-        if let Some(scaled) = scaled_loss {
-            scaled.f_backward()?;
+        if let Some(losses) = &losses {
+            losses.scaled.f_backward()?;
         }
+        let loss_sum = losses.as_ref().map_or(Ok(0.0), Losses::read)?;
         // Backward made the gradients that were let go (ZeRO stage 2) anew.
         *grads = self.net.grads();
         if optimize && !optim::all_finite(grads)? {
@@ -181,7 +216,7 @@ impl Run<'_> {
         }
         exchange::staging::synchronize_device(device);
         let comm = comm_start.elapsed();
-        Ok((compute, comm, comm, comm))
+        Ok(Exchanged { compute, comm, exchange_total: comm, exchange_exposed: comm, loss_sum })
     }
 
     /// The mean training loss since the last report, over all workers; logged by rank 0.
