@@ -125,3 +125,23 @@ fn memory_stays_flat_over_a_long_run() {
     let peak = run["peak_rss_mb"].as_f64().unwrap();
     assert!(peak >= warm && peak >= end, "peak_rss_mb {peak:.1} below warm-up {warm:.1} or end {end:.1}");
 }
+
+/// Issue 31, item 23: final_loss is the last step's loss over every worker, whatever
+/// --log-every is (it was the mean since the last progress line).
+#[test]
+fn the_final_loss_does_not_depend_on_the_log_interval() {
+    let dir = scratch("final-loss");
+    let data = synth(&dir, "fl", 120, 0, "1x8x8", 3);
+    let final_loss = |log_every: &str| {
+        let results = dir.join(format!("log-{log_every}"));
+        mpirun(2, &[
+            "--strategy", "ring", "--model", "tiny", "--data", data.to_str().unwrap(), "--batch-size", "6",
+            "--steps", "7", "--no-eval", "--threads", "1", "--log-every", log_every, "--results", results.to_str().unwrap(),
+        ])
+        .expect_ok();
+        read_runs(&results)[0]["final_loss"].as_f64().unwrap()
+    };
+    let (every_step, rarely) = (final_loss("1"), final_loss("5"));
+    assert!(every_step.is_finite() && every_step > 0.0, "{every_step}");
+    assert_eq!(every_step, rarely, "final_loss with --log-every 1 and 5");
+}

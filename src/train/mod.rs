@@ -116,6 +116,8 @@ impl Run<'_> {
         let mut out = self.outcome();
         let mut state = step::LoopState::new(self)?;
         let mut window = LossWindow::default();
+        // The last step's summed loss and samples on this worker: the record's final loss.
+        let mut last_loss = (f64::NAN, 0.0);
         for step in self.first_step..self.total_steps {
             if step == state.warmup {
                 out.rss_warmup = raw::current_rss_mb();
@@ -129,11 +131,12 @@ impl Run<'_> {
             }
             window.sum += done.loss_sum;
             window.samples += done.samples as f64;
+            last_loss = (done.loss_sum, done.samples as f64);
             out.last_step = step + 1;
 
             let epoch_end = (step + 1) % self.steps_per_epoch == 0 || step + 1 == self.total_steps;
             if state.progress.due(step) || epoch_end {
-                out.final_loss = self.report_progress(step, done.epoch, &mut window, &out.totals, &state.progress);
+                self.report_progress(step, done.epoch, &mut window, &out.totals, &state.progress);
             }
             if epoch_end && !self.args.no_eval && self.info.test.len > 0 {
                 out.last_eval = Some(self.evaluate_epoch(step, done.epoch, &state)?);
@@ -150,6 +153,10 @@ impl Run<'_> {
             }
         }
         state.progress.finish();
+        // The last step's mean loss over every worker's samples: the same figure whatever
+        // --log-every is (the progress lines' means run over the steps since the last line).
+        let (sum, samples) = step::sum_pair(&self.workers_comm, last_loss.0, last_loss.1);
+        out.final_loss = sum / samples.max(1.0);
         Ok(out)
     }
 }

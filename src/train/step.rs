@@ -220,12 +220,10 @@ impl Run<'_> {
     }
 
     /// The mean training loss since the last report, over all workers; logged by rank 0.
-    pub(super) fn report_progress(&self, step: u64, epoch: u64, window: &mut LossWindow, totals: &Timings, progress: &Progress) -> f64 {
+    pub(super) fn report_progress(&self, step: u64, epoch: u64, window: &mut LossWindow, totals: &Timings, progress: &Progress) {
         let (loss, samples) = sum_pair(&self.workers_comm, window.sum, window.samples);
         *window = LossWindow::default();
-        let mean = loss / samples.max(1.0);
-        progress.report(step, epoch, mean, totals);
-        mean
+        progress.report(step, epoch, loss / samples.max(1.0), totals);
     }
 
     /// Test loss and accuracy at an epoch's end, batch-norm statistics averaged first.
