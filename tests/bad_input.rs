@@ -10,14 +10,16 @@ use common::*;
 const RANKS: usize = 2;
 
 /// Runs training with `args` on RANKS ranks and checks the failure: non-zero, quick, and the
-/// expected message printed exactly once.
-fn expect_failure(args: &[&str], message: &str) {
+/// expected message printed exactly once, and no panic.
+fn expect_failure(args: &[&str], message: &str) -> Run {
     let run = mpirun_env(RANKS, args, &[], Duration::from_secs(60));
     assert!(!run.timed_out, "hung: {args:?}\n{}", run.all_output());
     assert!(!run.ok(), "succeeded: {args:?}");
     let out = run.all_output();
     assert_eq!(out.matches(message).count(), 1, "expected {message:?} once in:\n{out}");
+    assert!(!out.contains("panicked"), "{out}");
     assert!(run.elapsed < Duration::from_secs(30), "took {:?}", run.elapsed);
+    run
 }
 
 /// Training options: small defaults, each replaceable through `over` (flag, value).
@@ -148,4 +150,55 @@ fn bad_options() {
     std::fs::write(&blocker, b"").unwrap();
     let results = blocker.join("results");
     expect_failure(&base(d, results.to_str().unwrap()), "cannot create it");
+}
+
+/// `data info FILE` alone: its status and output.
+fn data_info(file: &Path) -> Run {
+    hpc_train(&["data", "info", file.to_str().unwrap()])
+}
+
+/// A small valid layout (1x8x8 images, 3 classes) with root attributes written by `attrs`.
+fn with_attrs(path: &Path, attrs: impl FnOnce(&hdf5::File) -> hdf5::Result<()>) {
+    write_h5(path, |f| {
+        images(f, "train", 10)?;
+        images(f, "test", 4)?;
+        attrs(f)
+    })
+}
+
+/// An infinite `std` trained on blank inputs and exited 0 at chance accuracy; a NaN `mean` ended
+/// in an unnamed "non-finite loss". Both are refused when the file is opened, naming the
+/// attribute, by training and by `data info`.
+#[test]
+fn normalisation_attributes_are_checked_when_the_file_is_opened() {
+    let dir = scratch("bad-normalisation");
+    let r = dir.join("r");
+    let r = r.to_str().unwrap();
+    let cases: [(&str, [f32; 1], [f32; 1], &str); 4] = [
+        ("inf-std", [0.5], [f32::INFINITY], "attribute `std` [0] is inf, expected a finite value"),
+        ("nan-mean", [f32::NAN], [0.5], "attribute `mean` [0] is NaN, expected a finite value"),
+        ("zero-std", [0.5], [0.0], "attribute `std` [0] is 0, expected a standard deviation > 0"),
+        ("inf-mean", [f32::NEG_INFINITY], [0.5], "attribute `mean` [0] is -inf"),
+    ];
+    for (name, mean, std, message) in cases {
+        let file = dir.join(format!("{name}.h5"));
+        with_attrs(&file, |f| {
+            f.new_attr::<f32>().shape(1).create("mean")?.write(&mean)?;
+            f.new_attr::<f32>().shape(1).create("std")?.write(&std)
+        });
+        expect_failure(&base(file.to_str().unwrap(), r), message);
+        let info = data_info(&file);
+        assert!(!info.ok() && info.all_output().contains(message), "data info {name}: {}", info.all_output());
+    }
+}
+
+/// A FIFO as `--data` hung (opening it waits for a writer), and SIGTERM did not end it.
+#[test]
+fn a_fifo_as_data_is_refused_at_once() {
+    let dir = scratch("bad-fifo");
+    let fifo = dir.join("data.h5");
+    let status = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(status.success());
+    let r = dir.join("r");
+    expect_failure(&base(fifo.to_str().unwrap(), r.to_str().unwrap()), "is a FIFO (named pipe), not a regular file");
 }

@@ -104,6 +104,9 @@ pub fn open_file(path: &Path) -> Result<hdf5::File> {
         }
         Err(e) => return Err(Error::io(path, e)),
         Ok(m) if m.is_dir() => return Err(Error::data(path, "is a directory, not an HDF5 file")),
+        // Opening a FIFO for reading waits for a writer, and a device or socket is no dataset:
+        // only a regular file (or a link to one) is opened at all.
+        Ok(m) if !m.is_file() => return Err(Error::data(path, format!("is {}, not a regular file: a dataset is an HDF5 file", file_kind(&m)))),
         Ok(_) => {}
     }
     if !has_hdf5_signature(path)? {
@@ -113,6 +116,21 @@ pub fn open_file(path: &Path) -> Result<hdf5::File> {
         .with_fapl(|p| p.chunk_cache(12_421, 64 << 20, 1.0))
         .open(path)
         .at(path)
+}
+
+/// What a path that is neither a regular file nor a folder is, for the message.
+fn file_kind(m: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = m.file_type();
+    if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "a device"
+    } else {
+        "a special file"
+    }
 }
 
 /// Whether the file starts with the HDF5 signature, at offset 0 or after a user block (512,
@@ -219,11 +237,7 @@ pub fn open(path: &Path) -> Result<(DatasetInfo, Labels)> {
         path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
     });
     let class_names = read_strings_attr(&file, "class_names").unwrap_or_default();
-    let (mean, std) = match (read_f32s_attr(&file, "mean"), read_f32s_attr(&file, "std")) {
-        (Some(m), Some(s)) if m.len() == channels && s.len() == channels && s.iter().all(|&v| v > 0.0) => (m, s),
-        (None, None) => (vec![0.5; channels], vec![0.5; channels]),
-        _ => return Err(bad(format!("attributes `mean` and `std` must hold {channels} values each, std > 0"))),
-    };
+    let (mean, std) = normalisation(&file, channels).map_err(bad)?;
 
     let meta = Meta { name, classes, class_names, channels, height, width };
     let info = DatasetInfo { path: path.to_path_buf(), meta, train, test, mean, std };
@@ -266,8 +280,56 @@ fn read_strings_attr(file: &hdf5::File, name: &str) -> Option<Vec<String>> {
     Some(values.iter().map(|s| s.as_str().to_string()).collect())
 }
 
-fn read_f32s_attr(file: &hdf5::File, name: &str) -> Option<Vec<f32>> {
-    file.attr(name).ok()?.read_raw::<f32>().ok()
+/// The `mean` and `std` attributes, checked: training computes (pixel - mean) / std, so a
+/// non-finite mean, or a std that is not finite and positive, would turn every input into NaN,
+/// infinity or zero (an infinite std trains on blank images, at chance accuracy). Both absent:
+/// 0.5 and 0.5 (inputs in [-1, 1]).
+fn normalisation(file: &hdf5::File, channels: usize) -> std::result::Result<(Vec<f32>, Vec<f32>), String> {
+    let (mean, std) = match (read_f32s_attr(file, "mean")?, read_f32s_attr(file, "std")?) {
+        (None, None) => return Ok((vec![0.5; channels], vec![0.5; channels])),
+        (Some(m), Some(s)) => (m, s),
+        (Some(_), None) => return Err("attribute `mean` without `std`: give both or neither".into()),
+        (None, Some(_)) => return Err("attribute `std` without `mean`: give both or neither".into()),
+    };
+    for (name, values) in [("mean", &mean), ("std", &std)] {
+        if values.len() != channels {
+            return Err(format!("attribute `{name}` holds {} value(s), expected {channels} (one per channel)", values.len()));
+        }
+        if let Some((c, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(format!("attribute `{name}` [{c}] is {v}, expected a finite value (the inputs are normalised with it)"));
+        }
+    }
+    // The inputs are multiplied by 1 / (255 std): it must be finite too (a subnormal std is not).
+    if let Some((c, v)) = std.iter().enumerate().find(|(_, &v)| v <= 0.0 || !(1.0 / (v * 255.0)).is_finite()) {
+        return Err(format!("attribute `std` [{c}] is {v}, expected a standard deviation > 0 (the inputs are divided by it)"));
+    }
+    Ok((mean, std))
+}
+
+/// An f32 attribute (HDF5 converts other number types), None when absent, an error when it
+/// exists but holds no numbers.
+fn read_f32s_attr(file: &hdf5::File, name: &str) -> std::result::Result<Option<Vec<f32>>, String> {
+    if !file.attr_names().map_err(|e| format!("attributes: {e}"))?.iter().any(|n| n == name) {
+        return Ok(None);
+    }
+    let attr = file.attr(name).map_err(|e| format!("attribute `{name}`: {e}"))?;
+    attr.read_raw::<f32>().map(Some).map_err(|_| format!("attribute `{name}` cannot be read as numbers"))
+}
+
+/// Samples per class: every class's count up to `LISTED_CLASSES` classes, a summary beyond
+/// (counted over the labels present, so that a huge `num_classes` costs nothing).
+fn class_counts(labels: &[i64], classes: usize) -> String {
+    const LISTED_CLASSES: usize = 1000;
+    let mut present = std::collections::BTreeMap::<i64, usize>::new();
+    for &l in labels {
+        *present.entry(l).or_default() += 1;
+    }
+    if classes <= LISTED_CLASSES {
+        let counts: Vec<usize> = (0..classes as i64).map(|c| present.get(&c).copied().unwrap_or(0)).collect();
+        return format!("{counts:?}");
+    }
+    let (fewest, most) = (present.values().min().copied().unwrap_or(0), present.values().max().copied().unwrap_or(0));
+    format!("{} of the {classes} classes present, {fewest} to {most} samples each", present.len())
 }
 
 /// `hpc-train data info`: what a file holds, or why it cannot be used.
@@ -292,12 +354,8 @@ pub fn describe(info: &DatasetInfo, labels: &Labels) -> String {
             Some(rows) => format!("chunks of {rows} images ({} KiB)", rows * info.sample_bytes() / 1024),
             None => "contiguous".to_string(),
         };
-        let mut counts = vec![0usize; info.meta.classes];
-        for &l in labels.split(split) {
-            counts[l as usize] += 1;
-        }
         let _ = writeln!(out, "{:<12} {} samples, {chunk}, compression {}", format!("{}:", split.name()), s.len, s.compression);
-        let _ = writeln!(out, "             per class: {counts:?}");
+        let _ = writeln!(out, "             per class: {}", class_counts(labels.split(split), info.meta.classes));
     }
     let fmt = |v: &[f32]| v.iter().map(|x| format!("{x:.4}")).collect::<Vec<_>>().join(", ");
     let _ = writeln!(out, "mean:        [{}]", fmt(&info.mean));
