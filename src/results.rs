@@ -80,6 +80,20 @@ pub fn check_writable(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Writes `path` by way of `tmp`: `write` fills `tmp`, which is then renamed over `path`, so that
+/// an interrupted write never leaves a damaged `path`. On any failure (a full disk) `tmp` is
+/// removed, so that nothing half-written is left behind either.
+pub fn replace_via_temp(path: &Path, tmp: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).at(dir)?;
+    }
+    let result = write(tmp).and_then(|()| std::fs::rename(tmp, path).at(path));
+    if result.is_err() {
+        let _ = std::fs::remove_file(tmp);
+    }
+    result
+}
+
 /// Appends one JSON line to `path` so that concurrent writers never interleave or truncate each
 /// other's lines: the file is locked, and the whole line goes out in one write.
 pub fn append_json_line(path: &Path, value: &impl Serialize) -> Result<()> {

@@ -372,3 +372,25 @@ fn the_exchange_watchdog_ends_a_hung_exchange() {
     args.extend(["--steps", "8"]);
     mpirun_env(3, &args, &[("HPC_TRAIN_FAULT", "stall@1:5:2")], Duration::from_secs(90)).expect_ok();
 }
+
+/// `--save-weights` and `--timeline` on a full disk left their `.tmp` files behind.
+#[test]
+fn outputs_on_a_full_disk_leave_no_temporary_file() {
+    let dir = scratch("full-outputs");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let disk = dir.join("disk");
+    let weights = disk.join("w.safetensors");
+    let timeline = disk.join("timeline.json");
+    for (strategy, output) in [("allreduce", ["--save-weights", weights.to_str().unwrap()]), ("horovod", ["--timeline", timeline.to_str().unwrap()])] {
+        let chosen = ["--strategy", strategy];
+        let mut args = base(&d, &r, &chosen);
+        args.extend(["--steps", "20"]);
+        args.extend(output);
+        let (run, left) = mpirun_with_tmpfs_listing(2, &args, &disk, "8k", Duration::from_secs(60));
+        let out = run.all_output();
+        assert!(!run.ok() && !run.timed_out, "{strategy}: {out}");
+        assert!(out.contains("No space left on device") || out.contains("StorageFull"), "{strategy}: {out}");
+        assert!(left.is_empty(), "{strategy} left {left:?}:\n{out}");
+    }
+}

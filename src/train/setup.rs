@@ -14,7 +14,7 @@ use tch::{Device, Kind, Tensor};
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
 use crate::cli::{DeviceChoice, OnOff, Precision, Scaling, TrainArgs};
 use crate::data::{self, DatasetInfo};
-use crate::error::{Error, Result, WithPath};
+use crate::error::{Error, Result};
 use crate::exchange::{self, Exchange, ExchangeConfig, Role};
 use crate::faults::Faults;
 use crate::model::{self, InputSpec};
@@ -729,10 +729,5 @@ pub(super) fn save_weights(net: &Net, path: &Path) -> Result<()> {
         .map(|(n, t)| Ok((n, t.f_to_device(Device::Cpu)?.f_contiguous()?)))
         .collect::<Result<_>>()?;
     let tmp = path.with_extension("safetensors.tmp");
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).at(dir)?;
-    }
-    Tensor::write_safetensors(&vars, &tmp)?;
-    std::fs::rename(&tmp, path).at(path)?;
-    Ok(())
+    results::replace_via_temp(path, &tmp, |tmp| Ok(Tensor::write_safetensors(&vars, tmp)?))
 }
