@@ -192,6 +192,43 @@ fn normalisation_attributes_are_checked_when_the_file_is_opened() {
     }
 }
 
+/// Out-of-range SGD settings exited 0 with test losses of 1e10; NaN ended in an unnamed
+/// "non-finite loss". Refused before training, naming the flag.
+#[test]
+fn sgd_settings_out_of_range_are_refused() {
+    let dir = scratch("bad-sgd");
+    let data = synth(&dir, "sgd", 20, 2, "1x8x8", 2);
+    let (d, r) = (data.to_str().unwrap(), dir.join("r"));
+    let r = r.to_str().unwrap();
+    expect_failure(&with(d, r, &[("--momentum", "1.5")]), "--momentum 1.5: expected 0 <= momentum < 1");
+    expect_failure(&with(d, r, &[("--momentum", "NaN")]), "--momentum NaN: expected 0 <= momentum < 1");
+    let negative_decay = [&base(d, r)[..], &["--weight-decay=-100"]].concat();
+    expect_failure(&negative_decay, "--weight-decay -100: expected a finite weight decay of 0 or more");
+}
+
+/// `--save-weights` pointing at the `--data` file overwrote the dataset.
+#[test]
+fn an_output_that_is_an_input_is_refused() {
+    let dir = scratch("bad-output");
+    let data = synth(&dir, "out", 20, 2, "1x8x8", 2);
+    let before = std::fs::read(&data).unwrap();
+    let (d, r) = (data.to_str().unwrap(), dir.join("r"));
+    let r = r.to_str().unwrap();
+    // The same file under another spelling.
+    let same = dir.join(".").join(data.file_name().unwrap());
+    expect_failure(&with(d, r, &[("--save-weights", same.to_str().unwrap())]), "it is the --data file");
+    assert_eq!(std::fs::read(&data).unwrap(), before, "the dataset is untouched");
+}
+
+/// `--threads 100000` hung without a word; `--threads 1000` took 28 s for 2 steps.
+#[test]
+fn threads_far_beyond_the_cores_are_refused() {
+    let dir = scratch("bad-threads");
+    let data = synth(&dir, "threads", 20, 2, "1x8x8", 2);
+    let (d, r) = (data.to_str().unwrap(), dir.join("r"));
+    expect_failure(&with(d, r.to_str().unwrap(), &[("--threads", "100000")]), "intra-op threads per core only wait for each other");
+}
+
 /// A FIFO as `--data` hung (opening it waits for a writer), and SIGTERM did not end it.
 #[test]
 fn a_fifo_as_data_is_refused_at_once() {

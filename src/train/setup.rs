@@ -275,6 +275,8 @@ impl Plan {
         if args.lr <= 0.0 || !args.lr.is_finite() {
             return Err(Error::usage(format!("--lr {}: expected a positive learning rate", args.lr)));
         }
+        check_sgd_settings(args.momentum, args.weight_decay)?;
+        check_outputs_are_not_inputs(args)?;
         let device = choose_device(args.device, args.allow_gpu_sharing, world)?;
         if device == Device::Cpu && args.precision != Precision::Fp32 {
             return Err(Error::usage(format!(
@@ -290,6 +292,11 @@ impl Plan {
             return Err(Error::usage("--precision fp16 with --strategy ps: the loss scaler unscales gradients before the optimizer step, which the servers own; use bf16"));
         }
         let threads = if args.threads > 0 {
+            check_threads(args.threads, num_cpus_online())?;
+            let mine = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if args.threads > mine && world.is_root() {
+                log::warn!("--threads {}: this rank may run on {mine} core(s); its threads will take turns on them", args.threads);
+            }
             args.threads
         } else {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -299,6 +306,104 @@ impl Plan {
         };
         let cuda_aware = args.cuda_aware.resolve();
         Ok(Plan { device, threads, cuda_aware, workers, batch })
+    }
+}
+
+/// `--momentum` and `--weight-decay` as torch.optim.SGD takes them: it refuses a negative
+/// momentum or weight decay. A momentum of 1 or more is refused as well: the momentum buffer
+/// then never forgets a gradient, and grows without bound (1.5 ended at a loss of 1e10).
+pub(super) fn check_sgd_settings(momentum: f64, weight_decay: f64) -> Result<()> {
+    if !(0.0..1.0).contains(&momentum) {
+        return Err(Error::usage(format!(
+            "--momentum {momentum}: expected 0 <= momentum < 1 (torch.optim.SGD refuses a negative one; at 1 or more the momentum buffer never decays and training diverges)"
+        )));
+    }
+    if !weight_decay.is_finite() || weight_decay < 0.0 {
+        return Err(Error::usage(format!(
+            "--weight-decay {weight_decay}: expected a finite weight decay of 0 or more (torch.optim.SGD refuses a negative one)"
+        )));
+    }
+    Ok(())
+}
+
+/// Intra-op threads beyond this many per core online are refused.
+const MAX_THREADS_PER_CORE: usize = 4;
+
+/// `--threads` against the cores online: libtorch's intra-op threads meet at the end of every
+/// parallel region, so threads beyond the cores only wait for each other (--threads 1000 on
+/// 2 cores took 28 s for 2 steps; 100,000 never started). A few per core can make sense when
+/// ranks share a node unevenly; more than `MAX_THREADS_PER_CORE` times the cores never does.
+pub(super) fn check_threads(threads: usize, cores_online: usize) -> Result<()> {
+    let limit = MAX_THREADS_PER_CORE * cores_online.max(1);
+    if threads > limit {
+        return Err(Error::usage(format!(
+            "--threads {threads}: {} has {cores_online} core(s) online, and more than {MAX_THREADS_PER_CORE} intra-op threads per core only wait for each other; use at most {limit}, or 0 for the cores this rank may use",
+            raw::hostname()
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses an output of the run that is one of its inputs (`--save-weights` on the `--data`
+/// file overwrote the dataset): the files the run writes against the ones it reads, compared
+/// as canonical paths and, when the output exists, as the same inode (a hard link).
+pub(super) fn check_outputs_are_not_inputs(args: &TrainArgs) -> Result<()> {
+    let mut inputs: Vec<(&str, &Path)> = vec![("--data", args.data.as_path())];
+    if let Some(model) = &args.cost_model {
+        inputs.push(("--cost-model", model));
+    }
+    let runs = results::runs_path(&args.results);
+    let mut outputs: Vec<(&str, &Path)> = vec![("--results", runs.as_path())];
+    outputs.extend(args.save_weights.as_deref().map(|p| ("--save-weights", p)));
+    outputs.extend(args.horovod.timeline.as_deref().map(|p| ("--timeline", p)));
+    outputs.extend(args.checkpoint_dir.as_deref().map(|p| ("--checkpoint-dir", p)));
+    outputs.extend(args.trace_samples.as_deref().map(|p| ("--trace-samples", p)));
+    for (input_flag, input) in inputs {
+        // An input that does not exist or is no file is reported where it is read.
+        let Ok(input_real) = input.canonicalize() else { continue };
+        if !input_real.is_file() {
+            continue;
+        }
+        for &(output_flag, output) in &outputs {
+            let output_real = canonical_output(output);
+            if output_real.starts_with(&input_real) || same_file(output, input) {
+                return Err(Error::usage(format!(
+                    "{output_flag} {}: it is {} {input_flag} file ({}), which the run reads; write it elsewhere",
+                    output.display(),
+                    if output_real == input_real || same_file(output, input) { "the" } else { "inside the" },
+                    input.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The canonical form of a path that may not exist yet: its nearest existing ancestor
+/// canonicalised, and the rest appended.
+fn canonical_output(path: &Path) -> std::path::PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = existing.canonicalize() {
+            return rest.iter().rev().fold(real, |p, part| p.join(part));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            _ => return absolute,
+        }
+    }
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
     }
 }
 
@@ -730,4 +835,67 @@ pub(super) fn save_weights(net: &Net, path: &Path) -> Result<()> {
         .collect::<Result<_>>()?;
     let tmp = path.with_extension("safetensors.tmp");
     results::replace_via_temp(path, &tmp, |tmp| Ok(Tensor::write_safetensors(&vars, tmp)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn train_args(extra: &[&str]) -> TrainArgs {
+        let mut argv = vec!["hpc-train"];
+        argv.extend(extra);
+        crate::cli::Cli::try_parse_from(argv).unwrap().train
+    }
+
+    #[test]
+    fn sgd_settings_torch_refuses_are_refused() {
+        assert!(check_sgd_settings(0.9, 1e-4).is_ok());
+        assert!(check_sgd_settings(0.0, 0.0).is_ok());
+        for (momentum, flag) in [(-5.0, "--momentum -5"), (1.0, "--momentum 1"), (1.5, "--momentum 1.5"), (f64::NAN, "--momentum NaN")] {
+            let err = check_sgd_settings(momentum, 0.0).unwrap_err().to_string();
+            assert!(err.starts_with(&format!("{flag}: expected 0 <= momentum < 1")), "{err}");
+        }
+        for (decay, flag) in [(-100.0, "--weight-decay -100"), (f64::NAN, "--weight-decay NaN"), (f64::INFINITY, "--weight-decay inf")] {
+            assert!(check_sgd_settings(0.9, decay).unwrap_err().to_string().starts_with(flag));
+        }
+    }
+
+    #[test]
+    fn threads_far_beyond_the_cores_are_refused() {
+        assert!(check_threads(8, 2).is_ok());
+        let err = check_threads(9, 2).unwrap_err().to_string();
+        assert!(err.contains("--threads 9:") && err.contains("has 2 core(s) online") && err.contains("use at most 8"), "{err}");
+    }
+
+    #[test]
+    fn an_output_that_is_an_input_is_refused() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-outputs-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        let data = dir.join("data.h5");
+        std::fs::write(&data, b"x").unwrap();
+        let d = data.to_str().unwrap();
+        let fine = dir.join("w.safetensors");
+        assert!(check_outputs_are_not_inputs(&train_args(&["--data", d, "--save-weights", fine.to_str().unwrap()])).is_ok());
+        // The same file by another spelling, through a link, or a path inside it.
+        let other_spelling = dir.join("sub/../data.h5");
+        let err = check_outputs_are_not_inputs(&train_args(&["--data", d, "--save-weights", other_spelling.to_str().unwrap()])).unwrap_err().to_string();
+        assert!(err.contains("--save-weights") && err.contains("it is the --data file"), "{err}");
+        let link = dir.join("link.h5");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&data, &link).unwrap();
+        assert!(check_outputs_are_not_inputs(&train_args(&["--data", link.to_str().unwrap(), "--timeline", d, "--strategy", "horovod"])).is_err());
+        let hard = dir.join("hard.h5");
+        let _ = std::fs::remove_file(&hard);
+        std::fs::hard_link(&data, &hard).unwrap();
+        assert!(check_outputs_are_not_inputs(&train_args(&["--data", d, "--save-weights", hard.to_str().unwrap()])).is_err());
+        let inside = data.join("ckpt");
+        let err = check_outputs_are_not_inputs(&train_args(&["--data", d, "--checkpoint-dir", inside.to_str().unwrap()])).unwrap_err().to_string();
+        assert!(err.contains("--checkpoint-dir") && err.contains("inside the --data file"), "{err}");
+        let model = dir.join("model.json");
+        std::fs::write(&model, b"{}").unwrap();
+        let err = check_outputs_are_not_inputs(&train_args(&["--data", d, "--cost-model", model.to_str().unwrap(), "--save-weights", model.to_str().unwrap()])).unwrap_err().to_string();
+        assert!(err.contains("the --cost-model file"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
