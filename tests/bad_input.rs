@@ -229,6 +229,32 @@ fn threads_far_beyond_the_cores_are_refused() {
     expect_failure(&with(d, r.to_str().unwrap(), &[("--threads", "100000")]), "intra-op threads per core only wait for each other");
 }
 
+/// A model that cannot be built for the file's sizes panicked on every rank (10^12 classes:
+/// screens of backtrace; `data info` aborted; the tiny CNN on 1x1 images: a pool2d panic).
+#[test]
+fn sizes_the_model_cannot_take_are_refused_without_a_panic() {
+    let dir = scratch("bad-model-sizes");
+    let r = dir.join("r");
+    let r = r.to_str().unwrap();
+    let huge = dir.join("classes.h5");
+    with_attrs(&huge, |f| f.new_attr::<i64>().create("num_classes")?.write_scalar(&1_000_000_000_000i64));
+    expect_failure(&base(huge.to_str().unwrap(), r), "in the last layer, for 1000000000000 classes");
+    let info = data_info(&huge).expect_ok();
+    assert!(info.stdout.contains("classes:     1000000000000") && info.stdout.contains("3 of the 1000000000000 classes present"), "{}", info.stdout);
+
+    let pixel = dir.join("pixel.h5");
+    write_h5(&pixel, |f| {
+        for (split, n) in [("train", 10), ("test", 4)] {
+            let g = f.create_group(split)?;
+            g.new_dataset::<u8>().shape([n, 1, 1, 1]).create("images")?;
+            let labels: Vec<i64> = (0..n as i64).map(|i| i % 3).collect();
+            g.new_dataset_builder().with_data(&labels).create("labels")?;
+        }
+        Ok(())
+    });
+    expect_failure(&base(pixel.to_str().unwrap(), r), "needs images of at least 2x2 pixels, not 1x1");
+}
+
 /// A FIFO as `--data` hung (opening it waits for a writer), and SIGTERM did not end it.
 #[test]
 fn a_fifo_as_data_is_refused_at_once() {

@@ -57,6 +57,7 @@ impl<'a> Run<'a> {
         let cache_data = world.agree(data::loader::cache_decision(args.cache_data, split_bytes, world.local_size as usize, data::loader::memory_available()))?;
         let steps_per_epoch = info.train.len.div_ceil(global_batch) as u64;
         let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
+        world.agree(check_model_fits(args, &info, &plan, world))?;
         let (mut net, spec) = world.agree(Net::new(args, &info, plan.device))?;
         // Same seed on every rank gives the same weights; rank 0's are sent anyway, so that a
         // mismatch (another libtorch, another seed) cannot start.
@@ -146,6 +147,36 @@ impl<'a> Run<'a> {
         let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, self.steps_per_epoch, last_step, self.sgd.steps());
         save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.sgd, meta)
     }
+}
+
+/// Whether the model can be built for the dataset and trained at this batch, said before it is
+/// built (libtorch would panic, or try to allocate what no machine has).
+fn check_model_fits(args: &TrainArgs, info: &DatasetInfo, plan: &Plan, world: &World) -> Result<()> {
+    let spec = InputSpec {
+        channels: info.meta.channels as i64,
+        height: info.meta.height as i64,
+        width: info.meta.width as i64,
+        classes: info.meta.classes as i64,
+    };
+    let what = || format!("--model {} on {} ({}x{}x{} images, {} classes)", args.model.name(), args.data.display(), spec.channels, spec.height, spec.width, spec.classes);
+    args.model.check_input(spec, plan.batch).map_err(|why| Error::usage(format!("{}: {why}", what())))?;
+    // Weights, gradients, momentum and a bucket buffer: 16 bytes per parameter per rank.
+    const BYTES_PER_PARAMETER: u128 = 16;
+    let parameters = args.model.parameters_for(spec);
+    let need = parameters * BYTES_PER_PARAMETER * world.local_size.max(1) as u128;
+    if let Some(available) = data::loader::memory_available() {
+        if need > available as u128 {
+            return Err(Error::usage(format!(
+                "{}: the model has {parameters} parameters ({}); at {BYTES_PER_PARAMETER} bytes each (weights, gradients, momentum, exchange buffer) for {} rank(s) that is {:.3e} bytes, more than the {:.1} GB this node has available",
+                what(),
+                args.model.largest_layer(spec),
+                world.local_size,
+                need as f64,
+                available as f64 / 1e9
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// What a checkpoint says about the run it belongs to.
