@@ -205,6 +205,15 @@ pub enum Verify {
     Allreduce,
 }
 
+/// A count of at least 1.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("expected at least 1 (with none there is nothing to time)".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("expected a count: {e}")),
+    }
+}
+
 /// Options of `hpc-train bench`.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -223,8 +232,8 @@ pub struct BenchArgs {
     /// Exact element counts instead of the sweep, comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub counts: Option<Vec<usize>>,
-    /// Timed iterations per size.
-    #[arg(long, default_value_t = 20)]
+    /// Timed iterations per size (at least 1: a row of no iterations would record a time of 0).
+    #[arg(long, default_value_t = 20, value_parser = at_least_one)]
     pub iters: usize,
     /// Untimed iterations first.
     #[arg(long, default_value_t = 5)]

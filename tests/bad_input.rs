@@ -265,3 +265,27 @@ fn a_fifo_as_data_is_refused_at_once() {
     let r = dir.join("r");
     expect_failure(&base(fifo.to_str().unwrap(), r.to_str().unwrap()), "is a FIFO (named pipe), not a regular file");
 }
+
+/// `bench --iters 0` appended rows of time 0, and `model fit` made a model of them in which
+/// every link cost nothing.
+#[test]
+fn a_bench_of_no_iterations_and_rows_of_no_time_are_refused() {
+    let dir = scratch("bad-bench");
+    let results = dir.join("r");
+    let run = hpc_train(&["bench", "--strategies", "ring", "--counts", "1000", "--iters", "0", "--results", results.to_str().unwrap()]);
+    assert!(!run.ok() && run.all_output().contains("invalid value '0' for '--iters <ITERS>': expected at least 1"), "{}", run.all_output());
+    assert!(!results.join("bench.jsonl").exists());
+    let bench = dir.join("bench.jsonl");
+    let row = |size: usize, time: f64| {
+        format!(
+            r#"{{"size":{size},"strategy":"ring","ranks":2,"nodes":1,"time_us":{time},"wrong":0,"type":"float","layout":"single","device":"cpu","memory_add_gbs":10.0}}"#
+        )
+    };
+    std::fs::write(&bench, [row(4096, 12.0), row(8192, 0.0), row(16384, 30.0)].join("\n")).unwrap();
+    let out = dir.join("model.json");
+    let run = hpc_train(&["model", "fit", "--bench", bench.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    assert!(!run.ok(), "{}", run.all_output());
+    let message = format!("{}:2: the ring row of 8192 bytes on 2 rank(s) has time_us 0, not a positive measurement", bench.display());
+    assert_eq!(run.all_output().matches(&message).count(), 1, "{}", run.all_output());
+    assert!(!out.exists());
+}
