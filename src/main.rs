@@ -5,8 +5,6 @@
 
 use std::io::Write;
 
-use clap::Parser;
-
 mod bench;
 mod checkpoint;
 mod cli;
@@ -33,7 +31,7 @@ use topology::World;
 
 fn main() {
     raw::keep_freed_memory();
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::parse_noting_given() {
         Ok(cli) => cli,
         Err(e) => {
             // Before MPI starts, only the launcher's rank number says who should print.
@@ -67,7 +65,10 @@ fn main() {
     let result = match &cli.command {
         None => {
             let context = train::RunContext { study: cli.train.study_tag.clone() };
-            train::run(&world, &cli.train, &context).map(|_| ())
+            world
+                .agree(cli.train.check_unused_options(&[cli.train.strategy]))
+                .map(|warnings| log_warnings(&world, &warnings))
+                .and_then(|()| train::run(&world, &cli.train, &context).map(|_| ()))
         }
         Some(Command::Study(args)) => study::run(&world, args),
         Some(Command::Bench(args)) => bench::run(&world, args),
@@ -124,6 +125,15 @@ fn main() {
     }
     drop(universe); // MPI_Finalize
     std::process::exit(code);
+}
+
+/// Warnings every rank computed alike, logged once.
+pub fn log_warnings(world: &World, warnings: &[String]) {
+    if world.is_root() {
+        for w in warnings {
+            log::warn!("{w}");
+        }
+    }
 }
 
 fn run_data(cmd: &DataCommand) -> Result<()> {

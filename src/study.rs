@@ -54,6 +54,8 @@ pub fn parse_strategies(list: &str) -> Result<Vec<StrategyKind>> {
 pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
     let ranks = world.agree(parse_ranks(&args.ranks, world.size as usize))?;
     let strategies = world.agree(parse_strategies(&args.strategies))?;
+    // An option is fine when one strategy of the study reads it (each point gets them all).
+    crate::log_warnings(world, &world.agree(args.train.check_unused_options(&strategies))?);
     if args.train.scaling == Scaling::Strong && args.train.global_batch.is_none() {
         world.agree::<()>(Err(Error::usage("--scaling strong needs --global-batch (the samples per step at every point)")))?;
     }

@@ -206,6 +206,38 @@ fn sgd_settings_out_of_range_are_refused() {
     expect_failure(&negative_decay, "--weight-decay -100: expected a finite weight decay of 0 or more");
 }
 
+/// Options that the chosen strategy never reads were silently ignored (`--timeline` with ring
+/// wrote nothing). Refused, naming the option and the strategy; in a study an option read by
+/// one of its strategies is fine.
+#[test]
+fn options_the_strategy_does_not_read_are_refused() {
+    let dir = scratch("bad-unused");
+    let data = synth(&dir, "unused", 20, 2, "1x8x8", 2);
+    let (d, r) = (data.to_str().unwrap(), dir.join("r"));
+    let r = r.to_str().unwrap();
+    let timeline = dir.join("timeline.json");
+    let t = timeline.to_str().unwrap();
+    expect_failure(&with(d, r, &[("--strategy", "ring"), ("--timeline", t)]), "--timeline is an option of --strategy horovod; --strategy ring writes nothing");
+    assert!(!timeline.exists());
+    expect_failure(&with(d, r, &[("--strategy", "ring"), ("--compression", "fp16")]), "--compression is an option of --strategy horovod; --strategy ring would ignore it");
+    let sync_ps = [&with(d, r, &[("--strategy", "ps"), ("--max-staleness", "3")])[..], &["--ps-colocate"]].concat();
+    expect_failure(&sync_ps, "--max-staleness bounds asynchronous parameter servers");
+    // A study of ring and allreduce: nothing writes the timeline.
+    let study = |strategies: &str| {
+        let args = [
+            "study", "--ranks", "2", "--strategies", strategies, "--timeline", t,
+            "--model", "tiny", "--data", d, "--results", r, "--steps", "2", "--batch-size", "2",
+        ];
+        mpirun_env(RANKS, &args, &[], Duration::from_secs(120))
+    };
+    let run = study("ring,allreduce");
+    assert!(!run.ok() && !run.timed_out, "{}", run.all_output());
+    assert_eq!(run.all_output().matches("--timeline is an option of --strategy horovod; the strategies ring,allreduce writes nothing").count(), 1, "{}", run.all_output());
+    // With horovod in the study, the option is read: accepted, and the timeline written.
+    study("ring,horovod").expect_ok();
+    assert!(timeline.exists());
+}
+
 /// `--save-weights` pointing at the `--data` file overwrote the dataset.
 #[test]
 fn an_output_that_is_an_input_is_refused() {
