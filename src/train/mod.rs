@@ -63,6 +63,12 @@ struct Run<'a> {
     total_steps: u64,
     /// The step of the checkpoint the run resumed from.
     resumed_at: Option<u64>,
+    /// The dataset's content fingerprint (rank 0, with --checkpoint-dir), recorded in checkpoints.
+    dataset_fingerprint: String,
+    /// Rank 0: which checkpoints were written and which failed.
+    checkpoints: setup::CheckpointLog,
+    /// Rank 0: the checkpoint folder's lock, held until the run ends.
+    _checkpoint_lock: Option<crate::checkpoint::FolderLock>,
 }
 
 /// What training leaves for the record.

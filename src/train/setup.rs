@@ -68,8 +68,14 @@ impl<'a> Run<'a> {
         // Every parameter gets a gradient, so that every rank exchanges the same set.
         optim::define_grads(&net.params)?;
 
-        // The checkpoint to continue from, and whether anything is left to do.
-        let now = checkpoint_meta(args, world, &plan, &info, steps_per_epoch, 0, 0);
+        // The checkpoint folder, held for this run alone; the checkpoint to continue from, and
+        // whether anything is left to do.
+        let checkpoint_lock = world.agree(lock_checkpoint_dir(world, args))?;
+        let dataset_fingerprint = world.agree(match (&args.checkpoint_dir, world.is_root()) {
+            (Some(_), true) => data::fingerprint(&info, &labels),
+            _ => Ok(String::new()),
+        })?;
+        let now = checkpoint_meta(args, world, &plan, &info, &dataset_fingerprint, steps_per_epoch, 0, 0);
         let resume_from = world.agree(find_resume_point(world, args, &now))?;
         let first_step = broadcast_step(&world.comm, resume_from.as_ref().map(|c| c.meta.step)).unwrap_or(0);
         if first_step > 0 && first_step >= total_steps {
@@ -109,6 +115,8 @@ impl<'a> Run<'a> {
         let run = Run {
             world, args, plan, info, labels, cache_data, spec, net, exchange, sgd, overlap, faults, stop, workers_comm, worker, workers,
             global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),
+            dataset_fingerprint, checkpoints: CheckpointLog { newest_good: resume_from.as_ref().map(|c| c.meta.step), failed: Vec::new() },
+            _checkpoint_lock: checkpoint_lock,
         };
         run.log_start();
         Ok(Some(run))
@@ -141,11 +149,76 @@ impl<'a> Run<'a> {
         self.args.checkpoint_dir.is_some() && last_step % self.args.checkpoint_every == 0
     }
 
-    /// A checkpoint after `last_step` (every worker takes part; rank 0 writes it).
+    /// A checkpoint after `last_step` (every worker takes part; rank 0 writes it). A write that
+    /// fails on rank 0 ends the run there when this run has no earlier checkpoint to continue
+    /// from; otherwise it is logged and counted, and the run ends non-zero (see `record`).
     pub(super) fn save_checkpoint(&mut self, last_step: u64) -> Result<()> {
         let Some(dir) = &self.args.checkpoint_dir else { return Ok(()) };
-        let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, self.steps_per_epoch, last_step, self.sgd.steps());
-        save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.sgd, meta)
+        let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, last_step, self.sgd.steps());
+        match save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.sgd, meta)? {
+            Some(written) => self.checkpoints.note(dir, last_step, written),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Rank 0's account of the run's checkpoints.
+#[derive(Debug, Default)]
+pub(super) struct CheckpointLog {
+    /// The newest checkpoint this run can continue from: written by it, or resumed from.
+    pub(super) newest_good: Option<u64>,
+    /// Steps whose checkpoint could not be written.
+    pub(super) failed: Vec<u64>,
+}
+
+impl CheckpointLog {
+    /// Takes note of rank 0's write of the checkpoint after `step`.
+    fn note(&mut self, dir: &Path, step: u64, written: Result<std::path::PathBuf>) -> Result<()> {
+        match (written, self.newest_good) {
+            (Ok(path), _) => {
+                log::info!("checkpoint at step {step}: {}", path.display());
+                self.newest_good = Some(step);
+                Ok(())
+            }
+            // Training on would only spend the allocation on steps that nothing keeps.
+            (Err(e), None) => Err(Error::Checkpoint {
+                path: dir.to_path_buf(),
+                reason: format!("the checkpoint at step {step} could not be written ({e}), and this run has no earlier one to continue from: stopping"),
+            }),
+            (Err(e), Some(good)) => {
+                log::error!("checkpoint at step {step} failed ({e}); the newest good one is at step {good}; training goes on, and the run will end non-zero");
+                self.failed.push(step);
+                Ok(())
+            }
+        }
+    }
+
+    /// The error a run with failed checkpoints ends with (rank 0), once its record is written.
+    pub(super) fn verdict(&self, dir: &Path) -> Result<()> {
+        match (self.failed.as_slice(), self.newest_good) {
+            ([], _) => Ok(()),
+            (failed, good) => Err(Error::Checkpoint {
+                path: dir.to_path_buf(),
+                reason: format!(
+                    "{} checkpoint(s) could not be written (after step(s) {}); --resume continues from the newest good one, at step {}",
+                    failed.len(),
+                    failed.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", "),
+                    good.map_or("?".into(), |g| g.to_string())
+                ),
+            }),
+        }
+    }
+}
+
+/// Rank 0 takes the checkpoint folder's lock for the run (None without --checkpoint-dir and on
+/// the other ranks), after checking that it can write there.
+fn lock_checkpoint_dir(world: &World, args: &TrainArgs) -> Result<Option<checkpoint::FolderLock>> {
+    match (&args.checkpoint_dir, world.is_root()) {
+        (Some(dir), true) => {
+            checkpoint::check_writable(dir)?;
+            checkpoint::FolderLock::take(dir).map(Some)
+        }
+        _ => Ok(None),
     }
 }
 
@@ -180,13 +253,15 @@ fn check_model_fits(args: &TrainArgs, info: &DatasetInfo, plan: &Plan, world: &W
 }
 
 /// What a checkpoint says about the run it belongs to.
-fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info: &DatasetInfo, steps_per_epoch: u64, step: u64, optimizer_steps: u64) -> CheckpointMeta {
+#[allow(clippy::too_many_arguments)]
+fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info: &DatasetInfo, fingerprint: &str, steps_per_epoch: u64, step: u64, optimizer_steps: u64) -> CheckpointMeta {
     CheckpointMeta {
         format: 0,
         step,
         steps_per_epoch,
         model: args.model.name().into(),
         dataset: info.meta.name.clone(),
+        dataset_fingerprint: fingerprint.into(),
         train_samples: info.train.len,
         image_shape: vec![info.meta.channels, info.meta.height, info.meta.width],
         classes: info.meta.classes,
@@ -670,10 +745,7 @@ pub(super) fn broadcast_step(comm: &SimpleCommunicator, step: Option<u64>) -> Op
 /// Rank 0 finds the newest complete checkpoint when `--resume` is given and checks that this
 /// run may continue from it.
 pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &CheckpointMeta) -> Result<Option<Checkpoint>> {
-    if let Some(dir) = &args.checkpoint_dir {
-        if world.is_root() {
-            checkpoint::check_writable(dir)?;
-        }
+    if args.checkpoint_dir.is_some() {
         if args.ps.ps_mode == crate::exchange::ps::PsMode::Async && args.strategy == exchange::StrategyKind::Ps {
             return Err(Error::usage(
                 "--checkpoint-dir with --ps-mode async: asynchronous servers hold no state consistent across ranks at any step; checkpoint a synchronous run",
@@ -743,8 +815,8 @@ pub(super) fn restore(world: &World, found: Option<&Checkpoint>, net: &mut Net, 
     exchange.restore_optimizer(&net.params, momentum, steps as u64, sgd)
 }
 
-/// Collects the optimizer state (every worker takes part) and has rank 0 write the checkpoint.
-/// A failed write is logged and training goes on: the previous checkpoint is intact.
+/// Collects the optimizer state (every worker takes part) and has rank 0 write the checkpoint:
+/// rank 0 returns how its write went (the folder written, or why not), the others None.
 pub(super) fn save_checkpoint(
     world: &World,
     dir: &Path,
@@ -753,20 +825,15 @@ pub(super) fn save_checkpoint(
     exchange: &mut dyn Exchange,
     sgd: &Sgd,
     meta: CheckpointMeta,
-) -> Result<()> {
+) -> Result<Option<Result<std::path::PathBuf>>> {
     // Collective where the state is sharded (ZeRO) or held by servers.
     let momentum = crate::watchdog::collective("gathering the optimizer state", &world.comm, || exchange.optimizer_state(&net.params, sgd))?;
     if !world.is_root() {
-        return Ok(());
+        return Ok(None);
     }
     let momentum = momentum.ok_or_else(|| Error::exchange("checkpoint", "rank 0 received no optimizer state"))?;
     let named_momentum: Vec<(String, Tensor)> = net.param_names.iter().cloned().zip(momentum).collect();
-    let step = meta.step;
-    match checkpoint::save(dir, meta, &net.named_variables(), &named_momentum, keep) {
-        Ok(path) => log::info!("checkpoint at step {step}: {}", path.display()),
-        Err(e) => log::error!("checkpoint at step {step} failed, training goes on (the previous one is intact): {e}"),
-    }
-    Ok(())
+    Ok(Some(checkpoint::save(dir, meta, &net.named_variables(), &named_momentum, keep)))
 }
 
 /// Compares the run's configuration across ranks before any training: every rank must run the
@@ -867,7 +934,6 @@ pub(super) fn save_weights(net: &Net, path: &Path) -> Result<()> {
     let tmp = path.with_extension("safetensors.tmp");
     results::replace_via_temp(path, &tmp, |tmp| Ok(Tensor::write_safetensors(&vars, tmp)?))
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -928,5 +994,23 @@ mod tests {
         let err = check_outputs_are_not_inputs(&train_args(&["--data", d, "--cost-model", model.to_str().unwrap(), "--save-weights", model.to_str().unwrap()])).unwrap_err().to_string();
         assert!(err.contains("the --cost-model file"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn failed_checkpoints_end_the_run_without_an_earlier_one_and_are_counted_with_one() {
+        let dir = Path::new("/ckpt");
+        let full = || Err(Error::io("/ckpt/x", std::io::Error::from(std::io::ErrorKind::StorageFull)));
+        let mut fresh = CheckpointLog::default();
+        let err = fresh.note(dir, 5, full()).unwrap_err().to_string();
+        assert!(err.contains("could not be written") && err.contains("no earlier one to continue from"), "{err}");
+
+        let mut log = CheckpointLog::default();
+        log.note(dir, 5, Ok("/ckpt/ckpt-5".into())).unwrap();
+        log.note(dir, 10, full()).unwrap();
+        log.note(dir, 15, full()).unwrap();
+        assert_eq!((log.newest_good, log.failed.clone()), (Some(5), vec![10, 15]));
+        let err = log.verdict(dir).unwrap_err().to_string();
+        assert!(err.contains("2 checkpoint(s) could not be written (after step(s) 10, 15)") && err.contains("at step 5"), "{err}");
+        assert!(CheckpointLog { newest_good: Some(3), failed: vec![] }.verdict(dir).is_ok());
     }
 }
