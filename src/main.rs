@@ -96,6 +96,12 @@ fn main() {
 
     let code = match result {
         Ok(()) => 0,
+        // A run stopped by a signal: rank 0 said where and what was saved.
+        Err(Error::Stopped { checkpointed }) => stopped_code(checkpointed),
+        Err(Error::Agreed(e)) if matches!(*e, Error::Stopped { .. }) => match *e {
+            Error::Stopped { checkpointed } => stopped_code(checkpointed),
+            _ => unreachable!("matched above"),
+        },
         Err(Error::Reported(rank)) => {
             log::debug!("exiting after the error reported by rank {rank}");
             1
@@ -125,6 +131,13 @@ fn main() {
     }
     drop(universe); // MPI_Finalize
     std::process::exit(code);
+}
+
+/// The exit status of a run stopped by a signal before its last step: `EXIT_STOPPED` when a
+/// checkpoint holds the step where it stopped (a job script may requeue it with --resume), 1
+/// when nothing was saved.
+fn stopped_code(checkpointed: bool) -> i32 {
+    if checkpointed { train::EXIT_STOPPED } else { 1 }
 }
 
 /// Warnings every rank computed alike, logged once.

@@ -46,7 +46,8 @@ fn sigterm_then_resume(strategy: &[&str], ranks: usize, name: &str) {
     }
     let (code, _) = wait_limited(&mut child, Duration::from_secs(60)).expect("the interrupted run ended");
     let text = std::fs::read_to_string(&log).unwrap();
-    assert_eq!(code, Some(0), "{text}");
+    // Stopped before its last step, its state in a checkpoint: 143, as a job a signal ended.
+    assert_eq!(code, Some(143), "{text}");
     let stopped: u64 = text
         .split("stopped by a signal after step ")
         .nth(1)
@@ -371,6 +372,54 @@ fn the_exchange_watchdog_ends_a_hung_exchange() {
     let mut args = base(&d, &r, &["--strategy", "ring", "--exchange-timeout-s", "5"]);
     args.extend(["--steps", "8"]);
     mpirun_env(3, &args, &[("HPC_TRAIN_FAULT", "stall@1:5:2")], Duration::from_secs(90)).expect_ok();
+}
+
+/// A signal that stops a run before its last step made it exit 0, as if it had finished (and,
+/// without --checkpoint-dir, advised --resume though nothing was saved). Now: 143 once the
+/// checkpoint of the step where it stopped is written, 1 when nothing was saved. A run holds
+/// its checkpoint folder: a second job on the same folder (which would prune and replace the
+/// first one's checkpoints) is refused at start, naming the holder.
+#[test]
+fn a_stopped_run_says_what_it_saved_in_its_exit_status_and_holds_its_folder() {
+    let dir = scratch("stop-codes");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let ckpt = dir.join("ckpt");
+    let started = |log: &Path| std::fs::read_to_string(log).unwrap_or_default().contains("steps 0..");
+
+    let mut args = base(&d, &r, &["--strategy", "allreduce"]);
+    args.extend(["--steps", "100000", "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "100000"]);
+    let log = dir.join("first.log");
+    let mut child = spawn_mpirun(2, &args, &[], &log);
+    wait_until(Duration::from_secs(60), "training to start", || started(&log));
+    let second = mpirun_env(2, &args, &[], Duration::from_secs(60));
+    assert!(!second.ok() && second.elapsed < Duration::from_secs(20), "{}", second.all_output());
+    let holder = format!("in use by another run (pid {} on ", rank_pids(child.id())[0]);
+    assert_eq!(second.all_output().matches(&holder).count(), 1, "{}", second.all_output());
+    for pid in rank_pids(child.id()) {
+        signal(pid, "TERM");
+    }
+    let (code, _) = wait_limited(&mut child, Duration::from_secs(60)).expect("the stopped run ended");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(code, Some(143), "{text}");
+    let saved = checkpoint_steps(&ckpt);
+    assert_eq!(saved.len(), 1, "{text}");
+    assert!(text.contains(&format!("stopped by a signal after step {} of 100000; checkpoint at step {} in ", saved[0], saved[0])) && text.contains("continue with --resume"), "{text}");
+
+    // Without a checkpoint folder nothing is kept: said so, no advice to resume, exit 1.
+    let mut args = base(&d, &r, &["--strategy", "allreduce"]);
+    args.extend(["--steps", "100000"]);
+    let log = dir.join("unsaved.log");
+    let mut child = spawn_mpirun(2, &args, &[], &log);
+    wait_until(Duration::from_secs(60), "training to start", || started(&log));
+    for pid in rank_pids(child.id()) {
+        signal(pid, "USR1");
+    }
+    let (code, _) = wait_limited(&mut child, Duration::from_secs(60)).expect("the stopped run ended");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("; nothing was saved (no --checkpoint-dir) and no record written"), "{text}");
+    assert!(!text.contains("--resume"), "{text}");
 }
 
 /// Checkpoints that could not be written (a full disk) were logged as "the previous one is
