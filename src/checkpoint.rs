@@ -244,7 +244,8 @@ pub fn find_latest(root: &Path) -> Result<Option<Checkpoint>> {
 }
 
 /// The lock a run holds on its checkpoint folder for as long as it runs (released when dropped,
-/// or by the kernel when the process ends, however it ends).
+/// or by the kernel when the process ends, however it ends). Where the file system refuses
+/// flock, the run goes on without it, with a warning.
 #[derive(Debug)]
 pub struct FolderLock {
     _file: std::fs::File,
@@ -274,7 +275,12 @@ impl FolderLock {
                     "in use by another run ({holder}): two runs writing one folder remove and replace each other's checkpoints; give each run its own --checkpoint-dir"
                 )));
             }
-            Err(std::fs::TryLockError::Error(e)) => return Err(refuse(format!("cannot lock {LOCK_FILE}: {e}"))),
+            // Some parallel file systems refuse flock (Lustre mounted without `flock`: ENOSYS).
+            // The lock guards against a mistake; without it the run goes on, unguarded, and says so.
+            Err(std::fs::TryLockError::Error(e)) => {
+                log::warn!("{}: cannot lock {LOCK_FILE} ({e}); a second run sharing this folder would not be detected", root.display());
+                return Ok(FolderLock { _file: file });
+            }
         }
         // Who holds it, for the message the next run gets; the lock, not this text, decides.
         let me = format!("pid {} on {}, since {}\n", std::process::id(), crate::raw::hostname(), crate::results::timestamp());
