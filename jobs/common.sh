@@ -25,6 +25,8 @@
 # | EXTRA_ARGS        | (unset)                                   | more hpc-train options for every run |
 # | STUDY_ID          | <job name>-<job id>                       | tags the runs; the report selects them |
 
+# A point that fails ends the script (set -e), and so does one a signal stopped: hpc-train
+# exits 143 when it stopped before its last step (1 when nothing was saved), see jobs/README.md.
 set -euo pipefail
 
 # Site modules: edit for your cluster (these are typical names).

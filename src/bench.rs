@@ -256,6 +256,7 @@ impl MemoryBound {
 
 pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
     let strategies = world.agree(crate::study::parse_strategies(&args.strategies))?;
+    crate::log_warnings(world, &world.agree(crate::cli::check_strategy_options(&args.given, &strategies, &args.ps))?);
     let elem = args.dtype.size();
     let counts = world.agree(sweep_counts(args, elem))?;
     // The node's ranks may share a GPU here (the bench measures the exchange, and tests run

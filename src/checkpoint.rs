@@ -5,14 +5,21 @@
 //! - `weights.safetensors`: every model variable by its torchvision name (loadable with
 //!   `safetensors.torch.load_file` and `model.load_state_dict`),
 //! - `optimizer.safetensors`: the SGD momentum buffer of every parameter, by parameter name,
-//! - `meta.json`: the step, what the run was (model, dataset, strategy, ranks, batch, seed,
-//!   optimizer settings, binary) and the size and CRC-32 of each file.
+//! - `meta.json`: the step, what the run was (model, dataset and its content fingerprint,
+//!   strategy, ranks, batch, seed, optimizer settings, binary) and the size and CRC-32 of each
+//!   file,
+//! - `meta.crc32`: the size and CRC-32 of `meta.json` itself, so that an edited step or
+//!   setting is found like a damaged weight file.
 //!
 //! Rank 0 writes it into a hidden `.ckpt-<step>.partial` folder, syncs every file, and renames
 //! the folder into place: an interrupted write leaves at most a partial folder that `--resume`
-//! never looks at. A damaged complete checkpoint (a file truncated or changed afterwards) fails
-//! its checks and the previous one is used. The data order needs no state of its own: it is a
-//! function of the seed, the epoch and the step.
+//! never looks at (a write that fails, on a full disk, removes it). A damaged complete
+//! checkpoint (a file truncated or changed afterwards) fails its checks and the previous one is
+//! used. The data order needs no state of its own: it is a function of the seed, the epoch and
+//! the step.
+//!
+//! A run holds a lock (flock) on `.lock` in the folder while it runs, naming its process and
+//! host there: two runs sharing a folder would prune and replace each other's checkpoints.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -27,7 +34,13 @@ use crate::optim::SgdConfig;
 pub const META_FILE: &str = "meta.json";
 pub const WEIGHTS_FILE: &str = "weights.safetensors";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-const FORMAT: u32 = 1;
+/// The size and CRC-32 of meta.json (format 2 on).
+pub const META_CHECK_FILE: &str = "meta.crc32";
+pub const LOCK_FILE: &str = ".lock";
+/// 2: meta.json covered by meta.crc32, the dataset's fingerprint recorded. Format 1 (neither)
+/// is still read.
+const FORMAT: u32 = 2;
+const OLDEST_FORMAT: u32 = 1;
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct FileCheck {
@@ -43,6 +56,9 @@ pub struct CheckpointMeta {
     pub steps_per_epoch: u64,
     pub model: String,
     pub dataset: String,
+    /// [`crate::data::fingerprint`] of the dataset (empty in format 1).
+    #[serde(default)]
+    pub dataset_fingerprint: String,
     pub train_samples: usize,
     pub image_shape: Vec<usize>,
     pub classes: usize,
@@ -99,12 +115,24 @@ pub fn check_writable(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes a checkpoint (rank 0), then removes all but the newest `keep` complete ones.
-pub fn save(root: &Path, mut meta: CheckpointMeta, weights: &[(String, Tensor)], momentum: &[(String, Tensor)], keep: usize) -> Result<PathBuf> {
-    let final_dir = root.join(folder_name(meta.step));
+/// Writes a checkpoint (rank 0), then removes all but the newest `keep` complete ones. A write
+/// that fails leaves no partial folder behind.
+pub fn save(root: &Path, meta: CheckpointMeta, weights: &[(String, Tensor)], momentum: &[(String, Tensor)], keep: usize) -> Result<PathBuf> {
     let partial = root.join(format!(".{}.partial", folder_name(meta.step)));
     let _ = std::fs::remove_dir_all(&partial);
-    std::fs::create_dir_all(&partial).at(&partial)?;
+    let saved = write_complete(root, &partial, meta, weights, momentum);
+    if saved.is_err() {
+        let _ = std::fs::remove_dir_all(&partial);
+    }
+    let final_dir = saved?;
+    prune(root, keep);
+    Ok(final_dir)
+}
+
+/// Writes the checkpoint into `partial`, then moves it into place.
+fn write_complete(root: &Path, partial: &Path, mut meta: CheckpointMeta, weights: &[(String, Tensor)], momentum: &[(String, Tensor)]) -> Result<PathBuf> {
+    let final_dir = root.join(folder_name(meta.step));
+    std::fs::create_dir_all(partial).at(partial)?;
     let host = |list: &[(String, Tensor)]| -> Result<Vec<(String, Tensor)>> {
         list.iter().map(|(n, t)| Ok((n.clone(), t.f_to_device(tch::Device::Cpu)?.f_contiguous()?))).collect()
     };
@@ -117,18 +145,25 @@ pub fn save(root: &Path, mut meta: CheckpointMeta, weights: &[(String, Tensor)],
     meta.format = FORMAT;
     let meta_path = partial.join(META_FILE);
     let text = serde_json::to_string_pretty(&meta).map_err(|e| Error::Checkpoint { path: meta_path.clone(), reason: e.to_string() })?;
-    let mut f = std::fs::File::create(&meta_path).at(&meta_path)?;
-    f.write_all(text.as_bytes()).and_then(|_| f.sync_all()).at(&meta_path)?;
-    sync_dir(&partial);
+    write_synced(&meta_path, text.as_bytes())?;
+    let check = FileCheck { bytes: text.len() as u64, crc32: crc32fast::hash(text.as_bytes()) };
+    let check_path = partial.join(META_CHECK_FILE);
+    let check_text = serde_json::to_string(&check).map_err(|e| Error::Checkpoint { path: check_path.clone(), reason: e.to_string() })?;
+    write_synced(&check_path, check_text.as_bytes())?;
+    sync_dir(partial);
     if final_dir.exists() {
         // The same step saved again (a resumed run reaching it): replace it only now that the
         // new one is complete.
         std::fs::remove_dir_all(&final_dir).at(&final_dir)?;
     }
-    std::fs::rename(&partial, &final_dir).at(&final_dir)?;
+    std::fs::rename(partial, &final_dir).at(&final_dir)?;
     sync_dir(root);
-    prune(root, keep);
     Ok(final_dir)
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = std::fs::File::create(path).at(path)?;
+    f.write_all(bytes).and_then(|_| f.sync_all()).at(path)
 }
 
 /// Removes complete checkpoints beyond the newest `keep` (never the only good one).
@@ -157,9 +192,25 @@ pub fn verify(dir: &Path) -> Result<Checkpoint> {
     let bad = |reason: String| Error::Checkpoint { path: dir.to_path_buf(), reason };
     let meta_path = dir.join(META_FILE);
     let text = std::fs::read_to_string(&meta_path).map_err(|e| bad(format!("{META_FILE}: {e}")))?;
+    let check_path = dir.join(META_CHECK_FILE);
+    let covered = match std::fs::read_to_string(&check_path) {
+        Ok(check) => {
+            let expected: FileCheck = serde_json::from_str(&check).map_err(|e| bad(format!("{META_CHECK_FILE}: {e}")))?;
+            if expected.bytes != text.len() as u64 || expected.crc32 != crc32fast::hash(text.as_bytes()) {
+                return Err(bad(format!("{META_FILE} fails its CRC-32 check (edited or damaged)")));
+            }
+            true
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return Err(bad(format!("{META_CHECK_FILE}: {e}"))),
+    };
     let meta: CheckpointMeta = serde_json::from_str(&text).map_err(|e| bad(format!("{META_FILE}: {e}")))?;
-    if meta.format != FORMAT {
-        return Err(bad(format!("format {} (this binary reads format {FORMAT})", meta.format)));
+    if !(OLDEST_FORMAT..=FORMAT).contains(&meta.format) {
+        return Err(bad(format!("format {} (this binary reads formats {OLDEST_FORMAT} to {FORMAT})", meta.format)));
+    }
+    // From format 2 on, meta.json has its own check: one without it lost it.
+    if meta.format >= 2 && !covered {
+        return Err(bad(format!("{META_CHECK_FILE} is missing (damaged)")));
     }
     for file in [WEIGHTS_FILE, OPTIMIZER_FILE] {
         let expected = meta.files.get(file).ok_or_else(|| bad(format!("{META_FILE} lists no {file}")))?;
@@ -192,6 +243,52 @@ pub fn find_latest(root: &Path) -> Result<Option<Checkpoint>> {
     Ok(None)
 }
 
+/// The lock a run holds on its checkpoint folder for as long as it runs (released when dropped,
+/// or by the kernel when the process ends, however it ends). Where the file system refuses
+/// flock, the run goes on without it, with a warning.
+#[derive(Debug)]
+pub struct FolderLock {
+    _file: std::fs::File,
+}
+
+impl FolderLock {
+    /// Takes the lock on `root` (created if needed), or says which run holds it.
+    pub fn take(root: &Path) -> Result<FolderLock> {
+        use std::io::Read;
+        let refuse = |reason: String| Error::Checkpoint { path: root.to_path_buf(), reason };
+        std::fs::create_dir_all(root).map_err(|e| refuse(format!("cannot create the folder: {e}")))?;
+        let path = root.join(LOCK_FILE);
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| refuse(format!("cannot open {LOCK_FILE}: {e}")))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                let holder = if holder.trim().is_empty() { "which did not say who it is".to_string() } else { holder.trim().to_string() };
+                return Err(refuse(format!(
+                    "in use by another run ({holder}): two runs writing one folder remove and replace each other's checkpoints; give each run its own --checkpoint-dir"
+                )));
+            }
+            // Some parallel file systems refuse flock (Lustre mounted without `flock`: ENOSYS).
+            // The lock guards against a mistake; without it the run goes on, unguarded, and says so.
+            Err(std::fs::TryLockError::Error(e)) => {
+                log::warn!("{}: cannot lock {LOCK_FILE} ({e}); a second run sharing this folder would not be detected", root.display());
+                return Ok(FolderLock { _file: file });
+            }
+        }
+        // Who holds it, for the message the next run gets; the lock, not this text, decides.
+        let me = format!("pid {} on {}, since {}\n", std::process::id(), crate::raw::hostname(), crate::results::timestamp());
+        file.set_len(0).and_then(|()| file.write_all(me.as_bytes())).map_err(|e| refuse(format!("cannot write {LOCK_FILE}: {e}")))?;
+        Ok(FolderLock { _file: file })
+    }
+}
+
 /// Weights and momentum buffers of a checkpoint, by name.
 pub fn load(ckpt: &Checkpoint) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, Tensor>)> {
     let read = |file: &str| -> Result<BTreeMap<String, Tensor>> {
@@ -215,6 +312,16 @@ pub fn check_compatible(saved: &CheckpointMeta, now: &CheckpointMeta) -> std::re
             &(&now.dataset, now.train_samples, &now.image_shape),
         );
     }
+    let mut accepted = Vec::new();
+    match (saved.dataset_fingerprint.as_str(), now.dataset_fingerprint.as_str()) {
+        ("", _) => accepted.push("the checkpoint records no dataset fingerprint (format 1, an older binary): the dataset's content is not checked".to_string()),
+        (a, b) if a != b => {
+            return Err(format!(
+                "it was made with another dataset of the same name and size (content fingerprint {a}; {b} for this run's file)"
+            ))
+        }
+        _ => {}
+    }
     if saved.global_batch != now.global_batch {
         return Err(format!(
             "it was made with a global batch of {}, this run uses {} (the data order and the optimizer's trajectory depend on it; keep the global batch, e.g. with --scaling strong --global-batch {})",
@@ -224,11 +331,13 @@ pub fn check_compatible(saved: &CheckpointMeta, now: &CheckpointMeta) -> std::re
     if saved.seed != now.seed {
         return refuse("seed", &saved.seed, &now.seed);
     }
-    let averaging = |s: &str| matches!(s, "ring" | "allreduce" | "horovod" | "ps");
-    if saved.strategy != now.strategy && !(averaging(&saved.strategy) && averaging(&now.strategy)) {
+    // Every synchronous strategy computes the same update from the same weights and momentum,
+    // and none holds state of its own between steps (ZeRO's shards and the servers' momentum
+    // are gathered into the checkpoint): any may continue another's checkpoint.
+    let synchronous = |s: &str| matches!(s, "ring" | "rhd" | "auto" | "allreduce" | "horovod" | "ps");
+    if saved.strategy != now.strategy && !(synchronous(&saved.strategy) && synchronous(&now.strategy)) {
         return refuse("strategy", &saved.strategy, &now.strategy);
     }
-    let mut accepted = Vec::new();
     if saved.strategy != now.strategy {
         accepted.push(format!("strategy {} -> {} (synchronous strategies compute the same update)", saved.strategy, now.strategy));
     }
@@ -255,6 +364,7 @@ mod tests {
             steps_per_epoch: 10,
             model: "tiny".into(),
             dataset: "d".into(),
+            dataset_fingerprint: "fnv1a64:0000000000000001".into(),
             train_samples: 100,
             image_shape: vec![1, 8, 8],
             classes: 3,
@@ -334,5 +444,60 @@ mod tests {
         assert!(check_compatible(&saved, &bigger_batch).unwrap_err().contains("global batch"));
         let ps = CheckpointMeta { strategy: "horovod".into(), ..meta(0) };
         assert!(check_compatible(&saved, &ps).unwrap()[0].contains("strategy"));
+        // rhd and auto hold no state of their own: resumable like the others, both ways.
+        for strategy in ["rhd", "auto"] {
+            let other = CheckpointMeta { strategy: strategy.into(), ..meta(0) };
+            assert!(check_compatible(&saved, &other).unwrap()[0].contains(&format!("strategy ring -> {strategy}")));
+            assert!(check_compatible(&CheckpointMeta { step: 10, ..other.clone() }, &meta(0)).is_ok());
+        }
+        // Another file of the same name and size: its content fingerprint differs.
+        let other_content = CheckpointMeta { dataset_fingerprint: "fnv1a64:0000000000000002".into(), ..meta(0) };
+        assert!(check_compatible(&saved, &other_content).unwrap_err().contains("another dataset of the same name and size"));
+        // A format-1 checkpoint has no fingerprint: accepted, and said.
+        let old = CheckpointMeta { dataset_fingerprint: String::new(), ..meta(10) };
+        assert!(check_compatible(&old, &meta(0)).unwrap()[0].contains("no dataset fingerprint"));
+    }
+
+    #[test]
+    fn an_edited_meta_json_is_refused() {
+        let root = scratch("edited");
+        let w = vec![("a".to_string(), Tensor::from_slice(&[1.0f32]))];
+        save(&root, meta(4), &w, &w, 5).unwrap();
+        save(&root, meta(8), &w, &w, 5).unwrap();
+        let meta_path = root.join(folder_name(8)).join(META_FILE);
+        let text = std::fs::read_to_string(&meta_path).unwrap();
+        std::fs::write(&meta_path, text.replace("\"step\": 8,", "\"step\": 9,")).unwrap();
+        let err = verify(&root.join(folder_name(8))).unwrap_err().to_string();
+        assert!(err.contains("meta.json fails its CRC-32 check (edited or damaged)"), "{err}");
+        assert_eq!(find_latest(&root).unwrap().unwrap().meta.step, 4, "the edited one is skipped");
+        // Without its check file, a format-2 meta.json is damaged too.
+        std::fs::remove_file(root.join(folder_name(4)).join(META_CHECK_FILE)).unwrap();
+        assert!(verify(&root.join(folder_name(4))).unwrap_err().to_string().contains("meta.crc32 is missing"));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_failed_write_leaves_no_partial_folder() {
+        let root = scratch("failed");
+        std::fs::create_dir_all(&root).unwrap();
+        // A file where the checkpoint's folder must go: the final rename fails.
+        std::fs::write(root.join(folder_name(3)), b"in the way").unwrap();
+        let w = vec![("a".to_string(), Tensor::from_slice(&[1.0f32]))];
+        assert!(save(&root, meta(3), &w, &w, 5).is_err());
+        let left: Vec<String> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(left, vec![folder_name(3)], "only what was there before");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn one_run_at_a_time_holds_a_folder() {
+        let root = scratch("lock");
+        let held = FolderLock::take(&root).unwrap();
+        // flock locks belong to the open file: a second open conflicts, in this process too.
+        let err = FolderLock::take(&root).unwrap_err().to_string();
+        assert!(err.contains(&format!("in use by another run (pid {} on ", std::process::id())), "{err}");
+        drop(held);
+        let _again = FolderLock::take(&root).unwrap();
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

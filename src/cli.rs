@@ -128,6 +128,20 @@ pub struct ProjectArgs {
 pub const DEFAULT_EXCHANGE_TIMEOUT_S: f64 = 300.0;
 
 impl Cli {
+    /// Parses the command line, noting which options it gave (see [`Given`]).
+    pub fn parse_noting_given() -> Result<Cli, clap::Error> {
+        use clap::{CommandFactory, FromArgMatches};
+        let matches = Cli::command().try_get_matches()?;
+        let mut cli = Cli::from_arg_matches(&matches)?;
+        match (&mut cli.command, matches.subcommand()) {
+            (None, _) => cli.train.given = Given::from_matches(&matches),
+            (Some(Command::Study(a)), Some((_, m))) => a.train.given = Given::from_matches(m),
+            (Some(Command::Bench(a)), Some((_, m))) => a.given = Given::from_matches(m),
+            _ => {}
+        }
+        Ok(cli)
+    }
+
     /// The MPI thread level this command needs: `MPI_THREAD_MULTIPLE` where a strategy runs a
     /// communication thread beside the main one (Horovod-style, colocated asynchronous
     /// parameter servers), else `MPI_THREAD_FUNNELED` (helper threads, such as the data
@@ -146,6 +160,104 @@ impl Cli {
         };
         if needs_thread { mpi::Threading::Multiple } else { mpi::Threading::Funneled }
     }
+}
+
+/// The options given on the command line (by clap id), apart from those left at their
+/// defaults: an option that the chosen strategy never reads is refused, not silently ignored.
+#[derive(Clone, Debug, Default)]
+pub struct Given(std::collections::BTreeSet<String>);
+
+impl Given {
+    pub fn from_matches(matches: &clap::ArgMatches) -> Given {
+        let given = |id: &&clap::Id| matches.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine);
+        Given(matches.ids().filter(given).map(|id| id.as_str().to_string()).collect())
+    }
+
+    /// For tests: the given options by id.
+    #[cfg(test)]
+    pub fn of(ids: &[&str]) -> Given {
+        Given(ids.iter().map(|s| s.to_string()).collect())
+    }
+
+    pub fn has(&self, id: &str) -> bool {
+        self.0.contains(id)
+    }
+}
+
+/// Options that only some strategies read: (clap id, flag, the strategies that read it).
+const STRATEGY_OPTIONS: &[(&str, &str, &[StrategyKind])] = {
+    use StrategyKind::*;
+    &[
+        ("cycle_time_ms", "--cycle-time-ms", &[Horovod]),
+        ("fusion_threshold_mb", "--fusion-threshold-mb", &[Horovod]),
+        ("compression", "--compression", &[Horovod]),
+        ("hierarchical", "--hierarchical", &[Horovod]),
+        ("timeline", "--timeline", &[Horovod]),
+        ("stall_warning_s", "--stall-warning-s", &[Horovod]),
+        ("servers", "--servers", &[Ps]),
+        ("ps_colocate", "--ps-colocate", &[Ps]),
+        ("ps_mode", "--ps-mode", &[Ps]),
+        ("max_staleness", "--max-staleness", &[Ps]),
+        ("ps_timeout_s", "--ps-timeout-s", &[Ps]),
+        ("cost_model", "--cost-model", &[Auto]),
+    ]
+};
+
+/// Tuning options that most strategies read: one given for a run none of whose strategies reads
+/// it is warned about (once, on rank 0), not refused, since scripts pass them to every run.
+const TUNING_OPTIONS: &[(&str, &str, &[StrategyKind])] = {
+    use StrategyKind::*;
+    &[
+        ("segment_kb", "--segment-kb", &[Ring, Rhd, Auto]),
+        ("ring_transport", "--ring-transport", &[Ring, Auto]),
+        ("bucket_mb", "--bucket-mb", &[Ring, Rhd, Auto, Allreduce, Horovod]),
+    ]
+};
+
+/// Horovod's environment variables: read by Horovod-style runs only, and never a reason to
+/// refuse another run (a site may export them for every job).
+const HOROVOD_VARIABLES: &[&str] =
+    &["HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_HIERARCHICAL_ALLREDUCE", "HOROVOD_TIMELINE", "HOROVOD_STALL_CHECK_TIME_SECONDS"];
+
+/// Checks the options given against the strategies of the run (a study or a bench: all of its
+/// strategies; an option read by one of them is fine). Returns the warnings to log once;
+/// refuses an option that no strategy of the run reads, naming it and the strategies.
+pub fn check_strategy_options(given: &Given, strategies: &[StrategyKind], ps: &PsArgs) -> crate::error::Result<Vec<String>> {
+    let names = strategies.iter().map(|s| s.name()).collect::<Vec<_>>().join(",");
+    let run = if strategies.len() == 1 { format!("--strategy {names}") } else { format!("the strategies {names}") };
+    let readers = |of: &[StrategyKind]| of.iter().map(|s| s.name()).collect::<Vec<_>>().join(" or ");
+    for &(id, flag, of) in STRATEGY_OPTIONS {
+        if given.has(id) && !strategies.iter().any(|s| of.contains(s)) {
+            let what = if id == "timeline" { "writes nothing" } else { "would ignore it" };
+            return Err(crate::error::Error::usage(format!(
+                "{flag} is an option of --strategy {}; {run} {what}: drop it, or choose that strategy",
+                readers(of)
+            )));
+        }
+    }
+    if strategies.contains(&StrategyKind::Ps) {
+        if given.has("max_staleness") && ps.ps_mode != crate::exchange::ps::PsMode::Async {
+            return Err(crate::error::Error::usage(
+                "--max-staleness bounds asynchronous parameter servers; --ps-mode sync keeps every worker in step: drop it, or add --ps-mode async",
+            ));
+        }
+        if given.has("servers") && ps.ps_colocate {
+            return Err(crate::error::Error::usage(format!(
+                "--servers {} with --ps-colocate: colocated, every rank is a server; drop one of the two",
+                ps.servers
+            )));
+        }
+    }
+    for var in HOROVOD_VARIABLES {
+        if !strategies.contains(&StrategyKind::Horovod) && std::env::var_os(var).is_some() {
+            log::debug!("{var} is set; {run} does not read it (Horovod-style runs do)");
+        }
+    }
+    Ok(TUNING_OPTIONS
+        .iter()
+        .filter(|(id, _, of)| given.has(id) && !strategies.iter().any(|s| of.contains(s)))
+        .map(|(_, flag, of)| format!("{flag} is read by --strategy {}; {run} ignores it", readers(of)))
+        .collect())
 }
 
 /// Options of `hpc-train study`.
@@ -205,6 +317,15 @@ pub enum Verify {
     Allreduce,
 }
 
+/// A count of at least 1.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("expected at least 1 (with none there is nothing to time)".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("expected a count: {e}")),
+    }
+}
+
 /// Options of `hpc-train bench`.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -223,8 +344,8 @@ pub struct BenchArgs {
     /// Exact element counts instead of the sweep, comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub counts: Option<Vec<usize>>,
-    /// Timed iterations per size.
-    #[arg(long, default_value_t = 20)]
+    /// Timed iterations per size (at least 1: a row of no iterations would record a time of 0).
+    #[arg(long, default_value_t = 20, value_parser = at_least_one)]
     pub iters: usize,
     /// Untimed iterations first.
     #[arg(long, default_value_t = 5)]
@@ -287,6 +408,10 @@ pub struct BenchArgs {
 
     #[command(flatten)]
     pub horovod: HorovodArgs,
+
+    /// The options given on the command line.
+    #[arg(skip)]
+    pub given: Given,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -617,6 +742,25 @@ pub struct TrainArgs {
 
     #[command(flatten)]
     pub horovod: HorovodArgs,
+
+    /// The options given on the command line.
+    #[arg(skip)]
+    pub given: Given,
+}
+
+impl TrainArgs {
+    /// [`check_strategy_options`] for a run of `strategies` (one, or a study's), and the
+    /// checkpoint options that mean nothing without --checkpoint-dir.
+    pub fn check_unused_options(&self, strategies: &[StrategyKind]) -> crate::error::Result<Vec<String>> {
+        if self.checkpoint_dir.is_none() {
+            for (id, flag) in [("checkpoint_every", "--checkpoint-every"), ("keep_checkpoints", "--keep-checkpoints")] {
+                if self.given.has(id) {
+                    return Err(crate::error::Error::usage(format!("{flag} without --checkpoint-dir: no checkpoint is written; add --checkpoint-dir DIR")));
+                }
+            }
+        }
+        check_strategy_options(&self.given, strategies, &self.ps)
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -755,4 +899,38 @@ pub struct DataBenchArgs {
     /// Folder for data_bench.jsonl.
     #[arg(long, default_value = "results")]
     pub results: PathBuf,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ps(mode: crate::exchange::ps::PsMode, colocate: bool) -> PsArgs {
+        PsArgs { servers: 1, ps_colocate: colocate, ps_mode: mode, max_staleness: None, ps_timeout_s: 600.0 }
+    }
+
+    #[test]
+    fn options_no_strategy_of_the_run_reads_are_refused() {
+        use crate::exchange::ps::PsMode::{Async, Sync};
+        use StrategyKind::*;
+        let check = |ids: &[&str], strategies: &[StrategyKind], ps: PsArgs| check_strategy_options(&Given::of(ids), strategies, &ps);
+        let refused = |ids: &[&str], strategies: &[StrategyKind], ps: PsArgs| check(ids, strategies, ps).unwrap_err().to_string();
+        assert!(refused(&["timeline"], &[Ring], ps(Sync, false)).contains("--timeline is an option of --strategy horovod; --strategy ring writes nothing"));
+        for (id, flag) in [("compression", "--compression"), ("hierarchical", "--hierarchical"), ("cycle_time_ms", "--cycle-time-ms"), ("fusion_threshold_mb", "--fusion-threshold-mb")] {
+            assert!(refused(&[id], &[Allreduce], ps(Sync, false)).starts_with(&format!("{flag} is an option of --strategy horovod")));
+        }
+        for id in ["servers", "ps_mode", "ps_colocate", "max_staleness", "ps_timeout_s"] {
+            assert!(refused(&[id], &[Ring], ps(Sync, false)).contains("--strategy ring would ignore it"), "{id}");
+        }
+        assert!(refused(&["cost_model"], &[Ring, Rhd], ps(Sync, false)).contains("the strategies ring,rhd would ignore it"));
+        assert!(refused(&["max_staleness"], &[Ps], ps(Sync, false)).contains("--ps-mode sync"));
+        assert!(refused(&["servers"], &[Ps], ps(Sync, true)).contains("with --ps-colocate"));
+        // Used by one strategy of a study: fine.
+        assert!(check(&["timeline", "servers"], &[Ring, Horovod, Ps], ps(Sync, false)).unwrap().is_empty());
+        assert!(check(&["max_staleness", "ps_mode"], &[Ps], ps(Async, false)).unwrap().is_empty());
+        // Tuning options: a warning.
+        let warnings = check(&["segment_kb", "bucket_mb"], &[Ps], ps(Sync, false)).unwrap();
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(check(&["segment_kb", "ring_transport"], &[Auto], ps(Sync, false)).unwrap().is_empty());
+    }
 }

@@ -57,6 +57,12 @@ pub enum Error {
     #[error("{0}")]
     Results(String),
 
+    /// A signal stopped training before its last step (rank 0 said so and where); every rank
+    /// returns it. `checkpointed`: a checkpoint holds the step where it stopped (the run exits
+    /// with [`crate::train::EXIT_STOPPED`], else with 1).
+    #[error("stopped by a signal before the last step")]
+    Stopped { checkpointed: bool },
+
     /// An error the ranks agreed on, on the rank that prints it: every rank is exiting.
     #[error("{0}")]
     Agreed(Box<Error>),

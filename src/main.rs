@@ -5,8 +5,6 @@
 
 use std::io::Write;
 
-use clap::Parser;
-
 mod bench;
 mod checkpoint;
 mod cli;
@@ -33,7 +31,7 @@ use topology::World;
 
 fn main() {
     raw::keep_freed_memory();
-    let cli = match Cli::try_parse() {
+    let cli = match Cli::parse_noting_given() {
         Ok(cli) => cli,
         Err(e) => {
             // Before MPI starts, only the launcher's rank number says who should print.
@@ -67,7 +65,10 @@ fn main() {
     let result = match &cli.command {
         None => {
             let context = train::RunContext { study: cli.train.study_tag.clone() };
-            train::run(&world, &cli.train, &context).map(|_| ())
+            world
+                .agree(cli.train.check_unused_options(&[cli.train.strategy]))
+                .map(|warnings| log_warnings(&world, &warnings))
+                .and_then(|()| train::run(&world, &cli.train, &context).map(|_| ()))
         }
         Some(Command::Study(args)) => study::run(&world, args),
         Some(Command::Bench(args)) => bench::run(&world, args),
@@ -95,6 +96,12 @@ fn main() {
 
     let code = match result {
         Ok(()) => 0,
+        // A run stopped by a signal: rank 0 said where and what was saved.
+        Err(Error::Stopped { checkpointed }) => stopped_code(checkpointed),
+        Err(Error::Agreed(e)) if matches!(*e, Error::Stopped { .. }) => match *e {
+            Error::Stopped { checkpointed } => stopped_code(checkpointed),
+            _ => unreachable!("matched above"),
+        },
         Err(Error::Reported(rank)) => {
             log::debug!("exiting after the error reported by rank {rank}");
             1
@@ -124,6 +131,22 @@ fn main() {
     }
     drop(universe); // MPI_Finalize
     std::process::exit(code);
+}
+
+/// The exit status of a run stopped by a signal before its last step: `EXIT_STOPPED` when a
+/// checkpoint holds the step where it stopped (a job script may requeue it with --resume), 1
+/// when nothing was saved.
+fn stopped_code(checkpointed: bool) -> i32 {
+    if checkpointed { train::EXIT_STOPPED } else { 1 }
+}
+
+/// Warnings every rank computed alike, logged once.
+pub fn log_warnings(world: &World, warnings: &[String]) {
+    if world.is_root() {
+        for w in warnings {
+            log::warn!("{w}");
+        }
+    }
 }
 
 fn run_data(cmd: &DataCommand) -> Result<()> {

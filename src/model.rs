@@ -28,6 +28,65 @@ impl ModelKind {
         vs.trainable_variables().iter().map(|t| t.numel()).sum()
     }
 
+    /// Trainable parameters of the model built for `spec`, from the architecture's closed form
+    /// (without building it: a huge class count must be refused, not allocated). The first
+    /// convolution grows with the channels, the last layer with the classes; the rest is fixed.
+    pub fn parameters_for(self, spec: InputSpec) -> u128 {
+        let (fixed, first, last) = self.layers_for(spec);
+        fixed + first + last
+    }
+
+    /// (parameters that do not depend on the input, the first convolution's, the last layer's).
+    fn layers_for(self, spec: InputSpec) -> (u128, u128, u128) {
+        let (c, k) = (spec.channels.max(0) as u128, spec.classes.max(0) as u128);
+        let stem = if spec.height.min(spec.width) < SMALL_IMAGE { 3 * 3 } else { 7 * 7 };
+        match self {
+            // torchvision's counts at 3 channels and 1,000 classes (25,557,032 and 11,689,512),
+            // less their 7x7 stem (64 x 3 x 49) and fc layer (2049 x 1000, 513 x 1000).
+            ModelKind::Resnet50 => (23_498_624, 64 * c * stem, (2048 + 1) * k),
+            ModelKind::Resnet18 => (11_167_104, 64 * c * stem, (512 + 1) * k),
+            // conv2 (32 x 16 x 9 + 32); conv1 16 x C x 9 + 16; fc 33 x K.
+            ModelKind::Tiny => (4640, 16 * c * 9 + 16, 33 * k),
+            ModelKind::TinyUnused => (4640 + 72, 16 * c * 9 + 16, 33 * k),
+        }
+    }
+
+    /// Where most of the parameters sit, for messages.
+    pub fn largest_layer(self, spec: InputSpec) -> String {
+        let (fixed, first, last) = self.layers_for(spec);
+        if last >= first && last >= fixed {
+            format!("{last} in the last layer, for {} classes", spec.classes)
+        } else if first >= fixed {
+            format!("{first} in the first convolution, for {} channels", spec.channels)
+        } else {
+            format!("{fixed} in the layers between the first and the last")
+        }
+    }
+
+    /// Why the model cannot train on `spec` images in batches of `batch` per rank, if it cannot.
+    pub fn check_input(self, spec: InputSpec, batch: usize) -> Result<(), String> {
+        match self {
+            // Its 2x2 max-pool needs an image of at least 2x2.
+            ModelKind::Tiny | ModelKind::TinyUnused if spec.height < 2 || spec.width < 2 => {
+                Err(format!("the tiny CNN max-pools 2x2, which needs images of at least 2x2 pixels, not {}x{}", spec.height, spec.width))
+            }
+            ModelKind::Resnet50 | ModelKind::Resnet18 => {
+                // Batch norm in training needs more than one value per channel; the smallest
+                // feature map is layer4's, 1/8 of the image (small stem) or 1/32 of it.
+                let factor = if spec.height.min(spec.width) < SMALL_IMAGE { 8 } else { 32 };
+                let last_map = ((spec.height + factor - 1) / factor) * ((spec.width + factor - 1) / factor);
+                if batch as i64 * last_map < 2 {
+                    return Err(format!(
+                        "batch norm needs more than one value per channel, and {}x{} images leave a 1x1 map by the last stage: use a batch of at least 2 per rank",
+                        spec.height, spec.width
+                    ));
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             ModelKind::Resnet50 => "resnet50",
@@ -235,6 +294,33 @@ mod tests {
         // torchvision: resnet50 25,557,032 parameters in 161 tensors; resnet18 11,689,512 in 62.
         assert_eq!(param_count(ModelKind::Resnet50, imagenet), (161, 25_557_032));
         assert_eq!(param_count(ModelKind::Resnet18, imagenet), (62, 11_689_512));
+    }
+
+    #[test]
+    fn the_closed_form_counts_the_parameters_that_are_built() {
+        for kind in [ModelKind::Resnet50, ModelKind::Resnet18, ModelKind::Tiny, ModelKind::TinyUnused] {
+            for spec in [
+                InputSpec { channels: 1, height: 28, width: 28, classes: 10 },
+                InputSpec { channels: 5, height: 64, width: 80, classes: 7 },
+                InputSpec { channels: 3, height: 224, width: 224, classes: 1000 },
+            ] {
+                let (_, built) = param_count(kind, spec);
+                assert_eq!(kind.parameters_for(spec), built as u128, "{kind:?} {spec:?}");
+            }
+        }
+        let huge = InputSpec { channels: 1, height: 8, width: 8, classes: 1_000_000_000_000 };
+        assert_eq!(ModelKind::Resnet50.parameters_for(huge), 23_498_624 + 64 * 9 + 2049 * 1_000_000_000_000);
+        assert!(ModelKind::Resnet50.largest_layer(huge).contains("last layer"));
+    }
+
+    #[test]
+    fn inputs_the_models_cannot_take_are_named() {
+        let one_pixel = InputSpec { channels: 1, height: 1, width: 1, classes: 3 };
+        assert!(ModelKind::Tiny.check_input(one_pixel, 8).unwrap_err().contains("at least 2x2"));
+        assert!(ModelKind::Tiny.check_input(InputSpec { height: 2, width: 2, ..one_pixel }, 1).is_ok());
+        assert!(ModelKind::Resnet18.check_input(one_pixel, 1).unwrap_err().contains("batch of at least 2"));
+        assert!(ModelKind::Resnet18.check_input(one_pixel, 2).is_ok());
+        assert!(ModelKind::Resnet18.check_input(InputSpec { height: 9, width: 9, ..one_pixel }, 1).is_ok());
     }
 
     #[test]

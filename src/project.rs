@@ -152,9 +152,24 @@ impl Predictor<'_> {
 
 /// `hpc-train model fit`.
 pub fn fit(args: &FitArgs) -> Result<()> {
-    let rows: Vec<BenchRow> = results::read_json_lines(&args.bench)?;
+    let rows: Vec<(usize, BenchRow)> = results::read_numbered_json_lines(&args.bench)?;
     // --link-mbit picks the network rows; rows within one node never crossed it and all count.
-    let rows: Vec<BenchRow> = rows.into_iter().filter(|r| r.usable() && (args.link_mbit.is_none() || r.nodes <= 1 || r.link_mbit == args.link_mbit)).collect();
+    let rows: Vec<(usize, BenchRow)> = rows.into_iter().filter(|(_, r)| r.usable() && (args.link_mbit.is_none() || r.nodes <= 1 || r.link_mbit == args.link_mbit)).collect();
+    // A time of 0 (a bench of no iterations) would fit links that cost nothing.
+    for (line, r) in &rows {
+        let bad_add = r.memory_add_gbs.filter(|g| !(g.is_finite() && *g > 0.0));
+        if !(r.time_us.is_finite() && r.time_us > 0.0) || bad_add.is_some() {
+            let (what, value) = match bad_add {
+                Some(g) => ("memory_add_gbs", g),
+                None => ("time_us", r.time_us),
+            };
+            return Err(Error::usage(format!(
+                "{}:{line}: the {} row of {} bytes on {} rank(s) has {what} {value}, not a positive measurement; remove the row (or measure again)",
+                args.bench.display(), r.strategy, r.size, r.ranks
+            )));
+        }
+    }
+    let rows: Vec<BenchRow> = rows.into_iter().map(|(_, r)| r).collect();
     let adds: Vec<f64> = rows.iter().filter_map(|r| r.memory_add_gbs).collect();
     if adds.is_empty() {
         return Err(Error::usage(format!(

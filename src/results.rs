@@ -80,6 +80,20 @@ pub fn check_writable(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Writes `path` by way of `tmp`: `write` fills `tmp`, which is then renamed over `path`, so that
+/// an interrupted write never leaves a damaged `path`. On any failure (a full disk) `tmp` is
+/// removed, so that nothing half-written is left behind either.
+pub fn replace_via_temp(path: &Path, tmp: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).at(dir)?;
+    }
+    let result = write(tmp).and_then(|()| std::fs::rename(tmp, path).at(path));
+    if result.is_err() {
+        let _ = std::fs::remove_file(tmp);
+    }
+    result
+}
+
 /// Appends one JSON line to `path` so that concurrent writers never interleave or truncate each
 /// other's lines: the file is locked, and the whole line goes out in one write.
 pub fn append_json_line(path: &Path, value: &impl Serialize) -> Result<()> {
@@ -111,11 +125,16 @@ fn ends_with_newline(path: &Path, len: u64) -> Result<bool> {
 /// Reads the records of a JSON-lines file. A line cut short (a write interrupted by a crash:
 /// the JSON ends early) is skipped with a warning; any other bad line is an error.
 pub fn read_json_lines<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<Vec<T>> {
+    Ok(read_numbered_json_lines(path)?.into_iter().map(|(_, v)| v).collect())
+}
+
+/// As [`read_json_lines`], each record with its line number (from 1), for messages.
+pub fn read_numbered_json_lines<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<Vec<(usize, T)>> {
     let text = std::fs::read_to_string(path).at(path)?;
     let mut out = Vec::new();
     for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         match serde_json::from_str(line) {
-            Ok(v) => out.push(v),
+            Ok(v) => out.push((n + 1, v)),
             Err(e) if e.is_eof() => {
                 log::warn!("{}:{}: skipping a truncated line (a write cut short by a crash)", path.display(), n + 1);
             }

@@ -54,6 +54,8 @@ pub fn parse_strategies(list: &str) -> Result<Vec<StrategyKind>> {
 pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
     let ranks = world.agree(parse_ranks(&args.ranks, world.size as usize))?;
     let strategies = world.agree(parse_strategies(&args.strategies))?;
+    // An option is fine when one strategy of the study reads it (each point gets them all).
+    crate::log_warnings(world, &world.agree(args.train.check_unused_options(&strategies))?);
     if args.train.scaling == Scaling::Strong && args.train.global_batch.is_none() {
         world.agree::<()>(Err(Error::usage("--scaling strong needs --global-batch (the samples per step at every point)")))?;
     }
@@ -93,6 +95,18 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
                 }
                 None => Ok(()),
             };
+            // A signal stopped the point (its ranks all say so): the study stops with it.
+            let stopped = match &outcome {
+                Err(Error::Stopped { checkpointed }) => 1.0 + f64::from(u8::from(*checkpointed)),
+                _ => 0.0,
+            };
+            let stopped = world.max_f64(stopped);
+            if stopped > 0.0 {
+                if world.is_root() {
+                    println!("study {id}: stopped by a signal during {strategy} at {n} rank(s); {done} run(s) appended to {}", crate::results::runs_path(&args.train.results).display());
+                }
+                return Err(Error::Stopped { checkpointed: stopped > 1.0 });
+            }
             world.agree(outcome)?;
             done += 1;
         }

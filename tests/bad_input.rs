@@ -10,14 +10,16 @@ use common::*;
 const RANKS: usize = 2;
 
 /// Runs training with `args` on RANKS ranks and checks the failure: non-zero, quick, and the
-/// expected message printed exactly once.
-fn expect_failure(args: &[&str], message: &str) {
+/// expected message printed exactly once, and no panic.
+fn expect_failure(args: &[&str], message: &str) -> Run {
     let run = mpirun_env(RANKS, args, &[], Duration::from_secs(60));
     assert!(!run.timed_out, "hung: {args:?}\n{}", run.all_output());
     assert!(!run.ok(), "succeeded: {args:?}");
     let out = run.all_output();
     assert_eq!(out.matches(message).count(), 1, "expected {message:?} once in:\n{out}");
+    assert!(!out.contains("panicked"), "{out}");
     assert!(run.elapsed < Duration::from_secs(30), "took {:?}", run.elapsed);
+    run
 }
 
 /// Training options: small defaults, each replaceable through `over` (flag, value).
@@ -148,4 +150,178 @@ fn bad_options() {
     std::fs::write(&blocker, b"").unwrap();
     let results = blocker.join("results");
     expect_failure(&base(d, results.to_str().unwrap()), "cannot create it");
+}
+
+/// `data info FILE` alone: its status and output.
+fn data_info(file: &Path) -> Run {
+    hpc_train(&["data", "info", file.to_str().unwrap()])
+}
+
+/// A small valid layout (1x8x8 images, 3 classes) with root attributes written by `attrs`.
+fn with_attrs(path: &Path, attrs: impl FnOnce(&hdf5::File) -> hdf5::Result<()>) {
+    write_h5(path, |f| {
+        images(f, "train", 10)?;
+        images(f, "test", 4)?;
+        attrs(f)
+    })
+}
+
+/// An infinite `std` trained on blank inputs and exited 0 at chance accuracy; a NaN `mean` ended
+/// in an unnamed "non-finite loss". Both are refused when the file is opened, naming the
+/// attribute, by training and by `data info`.
+#[test]
+fn normalisation_attributes_are_checked_when_the_file_is_opened() {
+    let dir = scratch("bad-normalisation");
+    let r = dir.join("r");
+    let r = r.to_str().unwrap();
+    // (name, mean, std, message, also through training: the probe's two cases; the check is
+    // the same code for both commands).
+    let cases: [(&str, [f32; 1], [f32; 1], &str, bool); 4] = [
+        ("inf-std", [0.5], [f32::INFINITY], "attribute `std` [0] is inf, expected a finite value", true),
+        ("nan-mean", [f32::NAN], [0.5], "attribute `mean` [0] is NaN, expected a finite value", true),
+        ("zero-std", [0.5], [0.0], "attribute `std` [0] is 0, expected a standard deviation > 0", false),
+        ("inf-mean", [f32::NEG_INFINITY], [0.5], "attribute `mean` [0] is -inf", false),
+    ];
+    for (name, mean, std, message, train) in cases {
+        let file = dir.join(format!("{name}.h5"));
+        with_attrs(&file, |f| {
+            f.new_attr::<f32>().shape(1).create("mean")?.write(&mean)?;
+            f.new_attr::<f32>().shape(1).create("std")?.write(&std)
+        });
+        if train {
+            expect_failure(&base(file.to_str().unwrap(), r), message);
+        }
+        let info = data_info(&file);
+        assert!(!info.ok() && info.all_output().contains(message), "data info {name}: {}", info.all_output());
+    }
+}
+
+/// Out-of-range SGD settings exited 0 with test losses of 1e10; NaN ended in an unnamed
+/// "non-finite loss". Refused before training, naming the flag.
+#[test]
+fn sgd_settings_out_of_range_are_refused() {
+    let dir = scratch("bad-sgd");
+    let data = synth(&dir, "sgd", 20, 2, "1x8x8", 2);
+    let (d, r) = (data.to_str().unwrap(), dir.join("r"));
+    let r = r.to_str().unwrap();
+    expect_failure(&with(d, r, &[("--momentum", "1.5")]), "--momentum 1.5: expected 0 <= momentum < 1");
+    expect_failure(&with(d, r, &[("--momentum", "NaN")]), "--momentum NaN: expected 0 <= momentum < 1");
+    let negative_decay = [&base(d, r)[..], &["--weight-decay=-100"]].concat();
+    expect_failure(&negative_decay, "--weight-decay -100: expected a finite weight decay of 0 or more");
+}
+
+/// Options that the chosen strategy never reads were silently ignored (`--timeline` with ring
+/// wrote nothing). Refused, naming the option and the strategy; in a study an option read by
+/// one of its strategies is fine.
+#[test]
+fn options_the_strategy_does_not_read_are_refused() {
+    let dir = scratch("bad-unused");
+    let data = synth(&dir, "unused", 20, 2, "1x8x8", 2);
+    let (d, r) = (data.to_str().unwrap(), dir.join("r"));
+    let r = r.to_str().unwrap();
+    let timeline = dir.join("timeline.json");
+    let t = timeline.to_str().unwrap();
+    expect_failure(&with(d, r, &[("--strategy", "ring"), ("--timeline", t)]), "--timeline is an option of --strategy horovod; --strategy ring writes nothing");
+    assert!(!timeline.exists());
+    expect_failure(&with(d, r, &[("--strategy", "ring"), ("--compression", "fp16")]), "--compression is an option of --strategy horovod; --strategy ring would ignore it");
+    let sync_ps = [&with(d, r, &[("--strategy", "ps"), ("--max-staleness", "3")])[..], &["--ps-colocate"]].concat();
+    expect_failure(&sync_ps, "--max-staleness bounds asynchronous parameter servers");
+    // A study of ring and allreduce: nothing writes the timeline.
+    let study = |strategies: &str| {
+        let args = [
+            "study", "--ranks", "2", "--strategies", strategies, "--timeline", t,
+            "--model", "tiny", "--data", d, "--results", r, "--steps", "2", "--batch-size", "2",
+        ];
+        mpirun_env(RANKS, &args, &[], Duration::from_secs(120))
+    };
+    let run = study("ring,allreduce");
+    assert!(!run.ok() && !run.timed_out, "{}", run.all_output());
+    assert_eq!(run.all_output().matches("--timeline is an option of --strategy horovod; the strategies ring,allreduce writes nothing").count(), 1, "{}", run.all_output());
+    // With horovod in the study, the option is read: accepted, and the timeline written.
+    study("ring,horovod").expect_ok();
+    assert!(timeline.exists());
+}
+
+/// `--save-weights` pointing at the `--data` file overwrote the dataset.
+#[test]
+fn an_output_that_is_an_input_is_refused() {
+    let dir = scratch("bad-output");
+    let data = synth(&dir, "out", 20, 2, "1x8x8", 2);
+    let before = std::fs::read(&data).unwrap();
+    let (d, r) = (data.to_str().unwrap(), dir.join("r"));
+    let r = r.to_str().unwrap();
+    // The same file under another spelling.
+    let same = dir.join(".").join(data.file_name().unwrap());
+    expect_failure(&with(d, r, &[("--save-weights", same.to_str().unwrap())]), "it is the --data file");
+    assert_eq!(std::fs::read(&data).unwrap(), before, "the dataset is untouched");
+}
+
+/// `--threads 100000` hung without a word; `--threads 1000` took 28 s for 2 steps.
+#[test]
+fn threads_far_beyond_the_cores_are_refused() {
+    let dir = scratch("bad-threads");
+    let data = synth(&dir, "threads", 20, 2, "1x8x8", 2);
+    let (d, r) = (data.to_str().unwrap(), dir.join("r"));
+    expect_failure(&with(d, r.to_str().unwrap(), &[("--threads", "100000")]), "intra-op threads per core only wait for each other");
+}
+
+/// A model that cannot be built for the file's sizes panicked on every rank (10^12 classes:
+/// screens of backtrace; `data info` aborted; the tiny CNN on 1x1 images: a pool2d panic).
+#[test]
+fn sizes_the_model_cannot_take_are_refused_without_a_panic() {
+    let dir = scratch("bad-model-sizes");
+    let r = dir.join("r");
+    let r = r.to_str().unwrap();
+    let huge = dir.join("classes.h5");
+    with_attrs(&huge, |f| f.new_attr::<i64>().create("num_classes")?.write_scalar(&1_000_000_000_000i64));
+    expect_failure(&base(huge.to_str().unwrap(), r), "in the last layer, for 1000000000000 classes");
+    let info = data_info(&huge).expect_ok();
+    assert!(info.stdout.contains("classes:     1000000000000") && info.stdout.contains("3 of the 1000000000000 classes present"), "{}", info.stdout);
+
+    let pixel = dir.join("pixel.h5");
+    write_h5(&pixel, |f| {
+        for (split, n) in [("train", 10), ("test", 4)] {
+            let g = f.create_group(split)?;
+            g.new_dataset::<u8>().shape([n, 1, 1, 1]).create("images")?;
+            let labels: Vec<i64> = (0..n as i64).map(|i| i % 3).collect();
+            g.new_dataset_builder().with_data(&labels).create("labels")?;
+        }
+        Ok(())
+    });
+    expect_failure(&base(pixel.to_str().unwrap(), r), "needs images of at least 2x2 pixels, not 1x1");
+}
+
+/// A FIFO as `--data` hung (opening it waits for a writer), and SIGTERM did not end it.
+#[test]
+fn a_fifo_as_data_is_refused_at_once() {
+    let dir = scratch("bad-fifo");
+    let fifo = dir.join("data.h5");
+    let status = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(status.success());
+    let r = dir.join("r");
+    expect_failure(&base(fifo.to_str().unwrap(), r.to_str().unwrap()), "is a FIFO (named pipe), not a regular file");
+}
+
+/// `bench --iters 0` appended rows of time 0, and `model fit` made a model of them in which
+/// every link cost nothing.
+#[test]
+fn a_bench_of_no_iterations_and_rows_of_no_time_are_refused() {
+    let dir = scratch("bad-bench");
+    let results = dir.join("r");
+    let run = hpc_train(&["bench", "--strategies", "ring", "--counts", "1000", "--iters", "0", "--results", results.to_str().unwrap()]);
+    assert!(!run.ok() && run.all_output().contains("invalid value '0' for '--iters <ITERS>': expected at least 1"), "{}", run.all_output());
+    assert!(!results.join("bench.jsonl").exists());
+    let bench = dir.join("bench.jsonl");
+    let row = |size: usize, time: f64| {
+        format!(
+            r#"{{"size":{size},"strategy":"ring","ranks":2,"nodes":1,"time_us":{time},"wrong":0,"type":"float","layout":"single","device":"cpu","memory_add_gbs":10.0}}"#
+        )
+    };
+    std::fs::write(&bench, [row(4096, 12.0), row(8192, 0.0), row(16384, 30.0)].join("\n")).unwrap();
+    let out = dir.join("model.json");
+    let run = hpc_train(&["model", "fit", "--bench", bench.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    assert!(!run.ok(), "{}", run.all_output());
+    let message = format!("{}:2: the ring row of 8192 bytes on 2 rank(s) has time_us 0, not a positive measurement", bench.display());
+    assert_eq!(run.all_output().matches(&message).count(), 1, "{}", run.all_output());
+    assert!(!out.exists());
 }

@@ -581,3 +581,26 @@ fn damaged_idx_and_cifar_files_are_clear_errors() {
     std::fs::write(cifar.join("data_batch_3.bin"), [record(1), record(12)].concat()).unwrap();
     expect_error(&import(), "data_batch_3.bin", "record 1 has label 12");
 }
+
+/// A dataset written to a full disk: H5Fclose reported no error while the datasets were open,
+/// so a file whose data never reached the disk was renamed into place with "wrote ..." and
+/// exit 0; a write that failed earlier left its `.tmp` file. Now the write fails with the
+/// reason and leaves nothing behind (the importers share the writer).
+#[test]
+fn a_dataset_written_to_a_full_disk_fails_and_leaves_nothing() {
+    let dir = scratch("full-disk-dataset");
+    let disk = dir.join("disk");
+    let out = disk.join("s.h5");
+    // 64 KiB: the chunks fit in HDF5's cache and fail when flushed; 256 KiB: a write fails.
+    for (samples, size) in [("400", "64k"), ("2000", "256k")] {
+        let (run, left) = hpc_train_with_tmpfs_listing(
+            &["data", "synth", "--samples", samples, "--shape", "1x28x28", "--classes", "3", "--out", out.to_str().unwrap()],
+            &disk,
+            size,
+        );
+        let text = run.all_output();
+        assert!(!run.ok(), "{samples} samples on {size}: {text}");
+        assert!(text.contains("No space left on device") && !text.contains("wrote "), "{text}");
+        assert!(left.is_empty(), "{samples} samples on {size} left {left:?}:\n{text}");
+    }
+}

@@ -46,7 +46,8 @@ fn sigterm_then_resume(strategy: &[&str], ranks: usize, name: &str) {
     }
     let (code, _) = wait_limited(&mut child, Duration::from_secs(60)).expect("the interrupted run ended");
     let text = std::fs::read_to_string(&log).unwrap();
-    assert_eq!(code, Some(0), "{text}");
+    // Stopped before its last step, its state in a checkpoint: 143, as a job a signal ended.
+    assert_eq!(code, Some(143), "{text}");
     let stopped: u64 = text
         .split("stopped by a signal after step ")
         .nth(1)
@@ -371,4 +372,187 @@ fn the_exchange_watchdog_ends_a_hung_exchange() {
     let mut args = base(&d, &r, &["--strategy", "ring", "--exchange-timeout-s", "5"]);
     args.extend(["--steps", "8"]);
     mpirun_env(3, &args, &[("HPC_TRAIN_FAULT", "stall@1:5:2")], Duration::from_secs(90)).expect_ok();
+}
+
+/// A signal that stops a run before its last step made it exit 0, as if it had finished (and,
+/// without --checkpoint-dir, advised --resume though nothing was saved). Now: 143 once the
+/// checkpoint of the step where it stopped is written, 1 when nothing was saved. A run holds
+/// its checkpoint folder: a second job on the same folder (which would prune and replace the
+/// first one's checkpoints) is refused at start, naming the holder.
+#[test]
+fn a_stopped_run_says_what_it_saved_in_its_exit_status_and_holds_its_folder() {
+    let dir = scratch("stop-codes");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let ckpt = dir.join("ckpt");
+    let started = |log: &Path| std::fs::read_to_string(log).unwrap_or_default().contains("steps 0..");
+
+    let mut args = base(&d, &r, &["--strategy", "allreduce"]);
+    args.extend(["--steps", "100000", "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "100000"]);
+    let log = dir.join("first.log");
+    let mut child = spawn_mpirun(2, &args, &[], &log);
+    wait_until(Duration::from_secs(60), "training to start", || started(&log));
+    let second = mpirun_env(2, &args, &[], Duration::from_secs(60));
+    assert!(!second.ok() && second.elapsed < Duration::from_secs(20), "{}", second.all_output());
+    let holder = format!("in use by another run (pid {} on ", rank_pids(child.id())[0]);
+    assert_eq!(second.all_output().matches(&holder).count(), 1, "{}", second.all_output());
+    for pid in rank_pids(child.id()) {
+        signal(pid, "TERM");
+    }
+    let (code, _) = wait_limited(&mut child, Duration::from_secs(60)).expect("the stopped run ended");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(code, Some(143), "{text}");
+    let saved = checkpoint_steps(&ckpt);
+    assert_eq!(saved.len(), 1, "{text}");
+    assert!(text.contains(&format!("stopped by a signal after step {} of 100000; checkpoint at step {} in ", saved[0], saved[0])) && text.contains("continue with --resume"), "{text}");
+
+    // Without a checkpoint folder nothing is kept: said so, no advice to resume, exit 1.
+    let mut args = base(&d, &r, &["--strategy", "allreduce"]);
+    args.extend(["--steps", "100000"]);
+    let log = dir.join("unsaved.log");
+    let mut child = spawn_mpirun(2, &args, &[], &log);
+    wait_until(Duration::from_secs(60), "training to start", || started(&log));
+    for pid in rank_pids(child.id()) {
+        signal(pid, "USR1");
+    }
+    let (code, _) = wait_limited(&mut child, Duration::from_secs(60)).expect("the stopped run ended");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("; nothing was saved (no --checkpoint-dir) and no record written"), "{text}");
+    assert!(!text.contains("--resume"), "{text}");
+}
+
+/// Checkpoints that could not be written (a full disk) were logged as "the previous one is
+/// intact" when there was none, the run exited 0, and `.partial` folders were left. Without an
+/// earlier checkpoint the run now stops with the reason; with one, each failure is logged, the
+/// record is written and the run exits non-zero naming the newest good checkpoint. No partial
+/// folder is left either way.
+#[test]
+fn checkpoints_that_cannot_be_written_end_the_run_non_zero() {
+    let dir = scratch("full-checkpoints");
+    let data = dataset(&dir);
+    let d = data.to_str().unwrap().to_string();
+    let disk = dir.join("disk");
+    let run_on = |size: &str, results: &Path| {
+        let r = results.to_str().unwrap().to_string();
+        let ckpt = disk.join("ckpt");
+        let mut args = base(&d, &r, &["--strategy", "allreduce"]);
+        args.extend(["--steps", "20", "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "5"]);
+        mpirun_with_tmpfs_listing(2, &args, &disk, size, Duration::from_secs(60))
+    };
+    // 16 KiB: not even the first checkpoint fits.
+    let results = dir.join("none");
+    let (run, left) = run_on("16k", &results);
+    let out = run.all_output();
+    assert!(!run.ok() && !run.timed_out, "{out}");
+    assert_eq!(out.matches("the checkpoint at step 5 could not be written").count(), 1, "{out}");
+    assert!(out.contains("and this run has no earlier one to continue from: stopping"), "{out}");
+    assert!(!out.contains("intact"), "{out}");
+    assert_eq!(left, vec!["ckpt", "ckpt/.lock"], "{out}");
+    assert!(!results.join("runs.jsonl").exists());
+    // 64 KiB: the checkpoint at step 5 fits, the next ones do not (the old one stays until a
+    // newer one is complete).
+    let results = dir.join("one");
+    let (run, left) = run_on("64k", &results);
+    let out = run.all_output();
+    assert!(!run.ok() && !run.timed_out, "{out}");
+    for step in [10, 15, 20] {
+        assert_eq!(out.matches(&format!("checkpoint at step {step} failed")).count(), 1, "{out}");
+    }
+    assert_eq!(out.matches("3 checkpoint(s) could not be written (after step(s) 10, 15, 20); --resume continues from the newest good one, at step 5").count(), 1, "{out}");
+    let good = "ckpt/ckpt-000000000005";
+    let expected: Vec<String> = ["ckpt", "ckpt/.lock", good].into_iter().map(String::from)
+        .chain(["meta.crc32", "meta.json", "optimizer.safetensors", "weights.safetensors"].map(|f| format!("{good}/{f}")))
+        .collect();
+    assert_eq!(left, expected, "{out}");
+    assert_eq!(read_runs(&results).len(), 1, "training finished: its record stands");
+}
+
+/// README said that any synchronous strategy may continue another's checkpoint, but rhd and
+/// auto were refused. Both continue a ring checkpoint to the uninterrupted run's weights.
+#[test]
+fn rhd_and_auto_continue_a_ring_checkpoint() {
+    let dir = scratch("resume-rhd-auto");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let full = dir.join("full.safetensors");
+    let mut args = base(&d, &r, &["--strategy", "ring"]);
+    args.extend(["--steps", "20", "--save-weights", full.to_str().unwrap()]);
+    mpirun(2, &args).expect_ok();
+    let ring_ckpt = dir.join("ring");
+    let mut args = base(&d, &r, &["--strategy", "ring"]);
+    args.extend(["--steps", "10", "--checkpoint-dir", ring_ckpt.to_str().unwrap()]);
+    mpirun(2, &args).expect_ok();
+    for strategy in ["rhd", "auto"] {
+        // Each from its own copy of the ring's checkpoint at step 10.
+        let ckpt = dir.join(strategy);
+        let from = ring_ckpt.join("ckpt-000000000010");
+        std::fs::create_dir_all(ckpt.join("ckpt-000000000010")).unwrap();
+        for file in std::fs::read_dir(&from).unwrap() {
+            let file = file.unwrap();
+            std::fs::copy(file.path(), ckpt.join("ckpt-000000000010").join(file.file_name())).unwrap();
+        }
+        let resumed = dir.join(format!("{strategy}.safetensors"));
+        let chosen = ["--strategy", strategy];
+        let mut args = base(&d, &r, &chosen);
+        args.extend(["--steps", "20", "--checkpoint-dir", ckpt.to_str().unwrap(), "--resume", "--save-weights", resumed.to_str().unwrap()]);
+        let run = mpirun(2, &args).expect_ok();
+        assert!(run.stderr.contains(&format!("strategy ring -> {strategy}")) && run.stderr.contains("(step 10,"), "{}", run.stderr);
+        let diff = max_relative_difference(&full, &resumed);
+        assert!(diff < 1e-5, "{strategy}: resumed from ring's checkpoint, differs from the uninterrupted run by {diff:e}");
+    }
+}
+
+/// Resume accepted another file of the same name and size (every `data synth` file of one shape
+/// has the same name), and an edited step in meta.json. The checkpoint records the dataset's
+/// content fingerprint, and meta.json has a CRC-32 of its own.
+#[test]
+fn resume_refuses_another_dataset_of_the_same_size_and_an_edited_meta_json() {
+    let dir = scratch("resume-content");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let twin = dir.join("twin.h5");
+    hpc_train(&["data", "synth", "--samples", "1200", "--test-samples", "60", "--shape", "1x16x16", "--classes", "5", "--seed", "9", "--out", twin.to_str().unwrap()]).expect_ok();
+    let ckpt = dir.join("ckpt");
+    let c = ckpt.to_str().unwrap();
+    let mut args = base(&d, &r, &["--strategy", "allreduce"]);
+    args.extend(["--steps", "10", "--checkpoint-dir", c]);
+    mpirun(2, &args).expect_ok();
+
+    let mut other = base(twin.to_str().unwrap(), &r, &["--strategy", "allreduce"]);
+    other.extend(["--steps", "20", "--checkpoint-dir", c, "--resume"]);
+    let run = mpirun_env(2, &other, &[], Duration::from_secs(60));
+    assert!(!run.ok(), "{}", run.all_output());
+    assert_eq!(run.all_output().matches("refused: it was made with another dataset of the same name and size (content fingerprint").count(), 1, "{}", run.all_output());
+
+    let meta = ckpt.join("ckpt-000000000010/meta.json");
+    let text = std::fs::read_to_string(&meta).unwrap();
+    std::fs::write(&meta, text.replace("\"step\": 10,", "\"step\": 15,")).unwrap();
+    let mut again = base(&d, &r, &["--strategy", "allreduce"]);
+    again.extend(["--steps", "12", "--checkpoint-dir", c, "--resume"]);
+    let run = mpirun(2, &again).expect_ok();
+    assert!(run.stderr.contains("meta.json fails its CRC-32 check (edited or damaged)"), "{}", run.stderr);
+    assert!(run.stderr.contains("no complete checkpoint") && !run.stderr.contains("resuming from"), "{}", run.stderr);
+}
+
+/// `--save-weights` and `--timeline` on a full disk left their `.tmp` files behind.
+#[test]
+fn outputs_on_a_full_disk_leave_no_temporary_file() {
+    let dir = scratch("full-outputs");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let disk = dir.join("disk");
+    let weights = disk.join("w.safetensors");
+    let timeline = disk.join("timeline.json");
+    for (strategy, output) in [("allreduce", ["--save-weights", weights.to_str().unwrap()]), ("horovod", ["--timeline", timeline.to_str().unwrap()])] {
+        let chosen = ["--strategy", strategy];
+        let mut args = base(&d, &r, &chosen);
+        args.extend(["--steps", "20"]);
+        args.extend(output);
+        let (run, left) = mpirun_with_tmpfs_listing(2, &args, &disk, "8k", Duration::from_secs(60));
+        let out = run.all_output();
+        assert!(!run.ok() && !run.timed_out, "{strategy}: {out}");
+        assert!(out.contains("No space left on device") || out.contains("StorageFull"), "{strategy}: {out}");
+        assert!(left.is_empty(), "{strategy} left {left:?}:\n{out}");
+    }
 }

@@ -104,6 +104,9 @@ pub fn open_file(path: &Path) -> Result<hdf5::File> {
         }
         Err(e) => return Err(Error::io(path, e)),
         Ok(m) if m.is_dir() => return Err(Error::data(path, "is a directory, not an HDF5 file")),
+        // Opening a FIFO for reading waits for a writer, and a device or socket is no dataset:
+        // only a regular file (or a link to one) is opened at all.
+        Ok(m) if !m.is_file() => return Err(Error::data(path, format!("is {}, not a regular file: a dataset is an HDF5 file", file_kind(&m)))),
         Ok(_) => {}
     }
     if !has_hdf5_signature(path)? {
@@ -113,6 +116,21 @@ pub fn open_file(path: &Path) -> Result<hdf5::File> {
         .with_fapl(|p| p.chunk_cache(12_421, 64 << 20, 1.0))
         .open(path)
         .at(path)
+}
+
+/// What a path that is neither a regular file nor a folder is, for the message.
+fn file_kind(m: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = m.file_type();
+    if t.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "a device"
+    } else {
+        "a special file"
+    }
 }
 
 /// Whether the file starts with the HDF5 signature, at offset 0 or after a user block (512,
@@ -219,15 +237,68 @@ pub fn open(path: &Path) -> Result<(DatasetInfo, Labels)> {
         path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
     });
     let class_names = read_strings_attr(&file, "class_names").unwrap_or_default();
-    let (mean, std) = match (read_f32s_attr(&file, "mean"), read_f32s_attr(&file, "std")) {
-        (Some(m), Some(s)) if m.len() == channels && s.len() == channels && s.iter().all(|&v| v > 0.0) => (m, s),
-        (None, None) => (vec![0.5; channels], vec![0.5; channels]),
-        _ => return Err(bad(format!("attributes `mean` and `std` must hold {channels} values each, std > 0"))),
-    };
+    let (mean, std) = normalisation(&file, channels).map_err(bad)?;
 
     let meta = Meta { name, classes, class_names, channels, height, width };
     let info = DatasetInfo { path: path.to_path_buf(), meta, train, test, mean, std };
     Ok((info, Labels { train: train_labels, test: test_labels }))
+}
+
+/// Rows of each split's images that enter the dataset's fingerprint.
+const FINGERPRINT_ROWS: usize = 16;
+
+/// A fingerprint of what a dataset holds: its shape, class count, attributes, every label, and
+/// `FINGERPRINT_ROWS` images of each split (the first, the last and evenly spaced ones between).
+/// Checkpoints record it, so that a resume on another file of the same name and size (every
+/// `data synth` file of one shape has the same name) is refused. It costs a few row reads at
+/// any size; it hashes the images, not the stored bytes, so a recompressed copy keeps it.
+pub fn fingerprint(info: &DatasetInfo, labels: &Labels) -> Result<String> {
+    let mut hash = Fnv1a64::default();
+    let m = &info.meta;
+    hash.write(m.name.as_bytes());
+    for n in [m.classes, m.channels, m.height, m.width, info.train.len, info.test.len] {
+        hash.write(&(n as u64).to_le_bytes());
+    }
+    for name in &m.class_names {
+        hash.write(name.as_bytes());
+    }
+    for v in info.mean.iter().chain(&info.std) {
+        hash.write(&v.to_le_bytes());
+    }
+    for split in [Split::Train, Split::Test] {
+        for l in labels.split(split) {
+            hash.write(&l.to_le_bytes());
+        }
+        let len = info.split(split).len;
+        if len == 0 {
+            continue;
+        }
+        let mut rows: Vec<usize> = (0..FINGERPRINT_ROWS).map(|i| i * (len - 1) / (FINGERPRINT_ROWS - 1)).collect();
+        rows.dedup();
+        let mut reader = reader::SplitReader::open(&info.path, split)?;
+        let mut images = vec![0u8; rows.len() * reader.sample_bytes()];
+        reader.read(&rows, &mut images)?;
+        hash.write(&images);
+    }
+    Ok(format!("fnv1a64:{:016x}", hash.0))
+}
+
+/// FNV-1a, 64 bits: a hash that stays the same across Rust versions and platforms (what is
+/// written into checkpoints must), for telling files apart, not against an adversary.
+struct Fnv1a64(u64);
+
+impl Default for Fnv1a64 {
+    fn default() -> Self {
+        Fnv1a64(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv1a64 {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
 }
 
 /// The labels of both splits, read once at open.
@@ -266,8 +337,56 @@ fn read_strings_attr(file: &hdf5::File, name: &str) -> Option<Vec<String>> {
     Some(values.iter().map(|s| s.as_str().to_string()).collect())
 }
 
-fn read_f32s_attr(file: &hdf5::File, name: &str) -> Option<Vec<f32>> {
-    file.attr(name).ok()?.read_raw::<f32>().ok()
+/// The `mean` and `std` attributes, checked: training computes (pixel - mean) / std, so a
+/// non-finite mean, or a std that is not finite and positive, would turn every input into NaN,
+/// infinity or zero (an infinite std trains on blank images, at chance accuracy). Both absent:
+/// 0.5 and 0.5 (inputs in [-1, 1]).
+fn normalisation(file: &hdf5::File, channels: usize) -> std::result::Result<(Vec<f32>, Vec<f32>), String> {
+    let (mean, std) = match (read_f32s_attr(file, "mean")?, read_f32s_attr(file, "std")?) {
+        (None, None) => return Ok((vec![0.5; channels], vec![0.5; channels])),
+        (Some(m), Some(s)) => (m, s),
+        (Some(_), None) => return Err("attribute `mean` without `std`: give both or neither".into()),
+        (None, Some(_)) => return Err("attribute `std` without `mean`: give both or neither".into()),
+    };
+    for (name, values) in [("mean", &mean), ("std", &std)] {
+        if values.len() != channels {
+            return Err(format!("attribute `{name}` holds {} value(s), expected {channels} (one per channel)", values.len()));
+        }
+        if let Some((c, v)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(format!("attribute `{name}` [{c}] is {v}, expected a finite value (the inputs are normalised with it)"));
+        }
+    }
+    // The inputs are multiplied by 1 / (255 std): it must be finite too (a subnormal std is not).
+    if let Some((c, v)) = std.iter().enumerate().find(|(_, &v)| v <= 0.0 || !(1.0 / (v * 255.0)).is_finite()) {
+        return Err(format!("attribute `std` [{c}] is {v}, expected a standard deviation > 0 (the inputs are divided by it)"));
+    }
+    Ok((mean, std))
+}
+
+/// An f32 attribute (HDF5 converts other number types), None when absent, an error when it
+/// exists but holds no numbers.
+fn read_f32s_attr(file: &hdf5::File, name: &str) -> std::result::Result<Option<Vec<f32>>, String> {
+    if !file.attr_names().map_err(|e| format!("attributes: {e}"))?.iter().any(|n| n == name) {
+        return Ok(None);
+    }
+    let attr = file.attr(name).map_err(|e| format!("attribute `{name}`: {e}"))?;
+    attr.read_raw::<f32>().map(Some).map_err(|_| format!("attribute `{name}` cannot be read as numbers"))
+}
+
+/// Samples per class: every class's count up to `LISTED_CLASSES` classes, a summary beyond
+/// (counted over the labels present, so that a huge `num_classes` costs nothing).
+fn class_counts(labels: &[i64], classes: usize) -> String {
+    const LISTED_CLASSES: usize = 1000;
+    let mut present = std::collections::BTreeMap::<i64, usize>::new();
+    for &l in labels {
+        *present.entry(l).or_default() += 1;
+    }
+    if classes <= LISTED_CLASSES {
+        let counts: Vec<usize> = (0..classes as i64).map(|c| present.get(&c).copied().unwrap_or(0)).collect();
+        return format!("{counts:?}");
+    }
+    let (fewest, most) = (present.values().min().copied().unwrap_or(0), present.values().max().copied().unwrap_or(0));
+    format!("{} of the {classes} classes present, {fewest} to {most} samples each", present.len())
 }
 
 /// `hpc-train data info`: what a file holds, or why it cannot be used.
@@ -292,15 +411,46 @@ pub fn describe(info: &DatasetInfo, labels: &Labels) -> String {
             Some(rows) => format!("chunks of {rows} images ({} KiB)", rows * info.sample_bytes() / 1024),
             None => "contiguous".to_string(),
         };
-        let mut counts = vec![0usize; info.meta.classes];
-        for &l in labels.split(split) {
-            counts[l as usize] += 1;
-        }
         let _ = writeln!(out, "{:<12} {} samples, {chunk}, compression {}", format!("{}:", split.name()), s.len, s.compression);
-        let _ = writeln!(out, "             per class: {counts:?}");
+        let _ = writeln!(out, "             per class: {}", class_counts(labels.split(split), info.meta.classes));
     }
     let fmt = |v: &[f32]| v.iter().map(|x| format!("{x:.4}")).collect::<Vec<_>>().join(", ");
     let _ = writeln!(out, "mean:        [{}]", fmt(&info.mean));
     let _ = writeln!(out, "std:         [{}]", fmt(&info.std));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::synth::{generate, SynthSpec};
+    use crate::data::writer::Compression;
+
+    #[test]
+    fn fnv1a64_matches_its_reference_values() {
+        let hash = |bytes: &[u8]| {
+            let mut h = Fnv1a64::default();
+            h.write(bytes);
+            h.0
+        };
+        assert_eq!(hash(b""), 0xcbf29ce484222325);
+        assert_eq!(hash(b"a"), 0xaf63dc4c8601ec8c);
+        assert_eq!(hash(b"foobar"), 0x85944171f73967e8);
+    }
+
+    #[test]
+    fn the_fingerprint_follows_the_content_not_the_storage() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-fingerprint-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let make = |name: &str, seed: u64, compression: Compression| {
+            let path = dir.join(name);
+            generate(&SynthSpec { train: 50, test: 7, shape: [1, 6, 6], classes: 3, seed }, &path, compression, true).unwrap();
+            let (info, labels) = open(&path).unwrap();
+            fingerprint(&info, &labels).unwrap()
+        };
+        let a = make("a.h5", 1, Compression::None);
+        assert_eq!(a, make("a-gzip.h5", 1, Compression::Gzip), "the same images recompressed");
+        assert_ne!(a, make("b.h5", 2, Compression::None), "same name, shape and size, other images");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -189,7 +189,6 @@ impl DatasetWriter {
         if self.lens[0] == 0 {
             return Err(Error::data(&self.final_path, "no training samples to write"));
         }
-        let file = self.file.take().expect("finish runs once");
         let m = &self.meta;
         let values = (m.height * m.width * self.lens[0]) as f64;
         let mean: Vec<f32> = self.sums.iter().map(|(s, _)| (s / values) as f32).collect();
@@ -202,7 +201,8 @@ impl DatasetWriter {
         let text = |s: &str| VarLenUnicode::from_str(s).map_err(|e| Error::data(&self.final_path, format!("{s:?}: {e}")));
         let name = text(&m.name)?;
         let class_names: Vec<VarLenUnicode> = m.class_names.iter().map(|n| text(n)).collect::<Result<_>>()?;
-        let write_attrs = || -> hdf5::Result<()> {
+        let file = self.file.take().expect("finish runs once");
+        let write_attrs = |file: &hdf5::File| -> hdf5::Result<()> {
             file.new_attr::<VarLenUnicode>().create("name")?.write_scalar(&name)?;
             file.new_attr::<i64>().create("num_classes")?.write_scalar(&(m.classes as i64))?;
             if !class_names.is_empty() {
@@ -212,10 +212,23 @@ impl DatasetWriter {
             file.new_attr::<f32>().shape(std.len()).create("std")?.write(&std)?;
             Ok(())
         };
-        write_attrs().at(&self.tmp_path)?;
-        file.close().at(&self.tmp_path)?;
-        std::fs::rename(&self.tmp_path, &self.final_path).at(&self.final_path)?;
-        Ok(self.final_path.clone())
+        let tmp_path = self.tmp_path.clone();
+        let finished = (|| -> Result<()> {
+            write_attrs(&file).at(&tmp_path)?;
+            // H5Fclose reports no write error while the datasets are still open (it only marks
+            // the file for closing; the data cached in memory is written when the last handle
+            // goes, and a failure there is lost): flush first, which reports it. Without this a
+            // full disk gave a damaged file and "wrote ..." with exit status 0.
+            file.flush().at(&tmp_path)?;
+            file.close().at(&tmp_path)?;
+            std::fs::File::open(&tmp_path).and_then(|f| f.sync_all()).at(&tmp_path)?;
+            std::fs::rename(&tmp_path, &self.final_path).at(&self.final_path)
+        })();
+        if finished.is_err() {
+            // The file handle is gone from `self`, so Drop would not remove it.
+            let _ = std::fs::remove_file(&tmp_path);
+        }
+        finished.map(|()| self.final_path.clone())
     }
 }
 

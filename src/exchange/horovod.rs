@@ -747,11 +747,7 @@ fn write_timeline(comm: &SimpleCommunicator, path: &std::path::Path, events: &[E
         let text = serde_json::to_string(&serde_json::json!({ "traceEvents": all, "displayTimeUnit": "ms" }))
             .map_err(|e| Error::Results(e.to_string()))?;
         let tmp = path.with_extension("json.tmp");
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        }
-        std::fs::write(&tmp, text).map_err(|e| Error::io(&tmp, e))?;
-        std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
+        crate::results::replace_via_temp(path, &tmp, |tmp| std::fs::write(tmp, text).map_err(|e| Error::io(tmp, e)))?;
     } else {
         root.gather_into(&count);
         root.gather_varcount_into(&mine[..]);

@@ -63,7 +63,19 @@ struct Run<'a> {
     total_steps: u64,
     /// The step of the checkpoint the run resumed from.
     resumed_at: Option<u64>,
+    /// The dataset's content fingerprint (rank 0, with --checkpoint-dir), recorded in checkpoints.
+    dataset_fingerprint: String,
+    /// Rank 0: which checkpoints were written and which failed.
+    checkpoints: setup::CheckpointLog,
+    /// Rank 0: the checkpoint folder's lock, held until the run ends.
+    _checkpoint_lock: Option<crate::checkpoint::FolderLock>,
 }
+
+/// The exit status of a run that a signal (SIGTERM, SIGUSR1) stopped before its last step after
+/// writing a checkpoint at the step where it stopped: 128 + SIGTERM, what the job of a process
+/// killed by SIGTERM reports (Horovod's does), so that a job script can tell "stopped, continue
+/// with --resume" from success (0) and from failure (1, also for a stop with nothing saved).
+pub const EXIT_STOPPED: i32 = 143;
 
 /// What training leaves for the record.
 struct Outcome {
@@ -80,7 +92,8 @@ struct Outcome {
 }
 
 /// Trains as `args` says on the ranks of `world`; rank 0 returns the run's record (None on the
-/// other ranks, when the run was stopped by a signal, and when nothing was left to train).
+/// other ranks, and when nothing was left to train). A run stopped by a signal before its last
+/// step ends in [`Error::Stopped`](crate::error::Error::Stopped) on every rank.
 pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Option<RunRecord>> {
     let Some(mut run) = Run::set_up(world, args)? else { return Ok(None) };
     let outcome = match run.exchange.role() {

@@ -9,7 +9,7 @@ use tch::Device;
 
 use crate::cli::Scaling;
 use crate::data::loader::Batch;
-use crate::error::{Result, WithPath};
+use crate::error::{Error, Result, WithPath};
 use crate::exchange::Role;
 use crate::model::InputSpec;
 use crate::raw;
@@ -19,8 +19,9 @@ use super::setup::{broadcast_step, save_weights};
 use super::{Outcome, Run, RunContext};
 
 impl Run<'_> {
-    /// Writes what training ended with; rank 0 returns the record (None elsewhere, and when a
-    /// signal stopped the run).
+    /// Writes what training ended with; rank 0 returns the record (None elsewhere). A run that a
+    /// signal stopped ends in `Error::Stopped` (no record), one whose checkpoints failed in an
+    /// error after its record.
     pub(super) fn record(mut self, out: Outcome, context: &RunContext) -> Result<Option<RunRecord>> {
         let (world, args) = (self.world, self.args);
         let rss_end = raw::current_rss_mb();
@@ -33,18 +34,39 @@ impl Run<'_> {
             save_weights(&self.net, path)?;
         }
         let last_step = broadcast_step(&world.comm, Some(out.last_step)).unwrap_or(out.last_step);
+        let checkpointed = broadcast_step(&world.comm, self.checkpoints.newest_good) == Some(last_step);
+        let failed_checkpoints = world.sum_f64(self.checkpoints.failed.len() as f64) > 0.0;
+        // Rank 0 knows how the checkpoints went; the others exit with its verdict.
+        let verdict = |log: &super::setup::CheckpointLog| match (world.is_root(), &args.checkpoint_dir) {
+            (true, Some(dir)) => log.verdict(dir).map_err(|e| Error::Agreed(Box::new(e))),
+            _ => Err(Error::Reported(0)),
+        };
         if world.sum_f64(if out.stopped { 1.0 } else { 0.0 }) > 0.0 {
             if world.is_root() {
-                println!("hpc-train: stopped by a signal after step {last_step} of {}; continue with --resume", self.total_steps);
+                let state = match (&args.checkpoint_dir, checkpointed) {
+                    (Some(dir), true) => format!("checkpoint at step {last_step} in {}: continue with --resume", dir.display()),
+                    (Some(_), false) => format!("the checkpoint at step {last_step} could not be written"),
+                    (None, _) => "nothing was saved (no --checkpoint-dir) and no record written".to_string(),
+                };
+                println!("hpc-train: stopped by a signal after step {last_step} of {}; {state}", self.total_steps);
             }
-            return Ok(None);
+            if failed_checkpoints {
+                return verdict(&self.checkpoints).map(|()| None);
+            }
+            return Err(Error::Stopped { checkpointed });
         }
         let record = self.figures(&out, rss_end, is_worker, context);
-        let Some(record) = record else { return Ok(None) };
-        let runs = results::runs_path(&args.results);
-        results::append_json_line(&runs, &record)?;
-        print_summary(&record, self.spec, &runs);
-        Ok(Some(record))
+        if let Some(record) = &record {
+            let runs = results::runs_path(&args.results);
+            results::append_json_line(&runs, record)?;
+            print_summary(record, self.spec, &runs);
+        }
+        if failed_checkpoints {
+            // The record stands (training finished); the job still fails, so that nobody takes
+            // the missing checkpoints for written ones.
+            return verdict(&self.checkpoints).map(|()| None);
+        }
+        Ok(record)
     }
 
     /// The run's figures over all ranks (every rank takes part); the record on rank 0.

@@ -14,7 +14,7 @@ use tch::{Device, Kind, Tensor};
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
 use crate::cli::{DeviceChoice, OnOff, Precision, Scaling, TrainArgs};
 use crate::data::{self, DatasetInfo};
-use crate::error::{Error, Result, WithPath};
+use crate::error::{Error, Result};
 use crate::exchange::{self, Exchange, ExchangeConfig, Role};
 use crate::faults::Faults;
 use crate::model::{self, InputSpec};
@@ -57,6 +57,7 @@ impl<'a> Run<'a> {
         let cache_data = world.agree(data::loader::cache_decision(args.cache_data, split_bytes, world.local_size as usize, data::loader::memory_available()))?;
         let steps_per_epoch = info.train.len.div_ceil(global_batch) as u64;
         let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
+        world.agree(check_model_fits(args, &info, &plan, world))?;
         let (mut net, spec) = world.agree(Net::new(args, &info, plan.device))?;
         // Same seed on every rank gives the same weights; rank 0's are sent anyway, so that a
         // mismatch (another libtorch, another seed) cannot start.
@@ -67,8 +68,14 @@ impl<'a> Run<'a> {
         // Every parameter gets a gradient, so that every rank exchanges the same set.
         optim::define_grads(&net.params)?;
 
-        // The checkpoint to continue from, and whether anything is left to do.
-        let now = checkpoint_meta(args, world, &plan, &info, steps_per_epoch, 0, 0);
+        // The checkpoint folder, held for this run alone; the checkpoint to continue from, and
+        // whether anything is left to do.
+        let checkpoint_lock = world.agree(lock_checkpoint_dir(world, args))?;
+        let dataset_fingerprint = world.agree(match (&args.checkpoint_dir, world.is_root()) {
+            (Some(_), true) => data::fingerprint(&info, &labels),
+            _ => Ok(String::new()),
+        })?;
+        let now = checkpoint_meta(args, world, &plan, &info, &dataset_fingerprint, steps_per_epoch, 0, 0);
         let resume_from = world.agree(find_resume_point(world, args, &now))?;
         let first_step = broadcast_step(&world.comm, resume_from.as_ref().map(|c| c.meta.step)).unwrap_or(0);
         if first_step > 0 && first_step >= total_steps {
@@ -108,6 +115,8 @@ impl<'a> Run<'a> {
         let run = Run {
             world, args, plan, info, labels, cache_data, spec, net, exchange, sgd, overlap, faults, stop, workers_comm, worker, workers,
             global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),
+            dataset_fingerprint, checkpoints: CheckpointLog { newest_good: resume_from.as_ref().map(|c| c.meta.step), failed: Vec::new() },
+            _checkpoint_lock: checkpoint_lock,
         };
         run.log_start();
         Ok(Some(run))
@@ -140,22 +149,119 @@ impl<'a> Run<'a> {
         self.args.checkpoint_dir.is_some() && last_step % self.args.checkpoint_every == 0
     }
 
-    /// A checkpoint after `last_step` (every worker takes part; rank 0 writes it).
+    /// A checkpoint after `last_step` (every worker takes part; rank 0 writes it). A write that
+    /// fails on rank 0 ends the run there when this run has no earlier checkpoint to continue
+    /// from; otherwise it is logged and counted, and the run ends non-zero (see `record`).
     pub(super) fn save_checkpoint(&mut self, last_step: u64) -> Result<()> {
         let Some(dir) = &self.args.checkpoint_dir else { return Ok(()) };
-        let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, self.steps_per_epoch, last_step, self.sgd.steps());
-        save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.sgd, meta)
+        let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, last_step, self.sgd.steps());
+        match save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.sgd, meta)? {
+            Some(written) => self.checkpoints.note(dir, last_step, written),
+            None => Ok(()),
+        }
     }
 }
 
+/// Rank 0's account of the run's checkpoints.
+#[derive(Debug, Default)]
+pub(super) struct CheckpointLog {
+    /// The newest checkpoint this run can continue from: written by it, or resumed from.
+    pub(super) newest_good: Option<u64>,
+    /// Steps whose checkpoint could not be written.
+    pub(super) failed: Vec<u64>,
+}
+
+impl CheckpointLog {
+    /// Takes note of rank 0's write of the checkpoint after `step`.
+    fn note(&mut self, dir: &Path, step: u64, written: Result<std::path::PathBuf>) -> Result<()> {
+        match (written, self.newest_good) {
+            (Ok(path), _) => {
+                log::info!("checkpoint at step {step}: {}", path.display());
+                self.newest_good = Some(step);
+                Ok(())
+            }
+            // Training on would only spend the allocation on steps that nothing keeps.
+            (Err(e), None) => Err(Error::Checkpoint {
+                path: dir.to_path_buf(),
+                reason: format!("the checkpoint at step {step} could not be written ({e}), and this run has no earlier one to continue from: stopping"),
+            }),
+            (Err(e), Some(good)) => {
+                log::error!("checkpoint at step {step} failed ({e}); the newest good one is at step {good}; training goes on, and the run will end non-zero");
+                self.failed.push(step);
+                Ok(())
+            }
+        }
+    }
+
+    /// The error a run with failed checkpoints ends with (rank 0), once its record is written.
+    pub(super) fn verdict(&self, dir: &Path) -> Result<()> {
+        match (self.failed.as_slice(), self.newest_good) {
+            ([], _) => Ok(()),
+            (failed, good) => Err(Error::Checkpoint {
+                path: dir.to_path_buf(),
+                reason: format!(
+                    "{} checkpoint(s) could not be written (after step(s) {}); --resume continues from the newest good one, at step {}",
+                    failed.len(),
+                    failed.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(", "),
+                    good.map_or("?".into(), |g| g.to_string())
+                ),
+            }),
+        }
+    }
+}
+
+/// Rank 0 takes the checkpoint folder's lock for the run (None without --checkpoint-dir and on
+/// the other ranks), after checking that it can write there.
+fn lock_checkpoint_dir(world: &World, args: &TrainArgs) -> Result<Option<checkpoint::FolderLock>> {
+    match (&args.checkpoint_dir, world.is_root()) {
+        (Some(dir), true) => {
+            checkpoint::check_writable(dir)?;
+            checkpoint::FolderLock::take(dir).map(Some)
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Whether the model can be built for the dataset and trained at this batch, said before it is
+/// built (libtorch would panic, or try to allocate what no machine has).
+fn check_model_fits(args: &TrainArgs, info: &DatasetInfo, plan: &Plan, world: &World) -> Result<()> {
+    let spec = InputSpec {
+        channels: info.meta.channels as i64,
+        height: info.meta.height as i64,
+        width: info.meta.width as i64,
+        classes: info.meta.classes as i64,
+    };
+    let what = || format!("--model {} on {} ({}x{}x{} images, {} classes)", args.model.name(), args.data.display(), spec.channels, spec.height, spec.width, spec.classes);
+    args.model.check_input(spec, plan.batch).map_err(|why| Error::usage(format!("{}: {why}", what())))?;
+    // Weights, gradients, momentum and a bucket buffer: 16 bytes per parameter per rank.
+    const BYTES_PER_PARAMETER: u128 = 16;
+    let parameters = args.model.parameters_for(spec);
+    let need = parameters * BYTES_PER_PARAMETER * world.local_size.max(1) as u128;
+    if let Some(available) = data::loader::memory_available() {
+        if need > available as u128 {
+            return Err(Error::usage(format!(
+                "{}: the model has {parameters} parameters ({}); at {BYTES_PER_PARAMETER} bytes each (weights, gradients, momentum, exchange buffer) for {} rank(s) that is {:.3e} bytes, more than the {:.1} GB this node has available",
+                what(),
+                args.model.largest_layer(spec),
+                world.local_size,
+                need as f64,
+                available as f64 / 1e9
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// What a checkpoint says about the run it belongs to.
-fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info: &DatasetInfo, steps_per_epoch: u64, step: u64, optimizer_steps: u64) -> CheckpointMeta {
+#[allow(clippy::too_many_arguments)]
+fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info: &DatasetInfo, fingerprint: &str, steps_per_epoch: u64, step: u64, optimizer_steps: u64) -> CheckpointMeta {
     CheckpointMeta {
         format: 0,
         step,
         steps_per_epoch,
         model: args.model.name().into(),
         dataset: info.meta.name.clone(),
+        dataset_fingerprint: fingerprint.into(),
         train_samples: info.train.len,
         image_shape: vec![info.meta.channels, info.meta.height, info.meta.width],
         classes: info.meta.classes,
@@ -277,6 +383,8 @@ impl Plan {
         if args.lr <= 0.0 || !args.lr.is_finite() {
             return Err(Error::usage(format!("--lr {}: expected a positive learning rate", args.lr)));
         }
+        check_sgd_settings(args.momentum, args.weight_decay)?;
+        check_outputs_are_not_inputs(args)?;
         let device = device?;
         if device == Device::Cpu && args.precision != Precision::Fp32 {
             return Err(Error::usage(format!(
@@ -292,6 +400,11 @@ impl Plan {
             return Err(Error::usage("--precision fp16 with --strategy ps: the loss scaler unscales gradients before the optimizer step, which the servers own; use bf16"));
         }
         let threads = if args.threads > 0 {
+            check_threads(args.threads, num_cpus_online())?;
+            let mine = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if args.threads > mine && world.is_root() {
+                log::warn!("--threads {}: this rank may run on {mine} core(s); its threads will take turns on them", args.threads);
+            }
             args.threads
         } else {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -301,6 +414,104 @@ impl Plan {
         };
         let cuda_aware = args.cuda_aware.resolve();
         Ok(Plan { device, threads, cuda_aware, workers, batch })
+    }
+}
+
+/// `--momentum` and `--weight-decay` as torch.optim.SGD takes them: it refuses a negative
+/// momentum or weight decay. A momentum of 1 or more is refused as well: the momentum buffer
+/// then never forgets a gradient, and grows without bound (1.5 ended at a loss of 1e10).
+pub(super) fn check_sgd_settings(momentum: f64, weight_decay: f64) -> Result<()> {
+    if !(0.0..1.0).contains(&momentum) {
+        return Err(Error::usage(format!(
+            "--momentum {momentum}: expected 0 <= momentum < 1 (torch.optim.SGD refuses a negative one; at 1 or more the momentum buffer never decays and training diverges)"
+        )));
+    }
+    if !weight_decay.is_finite() || weight_decay < 0.0 {
+        return Err(Error::usage(format!(
+            "--weight-decay {weight_decay}: expected a finite weight decay of 0 or more (torch.optim.SGD refuses a negative one)"
+        )));
+    }
+    Ok(())
+}
+
+/// Intra-op threads beyond this many per core online are refused.
+const MAX_THREADS_PER_CORE: usize = 4;
+
+/// `--threads` against the cores online: libtorch's intra-op threads meet at the end of every
+/// parallel region, so threads beyond the cores only wait for each other (--threads 1000 on
+/// 2 cores took 28 s for 2 steps; 100,000 never started). A few per core can make sense when
+/// ranks share a node unevenly; more than `MAX_THREADS_PER_CORE` times the cores never does.
+pub(super) fn check_threads(threads: usize, cores_online: usize) -> Result<()> {
+    let limit = MAX_THREADS_PER_CORE * cores_online.max(1);
+    if threads > limit {
+        return Err(Error::usage(format!(
+            "--threads {threads}: {} has {cores_online} core(s) online, and more than {MAX_THREADS_PER_CORE} intra-op threads per core only wait for each other; use at most {limit}, or 0 for the cores this rank may use",
+            raw::hostname()
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses an output of the run that is one of its inputs (`--save-weights` on the `--data`
+/// file overwrote the dataset): the files the run writes against the ones it reads, compared
+/// as canonical paths and, when the output exists, as the same inode (a hard link).
+pub(super) fn check_outputs_are_not_inputs(args: &TrainArgs) -> Result<()> {
+    let mut inputs: Vec<(&str, &Path)> = vec![("--data", args.data.as_path())];
+    if let Some(model) = &args.cost_model {
+        inputs.push(("--cost-model", model));
+    }
+    let runs = results::runs_path(&args.results);
+    let mut outputs: Vec<(&str, &Path)> = vec![("--results", runs.as_path())];
+    outputs.extend(args.save_weights.as_deref().map(|p| ("--save-weights", p)));
+    outputs.extend(args.horovod.timeline.as_deref().map(|p| ("--timeline", p)));
+    outputs.extend(args.checkpoint_dir.as_deref().map(|p| ("--checkpoint-dir", p)));
+    outputs.extend(args.trace_samples.as_deref().map(|p| ("--trace-samples", p)));
+    for (input_flag, input) in inputs {
+        // An input that does not exist or is no file is reported where it is read.
+        let Ok(input_real) = input.canonicalize() else { continue };
+        if !input_real.is_file() {
+            continue;
+        }
+        for &(output_flag, output) in &outputs {
+            let output_real = canonical_output(output);
+            if output_real.starts_with(&input_real) || same_file(output, input) {
+                return Err(Error::usage(format!(
+                    "{output_flag} {}: it is {} {input_flag} file ({}), which the run reads; write it elsewhere",
+                    output.display(),
+                    if output_real == input_real || same_file(output, input) { "the" } else { "inside the" },
+                    input.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The canonical form of a path that may not exist yet: its nearest existing ancestor
+/// canonicalised, and the rest appended.
+fn canonical_output(path: &Path) -> std::path::PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = existing.canonicalize() {
+            return rest.iter().rev().fold(real, |p, part| p.join(part));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            _ => return absolute,
+        }
+    }
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
     }
 }
 
@@ -625,10 +836,7 @@ pub(super) fn broadcast_step(comm: &SimpleCommunicator, step: Option<u64>) -> Op
 /// Rank 0 finds the newest complete checkpoint when `--resume` is given and checks that this
 /// run may continue from it.
 pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &CheckpointMeta) -> Result<Option<Checkpoint>> {
-    if let Some(dir) = &args.checkpoint_dir {
-        if world.is_root() {
-            checkpoint::check_writable(dir)?;
-        }
+    if args.checkpoint_dir.is_some() {
         if args.ps.ps_mode == crate::exchange::ps::PsMode::Async && args.strategy == exchange::StrategyKind::Ps {
             return Err(Error::usage(
                 "--checkpoint-dir with --ps-mode async: asynchronous servers hold no state consistent across ranks at any step; checkpoint a synchronous run",
@@ -698,8 +906,8 @@ pub(super) fn restore(world: &World, found: Option<&Checkpoint>, net: &mut Net, 
     exchange.restore_optimizer(&net.params, momentum, steps as u64, sgd)
 }
 
-/// Collects the optimizer state (every worker takes part) and has rank 0 write the checkpoint.
-/// A failed write is logged and training goes on: the previous checkpoint is intact.
+/// Collects the optimizer state (every worker takes part) and has rank 0 write the checkpoint:
+/// rank 0 returns how its write went (the folder written, or why not), the others None.
 pub(super) fn save_checkpoint(
     world: &World,
     dir: &Path,
@@ -708,20 +916,15 @@ pub(super) fn save_checkpoint(
     exchange: &mut dyn Exchange,
     sgd: &Sgd,
     meta: CheckpointMeta,
-) -> Result<()> {
+) -> Result<Option<Result<std::path::PathBuf>>> {
     // Collective where the state is sharded (ZeRO) or held by servers.
     let momentum = crate::watchdog::collective("gathering the optimizer state", &world.comm, || exchange.optimizer_state(&net.params, sgd))?;
     if !world.is_root() {
-        return Ok(());
+        return Ok(None);
     }
     let momentum = momentum.ok_or_else(|| Error::exchange("checkpoint", "rank 0 received no optimizer state"))?;
     let named_momentum: Vec<(String, Tensor)> = net.param_names.iter().cloned().zip(momentum).collect();
-    let step = meta.step;
-    match checkpoint::save(dir, meta, &net.named_variables(), &named_momentum, keep) {
-        Ok(path) => log::info!("checkpoint at step {step}: {}", path.display()),
-        Err(e) => log::error!("checkpoint at step {step} failed, training goes on (the previous one is intact): {e}"),
-    }
-    Ok(())
+    Ok(Some(checkpoint::save(dir, meta, &net.named_variables(), &named_momentum, keep)))
 }
 
 /// Compares the run's configuration across ranks before any training: every rank must run the
@@ -820,16 +1023,87 @@ pub(super) fn save_weights(net: &Net, path: &Path) -> Result<()> {
         .map(|(n, t)| Ok((n, t.f_to_device(Device::Cpu)?.f_contiguous()?)))
         .collect::<Result<_>>()?;
     let tmp = path.with_extension("safetensors.tmp");
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).at(dir)?;
-    }
-    Tensor::write_safetensors(&vars, &tmp)?;
-    std::fs::rename(&tmp, path).at(path)?;
-    Ok(())
+    results::replace_via_temp(path, &tmp, |tmp| Ok(Tensor::write_safetensors(&vars, tmp)?))
 }
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    fn train_args(extra: &[&str]) -> TrainArgs {
+        let mut argv = vec!["hpc-train"];
+        argv.extend(extra);
+        crate::cli::Cli::try_parse_from(argv).unwrap().train
+    }
+
+    #[test]
+    fn sgd_settings_torch_refuses_are_refused() {
+        assert!(check_sgd_settings(0.9, 1e-4).is_ok());
+        assert!(check_sgd_settings(0.0, 0.0).is_ok());
+        for (momentum, flag) in [(-5.0, "--momentum -5"), (1.0, "--momentum 1"), (1.5, "--momentum 1.5"), (f64::NAN, "--momentum NaN")] {
+            let err = check_sgd_settings(momentum, 0.0).unwrap_err().to_string();
+            assert!(err.starts_with(&format!("{flag}: expected 0 <= momentum < 1")), "{err}");
+        }
+        for (decay, flag) in [(-100.0, "--weight-decay -100"), (f64::NAN, "--weight-decay NaN"), (f64::INFINITY, "--weight-decay inf")] {
+            assert!(check_sgd_settings(0.9, decay).unwrap_err().to_string().starts_with(flag));
+        }
+    }
+
+    #[test]
+    fn threads_far_beyond_the_cores_are_refused() {
+        assert!(check_threads(8, 2).is_ok());
+        let err = check_threads(9, 2).unwrap_err().to_string();
+        assert!(err.contains("--threads 9:") && err.contains("has 2 core(s) online") && err.contains("use at most 8"), "{err}");
+    }
+
+    #[test]
+    fn an_output_that_is_an_input_is_refused() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-outputs-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        let data = dir.join("data.h5");
+        std::fs::write(&data, b"x").unwrap();
+        let d = data.to_str().unwrap();
+        let fine = dir.join("w.safetensors");
+        assert!(check_outputs_are_not_inputs(&train_args(&["--data", d, "--save-weights", fine.to_str().unwrap()])).is_ok());
+        // The same file by another spelling, through a link, or a path inside it.
+        let other_spelling = dir.join("sub/../data.h5");
+        let err = check_outputs_are_not_inputs(&train_args(&["--data", d, "--save-weights", other_spelling.to_str().unwrap()])).unwrap_err().to_string();
+        assert!(err.contains("--save-weights") && err.contains("it is the --data file"), "{err}");
+        let link = dir.join("link.h5");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&data, &link).unwrap();
+        assert!(check_outputs_are_not_inputs(&train_args(&["--data", link.to_str().unwrap(), "--timeline", d, "--strategy", "horovod"])).is_err());
+        let hard = dir.join("hard.h5");
+        let _ = std::fs::remove_file(&hard);
+        std::fs::hard_link(&data, &hard).unwrap();
+        assert!(check_outputs_are_not_inputs(&train_args(&["--data", d, "--save-weights", hard.to_str().unwrap()])).is_err());
+        let inside = data.join("ckpt");
+        let err = check_outputs_are_not_inputs(&train_args(&["--data", d, "--checkpoint-dir", inside.to_str().unwrap()])).unwrap_err().to_string();
+        assert!(err.contains("--checkpoint-dir") && err.contains("inside the --data file"), "{err}");
+        let model = dir.join("model.json");
+        std::fs::write(&model, b"{}").unwrap();
+        let err = check_outputs_are_not_inputs(&train_args(&["--data", d, "--cost-model", model.to_str().unwrap(), "--save-weights", model.to_str().unwrap()])).unwrap_err().to_string();
+        assert!(err.contains("the --cost-model file"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn failed_checkpoints_end_the_run_without_an_earlier_one_and_are_counted_with_one() {
+        let dir = Path::new("/ckpt");
+        let full = || Err(Error::io("/ckpt/x", std::io::Error::from(std::io::ErrorKind::StorageFull)));
+        let mut fresh = CheckpointLog::default();
+        let err = fresh.note(dir, 5, full()).unwrap_err().to_string();
+        assert!(err.contains("could not be written") && err.contains("no earlier one to continue from"), "{err}");
+
+        let mut log = CheckpointLog::default();
+        log.note(dir, 5, Ok("/ckpt/ckpt-5".into())).unwrap();
+        log.note(dir, 10, full()).unwrap();
+        log.note(dir, 15, full()).unwrap();
+        assert_eq!((log.newest_good, log.failed.clone()), (Some(5), vec![10, 15]));
+        let err = log.verdict(dir).unwrap_err().to_string();
+        assert!(err.contains("2 checkpoint(s) could not be written (after step(s) 10, 15)") && err.contains("at step 5"), "{err}");
+        assert!(CheckpointLog { newest_good: Some(3), failed: vec![] }.verdict(dir).is_ok());
+    }
 
     #[test]
     fn simulated_masks_read_as_cuda_reads_them() {

@@ -142,6 +142,46 @@ pub fn mpirun_with_tmpfs(ranks: usize, args: &[&str], env: &[(&str, &str)], dir:
     run_with_limit(cmd, limit)
 }
 
+/// Marks the end of a command's output and the start of the tmpfs listing.
+const TMPFS_LISTING: &str = "@@ left in the tmpfs:";
+
+/// Runs `cmd` as [`mpirun_with_tmpfs`] does (a tmpfs of `size` on `dir`, in a mount namespace
+/// that goes when it ends), then lists what is left in the tmpfs (paths relative to `dir`,
+/// sorted): the files a failed write left behind can only be seen from inside.
+fn with_tmpfs_listing(cmd: Command, dir: &Path, size: &str, limit: Duration) -> (Run, Vec<String>) {
+    std::fs::create_dir_all(dir).unwrap();
+    let script = format!(
+        r#"mount -t tmpfs -o "size=$1" tmpfs "$2" || exit 97; d=$2; shift 2; "$@"; rc=$?; echo "{TMPFS_LISTING}"; (cd "$d" && find . -mindepth 1 | sort); exit $rc"#
+    );
+    let mut outer = Command::new("unshare");
+    outer.args(["--mount", "--propagation", "private", "sh", "-c", &script, "sh", size]).arg(dir).arg(cmd.get_program()).args(cmd.get_args()).current_dir(root());
+    for (k, v) in cmd.get_envs() {
+        if let Some(v) = v {
+            outer.env(k, v);
+        }
+    }
+    let mut run = run_with_limit(outer, limit);
+    assert_ne!(run.status, Some(97), "could not mount a tmpfs (root and mount namespaces needed):\n{}", run.all_output());
+    let (output, listing) = run.stdout.split_once(TMPFS_LISTING).map(|(a, b)| (a.to_string(), b.to_string())).unwrap_or((run.stdout.clone(), String::new()));
+    run.stdout = output;
+    (run, listing.lines().map(str::trim).filter(|l| !l.is_empty()).map(|l| l.trim_start_matches("./").to_string()).collect())
+}
+
+/// `mpirun ... hpc-train <args>` with a tmpfs of `size` on `dir`; returns the run and what it
+/// left in the tmpfs.
+pub fn mpirun_with_tmpfs_listing(ranks: usize, args: &[&str], dir: &Path, size: &str, limit: Duration) -> (Run, Vec<String>) {
+    let _guard = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    with_tmpfs_listing(mpirun_command(ranks, args, &[]), dir, size, limit)
+}
+
+/// `hpc-train <args>` alone with a tmpfs of `size` on `dir`; returns the run and what it left
+/// in the tmpfs.
+pub fn hpc_train_with_tmpfs_listing(args: &[&str], dir: &Path, size: &str) -> (Run, Vec<String>) {
+    let mut cmd = Command::new(bin());
+    cmd.args(args);
+    with_tmpfs_listing(cmd, dir, size, Duration::from_secs(120))
+}
+
 pub fn mpirun(ranks: usize, args: &[&str]) -> Run {
     mpirun_env(ranks, args, &[], Duration::from_secs(300))
 }
