@@ -556,3 +556,21 @@ fn outputs_on_a_full_disk_leave_no_temporary_file() {
         assert!(left.is_empty(), "{strategy} left {left:?}:\n{out}");
     }
 }
+
+/// With overlap, a non-finite gradient is found at the end of the step, after the exchange has
+/// spread it to every rank: rank 0 must not write those weights over the good checkpoints
+/// (issue 31, item 7's deferred check). The checkpoint before the fault stays the newest.
+#[test]
+fn a_diverged_step_writes_no_checkpoint() {
+    let dir = scratch("nan-checkpoint");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let ckpt = dir.join("ckpt");
+    let mut args = base(&d, &r, &["--strategy", "ring", "--overlap", "on", "--bucket-mb", "0.001"]);
+    args.extend(["--steps", "10", "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "2"]);
+    // The fault at step index 3: the step that ends at the checkpoint after step 4.
+    let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "nangrad@1:3")], Duration::from_secs(120));
+    assert!(!run.timed_out && !run.ok(), "{}", run.all_output());
+    assert!(run.all_output().contains("non-finite gradient at step 3"), "{}", run.all_output());
+    assert_eq!(checkpoint_steps(&ckpt), vec![2], "{}", run.all_output());
+}

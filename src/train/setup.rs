@@ -923,6 +923,12 @@ pub(super) fn save_checkpoint(
         return Ok(None);
     }
     let momentum = momentum.ok_or_else(|| Error::exchange("checkpoint", "rank 0 received no optimizer state"))?;
+    // Never replace good checkpoints with a diverged state: with overlap a non-finite gradient
+    // is found at the end of the step on the rank that made it, after the exchange has spread
+    // it to every rank, which may reach this checkpoint before that rank ends the job.
+    if !optim::all_finite(&net.params)? || !optim::all_finite(&momentum)? {
+        return Err(Error::NonFinite { what: "weights (no checkpoint written)", step: meta.step, epoch: meta.epoch() });
+    }
     let named_momentum: Vec<(String, Tensor)> = net.param_names.iter().cloned().zip(momentum).collect();
     Ok(Some(checkpoint::save(dir, meta, &net.named_variables(), &named_momentum, keep)))
 }
