@@ -258,6 +258,13 @@ pub struct BenchArgs {
     /// How the ring's ranks reach each other: node-shared memory when all are on one node (auto).
     #[arg(long, value_enum, default_value_t = RingTransport::Auto)]
     pub ring_transport: RingTransport,
+
+    /// The MPI call of `allreduce` and `horovod` on host buffers: `blocking` (MPI_Allreduce, as
+    /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, this
+    /// program's path before issue 32, for comparison). Device buffers always take the blocking
+    /// call.
+    #[arg(long, value_enum, default_value_t = crate::exchange::allreduce::MpiAllreduceCall::Blocking)]
+    pub mpi_allreduce: crate::exchange::allreduce::MpiAllreduceCall,
     /// Whether MPI can read GPU memory.
     #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
     pub cuda_aware: CudaAware,
@@ -516,6 +523,13 @@ pub struct TrainArgs {
     /// from node-shared memory when every rank is on one node, and sends MPI messages otherwise.
     #[arg(long, value_enum, default_value_t = RingTransport::Auto)]
     pub ring_transport: RingTransport,
+
+    /// The MPI call of `allreduce` and `horovod` on host buffers: `blocking` (MPI_Allreduce, as
+    /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, this
+    /// program's path before issue 32, for comparison). Device buffers always take the blocking
+    /// call.
+    #[arg(long, value_enum, default_value_t = crate::exchange::allreduce::MpiAllreduceCall::Blocking)]
+    pub mpi_allreduce: crate::exchange::allreduce::MpiAllreduceCall,
 
     /// Folder for runs.jsonl and other results.
     #[arg(long, default_value = "results")]

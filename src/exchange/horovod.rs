@@ -179,6 +179,7 @@ impl Horovod {
         let (rank, size) = (world.rank, world.size as usize);
         let bg_config = hv.clone();
         let start = Instant::now();
+        let call = config.mpi_allreduce;
         let thread = CommThread::spawn("horovod-background", config.device, move || {
                 let mut bg = Background {
                     coord,
@@ -197,7 +198,7 @@ impl Horovod {
                     table: HashMap::new(),
                     fusion: None,
                     staging: Staging::new(),
-                    sums: SumOps::new(),
+                    sums: SumOps::new(call),
                     counters: Counters::default(),
                     events: Vec::new(),
                     start,

@@ -307,6 +307,8 @@ pub struct ExchangeConfig {
     pub cost_model: crate::cost::CostModel,
     /// `--zero`: 0 (every rank keeps the whole optimizer state), 1 or 2.
     pub zero: u8,
+    /// `--mpi-allreduce`: the MPI call `allreduce` and `horovod` reduce host buffers with.
+    pub mpi_allreduce: allreduce::MpiAllreduceCall,
 }
 
 /// What decides the ranks' roles: how many are dedicated parameter servers.

@@ -186,6 +186,7 @@ fn exchange_config(world: &World, args: &TrainArgs, plan: &Plan, sgd: SgdConfig,
         ring_transport: args.ring_transport,
         ps,
         horovod: world.agree(args.horovod.config())?,
+        mpi_allreduce: args.mpi_allreduce,
         cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,
         zero: args.zero,
     })
@@ -701,6 +702,7 @@ pub(super) fn config_fingerprint(args: &TrainArgs) -> Vec<(String, String)> {
         ("ps".into(), format!("{:?}", args.ps)),
         ("horovod".into(), format!("{:?}", args.horovod)),
         ("zero".into(), args.zero.to_string()),
+        ("mpi-allreduce".into(), args.mpi_allreduce.name().into()),
     ];
     out.sort();
     out
