@@ -214,6 +214,7 @@ impl Overlap {
         if let Some(zero) = exchange.zero() {
             zero.use_plan(&self.plan, params, sgd)?;
         }
+        exchange.describe_keys(&self.plan);
 
         while next < missing.len() || !*backward_ended {
             // Blocks until a gradient is final or backward ends: no polling.

@@ -176,6 +176,15 @@ pub trait Exchange {
     /// This rank's role in training.
     fn role(&self) -> Role;
 
+    /// The names of the parameters whose gradients `all_reduce` and `update` are handed, in
+    /// that order (`names[i]` names tensor i), for strategies that show them (Horovod's
+    /// timeline rows). Called once, after `prepare`.
+    fn name_tensors(&mut self, _names: &[String]) {}
+
+    /// Overlap's buckets before each step: `all_reduce_keyed(k, ..)` reduces the gradients of
+    /// `plan.buckets[k]`'s parameters (indices into the names of [`Exchange::name_tensors`]).
+    fn describe_keys(&mut self, _plan: &buckets::BucketPlan) {}
+
     /// Whom an exchange on this rank waits for, in words, for the watchdog's message.
     fn waits_for(&self) -> String {
         "every rank".into()

@@ -88,6 +88,7 @@ impl<'a> Run<'a> {
         let config = exchange_config(world, args, &plan, sgd_config, first_step)?;
         let mut exchange = world.agree(exchange::build(args.strategy, world, &config))?;
         world.agree(exchange.prepare(&net.params))?;
+        exchange.name_tensors(&net.param_names);
         let mut sgd = Sgd::new(sgd_config);
         if resume_from.is_some() || first_step > 0 {
             restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut sgd)?;
