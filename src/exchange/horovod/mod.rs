@@ -390,8 +390,10 @@ impl Horovod {
 impl Drop for Horovod {
     fn drop(&mut self) {
         // On an error path the thread may still run: tell it to stop. It leaves its loop once
-        // every rank's has been told (an error all ranks agreed on), and dropping `thread` then
-        // joins it, so that MPI is never finalized under it (see comm_thread).
+        // every rank's has been told (an error all ranks agreed on), or at once when other
+        // ranks wait for tensors this one will never send (an error of this rank alone, which
+        // is about to abort the job); dropping `thread` then joins it, so that MPI is never
+        // finalized under it (see comm_thread).
         let _ = self.to_bg.send(ToBackground::Shutdown);
         self.thread.take();
     }
@@ -552,6 +554,11 @@ impl Background {
             if agreed & (SHUTTING_DOWN | IDLE) == SHUTTING_DOWN | IDLE {
                 // Every rank is shutting down with nothing queued: all leave together.
                 return Ok(());
+            }
+            if self.shutting_down && self.queue.is_empty() && agreed & IDLE == 0 {
+                // Another rank waits for tensors this one will never enqueue: this rank stopped
+                // on an error of its own and is about to abort the job.
+                return Err(Error::exchange("horovod", "this rank stopped while other ranks wait for its tensors"));
             }
             if !responses.is_empty() {
                 self.execute(&responses)?;
