@@ -152,6 +152,11 @@ impl Overlap {
         self.plan.buckets.len()
     }
 
+    /// The buckets as planned now (see [`Exchange::describe_keys`]).
+    pub fn plan(&self) -> &BucketPlan {
+        &self.plan
+    }
+
     /// Backward of `loss` (already scaled) overlapped with the exchange of the gradients and,
     /// with `optimize`, the optimizer step: the parameters are updated when it returns.
     #[allow(clippy::too_many_arguments)]

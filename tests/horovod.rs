@@ -349,10 +349,11 @@ fn overlapped_buckets_hit_the_response_cache() {
     let dir = scratch("hvd-cache");
     let data = synth(&dir, "cache", 240, 0, "1x12x12", 5);
     let out = dir.join("cache.safetensors");
+    let timeline = dir.join("timeline.json");
     let args = [
         "--model", "tiny", "--data", data.to_str().unwrap(), "--scaling", "strong", "--global-batch", "12",
         "--steps", "20", "--no-eval", "--threads", "1", "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
-        "--strategy", "horovod", "--overlap", "on", "--bucket-mb", "0.001",
+        "--strategy", "horovod", "--overlap", "on", "--bucket-mb", "0.005", "--timeline", timeline.to_str().unwrap(),
     ];
     mpirun_env(2, &args, &[], Duration::from_secs(180)).expect_ok();
     let run = read_runs(&dir).pop().unwrap();
@@ -361,4 +362,16 @@ fn overlapped_buckets_hit_the_response_cache() {
     let share = extra["horovod_cache_hit_share"].as_f64().unwrap();
     assert!(share >= 0.9, "cache hits {share} of tensors: {extra}");
     assert_eq!(extra["horovod_tensors"].as_u64().unwrap(), 20 * extra["overlap_buckets"].as_u64().unwrap(), "{extra}");
+    // Each bucket's row is named after its parameters (a row per plan: overlap rebuilds its
+    // buckets once, after the first step), and every phase begun there ends there.
+    let events = parse_like_chrome(&std::fs::read_to_string(&timeline).unwrap());
+    let rows = timeline_rows(&events);
+    let params = parameter_names(&out);
+    for (name, &row) in &rows {
+        let named = params.iter().any(|p| name == &format!("allreduce.{p}") || (name.starts_with("allreduce.bucket") && name.contains(p.as_str())));
+        assert!(named, "row {name:?} is not named after parameters {params:?}");
+        let begins = events.iter().filter(|e| e["pid"] == row && e["ph"] == "B").count();
+        let ends = events.iter().filter(|e| e["pid"] == row && e["ph"] == "E").count();
+        assert_eq!(begins, ends, "{name}");
+    }
 }

@@ -94,6 +94,9 @@ impl<'a> Run<'a> {
             restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut sgd)?;
         }
         let overlap = make_overlap(world, args, &plan, &net, config.bucket_bytes)?;
+        if let Some(overlap) = &overlap {
+            exchange.describe_keys(overlap.plan());
+        }
         world.agree(match faults.setup_fails(world.rank) {
             true => Err(Error::usage(format!("rank {}: set-up failed (injected by {})", world.rank, crate::faults::FAULT_ENV))),
             false => Ok(()),

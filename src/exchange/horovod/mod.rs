@@ -573,7 +573,17 @@ impl Background {
                 Ok(ToBackground::Enqueue { id, tensor, prescale }) => {
                     self.queue.push(Ready { id, tensor, prescale, since: Instant::now(), reported: false })
                 }
-                Ok(ToBackground::Names(names)) => self.names.extend(names),
+                Ok(ToBackground::Names(names)) => {
+                    for (id, name) in names {
+                        // A row under way under the old name (or the stand-in for none) goes on
+                        // under the new one.
+                        let old = self.name_of(id);
+                        self.names.insert(id, name.clone());
+                        if let Some(timeline) = self.timeline.as_mut() {
+                            timeline.rename(&old, &name);
+                        }
+                    }
+                }
                 Ok(ToBackground::Shutdown) => self.shutting_down = true,
                 Err(TryRecvError::Disconnected) => {
                     self.shutting_down = true;
@@ -722,9 +732,10 @@ impl Background {
                 .map(|b| self.name_of(self.cache.peek(b).id))
                 .collect();
             let ended: Vec<Arc<str>> = common.iter().map(|&b| self.name_of(self.cache.peek(b).id)).collect();
-            let timeline = self.timeline.as_mut().expect("checked");
-            started.iter().for_each(|n| timeline.negotiate_start(n));
-            ended.iter().for_each(|n| timeline.negotiate_end(n));
+            if let Some(timeline) = self.timeline.as_mut() {
+                started.iter().for_each(|n| timeline.negotiate_start(n));
+                ended.iter().for_each(|n| timeline.negotiate_end(n));
+            }
         }
         for &bit in &erased {
             self.cache.erase(bit);
@@ -761,9 +772,8 @@ impl Background {
                 for pair in part[1..].chunks_exact(2) {
                     let (id, len) = (pair[0] as usize, pair[1] as usize);
                     let reported = self.table.report(r, id, len, now).map_err(|e| Error::exchange("horovod", e))?;
-                    if self.timeline.is_some() {
-                        let name = self.name_of(id);
-                        let timeline = self.timeline.as_mut().expect("checked");
+                    let name = self.timeline.as_ref().map(|_| self.name_of(id));
+                    if let (Some(timeline), Some(name)) = (self.timeline.as_mut(), name) {
                         if reported.first {
                             timeline.negotiate_start(&name);
                         }

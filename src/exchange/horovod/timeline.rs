@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -161,6 +161,26 @@ impl Timeline {
         self.finish(tensor, Some(json!({ "dtype": dtype, "shape": shape })));
     }
 
+    /// The tensor now has another name (overlap rebuilt its buckets after the first step): what
+    /// is open on the old row is closed there, and a negotiation under way goes on in the new.
+    pub fn rename(&mut self, old: &Arc<str>, new: &Arc<str>) {
+        if old == new {
+            return;
+        }
+        match self.states.remove(old) {
+            Some(State::Negotiating) => {
+                self.finish(old, None);
+                self.negotiate_start(new);
+            }
+            Some(State::Activity) => {
+                self.finish(old, None);
+                self.finish(old, None);
+            }
+            Some(State::TopLevel) => self.finish(old, None),
+            None => {}
+        }
+    }
+
     /// HOROVOD_TIMELINE_MARK_CYCLES: a global instant mark at each cycle's start.
     pub fn mark_cycle_start(&mut self) {
         let ts = self.now_us();
@@ -182,7 +202,7 @@ impl Drop for Timeline {
 /// closing `]` that ends the file, and a new `]` after them, in one write. `length`: the file's
 /// length, whose last byte is that `]`. A failed write is reported once; the run goes on
 /// without a timeline, as Horovod's does.
-fn write_batches(file: File, mut length: u64, path: &PathBuf, inbox: Receiver<String>) {
+fn write_batches(file: File, mut length: u64, path: &Path, inbox: Receiver<String>) {
     let mut failed = false;
     while let Ok(first) = inbox.recv() {
         let mut batch = String::with_capacity(4096);
@@ -213,7 +233,7 @@ fn write_batches(file: File, mut length: u64, path: &PathBuf, inbox: Receiver<St
 mod tests {
     use super::*;
 
-    fn scratch(name: &str) -> PathBuf {
+    fn scratch(name: &str) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!("hpc-train-unit-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -262,6 +282,26 @@ mod tests {
         // Timestamps never go back.
         let ts: Vec<u64> = events.iter().filter_map(|e| e["ts"].as_u64()).collect();
         assert!(ts.windows(2).all(|w| w[0] <= w[1]), "{ts:?}");
+    }
+
+    #[test]
+    fn a_renamed_tensor_closes_its_old_row_and_negotiates_on_in_the_new() {
+        let path = scratch("timeline-rename");
+        let mut t = Timeline::create(&path).unwrap();
+        let (old, new): (Arc<str>, Arc<str>) = (Arc::from("allreduce.bucket0 (a .. b)"), Arc::from("allreduce.bucket0 (b .. a)"));
+        t.negotiate_start(&old);
+        t.rename(&old, &new);
+        t.negotiate_end(&new);
+        t.start(&new, "ALLREDUCE");
+        t.end(&new, "HOROVOD_FLOAT32", &[3]);
+        drop(t);
+        let events: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        for row in [1, 2] {
+            let begins = events.iter().filter(|e| e["pid"] == row && e["ph"] == "B").count();
+            let ends = events.iter().filter(|e| e["pid"] == row && e["ph"] == "E").count();
+            assert_eq!(begins, ends, "row {row}: every begin ends");
+        }
+        assert_eq!(events.iter().filter(|e| e["pid"] == 2 && e["name"] == "NEGOTIATE_ALLREDUCE").count(), 1);
     }
 
     #[test]
