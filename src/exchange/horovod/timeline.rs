@@ -222,6 +222,9 @@ fn write_batches(file: File, mut length: u64, path: &Path, inbox: Receiver<Strin
         match file.write_all_at(batch.as_bytes(), length - 1) {
             Ok(()) => length += batch.len() as u64 - 1,
             Err(e) => {
+                // A write cut short (a full disk) is taken back: the file keeps every earlier
+                // event and its closing bracket.
+                let _ = file.set_len(length);
                 log::warn!("horovod timeline: writing {} failed ({e}); the rest of the run writes no timeline", path.display());
                 failed = true;
             }
