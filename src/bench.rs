@@ -289,6 +289,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         // The parameter server's benchmark round sums; its optimizer is not used.
         ps: args.ps.config(crate::optim::SgdConfig { lr: 0.0, momentum: 0.0, weight_decay: 0.0 }),
         horovod: world.agree(args.horovod.config())?,
+        mpi_allreduce: args.mpi_allreduce,
         cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,
         zero: 0,
     };
@@ -590,7 +591,8 @@ fn mpi_reference(world: &World, pristine: &[Tensor], contributing: &[usize], ver
     if verify == Verify::ClosedForm {
         return Ok(None);
     }
-    let sums = exchange::allreduce::SumOps::new();
+    // The call users make, whatever --mpi-allreduce says about the strategies.
+    let sums = exchange::allreduce::SumOps::new(exchange::allreduce::MpiAllreduceCall::Blocking);
     let comm = world.comm.duplicate();
     let mut expected = Vec::with_capacity(pristine.len());
     for t in pristine {

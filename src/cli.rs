@@ -194,6 +194,8 @@ const STRATEGY_OPTIONS: &[(&str, &str, &[StrategyKind])] = {
         ("hierarchical", "--hierarchical", &[Horovod]),
         ("timeline", "--timeline", &[Horovod]),
         ("stall_warning_s", "--stall-warning-s", &[Horovod]),
+        ("cache_capacity", "--cache-capacity", &[Horovod]),
+        ("mpi_allreduce", "--mpi-allreduce", &[Allreduce, Horovod]),
         ("servers", "--servers", &[Ps]),
         ("ps_colocate", "--ps-colocate", &[Ps]),
         ("ps_mode", "--ps-mode", &[Ps]),
@@ -217,7 +219,7 @@ const TUNING_OPTIONS: &[(&str, &str, &[StrategyKind])] = {
 /// Horovod's environment variables: read by Horovod-style runs only, and never a reason to
 /// refuse another run (a site may export them for every job).
 const HOROVOD_VARIABLES: &[&str] =
-    &["HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_HIERARCHICAL_ALLREDUCE", "HOROVOD_TIMELINE", "HOROVOD_STALL_CHECK_TIME_SECONDS"];
+    &["HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_HIERARCHICAL_ALLREDUCE", "HOROVOD_TIMELINE", "HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_CACHE_CAPACITY"];
 
 /// Checks the options given against the strategies of the run (a study or a bench: all of its
 /// strategies; an option read by one of them is fine). Returns the warnings to log once;
@@ -379,6 +381,13 @@ pub struct BenchArgs {
     /// How the ring's ranks reach each other: node-shared memory when all are on one node (auto).
     #[arg(long, value_enum, default_value_t = RingTransport::Auto)]
     pub ring_transport: RingTransport,
+
+    /// The MPI call of `allreduce` and `horovod` on host buffers: `blocking` (MPI_Allreduce, as
+    /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, this
+    /// program's path before issue 32, for comparison). Device buffers always take the blocking
+    /// call.
+    #[arg(long, value_enum, default_value_t = crate::exchange::allreduce::MpiAllreduceCall::Blocking)]
+    pub mpi_allreduce: crate::exchange::allreduce::MpiAllreduceCall,
     /// Whether MPI can read GPU memory.
     #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
     pub cuda_aware: CudaAware,
@@ -503,27 +512,32 @@ impl PsArgs {
 }
 
 /// Horovod-style options (training and bench). Unset flags fall back to Horovod's
-/// environment variables, then to Horovod's defaults.
+/// environment variables, then to Horovod's defaults (README, Horovod's variables).
 #[derive(Args, Debug, Clone)]
 pub struct HorovodArgs {
-    /// Background cycle in milliseconds [env HOROVOD_CYCLE_TIME; default 1].
+    /// Background cycle in milliseconds: tensors enqueued during a cycle are negotiated and
+    /// fused at the next [env HOROVOD_CYCLE_TIME; default 1].
     #[arg(long)]
     pub cycle_time_ms: Option<f64>,
     /// Fusion buffer in MiB, 0 = no fusion [env HOROVOD_FUSION_THRESHOLD in bytes; default 128].
     #[arg(long)]
     pub fusion_threshold_mb: Option<f64>,
+    /// Response cache entries, least recently used evicted; 0 = no cache (every cycle
+    /// negotiates through rank 0) [env HOROVOD_CACHE_CAPACITY; default 1024].
+    #[arg(long)]
+    pub cache_capacity: Option<usize>,
     /// Cast gradients to 16 bits for the exchange.
     #[arg(long, value_enum, default_value_t = crate::exchange::horovod::Compression::None)]
     pub compression: crate::exchange::horovod::Compression,
-    /// Reduce within nodes, all-reduce across nodes, broadcast within nodes
-    /// [env HOROVOD_HIERARCHICAL_ALLREDUCE=1].
+    /// Reduce within nodes, all-reduce across nodes, broadcast within nodes; ignored when every
+    /// rank is on one node, as Horovod does [env HOROVOD_HIERARCHICAL_ALLREDUCE=1].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub hierarchical: Option<bool>,
-    /// Write a Chrome-tracing timeline of every rank's exchange events [env HOROVOD_TIMELINE].
+    /// Stream rank 0's Horovod timeline (Chrome tracing JSON) to this file [env HOROVOD_TIMELINE].
     #[arg(long)]
     pub timeline: Option<PathBuf>,
     /// Warn about tensors that some ranks enqueued and others not, after this many seconds
-    /// [env HOROVOD_STALL_CHECK_TIME_SECONDS; default 60].
+    /// [env HOROVOD_STALL_CHECK_TIME_SECONDS; default 60; HOROVOD_STALL_CHECK_DISABLE=1: never].
     #[arg(long)]
     pub stall_warning_s: Option<f64>,
     /// Test hook: enqueue in a rank-dependent order, spread over cycles.
@@ -536,18 +550,28 @@ pub struct HorovodArgs {
 
 impl HorovodArgs {
     pub fn config(&self) -> crate::error::Result<crate::exchange::horovod::HorovodConfig> {
-        use crate::exchange::horovod::{env_or, HorovodConfig};
+        use crate::exchange::horovod::{env_or, HorovodConfig, DEFAULT_CACHE_CAPACITY};
         use std::time::Duration;
         let positive = |s: &str| s.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0);
+        // Horovod reads its switches as integers, any value above 0 meaning on.
+        let switch = |s: &str| match s {
+            "true" | "True" | "TRUE" => Some(true),
+            "false" | "False" | "FALSE" => Some(false),
+            _ => s.parse::<i64>().ok().map(|v| v > 0),
+        };
         let cycle_ms = env_or(self.cycle_time_ms, "HOROVOD_CYCLE_TIME", positive, 1.0)?;
         let fusion_mb = env_or(self.fusion_threshold_mb, "HOROVOD_FUSION_THRESHOLD", |s| positive(s).map(|b| b / (1 << 20) as f64), 128.0)?;
-        let hierarchical = env_or(self.hierarchical, "HOROVOD_HIERARCHICAL_ALLREDUCE", |s| match s {
-            "1" | "true" | "True" | "TRUE" => Some(true),
-            "0" | "false" | "False" | "FALSE" => Some(false),
-            _ => None,
-        }, false)?;
+        let cache_capacity = env_or(self.cache_capacity, "HOROVOD_CACHE_CAPACITY", |s| s.parse::<usize>().ok(), DEFAULT_CACHE_CAPACITY)?;
+        let hierarchical = env_or(self.hierarchical, "HOROVOD_HIERARCHICAL_ALLREDUCE", switch, false)?;
         let timeline = env_or(self.timeline.clone().map(Some), "HOROVOD_TIMELINE", |s| Some(Some(PathBuf::from(s))), None)?;
+        if timeline.as_deref() == Some(std::path::Path::new("DYNAMIC")) {
+            return Err(crate::error::Error::usage(
+                "HOROVOD_TIMELINE=DYNAMIC (a timeline started later from Python) is not supported: give the timeline's file name",
+            ));
+        }
+        let timeline_mark_cycles = env_or(None, "HOROVOD_TIMELINE_MARK_CYCLES", switch, false)?;
         let stall = env_or(self.stall_warning_s, "HOROVOD_STALL_CHECK_TIME_SECONDS", positive, 60.0)?;
+        let stall_check = !env_or(None, "HOROVOD_STALL_CHECK_DISABLE", switch, false)?;
         for (flag, v) in [("--cycle-time-ms", cycle_ms), ("--fusion-threshold-mb", fusion_mb), ("--stall-warning-s", stall)] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(crate::error::Error::usage(format!("{flag} {v}: expected a number of 0 or more")));
@@ -556,9 +580,12 @@ impl HorovodArgs {
         Ok(HorovodConfig {
             cycle_time: Duration::from_secs_f64(cycle_ms / 1e3),
             fusion_threshold: (fusion_mb * (1 << 20) as f64) as usize,
+            cache_capacity,
             compression: self.compression,
             hierarchical,
             timeline,
+            timeline_mark_cycles,
+            stall_check,
             stall_warning: Duration::from_secs_f64(stall),
             shuffle_enqueue: self.horovod_shuffle_enqueue,
             test_delay: match &self.horovod_test_delay {
@@ -641,6 +668,13 @@ pub struct TrainArgs {
     /// from node-shared memory when every rank is on one node, and sends MPI messages otherwise.
     #[arg(long, value_enum, default_value_t = RingTransport::Auto)]
     pub ring_transport: RingTransport,
+
+    /// The MPI call of `allreduce` and `horovod` on host buffers: `blocking` (MPI_Allreduce, as
+    /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, this
+    /// program's path before issue 32, for comparison). Device buffers always take the blocking
+    /// call.
+    #[arg(long, value_enum, default_value_t = crate::exchange::allreduce::MpiAllreduceCall::Blocking)]
+    pub mpi_allreduce: crate::exchange::allreduce::MpiAllreduceCall,
 
     /// Folder for runs.jsonl and other results.
     #[arg(long, default_value = "results")]

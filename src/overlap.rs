@@ -162,6 +162,11 @@ impl Overlap {
         self.plan.buckets.len()
     }
 
+    /// The buckets as planned now (see [`Exchange::describe_keys`]).
+    pub fn plan(&self) -> &BucketPlan {
+        &self.plan
+    }
+
     /// Backward of `loss` (already scaled) overlapped with the exchange of the gradients and,
     /// with `optimize`, the optimizer step: the parameters are updated when it returns. With
     /// `optimize`, the local gradients' finiteness comes back unread (the caller reads it once,
@@ -235,6 +240,7 @@ impl Overlap {
         if let Some(zero) = exchange.zero() {
             zero.use_plan(&self.plan, params, sgd)?;
         }
+        exchange.describe_keys(&self.plan);
 
         while next < missing.len() || !*backward_ended {
             // Blocks until a gradient is final or backward ends: no polling.

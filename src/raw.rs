@@ -448,21 +448,37 @@ extern "C" {
     fn hpc_train_mpi_in_place() -> *mut c_void;
 }
 
-/// `MPI_Allreduce(MPI_IN_PLACE, ...)` over a host slice.
+/// `MPI_Allreduce(MPI_IN_PLACE, ...)` over a host slice: the blocking call, as users of MPI
+/// make it, or with `nonblocking` the old path of this program (`MPI_Iallreduce` and a wait
+/// that leaves the core to backward, `--mpi-allreduce nonblocking`). Open MPI 4.1 runs the two
+/// differently: the blocking call picks among its tuned algorithms by size, while libnbc's
+/// in-place non-blocking all-reduce is a binomial tree (reduce to rank 0, then broadcast),
+/// which at 16-64 MiB on 2 ranks reached half the blocking call's bus bandwidth (issue 32).
 pub fn all_reduce_in_place<E: Element>(
     comm: &SimpleCommunicator,
     buf: &mut [E],
     op: &impl mpi::collective::Operation,
+    nonblocking: bool,
 ) -> Result<()> {
     for chunk in buf.chunks_mut(MAX_MPI_COUNT) {
+        let (ptr, len) = (chunk.as_mut_ptr() as *mut c_void, chunk.len());
         // SAFETY: `chunk` is a live, exclusively borrowed host buffer of chunk.len() elements of
         // E, whose wire type has the same size (Element guarantees it).
-        unsafe { all_reduce_in_place_raw::<E>(comm, chunk.as_mut_ptr() as *mut c_void, chunk.len(), op)? };
+        unsafe {
+            if nonblocking {
+                iallreduce_in_place_raw::<E>(comm, ptr, len, op)?
+            } else {
+                all_reduce_in_place_raw::<E>(comm, ptr, len, op)?
+            }
+        };
     }
     Ok(())
 }
 
-/// `MPI_Allreduce(MPI_IN_PLACE, ...)` over a CUDA tensor's memory, for a CUDA-aware MPI.
+/// `MPI_Allreduce(MPI_IN_PLACE, ...)` over a CUDA tensor's memory, for a CUDA-aware MPI. Always
+/// the blocking call: Open MPI's CUDA support covers the blocking collectives (its `coll/cuda`
+/// component stages their reductions) and lists the non-blocking reductions among the calls
+/// that do not take GPU memory.
 ///
 /// # Safety
 /// As [`device_buffer_mut`]: a CUDA-aware MPI, device work writing the tensor complete, no other
@@ -512,6 +528,10 @@ unsafe fn wait_politely(request: &mut mpi::ffi::MPI_Request) -> Result<()> {
     }
 }
 
+/// `MPI_Allreduce(MPI_IN_PLACE, ptr, len, ...)`: the blocking call. It holds the calling thread
+/// until every rank has taken part; a rank that never comes is the watchdog's to catch (it
+/// aborts the job from its own thread, see src/watchdog.rs).
+///
 /// # Safety
 /// `ptr` must point to `len` writable elements of E (host memory, or device memory with a
 /// CUDA-aware MPI), not aliased by anything else during the call.
@@ -526,7 +546,36 @@ unsafe fn all_reduce_in_place_raw<E: Element>(
         return Ok(());
     }
     let datatype = <E::Wire as Equivalence>::equivalent_datatype();
-    // Non-blocking, then a wait that leaves the core to backward while other ranks catch up.
+    // SAFETY: forwarded from the caller's contract (the buffer stays valid and untouched for the
+    // call); the handles are live (the communicator is borrowed, the datatype predefined, the
+    // operation borrowed); MPI_IN_PLACE comes from mpi.h; `len` fits a C int (callers split at
+    // MAX_MPI_COUNT).
+    let rc = unsafe {
+        mpi::ffi::MPI_Allreduce(hpc_train_mpi_in_place(), ptr, len as c_int, datatype.as_raw(), op.as_raw(), comm.as_raw())
+    };
+    if rc != 0 {
+        return Err(Error::exchange("MPI_Allreduce", format!("returned error code {rc}")));
+    }
+    Ok(())
+}
+
+/// `MPI_Iallreduce(MPI_IN_PLACE, ...)` and a wait that leaves the core to backward while other
+/// ranks catch up (`--mpi-allreduce nonblocking`, host memory only).
+///
+/// # Safety
+/// `ptr` must point to `len` writable host elements of E, not aliased by anything else during
+/// the call.
+unsafe fn iallreduce_in_place_raw<E: Element>(
+    comm: &SimpleCommunicator,
+    ptr: *mut c_void,
+    len: usize,
+    op: &impl mpi::collective::Operation,
+) -> Result<()> {
+    use mpi::traits::AsRaw as _;
+    if len == 0 {
+        return Ok(());
+    }
+    let datatype = <E::Wire as Equivalence>::equivalent_datatype();
     let mut request = std::mem::MaybeUninit::<mpi::ffi::MPI_Request>::uninit();
     // SAFETY: forwarded from the caller's contract (the buffer stays valid and untouched until
     // the wait below returns); the handles are live (the communicator is borrowed, the datatype

@@ -204,6 +204,57 @@ fn bench_rounds_pool_into_one_row_per_strategy_and_size() {
     assert!(!run.ok() && run.all_output().contains("--rounds"), "{}", run.all_output());
 }
 
+/// `allreduce` and `horovod` call the blocking MPI_Allreduce, as users of MPI and Horovod do
+/// (issue 32: an in-place MPI_Iallreduce runs Open MPI's libnbc binomial tree, half the
+/// bandwidth at large sizes); `--mpi-allreduce nonblocking` keeps the old path. A library
+/// preloaded through MPI's profiling interface counts each rank's calls.
+#[test]
+fn allreduce_and_horovod_call_the_blocking_mpi_allreduce() {
+    let dir = scratch("mpi-allreduce-call");
+    let shim = dir.join("libcount_mpi_calls.so");
+    let source = root().join("tests/fixtures/count_mpi_calls.c");
+    let built = std::process::Command::new("mpicc").args(["-shared", "-fPIC", "-O2", "-o"]).arg(&shim).arg(&source).status().expect("mpicc runs");
+    assert!(built.success(), "mpicc could not build {}", source.display());
+    let prefix = dir.join("counts");
+    let counts = |ranks: usize| -> Vec<(u64, u64)> {
+        (0..ranks)
+            .map(|r| {
+                let text = std::fs::read_to_string(format!("{}.{r}", prefix.display())).expect("the shim wrote its counts");
+                let v: Vec<u64> = text.split_whitespace().map(|x| x.parse().unwrap()).collect();
+                (v[0], v[1])
+            })
+            .collect()
+    };
+    let env = [("LD_PRELOAD", shim.to_str().unwrap()), ("COUNT_MPI_CALLS", prefix.to_str().unwrap())];
+    for (strategy, call, iallreduce_expected) in [("allreduce", "blocking", false), ("horovod", "blocking", false), ("allreduce", "nonblocking", true)] {
+        let args = [
+            "bench", "--strategies", strategy, "--counts", "1001,262147", "--iters", "3", "--warmup", "1", "--verify", "allreduce",
+            "--mpi-allreduce", call, "--results", dir.to_str().unwrap(),
+        ];
+        let run = mpirun_env(2, &args, &env, Duration::from_secs(120));
+        assert_all_right(&run, 2);
+        for (rank, (allreduce, iallreduce)) in counts(2).into_iter().enumerate() {
+            // Every timed and warm-up iteration at both sizes: 8 exchanges at least.
+            if iallreduce_expected {
+                assert!(iallreduce >= 8, "{strategy} --mpi-allreduce {call}, rank {rank}: {iallreduce} MPI_Iallreduce calls");
+            } else {
+                assert_eq!(iallreduce, 0, "{strategy} --mpi-allreduce {call}, rank {rank}: MPI_Iallreduce was called");
+                assert!(allreduce >= 8, "{strategy}, rank {rank}: {allreduce} MPI_Allreduce calls");
+            }
+        }
+    }
+    // The record says which call ran.
+    let data = synth(&dir, "call", 40, 0, "1x8x8", 3);
+    for call in ["blocking", "nonblocking"] {
+        let args = [
+            "--model", "tiny", "--data", data.to_str().unwrap(), "--steps", "2", "--batch-size", "4", "--no-eval", "--threads", "1",
+            "--strategy", "allreduce", "--mpi-allreduce", call, "--results", dir.to_str().unwrap(),
+        ];
+        mpirun(2, &args).expect_ok();
+        assert_eq!(read_runs(&dir).last().unwrap()["extra"]["mpi_allreduce"], call);
+    }
+}
+
 #[test]
 fn ring_trains_to_the_same_weights_as_allreduce() {
     let dir = scratch("ring-train");

@@ -286,6 +286,33 @@ fn a_non_finite_gradient_during_overlap_is_a_clean_error() {
     }
 }
 
+/// A non-finite gradient on one rank ends a Horovod-style run as quickly as a ring run (it took
+/// 11.6 s against 1.5 s, issue 31 item 23): the failing rank's background thread, told to stop
+/// while the other ranks wait for its tensors, leaves at once instead of waiting out the
+/// 10 s grace for a thread that cannot end, so the rank reports and aborts the job.
+#[test]
+fn a_non_finite_gradient_ends_a_horovod_run_as_quickly_as_a_ring_run() {
+    let dir = scratch("horovod-nan");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let elapsed = |strategy: &str, overlap: &str, fault: &str| -> Duration {
+        let options = ["--strategy", strategy, "--overlap", overlap];
+        let mut args = base(&d, &r, &options);
+        args.extend(["--steps", "100000"]);
+        let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", fault)], Duration::from_secs(60));
+        let out = run.all_output();
+        assert!(!run.timed_out && !run.ok(), "{strategy}: {out}");
+        assert!(out.contains("rank 1 of 2: non-finite"), "{strategy} {fault}: {out}");
+        run.elapsed
+    };
+    for (overlap, fault) in [("off", "nangrad@1:5"), ("on", "nangrad@1:5"), ("off", "nan@1:5")] {
+        let ring = elapsed("ring", overlap, fault);
+        let horovod = elapsed("horovod", overlap, fault);
+        eprintln!("{fault}, overlap {overlap}: ring ended in {ring:?}, horovod in {horovod:?}");
+        assert!(horovod < ring + Duration::from_secs(5), "{fault}, overlap {overlap}: horovod took {horovod:?}, ring {ring:?}");
+    }
+}
+
 /// An error every rank agrees on after the exchange is built (here an injected set-up failure)
 /// ends a Horovod-style run cleanly: the background thread is joined before MPI_Finalize, which
 /// at 851c172 ran while the thread was still inside MPI.

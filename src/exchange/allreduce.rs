@@ -1,4 +1,6 @@
-//! `allreduce`: the MPI library's own `MPI_Allreduce` on buckets of `--bucket-mb`: the baseline.
+//! `allreduce`: the MPI library's own `MPI_Allreduce` on buckets of `--bucket-mb`: the baseline,
+//! the blocking call that users of MPI make (`--mpi-allreduce nonblocking` keeps this program's
+//! older path through `MPI_Iallreduce`, for comparison).
 
 use half::{bf16, f16};
 use mpi::collective::{SystemOperation, UserOperation};
@@ -14,6 +16,28 @@ use crate::exchange::staging::Staging;
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::raw;
 use crate::topology::World;
+
+/// `--mpi-allreduce`: which MPI call reduces host buffers (device buffers always go to the
+/// blocking one, see [`raw::all_reduce_in_place_device`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MpiAllreduceCall {
+    /// `MPI_Allreduce`, as users of MPI (and Horovod) call it.
+    #[default]
+    Blocking,
+    /// `MPI_Iallreduce` and a wait that yields the core between tests (this program's path
+    /// before issue 32).
+    Nonblocking,
+}
+
+impl MpiAllreduceCall {
+    pub fn name(self) -> &'static str {
+        match self {
+            MpiAllreduceCall::Blocking => "blocking",
+            MpiAllreduceCall::Nonblocking => "nonblocking",
+        }
+    }
+}
 
 pub struct MpiAllreduce {
     comm: SimpleCommunicator,
@@ -35,7 +59,7 @@ impl MpiAllreduce {
             path: DataPath::choose(config.device, config.cuda_aware),
             fusion: Fusion::new(config.bucket_bytes, None),
             staging: Staging::new(),
-            sums: SumOps::new(),
+            sums: SumOps::new(config.mpi_allreduce),
         })
     }
 }
@@ -73,20 +97,24 @@ impl Exchange for MpiAllreduce {
     }
 
     fn report(&self) -> ExchangeReport {
-        self.staging.report(self.path, serde_json::Map::new())
+        let mut extra = serde_json::Map::new();
+        extra.insert("mpi_allreduce".into(), self.sums.call.name().into());
+        self.staging.report(self.path, extra)
     }
 }
 
 /// The sum operations for every dtype, made once: MPI has no half-precision sum, so user
-/// operations add 16-bit words as f16 or bf16, each addition done in f32.
+/// operations add 16-bit words as f16 or bf16, each addition done in f32. `call` says which
+/// MPI all-reduce host buffers go to.
 pub struct SumOps {
     f16: UserOperation<'static>,
     bf16: UserOperation<'static>,
+    pub call: MpiAllreduceCall,
 }
 
 impl SumOps {
-    pub fn new() -> SumOps {
-        SumOps { f16: half_sum_op::<f16>(), bf16: half_sum_op::<bf16>() }
+    pub fn new(call: MpiAllreduceCall) -> SumOps {
+        SumOps { f16: half_sum_op::<f16>(), bf16: half_sum_op::<bf16>(), call }
     }
 
     /// Sums a flat tensor over the ranks of `comm` in place with `MPI_Allreduce`: on the host, or
@@ -95,10 +123,11 @@ impl SumOps {
     pub fn all_reduce_sum(&self, comm: &SimpleCommunicator, bucket: &mut Tensor) -> Result<()> {
         let dtype = common_dtype(std::slice::from_ref(bucket))?;
         refuse_device_user_op(bucket, dtype)?;
+        let nonblocking = self.call == MpiAllreduceCall::Nonblocking;
         match dtype {
-            Dtype::F32 => sum_typed::<f32, _>(comm, bucket, &SystemOperation::sum()),
-            Dtype::F16 => sum_typed::<f16, _>(comm, bucket, &&self.f16),
-            Dtype::Bf16 => sum_typed::<bf16, _>(comm, bucket, &&self.bf16),
+            Dtype::F32 => sum_typed::<f32, _>(comm, bucket, &SystemOperation::sum(), nonblocking),
+            Dtype::F16 => sum_typed::<f16, _>(comm, bucket, &&self.f16, nonblocking),
+            Dtype::Bf16 => sum_typed::<bf16, _>(comm, bucket, &&self.bf16, nonblocking),
         }
     }
 }
@@ -124,7 +153,7 @@ impl SumOps {
 
 impl Default for SumOps {
     fn default() -> Self {
-        SumOps::new()
+        SumOps::new(MpiAllreduceCall::Blocking)
     }
 }
 
@@ -140,7 +169,7 @@ fn refuse_device_user_op(bucket: &Tensor, dtype: Dtype) -> Result<()> {
     Ok(())
 }
 
-fn sum_typed<E: Element, O: mpi::collective::Operation>(comm: &SimpleCommunicator, bucket: &mut Tensor, op: &O) -> Result<()> {
+fn sum_typed<E: Element, O: mpi::collective::Operation>(comm: &SimpleCommunicator, bucket: &mut Tensor, op: &O, nonblocking: bool) -> Result<()> {
     if bucket.device().is_cuda() {
         // SAFETY: as in `reduce_sum_to_root`: an exchange buffer nothing else touches, f32 with
         // MPI's own sum on the device (refuse_device_user_op), on the direct path.
@@ -148,7 +177,7 @@ fn sum_typed<E: Element, O: mpi::collective::Operation>(comm: &SimpleCommunicato
     } else {
         // SAFETY: an exchange buffer (fusion, staging, or a finished gradient's flat view) that
         // no other handle reads or writes while MPI reduces it.
-        raw::all_reduce_in_place::<E>(comm, unsafe { raw::host_slice_mut::<E>(bucket)? }, op)
+        raw::all_reduce_in_place::<E>(comm, unsafe { raw::host_slice_mut::<E>(bucket)? }, op, nonblocking)
     }
 }
 

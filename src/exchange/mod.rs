@@ -176,6 +176,15 @@ pub trait Exchange {
     /// This rank's role in training.
     fn role(&self) -> Role;
 
+    /// The names of the parameters whose gradients `all_reduce` and `update` are handed, in
+    /// that order (`names[i]` names tensor i), for strategies that show them (Horovod's
+    /// timeline rows). Called once, after `prepare`.
+    fn name_tensors(&mut self, _names: &[String]) {}
+
+    /// Overlap's buckets before each step: `all_reduce_keyed(k, ..)` reduces the gradients of
+    /// `plan.buckets[k]`'s parameters (indices into the names of [`Exchange::name_tensors`]).
+    fn describe_keys(&mut self, _plan: &buckets::BucketPlan) {}
+
     /// Whom an exchange on this rank waits for, in words, for the watchdog's message.
     fn waits_for(&self) -> String {
         "every rank".into()
@@ -307,6 +316,8 @@ pub struct ExchangeConfig {
     pub cost_model: crate::cost::CostModel,
     /// `--zero`: 0 (every rank keeps the whole optimizer state), 1 or 2.
     pub zero: u8,
+    /// `--mpi-allreduce`: the MPI call `allreduce` and `horovod` reduce host buffers with.
+    pub mpi_allreduce: allreduce::MpiAllreduceCall,
 }
 
 /// What decides the ranks' roles: how many are dedicated parameter servers.

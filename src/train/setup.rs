@@ -95,11 +95,15 @@ impl<'a> Run<'a> {
         let config = exchange_config(world, args, &plan, sgd_config, first_step)?;
         let mut exchange = world.agree(exchange::build(args.strategy, world, &config))?;
         world.agree(exchange.prepare(&net.params))?;
+        exchange.name_tensors(&net.param_names);
         let mut sgd = Sgd::new(sgd_config);
         if resume_from.is_some() || first_step > 0 {
             restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut sgd)?;
         }
         let overlap = make_overlap(world, args, &plan, &net, config.bucket_bytes)?;
+        if let Some(overlap) = &overlap {
+            exchange.describe_keys(overlap.plan());
+        }
         world.agree(match faults.setup_fails(world.rank) {
             true => Err(Error::usage(format!("rank {}: set-up failed (injected by {})", world.rank, crate::faults::FAULT_ENV))),
             false => Ok(()),
@@ -292,6 +296,7 @@ fn exchange_config(world: &World, args: &TrainArgs, plan: &Plan, sgd: SgdConfig,
         ring_transport: args.ring_transport,
         ps,
         horovod: world.agree(args.horovod.config())?,
+        mpi_allreduce: args.mpi_allreduce,
         cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,
         zero: args.zero,
     })
@@ -1001,6 +1006,7 @@ pub(super) fn config_fingerprint(args: &TrainArgs) -> Vec<(String, String)> {
         ("ps".into(), format!("{:?}", args.ps)),
         ("horovod".into(), format!("{:?}", args.horovod)),
         ("zero".into(), args.zero.to_string()),
+        ("mpi-allreduce".into(), args.mpi_allreduce.name().into()),
     ];
     out.sort();
     out

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Issue 32's check of the baselines: the plain blocking MPI_Allreduce (a small C program,
+# scripts/mpi-allreduce-bench.c, built here with mpicc) and `hpc-train bench --strategies
+# allreduce,horovod`, back to back, at the same sizes and iteration counts, measured alike (in
+# place, float32, the buffer refilled and a barrier before every iteration, the slowest rank's
+# time, the median of the timed iterations, nccl-tests' busbw = bytes / time x 2(n-1)/n). The
+# two programs alternate over ROUNDS rounds (which one goes first changes every round); each
+# figure of the table is the median of the rounds' medians. Writes OUT_DIR/comparison.md (the
+# table, the machine, ranks, sizes, date, commit and commands), OUT_DIR/logs/ (every run's raw
+# output) and OUT_DIR/bench.jsonl (hpc-train's rows). Run it on an otherwise idle machine.
+#   scripts/compare-mpi-allreduce.sh OUT_DIR [--ranks 2] [--min-bytes 1M] [--max-bytes 64M]
+#       [--factor 2] [--iters 20] [--warmup 5] [--rounds 3]
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$HPC_TRAIN_ROOT"
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[ $# -ge 1 ] || usage
+OUT=$1; shift
+RANKS=2 MIN=1M MAX=64M FACTOR=2 ITERS=20 WARMUP=5 ROUNDS=3
+while [ $# -gt 0 ]; do
+    [ $# -ge 2 ] || usage
+    case $1 in
+        --ranks) RANKS=$2 ;; --min-bytes) MIN=$2 ;; --max-bytes) MAX=$2 ;; --factor) FACTOR=$2 ;;
+        --iters) ITERS=$2 ;; --warmup) WARMUP=$2 ;; --rounds) ROUNDS=$2 ;;
+        *) echo "compare-mpi-allreduce.sh: unknown option $1" >&2; usage ;;
+    esac
+    shift 2
+done
+# Sizes as hpc-train bench reads them (binary K, M, G).
+to_bytes() {
+    local n=${1%[KkMmGg]} unit=${1: -1}
+    case $unit in K|k) echo $((n << 10)) ;; M|m) echo $((n << 20)) ;; G|g) echo $((n << 30)) ;; *) echo "$1" ;; esac
+}
+MIN_B=$(to_bytes "$MIN"); MAX_B=$(to_bytes "$MAX")
+[ -x "$HPC_TRAIN_BIN" ] || { echo "compare-mpi-allreduce.sh: build hpc-train first ($HPC_TRAIN_BIN)" >&2; exit 2; }
+mkdir -p "$OUT/logs"
+OUT=$(cd "$OUT" && pwd)
+mpicc -O2 -o "$OUT/mpi-allreduce-bench" scripts/mpi-allreduce-bench.c
+# The same launch for both programs: a rank per core when they fit (Open MPI binds them).
+mpi() { mpirun -n "$RANKS" --oversubscribe "$@"; }
+C_CMD=("$OUT/mpi-allreduce-bench" "$MIN_B" "$MAX_B" "$FACTOR" "$ITERS" "$WARMUP")
+H_CMD=("$HPC_TRAIN_BIN" bench --strategies allreduce,horovod --min-bytes "$MIN" --max-bytes "$MAX" --factor "$FACTOR"
+       --iters "$ITERS" --warmup "$WARMUP" --results "$OUT")
+run_c() { mpi "${C_CMD[@]}" 2>&1 | tee "$OUT/logs/round-$1-mpi-c.txt"; }
+run_h() { mpi "${H_CMD[@]}" 2>&1 | tee "$OUT/logs/round-$1-hpc-train.txt"; }
+started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+for round in $(seq 1 "$ROUNDS"); do
+    if [ $((round % 2)) -eq 1 ]; then run_c "$round"; run_h "$round"; else run_h "$round"; run_c "$round"; fi
+done
+
+# busbw of STRATEGY at SIZE bytes: the median over the rounds' rows (columns as hpc-train bench
+# prints them: size count type strategy tensors time algbw busbw #wrong).
+busbw() {
+    cat "$OUT"/logs/round-*.txt | awk -v s="$1" -v b="$2" '$1 !~ /^#/ && NF == 9 && $4 == s && $1 == b { print $8 }' | sort -g |
+        awk '{ v[NR] = $1 } END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.3f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "-" || b == "-" || b == 0) print "-"; else printf "%.2f\n", a / b }'; }
+wrong=$(cat "$OUT"/logs/round-*.txt | awk '$1 !~ /^#/ && NF == 9 && $9 != 0' | wc -l)
+{
+    echo "# MPI_Allreduce in C against hpc-train's allreduce and horovod"
+    echo
+    echo "Made by \`scripts/compare-mpi-allreduce.sh\` (issue 32), started $started, commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src scripts || echo ' with uncommitted changes')."
+    echo
+    echo "- Machine: $(hostname), $(nproc) cores ($(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -n 1)), $(free -g | awk '/^Mem:/ { print $2 " GiB" }'), load average at the start $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "- MPI: $(mpirun --version 2>&1 | head -n 1); $RANKS ranks on one node, \`mpirun -n $RANKS --oversubscribe\` (a rank per core)"
+    echo "- Sizes $MIN to $MAX by x$FACTOR, float32 in place, $ITERS timed iterations after $WARMUP warm-up per size and round, $ROUNDS rounds (the programs alternating, each round's first changing); each figure the median over the rounds of each round's median"
+    echo "- busbw as nccl-tests: bytes / time x 2(n-1)/n, in GB/s; every run checks its sums (rows with wrong elements: $wrong)"
+    echo "- Commands: \`mpirun -n $RANKS --oversubscribe ${C_CMD[*]/#$OUT/OUT}\` and \`mpirun -n $RANKS --oversubscribe ${H_CMD[*]/#$OUT/OUT}\` (OUT = this folder; raw output in logs/)"
+    echo
+    echo "| size | MPI_Allreduce (C) busbw | allreduce busbw | horovod busbw | allreduce / C | horovod / C |"
+    echo "|---:|---:|---:|---:|---:|---:|"
+    for ((bytes = MIN_B; bytes <= MAX_B; bytes *= FACTOR)); do
+        c=$(busbw mpi-c "$bytes"); a=$(busbw allreduce "$bytes"); h=$(busbw horovod "$bytes")
+        label=$(awk -v b="$bytes" 'BEGIN { if (b >= 1048576) printf "%g MiB", b / 1048576; else printf "%g KiB", b / 1024 }')
+        echo "| $label | $c | $a | $h | $(ratio "$a" "$c") | $(ratio "$h" "$c") |"
+    done
+} > "$OUT/comparison.md"
+cat "$OUT/comparison.md"
+[ "$wrong" -eq 0 ] || { echo "compare-mpi-allreduce.sh: $wrong row(s) with wrong elements (see $OUT/logs)" >&2; exit 1; }
