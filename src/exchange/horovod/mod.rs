@@ -47,7 +47,7 @@ use crate::exchange::comm_thread::CommThread;
 use crate::exchange::element::Dtype;
 use crate::exchange::staging::{wait_for_stream, Staging};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
-use crate::raw::{self, SendComm};
+use crate::raw::{self, CudaEvent, SendComm};
 use crate::topology::World;
 
 use cache::{CacheState, Response, ResponseCache};
@@ -156,7 +156,11 @@ fn warn_about_unsupported_variables() {
 enum ToBackground {
     /// `prescale`: multiply the tensor by this before it is cast down for the wire (a mean
     /// under compression, so that the 16-bit sum over many ranks cannot overflow).
-    Enqueue { id: usize, tensor: Tensor, prescale: Option<f64> },
+    ///
+    /// `ready`: on a GPU, an event recorded on the enqueuing thread's stream after the tensor's
+    /// last write (Horovod's ready event): the background thread's stream is another one, so
+    /// waiting on its own stream would not cover that work.
+    Enqueue { id: usize, tensor: Tensor, prescale: Option<f64>, ready: Option<CudaEvent> },
     /// The timeline's row names of tensor ids (rank 0, with a timeline only).
     Names(Vec<(usize, Arc<str>)>),
     Shutdown,
@@ -343,7 +347,7 @@ impl Horovod {
                 }
             }
             self.to_bg
-                .send(ToBackground::Enqueue { id, tensor: tensors[index].shallow_clone(), prescale })
+                .send(ToBackground::Enqueue { id, tensor: tensors[index].shallow_clone(), prescale, ready: CudaEvent::record(tensors[index].device())? })
                 .map_err(|_| Error::exchange("horovod", "the background thread has stopped"))?;
             if self.config.shuffle_enqueue && k % 3 == 2 {
                 std::thread::sleep(self.config.cycle_time / 2);
@@ -491,6 +495,8 @@ struct Ready {
     id: usize,
     tensor: Tensor,
     prescale: Option<f64>,
+    /// The enqueuing thread's event after the tensor's last write (GPU only).
+    ready: Option<CudaEvent>,
     since: Instant,
     /// Sent to rank 0 in a negotiation (each request goes once, as Horovod's queue pops it).
     reported: bool,
@@ -570,8 +576,8 @@ impl Background {
     fn take_enqueued(&mut self) {
         loop {
             match self.inbox.try_recv() {
-                Ok(ToBackground::Enqueue { id, tensor, prescale }) => {
-                    self.queue.push(Ready { id, tensor, prescale, since: Instant::now(), reported: false })
+                Ok(ToBackground::Enqueue { id, tensor, prescale, ready }) => {
+                    self.queue.push(Ready { id, tensor, prescale, ready, since: Instant::now(), reported: false })
                 }
                 Ok(ToBackground::Names(names)) => {
                     for (id, name) in names {
@@ -862,9 +868,14 @@ impl Background {
         let device = group[0].tensor.device();
         self.each(&names, |t, n| t.start(n, "ALLREDUCE"));
         if device.is_cuda() {
-            // The kernels that wrote the gradients must be done before MPI or a copy reads them.
+            // The kernels that wrote the gradients, on the enqueuing thread's stream, must be
+            // done before MPI or a copy reads them.
             self.each(&names, |t, n| t.activity_start(n, "WAIT_FOR_DATA"));
-            wait_for_stream(device)?;
+            for r in &group {
+                if let Some(event) = &r.ready {
+                    event.synchronize()?;
+                }
+            }
             self.each(&names, |t, n| t.activity_end(n));
         }
         let tensors: Vec<Tensor> = group.iter().map(|r| r.tensor.shallow_clone()).collect();
