@@ -66,6 +66,10 @@ impl Run<'_> {
             // the missing checkpoints for written ones.
             return verdict(&self.checkpoints).map(|()| None);
         }
+        // Likewise for an output the strategy could not write in full (Horovod's timeline on
+        // a full disk): said by the rank that writes it, every rank exits non-zero.
+        let incomplete = self.exchange.output_failure().map_or(Ok(()), |why| Err(Error::Results(why)));
+        world.agree(incomplete)?;
         Ok(record)
     }
 
