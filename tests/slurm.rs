@@ -78,7 +78,7 @@ fn job_files_run_under_slurm_and_write_their_results() {
     assert!(log.contains("skipping ps at 1 rank"), "{log}");
     // Strong scaling through mpirun inside the allocation.
     let mut env = common.to_vec();
-    env.extend([("STRATEGIES", "ring horovod"), ("LAUNCHER", "mpirun"), ("LAUNCH_EXTRA", "--oversubscribe"), ("STUDY_ID", "slurm-strong"), ("GLOBAL_BATCH", "16")]);
+    env.extend([("STRATEGIES", "ring horovod"), ("LAUNCHER", "mpirun"), ("LAUNCH_EXTRA", launcher::oversubscribe()), ("STUDY_ID", "slurm-strong"), ("GLOBAL_BATCH", "16")]);
     slurm.submit("jobs/strong_scaling.sbatch", &env, &NODE, &dir.join("strong.out"));
     // The exchange benchmark.
     let mut env = common.to_vec();
