@@ -304,6 +304,12 @@ fn losing_a_node_ends_the_job_and_resume_finishes() {
 /// 30 s, naming the stalled exchange; a link back up before the timeout lets training go on.
 #[test]
 fn a_cut_link_ends_the_job_and_a_short_outage_does_not() {
+    if launcher::mpi() == launcher::Mpi::Mpich {
+        // MPICH's UCX takes the namespaced nodes for one machine (one boot id) and passes their
+        // messages through shared memory, so no link carries them (scripts/local-cluster.sh).
+        eprintln!("skipped under MPICH: its messages between these nodes do not cross the links");
+        return;
+    }
     let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     let dir = scratch("cluster-link");
     let Some(cluster) = Cluster::up(&dir.join("cluster"), 2) else { return };

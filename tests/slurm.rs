@@ -38,6 +38,8 @@ impl LocalSlurm {
             .arg(root().join(job))
             .current_dir(root())
             .env("SLURM_CONF", &self.conf)
+            // The binary under test (built against Open MPI or MPICH), not the default path.
+            .env("HPC_TRAIN", bin())
             .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
             .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
         for (k, v) in env {
@@ -71,7 +73,7 @@ fn job_files_run_under_slurm_and_write_their_results() {
         ("RANK_COUNTS", "1 2"), ("EXTRA_ARGS", "--no-eval --threads 1"),
     ];
 
-    // Weak scaling through srun (PMIx), every strategy.
+    // Weak scaling through srun (--mpi=pmix, or pmi2 for MPICH: jobs/common.sh chooses), every strategy.
     let mut env = common.to_vec();
     env.extend([("STRATEGIES", "ring ps allreduce horovod"), ("LAUNCH_EXTRA", "--overcommit"), ("STUDY_ID", "slurm-weak"), ("BATCH", "8")]);
     let log = slurm.submit("jobs/weak_scaling.sbatch", &env, &NODE, &dir.join("weak.out"));
