@@ -88,6 +88,12 @@ fn job_files_run_under_slurm_and_write_their_results() {
     slurm.submit("jobs/bench.sbatch", &env, &NODE, &dir.join("bench.out"));
 
     let runs = read_runs(&results);
+    // The job files ran the binary under test, with its own MPI's launchers.
+    let library = match launcher::mpi() {
+        launcher::Mpi::OpenMpi => "Open MPI",
+        launcher::Mpi::Mpich => "MPICH",
+    };
+    assert!(runs.iter().all(|r| r["mpi_library"].as_str().is_some_and(|l| l.contains(library))), "{runs:#?}");
     let weak: Vec<_> = runs.iter().filter(|r| r["study"] == "slurm-weak").collect();
     let strong: Vec<_> = runs.iter().filter(|r| r["study"] == "slurm-strong").collect();
     // ring, allreduce, horovod at 1 and 2 ranks, ps at 2 only.
