@@ -209,10 +209,7 @@ pub(super) fn device_name(device: Device) -> String {
 }
 
 pub fn mpi_library() -> String {
-    mpi::environment::library_version()
-        .ok()
-        .and_then(|v| v.split([',', '\n']).next().map(|l| l.trim().to_string()))
-        .unwrap_or_else(|| "unknown".into())
+    crate::mpi_library::runtime_library()
 }
 
 /// One file per rank listing the samples it trained on: `epoch step index,index,...`.
