@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements recorded in results/ (CPU, this machine): exchange benchmarks, the CPU
+# The measurements recorded in results/strategies/ (CPU, this machine): exchange benchmarks, the CPU
 # training reference, the weak and strong studies, overlap, parameter-server variants, and the
 # report built from them. Takes about 45 minutes on 2 cores; run on an otherwise idle machine.
 #   scripts/measure.sh [bench|reference|studies|overlap|ps|data|report|all]
@@ -8,7 +8,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$HPC_TRAIN_ROOT"
 what=${1:-all}
 B="$HPC_TRAIN_BIN"
-R=results
+R=results/strategies
 DATA=datasets/fashion-mnist.h5
 mkdir -p "$R/logs"
 # Default binding: a rank per core up to the core count (unbound when oversubscribed).
