@@ -16,6 +16,7 @@ mod faults;
 mod model;
 mod optim;
 mod overlap;
+mod plan;
 mod project;
 mod raw;
 mod report;

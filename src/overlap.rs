@@ -35,7 +35,8 @@ use mpi::traits::*;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::buckets::{pack, unpack, BucketPlan};
+use crate::exchange::buckets::{pack, unpack};
+use crate::plan::buckets::BucketPlan;
 use crate::exchange::{Exchange, ReduceOp};
 use crate::optim::{FiniteCheck, Sgd};
 use crate::raw::{CudaEvent, CudaStream, GradReady, GradReadyHooks};

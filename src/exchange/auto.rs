@@ -55,7 +55,7 @@ impl ShardedCollectives for Auto {
     /// two). Every rank computes the same from the same size and layout; ZeRO keeps the answer
     /// for the bucket (the model's answer changes when the ring leaves shared memory).
     fn choose(&self, len: usize, dtype: Dtype) -> ShardAlgorithm {
-        if !crate::exchange::rhd::zero_shards_balance(self.layout.ranks) {
+        if !crate::plan::rhd::zero_shards_balance(self.layout.ranks) {
             return ShardAlgorithm::Ring;
         }
         // Recursive doubling leaves every rank the whole sum, not a shard: not a candidate.

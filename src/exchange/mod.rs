@@ -183,7 +183,7 @@ pub trait Exchange {
 
     /// Overlap's buckets before each step: `all_reduce_keyed(k, ..)` reduces the gradients of
     /// `plan.buckets[k]`'s parameters (indices into the names of [`Exchange::name_tensors`]).
-    fn describe_keys(&mut self, _plan: &buckets::BucketPlan) {}
+    fn describe_keys(&mut self, _plan: &crate::plan::buckets::BucketPlan) {}
 
     /// Whom an exchange on this rank waits for, in words, for the watchdog's message.
     fn waits_for(&self) -> String {
@@ -374,7 +374,7 @@ pub fn build(kind: StrategyKind, world: &World, config: &ExchangeConfig) -> Resu
 pub fn check_zero(kind: StrategyKind, stage: u8, ranks: usize) -> Result<()> {
     match (stage, kind) {
         (0, _) | (1 | 2, StrategyKind::Ring | StrategyKind::Auto) => Ok(()),
-        (1 | 2, StrategyKind::Rhd) if rhd::zero_shards_balance(ranks) => Ok(()),
+        (1 | 2, StrategyKind::Rhd) if crate::plan::rhd::zero_shards_balance(ranks) => Ok(()),
         (1 | 2, StrategyKind::Rhd) => Err(Error::usage(format!(
             "--zero {stage} with --strategy rhd on {ranks} ranks: recursive halving leaves the ranks outside its power-of-two group without a shard; launch a power of two of ranks, or use --strategy ring or auto"
         ))),

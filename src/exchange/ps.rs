@@ -37,7 +37,8 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::buckets::{pack, unpack, Bucket, Slot};
+use crate::exchange::buckets::{pack, unpack};
+use crate::plan::buckets::{Bucket, Slot};
 use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::optim::{Sgd, SgdConfig};
 use crate::exchange::comm_thread::CommThread;

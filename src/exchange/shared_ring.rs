@@ -27,7 +27,7 @@ use mpi::traits::*;
 
 use crate::error::{Error, Result};
 use crate::exchange::element::{accumulate_and_copy, sum_into, Element};
-use crate::exchange::ring::RingSchedule;
+use crate::plan::ring::RingSchedule;
 use crate::exchange::zero::Phases;
 use crate::exchange::{Backoff, ReduceOp};
 use crate::raw::SharedWindow;

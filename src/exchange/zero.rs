@@ -31,7 +31,8 @@ use std::ops::Range;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::buckets::{pack_slot, unpack, Bucket, BucketPlan};
+use crate::exchange::buckets::{pack_slot, unpack};
+use crate::plan::buckets::{Bucket, BucketPlan};
 use crate::exchange::element::Dtype;
 use crate::exchange::staging::{wait_for_stream, Mirror};
 use crate::exchange::{common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
@@ -474,7 +475,7 @@ impl HeldBytes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::topology::ShardInfo;
+    use crate::plan::shard::ShardInfo;
     use tch::Kind;
 
     #[test]

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::exchange::{self, ReduceOp};
 use crate::faults::Fault;
 use crate::optim::{self};
-use crate::topology::ShardInfo;
+use crate::plan::shard::ShardInfo;
 
 use super::record::{LossWindow, Progress, SampleTrace, Timings};
 use super::setup::{average_over, Net, Normalizer};

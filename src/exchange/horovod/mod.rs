@@ -42,7 +42,8 @@ use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::exchange::allreduce::SumOps;
-use crate::exchange::buckets::{pack, unpack, Bucket, BucketPlan, Slot};
+use crate::exchange::buckets::{pack, unpack};
+use crate::plan::buckets::{Bucket, BucketPlan, Slot};
 use crate::exchange::comm_thread::CommThread;
 use crate::exchange::element::Dtype;
 use crate::exchange::staging::{wait_for_stream, Staging};
