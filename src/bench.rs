@@ -592,7 +592,7 @@ fn mpi_reference(world: &World, pristine: &[Tensor], contributing: &[usize], ver
         return Ok(None);
     }
     // The call users make, whatever --mpi-allreduce says about the strategies.
-    let sums = exchange::allreduce::SumOps::new(exchange::allreduce::MpiAllreduceCall::Blocking);
+    let sums = exchange::allreduce::SumOps::new(exchange::config::MpiAllreduceCall::Blocking);
     let comm = world.comm.duplicate();
     let mut expected = Vec::with_capacity(pristine.len());
     for t in pristine {

@@ -148,7 +148,7 @@ impl Cli {
     /// loader's or backward's, make no MPI calls).
     pub fn mpi_threading(&self) -> mpi::Threading {
         let threaded = |strategy: StrategyKind, ps: &PsArgs| {
-            strategy == StrategyKind::Horovod || (strategy == StrategyKind::Ps && ps.ps_colocate && ps.ps_mode == crate::exchange::ps::PsMode::Async)
+            strategy == StrategyKind::Horovod || (strategy == StrategyKind::Ps && ps.ps_colocate && ps.ps_mode == crate::exchange::PsMode::Async)
         };
         // A list that does not parse is reported after MPI starts; ask for the most meanwhile.
         let any_threaded = |list: &str, ps: &PsArgs| crate::study::parse_strategies(list).map_or(true, |all| all.into_iter().any(|s| threaded(s, ps)));
@@ -238,7 +238,7 @@ pub fn check_strategy_options(given: &Given, strategies: &[StrategyKind], ps: &P
         }
     }
     if strategies.contains(&StrategyKind::Ps) {
-        if given.has("max_staleness") && ps.ps_mode != crate::exchange::ps::PsMode::Async {
+        if given.has("max_staleness") && ps.ps_mode != crate::exchange::PsMode::Async {
             return Err(crate::error::Error::usage(
                 "--max-staleness bounds asynchronous parameter servers; --ps-mode sync keeps every worker in step: drop it, or add --ps-mode async",
             ));
@@ -386,8 +386,8 @@ pub struct BenchArgs {
     /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, this
     /// program's path before issue 32, for comparison). Device buffers always take the blocking
     /// call.
-    #[arg(long, value_enum, default_value_t = crate::exchange::allreduce::MpiAllreduceCall::Blocking)]
-    pub mpi_allreduce: crate::exchange::allreduce::MpiAllreduceCall,
+    #[arg(long, value_enum, default_value_t = crate::exchange::config::MpiAllreduceCall::Blocking)]
+    pub mpi_allreduce: crate::exchange::config::MpiAllreduceCall,
     /// Whether MPI can read GPU memory.
     #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
     pub cuda_aware: CudaAware,
@@ -482,8 +482,8 @@ pub struct PsArgs {
     #[arg(long)]
     pub ps_colocate: bool,
     /// Synchronous (average every step) or asynchronous (apply gradients as they arrive).
-    #[arg(long, value_enum, default_value_t = crate::exchange::ps::PsMode::Sync)]
-    pub ps_mode: crate::exchange::ps::PsMode,
+    #[arg(long, value_enum, default_value_t = crate::exchange::PsMode::Sync)]
+    pub ps_mode: crate::exchange::PsMode,
     /// Asynchronous mode: rounds a worker's weights may lag behind (unbounded when not given).
     #[arg(long)]
     pub max_staleness: Option<u64>,
@@ -493,8 +493,8 @@ pub struct PsArgs {
 }
 
 impl PsArgs {
-    pub fn config(&self, sgd: crate::optim::SgdConfig) -> crate::exchange::ps::PsConfig {
-        crate::exchange::ps::PsConfig {
+    pub fn config(&self, sgd: crate::optim::SgdConfig) -> crate::exchange::config::PsConfig {
+        crate::exchange::config::PsConfig {
             servers: self.servers,
             colocate: self.ps_colocate,
             mode: self.ps_mode,
@@ -527,8 +527,8 @@ pub struct HorovodArgs {
     #[arg(long)]
     pub cache_capacity: Option<usize>,
     /// Cast gradients to 16 bits for the exchange.
-    #[arg(long, value_enum, default_value_t = crate::exchange::horovod::Compression::None)]
-    pub compression: crate::exchange::horovod::Compression,
+    #[arg(long, value_enum, default_value_t = crate::exchange::config::Compression::None)]
+    pub compression: crate::exchange::config::Compression,
     /// Reduce within nodes, all-reduce across nodes, broadcast within nodes; ignored when every
     /// rank is on one node, as Horovod does [env HOROVOD_HIERARCHICAL_ALLREDUCE=1].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
@@ -549,8 +549,9 @@ pub struct HorovodArgs {
 }
 
 impl HorovodArgs {
-    pub fn config(&self) -> crate::error::Result<crate::exchange::horovod::HorovodConfig> {
-        use crate::exchange::horovod::{env_or, HorovodConfig, DEFAULT_CACHE_CAPACITY};
+    pub fn config(&self) -> crate::error::Result<crate::exchange::config::HorovodConfig> {
+        use crate::exchange::config::{HorovodConfig, DEFAULT_CACHE_CAPACITY};
+        use crate::exchange::horovod::env_or;
         use std::time::Duration;
         let positive = |s: &str| s.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0);
         // Horovod reads its switches as integers, any value above 0 meaning on.
@@ -673,8 +674,8 @@ pub struct TrainArgs {
     /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, this
     /// program's path before issue 32, for comparison). Device buffers always take the blocking
     /// call.
-    #[arg(long, value_enum, default_value_t = crate::exchange::allreduce::MpiAllreduceCall::Blocking)]
-    pub mpi_allreduce: crate::exchange::allreduce::MpiAllreduceCall,
+    #[arg(long, value_enum, default_value_t = crate::exchange::config::MpiAllreduceCall::Blocking)]
+    pub mpi_allreduce: crate::exchange::config::MpiAllreduceCall,
 
     /// Folder for runs.jsonl and other results.
     #[arg(long, default_value = "results")]
@@ -939,13 +940,13 @@ pub struct DataBenchArgs {
 mod tests {
     use super::*;
 
-    fn ps(mode: crate::exchange::ps::PsMode, colocate: bool) -> PsArgs {
+    fn ps(mode: crate::exchange::PsMode, colocate: bool) -> PsArgs {
         PsArgs { servers: 1, ps_colocate: colocate, ps_mode: mode, max_staleness: None, ps_timeout_s: 600.0 }
     }
 
     #[test]
     fn options_no_strategy_of_the_run_reads_are_refused() {
-        use crate::exchange::ps::PsMode::{Async, Sync};
+        use crate::exchange::PsMode::{Async, Sync};
         use StrategyKind::*;
         let check = |ids: &[&str], strategies: &[StrategyKind], ps: PsArgs| check_strategy_options(&Given::of(ids), strategies, &ps);
         let refused = |ids: &[&str], strategies: &[StrategyKind], ps: PsArgs| check(ids, strategies, ps).unwrap_err().to_string();

@@ -33,15 +33,16 @@ use mpi::point_to_point::Status;
 use mpi::topology::{Rank, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Tag;
-use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::exchange::buckets::{pack, unpack};
-use crate::plan::buckets::{Bucket, Slot};
-use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
-use crate::optim::{Sgd, SgdConfig};
 use crate::exchange::comm_thread::CommThread;
+use crate::exchange::config::{worker_count, ExchangeConfig, PsConfig, PsMode, RoleOptions, StrategyKind};
+use crate::exchange::staging::wait_for_stream;
+use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
+use crate::optim::Sgd;
+use crate::plan::buckets::{Bucket, Slot};
 use crate::raw::{self, PeerComm, PointToPoint};
 use crate::topology::World;
 
@@ -50,46 +51,6 @@ const PULL: Tag = 2;
 const DONE: Tag = 3;
 const FINAL: Tag = 4;
 const STATE: Tag = 5;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PsMode {
-    /// Servers average all workers' gradients each step, then update once.
-    Sync,
-    /// Servers apply each worker's gradient as it arrives.
-    Async,
-}
-
-#[derive(Clone, Debug)]
-pub struct PsConfig {
-    pub servers: usize,
-    pub colocate: bool,
-    pub mode: PsMode,
-    /// Rounds a worker's weights may lag behind (async); None: no bound.
-    pub max_staleness: Option<u64>,
-    /// A server reports a worker that has sent nothing for this long.
-    pub timeout: Duration,
-    pub sgd: SgdConfig,
-    /// Synchronous servers send their optimizer state to rank 0 after every this many steps.
-    pub checkpoint_every: Option<u64>,
-    /// The global step training starts from (a resumed run).
-    pub first_step: u64,
-}
-
-impl Default for PsConfig {
-    fn default() -> Self {
-        PsConfig {
-            servers: 1,
-            colocate: false,
-            mode: PsMode::Sync,
-            max_staleness: None,
-            timeout: Duration::from_secs(600),
-            sgd: SgdConfig { lr: 0.1, momentum: 0.0, weight_decay: 0.0 },
-            checkpoint_every: None,
-            first_step: 0,
-        }
-    }
-}
 
 /// Server of every tensor: largest tensors first, each to the server holding the fewest bytes
 /// so far (ties to the lowest index), so that servers carry near-equal traffic.
@@ -136,11 +97,7 @@ impl Roles {
         if config.colocate {
             return Ok(Roles { servers: all.clone(), workers: all });
         }
-        let workers = crate::exchange::worker_count(
-            crate::exchange::StrategyKind::Ps,
-            ranks,
-            &crate::exchange::RoleOptions { servers: config.servers, colocate: false },
-        )?;
+        let workers = worker_count(StrategyKind::Ps, ranks, &RoleOptions { servers: config.servers, colocate: false })?;
         Ok(Roles { servers: all[workers..].to_vec(), workers: all[..workers].to_vec() })
     }
 }
@@ -352,7 +309,7 @@ impl ParameterServer {
                 raw::copy_into(host, on_device, true)?;
             }
         }
-        crate::exchange::staging::wait_for_stream(self.device)
+        wait_for_stream(self.device)
     }
 
     /// Unpacks the receive buffers into `out`; on the staged path through the device buffers,
@@ -613,7 +570,7 @@ impl Exchange for ParameterServer {
             }
             // Copies to the device queued from the receive buffers by the last step must be
             // done before MPI writes them again.
-            crate::exchange::staging::wait_for_stream(self.device)?;
+            wait_for_stream(self.device)?;
             let mut recvs: Vec<_> = mpi_buffers(&mut self.recv_bufs)?;
             for (buf, &s) in recvs.iter_mut().zip(&self.roles.servers) {
                 down.receive_into(s, buf, FINAL);
@@ -1052,6 +1009,7 @@ fn serve_async(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::SgdConfig;
 
     #[test]
     fn partition_balances_bytes() {

@@ -25,12 +25,13 @@ use tch::Tensor;
 
 use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
+use crate::exchange::config::ExchangeConfig;
 use crate::exchange::element::{accumulate, Dtype, Element};
 use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
+use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
 use crate::exchange::zero::{expect_algorithm, Phases, ShardAlgorithm, ShardedCollectives};
-use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
-use crate::raw;
 use crate::plan::rhd::{Extra, RhdSchedule};
+use crate::raw;
 use crate::topology::World;
 
 /// The communication half of the strategy.

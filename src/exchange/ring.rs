@@ -26,13 +26,14 @@ use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::element::{accumulate, accumulate_scaled, Dtype, Element};
 use mpi::Tag;
+use crate::exchange::config::{ExchangeConfig, RingTransport};
 use crate::exchange::shared_ring::{Room, SharedRing};
 use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
+use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
 use crate::exchange::zero::{expect_algorithm, Phases, ShardAlgorithm, ShardedCollectives};
-use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, RingTransport, Role};
-use crate::raw;
 use crate::plan::ring::RingSchedule;
 use crate::plan::shard::ShardInfo;
+use crate::raw;
 use crate::topology::World;
 
 /// The communication half of the strategy: the ring and its scratch space.

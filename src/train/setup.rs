@@ -842,7 +842,7 @@ pub(super) fn broadcast_step(comm: &SimpleCommunicator, step: Option<u64>) -> Op
 /// run may continue from it.
 pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &CheckpointMeta) -> Result<Option<Checkpoint>> {
     if args.checkpoint_dir.is_some() {
-        if args.ps.ps_mode == crate::exchange::ps::PsMode::Async && args.strategy == exchange::StrategyKind::Ps {
+        if args.ps.ps_mode == crate::exchange::PsMode::Async && args.strategy == exchange::StrategyKind::Ps {
             return Err(Error::usage(
                 "--checkpoint-dir with --ps-mode async: asynchronous servers hold no state consistent across ranks at any step; checkpoint a synchronous run",
             ));

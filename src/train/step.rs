@@ -11,9 +11,9 @@ use tch::nn::ModuleT;
 use tch::{Kind, Reduction, Tensor};
 
 use crate::cli::Precision;
+use crate::data::{DatasetInfo, Labels, Split};
 use crate::data::loader::{Batch, Loader, Schedule};
 use crate::data::reader::SplitReader;
-use crate::data::{DatasetInfo, Labels, Split};
 use crate::error::{Error, Result};
 use crate::exchange::{self, ReduceOp};
 use crate::faults::Fault;
