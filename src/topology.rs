@@ -101,6 +101,15 @@ impl World {
         out
     }
 
+    /// Warnings every rank computed alike, logged once (by rank 0).
+    pub fn log_warnings(&self, warnings: &[String]) {
+        if self.is_root() {
+            for w in warnings {
+                log::warn!("{w}");
+            }
+        }
+    }
+
 }
 
 fn fake_ranks_per_node() -> Result<Option<i32>> {

@@ -14,6 +14,7 @@
 
 pub mod bench;
 pub mod cifar10;
+pub mod command;
 pub mod folder;
 pub mod idx;
 pub mod loader;

@@ -51,6 +51,21 @@ impl std::fmt::Display for StrategyKind {
     }
 }
 
+/// Parses a comma-separated list of strategies (`--strategies ring,ps`).
+pub fn parse_strategies(list: &str) -> Result<Vec<StrategyKind>> {
+    use clap::ValueEnum;
+    let out: Vec<StrategyKind> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| StrategyKind::from_str(s, true).map_err(|_| Error::usage(format!("--strategies: unknown strategy {s:?} (ring, rhd, auto, ps, allreduce, horovod)"))))
+        .collect::<Result<_>>()?;
+    if out.is_empty() {
+        return Err(Error::usage("--strategies: name at least one strategy"));
+    }
+    Ok(out)
+}
+
 /// Options every strategy may read.
 #[derive(Clone, Debug)]
 pub struct ExchangeConfig {
@@ -252,5 +267,16 @@ impl Default for HorovodConfig {
             shuffle_enqueue: false,
             test_delay: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strategy_lists_parse() {
+        assert_eq!(parse_strategies("ring, ps").unwrap(), vec![StrategyKind::Ring, StrategyKind::Ps]);
+        assert!(parse_strategies("ring,magic").is_err());
     }
 }

@@ -15,7 +15,7 @@
 //!
 //! What they share, each strategy imports directly (never through this file, which imports
 //! them all): [`strategy`] the trait and the types it speaks in, [`config`] what the strategies
-//! are configured with; [`buckets`] packs buckets into
+//! are configured with, [`options`] their command-line groups; [`buckets`] packs buckets into
 //! fusion buffers (the plans are `plan::buckets`), [`staging`] moves GPU buckets through pinned
 //! host memory when MPI cannot read device memory, [`element`] knows the dtypes,
 //! [`comm_thread`] runs a strategy's own MPI thread. This file makes the chosen strategy
@@ -28,6 +28,7 @@ pub mod comm_thread;
 pub mod config;
 pub mod element;
 pub mod horovod;
+pub mod options;
 pub mod ps;
 pub mod rhd;
 pub mod ring;
@@ -36,7 +37,7 @@ pub mod staging;
 pub mod strategy;
 pub mod zero;
 
-pub use config::{worker_count, CudaAware, ExchangeConfig, PsMode, RingTransport, RoleOptions, StrategyKind};
+pub use config::{worker_count, ExchangeConfig, PsMode, StrategyKind};
 pub use strategy::{Backoff, Exchange, ReduceOp, Role};
 
 use crate::error::{Error, Result};

@@ -5,6 +5,7 @@
 //! finish the exchange and record. The loop below is one screen: a step, then what follows it
 //! at some steps (a progress line, an evaluation, a checkpoint, a stop request).
 
+pub mod options;
 mod record;
 mod setup;
 mod step;
@@ -13,7 +14,6 @@ use std::time::Instant;
 
 use mpi::topology::SimpleCommunicator;
 
-use crate::cli::TrainArgs;
 use crate::data::{DatasetInfo, Labels};
 use crate::error::Result;
 use crate::exchange::{Exchange, Role};
@@ -24,6 +24,8 @@ use crate::overlap::Overlap;
 use crate::raw;
 use crate::results::RunRecord;
 use crate::topology::World;
+
+use options::TrainArgs;
 
 pub use record::mpi_library;
 pub use setup::{choose_device, make_current, watchdog_timeout};

@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use tch::Device;
 
-use crate::cli::Scaling;
 use crate::data::loader::Batch;
 use crate::error::{Error, Result, WithPath};
 use crate::exchange::Role;
@@ -15,6 +14,7 @@ use crate::model::InputSpec;
 use crate::raw;
 use crate::results::{self, RunRecord};
 
+use super::options::Scaling;
 use super::setup::{broadcast_step, save_weights};
 use super::{Outcome, Run, RunContext};
 

@@ -12,7 +12,6 @@ use tch::nn::{self};
 use tch::{Device, Kind, Tensor};
 
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
-use crate::cli::{DeviceChoice, OnOff, Precision, Scaling, TrainArgs};
 use crate::data::{self, DatasetInfo};
 use crate::error::{Error, Result};
 use crate::exchange::{self, Exchange, ExchangeConfig, Role};
@@ -24,6 +23,7 @@ use crate::raw;
 use crate::results::{self};
 use crate::topology::{assign_gpus, World};
 
+use super::options::{DeviceChoice, OnOff, Precision, Scaling, TrainArgs};
 use super::Run;
 
 impl<'a> Run<'a> {
@@ -140,7 +140,7 @@ impl<'a> Run<'a> {
         let split_mb = (info.train.len * info.sample_bytes()) as f64 / 1e6;
         if self.cache_data {
             log::info!("training split held in memory ({split_mb:.1} MB per rank; --cache-data)");
-        } else if args.cache_data == crate::cli::CacheData::Auto {
+        } else if args.cache_data == data::loader::CacheData::Auto {
             match data::loader::memory_available() {
                 Some(_) => log::info!("training split read from the file per batch ({split_mb:.1} MB per rank is more than this node's ranks may hold: --cache-data auto)"),
                 None => log::info!("training split read from the file per batch (MemAvailable could not be read from /proc/meminfo; --cache-data on holds it anyway)"),
@@ -1042,10 +1042,16 @@ mod tests {
     use super::*;
     use clap::Parser;
 
+    /// The training options of a command line, parsed as `hpc-train` parses them.
     fn train_args(extra: &[&str]) -> TrainArgs {
+        #[derive(Parser)]
+        struct Command {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
         let mut argv = vec!["hpc-train"];
         argv.extend(extra);
-        crate::cli::Cli::try_parse_from(argv).unwrap().train
+        Command::try_parse_from(argv).unwrap().train
     }
 
     #[test]

@@ -10,7 +10,6 @@ use mpi::traits::*;
 use tch::nn::ModuleT;
 use tch::{Kind, Reduction, Tensor};
 
-use crate::cli::Precision;
 use crate::data::{DatasetInfo, Labels, Split};
 use crate::data::loader::{Batch, Loader, Schedule};
 use crate::data::reader::SplitReader;
@@ -20,6 +19,7 @@ use crate::faults::Fault;
 use crate::optim::{self};
 use crate::plan::shard::ShardInfo;
 
+use super::options::Precision;
 use super::record::{LossWindow, Progress, SampleTrace, Timings};
 use super::setup::{average_over, Net, Normalizer};
 use super::Run;
