@@ -108,7 +108,7 @@ pub fn expected_samples(schedule: &Schedule, from: u64, to: u64) -> u64 {
 
 pub fn run(world: &World, args: &DataBenchArgs) -> Result<()> {
     world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
-    let (info, labels) = world.agree(crate::data::open(&args.file))?;
+    let (info, labels) = world.agree(crate::data::layout::open(&args.file))?;
     let ranks = world.size as usize;
     let batch = args.batch_size as usize;
     if info.train.len < ranks * batch {

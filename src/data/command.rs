@@ -6,7 +6,10 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand, ValueEnum};
 
-use crate::data::{self, bench::DataBenchArgs, writer::Compression};
+use crate::data::bench::DataBenchArgs;
+use crate::data::{cifar10, folder, idx, svhn, synth};
+use crate::data::layout::{describe, open};
+use crate::data::writer::{self, Compression};
 use crate::error::{Error, Result};
 
 #[derive(Subcommand, Debug)]
@@ -125,12 +128,12 @@ pub struct SynthArgs {
 pub fn run(cmd: &DataCommand) -> Result<()> {
     match cmd {
         DataCommand::Info { file } => {
-            let (info, labels) = data::open(file)?;
-            print!("{}", data::describe(&info, &labels));
+            let (info, labels) = open(file)?;
+            print!("{}", describe(&info, &labels));
             Ok(())
         }
         DataCommand::Import(a) => {
-            let class_names = a.class_names.as_deref().map(data::writer::parse_class_names).unwrap_or_default();
+            let class_names = a.class_names.as_deref().map(writer::parse_class_names).unwrap_or_default();
             let (train, test) = match a.format {
                 ImportFormat::Idx => {
                     let need = |p: &Option<PathBuf>, flag: &str| {
@@ -138,30 +141,30 @@ pub fn run(cmd: &DataCommand) -> Result<()> {
                     };
                     let (ti, tl) = (need(&a.train_images, "--train-images")?, need(&a.train_labels, "--train-labels")?);
                     let (vi, vl) = (need(&a.test_images, "--test-images")?, need(&a.test_labels, "--test-labels")?);
-                    let paths = data::idx::IdxPaths { train_images: &ti, train_labels: &tl, test_images: &vi, test_labels: &vl };
+                    let paths = idx::IdxPaths { train_images: &ti, train_labels: &tl, test_images: &vi, test_labels: &vl };
                     let name = a.name.clone().unwrap_or_else(|| default_name(&a.output.out));
-                    data::idx::import(&paths, &a.output.out, &name, class_names, a.output.compression, a.output.force)?
+                    idx::import(&paths, &a.output.out, &name, class_names, a.output.compression, a.output.force)?
                 }
                 ImportFormat::Cifar10 => {
                     let input = a.input.as_ref().ok_or_else(|| Error::usage("--format cifar10 needs --input DIR (cifar-10-batches-bin)"))?;
-                    data::cifar10::import(input, &a.output.out, a.output.compression, a.output.force)?
+                    cifar10::import(input, &a.output.out, a.output.compression, a.output.force)?
                 }
                 ImportFormat::Svhn => {
                     let train = a.train.as_ref().ok_or_else(|| Error::usage("--format svhn needs --train train_32x32.mat"))?;
                     let test = a.test.as_ref().ok_or_else(|| Error::usage("--format svhn needs --test test_32x32.mat"))?;
-                    data::svhn::import(train, test, &a.output.out, a.output.compression, a.output.force)?
+                    svhn::import(train, test, &a.output.out, a.output.compression, a.output.force)?
                 }
                 ImportFormat::Folder => {
                     let input = a.input.clone().ok_or_else(|| Error::usage("--format folder needs --input DIR (one sub-folder per class)"))?;
                     let size = a.size.ok_or_else(|| Error::usage("--format folder needs --size S (side of the square images)"))?;
                     let test = match (&a.test_input, a.test_fraction) {
-                        (Some(dir), _) => data::folder::TestSource::Folder(dir.clone()),
-                        (None, Some(f)) => data::folder::TestSource::Fraction(f),
-                        (None, None) => data::folder::TestSource::None,
+                        (Some(dir), _) => folder::TestSource::Folder(dir.clone()),
+                        (None, Some(f)) => folder::TestSource::Fraction(f),
+                        (None, None) => folder::TestSource::None,
                     };
                     let name = a.name.clone().unwrap_or_else(|| default_name(&a.output.out));
-                    let spec = data::folder::FolderSpec { input, test, size, seed: a.seed, name };
-                    let s = data::folder::import(&spec, &a.output.out, a.output.compression, a.output.force)?;
+                    let spec = folder::FolderSpec { input, test, size, seed: a.seed, name };
+                    let s = folder::import(&spec, &a.output.out, a.output.compression, a.output.force)?;
                     println!(
                         "wrote {} ({} training and {} test samples of 3x{size}x{size}, {} classes); skipped {} file(s) that are not readable JPEG or PNG images",
                         a.output.out.display(), s.train, s.test, s.classes, s.skipped.len()
@@ -173,9 +176,9 @@ pub fn run(cmd: &DataCommand) -> Result<()> {
             Ok(())
         }
         DataCommand::Synth(a) => {
-            let shape = data::synth::parse_shape(&a.shape).map_err(Error::usage)?;
-            let spec = data::synth::SynthSpec { train: a.samples, test: a.test_samples, shape, classes: a.classes, seed: a.seed };
-            data::synth::generate(&spec, &a.output.out, a.output.compression, a.output.force)?;
+            let shape = synth::parse_shape(&a.shape).map_err(Error::usage)?;
+            let spec = synth::SynthSpec { train: a.samples, test: a.test_samples, shape, classes: a.classes, seed: a.seed };
+            synth::generate(&spec, &a.output.out, a.output.compression, a.output.force)?;
             println!("wrote {} ({} training and {} test samples of {})", a.output.out.display(), a.samples, a.test_samples, a.shape);
             Ok(())
         }

@@ -17,8 +17,8 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use crate::data::layout::Split;
 use crate::data::reader::{SplitCache, SplitReader};
-use crate::data::Split;
 use crate::error::{Error, Result};
 
 /// `--cache-data`: whether the training split is held in memory, read once ([`cache_decision`]).
