@@ -15,11 +15,11 @@
 //!
 //! What they share, each strategy imports directly (never through this file, which imports
 //! them all): [`strategy`] the trait and the types it speaks in, [`config`] what the strategies
-//! are configured with, [`options`] their command-line groups; [`buckets`] packs buckets into
-//! fusion buffers (the plans are `plan::buckets`), [`staging`] moves GPU buckets through pinned
-//! host memory when MPI cannot read device memory, [`element`] knows the dtypes,
-//! [`comm_thread`] runs a strategy's own MPI thread. This file makes the chosen strategy
-//! ([`build`]) and re-exports what the layers above use.
+//! are configured with; [`buckets`] packs buckets into fusion buffers (the plans are
+//! `plan::buckets`), [`staging`] moves GPU buckets through pinned host memory when MPI cannot
+//! read device memory, [`element`] knows the dtypes, [`comm_thread`] runs a strategy's own MPI
+//! thread. [`options`] holds the strategies' command-line groups, for the commands. This file
+//! makes the chosen strategy ([`build`]) and re-exports what the layers above use.
 
 pub mod allreduce;
 pub mod auto;
