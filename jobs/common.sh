@@ -19,8 +19,9 @@
 # | EPOCHS            | 1                                         | epochs per point (unless STEPS) |
 # | STEPS             | (unset)                                   | steps per point, instead of EPOCHS |
 # | RESULTS           | results                                   | runs.jsonl, bench.jsonl, reports |
-# | LAUNCHER          | srun                                      | srun or mpirun |
-# | SRUN_MPI          | pmix                                      | srun --mpi= (pmix for Open MPI, pmi2 for MPICH) |
+# | LAUNCHER          | srun                                      | srun, or mpirun: the MPI library's own launcher |
+# | SRUN_MPI          | by the binary's MPI (see below)           | srun --mpi= (pmix for Open MPI, pmi2 for the MPICH family) |
+# | MPIEXEC           | by the binary's MPI (see below)           | the program LAUNCHER=mpirun runs (mpirun, mpiexec.mpich...) |
 # | LAUNCH_EXTRA      | (unset)                                   | more launcher options (e.g. --overcommit) |
 # | EXTRA_ARGS        | (unset)                                   | more hpc-train options for every run |
 # | STUDY_ID          | <job name>-<job id>                       | tags the runs; the report selects them |
@@ -45,7 +46,6 @@ GLOBAL_BATCH=${GLOBAL_BATCH:-1024}
 EPOCHS=${EPOCHS:-1}
 RESULTS=${RESULTS:-results}
 LAUNCHER=${LAUNCHER:-srun}
-SRUN_MPI=${SRUN_MPI:-pmix}
 LAUNCH_EXTRA=${LAUNCH_EXTRA:-}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 STUDY_ID=${STUDY_ID:-${SLURM_JOB_NAME:-hpc-train}-${SLURM_JOB_ID:-local}}
@@ -53,6 +53,20 @@ ALLOC_NODES=${SLURM_JOB_NUM_NODES:-1}
 
 [ -x "$HPC_TRAIN" ] || { echo "HPC_TRAIN=$HPC_TRAIN is not an executable (build it, or pack it with scripts/pack.sh)" >&2; exit 1; }
 mkdir -p "$RESULTS"
+
+# The launchers follow the MPI library the binary was built against (`hpc-train --version`, which
+# needs no launcher): a launcher of another MPI would start every rank as a job of its own.
+#   Open MPI:           srun --mpi=pmix, or its mpirun (mpirun.openmpi where Debian has both)
+#   the MPICH family:   srun --mpi=pmi2, or Hydra's mpiexec (mpiexec.mpich where Debian has both)
+#                       (Cray MPICH, Intel MPI and MVAPICH2 share MPICH's ABI and PMI)
+# SRUN_MPI and MPIEXEC override the choice (e.g. SRUN_MPI=pmix for an MPICH built with PMIx).
+first_command() { local c; for c in "$@"; do command -v "$c" >/dev/null && { echo "$c"; return; }; done; echo "$1"; }
+MPI_FAMILY=$("$HPC_TRAIN" --version | sed -n 's/^MPI built against: .*; \([a-z]*\) family;.*/\1/p')
+case "$MPI_FAMILY" in
+    mpich) SRUN_MPI=${SRUN_MPI:-pmi2}; MPIEXEC=${MPIEXEC:-$(first_command mpiexec.mpich mpiexec.hydra mpiexec)} ;;
+    *)     SRUN_MPI=${SRUN_MPI:-pmix}; MPIEXEC=${MPIEXEC:-$(first_command mpirun.openmpi mpirun)} ;;
+esac
+echo "$HPC_TRAIN: built against ${MPI_FAMILY:-an unknown} MPI family; launching with srun --mpi=$SRUN_MPI (LAUNCHER=srun) or $MPIEXEC (LAUNCHER=mpirun)"
 
 # The sweep in ranks: RANK_COUNTS as given, else powers of two of nodes up to the allocation.
 if [ -z "${RANK_COUNTS:-}" ]; then
@@ -79,8 +93,14 @@ launch() {
         mpirun)
             local hosts
             hosts=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname)}" | head -n "$nodes" | sed "s/\$/:$per_node/" | paste -sd, -)
-            # shellcheck disable=SC2086
-            mpirun -n "$ranks" --host "$hosts" --map-by "ppr:$per_node:node" $LAUNCH_EXTRA "$@" ;;
+            if [ "$MPI_FAMILY" = mpich ]; then
+                # Hydra: the first NODES hosts of the allocation, PER_NODE ranks on each.
+                # shellcheck disable=SC2086
+                "$MPIEXEC" -n "$ranks" -hosts "$hosts" -ppn "$per_node" $LAUNCH_EXTRA "$@"
+            else
+                # shellcheck disable=SC2086
+                "$MPIEXEC" -n "$ranks" --host "$hosts" --map-by "ppr:$per_node:node" $LAUNCH_EXTRA "$@"
+            fi ;;
         *) echo "LAUNCHER=$LAUNCHER: expected srun or mpirun" >&2; exit 2 ;;
     esac
 }

@@ -5,12 +5,14 @@
 #       process, with a link (veth pair) to a bridge in the root namespace and the address
 #       10.213.X.K on a private /24 chosen from DIR (the bridge has .254). --link-mbit M limits
 #       every node's link to M Mbit/s each way (tbf on both ends). Writes into DIR: nodes (name,
-#       address, holder PID, namespace per line), hostfile, rsh-agent, env (Open MPI settings).
-#       Fails when DIR is already up: run `down` first.
+#       address, holder PID, namespace per line), hostfile (Open MPI's) and hosts (Hydra's),
+#       rsh-agent, env (the settings of both launchers). Fails when DIR is already up: run `down`
+#       first.
 #   scripts/local-cluster.sh run DIR -- COMMAND...
-#       runs COMMAND (e.g. `mpirun -n 4 --map-by ppr:2:node hpc-train ...`) on node1 with the
-#       settings of DIR/env, so that mpirun starts its ranks over the nodes (hostfile: every
-#       node with $(nproc) slots). Prints only what COMMAND prints; exits with its status.
+#       runs COMMAND on node1 with the settings of DIR/env, so that the launcher starts its ranks
+#       over the nodes (every node with $(nproc) slots): Open MPI's `mpirun -n 4 --map-by
+#       ppr:2:node hpc-train ...` or MPICH's Hydra, `mpiexec.mpich -n 4 -ppn 2 hpc-train ...`.
+#       Prints only what COMMAND prints; exits with its status.
 #   scripts/local-cluster.sh slurm DIR
 #       a Slurm cluster on the nodes: slurmctld on node1, one slurmd per node (NodeName=nodeK,
 #       NodeAddr its address), one munged; prints the line to export SLURM_CONF.
@@ -105,7 +107,7 @@ cmd_down() {
         ip netns del "$(ns_name "$k")" 2>/dev/null || true
     done
     ip link del "$BRIDGE" 2>/dev/null || true
-    rm -f "$dir/cluster.conf" "$dir/nodes" "$dir/hostfile" "$dir/rsh-agent" "$dir/env"
+    rm -f "$dir/cluster.conf" "$dir/nodes" "$dir/hostfile" "$dir/hosts" "$dir/rsh-agent" "$dir/env"
 }
 
 # --- up ----------------------------------------------------------------------------------------
@@ -206,8 +208,9 @@ CONF
 
     local slots; slots=$(nproc)
     awk -v s="$slots" '{print $2, "slots=" s}' "$dir/nodes" > "$dir/hostfile"
+    awk -v s="$slots" '{print $2 ":" s}' "$dir/nodes" > "$dir/hosts"
 
-    # Open MPI starts its daemons on other nodes through this agent instead of ssh:
+    # Open MPI and Hydra start their daemons on other nodes through this agent instead of ssh:
     # `rsh-agent [options] HOST COMMAND...` runs COMMAND in HOST's namespaces (HOST: address or name).
     cat > "$dir/rsh-agent" <<AGENT
 #!/bin/sh
@@ -226,6 +229,16 @@ AGENT
     # network), the hostfile as default, oversubscription and no binding (all nodes share cores).
     # Session folders go into DIR/tmp: a node's daemon killed in a test would otherwise leave
     # /tmp/ompi.nodeK.*, and two clusters' nodeK would share one.
+    # Hydra (MPICH's mpiexec) reads its settings from HYDRA_* variables: the agent as an rsh
+    # launcher, the hosts file, and the address of eth0 for the proxies to call mpiexec back on
+    # (by default it gives its host name, nodeK, which no node can resolve). It binds nothing and
+    # has no slot limit unless asked; MPICH has no yield-when-idle setting that helps here.
+    # MPICH (ch4:ucx) sends between nodes through UCX, which takes the nodes for one machine (they
+    # share the boot id) and passes their messages through shared memory, around the links: a
+    # 16 MB ring between 2 nodes put 3 KB on node2's link, 146 MB with UCX_TLS=tcp,self. That
+    # setting is left to the user: with it MPICH 4.0.2 / UCX 1.13 hung in MPI_Finalize in 3 of 5
+    # runs of 4 ranks on 2 nodes (a rank flushing its TCP endpoints while its peers wait in the
+    # PMI barrier, no longer progressing them).
     mkdir -p "$dir/tmp"
     cat > "$dir/env" <<ENV
 export OMPI_MCA_plm_rsh_agent=$dir/rsh-agent
@@ -239,6 +252,10 @@ export OMPI_MCA_hwloc_base_binding_policy=none
 export OMPI_MCA_orte_tmpdir_base=$dir/tmp
 export OMPI_ALLOW_RUN_AS_ROOT=1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export HYDRA_LAUNCHER=rsh
+export HYDRA_LAUNCHER_EXEC=$dir/rsh-agent
+export HYDRA_HOST_FILE=$dir/hosts
+export HYDRA_IFACE=eth0
 ENV
     up_ok=1
     echo "cluster of $nodes node(s) up on $NET.0/24${mbit:+, links $mbit Mbit/s}: $dir/nodes" >&2
@@ -280,11 +297,11 @@ cmd_slurm() {
     local cpus k
     cpus=$(nproc)
     # Tasks of jobs get the Open MPI settings that `run` gives mpirun (TCP on this subnet only,
-    # yield when idle, session folders in DIR/tmp): a task prolog's "export NAME=value" lines go
-    # into every task's environment.
+    # yield when idle, session folders in DIR/tmp), and Hydra the address to be called back on:
+    # a task prolog's "export NAME=value" lines go into every task's environment.
     {
         echo '#!/bin/sh'
-        sed -n 's/^export \(OMPI_MCA_\(btl_tcp_if_include\|oob_tcp_if_include\|mpi_yield_when_idle\|orte_tmpdir_base\)=.*\)/echo "export \1"/p' "$dir/env"
+        sed -n 's/^export \(\(OMPI_MCA_\(btl_tcp_if_include\|oob_tcp_if_include\|mpi_yield_when_idle\|orte_tmpdir_base\)\|HYDRA_IFACE\)=.*\)/echo "export \1"/p' "$dir/env"
     } > "$s/task-prolog"
     chmod +x "$s/task-prolog"
     {

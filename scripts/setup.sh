@@ -3,26 +3,46 @@
 # trains on Fashion-MNIST with 2 MPI ranks as a first run.
 #
 # Idempotent: a second run checks each step and skips what is already done (seconds).
-#   scripts/setup.sh            install, build, import the dataset, run the quick-start job
-#   scripts/setup.sh --no-run   everything but the job (what the test script uses)
+#   scripts/setup.sh              install, build, import the dataset, run the quick-start job
+#   scripts/setup.sh --no-run     everything but the job (what the test script uses)
+#   scripts/setup.sh --mpi mpich  the same against Debian's MPICH (packages mpich, libmpich-dev),
+#                                 built into target/mpich/; `--mpi openmpi` (Open MPI, target/) is
+#                                 the default. Without --mpi, a user's own MPICC, MPI_PKG_CONFIG or
+#                                 CRAY_MPICH_DIR (Cray MPICH, Intel MPI, MVAPICH2) is used instead.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-cd "$HPC_TRAIN_ROOT"
 
 run_job=1
-for arg in "$@"; do
-    case "$arg" in
+mpi=${HPC_TRAIN_MPI:-}
+while [ $# -gt 0 ]; do
+    case "$1" in
         --no-run) run_job=0 ;;
-        -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
-        *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
+        --mpi) mpi=${2:-}; shift ;;
+        --mpi=*) mpi=${1#--mpi=} ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        *) echo "setup.sh: unknown option $1" >&2; exit 2 ;;
     esac
+    shift
 done
+case "$mpi" in
+    openmpi|mpich) ;;
+    "") [ -n "${MPICC:-}${MPI_PKG_CONFIG:-}${CRAY_MPICH_DIR:-}" ] || mpi=openmpi ;;
+    *) echo "setup.sh: --mpi $mpi: expected openmpi or mpich" >&2; exit 2 ;;
+esac
+# env.sh maps HPC_TRAIN_MPI to the compiler wrapper, the target folder and the launcher.
+export HPC_TRAIN_MPI=$mpi
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$HPC_TRAIN_ROOT"
 
 say() { printf '\n==> %s\n' "$*"; }
 
 # 1. Debian packages: MPI, libclang (bindgen for the mpi crate), HDF5, pkg-config, the dataset, and
 #    the font `hpc-train report` draws PNG plot text with.
-packages=(openmpi-bin libopenmpi-dev libclang-dev libhdf5-dev pkg-config dataset-fashion-mnist python3-venv fonts-dejavu-core)
+packages=(libclang-dev libhdf5-dev pkg-config dataset-fashion-mnist python3-venv fonts-dejavu-core)
+case "$mpi" in
+    openmpi) packages+=(openmpi-bin libopenmpi-dev) ;;
+    mpich) packages+=(mpich libmpich-dev) ;;
+    *) say "MPI: the one MPICC=${MPICC:-} MPI_PKG_CONFIG=${MPI_PKG_CONFIG:-} CRAY_MPICH_DIR=${CRAY_MPICH_DIR:-} finds (no MPI package installed)" ;;
+esac
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -59,10 +79,13 @@ else
     say "libtorch $installed_torch present in $LIBTORCH"
 fi
 
-# 4. Build (cargo does nothing when the binary is up to date).
-say "building hpc-train (release)"
-cargo build --release --locked 2>&1 | grep -vE '^\s+(Compiling|Downloaded|Downloading)' || true
-[ -x "$HPC_TRAIN_BIN" ] || { echo "the build failed" >&2; exit 1; }
+# 4. Build (cargo does nothing when the binary is up to date), into this MPI's target folder.
+say "building hpc-train (release) into ${CARGO_TARGET_DIR:-target}"
+if ! cargo build --release --locked 2>&1 | { grep -vE '^\s+(Compiling|Downloaded|Downloading)' || true; } \
+    || [ ! -x "$HPC_TRAIN_BIN" ]; then
+    echo "the build failed" >&2; exit 1
+fi
+"$HPC_TRAIN_BIN" --version | sed -n 's/^MPI built against: /MPI: /p'
 
 # 5. The default dataset: Fashion-MNIST from the Debian package, in the project's HDF5 layout.
 dataset=datasets/fashion-mnist.h5
@@ -85,6 +108,6 @@ fi
 #    minute on 2 cores). Cluster runs use the program's defaults (ResNet-50); see README.md.
 #    Its record goes to runs/ (ignored by git): results/ holds the committed measurements only,
 #    so a new checkout stays clean after set-up.
-say "training: mpirun -n 2 hpc-train --strategy ring --model tiny --epochs 2 --results runs"
-mpirun -n 2 --oversubscribe "$HPC_TRAIN_BIN" --strategy ring --model tiny --epochs 2 \
+say "training: 2 ranks of hpc-train --strategy ring --model tiny --epochs 2 --results runs"
+hpc_train_mpirun 2 "$HPC_TRAIN_BIN" --strategy ring --model tiny --epochs 2 \
     --batch-size 32 --lr 0.1 --data "$dataset" --results runs

@@ -1,10 +1,27 @@
 #!/usr/bin/env bash
-# Runs the whole test suite: installs and builds what is missing (scripts/setup.sh --no-run),
-# then the unit tests and the tests that launch hpc-train under mpirun.
+# Runs the whole test suite against both MPI libraries: installs and builds what is missing
+# (scripts/setup.sh --no-run, once per MPI: Open MPI into target/, MPICH into target/mpich/, the
+# libtorch venv and the dataset shared), then
+#   1. with Open MPI: the unit tests and every test that launches hpc-train;
+#   2. with MPICH: every test that launches hpc-train (the unit tests do not depend on the MPI;
+#      the few tests that cannot run under MPICH say so and why: README, "MPI libraries").
+#   scripts/test.sh                       both, as CI runs it
+#   scripts/test.sh --test horovod        cargo test's own selection, under both MPIs
+#   HPC_TRAIN_TEST_MPI=mpich scripts/test.sh   one MPI only (openmpi or mpich)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$HPC_TRAIN_ROOT"
-scripts/setup.sh --no-run
+
+which=${HPC_TRAIN_TEST_MPI:-both}
+case "$which" in
+    both) libraries=(openmpi mpich) ;;
+    openmpi|mpich) libraries=("$which") ;;
+    *) echo "HPC_TRAIN_TEST_MPI=$which: expected openmpi, mpich or both" >&2; exit 2 ;;
+esac
+
+for mpi in "${libraries[@]}"; do
+    scripts/setup.sh --no-run --mpi "$mpi"
+done
 # setup.sh may have just installed libtorch into .venv: read the environment again so that cargo
 # below finds it (LIBTORCH) the same way the build in setup.sh did.
 source scripts/env.sh
@@ -14,5 +31,18 @@ source scripts/env.sh
 # shellcheck source=scripts/lib/daemons.sh
 source scripts/lib/daemons.sh
 need_packages slurm-wlm munge || echo "the Slurm test will be skipped" >&2
-printf '\n==> cargo test --release\n'
-cargo test --release --locked "$@"
+
+for mpi in "${libraries[@]}"; do
+    HPC_TRAIN_MPI=$mpi
+    source scripts/env.sh
+    if [ $# -gt 0 ]; then
+        printf '\n==> %s: cargo test --release %s\n' "$mpi" "$*"
+        cargo test --release --locked "$@"
+    elif [ "$mpi" = openmpi ]; then
+        printf '\n==> %s: cargo test --release (unit tests and every test that launches hpc-train)\n' "$mpi"
+        cargo test --release --locked
+    else
+        printf '\n==> %s: cargo test --release --test "*" (every test that launches hpc-train)\n' "$mpi"
+        cargo test --release --locked --test '*'
+    fi
+done

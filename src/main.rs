@@ -14,6 +14,7 @@ mod error;
 mod exchange;
 mod faults;
 mod model;
+mod mpi_library;
 mod optim;
 mod overlap;
 mod plan;
@@ -35,6 +36,11 @@ fn main() {
     raw::keep_freed_memory();
     let cli = match Cli::parse_noting_given() {
         Ok(cli) => cli,
+        // The MPI libraries hpc-train was built against and runs with; no launcher needed.
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayVersion => {
+            print!("{}", mpi_library::version_text());
+            std::process::exit(0);
+        }
         Err(e) => {
             // Before MPI starts, only the launcher's rank number says who should print.
             if launcher_rank() == 0 || !e.use_stderr() {
@@ -50,7 +56,7 @@ fn main() {
         print_error(format_args!("MPI was already initialised"));
         std::process::exit(1);
     };
-    let world = match World::new(universe.world()) {
+    let world = match mpi_library::check_launch(&universe.world()).and_then(|()| World::new(universe.world())) {
         Ok(w) => w,
         Err(e) => {
             if launcher_rank() == 0 {

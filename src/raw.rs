@@ -137,6 +137,26 @@ pub fn mpi_cuda_support() -> Option<bool> {
     Some(query() == 1)
 }
 
+/// What MPICH's `MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)` says, where the MPI
+/// library has it (MPICH 4.0 and later, and libraries built on them). `None` when the library
+/// does not export the function or the call fails.
+pub fn mpix_gpu_query_support_cuda() -> Option<bool> {
+    // The first value of MPICH 4's `MPIX_GPU_SUPPORT_*` (mpi.h): part of its ABI, so that a
+    // binary built against an older mpi.h asks a newer library the same question.
+    const MPIX_GPU_SUPPORT_CUDA: c_int = 0;
+    let name = CString::new("MPIX_GPU_query_support").expect("no NUL in the name");
+    // SAFETY: as in `mpi_cuda_support`: a lookup in the loaded libraries, null when absent.
+    let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    if sym.is_null() {
+        return None;
+    }
+    // SAFETY: the symbol is MPICH's `int MPIX_GPU_query_support(int gpu_type, int *is_supported)`
+    // (mpi.h of MPICH 4.0); it may be called after MPI_Init and writes the flag before returning.
+    let query: extern "C" fn(c_int, *mut c_int) -> c_int = unsafe { std::mem::transmute(sym) };
+    let mut supported: c_int = 0;
+    (query(MPIX_GPU_SUPPORT_CUDA, &mut supported) == 0).then_some(supported != 0)
+}
+
 /// Loads libtorch_cuda (found beside the libtorch already loaded) so that CUDA is registered
 /// with libtorch. Returns the error text when the library or one of its dependencies is missing,
 /// which is the normal case on a machine without the CUDA libraries.
@@ -1322,8 +1342,10 @@ impl SharedWindow {
             // SAFETY: `win` is the window just made over `comm`, `rank` one of its ranks, and the
             // three out-parameters are written by MPI.
             let rc = unsafe { mpi::ffi::MPI_Win_shared_query(win, rank, &mut size, &mut unit, (&mut ptr as *mut *mut c_void).cast()) };
-            // Open MPI places the parts one after another behind a header: 8-byte aligned, as
-            // the counter (AtomicU64) and every element type (f32 at most) need.
+            // Open MPI places the parts one after another behind a header, MPICH one after
+            // another from the start of one mapping (parts are whole pages, so page-aligned
+            // there): 8-byte aligned either way, as the counter (AtomicU64) and every element
+            // type (f32 at most) need. Checked, since the standard promises no alignment.
             if rc != 0 || (size as usize) < part || ptr.is_null() || (ptr as usize) % 8 != 0 {
                 return Err(Error::exchange("MPI_Win_shared_query", format!("rank {rank}'s part: code {rc}, {size} bytes at {ptr:?} (wanted {part}, 8-byte aligned)")));
             }

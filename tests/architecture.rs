@@ -41,6 +41,7 @@ const FLOORS: &[(&str, u32)] = &[
     ("cost", 2),
     // MPI, tensor memory and what everything shares.
     ("raw", 1),
+    ("mpi_library", 1),
     ("watchdog", 1),
     ("topology", 1),
     ("error", 1),

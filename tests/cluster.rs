@@ -40,11 +40,14 @@ impl Cluster {
         Some(cluster)
     }
 
-    /// `mpirun -n <ranks> --map-by ppr:<per_node>:node <hpc-train> <args>` run on the cluster.
+    /// `mpirun -n <ranks> --map-by ppr:<per_node>:node <hpc-train> <args>` run on the cluster (or
+    /// Hydra's `mpiexec -n <ranks> -ppn <per_node>` for a binary built against MPICH).
     fn mpirun_command(&self, ranks: usize, per_node: usize, args: &[&str]) -> Command {
         let mut cmd = Command::new(script());
         cmd.arg("run").arg(&self.dir).arg("--")
-            .args(["mpirun", "-n", &ranks.to_string(), "--map-by", &format!("ppr:{per_node}:node")])
+            .arg(launcher::program())
+            .args(["-n", &ranks.to_string()])
+            .args(launcher::per_node(per_node))
             .arg(bin())
             .args(args)
             .current_dir(root());
@@ -238,7 +241,7 @@ fn job_files_run_across_two_slurm_nodes() {
     submit("jobs/weak_scaling.sbatch", &env, "weak.out");
     // Strong scaling through mpirun inside the allocation (it starts its daemons with srun).
     let mut env = common.to_vec();
-    env.extend([("STRATEGIES", "ring horovod"), ("LAUNCHER", "mpirun"), ("LAUNCH_EXTRA", "--oversubscribe"), ("STUDY_ID", "cluster-strong"), ("GLOBAL_BATCH", "16")]);
+    env.extend([("STRATEGIES", "ring horovod"), ("LAUNCHER", "mpirun"), ("LAUNCH_EXTRA", launcher::oversubscribe()), ("STUDY_ID", "cluster-strong"), ("GLOBAL_BATCH", "16")]);
     submit("jobs/strong_scaling.sbatch", &env, "strong.out");
     // The exchange benchmark.
     let mut env = common.to_vec();
@@ -272,9 +275,10 @@ fn losing_a_node_ends_the_job_and_resume_finishes() {
     let out = std::fs::File::create(&log).unwrap();
     let mut child = cluster.mpirun_command(4, 2, &long).stdout(out.try_clone().unwrap()).stderr(out).spawn().unwrap();
     wait_until(Duration::from_secs(120), "two checkpoints", || checkpoint_steps(&ckpt).len() >= 2);
-    // Node 2 fails: every process on it (Open MPI's daemon and both ranks) dies at once.
+    // Node 2 fails: every process on it (the launcher's daemon, Open MPI's orted or Hydra's
+    // proxy, and both ranks) dies at once.
     let victims = cluster.processes_on(2);
-    assert!(victims.len() >= 3, "expected orted and 2 ranks on node2, found {victims:?}");
+    assert!(victims.len() >= 3, "expected the launcher's daemon and 2 ranks on node2, found {victims:?}");
     for pid in &victims {
         let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
     }
@@ -300,6 +304,12 @@ fn losing_a_node_ends_the_job_and_resume_finishes() {
 /// 30 s, naming the stalled exchange; a link back up before the timeout lets training go on.
 #[test]
 fn a_cut_link_ends_the_job_and_a_short_outage_does_not() {
+    if launcher::mpi() == launcher::Mpi::Mpich {
+        // MPICH's UCX takes the namespaced nodes for one machine (one boot id) and passes their
+        // messages through shared memory, so no link carries them (scripts/local-cluster.sh).
+        eprintln!("skipped under MPICH: its messages between these nodes do not cross the links");
+        return;
+    }
     let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     let dir = scratch("cluster-link");
     let Some(cluster) = Cluster::up(&dir.join("cluster"), 2) else { return };
@@ -375,7 +385,10 @@ fn node_local_ranks_follow_the_mapping_and_the_ring_crosses_once_per_node() {
     let r = dir.to_str().unwrap();
     let mut cmd = Command::new(script());
     cmd.arg("run").arg(&cluster.dir).arg("--")
-        .args(["mpirun", "-n", "4", "--map-by", "ppr:2:node", "-x", "RUST_LOG=debug"])
+        .arg(launcher::program())
+        .args(["-n", "4"])
+        .args(launcher::per_node(2))
+        .args(launcher::export("RUST_LOG", "debug"))
         .arg(bin())
         .args(["bench", "--strategies", "ring", "--counts", "1000", "--iters", "1", "--warmup", "0", "--results", r])
         .current_dir(root());

@@ -106,8 +106,9 @@ fn the_shared_memory_ring_is_refused_across_nodes() {
 #[test]
 fn a_full_shared_memory_file_system_sends_the_ring_over_mpi_or_stops_it_by_name() {
     // Shared windows are files of the node's shared-memory file system (Open MPI's
-    // osc_sm_backing_directory, /dev/shm unless set), which MPI_Win_allocate_shared aborts the
-    // job on when it is full: here a 16 MiB tmpfs, as a container's small /dev/shm.
+    // osc_sm_backing_directory, /dev/shm unless set; MPICH's /dev/shm), which
+    // MPI_Win_allocate_shared aborts the job on when it is full: here a 16 MiB tmpfs, as a
+    // container's small /dev/shm.
     let dir = scratch("ring-small-shm");
     let shm = dir.join("shm");
     let shm_env = [("OMPI_MCA_osc_sm_backing_directory", shm.to_str().unwrap())];
@@ -130,7 +131,9 @@ fn a_full_shared_memory_file_system_sends_the_ring_over_mpi_or_stops_it_by_name(
     assert!(run.stdout.lines().filter(|l| !l.starts_with('#')).all(|l| l.ends_with(" 0")), "{}", run.stdout);
     assert_eq!(rows[0]["ring_transport"], "mpi", "{}", run.all_output());
     assert_eq!(run.all_output().matches(warning).count(), 1, "{}", run.all_output());
-    assert!(run.all_output().contains(&format!("needs 32.0 MiB in {}", shm.display())), "{}", run.all_output());
+    // Where the library maps its windows: `shm` for Open MPI, /dev/shm for MPICH.
+    let mount = launcher::shared_memory_mount_point(&shm);
+    assert!(run.all_output().contains(&format!("needs 32.0 MiB in {}", mount.display())), "{}", run.all_output());
     // Asked for shared memory by name: one clear error, every rank out, nothing hangs.
     let (run, _) = bench("4194304", "shm");
     assert!(!run.ok() && !run.timed_out, "{}", run.all_output());

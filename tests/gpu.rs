@@ -130,7 +130,8 @@ fn gpu_sharing_is_decided_by_the_gpus_identities() {
     let data = synth(&dir, "gpu-identity", 64, 0, "1x8x8", 2);
     let (d, r) = (data.to_str().unwrap(), dir.to_str().unwrap());
     let per_rank = dir.join("one-gpu-per-rank.sh");
-    std::fs::write(&per_rank, "#!/bin/sh\n# As srun --gpus-per-task=1 leaves a rank: its own GPU, seen as index 0.\nexport CUDA_VISIBLE_DEVICES=\"$OMPI_COMM_WORLD_LOCAL_RANK\"\nexec \"$@\"\n").unwrap();
+    let local_rank = launcher::local_rank_variable();
+    std::fs::write(&per_rank, format!("#!/bin/sh\n# As srun --gpus-per-task=1 leaves a rank: its own GPU, seen as index 0.\nexport CUDA_VISIBLE_DEVICES=\"${local_rank}\"\nexec \"$@\"\n")).unwrap();
     std::fs::set_permissions(&per_rank, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     let plain = dir.join("as-launched.sh");
     std::fs::write(&plain, "#!/bin/sh\nexec \"$@\"\n").unwrap();

@@ -38,6 +38,8 @@ impl LocalSlurm {
             .arg(root().join(job))
             .current_dir(root())
             .env("SLURM_CONF", &self.conf)
+            // The binary under test (built against Open MPI or MPICH), not the default path.
+            .env("HPC_TRAIN", bin())
             .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
             .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
         for (k, v) in env {
@@ -71,14 +73,14 @@ fn job_files_run_under_slurm_and_write_their_results() {
         ("RANK_COUNTS", "1 2"), ("EXTRA_ARGS", "--no-eval --threads 1"),
     ];
 
-    // Weak scaling through srun (PMIx), every strategy.
+    // Weak scaling through srun (--mpi=pmix, or pmi2 for MPICH: jobs/common.sh chooses), every strategy.
     let mut env = common.to_vec();
     env.extend([("STRATEGIES", "ring ps allreduce horovod"), ("LAUNCH_EXTRA", "--overcommit"), ("STUDY_ID", "slurm-weak"), ("BATCH", "8")]);
     let log = slurm.submit("jobs/weak_scaling.sbatch", &env, &NODE, &dir.join("weak.out"));
     assert!(log.contains("skipping ps at 1 rank"), "{log}");
     // Strong scaling through mpirun inside the allocation.
     let mut env = common.to_vec();
-    env.extend([("STRATEGIES", "ring horovod"), ("LAUNCHER", "mpirun"), ("LAUNCH_EXTRA", "--oversubscribe"), ("STUDY_ID", "slurm-strong"), ("GLOBAL_BATCH", "16")]);
+    env.extend([("STRATEGIES", "ring horovod"), ("LAUNCHER", "mpirun"), ("LAUNCH_EXTRA", launcher::oversubscribe()), ("STUDY_ID", "slurm-strong"), ("GLOBAL_BATCH", "16")]);
     slurm.submit("jobs/strong_scaling.sbatch", &env, &NODE, &dir.join("strong.out"));
     // The exchange benchmark.
     let mut env = common.to_vec();
@@ -86,6 +88,12 @@ fn job_files_run_under_slurm_and_write_their_results() {
     slurm.submit("jobs/bench.sbatch", &env, &NODE, &dir.join("bench.out"));
 
     let runs = read_runs(&results);
+    // The job files ran the binary under test, with its own MPI's launchers.
+    let library = match launcher::mpi() {
+        launcher::Mpi::OpenMpi => "Open MPI",
+        launcher::Mpi::Mpich => "MPICH",
+    };
+    assert!(runs.iter().all(|r| r["mpi_library"].as_str().is_some_and(|l| l.contains(library))), "{runs:#?}");
     let weak: Vec<_> = runs.iter().filter(|r| r["study"] == "slurm-weak").collect();
     let strong: Vec<_> = runs.iter().filter(|r| r["study"] == "slurm-strong").collect();
     // ring, allreduce, horovod at 1 and 2 ranks, ps at 2 only.

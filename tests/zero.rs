@@ -89,6 +89,12 @@ fn every_stage_trains_to_the_weights_of_allreduce() {
 /// halving along the ring's shards: weights 1e6 away, exit 0.
 #[test]
 fn auto_keeps_each_buckets_algorithm_when_the_ring_leaves_shared_memory() {
+    if launcher::mpi() == launcher::Mpi::Mpich {
+        // MPICH maps its own start-up segments from /dev/shm too, so it cannot start 4 ranks in
+        // the 8 KiB that make this test's windows not fit (README, "MPI libraries").
+        eprintln!("skipped under MPICH: it needs more room in /dev/shm to start than this test leaves");
+        return;
+    }
     let dir = scratch("zero-auto-fallback");
     let data = dataset(&dir);
     let d = data.to_str().unwrap();

@@ -134,12 +134,12 @@ pub enum CudaAware {
 }
 
 impl CudaAware {
-    /// Resolves `auto` by asking the MPI library (`MPIX_Query_cuda_support`).
+    /// Resolves `auto` by asking the MPI library (see [`crate::mpi_library::cuda_aware`]).
     pub fn resolve(self) -> bool {
         match self {
             CudaAware::Yes => true,
             CudaAware::No => false,
-            CudaAware::Auto => crate::raw::mpi_cuda_support().unwrap_or(false),
+            CudaAware::Auto => crate::mpi_library::cuda_aware(),
         }
     }
 }

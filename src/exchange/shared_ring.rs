@@ -68,7 +68,7 @@ impl SharedRing {
         if self.window.as_ref().is_some_and(|w| w.bytes() >= bytes) {
             return Ok(Room::Ready);
         }
-        let dir = backing_directory();
+        let dir = crate::mpi_library::shared_window_directory();
         let need = (self.n * SharedWindow::part_bytes(bytes)) as u64;
         // The window being replaced gives its space back first.
         let held = self.window.as_ref().map_or(0, |w| (self.n * SharedWindow::part_bytes(w.bytes())) as u64);
@@ -185,12 +185,6 @@ pub enum Room {
     Ready,
     /// `need` bytes in `dir`, where the fullest rank saw `free`.
     Short { dir: PathBuf, free: u64, need: u64 },
-}
-
-/// Where Open MPI puts the files behind shared windows (its `osc_sm_backing_directory`,
-/// /dev/shm on Linux unless set); MPICH maps them from /dev/shm too.
-fn backing_directory() -> PathBuf {
-    std::env::var_os("OMPI_MCA_osc_sm_backing_directory").map_or_else(|| PathBuf::from("/dev/shm"), PathBuf::from)
 }
 
 /// Waits until a rank's `counter` reaches `target`, pausing as waits for MPI requests do

@@ -179,6 +179,13 @@ pub trait Exchange {
         HeldBytes::of(params, sgd)
     }
 
+    /// Why an output the strategy was asked to write (Horovod's timeline) is incomplete, on
+    /// the rank that writes it, once `finish` has run: the run then ends non-zero after its
+    /// record, as one whose checkpoints failed.
+    fn output_failure(&self) -> Option<String> {
+        None
+    }
+
     fn report(&self) -> ExchangeReport;
 }
 

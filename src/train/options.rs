@@ -104,7 +104,8 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
 
-    /// Whether the MPI library can read GPU memory; auto asks it (MPIX_Query_cuda_support).
+    /// Whether the MPI library can read GPU memory; auto asks it (MPIX_GPU_query_support,
+    /// MPIX_Query_cuda_support or MVAPICH2's MV2_USE_CUDA; none answering: no).
     #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
     pub cuda_aware: CudaAware,
 

@@ -63,6 +63,10 @@ impl Run<'_> {
             // the missing checkpoints for written ones.
             return verdict(&self.checkpoints).map(|()| None);
         }
+        // Likewise for an output the strategy could not write in full (Horovod's timeline on
+        // a full disk): said by the rank that writes it, every rank exits non-zero.
+        let incomplete = self.exchange.output_failure().map_or(Ok(()), |why| Err(Error::Results(why)));
+        world.agree(incomplete)?;
         Ok(record)
     }
 
@@ -152,10 +156,7 @@ impl Run<'_> {
 }
 
 pub fn mpi_library() -> String {
-    mpi::environment::library_version()
-        .ok()
-        .and_then(|v| v.split([',', '\n']).next().map(|l| l.trim().to_string()))
-        .unwrap_or_else(|| "unknown".into())
+    crate::mpi_library::runtime_library()
 }
 
 pub(super) fn print_summary(r: &RunRecord, spec: InputSpec, runs: &Path) {

@@ -1,5 +1,7 @@
-//! Helpers for tests that launch the real binary, under mpirun or alone.
+//! Helpers for tests that launch the real binary, under the MPI launcher or alone.
 #![allow(dead_code)]
+
+pub mod launcher;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -85,14 +87,14 @@ pub fn run_with_limit(mut cmd: Command, limit: Duration) -> Run {
     Run { status, stdout: out_t.join().unwrap(), stderr: err_t.join().unwrap(), elapsed: start.elapsed(), timed_out }
 }
 
-/// `mpirun -n <ranks> hpc-train <args>` with the settings tests need (root, oversubscription),
-/// killed after `limit`.
+/// `mpirun -n <ranks> hpc-train <args>` (the launcher of the MPI hpc-train was built against,
+/// see [`launcher`]) with the settings tests need (root, oversubscription), killed after `limit`.
 pub fn mpirun_env(ranks: usize, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Run {
     let _guard = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
     run_with_limit(mpirun_command(ranks, args, env), limit)
 }
 
-/// The `mpirun` command line tests launch hpc-train with: as root, oversubscribed, unbound (the
+/// The launcher's command line tests launch hpc-train with: as root, oversubscribed, unbound (the
 /// test machine has fewer cores than ranks), in the repository root, plus `env`.
 fn mpirun_command(ranks: usize, args: &[&str], env: &[(&str, &str)]) -> Command {
     mpirun_command_of(ranks, &[std::ffi::OsStr::new(bin())], args, env)
@@ -100,14 +102,8 @@ fn mpirun_command(ranks: usize, args: &[&str], env: &[(&str, &str)]) -> Command 
 
 /// As [`mpirun_command`], each rank running `program` (a program and its first arguments).
 fn mpirun_command_of(ranks: usize, program: &[&std::ffi::OsStr], args: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["-n", &ranks.to_string(), "--oversubscribe", "--bind-to", "none"])
-        .args(program)
-        .args(args)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
-        .current_dir(root());
+    let mut cmd = launcher::command(ranks);
+    cmd.args(program).args(args).current_dir(root());
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -122,15 +118,19 @@ pub fn mpirun_wrapped(ranks: usize, wrapper: &Path, args: &[&str], env: &[(&str,
 }
 
 /// As [`mpirun_env`], in a mount namespace of its own (`unshare --mount`, root) in which a
-/// tmpfs of `size` (e.g. "16m") is mounted on `dir` first: a small file system for tests of
-/// what hpc-train does when one runs full. The mount goes with the namespace when mpirun ends.
+/// tmpfs of `size` (e.g. "16m") is mounted first where the MPI library maps its shared windows:
+/// on `dir` for Open MPI (which `OMPI_MCA_osc_sm_backing_directory` in `env` names), on /dev/shm
+/// for the MPICH family (see [`launcher::shared_memory_mount_point`]): a small file system for
+/// tests of what hpc-train does when one runs full. The mount goes with the namespace when the
+/// launcher ends.
 pub fn mpirun_with_tmpfs(ranks: usize, args: &[&str], env: &[(&str, &str)], dir: &Path, size: &str, limit: Duration) -> Run {
     let _guard = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
     std::fs::create_dir_all(dir).unwrap();
+    let mount_point = launcher::shared_memory_mount_point(dir);
     let inner = mpirun_command(ranks, args, env);
     let mut cmd = Command::new("unshare");
     cmd.args(["--mount", "--propagation", "private", "sh", "-c", r#"mount -t tmpfs -o "size=$1" tmpfs "$2" && shift 2 && exec "$@""#, "sh", size])
-        .arg(dir)
+        .arg(&mount_point)
         .arg(inner.get_program())
         .args(inner.get_args())
         .current_dir(root());
@@ -270,10 +270,21 @@ pub fn spawn_mpirun(ranks: usize, args: &[&str], env: &[(&str, &str)], log: &Pat
     spawn(mpirun_command(ranks, args, env).stdout(out).stderr(err))
 }
 
-/// The rank processes mpirun started (its children), in pid order.
+/// The rank processes the launcher started, in pid order: its children (Open MPI's mpirun), or
+/// the children of its proxies (Hydra's `hydra_pmi_proxy`, one per node).
 pub fn rank_pids(mpirun_pid: u32) -> Vec<u32> {
-    let out = Command::new("pgrep").args(["-P", &mpirun_pid.to_string()]).output().unwrap();
-    let mut pids: Vec<u32> = String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect();
+    let children = |pid: u32| -> Vec<u32> {
+        let out = Command::new("pgrep").args(["-P", &pid.to_string()]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect()
+    };
+    let mut pids = Vec::new();
+    let mut next = children(mpirun_pid);
+    while let Some(pid) = next.pop() {
+        match std::fs::read_to_string(format!("/proc/{pid}/comm")) {
+            Ok(comm) if comm.trim() == "hydra_pmi_proxy" => next.extend(children(pid)),
+            _ => pids.push(pid),
+        }
+    }
     pids.sort();
     pids
 }

@@ -140,7 +140,7 @@ fn keyed_id(key: usize, index: usize) -> usize {
 pub struct Horovod {
     to_bg: Sender<ToBackground>,
     from_bg: Receiver<FromBackground>,
-    thread: Option<CommThread<Counters>>,
+    thread: Option<CommThread<(Counters, Option<String>)>>,
     /// Main-thread communicator for the end-of-run counters.
     control: SimpleCommunicator,
     rank: usize,
@@ -149,6 +149,8 @@ pub struct Horovod {
     config: HorovodConfig,
     path: DataPath,
     counters: Counters,
+    /// Rank 0: why the timeline is incomplete, if it is (known once the thread has ended).
+    timeline_failure: Option<String>,
     /// Rank 0 with a timeline: the background thread wants the tensors' names.
     names_wanted: bool,
     /// The parameters' names (Exchange::name_tensors), and overlap's buckets as last named.
@@ -247,7 +249,8 @@ impl Horovod {
             if let Err(e) = &result {
                 let _ = bg_tx.send(FromBackground::Failed(Error::exchange("horovod", e.to_string())));
             }
-            result.map(|()| bg.counters)
+            let timeline_failure = bg.timeline.take().and_then(Timeline::close);
+            result.map(|()| (bg.counters, timeline_failure))
         })?;
         Ok(Horovod {
             to_bg,
@@ -259,6 +262,7 @@ impl Horovod {
             config: hv,
             path,
             counters: Counters::default(),
+            timeline_failure: None,
             names_wanted,
             param_names: Vec::new(),
             named_buckets: Vec::new(),
@@ -322,10 +326,12 @@ impl Horovod {
     fn shut_down(&mut self) -> Result<()> {
         let Some(thread) = self.thread.take() else { return Ok(()) };
         let _ = self.to_bg.send(ToBackground::Shutdown);
-        let mine = thread.join()?.to_array();
+        let (counters, timeline_failure) = thread.join()?;
+        let mine = counters.to_array();
         let mut totals = [0u64; 6];
         self.control.all_reduce_into(&mine[..], &mut totals[..], SystemOperation::max());
         self.counters = Counters::from_array(totals);
+        self.timeline_failure = timeline_failure;
         Ok(())
     }
 }
@@ -406,6 +412,10 @@ impl Exchange for Horovod {
 
     fn finish(&mut self, _params: &mut [Tensor]) -> Result<()> {
         self.shut_down()
+    }
+
+    fn output_failure(&self) -> Option<String> {
+        self.timeline_failure.clone()
     }
 
     fn report(&self) -> ExchangeReport {

@@ -41,6 +41,8 @@ enum State {
 
 pub struct Timeline {
     records: Option<Sender<String>>,
+    /// Why the writer stopped writing, if it did (a full disk): the run ends non-zero.
+    failure: std::sync::Arc<std::sync::Mutex<Option<String>>>,
     writer: Option<JoinHandle<()>>,
     start: Instant,
     /// Row ("pid") of every tensor name seen, from 1 (row 0 holds the file's own metadata).
@@ -65,11 +67,17 @@ impl Timeline {
         let (records, inbox) = channel();
         let owned = path.to_path_buf();
         let length = text.len() as u64;
+        let failure = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let noted = failure.clone();
         let writer = std::thread::Builder::new()
             .name("horovod-timeline".into())
-            .spawn(move || write_batches(file, length, &owned, inbox))
+            .spawn(move || {
+                if let Err(why) = write_batches(file, length, &owned, inbox) {
+                    *noted.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+                }
+            })
             .map_err(|e| Error::exchange("horovod", format!("cannot start the timeline writer: {e}")))?;
-        Ok(Timeline { records: Some(records), writer: Some(writer), start: Instant::now(), rows: HashMap::new(), states: HashMap::new() })
+        Ok(Timeline { records: Some(records), failure, writer: Some(writer), start: Instant::now(), rows: HashMap::new(), states: HashMap::new() })
     }
 
     fn now_us(&self) -> u64 {
@@ -188,9 +196,15 @@ impl Timeline {
     }
 }
 
-impl Drop for Timeline {
-    /// Lets the writer write what it has and waits for it.
-    fn drop(&mut self) {
+impl Timeline {
+    /// Lets the writer write what it has, waits for it, and says why the timeline is
+    /// incomplete, if it is.
+    pub fn close(mut self) -> Option<String> {
+        self.stop_writer();
+        self.failure.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    fn stop_writer(&mut self) {
         drop(self.records.take());
         if let Some(writer) = self.writer.take() {
             let _ = writer.join();
@@ -198,12 +212,20 @@ impl Drop for Timeline {
     }
 }
 
+impl Drop for Timeline {
+    /// Lets the writer write what it has and waits for it.
+    fn drop(&mut self) {
+        self.stop_writer();
+    }
+}
+
 /// The writer thread: appends each batch of records (what has arrived when it wakes) over the
 /// closing `]` that ends the file, and a new `]` after them, in one write. `length`: the file's
 /// length, whose last byte is that `]`. A failed write is reported once; the run goes on
-/// without a timeline, as Horovod's does.
-fn write_batches(file: File, mut length: u64, path: &Path, inbox: Receiver<String>) {
-    let mut failed = false;
+/// without a timeline, as Horovod's does, and the reason comes back at the end (the run then
+/// ends non-zero, after its record: see `Horovod::finish`).
+fn write_batches(file: File, mut length: u64, path: &Path, inbox: Receiver<String>) -> std::result::Result<(), String> {
+    let mut failed: Option<String> = None;
     while let Ok(first) = inbox.recv() {
         let mut batch = String::with_capacity(4096);
         batch.push_str(",\n");
@@ -216,7 +238,7 @@ fn write_batches(file: File, mut length: u64, path: &Path, inbox: Receiver<Strin
             }
         }
         batch.push(']');
-        if failed {
+        if failed.is_some() {
             continue;
         }
         match file.write_all_at(batch.as_bytes(), length - 1) {
@@ -226,10 +248,11 @@ fn write_batches(file: File, mut length: u64, path: &Path, inbox: Receiver<Strin
                 // event and its closing bracket.
                 let _ = file.set_len(length);
                 log::warn!("horovod timeline: writing {} failed ({e}); the rest of the run writes no timeline", path.display());
-                failed = true;
+                failed = Some(format!("the timeline {} is incomplete: writing it failed ({e}); it holds the events before that", path.display()));
             }
         }
     }
+    failed.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]

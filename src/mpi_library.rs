@@ -1,0 +1,274 @@
+//! Which MPI library hpc-train was built against and which one it runs with, and what the two
+//! families of MPI libraries do differently: Open MPI, and MPICH with the libraries built on it
+//! that share its ABI (Cray MPICH, Intel MPI, MVAPICH2).
+//!
+//! build.rs reads the family and version from the mpi.h the binary is compiled with; at run time
+//! `MPI_Get_library_version` names the library really loaded. Both go into `hpc-train --version`.
+//! At start, [`check_launch`] refuses the two mistakes that otherwise pass unnoticed: a binary
+//! whose parts come from two MPI libraries, and a launcher of another MPI, which starts every
+//! process as a job of its own (exit 0, each rank training alone).
+
+use std::path::PathBuf;
+
+use mpi::topology::{Communicator, SimpleCommunicator};
+
+use crate::error::{Error, Result};
+
+/// The library and version of the mpi.h hpc-train was compiled with, and how it was found.
+pub const BUILT_AGAINST: &str = env!("HPC_TRAIN_MPI_BUILT");
+
+/// [`BUILT_AGAINST`] without how it was found: "MPICH 4.0.2".
+fn built_library() -> &'static str {
+    BUILT_AGAINST.split(" (").next().unwrap_or(BUILT_AGAINST)
+}
+
+/// A family of MPI libraries: the same launchers, environment and behaviour within one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    OpenMpi,
+    /// MPICH and its derivatives (Cray MPICH, Intel MPI, MVAPICH2).
+    Mpich,
+    Unknown,
+}
+
+impl Family {
+    /// The family of the mpi.h hpc-train was built with.
+    pub fn built() -> Family {
+        match env!("HPC_TRAIN_MPI_FAMILY") {
+            "openmpi" => Family::OpenMpi,
+            "mpich" => Family::Mpich,
+            _ => Family::Unknown,
+        }
+    }
+
+    /// The family of the library that `MPI_Get_library_version` describes.
+    pub fn of_library_version(version: &str) -> Family {
+        if version.contains("Open MPI") {
+            Family::OpenMpi
+        } else if ["MPICH", "MVAPICH", "Intel(R) MPI"].iter().any(|name| version.contains(name)) {
+            Family::Mpich
+        } else {
+            Family::Unknown
+        }
+    }
+
+    /// The family of the library this process runs with.
+    pub fn running() -> Family {
+        Family::of_library_version(&full_library_version())
+    }
+
+    /// How to launch a binary of this family, for error messages.
+    fn launchers(self) -> &'static str {
+        match self {
+            Family::OpenMpi => "Open MPI's mpirun (Debian: mpirun.openmpi) or srun --mpi=pmix",
+            Family::Mpich => "the MPICH family's mpiexec (Hydra; Debian: mpiexec.mpich) or srun --mpi=pmi2",
+            Family::Unknown => "the launcher of the MPI library it was built against",
+        }
+    }
+}
+
+/// `MPI_Get_library_version`'s whole text. The MPI standard lets it be called before
+/// `MPI_Init` (and `hpc-train --version` does, so that it needs no launcher).
+fn full_library_version() -> String {
+    mpi::environment::library_version().unwrap_or_default()
+}
+
+/// The library this process runs with, in one line: the first line (up to the first comma) of
+/// `MPI_Get_library_version`, spaces and tabs collapsed ("Open MPI v4.1.4", "MPICH Version:
+/// 4.0.2"); "unknown" when it says nothing.
+pub fn runtime_library() -> String {
+    first_line(&full_library_version())
+}
+
+fn first_line(version: &str) -> String {
+    let line = version.split([',', '\n']).next().unwrap_or("");
+    let line = line.split_whitespace().collect::<Vec<_>>().join(" ");
+    if line.is_empty() { "unknown".into() } else { line }
+}
+
+/// The file of the MPI library mapped into this process (libmpi.so.40, libmpich.so.12...), from
+/// /proc/self/maps.
+fn loaded_library_file() -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| path.rsplit('/').next().is_some_and(|name| name.starts_with("libmpi") && name.contains(".so")))
+        .map(str::to_string)
+}
+
+/// What `hpc-train --version` prints: the program, the MPI library it was built against and the
+/// one it runs with.
+pub fn version_text() -> String {
+    let file = loaded_library_file().map(|f| format!(" ({f})")).unwrap_or_default();
+    format!(
+        "hpc-train {} (commit {})\nMPI built against: {BUILT_AGAINST}\nMPI runs with:     {}{file}\n",
+        env!("CARGO_PKG_VERSION"),
+        env!("HPC_TRAIN_GIT_COMMIT"),
+        runtime_library(),
+    )
+}
+
+/// Variables through which launchers tell a process how many processes they started together.
+const LAUNCHER_SIZE_VARIABLES: [(&str, &str); 3] = [
+    ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
+    ("PMI_SIZE", "a PMI launcher (MPICH's mpiexec, srun --mpi=pmi2)"),
+    ("MV2_COMM_WORLD_SIZE", "MVAPICH2's mpirun_rsh"),
+];
+
+/// Refuses, with one line, a start that cannot give the job the user asked for: a binary whose
+/// mpi.h and loaded library belong to different families (a target folder rebuilt with another
+/// MPI), or a launcher that started more processes than MPI put into the world (the launcher of
+/// another MPI, or srun with the wrong `--mpi`: each process is then a job of one rank).
+/// Collective-free: every process decides alone, from what it sees.
+pub fn check_launch(world: &SimpleCommunicator) -> Result<()> {
+    let version = full_library_version();
+    let (built, running) = (Family::built(), Family::of_library_version(&version));
+    if built != Family::Unknown && running != Family::Unknown && built != running {
+        return Err(Error::usage(format!(
+            "hpc-train was built against {} but runs with {}: a binary from two MPI libraries (a target folder rebuilt \
+             with another MPICC); build each MPI into its own target folder (README, \"MPI libraries\")",
+            built_library(),
+            first_line(&version)
+        )));
+    }
+    let launched: Vec<(&str, &str, i32)> = LAUNCHER_SIZE_VARIABLES
+        .iter()
+        .filter_map(|&(var, launcher)| Some((var, launcher, std::env::var(var).ok()?.trim().parse::<i32>().ok()?)))
+        .collect();
+    launch_mismatch(&launched, world.size(), built, &first_line(&version)).map_or(Ok(()), |message| Err(Error::usage(message)))
+}
+
+/// The refusal for a launch whose launcher variables (name, launcher, size) all disagree with
+/// the world's size, or None when there are none or one agrees (an outer launcher's variables may
+/// linger in the environment of an inner one).
+fn launch_mismatch(launched: &[(&str, &str, i32)], world_size: i32, built: Family, library: &str) -> Option<String> {
+    if launched.is_empty() || launched.iter().any(|&(_, _, size)| size == world_size) {
+        return None;
+    }
+    let (var, launcher, size) = launched[0];
+    Some(format!(
+        "{launcher} started {size} processes ({var}={size}), but {library} made this one a job of {world_size} rank(s): \
+         the launcher does not belong to the MPI library hpc-train was built against ({}); launch it with {}",
+        built_library(),
+        built.launchers()
+    ))
+}
+
+/// Whether the MPI library reads GPU memory, as far as it says: MPICH 4's
+/// `MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)`, else `MPIX_Query_cuda_support` (Open MPI,
+/// MPICH), else MVAPICH2's own switch `MV2_USE_CUDA=1`. A library that answers none of them
+/// gets GPU buffers staged through host memory, and rank 0 logs so.
+pub fn cuda_aware() -> bool {
+    let library = runtime_library();
+    let answer = decide_cuda(
+        crate::raw::mpix_gpu_query_support_cuda(),
+        crate::raw::mpi_cuda_support(),
+        &library,
+        std::env::var("MV2_USE_CUDA").ok().as_deref(),
+    );
+    match answer {
+        CudaAnswer::Known { aware, how } => {
+            log::debug!("CUDA-aware MPI: {} ({library}: {how})", if aware { "yes" } else { "no" });
+            aware
+        }
+        CudaAnswer::Unknown => {
+            log::info!(
+                "{library} answers no CUDA-awareness query (MPIX_GPU_query_support, MPIX_Query_cuda_support, MVAPICH2's \
+                 MV2_USE_CUDA): GPU buffers are staged through host memory; --cuda-aware yes if it reads GPU memory"
+            );
+            false
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum CudaAnswer {
+    Known { aware: bool, how: String },
+    Unknown,
+}
+
+fn decide_cuda(gpu_query: Option<bool>, cuda_query: Option<bool>, library: &str, mv2_use_cuda: Option<&str>) -> CudaAnswer {
+    if let Some(aware) = gpu_query {
+        return CudaAnswer::Known { aware, how: format!("MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) = {}", u8::from(aware)) };
+    }
+    if let Some(aware) = cuda_query {
+        return CudaAnswer::Known { aware, how: format!("MPIX_Query_cuda_support() = {}", u8::from(aware)) };
+    }
+    if library.contains("MVAPICH") {
+        // MVAPICH2 (-GDR) reads device buffers only when started with MV2_USE_CUDA=1.
+        let aware = mv2_use_cuda.is_some_and(|v| v.trim() == "1");
+        return CudaAnswer::Known { aware, how: format!("MV2_USE_CUDA={}", mv2_use_cuda.unwrap_or("(unset)")) };
+    }
+    CudaAnswer::Unknown
+}
+
+/// The folder whose file system holds the files behind MPI-3 shared windows
+/// (`MPI_Win_allocate_shared`): Open MPI's `osc_sm_backing_directory` (/dev/shm unless set
+/// through `OMPI_MCA_osc_sm_backing_directory`); the MPICH family maps them from /dev/shm, with
+/// no setting to move them (it falls back to /tmp only where /dev/shm cannot hold a file).
+pub fn shared_window_directory() -> PathBuf {
+    let dev_shm = PathBuf::from("/dev/shm");
+    match Family::running() {
+        Family::OpenMpi => std::env::var_os("OMPI_MCA_osc_sm_backing_directory").map_or(dev_shm, PathBuf::from),
+        _ if dev_shm.is_dir() => dev_shm,
+        _ => std::env::temp_dir(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn libraries_are_sorted_into_their_families() {
+        let open_mpi = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4, repo rev: v4.1.4, May 26, 2022\0";
+        assert_eq!(Family::of_library_version(open_mpi), Family::OpenMpi);
+        assert_eq!(first_line(open_mpi), "Open MPI v4.1.4");
+        let mpich = "MPICH Version:\t4.0.2\nMPICH Release date:\tThu Apr  7 12:34:45 CDT 2022\nMPICH ABI:\t14:2:2\n";
+        assert_eq!(Family::of_library_version(mpich), Family::Mpich);
+        assert_eq!(first_line(mpich), "MPICH Version: 4.0.2");
+        for derivative in [
+            "MPI VERSION    : CRAY MPICH version 8.1.27.26 (ANL base 3.4a2)\nMPI BUILD INFO : ...",
+            "Intel(R) MPI Library 2021.6 for Linux* OS\n",
+            "MVAPICH2 Version      :\t2.3.7\nMVAPICH2 Release date :\tWed March 02 22:00:00 EST 2022\n",
+        ] {
+            assert_eq!(Family::of_library_version(derivative), Family::Mpich, "{derivative}");
+        }
+        assert_eq!(Family::of_library_version("Microsoft MPI 10.1"), Family::Unknown);
+        assert_eq!(first_line(""), "unknown");
+    }
+
+    #[test]
+    fn the_build_records_a_known_family() {
+        assert_ne!(Family::built(), Family::Unknown, "{BUILT_AGAINST}");
+        assert!(BUILT_AGAINST.contains("family; found by"), "{BUILT_AGAINST}");
+    }
+
+    #[test]
+    fn a_launcher_is_refused_only_when_no_size_it_gives_matches_the_world() {
+        let open_mpi = [("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun", 4)];
+        // An MPICH binary under Open MPI's mpirun: four singletons.
+        let message = launch_mismatch(&open_mpi, 1, Family::Mpich, "MPICH Version: 4.0.2").expect("refused");
+        assert!(message.starts_with("Open MPI's mpirun started 4 processes (OMPI_COMM_WORLD_SIZE=4), but MPICH Version: 4.0.2 made this one a job of 1 rank(s)"), "{message}");
+        assert!(message.contains("mpiexec.mpich"), "{message}");
+        assert_eq!(launch_mismatch(&open_mpi, 4, Family::OpenMpi, "Open MPI v4.1.4"), None);
+        // No launcher at all (a singleton started by hand).
+        assert_eq!(launch_mismatch(&[], 1, Family::Mpich, "MPICH"), None);
+        // An outer launcher's variable left in the environment of a job that an inner one started.
+        let nested = [("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun", 1), ("PMI_SIZE", "a PMI launcher", 2)];
+        assert_eq!(launch_mismatch(&nested, 2, Family::Mpich, "MPICH"), None);
+    }
+
+    #[test]
+    fn cuda_awareness_is_asked_in_order_and_unknown_means_staged() {
+        let known = |aware: bool, how: &str| CudaAnswer::Known { aware, how: how.into() };
+        // MPICH 4: the GPU query answers first.
+        assert_eq!(decide_cuda(Some(false), Some(true), "MPICH Version: 4.0.2", None), known(false, "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) = 0"));
+        // Open MPI: only MPIX_Query_cuda_support.
+        assert_eq!(decide_cuda(None, Some(true), "Open MPI v5.0.3", None), known(true, "MPIX_Query_cuda_support() = 1"));
+        // MVAPICH2(-GDR): its switch.
+        assert_eq!(decide_cuda(None, None, "MVAPICH2 Version : 2.3.7", Some("1")), known(true, "MV2_USE_CUDA=1"));
+        assert_eq!(decide_cuda(None, None, "MVAPICH2 Version : 2.3.7", None), known(false, "MV2_USE_CUDA=(unset)"));
+        assert_eq!(decide_cuda(None, None, "Some MPI 1.0", Some("1")), CudaAnswer::Unknown);
+    }
+}
