@@ -2,20 +2,153 @@
 //! of nccl-tests: one row per size and strategy with time, algorithm bandwidth, bus bandwidth
 //! and the number of wrong elements (every rank checks every run).
 
+use std::path::PathBuf;
 use std::time::Instant;
 
+use clap::{Args, ValueEnum};
 use mpi::collective::SystemOperation;
 use mpi::traits::*;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
-use crate::cli::{BenchArgs, BenchDevice, Layout, Verify};
 use crate::error::{Error, Result};
+use crate::exchange::config::{parse_strategies, CudaAware, MpiAllreduceCall, RingTransport};
 use crate::exchange::element::Dtype;
+use crate::exchange::options::{check_strategy_options, Given, HorovodArgs, PsArgs};
 use crate::exchange::{self, ExchangeConfig, ReduceOp, StrategyKind};
 use crate::raw;
 use crate::results;
 use crate::topology::World;
+use crate::train::options::{DeviceChoice, DEFAULT_EXCHANGE_TIMEOUT_S};
+
+/// `--device` of the bench: where the buffers live.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BenchDevice {
+    Cpu,
+    Cuda,
+}
+
+/// `--layout`: how the buffer is cut into tensors.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// The buffer is one tensor.
+    Single,
+    /// The buffer is split into 161 tensors in the proportions of ResNet-50's parameters.
+    Resnet50,
+}
+
+/// `--verify`: how every run's result is checked.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verify {
+    /// Small-integer input whose sum is exact in any order: compared with the closed form.
+    ClosedForm,
+    /// Random input: compared with MPI_Allreduce's result, within summation-order rounding.
+    Allreduce,
+}
+
+/// A count of at least 1.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("expected at least 1 (with none there is nothing to time)".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("expected a count: {e}")),
+    }
+}
+
+/// Options of `hpc-train bench`.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Strategies to measure, comma-separated.
+    #[arg(long, default_value = "ring,allreduce")]
+    pub strategies: String,
+    /// Smallest message (bytes; K, M, G suffixes).
+    #[arg(long, default_value = "4K")]
+    pub min_bytes: String,
+    /// Largest message.
+    #[arg(long, default_value = "256M")]
+    pub max_bytes: String,
+    /// Size multiplier between rows.
+    #[arg(long, default_value_t = 2)]
+    pub factor: usize,
+    /// Exact element counts instead of the sweep, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub counts: Option<Vec<usize>>,
+    /// Timed iterations per size (at least 1: a row of no iterations would record a time of 0).
+    #[arg(long, default_value_t = 20, value_parser = at_least_one)]
+    pub iters: usize,
+    /// Untimed iterations first.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Sweeps over all strategies, each starting one strategy later than the one before; each
+    /// row is the median of every round's timed iterations. On a shared or drifting machine,
+    /// no strategy is then always the one measured first.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub rounds: u16,
+    /// Where the buffers live.
+    #[arg(long, value_enum, default_value_t = BenchDevice::Cpu)]
+    pub device: BenchDevice,
+    /// Element type.
+    #[arg(long, value_enum, default_value_t = Dtype::F32)]
+    pub dtype: Dtype,
+    /// One tensor, or ResNet-50's 161 tensors.
+    #[arg(long, value_enum, default_value_t = Layout::Single)]
+    pub layout: Layout,
+    /// How results are checked.
+    #[arg(long, value_enum, default_value_t = Verify::ClosedForm)]
+    pub verify: Verify,
+    /// Seed of the random input (--verify allreduce).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Fusion bucket size in MiB for multi-tensor layouts.
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mb: f64,
+    /// Ring segment size in KiB.
+    #[arg(long, default_value_t = 4096)]
+    pub segment_kb: u64,
+    /// How the ring's ranks reach each other: node-shared memory when all are on one node (auto).
+    #[arg(long, value_enum, default_value_t = RingTransport::Auto)]
+    pub ring_transport: RingTransport,
+
+    /// The MPI call of `allreduce` and `horovod` on host buffers: `blocking` (MPI_Allreduce, as
+    /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, this
+    /// program's path before issue 32, for comparison). Device buffers always take the blocking
+    /// call.
+    #[arg(long, value_enum, default_value_t = MpiAllreduceCall::Blocking)]
+    pub mpi_allreduce: MpiAllreduceCall,
+    /// Whether MPI can read GPU memory.
+    #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
+    pub cuda_aware: CudaAware,
+    /// Folder for bench.jsonl.
+    #[arg(long, default_value = "results")]
+    pub results: PathBuf,
+    /// Change one element of rank 0's result before the check (tests that the check works).
+    #[arg(long, hide = true)]
+    pub corrupt_result: bool,
+    /// Write rank 0's summed buffers, every strategy and size in turn (as f32, little-endian,
+    /// after the last iteration), to this file: for comparing two runs bit for bit.
+    #[arg(long)]
+    pub save_result: Option<PathBuf>,
+    /// Abort when an exchange makes no progress for this many seconds; 0: never.
+    #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S)]
+    pub exchange_timeout_s: f64,
+    /// Cost model for `auto` (see the training option).
+    #[arg(long)]
+    pub cost_model: Option<PathBuf>,
+    /// The rate of the links between nodes, in Mbit/s, recorded in bench.jsonl for
+    /// `hpc-train model fit` (the bench cannot measure it apart from the exchange).
+    #[arg(long)]
+    pub link_mbit: Option<f64>,
+
+    #[command(flatten)]
+    pub ps: PsArgs,
+
+    #[command(flatten)]
+    pub horovod: HorovodArgs,
+
+    /// The options given on the command line.
+    #[arg(skip)]
+    pub given: Given,
+}
 
 pub const BENCH_FILE: &str = "bench.jsonl";
 
@@ -255,15 +388,15 @@ impl MemoryBound {
 }
 
 pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
-    let strategies = world.agree(crate::study::parse_strategies(&args.strategies))?;
-    crate::log_warnings(world, &world.agree(crate::cli::check_strategy_options(&args.given, &strategies, &args.ps))?);
+    let strategies = world.agree(parse_strategies(&args.strategies))?;
+    world.log_warnings(&world.agree(check_strategy_options(&args.given, &strategies, &args.ps))?);
     let elem = args.dtype.size();
     let counts = world.agree(sweep_counts(args, elem))?;
     // The node's ranks may share a GPU here (the bench measures the exchange, and tests run
     // several ranks on one GPU); each takes the GPU that training would give it.
     let choice = match args.device {
-        BenchDevice::Cpu => crate::cli::DeviceChoice::Cpu,
-        BenchDevice::Cuda => crate::cli::DeviceChoice::Cuda,
+        BenchDevice::Cpu => DeviceChoice::Cpu,
+        BenchDevice::Cuda => DeviceChoice::Cuda,
     };
     let device = world.agree(crate::train::choose_device(choice, true, world))?;
     world.agree(crate::train::make_current(device))?;
@@ -592,7 +725,7 @@ fn mpi_reference(world: &World, pristine: &[Tensor], contributing: &[usize], ver
         return Ok(None);
     }
     // The call users make, whatever --mpi-allreduce says about the strategies.
-    let sums = exchange::allreduce::SumOps::new(exchange::allreduce::MpiAllreduceCall::Blocking);
+    let sums = exchange::allreduce::SumOps::new(exchange::config::MpiAllreduceCall::Blocking);
     let comm = world.comm.duplicate();
     let mut expected = Vec::with_capacity(pristine.len());
     for t in pristine {

@@ -16,7 +16,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::exchange::rhd::{Extra, RhdSchedule};
+use crate::plan::rhd::{Extra, RhdSchedule};
 
 /// Costs of one kind of link, in seconds.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]

@@ -17,6 +17,7 @@ mod model;
 mod mpi_library;
 mod optim;
 mod overlap;
+mod plan;
 mod project;
 mod raw;
 mod report;
@@ -26,8 +27,9 @@ mod topology;
 mod train;
 mod watchdog;
 
-use cli::{Cli, Command, DataCommand, ImportFormat};
-use error::{Error, Result};
+use cli::{Cli, Command};
+use data::command::DataCommand;
+use error::Error;
 use topology::World;
 
 fn main() {
@@ -73,7 +75,7 @@ fn main() {
             let context = train::RunContext { study: cli.train.study_tag.clone() };
             world
                 .agree(cli.train.check_unused_options(&[cli.train.strategy]))
-                .map(|warnings| log_warnings(&world, &warnings))
+                .map(|warnings| world.log_warnings(&warnings))
                 .and_then(|()| train::run(&world, &cli.train, &context).map(|_| ()))
         }
         Some(Command::Study(args)) => study::run(&world, args),
@@ -82,7 +84,7 @@ fn main() {
         Some(Command::Data(DataCommand::Bench(args))) => data::bench::run(&world, args),
         Some(Command::Data(cmd)) => {
             // Data commands are serial: rank 0 does the work, the others wait for its verdict.
-            let local = if world.is_root() { run_data(cmd) } else { Ok(()) };
+            let local = if world.is_root() { data::command::run(cmd) } else { Ok(()) };
             world.agree(local)
         }
         Some(Command::Model(cli::ModelCommand::Fit(args))) => {
@@ -144,80 +146,6 @@ fn main() {
 /// when nothing was saved.
 fn stopped_code(checkpointed: bool) -> i32 {
     if checkpointed { train::EXIT_STOPPED } else { 1 }
-}
-
-/// Warnings every rank computed alike, logged once.
-pub fn log_warnings(world: &World, warnings: &[String]) {
-    if world.is_root() {
-        for w in warnings {
-            log::warn!("{w}");
-        }
-    }
-}
-
-fn run_data(cmd: &DataCommand) -> Result<()> {
-    match cmd {
-        DataCommand::Info { file } => {
-            let (info, labels) = data::open(file)?;
-            print!("{}", data::describe(&info, &labels));
-            Ok(())
-        }
-        DataCommand::Import(a) => {
-            let class_names = a.class_names.as_deref().map(data::writer::parse_class_names).unwrap_or_default();
-            let (train, test) = match a.format {
-                ImportFormat::Idx => {
-                    let need = |p: &Option<std::path::PathBuf>, flag: &str| {
-                        p.clone().ok_or_else(|| Error::usage(format!("--format idx needs {flag}")))
-                    };
-                    let (ti, tl) = (need(&a.train_images, "--train-images")?, need(&a.train_labels, "--train-labels")?);
-                    let (vi, vl) = (need(&a.test_images, "--test-images")?, need(&a.test_labels, "--test-labels")?);
-                    let paths = data::idx::IdxPaths { train_images: &ti, train_labels: &tl, test_images: &vi, test_labels: &vl };
-                    let name = a.name.clone().unwrap_or_else(|| default_name(&a.output.out));
-                    data::idx::import(&paths, &a.output.out, &name, class_names, a.output.compression, a.output.force)?
-                }
-                ImportFormat::Cifar10 => {
-                    let input = a.input.as_ref().ok_or_else(|| Error::usage("--format cifar10 needs --input DIR (cifar-10-batches-bin)"))?;
-                    data::cifar10::import(input, &a.output.out, a.output.compression, a.output.force)?
-                }
-                ImportFormat::Svhn => {
-                    let train = a.train.as_ref().ok_or_else(|| Error::usage("--format svhn needs --train train_32x32.mat"))?;
-                    let test = a.test.as_ref().ok_or_else(|| Error::usage("--format svhn needs --test test_32x32.mat"))?;
-                    data::svhn::import(train, test, &a.output.out, a.output.compression, a.output.force)?
-                }
-                ImportFormat::Folder => {
-                    let input = a.input.clone().ok_or_else(|| Error::usage("--format folder needs --input DIR (one sub-folder per class)"))?;
-                    let size = a.size.ok_or_else(|| Error::usage("--format folder needs --size S (side of the square images)"))?;
-                    let test = match (&a.test_input, a.test_fraction) {
-                        (Some(dir), _) => data::folder::TestSource::Folder(dir.clone()),
-                        (None, Some(f)) => data::folder::TestSource::Fraction(f),
-                        (None, None) => data::folder::TestSource::None,
-                    };
-                    let name = a.name.clone().unwrap_or_else(|| default_name(&a.output.out));
-                    let spec = data::folder::FolderSpec { input, test, size, seed: a.seed, name };
-                    let s = data::folder::import(&spec, &a.output.out, a.output.compression, a.output.force)?;
-                    println!(
-                        "wrote {} ({} training and {} test samples of 3x{size}x{size}, {} classes); skipped {} file(s) that are not readable JPEG or PNG images",
-                        a.output.out.display(), s.train, s.test, s.classes, s.skipped.len()
-                    );
-                    return Ok(());
-                }
-            };
-            println!("wrote {} ({train} training and {test} test samples)", a.output.out.display());
-            Ok(())
-        }
-        DataCommand::Synth(a) => {
-            let shape = data::synth::parse_shape(&a.shape).map_err(Error::usage)?;
-            let spec = data::synth::SynthSpec { train: a.samples, test: a.test_samples, shape, classes: a.classes, seed: a.seed };
-            data::synth::generate(&spec, &a.output.out, a.output.compression, a.output.force)?;
-            println!("wrote {} ({} training and {} test samples of {})", a.output.out.display(), a.samples, a.test_samples, a.shape);
-            Ok(())
-        }
-        DataCommand::Bench(_) => unreachable!("data bench runs on every rank, dispatched in main"),
-    }
-}
-
-fn default_name(out: &std::path::Path) -> String {
-    out.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "dataset".into())
 }
 
 /// This process's rank as the launcher set it (Open MPI, MPICH/Hydra, PMIx, Slurm), for

@@ -35,9 +35,10 @@ use mpi::traits::*;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::buckets::{pack, unpack, BucketPlan};
+use crate::exchange::buckets::{pack, unpack};
 use crate::exchange::{Exchange, ReduceOp};
 use crate::optim::{FiniteCheck, Sgd};
+use crate::plan::buckets::BucketPlan;
 use crate::raw::{CudaEvent, CudaStream, GradReady, GradReadyHooks};
 
 /// DDP's first bucket: small, so that communication starts early in the backward pass.

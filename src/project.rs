@@ -8,12 +8,85 @@
 
 use std::path::{Path, PathBuf};
 
+use clap::Args;
 use serde::{Deserialize, Serialize};
 
-use crate::cli::{FitArgs, ProjectArgs};
 use crate::cost::{coefficients, fit_network, fit_two, Algorithm, Coefficients, CostModel, Layout, LinkCost, MeasuredCurve, MeasuredPoint};
 use crate::error::{Error, Result, WithPath};
+use crate::model::ModelKind;
+use crate::report::ReportArgs;
 use crate::results::{self, RunRecord};
+
+/// Options of `hpc-train model fit`.
+#[derive(Args, Debug, Clone)]
+pub struct FitArgs {
+    /// Bench rows (host f32, one tensor): ring, rhd and ps within a node and, for the network
+    /// link and the fabric, across nodes; MPI_Allreduce's rows become its measured curve; every
+    /// row is predicted and shown beside its measurement (MPI_Allreduce's from the others).
+    #[arg(long, default_value = "results/bench.jsonl")]
+    pub bench: PathBuf,
+    /// Only the rows across nodes recorded with this --link-mbit (rows within one node all count).
+    #[arg(long)]
+    pub link_mbit: Option<f64>,
+    /// The model file to write (JSON).
+    #[arg(long, default_value = "results/cost-model.json")]
+    pub out: PathBuf,
+    /// Parameter servers in the ps rows (as bench --servers).
+    #[arg(long, default_value_t = 1)]
+    pub servers: usize,
+    /// Network links per node in the rows across nodes: the node's ranks that cross the network
+    /// in the same step share them (rhd's steps between nodes; the node-aware ring crosses with
+    /// one flow each way). Written into the model. [default: a link per rank]
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub nics_per_node: Option<u16>,
+    /// Horovod cycle time of the horovod rows (as bench --cycle-time-ms).
+    #[arg(long, default_value_t = 1.0)]
+    pub cycle_time_ms: f64,
+}
+
+/// Options of `hpc-train project`.
+#[derive(Args, Debug, Clone)]
+pub struct ProjectArgs {
+    /// Cluster profile (TOML; see jobs/clusters/).
+    #[arg(long)]
+    pub profile: PathBuf,
+    /// Model whose gradients are exchanged.
+    #[arg(long, value_enum, default_value_t = ModelKind::Resnet50)]
+    pub model: ModelKind,
+    /// One rank's forward, backward and optimizer per step, in ms.
+    #[arg(long)]
+    pub compute_ms: Option<f64>,
+    /// Take the compute time from the 1-rank run of the model at --batch in this runs.jsonl.
+    #[arg(long)]
+    pub from_runs: Option<PathBuf>,
+    /// Samples per rank per step (weak scaling).
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    /// Rank counts.
+    #[arg(long, default_value = "1,2,4,8,16,32,64,128,256,512,1024")]
+    pub ranks: String,
+    /// Ranks per node [default: the profile's].
+    #[arg(long)]
+    pub ranks_per_node: Option<usize>,
+    /// Gradient buckets in MiB.
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mb: f64,
+    /// Share of compute that backward takes (what overlap can hide the exchange behind).
+    #[arg(long, default_value_t = 0.67)]
+    pub backward_share: f64,
+    /// Parameter servers of the measured ps rows (validation).
+    #[arg(long, default_value_t = 1)]
+    pub servers: usize,
+    /// Folder for the tables, the projected records and their report, and validation.csv.
+    #[arg(long, default_value = "results/projection")]
+    pub out: PathBuf,
+    /// Measured bench rows to compare the model with (validation.csv).
+    #[arg(long)]
+    pub validate_bench: Option<PathBuf>,
+    /// Measured training runs to compare the model with (validation.csv).
+    #[arg(long)]
+    pub validate_runs: Option<PathBuf>,
+}
 
 /// The bench.jsonl fields the fit reads.
 #[derive(Clone, Debug, Deserialize)]
@@ -451,7 +524,7 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
     }
     print!("{text}");
     println!("wrote {} and {}", md.display(), runs.display());
-    crate::report::run(&crate::cli::ReportArgs { input: runs, study: None, bench: None, out: args.out.join(&slug) })?;
+    crate::report::run(&ReportArgs { input: runs, study: None, bench: None, out: args.out.join(&slug) })?;
 
     if args.validate_bench.is_some() || args.validate_runs.is_some() {
         validate(predictor, args)?;

@@ -7,14 +7,32 @@
 //! them, so a point of N ranks uses the first N slots (fill nodes in order with
 //! `--map-by core` or Slurm's block distribution to keep nodes whole).
 
+use clap::Args;
 use mpi::topology::Color;
 use mpi::traits::*;
 
-use crate::cli::{Scaling, StudyArgs};
 use crate::error::{Error, Result};
-use crate::exchange::StrategyKind;
+use crate::exchange::config::{parse_strategies, StrategyKind};
 use crate::topology::World;
+use crate::train::options::{Scaling, TrainArgs};
 use crate::train::{self, RunContext};
+
+/// Options of `hpc-train study`.
+#[derive(Args, Debug, Clone)]
+pub struct StudyArgs {
+    /// Rank counts of the sweep, comma-separated (each at most the launched ranks).
+    #[arg(long, default_value = "1,2,4")]
+    pub ranks: String,
+    /// Strategies, comma-separated.
+    #[arg(long, default_value = "ring,ps,allreduce,horovod")]
+    pub strategies: String,
+    /// Id tagging the study's runs in runs.jsonl [default: scaling mode and UTC time].
+    #[arg(long)]
+    pub study_id: Option<String>,
+    /// Training options for every run (--strategy is set by the sweep).
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
 
 /// Parses `1,2,4`.
 pub fn parse_ranks(list: &str, available: usize) -> Result<Vec<usize>> {
@@ -37,25 +55,11 @@ pub fn parse_ranks(list: &str, available: usize) -> Result<Vec<usize>> {
     Ok(ranks)
 }
 
-pub fn parse_strategies(list: &str) -> Result<Vec<StrategyKind>> {
-    use clap::ValueEnum;
-    let out: Vec<StrategyKind> = list
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| StrategyKind::from_str(s, true).map_err(|_| Error::usage(format!("--strategies: unknown strategy {s:?} (ring, rhd, auto, ps, allreduce, horovod)"))))
-        .collect::<Result<_>>()?;
-    if out.is_empty() {
-        return Err(Error::usage("--strategies: name at least one strategy"));
-    }
-    Ok(out)
-}
-
 pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
     let ranks = world.agree(parse_ranks(&args.ranks, world.size as usize))?;
     let strategies = world.agree(parse_strategies(&args.strategies))?;
     // An option is fine when one strategy of the study reads it (each point gets them all).
-    crate::log_warnings(world, &world.agree(args.train.check_unused_options(&strategies))?);
+    world.log_warnings(&world.agree(args.train.check_unused_options(&strategies))?);
     if args.train.scaling == Scaling::Strong && args.train.global_batch.is_none() {
         world.agree::<()>(Err(Error::usage("--scaling strong needs --global-batch (the samples per step at every point)")))?;
     }
@@ -138,11 +142,5 @@ mod tests {
         assert!(parse_ranks("0", 4).is_err());
         assert!(parse_ranks("x", 4).is_err());
         assert!(parse_ranks("", 4).is_err());
-    }
-
-    #[test]
-    fn strategy_lists_parse() {
-        assert_eq!(parse_strategies("ring, ps").unwrap(), vec![StrategyKind::Ring, StrategyKind::Ps]);
-        assert!(parse_strategies("ring,magic").is_err());
     }
 }

@@ -263,10 +263,19 @@ fn a_lone_allreduce_takes_about_a_cycle() {
         let row = run.stdout.lines().find(|l| !l.starts_with('#')).unwrap();
         row.split_whitespace().nth(5).unwrap().parse::<f64>().unwrap() / 1e3
     };
-    let (one, five, twenty) = (latency_ms("1"), latency_ms("5"), latency_ms("20"));
+    let (five, twenty) = (latency_ms("5"), latency_ms("20"));
+    // Load only adds to these times (a descheduled background thread misses its cycle), so the
+    // 1 ms figure is the best of up to three runs: a busy moment cannot make it look like 20.
+    let mut one = latency_ms("1");
+    for _ in 0..2 {
+        if twenty > one + 10.0 {
+            break;
+        }
+        one = one.min(latency_ms("1"));
+    }
     eprintln!("1 MiB all-reduce: {one:.2} ms at a 1 ms cycle, {five:.2} ms at 5 ms, {twenty:.2} ms at 20 ms");
     // Each iteration starts just after the cycle that ended the last one: it waits for most
-    // of the next. Load only adds to these times, so the lower bounds hold on a busy machine.
+    // of the next. The lower bounds hold on a busy machine.
     assert!(twenty >= 15.0, "at a 20 ms cycle a lone all-reduce took {twenty:.2} ms");
     assert!(five >= 3.5, "at a 5 ms cycle a lone all-reduce took {five:.2} ms");
     assert!(twenty > one + 10.0, "latency does not follow the cycle: {one:.2}, {five:.2}, {twenty:.2} ms");

@@ -7,18 +7,47 @@
 //! slowest rank's time. Every run checks that the ranks together read exactly the samples the
 //! schedule assigns.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::Args;
 use mpi::traits::*;
 use serde::Serialize;
 
-use crate::cli::DataBenchArgs;
 use crate::data::loader::{Loader, Schedule};
 use crate::error::{Error, Result};
 use crate::raw;
 use crate::results;
 use crate::topology::World;
+
+/// Options of `hpc-train data bench`.
+#[derive(Args, Debug)]
+pub struct DataBenchArgs {
+    /// Dataset file in the project's HDF5 layout.
+    pub file: PathBuf,
+    /// Samples per rank per step.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch_size: u64,
+    /// Steps to read (default: one epoch).
+    #[arg(long, conflicts_with = "epochs", value_parser = clap::value_parser!(u64).range(1..))]
+    pub steps: Option<u64>,
+    /// Epochs to read.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub epochs: Option<u64>,
+    /// Seed of the shuffled order (training's --seed gives training's order).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Steps read before timing starts (at most all but one).
+    #[arg(long, default_value_t = 2)]
+    pub warmup_steps: u64,
+    /// Batches the loader thread reads ahead (training's default).
+    #[arg(long, default_value_t = 4)]
+    pub prefetch: usize,
+    /// Folder for data_bench.jsonl.
+    #[arg(long, default_value = "results")]
+    pub results: PathBuf,
+}
 
 pub const DATA_BENCH_FILE: &str = "data_bench.jsonl";
 
@@ -79,7 +108,7 @@ pub fn expected_samples(schedule: &Schedule, from: u64, to: u64) -> u64 {
 
 pub fn run(world: &World, args: &DataBenchArgs) -> Result<()> {
     world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
-    let (info, labels) = world.agree(crate::data::open(&args.file))?;
+    let (info, labels) = world.agree(crate::data::layout::open(&args.file))?;
     let ranks = world.size as usize;
     let batch = args.batch_size as usize;
     if info.train.len < ranks * batch {

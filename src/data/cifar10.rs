@@ -4,9 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::data::layout::{Meta, Split};
 use crate::data::writer::{Compression, DatasetWriter};
-use crate::data::Meta;
-use crate::data::Split;
 use crate::error::{Error, Result, WithPath};
 
 pub const SIDE: usize = 32;

@@ -20,9 +20,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
+use crate::data::layout::{Meta, Split};
 use crate::data::writer::{Compression, DatasetWriter};
-use crate::data::Meta;
-use crate::data::Split;
 use crate::error::{Error, Result, WithPath};
 
 /// Output bytes decoded per block before they are written: bounds memory whatever the number of

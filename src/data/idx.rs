@@ -6,9 +6,8 @@
 use std::io::Read;
 use std::path::Path;
 
+use crate::data::layout::{Meta, Split};
 use crate::data::writer::{Compression, DatasetWriter};
-use crate::data::Meta;
-use crate::data::Split;
 use crate::error::{Error, Result, WithPath};
 
 /// An IDX array of unsigned bytes.

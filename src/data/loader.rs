@@ -17,10 +17,22 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use crate::data::layout::Split;
 use crate::data::reader::{SplitCache, SplitReader};
-use crate::cli::CacheData;
-use crate::data::Split;
 use crate::error::{Error, Result};
+
+/// `--cache-data`: whether the training split is held in memory, read once ([`cache_decision`]).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheData {
+    /// Cached when every rank of the node together needs at most a quarter of the memory
+    /// available: reading a batch's samples one by one from HDF5 costs a thread that competes
+    /// with backward for the cores (measured on the tiny CNN: results/pytorch_comparison.md).
+    Auto,
+    /// Cached; an error where the node's ranks together would need more than the memory
+    /// available.
+    On,
+    Off,
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Schedule {

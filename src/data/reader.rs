@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use ndarray::s;
 
-use crate::data::{open_file, Split};
+use crate::data::layout::{open_file, Split};
 use crate::error::{Error, Result, WithPath};
 
 /// One split's image dataset, open for reading rows.

@@ -5,10 +5,9 @@
 
 use std::path::Path;
 
+use crate::data::layout::{Meta, Split};
 use crate::data::mat;
 use crate::data::writer::{Compression, DatasetWriter};
-use crate::data::Meta;
-use crate::data::Split;
 use crate::error::{Error, Result};
 
 pub const CLASSES: usize = 10;

@@ -9,9 +9,8 @@ use std::path::Path;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::data::layout::{Meta, Split};
 use crate::data::writer::{Compression, DatasetWriter};
-use crate::data::Meta;
-use crate::data::Split;
 use crate::error::{Error, Result};
 
 /// Samples generated and written per block: bounds memory for any image size.

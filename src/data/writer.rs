@@ -10,8 +10,7 @@ use hdf5::types::VarLenUnicode;
 use hdf5::{Extent, SimpleExtents};
 use ndarray::{s, ArrayView1, ArrayView4};
 
-use crate::data::Split;
-use crate::data::Meta;
+use crate::data::layout::{Meta, Split};
 use crate::error::{Error, Result, WithPath};
 
 /// Target bytes per chunk of the image datasets. Training reads random rows, so chunks stay

@@ -11,33 +11,12 @@ use tch::Tensor;
 
 use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
+use crate::exchange::config::{ExchangeConfig, MpiAllreduceCall};
 use crate::exchange::element::{Dtype, Element};
 use crate::exchange::staging::Staging;
-use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
+use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
 use crate::raw;
 use crate::topology::World;
-
-/// `--mpi-allreduce`: which MPI call reduces host buffers (device buffers always go to the
-/// blocking one, see [`raw::all_reduce_in_place_device`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MpiAllreduceCall {
-    /// `MPI_Allreduce`, as users of MPI (and Horovod) call it.
-    #[default]
-    Blocking,
-    /// `MPI_Iallreduce` and a wait that yields the core between tests (this program's path
-    /// before issue 32).
-    Nonblocking,
-}
-
-impl MpiAllreduceCall {
-    pub fn name(self) -> &'static str {
-        match self {
-            MpiAllreduceCall::Blocking => "blocking",
-            MpiAllreduceCall::Nonblocking => "nonblocking",
-        }
-    }
-}
 
 pub struct MpiAllreduce {
     comm: SimpleCommunicator,

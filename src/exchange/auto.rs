@@ -11,12 +11,13 @@ use tch::Tensor;
 use crate::cost::{Algorithm, CostModel, Layout};
 use crate::error::Result;
 use crate::exchange::buckets::Fusion;
+use crate::exchange::config::ExchangeConfig;
+use crate::exchange::element::Dtype;
 use crate::exchange::rhd::RhdAllreduce;
 use crate::exchange::ring::RingAllreduce;
 use crate::exchange::staging::Staging;
-use crate::exchange::element::Dtype;
+use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
 use crate::exchange::zero::{ShardAlgorithm, ShardedCollectives};
-use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
 use crate::topology::World;
 
 pub struct Auto {
@@ -55,7 +56,7 @@ impl ShardedCollectives for Auto {
     /// two). Every rank computes the same from the same size and layout; ZeRO keeps the answer
     /// for the bucket (the model's answer changes when the ring leaves shared memory).
     fn choose(&self, len: usize, dtype: Dtype) -> ShardAlgorithm {
-        if !crate::exchange::rhd::zero_shards_balance(self.layout.ranks) {
+        if !crate::plan::rhd::zero_shards_balance(self.layout.ranks) {
             return ShardAlgorithm::Ring;
         }
         // Recursive doubling leaves every rank the whole sum, not a shard: not a candidate.

@@ -27,9 +27,9 @@ use mpi::traits::*;
 
 use crate::error::{Error, Result};
 use crate::exchange::element::{accumulate_and_copy, sum_into, Element};
-use crate::exchange::ring::RingSchedule;
+use crate::exchange::strategy::{Backoff, ReduceOp};
 use crate::exchange::zero::Phases;
-use crate::exchange::{Backoff, ReduceOp};
+use crate::plan::ring::RingSchedule;
 use crate::raw::SharedWindow;
 
 /// Bytes per piece. On the development VM pieces of 32 KiB to 64 MiB gave the same rate on a

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 
 use crate::error::Result;
-use crate::exchange::DataPath;
+use crate::exchange::strategy::{DataPath, ExchangeReport};
 use crate::raw::{self, CudaEvent};
 
 /// Receive space an algorithm reuses from call to call: host memory (kept as u32 words, which
@@ -83,11 +83,11 @@ impl Staging {
 
     /// What every all-reduce strategy reports about its data path: the path, and on the staged
     /// path the time spent waiting for copies; `extra` adds the strategy's own figures.
-    pub fn report(&self, path: DataPath, mut extra: serde_json::Map<String, serde_json::Value>) -> crate::exchange::ExchangeReport {
+    pub fn report(&self, path: DataPath, mut extra: serde_json::Map<String, serde_json::Value>) -> ExchangeReport {
         if path == DataPath::Staged {
             extra.insert("staging_copy_ms".into(), (self.copy_time.as_secs_f64() * 1e3).into());
         }
-        crate::exchange::ExchangeReport { data_path: Some(path), extra }
+        ExchangeReport { data_path: Some(path), extra }
     }
 
     /// What every all-reduce strategy does around its algorithm: pack `tensors` into fused

@@ -31,11 +31,12 @@ use std::ops::Range;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::buckets::{pack_slot, unpack, Bucket, BucketPlan};
+use crate::exchange::buckets::{pack_slot, unpack};
 use crate::exchange::element::Dtype;
 use crate::exchange::staging::{wait_for_stream, Mirror};
-use crate::exchange::{common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
+use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role, ShardedUpdate};
 use crate::optim::{self, Sgd};
+use crate::plan::buckets::{Bucket, BucketPlan};
 use crate::raw;
 
 /// The algorithm whose reduce-scatter and all-gather run a bucket: each leaves the ranks
@@ -49,7 +50,7 @@ pub enum ShardAlgorithm {
 /// The halves of an all-reduce, for strategies that can run them apart. Buffers are flat and
 /// where MPI can read them: host memory, or device memory with a CUDA-aware MPI.
 ///
-/// The algorithm of a bucket is chosen once, when ZeRO plans its shards ([`ZeroExchange::use_plan`]),
+/// The algorithm of a bucket is chosen once, when ZeRO plans its shards ([`ShardedUpdate::use_plan`]),
 /// and passed back on every call for that bucket: a strategy whose choice can change during a
 /// run (`auto` follows the ring out of node-shared memory when /dev/shm is short) must not
 /// reduce-scatter a bucket along one algorithm's shards while ZeRO steps another's.
@@ -213,10 +214,12 @@ impl ZeroExchange {
         debug_assert!(stage == 1 || stage == 2);
         ZeroExchange { inner, stage, bucket_bytes, path, layout: None, buffer: None, restored: None }
     }
+}
 
+impl ShardedUpdate for ZeroExchange {
     /// Shards along `plan` (unless they already follow it). Collective when momentum must be
     /// re-cut: every rank changes plans at the same step.
-    pub fn use_plan(&mut self, plan: &BucketPlan, params: &[Tensor], sgd: &mut Sgd) -> Result<()> {
+    fn use_plan(&mut self, plan: &BucketPlan, params: &[Tensor], sgd: &mut Sgd) -> Result<()> {
         if self.layout.as_ref().is_some_and(|l| l.plan == *plan) {
             return Ok(());
         }
@@ -264,15 +267,10 @@ impl ZeroExchange {
         Ok(())
     }
 
-    /// The bucket buffer (made by the plan).
-    fn buffer(&mut self) -> &mut BucketBuffer {
-        self.buffer.as_mut().expect("a plan is in use")
-    }
-
     /// Reduce-scatters bucket `b`'s gradients (averaged): this rank's shard stays in the
-    /// buffer for [`ZeroExchange::step_bucket`]; stage 2 lets go of the bucket's full
+    /// buffer for [`ShardedUpdate::step_bucket`]; stage 2 lets go of the bucket's full
     /// gradients. The packed local gradients are added to `finite` when given.
-    pub fn reduce_bucket(&mut self, b: usize, params: &[Tensor], finite: Option<&mut optim::FiniteCheck>) -> Result<()> {
+    fn reduce_bucket(&mut self, b: usize, params: &[Tensor], finite: Option<&mut optim::FiniteCheck>) -> Result<()> {
         let layout = self.layout.as_mut().expect("use_plan comes first");
         let (bucket, shard) = (&layout.plan.buckets[b], &layout.shards[b]);
         let buffer = self.buffer.as_mut().expect("a plan is in use");
@@ -295,7 +293,7 @@ impl ZeroExchange {
 
     /// Steps the optimizer on this rank's shard of bucket `b` (the parameters' own elements),
     /// then all-gathers the bucket's weights into the parameters.
-    pub fn step_bucket(&mut self, b: usize, params: &mut [Tensor], sgd: &mut Sgd) -> Result<()> {
+    fn step_bucket(&mut self, b: usize, params: &mut [Tensor], sgd: &mut Sgd) -> Result<()> {
         let layout = self.layout.as_mut().expect("use_plan comes first");
         sgd.step_some(&mut layout.weights, &mut layout.grads, &layout.pieces_of[b])?;
         let (bucket, shard) = (&layout.plan.buckets[b], &layout.shards[b]);
@@ -314,6 +312,14 @@ impl ZeroExchange {
         buffer.from_mpi(0..bucket.len)?;
         tch::no_grad(|| unpack(bucket, &on_device, params));
         Ok(())
+    }
+
+}
+
+impl ZeroExchange {
+    /// The bucket buffer (made by the plan).
+    fn buffer(&mut self) -> &mut BucketBuffer {
+        self.buffer.as_mut().expect("a plan is in use")
     }
 
     /// Every parameter's whole momentum (zeros where a shard has none yet), made from every
@@ -409,7 +415,7 @@ impl Exchange for ZeroExchange {
         Ok(())
     }
 
-    fn zero(&mut self) -> Option<&mut ZeroExchange> {
+    fn zero(&mut self) -> Option<&mut dyn ShardedUpdate> {
         Some(self)
     }
 
@@ -451,30 +457,10 @@ impl Exchange for ZeroExchange {
     }
 }
 
-/// What a rank holds between steps, for runs.jsonl.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct HeldBytes {
-    /// Momentum buffers.
-    pub optimizer_state: usize,
-    /// Gradients: the parameters' own, and ZeRO's shards.
-    pub gradients: usize,
-}
-
-impl HeldBytes {
-    /// The optimizer's momentum and the parameters' gradients that exist now.
-    pub fn of(params: &[Tensor], sgd: &Sgd) -> HeldBytes {
-        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
-        HeldBytes {
-            optimizer_state: sgd.momentum_buffers().iter().flatten().map(bytes).sum(),
-            gradients: params.iter().map(|p| p.grad()).filter(|g| g.defined()).map(|g| bytes(&g)).sum(),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::topology::ShardInfo;
+    use crate::plan::shard::ShardInfo;
     use tch::Kind;
 
     #[test]

@@ -13,10 +13,29 @@ pub mod tables;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use crate::cli::ReportArgs;
+use clap::Args;
+
 use crate::error::{Error, Result, WithPath};
 use crate::results::{self, RunRecord};
 use tables::Table;
+
+/// Options of `hpc-train report`.
+#[derive(Args, Debug, Clone)]
+pub struct ReportArgs {
+    /// Training records (JSON lines, as training appends them).
+    #[arg(long, default_value = "results/runs.jsonl")]
+    pub input: PathBuf,
+    /// Report only the runs of this study id.
+    #[arg(long)]
+    pub study: Option<String>,
+    /// Exchange benchmark rows for the bus-bandwidth plots [default: bench.jsonl beside --input,
+    /// skipped when absent].
+    #[arg(long)]
+    pub bench: Option<PathBuf>,
+    /// Folder for report.md, the CSV files and the plots.
+    #[arg(long, default_value = "results/report")]
+    pub out: PathBuf,
+}
 
 const REPORT_FILE: &str = "report.md";
 /// The benchmark file looked for beside the runs file when `--bench` is not given.

@@ -1,95 +1,50 @@
-//! The training run: set-up checked on every rank (setup.rs), the step loop (here), one step
-//! (step.rs), and the record (record.rs).
+//! The training run, one stage per file, each a reader can find by name:
+//! - [`options`]: the run's command-line options and settings types;
+//! - plan.rs: the options resolved against the world, the checks before anything starts, the
+//!   device; setup.rs: set-up checked on every rank, which builds the [`Run`] (run.rs) from the
+//!   plan, the network (net.rs), the exchange, overlap and the resume point (checkpoints.rs);
+//! - step.rs: one step (data, forward, backward with the exchange, optimizer, timings) and what
+//!   follows a step at some steps; progress.rs: timings, progress lines, the sample trace;
+//!   collective.rs: the collectives besides the exchange;
+//! - record.rs: the end of the run and its record.
 //!
 //! [`run`] reads top to bottom: set up, then serve (a dedicated parameter server) or train, then
 //! finish the exchange and record. The loop below is one screen: a step, then what follows it
 //! at some steps (a progress line, an evaluation, a checkpoint, a stop request).
 
+mod checkpoints;
+mod collective;
+mod net;
+pub mod options;
+mod plan;
+mod progress;
 mod record;
+mod run;
 mod setup;
 mod step;
 
 use std::time::Instant;
 
-use mpi::topology::SimpleCommunicator;
-
-use crate::cli::TrainArgs;
-use crate::data::{DatasetInfo, Labels};
 use crate::error::Result;
-use crate::exchange::{Exchange, Role};
-use crate::faults::Faults;
-use crate::model::InputSpec;
-use crate::optim::Sgd;
-use crate::overlap::Overlap;
+use crate::exchange::Role;
 use crate::raw;
 use crate::results::RunRecord;
 use crate::topology::World;
 
+use collective::sum_pair;
+use options::TrainArgs;
+use progress::{LossWindow, Timings};
+use run::{Outcome, Run};
+
+pub use plan::{choose_device, make_current, watchdog_timeout};
 pub use record::mpi_library;
-pub use setup::{choose_device, make_current, watchdog_timeout};
-
-use record::{LossWindow, Timings};
-use setup::{Net, Plan, StopSignal};
-
-/// What a caller outside the command line adds to a run (a study tags its runs).
-#[derive(Clone, Debug, Default)]
-pub struct RunContext {
-    pub study: Option<String>,
-}
-
-/// Everything a run needs once it is set up.
-struct Run<'a> {
-    world: &'a World,
-    args: &'a TrainArgs,
-    plan: Plan,
-    info: DatasetInfo,
-    labels: Labels,
-    /// The training split is held in memory (`--cache-data`).
-    cache_data: bool,
-    spec: InputSpec,
-    net: Net,
-    exchange: Box<dyn Exchange>,
-    sgd: Sgd,
-    overlap: Option<Overlap>,
-    faults: Faults,
-    stop: StopSignal,
-    /// Workers only: dedicated parameter servers take no part in evaluation or the loss.
-    workers_comm: SimpleCommunicator,
-    worker: usize,
-    workers: usize,
-    global_batch: usize,
-    steps_per_epoch: u64,
-    first_step: u64,
-    total_steps: u64,
-    /// The step of the checkpoint the run resumed from.
-    resumed_at: Option<u64>,
-    /// The dataset's content fingerprint (rank 0, with --checkpoint-dir), recorded in checkpoints.
-    dataset_fingerprint: String,
-    /// Rank 0: which checkpoints were written and which failed.
-    checkpoints: setup::CheckpointLog,
-    /// Rank 0: the checkpoint folder's lock, held until the run ends.
-    _checkpoint_lock: Option<crate::checkpoint::FolderLock>,
-}
+pub use run::RunContext;
 
 /// The exit status of a run that a signal (SIGTERM, SIGUSR1) stopped before its last step after
 /// writing a checkpoint at the step where it stopped: 128 + SIGTERM, what the job of a process
 /// killed by SIGTERM reports (Horovod's does), so that a job script can tell "stopped, continue
 /// with --resume" from success (0) and from failure (1, also for a stop with nothing saved).
 pub const EXIT_STOPPED: i32 = 143;
-
-/// What training leaves for the record.
-struct Outcome {
-    totals: Timings,
-    /// The steps after warm-up, which throughput is computed from.
-    measured: Timings,
-    last_eval: Option<(f64, f64)>,
-    final_loss: f64,
-    rss_warmup: f64,
-    last_step: u64,
-    saved_at: Option<u64>,
-    /// A signal ended training before its last step.
-    stopped: bool,
-}
 
 /// Trains as `args` says on the ranks of `world`; rank 0 returns the run's record (None on the
 /// other ranks, and when nothing was left to train). A run stopped by a signal before its last
@@ -168,16 +123,9 @@ impl Run<'_> {
         state.progress.finish();
         // The last step's mean loss over every worker's samples: the same figure whatever
         // --log-every is (the progress lines' means run over the steps since the last line).
-        let (sum, samples) = step::sum_pair(&self.workers_comm, last_loss.0, last_loss.1);
+        let (sum, samples) = sum_pair(&self.workers_comm, last_loss.0, last_loss.1);
         out.final_loss = sum / samples.max(1.0);
         Ok(out)
     }
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn online_cpus_parse() {
-        assert!(super::setup::num_cpus_online() >= 1);
-    }
-}

@@ -1,22 +1,19 @@
 //! The end of a run: the last checkpoint and weights, the figures over all ranks, and the
-//! record rank 0 appends to runs.jsonl; and the running sums, progress and summary they use.
+//! record rank 0 appends to runs.jsonl, with the summary rank 0 prints.
 
-use std::io::IsTerminal;
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::Path;
 
-use tch::Device;
-
-use crate::cli::Scaling;
-use crate::data::loader::Batch;
-use crate::error::{Error, Result, WithPath};
+use crate::error::{Error, Result};
 use crate::exchange::Role;
 use crate::model::InputSpec;
 use crate::raw;
 use crate::results::{self, RunRecord};
 
-use super::setup::{broadcast_step, save_weights};
-use super::{Outcome, Run, RunContext};
+use super::checkpoints::{save_weights, CheckpointLog};
+use super::collective::broadcast_step;
+use super::options::Scaling;
+use super::plan::device_name;
+use super::run::{Outcome, Run, RunContext};
 
 impl Run<'_> {
     /// Writes what training ended with; rank 0 returns the record (None elsewhere). A run that a
@@ -37,7 +34,7 @@ impl Run<'_> {
         let checkpointed = broadcast_step(&world.comm, self.checkpoints.newest_good) == Some(last_step);
         let failed_checkpoints = world.sum_f64(self.checkpoints.failed.len() as f64) > 0.0;
         // Rank 0 knows how the checkpoints went; the others exit with its verdict.
-        let verdict = |log: &super::setup::CheckpointLog| match (world.is_root(), &args.checkpoint_dir) {
+        let verdict = |log: &CheckpointLog| match (world.is_root(), &args.checkpoint_dir) {
             (true, Some(dir)) => log.verdict(dir).map_err(|e| Error::Agreed(Box::new(e))),
             _ => Err(Error::Reported(0)),
         };
@@ -158,137 +155,8 @@ impl Run<'_> {
     }
 }
 
-/// Running sums of one rank's step timings.
-#[derive(Default, Clone, Copy)]
-pub(super) struct Timings {
-    pub(super) steps: u64,
-    pub(super) samples: u64,
-    pub(super) data_wait: Duration,
-    pub(super) compute: Duration,
-    pub(super) comm: Duration,
-    pub(super) optimizer: Duration,
-    pub(super) step: Duration,
-    /// With overlap: all exchange time, and the part of the step after backward ended.
-    pub(super) exchange_total: Duration,
-    pub(super) exchange_exposed: Duration,
-}
-
-impl Timings {
-    pub(super) fn mean_ms(&self, d: Duration) -> f64 {
-        if self.steps == 0 { 0.0 } else { d.as_secs_f64() * 1e3 / self.steps as f64 }
-    }
-}
-
-impl Timings {
-    pub(super) fn add(&mut self, t: &Timings) {
-        self.steps += t.steps;
-        self.samples += t.samples;
-        self.data_wait += t.data_wait;
-        self.compute += t.compute;
-        self.comm += t.comm;
-        self.optimizer += t.optimizer;
-        self.step += t.step;
-        self.exchange_total += t.exchange_total;
-        self.exchange_exposed += t.exchange_exposed;
-    }
-}
-
-/// Mean training loss over a window of steps.
-#[derive(Default)]
-pub(super) struct LossWindow {
-    pub(super) sum: f64,
-    pub(super) samples: f64,
-}
-
-pub(super) fn device_name(device: Device) -> String {
-    match device {
-        Device::Cpu => "cpu".into(),
-        Device::Cuda(i) => format!("cuda:{i}"),
-        other => format!("{other:?}").to_lowercase(),
-    }
-}
-
 pub fn mpi_library() -> String {
     crate::mpi_library::runtime_library()
-}
-
-/// One file per rank listing the samples it trained on: `epoch step index,index,...`.
-pub(super) struct SampleTrace(Option<std::io::BufWriter<std::fs::File>>, PathBuf);
-
-impl SampleTrace {
-    pub(super) fn open(dir: Option<&Path>, rank: i32) -> Result<SampleTrace> {
-        let Some(dir) = dir else { return Ok(SampleTrace(None, PathBuf::new())) };
-        std::fs::create_dir_all(dir).at(dir)?;
-        let path = dir.join(format!("rank{rank}.txt"));
-        Ok(SampleTrace(Some(std::io::BufWriter::new(std::fs::File::create(&path).at(&path)?)), path))
-    }
-
-    pub(super) fn record(&mut self, batch: &Batch) -> Result<()> {
-        use std::io::Write;
-        if let Some(w) = &mut self.0 {
-            let list: Vec<String> = batch.indices.iter().map(|i| i.to_string()).collect();
-            writeln!(w, "{} {} {}", batch.epoch, batch.step, list.join(",")).at(&self.1)?;
-            w.flush().at(&self.1)?;
-        }
-        Ok(())
-    }
-}
-
-/// Progress on rank 0: a bar on a terminal, a log line every `every` steps otherwise.
-pub(super) struct Progress {
-    pub(super) bar: Option<indicatif::ProgressBar>,
-    pub(super) active: bool,
-    pub(super) every: u64,
-}
-
-impl Progress {
-    pub(super) fn new(root: bool, total: u64, every: u64) -> Progress {
-        let bar = (root && std::io::stderr().is_terminal()).then(|| {
-            let bar = indicatif::ProgressBar::new(total);
-            bar.set_style(
-                indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} steps {msg}")
-                    .expect("a valid template")
-                    .progress_chars("=> "),
-            );
-            bar
-        });
-        Progress { bar, active: root, every: every.max(1) }
-    }
-
-    pub(super) fn due(&self, step: u64) -> bool {
-        (step + 1) % self.every == 0
-    }
-
-    pub(super) fn report(&self, step: u64, epoch: u64, loss: f64, t: &Timings) {
-        if !self.active {
-            return;
-        }
-        let rate = t.samples as f64 / t.step.as_secs_f64().max(1e-9);
-        let msg = format!(
-            "loss {loss:.4} | {rate:.1} img/s | step {:.1} ms (compute {:.1}, comm {:.1}, data {:.1})",
-            t.mean_ms(t.step), t.mean_ms(t.compute), t.mean_ms(t.comm), t.mean_ms(t.data_wait)
-        );
-        match &self.bar {
-            Some(bar) => {
-                bar.set_position(step + 1);
-                bar.set_message(msg);
-            }
-            None => log::info!("epoch {} step {}: {msg}", epoch + 1, step + 1),
-        }
-    }
-
-    pub(super) fn suspend(&self, f: impl FnOnce()) {
-        match &self.bar {
-            Some(bar) => bar.suspend(f),
-            None => f(),
-        }
-    }
-
-    pub(super) fn finish(&self) {
-        if let Some(bar) = &self.bar {
-            bar.finish_and_clear();
-        }
-    }
 }
 
 pub(super) fn print_summary(r: &RunRecord, spec: InputSpec, runs: &Path) {

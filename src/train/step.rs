@@ -6,23 +6,24 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mpi::topology::SimpleCommunicator;
-use mpi::traits::*;
 use tch::nn::ModuleT;
 use tch::{Kind, Reduction, Tensor};
 
-use crate::cli::Precision;
+use crate::data::{DatasetInfo, Labels, Split};
 use crate::data::loader::{Batch, Loader, Schedule};
 use crate::data::reader::SplitReader;
-use crate::data::{DatasetInfo, Labels, Split};
 use crate::error::{Error, Result};
 use crate::exchange::{self, ReduceOp};
 use crate::faults::Fault;
 use crate::optim::{self};
-use crate::topology::ShardInfo;
+use crate::plan::shard::ShardInfo;
 
-use super::record::{LossWindow, Progress, SampleTrace, Timings};
-use super::setup::{average_over, Net, Normalizer};
-use super::Run;
+use super::checkpoints::{checkpoint_meta, save_checkpoint};
+use super::collective::{average_over, sum_pair};
+use super::net::{Net, Normalizer};
+use super::options::Precision;
+use super::progress::{LossWindow, Progress, SampleTrace, Timings};
+use super::run::Run;
 
 /// What the loop keeps from step to step.
 pub(super) struct LoopState {
@@ -247,6 +248,25 @@ impl Run<'_> {
     }
 }
 
+impl Run<'_> {
+    /// Whether a periodic checkpoint falls after `last_step`.
+    pub(super) fn checkpoint_due(&self, last_step: u64) -> bool {
+        self.args.checkpoint_dir.is_some() && last_step % self.args.checkpoint_every == 0
+    }
+
+    /// A checkpoint after `last_step` (every worker takes part; rank 0 writes it). A write that
+    /// fails on rank 0 ends the run there when this run has no earlier checkpoint to continue
+    /// from; otherwise it is logged and counted, and the run ends non-zero (see `record`).
+    pub(super) fn save_checkpoint(&mut self, last_step: u64) -> Result<()> {
+        let Some(dir) = &self.args.checkpoint_dir else { return Ok(()) };
+        let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, last_step, self.sgd.steps());
+        match save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.sgd, meta)? {
+            Some(written) => self.checkpoints.note(dir, last_step, written),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Dynamic loss scaling for fp16, as torch.cuda.amp.GradScaler: the loss is multiplied by
 /// `scale` so that small gradients survive fp16; after the exchange the averaged gradients
 /// (identical on every rank, so every rank decides alike) are checked: finite, they are
@@ -284,13 +304,6 @@ impl LossScaler {
         }
         Ok(true)
     }
-}
-
-pub(super) fn sum_pair(comm: &SimpleCommunicator, a: f64, b: f64) -> (f64, f64) {
-    let send = [a, b];
-    let mut out = [0.0; 2];
-    crate::watchdog::collective("summing the loss", comm, || comm.all_reduce_into(&send[..], &mut out[..], mpi::collective::SystemOperation::sum()));
-    (out[0], out[1])
 }
 
 /// Test loss and accuracy over all workers' shards of the test set.

@@ -29,10 +29,9 @@ mod negotiation;
 mod timeline;
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::path::PathBuf;
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use mpi::collective::SystemOperation;
 use mpi::topology::{Color, SimpleCommunicator};
@@ -42,79 +41,19 @@ use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::exchange::allreduce::SumOps;
-use crate::exchange::buckets::{pack, unpack, Bucket, BucketPlan, Slot};
+use crate::exchange::buckets::{pack, unpack};
 use crate::exchange::comm_thread::CommThread;
+use crate::exchange::config::{Compression, ExchangeConfig, HorovodConfig};
 use crate::exchange::element::Dtype;
 use crate::exchange::staging::{wait_for_stream, Staging};
-use crate::exchange::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeConfig, ExchangeReport, ReduceOp, Role};
+use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
+use crate::plan::buckets::{Bucket, BucketPlan, Slot};
 use crate::raw::{self, CudaEvent, SendComm};
 use crate::topology::World;
 
 use cache::{CacheState, Response, ResponseCache};
 use negotiation::{fuse, fusion_threshold, MessageTable};
 use timeline::Timeline;
-
-/// `--compression`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Compression {
-    None,
-    Fp16,
-    Bf16,
-}
-
-impl Compression {
-    fn kind(self) -> Option<Kind> {
-        match self {
-            Compression::None => None,
-            Compression::Fp16 => Some(Kind::Half),
-            Compression::Bf16 => Some(Kind::BFloat16),
-        }
-    }
-}
-
-#[derive(Clone, Debug)]
-pub struct HorovodConfig {
-    pub cycle_time: Duration,
-    /// Fusion buffer size in bytes; 0: one all-reduce per tensor.
-    pub fusion_threshold: usize,
-    /// Response cache entries; 0: no cache (every cycle negotiates through rank 0).
-    pub cache_capacity: usize,
-    pub compression: Compression,
-    /// Asked for (flag or variable); applied only on several nodes, as Horovod does.
-    pub hierarchical: bool,
-    pub timeline: Option<PathBuf>,
-    /// HOROVOD_TIMELINE_MARK_CYCLES: a mark in the timeline at every cycle's start.
-    pub timeline_mark_cycles: bool,
-    /// HOROVOD_STALL_CHECK_DISABLE turns the stall check off.
-    pub stall_check: bool,
-    pub stall_warning: Duration,
-    /// Test hook: enqueue tensors in a rank-dependent order, a little apart in time.
-    pub shuffle_enqueue: bool,
-    /// Test hook: this rank holds its last tensor back this long, once (a stall).
-    pub test_delay: Option<(usize, Duration)>,
-}
-
-/// Horovod's response cache capacity (`HorovodGlobalState::cache_capacity`).
-pub const DEFAULT_CACHE_CAPACITY: usize = 1024;
-
-impl Default for HorovodConfig {
-    fn default() -> Self {
-        HorovodConfig {
-            cycle_time: Duration::from_millis(1),
-            fusion_threshold: 128 << 20,
-            cache_capacity: DEFAULT_CACHE_CAPACITY,
-            compression: Compression::None,
-            hierarchical: false,
-            timeline: None,
-            timeline_mark_cycles: false,
-            stall_check: true,
-            stall_warning: Duration::from_secs(60),
-            shuffle_enqueue: false,
-            test_delay: None,
-        }
-    }
-}
 
 /// The HOROVOD_* variables hpc-train reads (README, "Horovod's variables", says what each does
 /// and where it differs from Horovod). Others in the environment get one warning.

@@ -1,0 +1,335 @@
+//! What every strategy is and shares: the [`Exchange`] trait that the training loop calls, the
+//! types it speaks in ([`ReduceOp`], [`Role`], [`DataPath`], [`ExchangeReport`], [`HeldBytes`]),
+//! and the helpers the strategies share ([`allreduce_bus_factor`], [`common_dtype`],
+//! [`Backoff`], `with_element!`). The strategies import this file directly; exchange/mod.rs,
+//! which builds them, re-exports it for the layers above.
+
+use serde::Serialize;
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::exchange::element::Dtype;
+use crate::optim::{FiniteCheck, Sgd};
+use crate::plan::buckets::BucketPlan;
+
+/// What a reduction produces: the sum over ranks, or the mean.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+}
+
+/// How bytes get from a tensor to MPI.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataPath {
+    /// Host tensors, handed to MPI in place.
+    Host,
+    /// GPU tensors copied through pinned host memory (MPI is not CUDA-aware).
+    Staged,
+    /// GPU pointers handed straight to a CUDA-aware MPI.
+    Direct,
+}
+
+/// Test hook: `HPC_TRAIN_STAGE_HOST=1` sends host tensors through the staged path (copies into
+/// the staging buffers and back), so that the code GPU runs take without a CUDA-aware MPI is
+/// exercised on machines without a GPU.
+pub const STAGE_HOST_ENV: &str = "HPC_TRAIN_STAGE_HOST";
+
+impl DataPath {
+    pub fn choose(device: Device, cuda_aware: bool) -> DataPath {
+        match (device, cuda_aware) {
+            (Device::Cpu, _) if std::env::var(STAGE_HOST_ENV).is_ok_and(|v| v == "1") => DataPath::Staged,
+            (Device::Cpu, _) => DataPath::Host,
+            (_, true) => DataPath::Direct,
+            (_, false) => DataPath::Staged,
+        }
+    }
+
+    /// The path for an `MPI_Allreduce`/`MPI_Reduce` of `dtype` values. MPI has no 16-bit float
+    /// sum: those run as a user operation, a host function that cannot read device memory, so
+    /// a CUDA-aware MPI still gets 16-bit buffers through the host.
+    pub fn for_mpi_reduction(self, dtype: Dtype) -> DataPath {
+        match (self, dtype) {
+            (DataPath::Direct, Dtype::F16 | Dtype::Bf16) => DataPath::Staged,
+            (path, _) => path,
+        }
+    }
+}
+
+/// The role of a rank in training: workers compute gradients on a shard of the data; a
+/// dedicated parameter server only serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Worker `index` of `count` (the data is sharded over the workers).
+    Worker { index: usize, count: usize },
+    Server,
+}
+
+/// What a strategy reports about itself for the run log and `runs.jsonl`.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ExchangeReport {
+    pub data_path: Option<DataPath>,
+    /// Strategy-specific figures (staleness for the parameter server, cache hits for Horovod...).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// A gradient-exchange strategy.
+pub trait Exchange {
+    fn name(&self) -> &'static str;
+
+    /// Bytes on the busiest link per byte of buffer: 2(n-1)/n for an all-reduce (nccl-tests'
+    /// convention), so that bus bandwidths of different strategies compare.
+    fn bus_factor(&self) -> f64;
+
+    /// Reduces `tensors` element-wise over the ranks, in place (sum or mean).
+    fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()>;
+
+    /// As [`Exchange::all_reduce`], for a set of tensors that `key` names alike on every rank
+    /// and at every step (overlap's bucket index), for strategies that remember tensors between
+    /// calls (Horovod's response cache).
+    fn all_reduce_keyed(&mut self, _key: usize, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        self.all_reduce(tensors, op)
+    }
+
+    /// This rank's role in training.
+    fn role(&self) -> Role;
+
+    /// The names of the parameters whose gradients `all_reduce` and `update` are handed, in
+    /// that order (`names[i]` names tensor i), for strategies that show them (Horovod's
+    /// timeline rows). Called once, after `prepare`.
+    fn name_tensors(&mut self, _names: &[String]) {}
+
+    /// Overlap's buckets before each step: `all_reduce_keyed(k, ..)` reduces the gradients of
+    /// `plan.buckets[k]`'s parameters (indices into the names of [`Exchange::name_tensors`]).
+    fn describe_keys(&mut self, _plan: &BucketPlan) {}
+
+    /// Whom an exchange on this rank waits for, in words, for the watchdog's message.
+    fn waits_for(&self) -> String {
+        "every rank".into()
+    }
+
+    /// Called once with the parameters before training, on every rank at the same point (a
+    /// strategy that plans around the tensors checks here that they fit).
+    fn prepare(&mut self, _params: &[Tensor]) -> Result<()> {
+        Ok(())
+    }
+
+    /// Whether this rank's buffers count in `all_reduce`'s result (dedicated parameter servers'
+    /// do not).
+    fn contributes(&self) -> bool {
+        true
+    }
+
+    /// Whether the workers move in lockstep (every update waits for all of them), so that a
+    /// per-step agreement between them costs nothing extra. Asynchronous workers must not be
+    /// tied together every step.
+    fn lockstep(&self) -> bool {
+        true
+    }
+
+    /// The precision values travel in when it is lower than the buffers' (compression), which
+    /// sets how closely results can match.
+    fn wire_dtype(&self) -> Option<Dtype> {
+        None
+    }
+
+    /// One training step's update of `params` from the local gradients `grads`: average the
+    /// gradients over the workers, then step the optimizer. A parameter server overrides this
+    /// (its servers step the optimizer and send weights back).
+    fn update(&mut self, params: &mut [Tensor], grads: &mut [Tensor], sgd: &mut Sgd) -> Result<()> {
+        self.all_reduce(grads, ReduceOp::Mean)?;
+        sgd.step(params, grads)
+    }
+
+    /// On a dedicated server rank: serve the workers until they are all done.
+    fn serve(&mut self, _params: &mut [Tensor], _sgd: &mut Sgd) -> Result<()> {
+        Ok(())
+    }
+
+    /// Called by every rank once training ends (workers done, servers released).
+    fn finish(&mut self, _params: &mut [Tensor]) -> Result<()> {
+        Ok(())
+    }
+
+    /// For a checkpoint, called by every worker at the same step (and after `finish` for the
+    /// last one): the momentum buffer of every parameter, wherever the optimizer state lives.
+    /// The value matters on rank 0, which writes the checkpoint. By default the local
+    /// optimizer's, which is the same on every rank for the averaging strategies.
+    fn optimizer_state(&mut self, params: &[Tensor], sgd: &Sgd) -> Result<Option<Vec<Tensor>>> {
+        Ok(Some(momentum_or_zeros(params, sgd)?))
+    }
+
+    /// On resume, on every rank: the momentum buffers of every parameter, from the checkpoint
+    /// (the parameters already hold the checkpoint's weights).
+    fn restore_optimizer(&mut self, _params: &[Tensor], momentum: Vec<Tensor>, steps: u64, sgd: &mut Sgd) -> Result<()> {
+        sgd.restore(momentum.into_iter().map(Some).collect(), steps);
+        Ok(())
+    }
+
+    /// ZeRO's per-bucket update, when this strategy shards the optimizer (`--zero 1|2`):
+    /// overlap hands it each bucket instead of all-reducing it.
+    fn zero(&mut self) -> Option<&mut dyn ShardedUpdate> {
+        None
+    }
+
+    /// Optimizer state and gradient bytes this rank holds between steps.
+    fn held_bytes(&self, params: &[Tensor], sgd: &Sgd) -> HeldBytes {
+        HeldBytes::of(params, sgd)
+    }
+
+    /// Why an output the strategy was asked to write (Horovod's timeline) is incomplete, on
+    /// the rank that writes it, once `finish` has run: the run then ends non-zero after its
+    /// record, as one whose checkpoints failed.
+    fn output_failure(&self) -> Option<String> {
+        None
+    }
+
+    fn report(&self) -> ExchangeReport;
+}
+
+/// ZeRO's update, bucket by bucket (`--zero 1|2`): overlap hands each complete bucket to it
+/// instead of all-reducing it. `exchange::zero::ZeroExchange` implements it; the trait lives
+/// here so that [`Exchange::zero`] can name it without importing that strategy.
+pub trait ShardedUpdate {
+    /// Shards along `plan` (unless they already follow it). Collective when momentum must be
+    /// re-cut: every rank changes plans at the same step.
+    fn use_plan(&mut self, plan: &BucketPlan, params: &[Tensor], sgd: &mut Sgd) -> Result<()>;
+
+    /// Reduce-scatters bucket `b`'s gradients (averaged): this rank's shard stays for
+    /// [`ShardedUpdate::step_bucket`]. The packed local gradients are added to `finite` when
+    /// given.
+    fn reduce_bucket(&mut self, b: usize, params: &[Tensor], finite: Option<&mut FiniteCheck>) -> Result<()>;
+
+    /// Steps the optimizer on this rank's shard of bucket `b`, then all-gathers the bucket's
+    /// weights into the parameters.
+    fn step_bucket(&mut self, b: usize, params: &mut [Tensor], sgd: &mut Sgd) -> Result<()>;
+}
+
+/// What a rank holds between steps, for runs.jsonl.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HeldBytes {
+    /// Momentum buffers.
+    pub optimizer_state: usize,
+    /// Gradients: the parameters' own, and ZeRO's shards.
+    pub gradients: usize,
+}
+
+impl HeldBytes {
+    /// The optimizer's momentum and the parameters' gradients that exist now.
+    pub fn of(params: &[Tensor], sgd: &Sgd) -> HeldBytes {
+        let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
+        HeldBytes {
+            optimizer_state: sgd.momentum_buffers().iter().flatten().map(bytes).sum(),
+            gradients: params.iter().map(|p| p.grad()).filter(|g| g.defined()).map(|g| bytes(&g)).sum(),
+        }
+    }
+}
+
+/// How a rank waits for a peer without holding its core (MPI_Wait would spin, and with overlap
+/// that core is the one backward runs on): a few hundred spins, then yielding the core, then
+/// sleeps of 20 us between looks.
+#[derive(Default)]
+pub struct Backoff {
+    idle: u32,
+}
+
+impl Backoff {
+    /// One pause between two looks. Returns false while still spinning (the peer is probably
+    /// about to arrive), true after, when a look may be worth more work.
+    pub fn pause(&mut self) -> bool {
+        self.idle = self.idle.saturating_add(1);
+        if self.idle < 256 {
+            std::hint::spin_loop();
+            return false;
+        }
+        if self.idle < 1024 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+        true
+    }
+}
+
+/// The momentum buffers of `sgd` for `params`, zeros before its first step.
+pub fn momentum_or_zeros(params: &[Tensor], sgd: &Sgd) -> Result<Vec<Tensor>> {
+    let buffers = sgd.momentum_buffers();
+    params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| match buffers.get(i) {
+            Some(Some(m)) => Ok(m.shallow_clone()),
+            _ => Ok(p.f_zeros_like()?),
+        })
+        .collect()
+}
+
+/// All-reduce bus factor for `n` ranks: 2(n-1)/n.
+pub fn allreduce_bus_factor(n: usize) -> f64 {
+    if n <= 1 {
+        0.0
+    } else {
+        2.0 * (n as f64 - 1.0) / n as f64
+    }
+}
+
+/// The element type of a set of tensors, which must all share it.
+pub fn common_dtype(tensors: &[Tensor]) -> Result<Dtype> {
+    let kind = tensors.first().map_or(Kind::Float, |t| t.kind());
+    if tensors.iter().any(|t| t.kind() != kind) {
+        return Err(Error::exchange("exchange", "tensors of one exchange must share a dtype"));
+    }
+    Dtype::of_kind(kind)
+        .ok_or_else(|| Error::exchange("exchange", format!("unsupported dtype {kind:?} (f32, f16 or bf16)")))
+}
+
+/// Calls `$body` with `$E` bound to the element type of `$dtype`.
+#[macro_export]
+macro_rules! with_element {
+    ($dtype:expr, $E:ident => $body:expr) => {
+        match $dtype {
+            $crate::exchange::element::Dtype::F32 => {
+                type $E = f32;
+                $body
+            }
+            $crate::exchange::element::Dtype::F16 => {
+                type $E = half::f16;
+                $body
+            }
+            $crate::exchange::element::Dtype::Bf16 => {
+                type $E = half::bf16;
+                $body
+            }
+        }
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_factors_follow_nccl_tests() {
+        assert_eq!(allreduce_bus_factor(1), 0.0);
+        assert_eq!(allreduce_bus_factor(2), 1.0);
+        assert_eq!(allreduce_bus_factor(4), 1.5);
+    }
+
+    #[test]
+    fn data_path_follows_device_and_mpi() {
+        assert_eq!(DataPath::choose(Device::Cpu, true), DataPath::Host);
+        assert_eq!(DataPath::choose(Device::Cuda(0), false), DataPath::Staged);
+        assert_eq!(DataPath::choose(Device::Cuda(0), true), DataPath::Direct);
+    }
+
+    #[test]
+    fn sixteen_bit_mpi_reductions_go_through_the_host() {
+        assert_eq!(DataPath::Direct.for_mpi_reduction(Dtype::F32), DataPath::Direct);
+        assert_eq!(DataPath::Direct.for_mpi_reduction(Dtype::F16), DataPath::Staged);
+        assert_eq!(DataPath::Direct.for_mpi_reduction(Dtype::Bf16), DataPath::Staged);
+        assert_eq!(DataPath::Staged.for_mpi_reduction(Dtype::F16), DataPath::Staged);
+        assert_eq!(DataPath::Host.for_mpi_reduction(Dtype::Bf16), DataPath::Host);
+    }
+}

@@ -1,0 +1,16 @@
+//! Planning apart from moving bytes: what a collective does, computed without MPI, below both
+//! the cost model that prices it and the strategies that execute it.
+//!
+//! - [`shard`]: which part of a count each of n parts owns (`ShardInfo`);
+//! - [`ring`]: the ring all-reduce's schedule of chunks;
+//! - [`rhd`]: recursive halving and doubling's partners and ranges;
+//! - [`buckets`]: which tensors share a bucket, at which offsets.
+//!
+//! Each file is pure arithmetic with its unit tests, which run the schedules on in-memory
+//! buffers. A new collective's schedule (a pipeline's table of micro-batches per stage, a tree)
+//! goes here, beside these, before the strategy that sends its messages.
+
+pub mod buckets;
+pub mod rhd;
+pub mod ring;
+pub mod shard;

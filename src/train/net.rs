@@ -1,0 +1,108 @@
+//! The network: the model, its parameters and buffers by name ([`Net`]), and the normalisation
+//! of raw image bytes into the input it trains on ([`Normalizer`]).
+
+use tch::nn::{self};
+use tch::{Device, Kind, Tensor};
+
+use crate::data::DatasetInfo;
+use crate::error::Result;
+use crate::model::{self, InputSpec};
+use crate::raw;
+
+use super::options::TrainArgs;
+
+/// The network and its parameters.
+pub(super) struct Net {
+    pub(super) vs: nn::VarStore,
+    pub(super) model: nn::FuncT<'static>,
+    pub(super) params: Vec<Tensor>,
+    /// The name of every parameter, in `params` order.
+    pub(super) param_names: Vec<String>,
+    /// Non-trainable state (batch-norm running statistics), by name.
+    pub(super) buffers: Vec<(String, Tensor)>,
+}
+
+impl Net {
+    pub(super) fn new(args: &TrainArgs, info: &DatasetInfo, device: Device) -> Result<(Net, InputSpec)> {
+        let spec = InputSpec {
+            channels: info.meta.channels as i64,
+            height: info.meta.height as i64,
+            width: info.meta.width as i64,
+            classes: info.meta.classes as i64,
+        };
+        // The same initial weights on every rank and every device: initialised on the CPU from
+        // the seed, then moved. CUDA's random stream differs from the CPU's, so weights drawn on
+        // the GPU would differ from a CPU run's with the same seed. Moving keeps each variable's
+        // identity (set_data), so the model's layers see the moved tensors.
+        tch::manual_seed(args.seed as i64);
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let model = model::build(args.model, &vs.root(), spec);
+        vs.set_device(device);
+        model::check_forward(&model, spec, device)?;
+        let params = vs.trainable_variables();
+        let param_addrs: Vec<usize> = params.iter().map(raw::data_address).collect();
+        let variables = vs.variables();
+        let param_names: Vec<String> = param_addrs
+            .iter()
+            .map(|a| variables.iter().find(|(_, t)| raw::data_address(t) == *a).map(|(n, _)| n.clone()).expect("every parameter is a variable"))
+            .collect();
+        let mut buffers: Vec<(String, Tensor)> =
+            variables.into_iter().filter(|(_, t)| !param_addrs.contains(&raw::data_address(t))).collect();
+        buffers.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok((Net { vs, model, params, param_names, buffers }, spec))
+    }
+
+    /// Every variable, sorted by name (the same order on every rank).
+    pub(super) fn named_variables(&self) -> Vec<(String, Tensor)> {
+        let mut all: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
+    pub(super) fn grads(&self) -> Vec<Tensor> {
+        self.params.iter().map(|p| p.grad()).collect()
+    }
+}
+
+/// Scales raw bytes to the normalised input the model trains on, on the device.
+pub(super) struct Normalizer {
+    pub(super) shape: [i64; 3],
+    pub(super) channels_last: bool,
+    /// Per-channel mean and 1/std, in units of raw byte values, shaped [1, C, 1, 1].
+    pub(super) mean: Tensor,
+    pub(super) inv_std: Tensor,
+    pub(super) device: Device,
+}
+
+impl Normalizer {
+    pub(super) fn new(info: &DatasetInfo, device: Device, channels_last: bool) -> Result<Normalizer> {
+        let c = info.meta.channels as i64;
+        let mean: Vec<f32> = info.mean.iter().map(|m| m * 255.0).collect();
+        let inv_std: Vec<f32> = info.std.iter().map(|s| 1.0 / (s * 255.0)).collect();
+        Ok(Normalizer {
+            shape: [c, info.meta.height as i64, info.meta.width as i64],
+            channels_last,
+            mean: Tensor::f_from_slice(&mean)?.f_view([1, c, 1, 1])?.f_to_device(device)?,
+            inv_std: Tensor::f_from_slice(&inv_std)?.f_view([1, c, 1, 1])?.f_to_device(device)?,
+            device,
+        })
+    }
+
+    pub(super) fn images(&self, bytes: &[u8], n: usize) -> Result<Tensor> {
+        let [c, h, w] = self.shape;
+        let host = Tensor::f_from_slice(bytes)?.f_view([n as i64, c, h, w])?;
+        // To a GPU through pinned memory, without waiting for the copy (the stream orders it
+        // before the kernels that read it); the bytes travel as uint8, a quarter of the floats.
+        let x = if self.device.is_cuda() {
+            raw::pin_memory(&host)?.f_to_device_(self.device, Kind::Uint8, true, false)?
+        } else {
+            host
+        };
+        let x = x.f_to_kind(Kind::Float)?.f_sub(&self.mean)?.f_mul(&self.inv_std)?;
+        if self.channels_last { raw::channels_last(&x) } else { Ok(x) }
+    }
+
+    pub(super) fn labels(&self, labels: &[i64]) -> Result<Tensor> {
+        Ok(Tensor::f_from_slice(labels)?.f_to_device(self.device)?)
+    }
+}

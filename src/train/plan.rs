@@ -1,0 +1,522 @@
+//! The run's plan: the options resolved against the world ([`Plan`]: device, threads, workers,
+//! batch), and the checks made before anything starts: settings, outputs that would overwrite
+//! inputs, the model against the data and the memory, the same configuration on every rank.
+//! Also the choice of each rank's device.
+
+use std::path::Path;
+use std::time::Duration;
+
+use mpi::traits::*;
+use tch::Device;
+
+use crate::data::DatasetInfo;
+use crate::data::loader::memory_available;
+use crate::error::{Error, Result};
+use crate::exchange;
+use crate::model::InputSpec;
+use crate::raw;
+use crate::results;
+use crate::topology::{assign_gpus, World};
+
+use super::collective::gather_strings;
+use super::options::{DeviceChoice, Precision, Scaling, TrainArgs};
+
+/// Options resolved against the world: what every rank agrees to run.
+pub(super) struct Plan {
+    pub(super) device: Device,
+    pub(super) threads: usize,
+    pub(super) cuda_aware: bool,
+    pub(super) workers: usize,
+    pub(super) batch: usize,
+}
+
+impl Plan {
+    pub(super) fn resolve(args: &TrainArgs, world: &World) -> Result<Plan> {
+        // First: choosing the device is collective over the node's ranks (before any early return).
+        let device = choose_device(args.device, args.allow_gpu_sharing, world);
+        let workers = exchange::worker_count(args.strategy, world.size as usize, &args.ps.roles())?;
+        let batch = match args.scaling {
+            Scaling::Weak => {
+                if args.global_batch.is_some() {
+                    return Err(Error::usage("--global-batch goes with --scaling strong; weak scaling uses --batch-size per rank"));
+                }
+                args.batch_size as usize
+            }
+            Scaling::Strong => {
+                let global = args.global_batch.ok_or_else(|| {
+                    Error::usage("--scaling strong needs --global-batch (the samples per step over all ranks)")
+                })? as usize;
+                if global % workers != 0 {
+                    return Err(Error::usage(format!(
+                        "--global-batch {global} is not divisible by the {workers} training ranks (strong scaling splits it evenly)"
+                    )));
+                }
+                global / workers
+            }
+        };
+        if args.steps == Some(0) || (args.steps.is_none() && args.epochs == 0) {
+            return Err(Error::usage("nothing to train: --steps and --epochs must be at least 1"));
+        }
+        if args.bucket_mb < 0.0 || !args.bucket_mb.is_finite() {
+            return Err(Error::usage(format!("--bucket-mb {}: expected 0 or more", args.bucket_mb)));
+        }
+        if args.lr <= 0.0 || !args.lr.is_finite() {
+            return Err(Error::usage(format!("--lr {}: expected a positive learning rate", args.lr)));
+        }
+        check_sgd_settings(args.momentum, args.weight_decay)?;
+        check_outputs_are_not_inputs(args)?;
+        let device = device?;
+        if device == Device::Cpu && args.precision != Precision::Fp32 {
+            return Err(Error::usage(format!(
+                "--precision {}: mixed precision and TF32 run on CUDA devices; this rank trains on the CPU (use fp32)",
+                format!("{:?}", args.precision).to_lowercase()
+            )));
+        }
+        exchange::check_zero(args.strategy, args.zero, world.size as usize)?;
+        if args.precision == Precision::Fp16 && args.zero > 0 {
+            return Err(Error::usage(format!("--precision fp16 with --zero {}: the loss scaler checks and unscales whole gradients before the optimizer step, which ZeRO shards; use bf16", args.zero)));
+        }
+        if args.precision == Precision::Fp16 && args.strategy == exchange::StrategyKind::Ps {
+            return Err(Error::usage("--precision fp16 with --strategy ps: the loss scaler unscales gradients before the optimizer step, which the servers own; use bf16"));
+        }
+        let threads = if args.threads > 0 {
+            check_threads(args.threads, num_cpus_online())?;
+            let mine = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if args.threads > mine && world.is_root() {
+                log::warn!("--threads {}: this rank may run on {mine} core(s); its threads will take turns on them", args.threads);
+            }
+            args.threads
+        } else {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            // With ranks bound to cores, each rank sees its own; unbound, the node's ranks share.
+            let bound = cores < num_cpus_online();
+            if bound { cores } else { (cores / world.local_size as usize).max(1) }
+        };
+        let cuda_aware = args.cuda_aware.resolve();
+        Ok(Plan { device, threads, cuda_aware, workers, batch })
+    }
+}
+
+/// `--momentum` and `--weight-decay` as torch.optim.SGD takes them: it refuses a negative
+/// momentum or weight decay. A momentum of 1 or more is refused as well: the momentum buffer
+/// then never forgets a gradient, and grows without bound (1.5 ended at a loss of 1e10).
+pub(super) fn check_sgd_settings(momentum: f64, weight_decay: f64) -> Result<()> {
+    if !(0.0..1.0).contains(&momentum) {
+        return Err(Error::usage(format!(
+            "--momentum {momentum}: expected 0 <= momentum < 1 (torch.optim.SGD refuses a negative one; at 1 or more the momentum buffer never decays and training diverges)"
+        )));
+    }
+    if !weight_decay.is_finite() || weight_decay < 0.0 {
+        return Err(Error::usage(format!(
+            "--weight-decay {weight_decay}: expected a finite weight decay of 0 or more (torch.optim.SGD refuses a negative one)"
+        )));
+    }
+    Ok(())
+}
+
+/// Intra-op threads beyond this many per core online are refused.
+const MAX_THREADS_PER_CORE: usize = 4;
+
+/// `--threads` against the cores online: libtorch's intra-op threads meet at the end of every
+/// parallel region, so threads beyond the cores only wait for each other (--threads 1000 on
+/// 2 cores took 28 s for 2 steps; 100,000 never started). A few per core can make sense when
+/// ranks share a node unevenly; more than `MAX_THREADS_PER_CORE` times the cores never does.
+pub(super) fn check_threads(threads: usize, cores_online: usize) -> Result<()> {
+    let limit = MAX_THREADS_PER_CORE * cores_online.max(1);
+    if threads > limit {
+        return Err(Error::usage(format!(
+            "--threads {threads}: {} has {cores_online} core(s) online, and more than {MAX_THREADS_PER_CORE} intra-op threads per core only wait for each other; use at most {limit}, or 0 for the cores this rank may use",
+            raw::hostname()
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses an output of the run that is one of its inputs (`--save-weights` on the `--data`
+/// file overwrote the dataset): the files the run writes against the ones it reads, compared
+/// as canonical paths and, when the output exists, as the same inode (a hard link).
+pub(super) fn check_outputs_are_not_inputs(args: &TrainArgs) -> Result<()> {
+    let mut inputs: Vec<(&str, &Path)> = vec![("--data", args.data.as_path())];
+    if let Some(model) = &args.cost_model {
+        inputs.push(("--cost-model", model));
+    }
+    let runs = results::runs_path(&args.results);
+    let mut outputs: Vec<(&str, &Path)> = vec![("--results", runs.as_path())];
+    outputs.extend(args.save_weights.as_deref().map(|p| ("--save-weights", p)));
+    outputs.extend(args.horovod.timeline.as_deref().map(|p| ("--timeline", p)));
+    outputs.extend(args.checkpoint_dir.as_deref().map(|p| ("--checkpoint-dir", p)));
+    outputs.extend(args.trace_samples.as_deref().map(|p| ("--trace-samples", p)));
+    for (input_flag, input) in inputs {
+        // An input that does not exist or is no file is reported where it is read.
+        let Ok(input_real) = input.canonicalize() else { continue };
+        if !input_real.is_file() {
+            continue;
+        }
+        for &(output_flag, output) in &outputs {
+            let output_real = canonical_output(output);
+            if output_real.starts_with(&input_real) || same_file(output, input) {
+                return Err(Error::usage(format!(
+                    "{output_flag} {}: it is {} {input_flag} file ({}), which the run reads; write it elsewhere",
+                    output.display(),
+                    if output_real == input_real || same_file(output, input) { "the" } else { "inside the" },
+                    input.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The canonical form of a path that may not exist yet: its nearest existing ancestor
+/// canonicalised, and the rest appended.
+fn canonical_output(path: &Path) -> std::path::PathBuf {
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut existing = absolute.as_path();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = existing.canonicalize() {
+            return rest.iter().rev().fold(real, |p, part| p.join(part));
+        }
+        match (existing.parent(), existing.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                existing = parent;
+            }
+            _ => return absolute,
+        }
+    }
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+pub(super) fn num_cpus_online() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .and_then(|s| {
+            s.trim().split(',').map(|r| match r.split_once('-') {
+                Some((a, b)) => b.parse::<usize>().ok().zip(a.parse::<usize>().ok()).map(|(b, a)| b - a + 1),
+                None => r.parse::<usize>().ok().map(|_| 1),
+            }).sum::<Option<usize>>()
+        })
+        .unwrap_or(1)
+}
+
+/// Whether the model can be built for the dataset and trained at this batch, said before it is
+/// built (libtorch would panic, or try to allocate what no machine has).
+pub(super) fn check_model_fits(args: &TrainArgs, info: &DatasetInfo, plan: &Plan, world: &World) -> Result<()> {
+    let spec = InputSpec {
+        channels: info.meta.channels as i64,
+        height: info.meta.height as i64,
+        width: info.meta.width as i64,
+        classes: info.meta.classes as i64,
+    };
+    let what = || format!("--model {} on {} ({}x{}x{} images, {} classes)", args.model.name(), args.data.display(), spec.channels, spec.height, spec.width, spec.classes);
+    args.model.check_input(spec, plan.batch).map_err(|why| Error::usage(format!("{}: {why}", what())))?;
+    // Weights, gradients, momentum and a bucket buffer: 16 bytes per parameter per rank.
+    const BYTES_PER_PARAMETER: u128 = 16;
+    let parameters = args.model.parameters_for(spec);
+    let need = parameters * BYTES_PER_PARAMETER * world.local_size.max(1) as u128;
+    if let Some(available) = memory_available() {
+        if need > available as u128 {
+            return Err(Error::usage(format!(
+                "{}: the model has {parameters} parameters ({}); at {BYTES_PER_PARAMETER} bytes each (weights, gradients, momentum, exchange buffer) for {} rank(s) that is {:.3e} bytes, more than the {:.1} GB this node has available",
+                what(),
+                args.model.largest_layer(spec),
+                world.local_size,
+                need as f64,
+                available as f64 / 1e9
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Compares the run's configuration across ranks before any training: every rank must run the
+/// same binary with the same options on the same data.
+pub(super) fn check_same_config(world: &World, args: &TrainArgs) -> Result<()> {
+    let mine = config_fingerprint(args);
+    let text = mine.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join("\n");
+    let hash = crc32fast::hash(text.as_bytes());
+    let mut hashes = vec![0u32; world.size as usize];
+    world.comm.all_gather_into(&hash, &mut hashes[..]);
+    if hashes.iter().all(|&h| h == hashes[0]) {
+        return Ok(());
+    }
+    // Somebody differs: rank 0 gathers the texts to say what.
+    let bytes = text.into_bytes();
+    let count = bytes.len() as i32;
+    let root = world.comm.process_at_rank(0);
+    if !world.is_root() {
+        root.gather_into(&count);
+        root.gather_varcount_into(&bytes[..]);
+        return Err(Error::usage("configuration differs between ranks"));
+    }
+    let mut counts = vec![0i32; world.size as usize];
+    root.gather_into_root(&count, &mut counts[..]);
+    let displs: Vec<i32> = counts.iter().scan(0, |acc, &c| { let d = *acc; *acc += c; Some(d) }).collect();
+    let mut all = vec![0u8; counts.iter().sum::<i32>() as usize];
+    {
+        let mut partition = mpi::datatype::PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
+        root.gather_varcount_into_root(&bytes[..], &mut partition);
+    }
+    let mut differences = Vec::new();
+    for r in 1..world.size as usize {
+        let theirs = String::from_utf8_lossy(&all[displs[r] as usize..(displs[r] + counts[r]) as usize]).into_owned();
+        for line in theirs.lines() {
+            let (key, value) = line.split_once('=').unwrap_or((line, ""));
+            let ours = mine.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str()).unwrap_or("(absent)");
+            if ours != value {
+                differences.push(format!("{key} is {ours} on rank 0 but {value} on rank {r}"));
+            }
+        }
+    }
+    differences.truncate(8);
+    Err(Error::usage(format!("the ranks were started with different configurations: {}", differences.join("; "))))
+}
+
+/// The settings every rank must share, as (name, value) pairs.
+pub(super) fn config_fingerprint(args: &TrainArgs) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = vec![
+        ("binary".into(), format!("{} {}", env!("CARGO_PKG_VERSION"), results::GIT_COMMIT)),
+        ("strategy".into(), args.strategy.name().into()),
+        ("model".into(), args.model.name().into()),
+        ("data".into(), args.data.display().to_string()),
+        ("batch-size".into(), args.batch_size.to_string()),
+        ("scaling".into(), format!("{:?}", args.scaling)),
+        ("global-batch".into(), format!("{:?}", args.global_batch)),
+        ("epochs".into(), args.epochs.to_string()),
+        ("steps".into(), format!("{:?}", args.steps)),
+        ("lr".into(), args.lr.to_string()),
+        ("momentum".into(), args.momentum.to_string()),
+        ("weight-decay".into(), args.weight_decay.to_string()),
+        ("seed".into(), args.seed.to_string()),
+        ("bucket-mb".into(), args.bucket_mb.to_string()),
+        ("segment-kb".into(), args.segment_kb.to_string()),
+        ("device".into(), format!("{:?}", args.device)),
+        ("checkpoint-dir".into(), format!("{:?}", args.checkpoint_dir)),
+        ("checkpoint-every".into(), args.checkpoint_every.to_string()),
+        ("resume".into(), args.resume.to_string()),
+        ("ps".into(), format!("{:?}", args.ps)),
+        ("horovod".into(), format!("{:?}", args.horovod)),
+        ("zero".into(), args.zero.to_string()),
+        ("mpi-allreduce".into(), args.mpi_allreduce.name().into()),
+    ];
+    out.sort();
+    out
+}
+
+/// Test hook: the identities of a node's GPUs, comma-separated, simulated on a machine without
+/// one. Each rank then "sees" them filtered by its `CUDA_VISIBLE_DEVICES` (indices or
+/// identities, as CUDA reads it), the node's ranks choose among them as on a GPU node (an error
+/// where they would share one without --allow-gpu-sharing), and training runs on the CPU.
+pub const SIMULATED_GPUS_ENV: &str = "HPC_TRAIN_SIMULATE_GPUS";
+
+/// The rank's GPU, or the CPU. Collective over the node's ranks (`world.local`), which compare
+/// the identities of the GPUs each one sees, so that ranks share a GPU only with
+/// `--allow-gpu-sharing` however the launcher masks devices (see [`assign_gpus`]).
+pub fn choose_device(choice: DeviceChoice, allow_sharing: bool, world: &World) -> Result<Device> {
+    // Every rank reaches the exchange of identities below, whatever it finds here.
+    let (visible, simulated) = match std::env::var(SIMULATED_GPUS_ENV) {
+        Ok(node) if choice != DeviceChoice::Cpu => (Ok(simulated_visible_gpus(&node, std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref())), true),
+        _ => (visible_gpus(choice), false),
+    };
+    // One identity per line, each line ended (an all-gather of no bytes at all is refused by
+    // Open MPI: a CPU rank still sends its newline).
+    let mine: String = visible.as_ref().map(|ids| ids.iter().map(|id| format!("{id}\n")).collect()).unwrap_or_else(|_| "\n".into());
+    let all = gather_strings(&world.local, if mine.is_empty() { "\n" } else { &mine });
+    let visible = visible?;
+    if visible.is_empty() {
+        return Ok(Device::Cpu);
+    }
+    let lists: Vec<Vec<String>> = all.iter().map(|s| s.lines().filter(|l| !l.is_empty()).map(String::from).collect()).collect();
+    let choices = assign_gpus(&lists);
+    let me = choices[world.local_rank as usize].clone().expect("this rank sees a GPU");
+    if !me.shared_with.is_empty() && !allow_sharing {
+        let ranks: Vec<String> = std::iter::once(world.local_rank as usize).chain(me.shared_with.iter().copied()).map(|r| r.to_string()).collect();
+        return Err(Error::usage(format!(
+            "node-local ranks {} on {} would share GPU {} ({} rank(s) on the node, {} GPU(s) visible to this one): launch one rank per GPU (srun --gpus-per-task=1, or a CUDA_VISIBLE_DEVICES per rank), or pass --allow-gpu-sharing",
+            ranks.join(", "),
+            raw::hostname(),
+            me.id,
+            world.local_size,
+            visible.len()
+        )));
+    }
+    log::debug!("rank {}: GPU {} (cuda:{} of {} visible){}", world.rank, me.id, me.index, visible.len(), if simulated { ", simulated: training on the CPU" } else { "" });
+    if simulated {
+        return Ok(Device::Cpu);
+    }
+    Ok(Device::Cuda(me.index))
+}
+
+/// The identities of the GPUs this rank may train on: none for `--device cpu` or where CUDA is
+/// absent (`--device auto`), an error for `--device cuda` without CUDA.
+fn visible_gpus(choice: DeviceChoice) -> Result<Vec<String>> {
+    if choice == DeviceChoice::Cpu {
+        return Ok(Vec::new());
+    }
+    let loaded = raw::load_torch_cuda();
+    if let Err(why) = &loaded {
+        log::debug!("CUDA support not loaded: {why}");
+    }
+    if !tch::Cuda::is_available() {
+        return match choice {
+            DeviceChoice::Cuda => Err(Error::usage(format!(
+                "--device cuda: CUDA is not available on {} ({})",
+                raw::hostname(),
+                loaded.err().unwrap_or_else(|| "libtorch sees no GPU".into())
+            ))),
+            _ => Ok(Vec::new()),
+        };
+    }
+    let count = tch::Cuda::device_count().max(0) as usize;
+    Ok(raw::cuda_device_uuids(count).unwrap_or_else(|why| {
+        // Without identities, assume that the node's ranks see the same GPUs in the same order
+        // (the count then decides, as before identities were compared).
+        log::warn!("the GPUs' identities cannot be read ({why}); assuming that every rank of {} sees the same {count} GPU(s)", raw::hostname());
+        (0..count).map(|i| format!("cuda:{i}")).collect()
+    }))
+}
+
+/// What a rank sees of a simulated node's GPUs (`node`, comma-separated identities) through
+/// `CUDA_VISIBLE_DEVICES` as CUDA reads it: indices or identities, comma-separated, up to the
+/// first that names no device; unset means all.
+fn simulated_visible_gpus(node: &str, mask: Option<&str>) -> Vec<String> {
+    let gpus: Vec<&str> = node.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    let Some(mask) = mask else { return gpus.iter().map(|s| s.to_string()).collect() };
+    let mut seen = Vec::new();
+    for entry in mask.split(',').map(str::trim) {
+        let found = match entry.parse::<usize>() {
+            Ok(i) => gpus.get(i).copied(),
+            Err(_) => gpus.iter().copied().find(|g| *g == entry),
+        };
+        match found {
+            Some(g) if !seen.iter().any(|s: &String| s == g) => seen.push(g.to_string()),
+            _ => break,
+        }
+    }
+    seen
+}
+
+/// Makes the rank's GPU this (the MPI) thread's current device, and checks that it is: a
+/// CUDA-aware MPI and everything else that uses the current device would otherwise work on
+/// GPU 0, and every rank of a node would open a context there. Threads that the exchange starts
+/// do the same for themselves (comm_thread, overlap).
+pub fn make_current(device: Device) -> Result<()> {
+    let Device::Cuda(index) = device else { return Ok(()) };
+    raw::set_cuda_device(device)?;
+    let current = raw::current_cuda_device()?;
+    if current != index {
+        return Err(Error::usage(format!("cuda:{index} was made the current device, but the current device is cuda:{current}")));
+    }
+    log::debug!("cuda:{index} is the current device of the MPI thread");
+    Ok(())
+}
+
+/// `--exchange-timeout-s` as a duration (zero: no watchdog).
+pub fn watchdog_timeout(seconds: f64) -> Result<Duration> {
+    if !seconds.is_finite() || seconds < 0.0 {
+        return Err(Error::usage(format!("--exchange-timeout-s {seconds}: expected 0 (off) or a number of seconds")));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+pub(super) fn device_name(device: Device) -> String {
+    match device {
+        Device::Cpu => "cpu".into(),
+        Device::Cuda(i) => format!("cuda:{i}"),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// The training options of a command line, parsed as `hpc-train` parses them.
+    fn train_args(extra: &[&str]) -> TrainArgs {
+        #[derive(Parser)]
+        struct Command {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let mut argv = vec!["hpc-train"];
+        argv.extend(extra);
+        Command::try_parse_from(argv).unwrap().train
+    }
+
+    #[test]
+    fn sgd_settings_torch_refuses_are_refused() {
+        assert!(check_sgd_settings(0.9, 1e-4).is_ok());
+        assert!(check_sgd_settings(0.0, 0.0).is_ok());
+        for (momentum, flag) in [(-5.0, "--momentum -5"), (1.0, "--momentum 1"), (1.5, "--momentum 1.5"), (f64::NAN, "--momentum NaN")] {
+            let err = check_sgd_settings(momentum, 0.0).unwrap_err().to_string();
+            assert!(err.starts_with(&format!("{flag}: expected 0 <= momentum < 1")), "{err}");
+        }
+        for (decay, flag) in [(-100.0, "--weight-decay -100"), (f64::NAN, "--weight-decay NaN"), (f64::INFINITY, "--weight-decay inf")] {
+            assert!(check_sgd_settings(0.9, decay).unwrap_err().to_string().starts_with(flag));
+        }
+    }
+
+    #[test]
+    fn threads_far_beyond_the_cores_are_refused() {
+        assert!(check_threads(8, 2).is_ok());
+        let err = check_threads(9, 2).unwrap_err().to_string();
+        assert!(err.contains("--threads 9:") && err.contains("has 2 core(s) online") && err.contains("use at most 8"), "{err}");
+    }
+
+    #[test]
+    fn an_output_that_is_an_input_is_refused() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-outputs-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sub")).unwrap();
+        let data = dir.join("data.h5");
+        std::fs::write(&data, b"x").unwrap();
+        let d = data.to_str().unwrap();
+        let fine = dir.join("w.safetensors");
+        assert!(check_outputs_are_not_inputs(&train_args(&["--data", d, "--save-weights", fine.to_str().unwrap()])).is_ok());
+        // The same file by another spelling, through a link, or a path inside it.
+        let other_spelling = dir.join("sub/../data.h5");
+        let err = check_outputs_are_not_inputs(&train_args(&["--data", d, "--save-weights", other_spelling.to_str().unwrap()])).unwrap_err().to_string();
+        assert!(err.contains("--save-weights") && err.contains("it is the --data file"), "{err}");
+        let link = dir.join("link.h5");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&data, &link).unwrap();
+        assert!(check_outputs_are_not_inputs(&train_args(&["--data", link.to_str().unwrap(), "--timeline", d, "--strategy", "horovod"])).is_err());
+        let hard = dir.join("hard.h5");
+        let _ = std::fs::remove_file(&hard);
+        std::fs::hard_link(&data, &hard).unwrap();
+        assert!(check_outputs_are_not_inputs(&train_args(&["--data", d, "--save-weights", hard.to_str().unwrap()])).is_err());
+        let inside = data.join("ckpt");
+        let err = check_outputs_are_not_inputs(&train_args(&["--data", d, "--checkpoint-dir", inside.to_str().unwrap()])).unwrap_err().to_string();
+        assert!(err.contains("--checkpoint-dir") && err.contains("inside the --data file"), "{err}");
+        let model = dir.join("model.json");
+        std::fs::write(&model, b"{}").unwrap();
+        let err = check_outputs_are_not_inputs(&train_args(&["--data", d, "--cost-model", model.to_str().unwrap(), "--save-weights", model.to_str().unwrap()])).unwrap_err().to_string();
+        assert!(err.contains("the --cost-model file"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn simulated_masks_read_as_cuda_reads_them() {
+        let node = "GPU-a,GPU-b,GPU-c";
+        assert_eq!(simulated_visible_gpus(node, None), vec!["GPU-a", "GPU-b", "GPU-c"]);
+        assert_eq!(simulated_visible_gpus(node, Some("2")), vec!["GPU-c"]);
+        assert_eq!(simulated_visible_gpus(node, Some("1,0")), vec!["GPU-b", "GPU-a"]);
+        assert_eq!(simulated_visible_gpus(node, Some("GPU-b")), vec!["GPU-b"]);
+        // CUDA stops at the first entry that names no device.
+        assert_eq!(simulated_visible_gpus(node, Some("0,7,1")), vec!["GPU-a"]);
+        assert!(simulated_visible_gpus(node, Some("")).is_empty());
+    }
+
+    #[test]
+    fn online_cpus_parse() {
+        assert!(num_cpus_online() >= 1);
+    }
+}

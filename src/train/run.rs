@@ -1,0 +1,102 @@
+//! What a run holds once it is set up ([`Run`]: built by setup.rs, stepped by step.rs, recorded
+//! by record.rs, its loop in mod.rs), what training leaves for the record ([`Outcome`]), and the
+//! stop signal the workers agree on.
+
+use std::sync::Arc;
+
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+use crate::checkpoint::FolderLock;
+use crate::data::{DatasetInfo, Labels};
+use crate::error::{Error, Result};
+use crate::exchange::Exchange;
+use crate::faults::Faults;
+use crate::model::InputSpec;
+use crate::optim::Sgd;
+use crate::overlap::Overlap;
+use crate::topology::World;
+
+use super::checkpoints::CheckpointLog;
+use super::net::Net;
+use super::options::TrainArgs;
+use super::plan::Plan;
+use super::progress::Timings;
+
+/// What a caller outside the command line adds to a run (a study tags its runs).
+#[derive(Clone, Debug, Default)]
+pub struct RunContext {
+    pub study: Option<String>,
+}
+
+/// Everything a run needs once it is set up.
+pub(super) struct Run<'a> {
+    pub(super) world: &'a World,
+    pub(super) args: &'a TrainArgs,
+    pub(super) plan: Plan,
+    pub(super) info: DatasetInfo,
+    pub(super) labels: Labels,
+    /// The training split is held in memory (`--cache-data`).
+    pub(super) cache_data: bool,
+    pub(super) spec: InputSpec,
+    pub(super) net: Net,
+    pub(super) exchange: Box<dyn Exchange>,
+    pub(super) sgd: Sgd,
+    pub(super) overlap: Option<Overlap>,
+    pub(super) faults: Faults,
+    pub(super) stop: StopSignal,
+    /// Workers only: dedicated parameter servers take no part in evaluation or the loss.
+    pub(super) workers_comm: SimpleCommunicator,
+    pub(super) worker: usize,
+    pub(super) workers: usize,
+    pub(super) global_batch: usize,
+    pub(super) steps_per_epoch: u64,
+    pub(super) first_step: u64,
+    pub(super) total_steps: u64,
+    /// The step of the checkpoint the run resumed from.
+    pub(super) resumed_at: Option<u64>,
+    /// The dataset's content fingerprint (rank 0, with --checkpoint-dir), recorded in checkpoints.
+    pub(super) dataset_fingerprint: String,
+    /// Rank 0: which checkpoints were written and which failed.
+    pub(super) checkpoints: CheckpointLog,
+    /// Rank 0: the checkpoint folder's lock, held until the run ends.
+    pub(super) _checkpoint_lock: Option<FolderLock>,
+}
+
+/// What training leaves for the record.
+pub(super) struct Outcome {
+    pub(super) totals: Timings,
+    /// The steps after warm-up, which throughput is computed from.
+    pub(super) measured: Timings,
+    pub(super) last_eval: Option<(f64, f64)>,
+    pub(super) final_loss: f64,
+    pub(super) rss_warmup: f64,
+    pub(super) last_step: u64,
+    pub(super) saved_at: Option<u64>,
+    /// A signal ended training before its last step.
+    pub(super) stopped: bool,
+}
+
+/// SIGTERM (what Slurm sends before the time limit) and SIGUSR1 (what `--signal` jobs often
+/// ask for) set a flag; the workers agree on it after every step, so that all stop together.
+pub(super) struct StopSignal(Arc<std::sync::atomic::AtomicBool>);
+
+impl StopSignal {
+    pub(super) fn install() -> Result<StopSignal> {
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGUSR1] {
+            signal_hook::flag::register(signal, flag.clone())
+                .map_err(|e| Error::usage(format!("cannot install the handler of signal {signal}: {e}")))?;
+        }
+        Ok(StopSignal(flag))
+    }
+
+    /// Whether any rank of `comm` has been asked to stop (collective over `comm`).
+    pub(super) fn agreed(&self, comm: &SimpleCommunicator) -> bool {
+        let mine = i32::from(self.0.load(std::sync::atomic::Ordering::Relaxed));
+        let mut any = 0;
+        // After a checkpoint step the other ranks wait here for rank 0's write.
+        crate::watchdog::collective("the stop agreement", comm, || comm.all_reduce_into(&mine, &mut any, mpi::collective::SystemOperation::max()));
+        any != 0
+    }
+}
