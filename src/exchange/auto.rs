@@ -12,7 +12,7 @@ use crate::cost::{Algorithm, CostModel, Layout};
 use crate::error::Result;
 use crate::exchange::buckets::Fusion;
 use crate::exchange::config::ExchangeConfig;
-use crate::exchange::element::Dtype;
+use crate::element::Dtype;
 use crate::exchange::rhd::RhdAllreduce;
 use crate::exchange::ring::RingAllreduce;
 use crate::exchange::staging::Staging;

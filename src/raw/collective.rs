@@ -15,7 +15,7 @@ use mpi::traits::Equivalence;
 use tch::Tensor;
 
 use crate::error::{Error, Result};
-use crate::exchange::element::Element;
+use crate::element::Element;
 use crate::raw::mpi::MAX_MPI_COUNT;
 use crate::raw::requests::wait_politely;
 use crate::raw::tensor::{check_host, check_layout};

@@ -1,6 +1,6 @@
-//! MPI requests in flight: waiting for one without holding the core, and [`Segments`], a host
-//! buffer cut into segments that MPI sends from and receives into in the background while the
-//! program works on the others.
+//! MPI requests in flight: waiting for one without holding the core ([`Backoff`], which the
+//! shared-memory ring waits with too), and [`Segments`], a host buffer cut into segments that
+//! MPI sends from and receives into in the background while the program works on the others.
 //!
 //! The invariants its unsafe code relies on: a request is waited for only while it is active
 //! (MPI sets a completed one to MPI_REQUEST_NULL, and [`Segments`] drops completed ones); the
@@ -17,8 +17,34 @@ use mpi::traits::Equivalence;
 use mpi::Tag;
 
 use crate::error::{Error, Result};
-use crate::exchange::element::Element;
+use crate::element::Element;
 use crate::raw::mpi::MAX_MPI_COUNT;
+
+/// How a rank waits for a peer without holding its core (MPI_Wait would spin, and with overlap
+/// that core is the one backward runs on): a few hundred spins, then yielding the core, then
+/// sleeps of 20 us between looks.
+#[derive(Default)]
+pub struct Backoff {
+    idle: u32,
+}
+
+impl Backoff {
+    /// One pause between two looks. Returns false while still spinning (the peer is probably
+    /// about to arrive), true after, when a look may be worth more work.
+    pub fn pause(&mut self) -> bool {
+        self.idle = self.idle.saturating_add(1);
+        if self.idle < 256 {
+            std::hint::spin_loop();
+            return false;
+        }
+        if self.idle < 1024 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+        true
+    }
+}
 
 /// Waits for `request` without holding the core: MPI_Wait spins while the peer is not there
 /// yet, and with overlap that core is the one backward runs on. Tests, spins a little, yields,
@@ -28,7 +54,7 @@ use crate::raw::mpi::MAX_MPI_COUNT;
 /// `request` is an active request (or MPI_REQUEST_NULL) of this process; MPI sets it to
 /// MPI_REQUEST_NULL when it completes.
 pub(super) unsafe fn wait_politely(request: &mut mpi::ffi::MPI_Request) -> Result<()> {
-    let mut backoff = crate::exchange::Backoff::default();
+    let mut backoff = Backoff::default();
     loop {
         let mut done: c_int = 0;
         // SAFETY: the caller's contract; the flag is a valid int and the status is ignored.

@@ -18,7 +18,7 @@ use mpi::traits::Equivalence;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::element::Element;
+use crate::element::Element;
 use crate::raw::cuda::shim_error;
 use crate::raw::mpi::mpi_count;
 

@@ -14,7 +14,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::{Communicator, SimpleCommunicator};
 
 use crate::error::{Error, Result};
-use crate::exchange::element::Element;
+use crate::element::Element;
 
 /// Memory that every rank of a node communicator loads from and stores to directly: an MPI-3
 /// shared window (`MPI_Win_allocate_shared`), one part per rank, each part mapped into every
