@@ -11,9 +11,9 @@ use mpi::traits::*;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
+use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::exchange::config::{parse_strategies, CudaAware, MpiAllreduceCall, RingTransport};
-use crate::element::Dtype;
 use crate::exchange::options::{check_strategy_options, Given, HorovodArgs, PsArgs};
 use crate::exchange::{self, ExchangeConfig, ReduceOp, StrategyKind};
 use crate::raw;

@@ -9,10 +9,10 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use tch::Tensor;
 
+use crate::element::{Dtype, Element};
 use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::config::{ExchangeConfig, MpiAllreduceCall};
-use crate::element::{Dtype, Element};
 use crate::exchange::staging::Staging;
 use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
 use crate::raw;

@@ -25,8 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
-use crate::error::{Error, Result};
 use crate::element::{accumulate_and_copy, sum_into, Element};
+use crate::error::{Error, Result};
 use crate::exchange::strategy::ReduceOp;
 use crate::exchange::zero::Phases;
 use crate::plan::ring::RingSchedule;

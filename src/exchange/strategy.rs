@@ -7,8 +7,8 @@
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
-use crate::error::{Error, Result};
 use crate::element::Dtype;
+use crate::error::{Error, Result};
 use crate::optim::{FiniteCheck, Sgd};
 use crate::plan::buckets::BucketPlan;
 

@@ -14,8 +14,8 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::Equivalence;
 use tch::Tensor;
 
-use crate::error::{Error, Result};
 use crate::element::Element;
+use crate::error::{Error, Result};
 use crate::raw::mpi::MAX_MPI_COUNT;
 use crate::raw::requests::wait_politely;
 use crate::raw::tensor::{check_host, check_layout};

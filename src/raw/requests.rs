@@ -17,8 +17,8 @@ use mpi::topology::{Rank, SimpleCommunicator};
 use mpi::traits::Equivalence;
 use mpi::Tag;
 
-use crate::error::{Error, Result};
 use crate::element::Element;
+use crate::error::{Error, Result};
 use crate::raw::mpi::MAX_MPI_COUNT;
 
 /// How a rank waits for a peer without holding its core (MPI_Wait would spin, and with overlap

@@ -17,8 +17,8 @@ use mpi::raw::{AsRaw, FromRaw};
 use mpi::traits::Equivalence;
 use tch::{Device, Tensor};
 
-use crate::error::{Error, Result};
 use crate::element::Element;
+use crate::error::{Error, Result};
 use crate::raw::cuda::shim_error;
 use crate::raw::mpi::mpi_count;
 

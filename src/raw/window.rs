@@ -13,8 +13,8 @@ use std::ffi::{c_int, c_void};
 use mpi::raw::AsRaw;
 use mpi::topology::{Communicator, SimpleCommunicator};
 
-use crate::error::{Error, Result};
 use crate::element::Element;
+use crate::error::{Error, Result};
 
 /// Memory that every rank of a node communicator loads from and stores to directly: an MPI-3
 /// shared window (`MPI_Win_allocate_shared`), one part per rank, each part mapped into every
