@@ -2,11 +2,13 @@
 //! pointers handed to MPI, MPI handles moved to other threads, and calls into C: the MPI
 //! library, libtorch through the C++ shim (src/shim/), the CUDA driver and libc.
 //!
-//! The rule: every `unsafe` block, `unsafe fn` and `unsafe impl` of the crate is in a file of
-//! this folder; everything else in the crate is safe Rust. The files are cut by what they wrap,
-//! and each opens by stating once the invariants its unsafe code relies on. Every `unsafe`
-//! block says why it is sound in a `// SAFETY:` comment, and what callers must keep is written
-//! on the functions that expose it (`# Safety`).
+//! The rule: the crate's unsafe code (every `unsafe fn` and `unsafe impl`, every raw pointer
+//! made into a reference or a slice, every call into C) is in a file of this folder. Outside
+//! it, `unsafe` appears only as a block around a call to one of the `unsafe fn`s here, which
+//! keeps that function's contract (`# Safety`: no other handle touches the tensor while its
+//! view lives, ...) and says how in its own `// SAFETY:` comment. The files are cut by what
+//! they wrap, and each opens by stating once the invariants its unsafe code relies on; every
+//! `unsafe` block says why it is sound in a `// SAFETY:` comment.
 //!
 //! - [`mpi`](self::mpi): communicators moved to or shared by threads, point-to-point calls,
 //!   ending the job, the MPI library's CUDA queries, the most elements one MPI call takes;
