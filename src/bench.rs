@@ -11,9 +11,9 @@ use mpi::traits::*;
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
+use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::exchange::config::{parse_strategies, CudaAware, MpiAllreduceCall, RingTransport};
-use crate::exchange::element::Dtype;
 use crate::exchange::options::{check_strategy_options, Given, HorovodArgs, PsArgs};
 use crate::exchange::{self, ExchangeConfig, ReduceOp, StrategyKind};
 use crate::raw;
@@ -315,7 +315,7 @@ impl MemoryBound {
             copies.push(t.elapsed().as_secs_f64());
             together();
             let t = Instant::now();
-            crate::exchange::element::accumulate(&mut dst, &src);
+            crate::element::accumulate(&mut dst, &src);
             adds.push(t.elapsed().as_secs_f64());
         }
         std::hint::black_box(&dst);

@@ -10,6 +10,7 @@ mod checkpoint;
 mod cli;
 mod cost;
 mod data;
+mod element;
 mod error;
 mod exchange;
 mod faults;

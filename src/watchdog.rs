@@ -36,7 +36,9 @@ struct State {
     timeout: Duration,
     rank: i32,
     step: AtomicU64,
-    /// Bumped on every completed request or message; read by the checking thread.
+    /// Bumped on every completed request or message the exchanges report; the checking thread
+    /// reads it together with the raw layer's count of the requests its segments complete
+    /// (`raw::completed_requests`), which counts without knowing of the watchdog.
     progress: AtomicU64,
     current: Mutex<Option<Activity>>,
 }
@@ -117,11 +119,13 @@ impl Drop for ExchangeGuard {
 fn watch() {
     let s = STATE.get().expect("started after the state is set");
     let tick = (s.timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
-    let mut seen = s.progress.load(Ordering::Relaxed);
+    // Both counts only grow, so their sum changes whenever either does.
+    let total_progress = || s.progress.load(Ordering::Relaxed).wrapping_add(crate::raw::completed_requests());
+    let mut seen = total_progress();
     let mut quiet_since = Instant::now();
     loop {
         std::thread::sleep(tick);
-        let now = s.progress.load(Ordering::Relaxed);
+        let now = total_progress();
         if now != seen {
             seen = now;
             quiet_since = Instant::now();

@@ -9,10 +9,10 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use tch::Tensor;
 
+use crate::element::{Dtype, Element};
 use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::config::{ExchangeConfig, MpiAllreduceCall};
-use crate::exchange::element::{Dtype, Element};
 use crate::exchange::staging::Staging;
 use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
 use crate::raw;
@@ -165,6 +165,6 @@ fn half_sum_op<E: Element<Wire = u16>>() -> UserOperation<'static> {
     UserOperation::commutative(|x: DynBuffer, acc: DynBufferMut| {
         let x: &[u16] = x.downcast().expect("the operation is only used on 16-bit words");
         let acc: &mut [u16] = acc.downcast().expect("the operation is only used on 16-bit words");
-        crate::exchange::element::accumulate::<E>(bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(x));
+        crate::element::accumulate::<E>(bytemuck::cast_slice_mut(acc), bytemuck::cast_slice(x));
     })
 }

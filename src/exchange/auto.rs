@@ -9,10 +9,10 @@ use std::ops::Range;
 use tch::Tensor;
 
 use crate::cost::{Algorithm, CostModel, Layout};
+use crate::element::Dtype;
 use crate::error::Result;
 use crate::exchange::buckets::Fusion;
 use crate::exchange::config::ExchangeConfig;
-use crate::exchange::element::Dtype;
 use crate::exchange::rhd::RhdAllreduce;
 use crate::exchange::ring::RingAllreduce;
 use crate::exchange::staging::Staging;

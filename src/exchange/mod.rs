@@ -17,16 +17,16 @@
 //! them all): [`strategy`] the trait and the types it speaks in, [`config`] what the strategies
 //! are configured with; [`buckets`] packs buckets into fusion buffers (the plans are
 //! `plan::buckets`), [`staging`] moves GPU buckets through pinned host memory when MPI cannot
-//! read device memory, [`element`] knows the dtypes, [`comm_thread`] runs a strategy's own MPI
-//! thread. [`options`] holds the strategies' command-line groups, for the commands. This file
-//! makes the chosen strategy ([`build`]) and re-exports what the layers above use.
+//! read device memory, [`comm_thread`] runs a strategy's own MPI thread; the element types
+//! they reduce are `crate::element`, below the exchange beside the raw layer that moves them.
+//! [`options`] holds the strategies' command-line groups, for the commands. This file makes the
+//! chosen strategy ([`build`]) and re-exports what the layers above use.
 
 pub mod allreduce;
 pub mod auto;
 pub mod buckets;
 pub mod comm_thread;
 pub mod config;
-pub mod element;
 pub mod horovod;
 pub mod options;
 pub mod ps;
@@ -38,7 +38,7 @@ pub mod strategy;
 pub mod zero;
 
 pub use config::{worker_count, ExchangeConfig, PsMode, StrategyKind};
-pub use strategy::{Backoff, Exchange, ReduceOp, Role};
+pub use strategy::{Exchange, ReduceOp, Role};
 
 use crate::error::{Error, Result};
 use crate::topology::World;

@@ -23,10 +23,10 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use tch::Tensor;
 
+use crate::element::{accumulate, Dtype, Element};
 use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::config::ExchangeConfig;
-use crate::exchange::element::{accumulate, Dtype, Element};
 use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
 use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
 use crate::exchange::zero::{expect_algorithm, Phases, ShardAlgorithm, ShardedCollectives};

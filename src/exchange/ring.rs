@@ -22,9 +22,9 @@ use mpi::topology::{Process, SimpleCommunicator};
 use mpi::traits::*;
 use tch::Tensor;
 
+use crate::element::{accumulate, accumulate_scaled, Dtype, Element};
 use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
-use crate::exchange::element::{accumulate, accumulate_scaled, Dtype, Element};
 use mpi::Tag;
 use crate::exchange::config::{ExchangeConfig, RingTransport};
 use crate::exchange::shared_ring::{Room, SharedRing};

@@ -25,12 +25,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
+use crate::element::{accumulate_and_copy, sum_into, Element};
 use crate::error::{Error, Result};
-use crate::exchange::element::{accumulate_and_copy, sum_into, Element};
-use crate::exchange::strategy::{Backoff, ReduceOp};
+use crate::exchange::strategy::ReduceOp;
 use crate::exchange::zero::Phases;
 use crate::plan::ring::RingSchedule;
-use crate::raw::SharedWindow;
+use crate::raw::{Backoff, SharedWindow};
 
 /// Bytes per piece. On the development VM pieces of 32 KiB to 64 MiB gave the same rate on a
 /// 64 MiB buffer (memory-bound); small pieces let buffers of a few MiB overlap their stages.

@@ -30,7 +30,7 @@ pub struct Scratch {
 
 impl Scratch {
     /// `len` elements of E in host memory (contents left from earlier calls).
-    pub fn host<E: crate::exchange::element::Element>(&mut self, len: usize) -> &mut [E] {
+    pub fn host<E: crate::element::Element>(&mut self, len: usize) -> &mut [E] {
         let words = (len * std::mem::size_of::<E>()).div_ceil(4);
         if self.host.len() < words {
             self.host.resize(words, 0);

@@ -1,14 +1,14 @@
 //! What every strategy is and shares: the [`Exchange`] trait that the training loop calls, the
 //! types it speaks in ([`ReduceOp`], [`Role`], [`DataPath`], [`ExchangeReport`], [`HeldBytes`]),
 //! and the helpers the strategies share ([`allreduce_bus_factor`], [`common_dtype`],
-//! [`Backoff`], `with_element!`). The strategies import this file directly; exchange/mod.rs,
+//! `with_element!`). The strategies import this file directly; exchange/mod.rs,
 //! which builds them, re-exports it for the layers above.
 
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
+use crate::element::Dtype;
 use crate::error::{Error, Result};
-use crate::exchange::element::Dtype;
 use crate::optim::{FiniteCheck, Sgd};
 use crate::plan::buckets::BucketPlan;
 
@@ -227,32 +227,6 @@ impl HeldBytes {
     }
 }
 
-/// How a rank waits for a peer without holding its core (MPI_Wait would spin, and with overlap
-/// that core is the one backward runs on): a few hundred spins, then yielding the core, then
-/// sleeps of 20 us between looks.
-#[derive(Default)]
-pub struct Backoff {
-    idle: u32,
-}
-
-impl Backoff {
-    /// One pause between two looks. Returns false while still spinning (the peer is probably
-    /// about to arrive), true after, when a look may be worth more work.
-    pub fn pause(&mut self) -> bool {
-        self.idle = self.idle.saturating_add(1);
-        if self.idle < 256 {
-            std::hint::spin_loop();
-            return false;
-        }
-        if self.idle < 1024 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(std::time::Duration::from_micros(20));
-        }
-        true
-    }
-}
-
 /// The momentum buffers of `sgd` for `params`, zeros before its first step.
 pub fn momentum_or_zeros(params: &[Tensor], sgd: &Sgd) -> Result<Vec<Tensor>> {
     let buffers = sgd.momentum_buffers();
@@ -290,15 +264,15 @@ pub fn common_dtype(tensors: &[Tensor]) -> Result<Dtype> {
 macro_rules! with_element {
     ($dtype:expr, $E:ident => $body:expr) => {
         match $dtype {
-            $crate::exchange::element::Dtype::F32 => {
+            $crate::element::Dtype::F32 => {
                 type $E = f32;
                 $body
             }
-            $crate::exchange::element::Dtype::F16 => {
+            $crate::element::Dtype::F16 => {
                 type $E = half::f16;
                 $body
             }
-            $crate::exchange::element::Dtype::Bf16 => {
+            $crate::element::Dtype::Bf16 => {
                 type $E = half::bf16;
                 $body
             }

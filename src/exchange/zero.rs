@@ -30,9 +30,9 @@ use std::ops::Range;
 
 use tch::{Device, Tensor};
 
+use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::exchange::buckets::{pack_slot, unpack};
-use crate::exchange::element::Dtype;
 use crate::exchange::staging::{wait_for_stream, Mirror};
 use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role, ShardedUpdate};
 use crate::optim::{self, Sgd};

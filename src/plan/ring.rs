@@ -88,7 +88,7 @@ impl RingSchedule {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::exchange::element::{accumulate, accumulate_scaled};
+    use crate::element::{accumulate, accumulate_scaled};
 
     /// Runs the schedule on n in-memory buffers, moving chunks as the ring would; a mean is
     /// scaled in the last reduce-scatter step, as the ring does.

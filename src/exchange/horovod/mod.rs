@@ -39,12 +39,12 @@ use mpi::traits::*;
 use serde::Serialize;
 use tch::{Kind, Tensor};
 
+use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::exchange::allreduce::SumOps;
 use crate::exchange::buckets::{pack, unpack};
 use crate::exchange::comm_thread::CommThread;
 use crate::exchange::config::{Compression, ExchangeConfig, HorovodConfig};
-use crate::exchange::element::Dtype;
 use crate::exchange::staging::{wait_for_stream, Staging};
 use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
 use crate::plan::buckets::{Bucket, BucketPlan, Slot};

@@ -175,7 +175,7 @@ pub(super) fn serve_sync_round(state: &mut ServerState, up: &impl PointToPoint, 
                         if received == 0 {
                             sum.copy_from_slice(pushed);
                         } else {
-                            crate::exchange::element::accumulate(sum, pushed);
+                            crate::element::accumulate(sum, pushed);
                         }
                         received += 1;
                     }

@@ -1,5 +1,8 @@
 //! Element types a gradient buffer may hold: f32, and f16/bf16 for compressed exchanges.
 //!
+//! On the lowest floor, beside the raw layer that hands buffers of them to MPI: the exchange
+//! strategies, the planning code and the benches all speak in them.
+//!
 //! Half-precision values travel over MPI as 16-bit words (MPI has no standard half type) and
 //! are summed in f32, one rounding per addition.
 

@@ -1,0 +1,120 @@
+//! This process and its host, through libc: resident memory, glibc's allocator settings, free
+//! space in a file system, the host name.
+//!
+//! The invariants its unsafe code relies on: an out-parameter is read only once the call that
+//! fills it has succeeded (or it was zero-initialised), and a string handed to libc is
+//! NUL-terminated and outlives the call.
+
+use std::ffi::{c_char, CStr, CString};
+
+/// Peak resident memory of this process, in MiB: the kernel's high-water mark, or the resident
+/// memory now where that is higher. Linux updates `ru_maxrss` from per-thread counters that it
+/// folds in lazily, so right after a growth it can read below the current RSS that
+/// /proc/self/statm gives (seen in results/zero: "peak" below "RSS at end").
+pub fn peak_rss_mb() -> f64 {
+    let now = current_rss_mb(); // also raises the highest seen
+    max_rss_mb().max(now).max(f64::from_bits(HIGHEST_RSS_SEEN.load(std::sync::atomic::Ordering::Relaxed)))
+}
+
+/// The highest value [`current_rss_mb`] has returned, as f64 bits (non-negative floats order
+/// like their bits), so that the peak is never below a figure recorded earlier in the run.
+static HIGHEST_RSS_SEEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// `ru_maxrss` of this process, in MiB (0 when getrusage fails).
+fn max_rss_mb() -> f64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a complete rusage into the pointer it is given; the struct was
+    // zero-initialised, so it is fully initialised even if the call failed (checked).
+    let ok = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } == 0;
+    if !ok {
+        return 0.0;
+    }
+    // SAFETY: zero-initialised above and filled by a successful getrusage.
+    let usage = unsafe { usage.assume_init() };
+    usage.ru_maxrss as f64 / 1024.0 // Linux reports kibibytes
+}
+
+/// Keeps memory that libtorch frees inside the process for its next allocation, instead of
+/// handing it back to the kernel. glibc's defaults serve large blocks from fresh mmaps and
+/// trim the heap's top once a little of it is free, so every training step frees its
+/// activations and then faults the same pages back in, each zeroed by the kernel: a quarter of
+/// a short CPU step on the tiny CNN (perf, results/pytorch_comparison.md). A step's peak is
+/// needed again by the next step, so holding it costs nothing that the step does not already
+/// use (PyTorch's GPU caching allocator holds it the same way). A user's own `MALLOC_*_`
+/// environment settings are left to win.
+pub fn keep_freed_memory() {
+    let user_tuned = std::env::vars_os().any(|(k, _)| k.to_str().is_some_and(|k| k.starts_with("MALLOC_") && k.ends_with('_')));
+    if user_tuned {
+        return;
+    }
+    // SAFETY: mallopt only sets glibc allocator parameters (it takes the allocator's own lock);
+    // it is called first thing in main, and a value it rejects leaves the default in place.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
+    }
+}
+
+/// Current resident memory of this process, in MiB (from /proc/self/statm).
+pub fn current_rss_mb() -> f64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: f64 = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as f64;
+    let mb = pages * page / (1024.0 * 1024.0);
+    HIGHEST_RSS_SEEN.fetch_max(mb.to_bits(), std::sync::atomic::Ordering::Relaxed);
+    mb
+}
+
+/// Bytes an unprivileged process may still write in the file system holding `dir` (statvfs's
+/// f_bavail blocks of f_frsize bytes); None where it cannot be asked (no such directory).
+pub fn free_bytes(dir: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut stat = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `path` is a NUL-terminated string that outlives the call, and `stat` an
+    // out-parameter statvfs fills when it returns 0.
+    if unsafe { libc::statvfs(path.as_ptr(), stat.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: written by the successful call above.
+    let stat = unsafe { stat.assume_init() };
+    // Both fields are u64 here, narrower on 32-bit targets.
+    #[allow(clippy::unnecessary_cast)]
+    Some((stat.f_bavail as u64).saturating_mul(stat.f_frsize as u64))
+}
+
+/// The name of this host.
+pub fn hostname() -> String {
+    let mut buf = [0 as c_char; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes into buf; the last byte is forced to
+    // NUL below, so CStr::from_ptr finds a terminator inside the buffer.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr(), buf.len()) };
+    if rc != 0 {
+        return "unknown".into();
+    }
+    buf[buf.len() - 1] = 0;
+    // SAFETY: NUL-terminated within the buffer (see above).
+    unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The peak is never below a resident-memory figure read earlier, nor below the one now
+    /// (issue 31: results/zero showed a "peak" below "RSS at end").
+    #[test]
+    fn the_peak_is_at_least_every_resident_figure() {
+        let before = current_rss_mb();
+        let mut block = vec![0u8; 96 << 20];
+        // Touch every page so that it becomes resident.
+        block.iter_mut().step_by(4096).for_each(|b| *b = 1);
+        let during = current_rss_mb();
+        assert!(during > before + 64.0, "96 MiB touched: {before:.1} -> {during:.1} MiB");
+        drop(std::hint::black_box(block));
+        let peak = peak_rss_mb();
+        assert!(peak >= during && peak >= current_rss_mb(), "peak {peak:.1} < a figure read before ({during:.1})");
+    }
+}

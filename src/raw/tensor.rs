@@ -1,0 +1,293 @@
+//! Tensor memory without libtorch in between: a tensor's elements as a slice or as an MPI
+//! buffer, plain copies between host tensors, and what tch does not expose, through the shim
+//! (src/shim/grad_hooks.cpp): non-blocking copies, pinned memory, channels-last layouts,
+//! releasing a gradient, libtorch's fused SGD.
+//!
+//! The invariants its unsafe code relies on: a tensor viewed as a slice or handed to MPI is
+//! contiguous, of the element type and on the device the view expects (checked here), and no
+//! other handle of it, in libtorch or the program, touches it while the view lives (the
+//! caller's contract, written as `# Safety` on each function that makes a view); a tensor handed
+//! to the shim is tch's live at::Tensor for the whole call, and one the shim returns is new and
+//! owned by nobody else.
+
+use std::ffi::{c_char, c_int, c_void};
+
+use mpi::datatype::{DatatypeRef, DynBufferMut};
+use mpi::raw::{AsRaw, FromRaw};
+use mpi::traits::Equivalence;
+use tch::{Device, Tensor};
+
+use crate::element::Element;
+use crate::error::{Error, Result};
+use crate::raw::cuda::shim_error;
+use crate::raw::mpi::mpi_count;
+
+extern "C" {
+    fn hpc_copy(dst: *mut c_void, src: *mut c_void, non_blocking: bool, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_pin_memory(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_param_to_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_release_grad(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn hpc_fused_sgd(
+        params: *const *mut c_void,
+        grads: *const *mut c_void,
+        momentum_buffers: *const *mut c_void,
+        count: i64,
+        weight_decay: f64,
+        momentum: f64,
+        lr: f64,
+        is_first_step: bool,
+        error: *mut c_char,
+        error_length: usize,
+    ) -> c_int;
+}
+
+/// Checks that `t` is a contiguous CPU tensor of element type `E` and returns its length.
+pub(super) fn check_host<E: Element>(t: &Tensor) -> Result<usize> {
+    if t.device() != Device::Cpu {
+        return Err(Error::exchange("memory", format!("expected a CPU tensor, got one on {:?}", t.device())));
+    }
+    check_layout::<E>(t)
+}
+
+pub(super) fn check_layout<E: Element>(t: &Tensor) -> Result<usize> {
+    if t.kind() != E::KIND {
+        return Err(Error::exchange("memory", format!("expected {:?} elements, got {:?}", E::KIND, t.kind())));
+    }
+    if !t.is_contiguous() {
+        return Err(Error::exchange("memory", "expected a contiguous tensor"));
+    }
+    Ok(t.numel())
+}
+
+/// The elements of a contiguous CPU tensor, read-only and without a copy.
+///
+/// # Safety
+/// tch tensors are reference-counted handles: other handles of the same storage (shallow
+/// clones, `grad()`, views) are invisible to the borrow checker. While the slice lives, no other
+/// handle may write the tensor's elements or replace its storage (`set_data`, `resize_`, an
+/// in-place op that reallocates), and no device work may write it.
+pub unsafe fn host_slice<E: Element>(t: &Tensor) -> Result<&[E]> {
+    let len = check_host::<E>(t)?;
+    if len == 0 {
+        return Ok(&[]);
+    }
+    // SAFETY: `t` is a defined, contiguous CPU tensor of `len` elements of type E (checked
+    // above), so its data pointer is valid and aligned for `len` reads of E right now. That it
+    // stays valid and unchanged while the slice lives (no writer, no new storage through another
+    // handle) is the caller's contract.
+    Ok(unsafe { std::slice::from_raw_parts(t.data_ptr() as *const E, len) })
+}
+
+/// The elements of a contiguous CPU tensor, writable in place and without a copy.
+///
+/// # Safety
+/// As [`host_slice`], and besides no other handle may read the tensor while the slice lives.
+pub unsafe fn host_slice_mut<E: Element>(t: &mut Tensor) -> Result<&mut [E]> {
+    let len = check_host::<E>(t)?;
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    // SAFETY: as in `host_slice`; the `&mut Tensor` borrow makes this the only slice made through
+    // this handle, and the caller's contract excludes every other handle for its lifetime.
+    Ok(unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut E, len) })
+}
+
+/// A device tensor's memory as an MPI buffer, for a CUDA-aware MPI library.
+///
+/// # Safety
+/// The MPI library must be CUDA-aware (it dereferences the pointer on the device); all device
+/// work writing the tensor must be complete (MPI does not order itself after CUDA streams); the
+/// buffer must only be handed to MPI, never read or written from the host; and, as for
+/// [`host_slice_mut`], no other handle may touch the tensor while the buffer lives.
+pub unsafe fn device_buffer_mut<E: Element>(t: &mut Tensor) -> Result<DynBufferMut<'_>> {
+    if !t.device().is_cuda() {
+        return Err(Error::exchange("memory", "expected a CUDA tensor for the direct device path"));
+    }
+    let len = check_layout::<E>(t)?;
+    let count = mpi_count(len, "a device buffer")?;
+    let datatype = <E::Wire as Equivalence>::equivalent_datatype();
+    // SAFETY: the pointer is the tensor's device allocation of `len` elements of E, each the size
+    // of E::Wire (Element guarantees it), and `count` is `len` (checked to fit); the buffer
+    // borrows the tensor, and the caller's contract keeps the allocation in place while it
+    // lives; the datatype handle is a predefined MPI type, valid until MPI_Finalize.
+    unsafe {
+        let dt = DatatypeRef::from_raw(datatype.as_raw());
+        Ok(DynBufferMut::from_raw(t.data_ptr() as *mut E::Wire, count, dt))
+    }
+}
+
+/// Any contiguous tensor as an MPI buffer: host memory in place, or device memory for a
+/// CUDA-aware MPI.
+///
+/// # Safety
+/// As [`host_slice_mut`] for a host tensor, as [`device_buffer_mut`] for a device tensor.
+pub unsafe fn mpi_buffer_mut<E: Element>(t: &mut Tensor) -> Result<DynBufferMut<'_>> {
+    if t.device().is_cuda() {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { device_buffer_mut::<E>(t) }
+    } else {
+        // SAFETY: forwarded from the caller's contract.
+        let slice = unsafe { host_slice_mut::<E>(t)? };
+        mpi_count(slice.len(), "a host buffer")?;
+        Ok(DynBufferMut::new(E::as_wire_mut(slice)))
+    }
+}
+
+/// Raw pointer of a tensor's data, for identity comparisons only (never dereferenced).
+pub fn data_address(t: &Tensor) -> usize {
+    t.data_ptr() as *const c_void as usize
+}
+
+/// Copies `len` elements from `src` at element `src_at` to `dst` at element `dst_at`, when
+/// both are contiguous CPU tensors of one dtype and the ranges lie inside them, as a plain
+/// memory copy: libtorch's copy costs microseconds of dispatch (and views more), which adds up
+/// over the hundreds of small tensors of a fusion buffer. Returns false, copying nothing, when
+/// the tensors do not qualify (the caller then uses libtorch).
+pub fn copy_host_elements(dst: &mut Tensor, dst_at: usize, src: &Tensor, src_at: usize, len: usize) -> bool {
+    let qualifies = dst.device() == Device::Cpu
+        && src.device() == Device::Cpu
+        && dst.kind() == src.kind()
+        && dst.is_contiguous()
+        && src.is_contiguous()
+        && dst_at + len <= dst.numel()
+        && src_at + len <= src.numel();
+    if !qualifies {
+        return false;
+    }
+    if len == 0 {
+        return true;
+    }
+    let elem = dst.kind().elt_size_in_bytes();
+    // SAFETY: both tensors are contiguous CPU tensors of the same element size, and the ranges
+    // [at, at + len) lie inside each (checked above), so both pointers stay in their
+    // allocations; `dst` is borrowed mutably; `ptr::copy` tolerates overlapping ranges.
+    unsafe {
+        let s = (src.data_ptr() as *const u8).add(src_at * elem);
+        let d = (dst.data_ptr() as *mut u8).add(dst_at * elem);
+        std::ptr::copy(s, d, len * elem);
+    }
+    true
+}
+
+/// `dst.copy_(src, non_blocking)`: libtorch's copy between any devices (tch has no
+/// non-blocking form). Non-blocking only changes anything between pinned host memory and a GPU:
+/// the copy is then queued on the current stream, and the caller waits on an event.
+pub fn copy_into(dst: &mut Tensor, src: &Tensor, non_blocking: bool) -> Result<()> {
+    let mut err = [0 as c_char; 256];
+    let mut src_handle = src.shallow_clone();
+    // SAFETY: both pointers are tch's at::Tensor objects, alive during the call (`dst` borrowed
+    // mutably, `src_handle` owned here); the buffer is writable.
+    let rc = unsafe { hpc_copy(dst.as_mut_ptr() as *mut c_void, src_handle.as_mut_ptr() as *mut c_void, non_blocking, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    Ok(())
+}
+
+/// A pinned (page-locked) copy of a host tensor, from which copies to a GPU run without
+/// blocking. `Tensor.pin_memory()` without a device: tch passes one, which libtorch 2.x
+/// deprecates with a warning per call.
+pub fn pin_memory(t: &Tensor) -> Result<Tensor> {
+    let mut err = [0 as c_char; 256];
+    let mut handle = t.shallow_clone();
+    // SAFETY: the pointer is tch's at::Tensor, alive during the call; the shim returns a new
+    // heap at::Tensor (or null), whose ownership passes to the tch Tensor made from it.
+    let out = unsafe { hpc_pin_memory(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
+    if out.is_null() {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    // SAFETY: a fresh at::Tensor* from the shim, owned by nobody else.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
+/// A copy of a 4-d tensor in channels-last (NHWC) memory order.
+pub fn channels_last(t: &Tensor) -> Result<Tensor> {
+    let mut err = [0 as c_char; 256];
+    let mut handle = t.shallow_clone();
+    // SAFETY: the pointer is tch's at::Tensor, alive during the call; the shim returns a new
+    // heap at::Tensor (or null), whose ownership passes to the tch Tensor made from it.
+    let out = unsafe { hpc_channels_last(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
+    if out.is_null() {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    // SAFETY: a fresh at::Tensor* from the shim, owned by nobody else.
+    Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
+/// Moves a 4-d parameter to channels-last memory order in place (other tensors are left).
+pub fn param_to_channels_last(p: &Tensor) -> Result<()> {
+    let mut err = [0 as c_char; 256];
+    let mut handle = p.shallow_clone();
+    // SAFETY: tch's at::Tensor pointer, alive during the call; set_data keeps the tensor's
+    // identity, so other handles of it see the new storage.
+    let rc = unsafe { hpc_param_to_channels_last(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    Ok(())
+}
+
+/// Drops the parameter's gradient (set to none): its memory goes back once no other handle
+/// holds it, and the next backward makes a new one.
+pub fn release_grad(p: &Tensor) -> Result<()> {
+    let mut err = [0 as c_char; 256];
+    let mut handle = p.shallow_clone();
+    // SAFETY: tch's at::Tensor pointer, alive during the call; the handle shares the
+    // parameter's autograd meta, so the parameter itself loses its gradient.
+    let rc = unsafe { hpc_release_grad(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    Ok(())
+}
+
+/// The SGD update of `params` in one pass per tensor (libtorch's fused SGD kernel): with
+/// d = g + weight_decay w, the momentum buffer v becomes d on the first step and momentum v + d
+/// after, and w -= lr v. `grads` are left as they are. The caller makes each parameter, its
+/// gradient and its buffer alike in device, kind and strides; `momentum_buffers` is empty when
+/// momentum is 0, else one per parameter (contents ignored on the first step).
+pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: &[&Tensor], weight_decay: f64, momentum: f64, lr: f64, is_first_step: bool) -> Result<()> {
+    let buffers_expected = if momentum != 0.0 { params.len() } else { 0 };
+    if grads.len() != params.len() || momentum_buffers.len() != buffers_expected {
+        return Err(Error::Torch(tch::TchError::Torch(format!(
+            "fused SGD: {} parameters, {} gradients, {} momentum buffers",
+            params.len(),
+            grads.len(),
+            momentum_buffers.len()
+        ))));
+    }
+    let pointers = |tensors: &[&Tensor]| -> Vec<*mut c_void> { tensors.iter().map(|t| t.as_ptr() as *mut c_void).collect() };
+    let (p, g, v) = (pointers(params), pointers(grads), pointers(momentum_buffers));
+    let mut err = [0 as c_char; 256];
+    // SAFETY: each pointer is a tch at::Tensor borrowed for the call; the arrays hold `count`
+    // entries each (the buffers' array is read only when momentum is non-zero, and then holds
+    // `count` too: checked above). The shim copies the handles (a reference count) and updates
+    // the tensors' data in place, as any in-place libtorch op on a shared handle does.
+    let rc = unsafe { hpc_fused_sgd(p.as_ptr(), g.as_ptr(), v.as_ptr(), p.len() as i64, weight_decay, momentum, lr, is_first_step, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    Ok(())
+}
+
+/// A flat view of a tensor whose elements fill its storage without gaps (contiguous, or dense
+/// in another order such as channels-last), so that ranks holding the same layout can reduce
+/// it element by element. Errors for tensors with gaps or overlaps.
+pub fn flat_dense_view(t: &Tensor) -> Result<Tensor> {
+    if t.is_contiguous() {
+        return Ok(t.f_view([-1])?);
+    }
+    let (sizes, strides) = (t.size(), t.stride());
+    let mut dims: Vec<(i64, i64)> = sizes.iter().copied().zip(strides.iter().copied()).filter(|(s, _)| *s != 1).collect();
+    dims.sort_by_key(|&(_, stride)| stride);
+    let mut expected = 1;
+    for (size, stride) in dims {
+        if stride != expected {
+            return Err(Error::exchange("memory", format!("a tensor of sizes {sizes:?} and strides {strides:?} is not dense")));
+        }
+        expected *= size;
+    }
+    Ok(t.f_as_strided([t.numel() as i64], [1], None::<i64>)?)
+}
