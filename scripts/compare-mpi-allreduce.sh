@@ -39,7 +39,7 @@ MIN_B=$(to_bytes "$MIN"); MAX_B=$(to_bytes "$MAX")
 [ -x "$HPC_TRAIN_BIN" ] || { echo "compare-mpi-allreduce.sh: build hpc-train first ($HPC_TRAIN_BIN)" >&2; exit 2; }
 mkdir -p "$OUT/logs"
 OUT=$(cd "$OUT" && pwd)
-mpicc -O2 -o "$OUT/mpi-allreduce-bench" scripts/mpi-allreduce-bench.c
+"${MPICC:-mpicc}" -O2 -o "$OUT/mpi-allreduce-bench" scripts/mpi-allreduce-bench.c
 # The same launch for both programs: a rank per core when they fit (Open MPI binds them).
 mpi() { mpirun -n "$RANKS" --oversubscribe "$@"; }
 C_CMD=("$OUT/mpi-allreduce-bench" "$MIN_B" "$MAX_B" "$FACTOR" "$ITERS" "$WARMUP")

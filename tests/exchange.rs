@@ -216,7 +216,7 @@ fn allreduce_and_horovod_call_the_blocking_mpi_allreduce() {
     let dir = scratch("mpi-allreduce-call");
     let shim = dir.join("libcount_mpi_calls.so");
     let source = root().join("tests/fixtures/count_mpi_calls.c");
-    let built = std::process::Command::new("mpicc").args(["-shared", "-fPIC", "-O2", "-o"]).arg(&shim).arg(&source).status().expect("mpicc runs");
+    let built = std::process::Command::new(common::launcher::compiler()).args(["-shared", "-fPIC", "-O2", "-o"]).arg(&shim).arg(&source).status().expect("mpicc runs");
     assert!(built.success(), "mpicc could not build {}", source.display());
     let prefix = dir.join("counts");
     let counts = |ranks: usize| -> Vec<(u64, u64)> {

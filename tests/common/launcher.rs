@@ -30,6 +30,20 @@ pub fn mpi() -> Mpi {
     }
 }
 
+/// The C compiler wrapper of the same MPI (for test fixtures built against it): `MPICC` (set by
+/// scripts/env.sh for the chosen MPI), else the family's Debian name, else `mpicc`, which
+/// Debian's alternatives may point at the other family.
+pub fn compiler() -> OsString {
+    if let Some(mpicc) = std::env::var_os("MPICC").filter(|p| !p.is_empty()) {
+        return mpicc;
+    }
+    let name = match mpi() {
+        Mpi::OpenMpi => "mpicc.openmpi",
+        Mpi::Mpich => "mpicc.mpich",
+    };
+    OsString::from(if on_path(name) { name } else { "mpicc" })
+}
+
 /// Whether `program` is on PATH.
 pub fn on_path(program: &str) -> bool {
     std::env::var_os("PATH").is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
