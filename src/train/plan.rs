@@ -3,7 +3,7 @@
 //! inputs, the model against the data and the memory, the same configuration on every rank.
 //! Also the choice of each rank's device.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use mpi::traits::*;
@@ -136,6 +136,12 @@ pub(super) fn check_threads(threads: usize, cores_online: usize) -> Result<()> {
 /// file overwrote the dataset): the files the run writes against the ones it reads, compared
 /// as canonical paths and, when the output exists, as the same inode (a hard link).
 pub(super) fn check_outputs_are_not_inputs(args: &TrainArgs) -> Result<()> {
+    check_outputs_against_inputs(args, std::env::var_os("HOROVOD_TIMELINE").map(PathBuf::from))
+}
+
+/// [`check_outputs_are_not_inputs`] with the value of `HOROVOD_TIMELINE` given, which a
+/// Horovod-style run without `--timeline` writes its timeline to, as Horovod does.
+fn check_outputs_against_inputs(args: &TrainArgs, horovod_timeline_variable: Option<PathBuf>) -> Result<()> {
     let mut inputs: Vec<(&str, &Path)> = vec![("--data", args.data.as_path())];
     if let Some(model) = &args.cost_model {
         inputs.push(("--cost-model", model));
@@ -144,6 +150,9 @@ pub(super) fn check_outputs_are_not_inputs(args: &TrainArgs) -> Result<()> {
     let mut outputs: Vec<(&str, &Path)> = vec![("--results", runs.as_path())];
     outputs.extend(args.save_weights.as_deref().map(|p| ("--save-weights", p)));
     outputs.extend(args.horovod.timeline.as_deref().map(|p| ("--timeline", p)));
+    if args.strategy == exchange::StrategyKind::Horovod && args.horovod.timeline.is_none() {
+        outputs.extend(horovod_timeline_variable.as_deref().map(|p| ("HOROVOD_TIMELINE", p)));
+    }
     outputs.extend(args.checkpoint_dir.as_deref().map(|p| ("--checkpoint-dir", p)));
     outputs.extend(args.trace_samples.as_deref().map(|p| ("--trace-samples", p)));
     for (input_flag, input) in inputs {
@@ -500,6 +509,11 @@ mod tests {
         std::fs::write(&model, b"{}").unwrap();
         let err = check_outputs_are_not_inputs(&train_args(&["--data", d, "--cost-model", model.to_str().unwrap(), "--save-weights", model.to_str().unwrap()])).unwrap_err().to_string();
         assert!(err.contains("the --cost-model file"), "{err}");
+        // Horovod's variable names an output of a Horovod-style run only.
+        let horovod = train_args(&["--data", d, "--strategy", "horovod"]);
+        let err = check_outputs_against_inputs(&horovod, Some(data.clone())).unwrap_err().to_string();
+        assert!(err.contains("HOROVOD_TIMELINE") && err.contains("it is the --data file"), "{err}");
+        assert!(check_outputs_against_inputs(&train_args(&["--data", d, "--strategy", "ring"]), Some(data.clone())).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
