@@ -111,7 +111,7 @@ Written by `scripts/measure-mpich.sh` on {first['date'][:10]}, in {seconds} s.
 busbw in GB/s (time per exchange in us), nccl-tests' convention (size x 2(n-1)/n / time); after a
 slash, the strategy's busbw divided by MPICH's own `MPI_Allreduce` at that size (above 1: faster).
 {"The last columns: Open MPI's build (target/) measured the same way right after, for comparison." if openmpi else ""}
-Open MPI's figures of other days are in `results/speed/` and `results/README.md`.
+Open MPI's figures of other days are in `results/speed/` and `results/strategies/`.
 """
 for ranks in sorted({r["ranks"] for r in mpich}):
     text += f"\n## {ranks} ranks\n\n{table(ranks)}\n"

@@ -16,11 +16,13 @@ mpi() { local n=$1; shift; mpirun -n "$n" --oversubscribe "$B" "$@"; }
 stamp() { echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), $(nproc) cores: $*"; }
 
 if [[ $what == bench || $what == all ]]; then
+    # Rounds: every strategy measured in turn, the first one changing from round to round, each
+    # row the median of all rounds' iterations (this VM's speed drifts within minutes).
     for n in 2 4; do
-        { stamp "bench, $n ranks, one tensor"; mpi "$n" bench --strategies ring,allreduce --min-bytes 4K --max-bytes 256M --iters 30 --warmup 5 --results $R; } 2>&1 | tee "$R/logs/bench-$n-ranks.txt"
-        { stamp "bench, $n ranks, one tensor"; mpi "$n" bench --strategies ps,horovod --min-bytes 4K --max-bytes 64M --iters 15 --warmup 3 --results $R; } 2>&1 | tee "$R/logs/bench-$n-ranks-ps-horovod.txt"
+        { stamp "bench, $n ranks, one tensor"; mpi "$n" bench --strategies ring,allreduce --min-bytes 4K --max-bytes 256M --iters 10 --warmup 3 --rounds 3 --results $R; } 2>&1 | tee "$R/logs/bench-$n-ranks.txt"
+        { stamp "bench, $n ranks, one tensor"; mpi "$n" bench --strategies ps,horovod --min-bytes 4K --max-bytes 64M --iters 5 --warmup 2 --rounds 3 --results $R; } 2>&1 | tee "$R/logs/bench-$n-ranks-ps-horovod.txt"
     done
-    { stamp "bench, 2 ranks, ResNet-50's 161 tensors"; mpi 2 bench --strategies ring,allreduce,horovod --layout resnet50 --min-bytes 64K --max-bytes 128M --factor 4 --iters 20 --warmup 3 --results $R; } 2>&1 | tee "$R/logs/bench-2-ranks-resnet50-layout.txt"
+    { stamp "bench, 2 ranks, ResNet-50's 161 tensors"; mpi 2 bench --strategies ring,allreduce,horovod --layout resnet50 --min-bytes 64K --max-bytes 128M --factor 4 --iters 7 --warmup 2 --rounds 3 --results $R; } 2>&1 | tee "$R/logs/bench-2-ranks-resnet50-layout.txt"
     for seg in 64 256 1024 4096 65536; do
         { stamp "ring segment $seg KiB, 2 ranks"; mpi 2 bench --strategies ring,allreduce --min-bytes 1M --max-bytes 64M --factor 4 --iters 30 --warmup 3 --segment-kb "$seg" --results "$R/segments"; } 2>&1 | tee "$R/logs/segment-$seg-kib.txt"
     done
