@@ -76,7 +76,7 @@ pub struct TrainArgs {
     pub overlap: OnOff,
 
     /// Ring all-reduce segment size in KiB (the pipelining grain of the ring; the default is the
-    /// best measured in results/README.md).
+    /// best measured in results/strategies/README.md).
     #[arg(long, default_value_t = 4096)]
     pub segment_kb: u64,
 
