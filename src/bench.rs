@@ -420,7 +420,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         segment_bytes: (args.segment_kb as usize) << 10,
         ring_transport: args.ring_transport,
         // The parameter server's benchmark round sums; its optimizer is not used.
-        ps: args.ps.config(crate::optim::SgdConfig { lr: 0.0, momentum: 0.0, weight_decay: 0.0 }),
+        ps: args.ps.config(crate::optim::OptimizerConfig::sgd(0.0, 0.0, 0.0), crate::optim::LrSchedule::constant(0.0)),
         horovod: world.agree(args.horovod.config())?,
         mpi_allreduce: args.mpi_allreduce,
         cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,

@@ -4,10 +4,11 @@
 //! A checkpoint is a folder `ckpt-<step>` under `--checkpoint-dir` holding
 //! - `weights.safetensors`: every model variable by its torchvision name (loadable with
 //!   `safetensors.torch.load_file` and `model.load_state_dict`),
-//! - `optimizer.safetensors`: the SGD momentum buffer of every parameter, by parameter name,
+//! - `optimizer.safetensors`: the optimizer's state buffers of every parameter, by parameter
+//!   name for the momentum (SGD, LARS), `exp_avg/<name>` and `exp_avg_sq/<name>` for AdamW,
 //! - `meta.json`: the step, what the run was (model, dataset and its content fingerprint,
-//!   strategy, ranks, batch, seed, optimizer settings, binary) and the size and CRC-32 of each
-//!   file,
+//!   strategy, ranks, batch, seed, optimizer settings and learning-rate schedule, binary) and
+//!   the size and CRC-32 of each file,
 //! - `meta.crc32`: the size and CRC-32 of `meta.json` itself, so that an edited step or
 //!   setting is found like a damaged weight file.
 //!
@@ -29,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use crate::error::{Error, Result, WithPath};
-use crate::optim::SgdConfig;
+use crate::optim::{LrSchedule, OptimizerConfig};
 
 pub const META_FILE: &str = "meta.json";
 pub const WEIGHTS_FILE: &str = "weights.safetensors";
@@ -37,9 +38,9 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// The size and CRC-32 of meta.json (format 2 on).
 pub const META_CHECK_FILE: &str = "meta.crc32";
 pub const LOCK_FILE: &str = ".lock";
-/// 2: meta.json covered by meta.crc32, the dataset's fingerprint recorded. Format 1 (neither)
-/// is still read.
-const FORMAT: u32 = 2;
+/// 2: meta.json covered by meta.crc32, the dataset's fingerprint recorded. 3: the optimizer's
+/// kind and schedule recorded (issue 35). Formats 1 and 2 (SGD) are still read.
+const FORMAT: u32 = 3;
 const OLDEST_FORMAT: u32 = 1;
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -68,7 +69,12 @@ pub struct CheckpointMeta {
     pub batch_per_rank: usize,
     pub global_batch: usize,
     pub seed: u64,
-    pub sgd: SgdConfig,
+    /// The optimizer (`sgd` in formats 1 and 2, which read as SGD).
+    #[serde(alias = "sgd")]
+    pub optimizer: OptimizerConfig,
+    /// The learning rate per step (absent before format 3: a constant rate).
+    #[serde(default)]
+    pub schedule: Option<LrSchedule>,
     pub optimizer_steps: u64,
     pub git_commit: String,
     pub timestamp: String,
@@ -290,6 +296,15 @@ impl FolderLock {
 }
 
 /// Weights and momentum buffers of a checkpoint, by name.
+/// The name of parameter `param`'s buffer of state slot `slot` in optimizer.safetensors: the
+/// parameter's own name for the momentum (as formats 1 and 2 wrote it), `<slot>/<name>` else.
+pub fn state_name(slot: &str, param: &str) -> String {
+    match slot {
+        "momentum" => param.to_string(),
+        other => format!("{other}/{param}"),
+    }
+}
+
 pub fn load(ckpt: &Checkpoint) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, Tensor>)> {
     let read = |file: &str| -> Result<BTreeMap<String, Tensor>> {
         Ok(Tensor::read_safetensors(ckpt.dir.join(file))?.into_iter().collect())
@@ -344,8 +359,20 @@ pub fn check_compatible(saved: &CheckpointMeta, now: &CheckpointMeta) -> std::re
     if saved.ranks != now.ranks || saved.workers != now.workers {
         accepted.push(format!("ranks {} -> {} with the same global batch of {}", saved.ranks, now.ranks, now.global_batch));
     }
-    if saved.sgd != now.sgd {
-        accepted.push(format!("optimizer settings {:?} -> {:?}", saved.sgd, now.sgd));
+    if saved.optimizer.kind != now.optimizer.kind {
+        return Err(format!(
+            "it was made with --optimizer {}, this run uses {} (their states differ: {} against {})",
+            saved.optimizer.kind.name(),
+            now.optimizer.kind.name(),
+            saved.optimizer.kind.slots().join(", "),
+            now.optimizer.kind.slots().join(", ")
+        ));
+    }
+    if saved.optimizer != now.optimizer {
+        accepted.push(format!("optimizer settings {:?} -> {:?}", saved.optimizer, now.optimizer));
+    }
+    if saved.schedule.is_some() && saved.schedule != now.schedule {
+        accepted.push(format!("learning-rate schedule {:?} -> {:?} (the rate of each step follows this run's)", saved.schedule, now.schedule));
     }
     if saved.git_commit != now.git_commit {
         accepted.push(format!("binary {} -> {}", saved.git_commit, now.git_commit));
@@ -374,7 +401,8 @@ mod tests {
             batch_per_rank: 4,
             global_batch: 8,
             seed: 1,
-            sgd: SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.0 },
+            optimizer: OptimizerConfig::sgd(0.1, 0.9, 0.0),
+            schedule: None,
             optimizer_steps: step,
             git_commit: "abc".into(),
             timestamp: "t".into(),

@@ -37,7 +37,7 @@ use tch::{Device, Tensor};
 use crate::error::{Error, Result};
 use crate::exchange::buckets::{pack, unpack};
 use crate::exchange::{Exchange, ReduceOp};
-use crate::optim::{FiniteCheck, Sgd};
+use crate::optim::{FiniteCheck, Optimizer};
 use crate::plan::buckets::BucketPlan;
 use crate::raw::{CudaEvent, CudaStream, GradReady, GradReadyHooks};
 
@@ -179,7 +179,7 @@ impl Overlap {
         params: &mut [Tensor],
         grads: &mut [Tensor],
         exchange: &mut dyn Exchange,
-        sgd: &mut Sgd,
+        optimizer: &mut Optimizer,
         step: u64,
         epoch: u64,
         optimize: bool,
@@ -194,7 +194,7 @@ impl Overlap {
         let mut finite = FiniteCheck::default();
         let on_comm_stream = self.comm_stream.as_ref().map(CudaStream::make_current).transpose();
         let result = on_comm_stream.and_then(|on_comm_stream| {
-            let times = self.exchange_during_backward(params, grads, exchange, sgd, optimize.then_some(&mut finite), started, &mut backward_ended)?;
+            let times = self.exchange_during_backward(params, grads, exchange, optimizer, optimize.then_some(&mut finite), started, &mut backward_ended)?;
             // The next step's kernels, on the default stream, read what this stream wrote.
             on_comm_stream.map(|s| s.restore()).transpose()?;
             Ok(times)
@@ -226,7 +226,7 @@ impl Overlap {
         params: &mut [Tensor],
         grads: &mut [Tensor],
         exchange: &mut dyn Exchange,
-        sgd: &mut Sgd,
+        optimizer: &mut Optimizer,
         mut finite: Option<&mut FiniteCheck>,
         started: Instant,
         backward_ended: &mut bool,
@@ -239,7 +239,7 @@ impl Overlap {
         let mut times = OverlapTimes::default();
         let mut backward_end = None;
         if let Some(zero) = exchange.zero() {
-            zero.use_plan(&self.plan, params, sgd)?;
+            zero.use_plan(&self.plan, params, optimizer)?;
         }
         exchange.describe_keys(&self.plan);
 
@@ -280,7 +280,7 @@ impl Overlap {
                 if let Some(zero) = exchange.zero() {
                     // ZeRO: reduce-scatter, step this rank's shard, all-gather the weights.
                     zero.reduce_bucket(next, params, finite.as_deref_mut())?;
-                    zero.step_bucket(next, params, sgd)?;
+                    zero.step_bucket(next, params, optimizer)?;
                     times.exchange += t.elapsed();
                     next += 1;
                     continue;
@@ -289,13 +289,13 @@ impl Overlap {
                 times.exchange += t.elapsed();
                 if optimize {
                     let which: Vec<usize> = self.plan.buckets[next].slots.iter().map(|s| s.tensor).collect();
-                    sgd.step_some(params, grads, &which)?;
+                    optimizer.step_some(params, grads, &which)?;
                 }
                 next += 1;
             }
         }
         if optimize {
-            sgd.count_step();
+            optimizer.count_step();
         }
         let end = Instant::now();
         times.exposed = end.saturating_duration_since(backward_end.unwrap_or(started + times.backward).min(end));

@@ -572,6 +572,13 @@ fn projected_record(args: &ProjectArgs, profile: &Profile, p: Point, layout: Lay
         git_commit: results::GIT_COMMIT.into(),
         timestamp: results::timestamp(),
         study: Some(format!("projected-{slug}")),
+        optimizer: None,
+        lr_schedule: None,
+        final_lr: None,
+        accuracy_by_epoch: Vec::new(),
+        target_accuracy: None,
+        time_to_target_s: None,
+        epoch_to_target: None,
         extra,
     }
 }

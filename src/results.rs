@@ -66,6 +66,26 @@ pub struct RunRecord {
     pub timestamp: String,
     #[serde(default)]
     pub study: Option<String>,
+    /// `--optimizer` (sgd, lars, adamw); absent in records of older binaries, which ran SGD.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<String>,
+    /// `--lr-schedule` with its warm-up, e.g. `cosine, warm-up 2 epochs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr_schedule: Option<String>,
+    /// The learning rate of the last step (after `--scale-lr` and the schedule).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_lr: Option<f64>,
+    /// Test accuracy after each epoch (evaluated at every epoch's end), in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accuracy_by_epoch: Vec<f64>,
+    /// `--target-accuracy`: the accuracy asked for, and when test accuracy first reached it:
+    /// the seconds of training until then (evaluation excluded) and the epoch (1-based).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_accuracy: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_to_target_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch_to_target: Option<u64>,
     /// Strategy-specific figures (staleness, cache hits, ...).
     #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub extra: serde_json::Map<String, serde_json::Value>,

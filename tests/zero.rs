@@ -169,8 +169,3 @@ fn zero_with_another_strategy_is_refused() {
     let run = hpc_train(&["--data", d, "--zero", "3"]);
     assert!(!run.ok() && run.all_output().contains("--zero"), "{}", run.all_output());
 }
-
-fn copy_dir(from: &Path, to: &Path) {
-    let status = std::process::Command::new("cp").arg("-a").arg(from).arg(to).status().unwrap();
-    assert!(status.success());
-}

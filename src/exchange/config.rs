@@ -12,7 +12,7 @@ use tch::{Device, Kind};
 
 use crate::cost::CostModel;
 use crate::error::{Error, Result};
-use crate::optim::SgdConfig;
+use crate::optim::{LrSchedule, OptimizerConfig};
 
 /// The strategies a user can choose.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, serde::Deserialize)]
@@ -185,7 +185,9 @@ pub struct PsConfig {
     pub max_staleness: Option<u64>,
     /// A server reports a worker that has sent nothing for this long.
     pub timeout: Duration,
-    pub sgd: SgdConfig,
+    /// The servers' optimizer and its rate per step (the workers' own, see train/setup.rs).
+    pub optimizer: OptimizerConfig,
+    pub schedule: LrSchedule,
     /// Synchronous servers send their optimizer state to rank 0 after every this many steps.
     pub checkpoint_every: Option<u64>,
     /// The global step training starts from (a resumed run).
@@ -200,7 +202,8 @@ impl Default for PsConfig {
             mode: PsMode::Sync,
             max_staleness: None,
             timeout: Duration::from_secs(600),
-            sgd: SgdConfig { lr: 0.1, momentum: 0.0, weight_decay: 0.0 },
+            optimizer: OptimizerConfig::sgd(0.1, 0.0, 0.0),
+            schedule: LrSchedule::constant(0.1),
             checkpoint_every: None,
             first_step: 0,
         }

@@ -10,7 +10,7 @@ use clap::Args;
 use crate::error::{Error, Result};
 use crate::exchange::config::{Compression, HorovodConfig, PsConfig, PsMode, RoleOptions, StrategyKind, DEFAULT_CACHE_CAPACITY};
 use crate::exchange::horovod::env_or;
-use crate::optim::SgdConfig;
+use crate::optim::{LrSchedule, OptimizerConfig};
 
 /// The options given on the command line (by clap id), apart from those left at their
 /// defaults: an option that the chosen strategy never reads is refused, not silently ignored.
@@ -133,14 +133,15 @@ pub struct PsArgs {
 }
 
 impl PsArgs {
-    pub fn config(&self, sgd: SgdConfig) -> PsConfig {
+    pub fn config(&self, optimizer: OptimizerConfig, schedule: LrSchedule) -> PsConfig {
         PsConfig {
             servers: self.servers,
             colocate: self.ps_colocate,
             mode: self.ps_mode,
             max_staleness: self.max_staleness,
             timeout: std::time::Duration::from_secs_f64(self.ps_timeout_s.max(0.001)),
-            sgd,
+            optimizer,
+            schedule,
             checkpoint_every: None,
             first_step: 0,
         }

@@ -9,7 +9,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::element::Dtype;
 use crate::error::{Error, Result};
-use crate::optim::{FiniteCheck, Sgd};
+use crate::optim::{FiniteCheck, Optimizer};
 use crate::plan::buckets::BucketPlan;
 
 /// What a reduction produces: the sum over ranks, or the mean.
@@ -138,13 +138,13 @@ pub trait Exchange {
     /// One training step's update of `params` from the local gradients `grads`: average the
     /// gradients over the workers, then step the optimizer. A parameter server overrides this
     /// (its servers step the optimizer and send weights back).
-    fn update(&mut self, params: &mut [Tensor], grads: &mut [Tensor], sgd: &mut Sgd) -> Result<()> {
+    fn update(&mut self, params: &mut [Tensor], grads: &mut [Tensor], optimizer: &mut Optimizer) -> Result<()> {
         self.all_reduce(grads, ReduceOp::Mean)?;
-        sgd.step(params, grads)
+        optimizer.step(params, grads)
     }
 
     /// On a dedicated server rank: serve the workers until they are all done.
-    fn serve(&mut self, _params: &mut [Tensor], _sgd: &mut Sgd) -> Result<()> {
+    fn serve(&mut self, _params: &mut [Tensor], _optimizer: &mut Optimizer) -> Result<()> {
         Ok(())
     }
 
@@ -154,17 +154,18 @@ pub trait Exchange {
     }
 
     /// For a checkpoint, called by every worker at the same step (and after `finish` for the
-    /// last one): the momentum buffer of every parameter, wherever the optimizer state lives.
-    /// The value matters on rank 0, which writes the checkpoint. By default the local
-    /// optimizer's, which is the same on every rank for the averaging strategies.
-    fn optimizer_state(&mut self, params: &[Tensor], sgd: &Sgd) -> Result<Option<Vec<Tensor>>> {
-        Ok(Some(momentum_or_zeros(params, sgd)?))
+    /// last one): the optimizer's state buffers of every parameter (`[slot][parameter]`, see
+    /// `OptimizerKind::slots`), wherever the state lives. The value matters on rank 0, which
+    /// writes the checkpoint. By default the local optimizer's, which is the same on every rank
+    /// for the averaging strategies.
+    fn optimizer_state(&mut self, params: &[Tensor], optimizer: &Optimizer) -> Result<Option<WholeState>> {
+        Ok(Some(state_or_zeros(params, optimizer)?))
     }
 
-    /// On resume, on every rank: the momentum buffers of every parameter, from the checkpoint
-    /// (the parameters already hold the checkpoint's weights).
-    fn restore_optimizer(&mut self, _params: &[Tensor], momentum: Vec<Tensor>, steps: u64, sgd: &mut Sgd) -> Result<()> {
-        sgd.restore(momentum.into_iter().map(Some).collect(), steps);
+    /// On resume, on every rank: the optimizer's state buffers of every parameter
+    /// (`[slot][parameter]`), from the checkpoint (the parameters already hold its weights).
+    fn restore_optimizer(&mut self, _params: &[Tensor], state: WholeState, steps: u64, optimizer: &mut Optimizer) -> Result<()> {
+        optimizer.restore(state.into_iter().map(|slot| slot.into_iter().map(Some).collect()).collect(), steps);
         Ok(())
     }
 
@@ -175,8 +176,8 @@ pub trait Exchange {
     }
 
     /// Optimizer state and gradient bytes this rank holds between steps.
-    fn held_bytes(&self, params: &[Tensor], sgd: &Sgd) -> HeldBytes {
-        HeldBytes::of(params, sgd)
+    fn held_bytes(&self, params: &[Tensor], optimizer: &Optimizer) -> HeldBytes {
+        HeldBytes::of(params, optimizer)
     }
 
     /// Why an output the strategy was asked to write (Horovod's timeline) is incomplete, on
@@ -195,7 +196,7 @@ pub trait Exchange {
 pub trait ShardedUpdate {
     /// Shards along `plan` (unless they already follow it). Collective when momentum must be
     /// re-cut: every rank changes plans at the same step.
-    fn use_plan(&mut self, plan: &BucketPlan, params: &[Tensor], sgd: &mut Sgd) -> Result<()>;
+    fn use_plan(&mut self, plan: &BucketPlan, params: &[Tensor], optimizer: &mut Optimizer) -> Result<()>;
 
     /// Reduce-scatters bucket `b`'s gradients (averaged): this rank's shard stays for
     /// [`ShardedUpdate::step_bucket`]. The packed local gradients are added to `finite` when
@@ -204,38 +205,45 @@ pub trait ShardedUpdate {
 
     /// Steps the optimizer on this rank's shard of bucket `b`, then all-gathers the bucket's
     /// weights into the parameters.
-    fn step_bucket(&mut self, b: usize, params: &mut [Tensor], sgd: &mut Sgd) -> Result<()>;
+    fn step_bucket(&mut self, b: usize, params: &mut [Tensor], optimizer: &mut Optimizer) -> Result<()>;
 }
 
 /// What a rank holds between steps, for runs.jsonl.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HeldBytes {
-    /// Momentum buffers.
+    /// The optimizer's state buffers (momentum; Adam's two moments).
     pub optimizer_state: usize,
     /// Gradients: the parameters' own, and ZeRO's shards.
     pub gradients: usize,
 }
 
 impl HeldBytes {
-    /// The optimizer's momentum and the parameters' gradients that exist now.
-    pub fn of(params: &[Tensor], sgd: &Sgd) -> HeldBytes {
+    /// The optimizer's state and the parameters' gradients that exist now.
+    pub fn of(params: &[Tensor], optimizer: &Optimizer) -> HeldBytes {
         let bytes = |t: &Tensor| t.numel() * t.kind().elt_size_in_bytes();
         HeldBytes {
-            optimizer_state: sgd.momentum_buffers().iter().flatten().map(bytes).sum(),
+            optimizer_state: optimizer.state_bytes(),
             gradients: params.iter().map(|p| p.grad()).filter(|g| g.defined()).map(|g| bytes(&g)).sum(),
         }
     }
 }
 
-/// The momentum buffers of `sgd` for `params`, zeros before its first step.
-pub fn momentum_or_zeros(params: &[Tensor], sgd: &Sgd) -> Result<Vec<Tensor>> {
-    let buffers = sgd.momentum_buffers();
-    params
-        .iter()
-        .enumerate()
-        .map(|(i, p)| match buffers.get(i) {
-            Some(Some(m)) => Ok(m.shallow_clone()),
-            _ => Ok(p.f_zeros_like()?),
+/// An optimizer's state for whole parameters: `[slot][parameter]` (see `OptimizerKind::slots`).
+pub type WholeState = Vec<Vec<Tensor>>;
+
+/// The state buffers of `optimizer` for `params`, zeros where a buffer is not made yet.
+pub fn state_or_zeros(params: &[Tensor], optimizer: &Optimizer) -> Result<WholeState> {
+    (0..optimizer.kind().slots().len())
+        .map(|slot| {
+            let buffers = optimizer.state(slot);
+            params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| match buffers.get(i) {
+                    Some(Some(b)) => Ok(b.shallow_clone()),
+                    _ => Ok(p.f_zeros_like()?),
+                })
+                .collect()
         })
         .collect()
 }

@@ -11,13 +11,17 @@
 //! buffer, the all-gather fills in every other rank's shard, and the buffer is unpacked into the
 //! parameters.
 //!
-//! - Stage 1 shards the optimizer state: momentum is 1/n per rank.
+//! - Stage 1 shards the optimizer state: momentum (SGD, LARS) or Adam's two moments are 1/n
+//!   per rank. LARS's per-layer norms are summed from the shards: each rank adds its pieces'
+//!   squared norms per layer of the bucket, and a small all-reduce of those sums (two figures
+//!   per layer) runs before the shard steps, so that every piece moves with its whole layer's
+//!   trust ratio.
 //! - Stage 2 also lets go of a bucket's full gradients once they are reduce-scattered (the
 //!   shard is consumed from the buffer at once): between steps a rank holds no gradients. With
 //!   overlap, that happens bucket by bucket while backward still runs.
 //!
 //! The shards follow the bucket plan. When the plan changes (overlap rebuilds its buckets after
-//! the first step) the momentum is made whole by an all-gather and cut again along the new one.
+//! the first step) the optimizer state is made whole by an all-gather and cut again along the new one.
 //! Checkpoints hold it whole, so a run resumes with any rank count and any stage.
 //!
 //! One buffer of the largest bucket, on the parameters' device, serves every bucket in turn:
@@ -34,8 +38,8 @@ use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::exchange::buckets::{pack_slot, unpack};
 use crate::exchange::staging::{wait_for_stream, Mirror};
-use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role, ShardedUpdate};
-use crate::optim::{self, Sgd};
+use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role, ShardedUpdate, WholeState};
+use crate::optim::{self, Optimizer, Pieces};
 use crate::plan::buckets::{Bucket, BucketPlan};
 use crate::raw;
 
@@ -125,6 +129,10 @@ struct Layout {
     pieces: Vec<Piece>,
     /// Per bucket, the indices of its pieces.
     pieces_of: Vec<Vec<usize>>,
+    /// Per piece, the parameter tensor it is part of (LARS's layer).
+    layer_of: Vec<usize>,
+    /// Per bucket, its parameter tensors in plan order (the same on every rank).
+    layers_of: Vec<Vec<usize>>,
     /// Per piece, a view of the parameter's elements: the optimizer updates them in place.
     weights: Vec<Tensor>,
     /// Per piece, a view of where its averaged gradient lands in the bucket buffer.
@@ -205,8 +213,9 @@ pub struct ZeroExchange {
     layout: Option<Layout>,
     /// The bucket buffer: packed gradients, then gathered weights (grown, never shrunk).
     buffer: Option<BucketBuffer>,
-    /// Whole momentum per parameter from a checkpoint, until the first plan cuts it.
-    restored: Option<Vec<Tensor>>,
+    /// The whole optimizer state per parameter (`[slot][parameter]`) from a checkpoint, until
+    /// the first plan cuts it.
+    restored: Option<WholeState>,
 }
 
 impl ZeroExchange {
@@ -217,15 +226,15 @@ impl ZeroExchange {
 }
 
 impl ShardedUpdate for ZeroExchange {
-    /// Shards along `plan` (unless they already follow it). Collective when momentum must be
-    /// re-cut: every rank changes plans at the same step.
-    fn use_plan(&mut self, plan: &BucketPlan, params: &[Tensor], sgd: &mut Sgd) -> Result<()> {
+    /// Shards along `plan` (unless they already follow it). Collective when the optimizer
+    /// state must be re-cut: every rank changes plans at the same step.
+    fn use_plan(&mut self, plan: &BucketPlan, params: &[Tensor], optimizer: &mut Optimizer) -> Result<()> {
         if self.layout.as_ref().is_some_and(|l| l.plan == *plan) {
             return Ok(());
         }
-        let had_momentum = sgd.momentum_buffers().iter().any(Option::is_some);
+        let had_state = optimizer.state_bytes() > 0;
         let whole = match self.layout.take() {
-            Some(old) if had_momentum => Some(self.whole_momentum(&old, params, sgd)?),
+            Some(old) if had_state => Some(self.whole_state(&old, params, optimizer)?),
             _ => self.restored.take(),
         };
         let dtype = common_dtype(params)?;
@@ -256,14 +265,20 @@ impl ShardedUpdate for ZeroExchange {
             }
             Ok((weights, grads))
         })?;
-        let momentum = match whole {
+        // This rank's pieces of every state slot (an optimizer with no state yet starts afresh).
+        let state = match whole {
             Some(whole) => tch::no_grad(|| {
-                all.iter().map(|p| Ok(Some(raw::flat_dense_view(&whole[p.tensor])?.f_narrow(0, p.at as i64, p.len as i64)?.f_detach_copy()?))).collect::<Result<Vec<_>>>()
+                whole
+                    .iter()
+                    .map(|slot| all.iter().map(|p| Ok(Some(raw::flat_dense_view(&slot[p.tensor])?.f_narrow(0, p.at as i64, p.len as i64)?.f_detach_copy()?))).collect::<Result<Vec<_>>>())
+                    .collect::<Result<Vec<_>>>()
             })?,
             None => Vec::new(),
         };
-        sgd.restore(momentum, sgd.steps());
-        self.layout = Some(Layout { plan: plan.clone(), algorithms, shards, pieces: all, pieces_of, weights, grads });
+        optimizer.restore(state, optimizer.steps());
+        let layer_of = all.iter().map(|p| p.tensor).collect();
+        let layers_of = plan.buckets.iter().map(|b| b.slots.iter().map(|s| s.tensor).collect()).collect();
+        self.layout = Some(Layout { plan: plan.clone(), algorithms, shards, pieces: all, pieces_of, layer_of, layers_of, weights, grads });
         Ok(())
     }
 
@@ -293,9 +308,12 @@ impl ShardedUpdate for ZeroExchange {
 
     /// Steps the optimizer on this rank's shard of bucket `b` (the parameters' own elements),
     /// then all-gathers the bucket's weights into the parameters.
-    fn step_bucket(&mut self, b: usize, params: &mut [Tensor], sgd: &mut Sgd) -> Result<()> {
+    fn step_bucket(&mut self, b: usize, params: &mut [Tensor], optimizer: &mut Optimizer) -> Result<()> {
         let layout = self.layout.as_mut().expect("use_plan comes first");
-        sgd.step_some(&mut layout.weights, &mut layout.grads, &layout.pieces_of[b])?;
+        let inner = &mut self.inner;
+        let mut sum_over_ranks = |sums: &mut Tensor| inner.all_reduce(std::slice::from_mut(sums), ReduceOp::Sum);
+        let pieces = Pieces::Parts { layer_of: &layout.layer_of, layers: &layout.layers_of[b], sum_over_ranks: &mut sum_over_ranks };
+        optimizer.step_pieces(&mut layout.weights, &mut layout.grads, &layout.pieces_of[b], pieces)?;
         let (bucket, shard) = (&layout.plan.buckets[b], &layout.shards[b]);
         let buffer = self.buffer.as_mut().expect("a plan is in use");
         let on_device = buffer.on_device(bucket.len);
@@ -322,9 +340,14 @@ impl ZeroExchange {
         self.buffer.as_mut().expect("a plan is in use")
     }
 
-    /// Every parameter's whole momentum (zeros where a shard has none yet), made from every
-    /// rank's shards by an all-gather per bucket. Collective.
-    fn whole_momentum(&mut self, layout: &Layout, params: &[Tensor], sgd: &Sgd) -> Result<Vec<Tensor>> {
+    /// Every parameter's whole optimizer state (`[slot][parameter]`), made from every rank's
+    /// shards by an all-gather per bucket and slot. Collective.
+    fn whole_state(&mut self, layout: &Layout, params: &[Tensor], optimizer: &Optimizer) -> Result<WholeState> {
+        (0..optimizer.kind().slots().len()).map(|slot| self.whole_slot(layout, params, optimizer.state(slot))).collect()
+    }
+
+    /// One state slot made whole (zeros where a shard has none yet).
+    fn whole_slot(&mut self, layout: &Layout, params: &[Tensor], buffers: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
         let mut whole: Vec<Tensor> = params.iter().map(|p| p.f_zeros_like()).collect::<std::result::Result<_, _>>()?;
         for (b, (bucket, shard)) in layout.plan.buckets.iter().zip(&layout.shards).enumerate() {
             let on_device = self.buffer().on_device(bucket.len);
@@ -332,7 +355,7 @@ impl ZeroExchange {
                 for &i in &layout.pieces_of[b] {
                     let piece = &layout.pieces[i];
                     let mut mine = on_device.f_narrow(0, (shard.start + piece.shard_at) as i64, piece.len as i64)?;
-                    match sgd.momentum_buffers().get(i) {
+                    match buffers.get(i) {
                         Some(Some(m)) => mine.f_copy_(m)?,
                         _ => drop(mine.f_zero_()?),
                     }
@@ -401,17 +424,17 @@ impl Exchange for ZeroExchange {
     }
 
     /// Bucket by bucket: reduce-scatter, step the shard, all-gather the weights.
-    fn update(&mut self, params: &mut [Tensor], _grads: &mut [Tensor], sgd: &mut Sgd) -> Result<()> {
+    fn update(&mut self, params: &mut [Tensor], _grads: &mut [Tensor], optimizer: &mut Optimizer) -> Result<()> {
         let sizes: Vec<usize> = params.iter().map(|p| p.numel()).collect();
         let elem_bytes = params.first().map_or(4, |p| p.kind().elt_size_in_bytes());
         let plan = BucketPlan::new(&sizes, elem_bytes, self.bucket_bytes, None);
-        self.use_plan(&plan, params, sgd)?;
+        self.use_plan(&plan, params, optimizer)?;
         for b in 0..plan.buckets.len() {
             crate::watchdog::set_bucket(b);
             self.reduce_bucket(b, params, None)?;
-            self.step_bucket(b, params, sgd)?;
+            self.step_bucket(b, params, optimizer)?;
         }
-        sgd.count_step();
+        optimizer.count_step();
         Ok(())
     }
 
@@ -419,26 +442,26 @@ impl Exchange for ZeroExchange {
         Some(self)
     }
 
-    /// The whole momentum, gathered from the shards (every worker takes part).
-    fn optimizer_state(&mut self, params: &[Tensor], sgd: &Sgd) -> Result<Option<Vec<Tensor>>> {
+    /// The whole optimizer state, gathered from the shards (every worker takes part).
+    fn optimizer_state(&mut self, params: &[Tensor], optimizer: &Optimizer) -> Result<Option<WholeState>> {
         match self.layout.take() {
             Some(layout) => {
-                let whole = self.whole_momentum(&layout, params, sgd);
+                let whole = self.whole_state(&layout, params, optimizer);
                 self.layout = Some(layout);
                 Ok(Some(whole?))
             }
             None => match &self.restored {
-                Some(whole) => Ok(Some(whole.iter().map(|t| t.shallow_clone()).collect())),
-                None => Ok(Some(params.iter().map(|p| p.f_zeros_like()).collect::<std::result::Result<_, _>>()?)),
+                Some(whole) => Ok(Some(whole.iter().map(|slot| slot.iter().map(|t| t.shallow_clone()).collect()).collect())),
+                None => Ok(Some(crate::exchange::strategy::state_or_zeros(params, optimizer)?)),
             },
         }
     }
 
-    /// Keeps the whole momentum until the first plan cuts this rank's shards from it.
-    fn restore_optimizer(&mut self, _params: &[Tensor], momentum: Vec<Tensor>, steps: u64, sgd: &mut Sgd) -> Result<()> {
+    /// Keeps the whole state until the first plan cuts this rank's shards from it.
+    fn restore_optimizer(&mut self, _params: &[Tensor], state: WholeState, steps: u64, optimizer: &mut Optimizer) -> Result<()> {
         self.layout = None;
-        self.restored = Some(momentum);
-        sgd.restore(Vec::new(), steps);
+        self.restored = Some(state);
+        optimizer.restore(Vec::new(), steps);
         Ok(())
     }
 

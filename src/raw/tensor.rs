@@ -41,6 +41,22 @@ extern "C" {
         error: *mut c_char,
         error_length: usize,
     ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn hpc_fused_adamw(
+        params: *const *mut c_void,
+        grads: *const *mut c_void,
+        exp_avgs: *const *mut c_void,
+        exp_avg_sqs: *const *mut c_void,
+        count: i64,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        step: i64,
+        error: *mut c_char,
+        error_length: usize,
+    ) -> c_int;
 }
 
 /// Checks that `t` is a contiguous CPU tensor of element type `E` and returns its length.
@@ -266,6 +282,34 @@ pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: &[&Ten
     // `count` too: checked above). The shim copies the handles (a reference count) and updates
     // the tensors' data in place, as any in-place libtorch op on a shared handle does.
     let rc = unsafe { hpc_fused_sgd(p.as_ptr(), g.as_ptr(), v.as_ptr(), p.len() as i64, weight_decay, momentum, lr, is_first_step, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    Ok(())
+}
+
+/// The AdamW update of `params` in one pass per tensor (libtorch's fused AdamW kernel, that of
+/// `torch.optim.AdamW(fused=True)`) for step `step` counted from 1: see optim/adamw.rs for the
+/// rule. `grads` are left as they are. The caller makes each parameter, its gradient and its two
+/// buffers alike in device, kind and strides.
+#[allow(clippy::too_many_arguments)]
+pub fn fused_adamw(params: &[&Tensor], grads: &[&Tensor], exp_avgs: &[&Tensor], exp_avg_sqs: &[&Tensor], lr: f64, beta1: f64, beta2: f64, weight_decay: f64, eps: f64, step: u64) -> Result<()> {
+    let n = params.len();
+    if grads.len() != n || exp_avgs.len() != n || exp_avg_sqs.len() != n {
+        return Err(Error::Torch(tch::TchError::Torch(format!(
+            "fused AdamW: {n} parameters, {} gradients, {} and {} state buffers",
+            grads.len(),
+            exp_avgs.len(),
+            exp_avg_sqs.len()
+        ))));
+    }
+    let pointers = |tensors: &[&Tensor]| -> Vec<*mut c_void> { tensors.iter().map(|t| t.as_ptr() as *mut c_void).collect() };
+    let (p, g, m, v) = (pointers(params), pointers(grads), pointers(exp_avgs), pointers(exp_avg_sqs));
+    let mut err = [0 as c_char; 256];
+    // SAFETY: each pointer is a tch at::Tensor borrowed for the call; the four arrays hold `n`
+    // entries each (checked above). The shim copies the handles (a reference count) and updates
+    // the tensors' data in place, as any in-place libtorch op on a shared handle does.
+    let rc = unsafe { hpc_fused_adamw(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), n as i64, lr, beta1, beta2, weight_decay, eps, step as i64, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
         return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
     }

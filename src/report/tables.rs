@@ -571,6 +571,13 @@ pub(crate) mod tests {
             git_commit: "abc".into(),
             timestamp: "2025-01-01T00:00:00Z".into(),
             study: None,
+            optimizer: None,
+            lr_schedule: None,
+            final_lr: None,
+            accuracy_by_epoch: Vec::new(),
+            target_accuracy: None,
+            time_to_target_s: None,
+            epoch_to_target: None,
             extra: Default::default(),
         }
     }

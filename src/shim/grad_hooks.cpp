@@ -311,5 +311,28 @@ int hpc_fused_sgd(void **params, void **grads, void **momentum_buffers, int64_t 
   }
 }
 
+int hpc_fused_adamw(void **params, void **grads, void **exp_avgs, void **exp_avg_sqs, int64_t count, double lr,
+                    double beta1, double beta2, double weight_decay, double eps, int64_t step, char *error,
+                    size_t error_length) {
+  try {
+    std::vector<at::Tensor> p, g, m, v, steps;
+    for (int64_t i = 0; i < count; ++i) {
+      p.push_back(*static_cast<at::Tensor *>(params[i]));
+      g.push_back(*static_cast<at::Tensor *>(grads[i]));
+      m.push_back(*static_cast<at::Tensor *>(exp_avgs[i]));
+      v.push_back(*static_cast<at::Tensor *>(exp_avg_sqs[i]));
+      // torch.optim.AdamW counts its steps in a float tensor per parameter, incremented
+      // before the kernel runs: the kernel reads the count of the step it makes.
+      steps.push_back(at::full({}, static_cast<double>(step), at::TensorOptions().dtype(at::kFloat)));
+    }
+    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2, weight_decay, eps,
+                      /*amsgrad=*/false, /*maximize=*/false);
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
 }  // extern "C"
 

@@ -11,7 +11,7 @@ use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
 use crate::data::DatasetInfo;
 use crate::error::{Error, Result};
 use crate::exchange::{self, Exchange};
-use crate::optim::{self, Sgd, SgdConfig};
+use crate::optim::{self, Optimizer};
 use crate::results;
 use crate::topology::World;
 
@@ -82,7 +82,7 @@ pub(super) fn lock_checkpoint_dir(world: &World, args: &TrainArgs) -> Result<Opt
 
 /// What a checkpoint says about the run it belongs to.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info: &DatasetInfo, fingerprint: &str, steps_per_epoch: u64, step: u64, optimizer_steps: u64) -> CheckpointMeta {
+pub(super) fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info: &DatasetInfo, fingerprint: &str, steps_per_epoch: u64, total_steps: u64, step: u64, optimizer_steps: u64) -> CheckpointMeta {
     CheckpointMeta {
         format: 0,
         step,
@@ -99,7 +99,8 @@ pub(super) fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info
         batch_per_rank: plan.batch,
         global_batch: plan.batch * plan.workers,
         seed: args.seed,
-        sgd: SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay },
+        optimizer: args.recipe.config(),
+        schedule: Some(args.recipe.schedule(plan.batch * plan.workers, steps_per_epoch, total_steps)),
         optimizer_steps,
         git_commit: results::GIT_COMMIT.into(),
         timestamp: results::timestamp(),
@@ -146,25 +147,30 @@ pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &Checkpoin
     }
 }
 
-/// Loads the checkpoint on rank 0 and sends weights and momentum to every rank.
-pub(super) fn restore(world: &World, found: Option<&Checkpoint>, net: &mut Net, exchange: &mut dyn Exchange, sgd: &mut Sgd) -> Result<()> {
+/// Loads the checkpoint on rank 0 and sends the weights and the optimizer's state to every rank.
+pub(super) fn restore(world: &World, found: Option<&Checkpoint>, net: &mut Net, exchange: &mut dyn Exchange, optimizer: &mut Optimizer) -> Result<()> {
     let loaded = world.agree(match found {
         Some(c) if world.is_root() => checkpoint::load(c).map(Some),
         _ => Ok(None),
     })?;
     let variables = net.named_variables();
-    let momentum: Vec<Tensor> = net.params.iter().map(|p| p.f_zeros_like()).collect::<std::result::Result<_, _>>()?;
+    let slots = optimizer.kind().slots();
+    let state: Vec<Vec<Tensor>> = slots.iter().map(|_| net.params.iter().map(|p| p.f_zeros_like()).collect::<std::result::Result<_, _>>()).collect::<std::result::Result<_, _>>()?;
     let mut optimizer_steps = 0.0;
     world.agree((|| -> Result<()> {
-        if let Some((weights, saved_momentum)) = &loaded {
+        if let Some((weights, saved_state)) = &loaded {
+            let dir = &found.unwrap().dir;
             tch::no_grad(|| -> Result<()> {
                 for (name, t) in &variables {
-                    let w = weights.get(name).ok_or_else(|| Error::Checkpoint { path: found.unwrap().dir.clone(), reason: format!("no tensor {name}") })?;
+                    let w = weights.get(name).ok_or_else(|| Error::Checkpoint { path: dir.clone(), reason: format!("no tensor {name}") })?;
                     t.shallow_clone().f_copy_(w)?;
                 }
-                for (name, m) in net.param_names.iter().zip(&momentum) {
-                    if let Some(saved) = saved_momentum.get(name) {
-                        m.shallow_clone().f_copy_(saved)?;
+                // A buffer the checkpoint lacks stays zero: a parameter never stepped.
+                for (slot, buffers) in slots.iter().zip(&state) {
+                    for (name, b) in net.param_names.iter().zip(buffers) {
+                        if let Some(saved) = saved_state.get(&checkpoint::state_name(slot, name)) {
+                            b.shallow_clone().f_copy_(saved)?;
+                        }
                     }
                 }
                 Ok(())
@@ -174,10 +180,12 @@ pub(super) fn restore(world: &World, found: Option<&Checkpoint>, net: &mut Net, 
         Ok(())
     })())?;
     broadcast_from_root(&world.comm, &variables.into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
-    broadcast_from_root(&world.comm, &momentum)?;
+    for buffers in &state {
+        broadcast_from_root(&world.comm, buffers)?;
+    }
     let mut steps = optimizer_steps;
     world.comm.process_at_rank(0).broadcast_into(&mut steps);
-    exchange.restore_optimizer(&net.params, momentum, steps as u64, sgd)
+    exchange.restore_optimizer(&net.params, state, steps as u64, optimizer)
 }
 
 /// Collects the optimizer state (every worker takes part) and has rank 0 write the checkpoint:
@@ -188,23 +196,29 @@ pub(super) fn save_checkpoint(
     keep: usize,
     net: &Net,
     exchange: &mut dyn Exchange,
-    sgd: &Sgd,
+    optimizer: &Optimizer,
     meta: CheckpointMeta,
 ) -> Result<Option<Result<std::path::PathBuf>>> {
     // Collective where the state is sharded (ZeRO) or held by servers.
-    let momentum = crate::watchdog::collective("gathering the optimizer state", &world.comm, || exchange.optimizer_state(&net.params, sgd))?;
+    let state = crate::watchdog::collective("gathering the optimizer state", &world.comm, || exchange.optimizer_state(&net.params, optimizer))?;
     if !world.is_root() {
         return Ok(None);
     }
-    let momentum = momentum.ok_or_else(|| Error::exchange("checkpoint", "rank 0 received no optimizer state"))?;
+    let state = state.ok_or_else(|| Error::exchange("checkpoint", "rank 0 received no optimizer state"))?;
     // Never replace good checkpoints with a diverged state: with overlap a non-finite gradient
     // is found at the end of the step on the rank that made it, after the exchange has spread
     // it to every rank, which may reach this checkpoint before that rank ends the job.
-    if !optim::all_finite(&net.params)? || !optim::all_finite(&momentum)? {
+    if !optim::all_finite(&net.params)? || !state.iter().try_fold(true, |ok, slot| Ok::<bool, Error>(ok && optim::all_finite(slot)?))? {
         return Err(Error::NonFinite { what: "weights (no checkpoint written)", step: meta.step, epoch: meta.epoch() });
     }
-    let named_momentum: Vec<(String, Tensor)> = net.param_names.iter().cloned().zip(momentum).collect();
-    Ok(Some(checkpoint::save(dir, meta, &net.named_variables(), &named_momentum, keep)))
+    let named_state: Vec<(String, Tensor)> = optimizer
+        .kind()
+        .slots()
+        .iter()
+        .zip(state)
+        .flat_map(|(slot, buffers)| net.param_names.iter().map(|name| checkpoint::state_name(slot, name)).zip(buffers).collect::<Vec<_>>())
+        .collect();
+    Ok(Some(checkpoint::save(dir, meta, &net.named_variables(), &named_state, keep)))
 }
 
 /// `--save-weights` for a run that had nothing left to train: the checkpoint's weights.

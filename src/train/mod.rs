@@ -18,6 +18,7 @@ mod net;
 pub mod options;
 mod plan;
 mod progress;
+pub mod recipe;
 mod record;
 mod run;
 mod setup;
@@ -65,6 +66,8 @@ impl Run<'_> {
             totals: Timings::default(),
             measured: Timings::default(),
             last_eval: None,
+            accuracy_by_epoch: Vec::new(),
+            reached_target: None,
             final_loss: f64::NAN,
             rss_warmup: raw::current_rss_mb(),
             last_step: self.first_step,
@@ -75,7 +78,7 @@ impl Run<'_> {
 
     /// A dedicated parameter server: serve the workers until they are done.
     fn serve(&mut self) -> Result<Outcome> {
-        self.exchange.serve(&mut self.net.params, &mut self.sgd)?;
+        self.exchange.serve(&mut self.net.params, &mut self.optimizer)?;
         Ok(self.outcome())
     }
 
@@ -107,7 +110,18 @@ impl Run<'_> {
                 self.report_progress(step, done.epoch, &mut window, &out.totals, &state.progress);
             }
             if epoch_end && !self.args.no_eval && self.info.test.len > 0 {
-                out.last_eval = Some(self.evaluate_epoch(step, done.epoch, &state)?);
+                let (test_loss, accuracy) = self.evaluate_epoch(step, done.epoch, &state)?;
+                out.accuracy_by_epoch.push(accuracy);
+                match self.args.recipe.target_accuracy {
+                    Some(target) if accuracy >= target && out.reached_target.is_none() => {
+                        out.reached_target = Some((out.totals.step.as_secs_f64(), done.epoch + 1));
+                        if self.world.is_root() {
+                            state.progress.suspend(|| log::info!("target accuracy {:.2}% reached in epoch {} after {:.1} s of training", target * 100.0, done.epoch + 1, out.totals.step.as_secs_f64()));
+                        }
+                    }
+                    _ => {}
+                }
+                out.last_eval = Some((test_loss, accuracy));
             }
             if self.checkpoint_due(out.last_step) {
                 self.save_checkpoint(out.last_step)?;

@@ -59,6 +59,27 @@ impl Net {
         all
     }
 
+    /// Copies every variable from a safetensors file of the model's variables by name
+    /// (`--init-weights`: what --save-weights and checkpoints write, or a torchvision
+    /// state_dict saved with safetensors). Every variable must be there with its shape.
+    pub(super) fn load_weights(&self, path: &std::path::Path) -> Result<()> {
+        let refuse = |reason: String| crate::error::Error::usage(format!("--init-weights {}: {reason}", path.display()));
+        let file: std::collections::BTreeMap<String, Tensor> = Tensor::read_safetensors(path)
+            .map_err(|e| refuse(format!("not a readable safetensors file ({e})")))?
+            .into_iter()
+            .collect();
+        tch::no_grad(|| -> Result<()> {
+            for (name, variable) in self.named_variables() {
+                let saved = file.get(&name).ok_or_else(|| refuse(format!("no tensor {name} among its {} (weights of another model?)", file.len())))?;
+                if saved.size() != variable.size() {
+                    return Err(refuse(format!("{name} has shape {:?}, the model's is {:?}", saved.size(), variable.size())));
+                }
+                variable.shallow_clone().f_copy_(saved)?;
+            }
+            Ok(())
+        })
+    }
+
     pub(super) fn grads(&self) -> Vec<Tensor> {
         self.params.iter().map(|p| p.grad()).collect()
     }

@@ -11,6 +11,8 @@ use crate::exchange::config::{CudaAware, MpiAllreduceCall, RingTransport, Strate
 use crate::exchange::options::{check_strategy_options, Given, HorovodArgs, PsArgs};
 use crate::model::ModelKind;
 
+use super::recipe::RecipeArgs;
+
 /// The exchange watchdog's default: far beyond any one exchange on a working cluster (a 100 MB
 /// bucket over a 1 Gbit/s link takes about a second; the first exchange may also set up
 /// connections), and far below a batch job's time limit.
@@ -51,17 +53,8 @@ pub struct TrainArgs {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: Option<u64>,
 
-    /// Learning rate.
-    #[arg(long, default_value_t = 0.05)]
-    pub lr: f64,
-
-    /// SGD momentum.
-    #[arg(long, default_value_t = 0.9)]
-    pub momentum: f64,
-
-    /// Weight decay (L2), applied to every parameter as torch.optim.SGD does.
-    #[arg(long, default_value_t = 1e-4)]
-    pub weight_decay: f64,
+    #[command(flatten)]
+    pub recipe: RecipeArgs,
 
     /// Seed for weights and data order (the same on every rank).
     #[arg(long, default_value_t = 42)]
@@ -160,6 +153,11 @@ pub struct TrainArgs {
     #[arg(long)]
     pub no_eval: bool,
 
+    /// Start from these weights instead of the seeded ones: a safetensors file of the model's
+    /// variables by their torchvision names, as --save-weights and checkpoints write them.
+    #[arg(long)]
+    pub init_weights: Option<PathBuf>,
+
     /// Write the final weights (safetensors, loadable from PyTorch) to this file.
     #[arg(long)]
     pub save_weights: Option<PathBuf>,
@@ -209,6 +207,9 @@ impl TrainArgs {
                     return Err(Error::usage(format!("{flag} without --checkpoint-dir: no checkpoint is written; add --checkpoint-dir DIR")));
                 }
             }
+        }
+        for &strategy in strategies {
+            self.recipe.check(&self.given, strategy, self.ps.ps_mode)?;
         }
         check_strategy_options(&self.given, strategies, &self.ps)
     }

@@ -60,10 +60,10 @@ impl Plan {
         if args.bucket_mb < 0.0 || !args.bucket_mb.is_finite() {
             return Err(Error::usage(format!("--bucket-mb {}: expected 0 or more", args.bucket_mb)));
         }
-        if args.lr <= 0.0 || !args.lr.is_finite() {
-            return Err(Error::usage(format!("--lr {}: expected a positive learning rate", args.lr)));
+        args.recipe.check(&args.given, args.strategy, args.ps.ps_mode)?;
+        if args.recipe.target_accuracy.is_some() && args.no_eval {
+            return Err(Error::usage("--target-accuracy with --no-eval: the accuracy is measured by the evaluation at each epoch's end; drop --no-eval"));
         }
-        check_sgd_settings(args.momentum, args.weight_decay)?;
         check_outputs_are_not_inputs(args)?;
         let device = device?;
         if device == Device::Cpu && args.precision != Precision::Fp32 {
@@ -97,23 +97,6 @@ impl Plan {
     }
 }
 
-/// `--momentum` and `--weight-decay` as torch.optim.SGD takes them: it refuses a negative
-/// momentum or weight decay. A momentum of 1 or more is refused as well: the momentum buffer
-/// then never forgets a gradient, and grows without bound (1.5 ended at a loss of 1e10).
-pub(super) fn check_sgd_settings(momentum: f64, weight_decay: f64) -> Result<()> {
-    if !(0.0..1.0).contains(&momentum) {
-        return Err(Error::usage(format!(
-            "--momentum {momentum}: expected 0 <= momentum < 1 (torch.optim.SGD refuses a negative one; at 1 or more the momentum buffer never decays and training diverges)"
-        )));
-    }
-    if !weight_decay.is_finite() || weight_decay < 0.0 {
-        return Err(Error::usage(format!(
-            "--weight-decay {weight_decay}: expected a finite weight decay of 0 or more (torch.optim.SGD refuses a negative one)"
-        )));
-    }
-    Ok(())
-}
-
 /// Intra-op threads beyond this many per core online are refused.
 const MAX_THREADS_PER_CORE: usize = 4;
 
@@ -145,6 +128,9 @@ fn check_outputs_against_inputs(args: &TrainArgs, horovod_timeline_variable: Opt
     let mut inputs: Vec<(&str, &Path)> = vec![("--data", args.data.as_path())];
     if let Some(model) = &args.cost_model {
         inputs.push(("--cost-model", model));
+    }
+    if let Some(weights) = &args.init_weights {
+        inputs.push(("--init-weights", weights));
     }
     let runs = results::runs_path(&args.results);
     let mut outputs: Vec<(&str, &Path)> = vec![("--results", runs.as_path())];
@@ -301,9 +287,7 @@ pub(super) fn config_fingerprint(args: &TrainArgs) -> Vec<(String, String)> {
         ("global-batch".into(), format!("{:?}", args.global_batch)),
         ("epochs".into(), args.epochs.to_string()),
         ("steps".into(), format!("{:?}", args.steps)),
-        ("lr".into(), args.lr.to_string()),
-        ("momentum".into(), args.momentum.to_string()),
-        ("weight-decay".into(), args.weight_decay.to_string()),
+        ("init-weights".into(), format!("{:?}", args.init_weights)),
         ("seed".into(), args.seed.to_string()),
         ("bucket-mb".into(), args.bucket_mb.to_string()),
         ("segment-kb".into(), args.segment_kb.to_string()),
@@ -316,6 +300,7 @@ pub(super) fn config_fingerprint(args: &TrainArgs) -> Vec<(String, String)> {
         ("zero".into(), args.zero.to_string()),
         ("mpi-allreduce".into(), args.mpi_allreduce.name().into()),
     ];
+    out.extend(args.recipe.fingerprint());
     out.sort();
     out
 }
@@ -459,19 +444,6 @@ mod tests {
         let mut argv = vec!["hpc-train"];
         argv.extend(extra);
         Command::try_parse_from(argv).unwrap().train
-    }
-
-    #[test]
-    fn sgd_settings_torch_refuses_are_refused() {
-        assert!(check_sgd_settings(0.9, 1e-4).is_ok());
-        assert!(check_sgd_settings(0.0, 0.0).is_ok());
-        for (momentum, flag) in [(-5.0, "--momentum -5"), (1.0, "--momentum 1"), (1.5, "--momentum 1.5"), (f64::NAN, "--momentum NaN")] {
-            let err = check_sgd_settings(momentum, 0.0).unwrap_err().to_string();
-            assert!(err.starts_with(&format!("{flag}: expected 0 <= momentum < 1")), "{err}");
-        }
-        for (decay, flag) in [(-100.0, "--weight-decay -100"), (f64::NAN, "--weight-decay NaN"), (f64::INFINITY, "--weight-decay inf")] {
-            assert!(check_sgd_settings(0.9, decay).unwrap_err().to_string().starts_with(flag));
-        }
     }
 
     #[test]

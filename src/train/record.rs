@@ -90,7 +90,7 @@ impl Run<'_> {
         });
         let report = self.exchange.report();
         // Memory held between steps (after the last one), the largest over the ranks.
-        let held = self.exchange.held_bytes(&self.net.params, &self.sgd);
+        let held = self.exchange.held_bytes(&self.net.params, &self.optimizer);
         let (optimizer_state_bytes, gradient_bytes) = (world.max_f64(held.optimizer_state as f64), world.max_f64(held.gradients as f64));
         if !world.is_root() {
             return None;
@@ -150,6 +150,13 @@ impl Run<'_> {
             git_commit: results::GIT_COMMIT.into(),
             timestamp: results::timestamp(),
             study: context.study.clone(),
+            optimizer: Some(args.recipe.optimizer.name().into()),
+            lr_schedule: Some(self.optimizer.schedule().describe(self.steps_per_epoch)),
+            final_lr: Some(self.optimizer.lr()),
+            accuracy_by_epoch: out.accuracy_by_epoch.clone(),
+            target_accuracy: args.recipe.target_accuracy,
+            time_to_target_s: out.reached_target.map(|r| r.0),
+            epoch_to_target: out.reached_target.map(|r| r.1),
             extra,
         })
     }

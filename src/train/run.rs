@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::exchange::Exchange;
 use crate::faults::Faults;
 use crate::model::InputSpec;
-use crate::optim::Sgd;
+use crate::optim::Optimizer;
 use crate::overlap::Overlap;
 use crate::topology::World;
 
@@ -41,7 +41,7 @@ pub(super) struct Run<'a> {
     pub(super) spec: InputSpec,
     pub(super) net: Net,
     pub(super) exchange: Box<dyn Exchange>,
-    pub(super) sgd: Sgd,
+    pub(super) optimizer: Optimizer,
     pub(super) overlap: Option<Overlap>,
     pub(super) faults: Faults,
     pub(super) stop: StopSignal,
@@ -69,6 +69,10 @@ pub(super) struct Outcome {
     /// The steps after warm-up, which throughput is computed from.
     pub(super) measured: Timings,
     pub(super) last_eval: Option<(f64, f64)>,
+    /// Test accuracy at each epoch's end, and when it first reached --target-accuracy: the
+    /// training time until then (evaluations excluded) and the epoch (1-based).
+    pub(super) accuracy_by_epoch: Vec<f64>,
+    pub(super) reached_target: Option<(f64, u64)>,
     pub(super) final_loss: f64,
     pub(super) rss_warmup: f64,
     pub(super) last_step: u64,

@@ -9,7 +9,7 @@ use crate::data::{self};
 use crate::error::{Error, Result};
 use crate::exchange::{self, ExchangeConfig, Role};
 use crate::faults::Faults;
-use crate::optim::{self, Sgd, SgdConfig};
+use crate::optim::{self, LrSchedule, Optimizer, OptimizerConfig};
 use crate::overlap::Overlap;
 use crate::raw;
 use crate::results::{self};
@@ -55,8 +55,11 @@ impl<'a> Run<'a> {
         let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
         world.agree(check_model_fits(args, &info, &plan, world))?;
         let (mut net, spec) = world.agree(Net::new(args, &info, plan.device))?;
+        if let Some(path) = &args.init_weights {
+            world.agree(if world.is_root() { net.load_weights(path) } else { Ok(()) })?;
+        }
         // Same seed on every rank gives the same weights; rank 0's are sent anyway, so that a
-        // mismatch (another libtorch, another seed) cannot start.
+        // mismatch (another libtorch, another seed) cannot start, and --init-weights is read once.
         broadcast_from_root(&world.comm, &net.named_variables().into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
         if args.channels_last {
             world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;
@@ -71,7 +74,7 @@ impl<'a> Run<'a> {
             (Some(_), true) => data::fingerprint(&info, &labels),
             _ => Ok(String::new()),
         })?;
-        let now = checkpoint_meta(args, world, &plan, &info, &dataset_fingerprint, steps_per_epoch, 0, 0);
+        let now = checkpoint_meta(args, world, &plan, &info, &dataset_fingerprint, steps_per_epoch, total_steps, 0, 0);
         let resume_from = world.agree(find_resume_point(world, args, &now))?;
         let first_step = broadcast_step(&world.comm, resume_from.as_ref().map(|c| c.meta.step)).unwrap_or(0);
         if first_step > 0 && first_step >= total_steps {
@@ -87,14 +90,15 @@ impl<'a> Run<'a> {
             return Ok(None);
         }
 
-        let sgd_config = SgdConfig { lr: args.lr, momentum: args.momentum, weight_decay: args.weight_decay };
-        let config = exchange_config(world, args, &plan, sgd_config, first_step)?;
+        let optimizer_config = args.recipe.config();
+        let schedule = args.recipe.schedule(global_batch, steps_per_epoch, total_steps);
+        let config = exchange_config(world, args, &plan, optimizer_config, schedule.clone(), first_step)?;
         let mut exchange = world.agree(exchange::build(args.strategy, world, &config))?;
         world.agree(exchange.prepare(&net.params))?;
         exchange.name_tensors(&net.param_names);
-        let mut sgd = Sgd::new(sgd_config);
+        let mut optimizer = Optimizer::new(optimizer_config, schedule, optim::exempt_from_lars(&net.params));
         if resume_from.is_some() || first_step > 0 {
-            restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut sgd)?;
+            restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?;
         }
         let overlap = make_overlap(world, args, &plan, &net, config.bucket_bytes)?;
         if let Some(overlap) = &overlap {
@@ -113,7 +117,7 @@ impl<'a> Run<'a> {
             Role::Server => (0, plan.workers),
         };
         let run = Run {
-            world, args, plan, info, labels, cache_data, spec, net, exchange, sgd, overlap, faults, stop, workers_comm, worker, workers,
+            world, args, plan, info, labels, cache_data, spec, net, exchange, optimizer, overlap, faults, stop, workers_comm, worker, workers,
             global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),
             dataset_fingerprint, checkpoints: CheckpointLog { newest_good: resume_from.as_ref().map(|c| c.meta.step), failed: Vec::new() },
             _checkpoint_lock: checkpoint_lock,
@@ -133,6 +137,18 @@ impl<'a> Run<'a> {
             info.train.len, info.test.len, plan.batch, self.global_batch, self.first_step, self.total_steps, self.total_steps as f64 / self.steps_per_epoch as f64,
             device_name(plan.device), plan.threads
         );
+        let schedule = self.optimizer.schedule();
+        log::info!(
+            "optimizer {}; learning rate {} ({}{}), label smoothing {}",
+            self.optimizer.config.describe(),
+            schedule.peak,
+            schedule.describe(self.steps_per_epoch),
+            match args.recipe.scale_lr {
+                optim::ScaleLr::None => String::new(),
+                scale => format!(", --lr {} scaled {:?} from a batch of {}", args.recipe.lr, scale, args.recipe.base_batch).to_lowercase(),
+            },
+            args.recipe.label_smoothing
+        );
         let split_mb = (info.train.len * info.sample_bytes()) as f64 / 1e6;
         if self.cache_data {
             log::info!("training split held in memory ({split_mb:.1} MB per rank; --cache-data)");
@@ -146,8 +162,8 @@ impl<'a> Run<'a> {
 }
 
 /// The exchange's options from the command line and the plan.
-fn exchange_config(world: &World, args: &TrainArgs, plan: &Plan, sgd: SgdConfig, first_step: u64) -> Result<ExchangeConfig> {
-    let mut ps = args.ps.config(sgd);
+fn exchange_config(world: &World, args: &TrainArgs, plan: &Plan, optimizer: OptimizerConfig, schedule: LrSchedule, first_step: u64) -> Result<ExchangeConfig> {
+    let mut ps = args.ps.config(optimizer, schedule);
     ps.checkpoint_every = args.checkpoint_dir.as_ref().map(|_| args.checkpoint_every);
     ps.first_step = first_step;
     Ok(ExchangeConfig {

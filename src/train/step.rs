@@ -96,6 +96,7 @@ impl Run<'_> {
     pub(super) fn step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
         let started = Instant::now();
         crate::watchdog::set_step(step);
+        self.optimizer.begin_step(step);
         let batch = state.loader.next()?;
         let data_wait = started.elapsed();
         state.trace.record(&batch)?;
@@ -136,7 +137,7 @@ impl Run<'_> {
             self.backward_and_exchange(losses, &mut grads, compute_start, step, batch.epoch, optimize_in_exchange)?;
         if let Some(scaler) = &mut state.scaler {
             if scaler.unscale_or_skip(&mut grads)? {
-                self.sgd.step(&mut self.net.params, &mut grads)?;
+                self.optimizer.step(&mut self.net.params, &mut grads)?;
             } else if self.world.is_root() {
                 state.progress.suspend(|| log::info!("fp16: gradients overflowed at step {step}; step skipped, loss scale now {}", scaler.scale));
             }
@@ -145,19 +146,20 @@ impl Run<'_> {
             eprintln!("rank {}: stalling {:.1} s after the exchange of step {step} (injected fault)", self.world.rank, pause.as_secs_f64());
             std::thread::sleep(pause);
         }
-        let optimizer = self.sgd.take_busy();
+        let optimizer = self.optimizer.take_busy();
         let comm = comm.saturating_sub(optimizer);
         let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total, exchange_exposed };
         Ok(StepDone { timings, loss_sum, samples: n, epoch: batch.epoch })
     }
 
-    /// The summed loss of the rank's samples, in f32 (autocast for bf16 and fp16).
+    /// The summed loss of the rank's samples (with --label-smoothing), in f32 (autocast for bf16
+    /// and fp16).
     fn forward(&self, norm: &Normalizer, batch: &Batch) -> Result<Tensor> {
         let x = norm.images(&batch.images, batch.labels.len())?;
         let y = norm.labels(&batch.labels)?;
         let loss = || -> Result<Tensor> {
             let logits = self.net.model.forward_t(&x, true);
-            Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_to_kind(Kind::Float)?)
+            Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, self.args.recipe.label_smoothing)?.f_to_kind(Kind::Float)?)
         };
         // Autocast only where the precision asks for it (bf16 and fp16 run on CUDA only: see
         // Plan::resolve); fp32 and tf32 steps make no autocast call at all.
@@ -186,7 +188,7 @@ impl Run<'_> {
         let device = self.plan.device;
         if let (Some(overlap), Some(losses)) = (&mut self.overlap, losses.as_ref()) {
             let forward = compute_start.elapsed();
-            let (times, finite) = overlap.step(losses.scaled.shallow_clone(), &mut self.net.params, grads, self.exchange.as_mut(), &mut self.sgd, step, epoch, optimize)?;
+            let (times, finite) = overlap.step(losses.scaled.shallow_clone(), &mut self.net.params, grads, self.exchange.as_mut(), &mut self.optimizer, step, epoch, optimize)?;
             exchange::staging::synchronize_device(device);
             let loss_sum = losses.read()?;
             if !finite.all_finite()? {
@@ -210,7 +212,7 @@ impl Run<'_> {
             let exchange = &mut self.exchange;
             let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
             if optimize {
-                exchange.update(&mut self.net.params, grads, &mut self.sgd)?;
+                exchange.update(&mut self.net.params, grads, &mut self.optimizer)?;
             } else {
                 exchange.all_reduce(grads, ReduceOp::Mean)?;
             }
@@ -259,8 +261,8 @@ impl Run<'_> {
     /// from; otherwise it is logged and counted, and the run ends non-zero (see `record`).
     pub(super) fn save_checkpoint(&mut self, last_step: u64) -> Result<()> {
         let Some(dir) = &self.args.checkpoint_dir else { return Ok(()) };
-        let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, last_step, self.sgd.steps());
-        match save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.sgd, meta)? {
+        let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, self.total_steps, last_step, self.optimizer.steps());
+        match save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta)? {
             Some(written) => self.checkpoints.note(dir, last_step, written),
             None => Ok(()),
         }

@@ -334,3 +334,9 @@ pub fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// A copy of folder `from` at `to` (`cp -a`).
+pub fn copy_dir(from: &Path, to: &Path) {
+    let status = Command::new("cp").arg("-a").arg(from).arg(to).status().unwrap();
+    assert!(status.success());
+}

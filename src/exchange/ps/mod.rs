@@ -39,8 +39,8 @@ use crate::exchange::buckets::{pack, unpack};
 use crate::exchange::comm_thread::CommThread;
 use crate::exchange::config::{ExchangeConfig, PsConfig, PsMode};
 use crate::exchange::staging::wait_for_stream;
-use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
-use crate::optim::Sgd;
+use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role, WholeState};
+use crate::optim::Optimizer;
 use crate::plan::buckets::Bucket;
 use crate::raw::{self, PointToPoint};
 use crate::topology::World;
@@ -87,9 +87,9 @@ pub struct ParameterServer {
     /// Whether training pushed through the servers (then finish() tells them it is over).
     trained: bool,
     /// Momentum buffers from a checkpoint, until the servers take their shares.
-    restored: Option<(Vec<Tensor>, u64)>,
+    restored: Option<(WholeState, u64)>,
     /// Rank 0: the servers' momentum, sent with the final weights.
-    final_momentum: Option<Vec<Tensor>>,
+    final_state: Option<WholeState>,
 }
 
 impl ParameterServer {
@@ -129,7 +129,7 @@ impl ParameterServer {
             staleness: Staleness::default(),
             trained: false,
             restored: None,
-            final_momentum: None,
+            final_state: None,
         })
     }
 
@@ -311,20 +311,22 @@ impl ParameterServer {
         let mut weights = Tensor::f_zeros([bucket.len as i64], (Kind::Float, Device::Cpu))?;
         let host: Vec<Tensor> = params.iter().map(|p| p.f_to_device(Device::Cpu)).collect::<std::result::Result<_, _>>()?;
         pack(&bucket, &host, &mut weights);
-        let mut state = ServerState::new(weights, self.roles.workers.len(), &self.config)?;
-        if let Some((momentum, steps)) = &self.restored {
-            state.restore_momentum(&bucket, momentum, *steps)?;
+        let mut state = ServerState::new(weights, &bucket, self.roles.workers.len(), &self.config, crate::optim::exempt_from_lars(params))?;
+        if let Some((whole, steps)) = &self.restored {
+            state.restore_state(&bucket, whole, *steps)?;
         }
         Ok(state)
     }
 
-    /// Rank 0: every server's momentum share, as one buffer per parameter (`own`: this rank's
-    /// share when it is a server itself).
-    fn collect_momentum(&self, params: &[Tensor], own: Option<Tensor>) -> Result<Vec<Tensor>> {
+    /// Rank 0: every server's optimizer state share, as whole buffers per slot and parameter
+    /// (`own`: this rank's share when it is a server itself).
+    fn collect_state(&self, params: &[Tensor], own: Option<Tensor>) -> Result<WholeState> {
         let layout = self.layout.as_ref().expect("layout made first");
-        let mut out: Vec<Tensor> = params.iter().map(|p| Tensor::f_zeros(p.size().as_slice(), (Kind::Float, Device::Cpu))).collect::<std::result::Result<_, _>>()?;
+        let slots = self.config.optimizer.kind.slots().len();
+        let zeros = || params.iter().map(|p| Tensor::f_zeros(p.size().as_slice(), (Kind::Float, Device::Cpu))).collect::<std::result::Result<Vec<_>, _>>();
+        let mut out: WholeState = (0..slots).map(|_| zeros()).collect::<std::result::Result<_, _>>()?;
         for (&server, bucket) in self.roles.servers.iter().zip(&layout.buckets) {
-            let mut share = Tensor::f_zeros([bucket.len as i64], (Kind::Float, Device::Cpu))?;
+            let mut share = Tensor::f_zeros([(slots * bucket.len) as i64], (Kind::Float, Device::Cpu))?;
             match (&own, server == self.rank) {
                 (Some(mine), true) => share.f_copy_(mine)?,
                 _ => {
@@ -332,7 +334,9 @@ impl ParameterServer {
                     self.down.receive_into(server, unsafe { raw::host_slice_mut::<f32>(&mut share)? }, STATE);
                 }
             }
-            unpack(bucket, &share, &mut out);
+            for (k, slot) in out.iter_mut().enumerate() {
+                unpack(bucket, &share.f_narrow(0, (k * bucket.len) as i64, bucket.len as i64)?, slot);
+            }
         }
         Ok(out)
     }
@@ -405,7 +409,7 @@ impl Exchange for ParameterServer {
 
     /// Worker: push gradients, pull the weights the servers computed (the local optimizer is
     /// not used: servers own the optimizer state).
-    fn update(&mut self, params: &mut [Tensor], grads: &mut [Tensor], _sgd: &mut Sgd) -> Result<()> {
+    fn update(&mut self, params: &mut [Tensor], grads: &mut [Tensor], _sgd: &mut Optimizer) -> Result<()> {
         self.trained = true;
         if self.config.colocate && self.config.mode == PsMode::Async && self.thread.is_none() {
             // This rank's server starts with the first step; pushes that reach it earlier wait
@@ -426,7 +430,7 @@ impl Exchange for ParameterServer {
         }
     }
 
-    fn serve(&mut self, params: &mut [Tensor], _sgd: &mut Sgd) -> Result<()> {
+    fn serve(&mut self, params: &mut [Tensor], _sgd: &mut Optimizer) -> Result<()> {
         let index = self.server_index().expect("serve runs on server ranks");
         let state = self.server_state(index, params)?;
         let (state, staleness) = match self.config.mode {
@@ -461,7 +465,7 @@ impl Exchange for ParameterServer {
             // Synchronous servers follow their final weights with their momentum, for the
             // checkpoint rank 0 may write at the end.
             if self.config.mode == PsMode::Sync && self.rank == self.roles.workers[0] {
-                self.final_momentum = Some(self.collect_momentum(params, None)?);
+                self.final_state = Some(self.collect_state(params, None)?);
             }
         }
         if let Some(thread) = self.thread.take() {
@@ -477,31 +481,31 @@ impl Exchange for ParameterServer {
         Ok(())
     }
 
-    fn optimizer_state(&mut self, params: &[Tensor], _sgd: &Sgd) -> Result<Option<Vec<Tensor>>> {
+    fn optimizer_state(&mut self, params: &[Tensor], _optimizer: &Optimizer) -> Result<Option<WholeState>> {
         if self.config.mode == PsMode::Async {
             return Err(Error::exchange("ps", "asynchronous servers have no consistent optimizer state to checkpoint"));
         }
         let root = self.roles.workers[0];
-        if let Some(m) = self.final_momentum.take() {
+        if let Some(m) = self.final_state.take() {
             return Ok(Some(m));
         }
         if self.config.colocate {
-            let share = self.own.as_ref().expect("colocated state").momentum_share()?;
+            let share = self.own.as_ref().expect("colocated state").state_share()?;
             if self.rank == root {
-                return Ok(Some(self.collect_momentum(params, Some(share))?));
+                return Ok(Some(self.collect_state(params, Some(share))?));
             }
-            // SAFETY: `share` is a fresh copy (momentum_share) with no other handle.
+            // SAFETY: `share` is a fresh copy (state_share) with no other handle.
             self.down.send(root, unsafe { raw::host_slice::<f32>(&share)? }, STATE);
             return Ok(None);
         }
         if self.rank == root {
-            return Ok(Some(self.collect_momentum(params, None)?));
+            return Ok(Some(self.collect_state(params, None)?));
         }
         Ok(None)
     }
 
-    fn restore_optimizer(&mut self, params: &[Tensor], momentum: Vec<Tensor>, steps: u64, _sgd: &mut Sgd) -> Result<()> {
-        self.restored = Some((momentum, steps));
+    fn restore_optimizer(&mut self, params: &[Tensor], state: WholeState, steps: u64, _optimizer: &mut Optimizer) -> Result<()> {
+        self.restored = Some((state, steps));
         if self.own.is_some() {
             // A colocated share made before the checkpoint was loaded: remake it from the
             // restored weights and momentum. Dedicated servers make theirs when they start.

@@ -16,7 +16,8 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{Error, Result};
 use crate::exchange::buckets::pack;
 use crate::exchange::config::PsConfig;
-use crate::optim::Sgd;
+use crate::exchange::strategy::WholeState;
+use crate::optim::{Optimizer, Pieces};
 use crate::plan::buckets::Bucket;
 use crate::raw::{self, PointToPoint};
 
@@ -34,7 +35,15 @@ pub(super) struct Staleness {
 pub(super) struct ServerState {
     pub(super) weights: Tensor,
     workers: usize,
-    sgd: Sgd,
+    optimizer: Optimizer,
+    /// The optimizer's state for the share, slot after slot, each laid out as the weights (what
+    /// a STATE message carries); the optimizer steps views of it.
+    state: Tensor,
+    /// Per parameter tensor of the share: views of the weights and of `sum`, and the tensor's
+    /// index (the optimizer steps whole tensors, LARS's layers).
+    piece_weights: Vec<Tensor>,
+    piece_sums: Vec<Tensor>,
+    layers: Vec<usize>,
     /// Async: the momentum buffer, and the 0-dim factors of the split update.
     velocity: Tensor,
     scratch: Tensor,
@@ -44,34 +53,59 @@ pub(super) struct ServerState {
 }
 
 impl ServerState {
-    pub(super) fn new(weights: Tensor, workers: usize, config: &PsConfig) -> Result<ServerState> {
+    /// The server of `bucket`'s tensors (packed into `weights`) for `workers` workers; `exempt`
+    /// per parameter tensor of the model, as the workers' optimizer has it.
+    pub(super) fn new(weights: Tensor, bucket: &Bucket, workers: usize, config: &PsConfig, exempt: Vec<bool>) -> Result<ServerState> {
         let len = weights.numel() as i64;
-        Ok(ServerState {
+        let slots = config.optimizer.kind.slots().len() as i64;
+        let sum = Tensor::f_zeros([len], (Kind::Float, Device::Cpu))?;
+        let view = |t: &Tensor, at: usize, n: usize| t.f_narrow(0, at as i64, n as i64);
+        let piece_weights = bucket.slots.iter().map(|s| view(&weights, s.offset, s.len)).collect::<std::result::Result<_, _>>()?;
+        let piece_sums = bucket.slots.iter().map(|s| view(&sum, s.offset, s.len)).collect::<std::result::Result<_, _>>()?;
+        let mut state = ServerState {
             velocity: Tensor::f_zeros([len], (Kind::Float, Device::Cpu))?,
             scratch: Tensor::f_zeros([len], (Kind::Float, Device::Cpu))?,
-            sum: Tensor::f_zeros([len], (Kind::Float, Device::Cpu))?,
+            state: Tensor::f_zeros([slots * len], (Kind::Float, Device::Cpu))?,
+            sum,
+            piece_weights,
+            piece_sums,
+            layers: bucket.slots.iter().map(|s| s.tensor).collect(),
             pushes: Vec::new(),
             weights,
             workers,
-            sgd: Sgd::new(config.sgd),
-        })
+            optimizer: Optimizer::new(config.optimizer, config.schedule.clone(), exempt),
+        };
+        state.hand_state_to_optimizer(bucket, 0)?;
+        Ok(state)
     }
 
-    /// This server's momentum buffer (zeros before the first step).
-    pub(super) fn momentum_share(&self) -> Result<Tensor> {
-        match self.sgd.momentum_buffers().first() {
-            Some(Some(m)) => Ok(m.f_detach_copy()?),
-            _ => Ok(self.weights.f_zeros_like()?),
+    /// The optimizer's buffers become views of `state`, per slot and tensor.
+    fn hand_state_to_optimizer(&mut self, bucket: &Bucket, steps: u64) -> Result<()> {
+        let len = self.weights.numel();
+        let slots = self.optimizer.kind().slots().len();
+        let views = (0..slots)
+            .map(|k| bucket.slots.iter().map(|s| Ok(Some(self.state.f_narrow(0, (k * len + s.offset) as i64, s.len as i64)?))).collect::<Result<Vec<_>>>())
+            .collect::<Result<Vec<_>>>()?;
+        self.optimizer.restore(views, steps);
+        Ok(())
+    }
+
+    /// This server's optimizer state (zeros before the first step), slot after slot.
+    pub(super) fn state_share(&self) -> Result<Tensor> {
+        Ok(self.state.f_detach_copy()?)
+    }
+
+    /// Takes this server's share of the whole per-parameter `state` (`[slot][parameter]`, from
+    /// a checkpoint).
+    pub(super) fn restore_state(&mut self, bucket: &Bucket, state: &WholeState, steps: u64) -> Result<()> {
+        let len = self.weights.numel();
+        for (k, slot) in state.iter().enumerate() {
+            let host: Vec<Tensor> = slot.iter().map(|m| m.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)).collect::<std::result::Result<_, _>>()?;
+            let mut share = self.state.f_narrow(0, (k * len) as i64, len as i64)?;
+            pack(bucket, &host, &mut share);
         }
-    }
-
-    /// Takes this server's share of the per-parameter `momentum` (from a checkpoint).
-    pub(super) fn restore_momentum(&mut self, bucket: &Bucket, momentum: &[Tensor], steps: u64) -> Result<()> {
-        let mut share = self.weights.f_zeros_like()?;
-        let host: Vec<Tensor> = momentum.iter().map(|m| m.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)).collect::<std::result::Result<_, _>>()?;
-        pack(bucket, &host, &mut share);
-        self.sgd.restore(vec![Some(share.f_detach_copy()?)], steps);
-        self.velocity.f_copy_(&share)?;
+        self.hand_state_to_optimizer(bucket, steps)?;
+        self.velocity.f_copy_(&self.state.f_narrow(0, 0, len as i64)?)?;
         Ok(())
     }
 
@@ -85,17 +119,30 @@ impl ServerState {
         if !optimize {
             return Ok(self.sum.shallow_clone());
         }
-        let _ = self.sum.f_mul_scalar_(1.0 / self.workers as f64)?;
-        let mut w = [self.weights.shallow_clone()];
-        let mut g = [self.sum.shallow_clone()];
-        self.sgd.step(&mut w, &mut g)?;
+        self.step_on_mean()?;
         Ok(self.weights.shallow_clone())
     }
 
+    /// Divides `sum` by the workers and steps the optimizer on the share, tensor by tensor.
+    /// Synchronous servers take every step, so their count of steps is the global step.
+    fn step_on_mean(&mut self) -> Result<()> {
+        let _ = self.sum.f_mul_scalar_(1.0 / self.workers as f64)?;
+        self.optimizer.begin_step(self.optimizer.steps());
+        let which: Vec<usize> = (0..self.layers.len()).collect();
+        // A server holds whole tensors: LARS's norms need no other server's figures.
+        let mut whole_here = |_: &mut Tensor| Ok(());
+        let pieces = Pieces::Parts { layer_of: &self.layers, layers: &self.layers, sum_over_ranks: &mut whole_here };
+        self.optimizer.step_pieces(&mut self.piece_weights, &mut self.piece_sums, &which, pieces)?;
+        self.optimizer.count_step();
+        Ok(())
+    }
+
     /// Async: the part of round `round`'s update that does not depend on its gradients:
-    /// v = momentum * v + weight_decay * w, then w -= lr * v.
-    fn start_round(&mut self) -> Result<()> {
-        let c = self.sgd.config;
+    /// v = momentum * v + weight_decay * w, then w -= lr * v, at the round's rate (SGD only:
+    /// `--ps-mode async` refuses other optimizers).
+    fn start_round(&mut self, round: u64) -> Result<()> {
+        self.optimizer.begin_step(round);
+        let (c, lr) = (self.optimizer.config, self.optimizer.lr());
         tch::no_grad(|| -> Result<()> {
             let _ = self.velocity.f_mul_scalar_(c.momentum)?;
             if c.weight_decay != 0.0 {
@@ -104,7 +151,7 @@ impl ServerState {
                 let _ = self.velocity.f_add_(&self.scratch)?;
             }
             self.scratch.f_copy_(&self.velocity)?;
-            let _ = self.scratch.f_mul_scalar_(c.lr)?;
+            let _ = self.scratch.f_mul_scalar_(lr)?;
             let _ = self.weights.f_sub_(&self.scratch)?;
             Ok(())
         })
@@ -112,14 +159,14 @@ impl ServerState {
 
     /// Async: one worker's share of the round: v += g / W, w -= lr * g / W.
     fn apply_gradient(&mut self, grad: &Tensor) -> Result<()> {
-        let c = self.sgd.config;
+        let (c, lr) = (self.optimizer.config, self.optimizer.lr());
         tch::no_grad(|| -> Result<()> {
             self.scratch.f_copy_(grad)?;
             let _ = self.scratch.f_mul_scalar_(1.0 / self.workers as f64)?;
             if c.momentum != 0.0 {
                 let _ = self.velocity.f_add_(&self.scratch)?;
             }
-            let _ = self.scratch.f_mul_scalar_(c.lr)?;
+            let _ = self.scratch.f_mul_scalar_(lr)?;
             let _ = self.weights.f_sub_(&self.scratch)?;
             Ok(())
         })
@@ -199,10 +246,7 @@ pub(super) fn serve_sync_round(state: &mut ServerState, up: &impl PointToPoint, 
         return Err(Error::exchange("ps", format!("{done} worker(s) finished while {received} still pushed: the workers ran different step counts")));
     }
     let result = if optimize {
-        let _ = state.sum.f_mul_scalar_(1.0 / state.workers as f64)?;
-        let mut w = [state.weights.shallow_clone()];
-        let mut g = [state.sum.shallow_clone()];
-        state.sgd.step(&mut w, &mut g)?;
+        state.step_on_mean()?;
         state.weights.shallow_clone()
     } else {
         state.sum.shallow_clone()
@@ -250,7 +294,7 @@ pub(super) fn serve_sync(mut state: ServerState, up: &impl PointToPoint, down: &
 }
 
 fn send_state(state: &ServerState, down: &impl PointToPoint, root: Rank) -> Result<()> {
-    let share = state.momentum_share()?;
+    let share = state.state_share()?;
     // SAFETY: `share` is a fresh copy with no other handle.
     down.send(root, unsafe { raw::host_slice::<f32>(&share)? }, STATE);
     Ok(())
@@ -314,7 +358,7 @@ pub(super) fn serve_async(
                         staleness.count += 1;
                         staleness.max = staleness.max.max(s);
                         if round == rounds_started {
-                            state.start_round()?;
+                            state.start_round(config.first_step + rounds_started)?;
                             rounds_started += 1;
                         }
                         state.apply_gradient(&incoming)?;
@@ -374,25 +418,64 @@ pub(super) fn serve_async(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optim::SgdConfig;
+    use crate::optim::{LrSchedule, OptimizerConfig, OptimizerKind};
+    use crate::plan::buckets::BucketPlan;
+
+    fn share_of(sizes: &[usize]) -> Bucket {
+        let order: Vec<usize> = (0..sizes.len()).collect();
+        BucketPlan::in_order(sizes, &order, 4, 1 << 20, None).buckets[0].clone()
+    }
 
     #[test]
     fn the_split_async_update_is_the_synchronous_update() {
-        let sgd = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
-        let cfg = PsConfig { sgd, ..PsConfig::default() };
+        let cfg = PsConfig { optimizer: OptimizerConfig::sgd(0.1, 0.9, 0.01), schedule: LrSchedule::constant(0.1), ..PsConfig::default() };
         let w0 = Tensor::from_slice(&[1.0f32, -2.0, 0.5]);
+        let bucket = share_of(&[2, 1]);
         let grads = [Tensor::from_slice(&[0.3f32, 0.1, -0.2]), Tensor::from_slice(&[-0.1f32, 0.4, 0.2])];
-        let mut sync = ServerState::new(w0.copy(), 2, &cfg).unwrap();
-        let mut split = ServerState::new(w0.copy(), 2, &cfg).unwrap();
+        let mut sync = ServerState::new(w0.copy(), &bucket, 2, &cfg, vec![false, true]).unwrap();
+        let mut split = ServerState::new(w0.copy(), &bucket, 2, &cfg, vec![false, true]).unwrap();
         for round in 0..3 {
             let scaled: Vec<Tensor> = grads.iter().map(|g| g * (round as f64 + 1.0)).collect();
             let _new_weights = sync.combine(&scaled, true).unwrap();
-            split.start_round().unwrap();
+            split.start_round(round).unwrap();
             for g in &scaled {
                 split.apply_gradient(g).unwrap();
             }
         }
         let diff = (&sync.weights - &split.weights).abs().max().double_value(&[]);
         assert!(diff < 1e-6, "{diff}");
+    }
+
+    /// A server steps its flat share tensor by tensor, as the workers' optimizer steps the
+    /// whole tensors (LARS's norms per tensor, AdamW's moments), and its state share holds the
+    /// slots one after the other.
+    #[test]
+    fn a_share_steps_as_the_whole_tensors_would() {
+        for kind in [OptimizerKind::Sgd, OptimizerKind::Lars, OptimizerKind::Adamw] {
+            let config = OptimizerConfig { kind, ..OptimizerConfig::sgd(0.1, 0.9, 0.01) };
+            let schedule = LrSchedule { warmup_steps: 2, total_steps: 4, ..LrSchedule::constant(0.1) };
+            let cfg = PsConfig { optimizer: config, schedule: schedule.clone(), ..PsConfig::default() };
+            let exempt = vec![false, true];
+            let w0 = [Tensor::from_slice(&[1.0f32, -2.0, 0.5, 0.25]).view([2, 2]), Tensor::from_slice(&[0.5f32, -0.5])];
+            let bucket = share_of(&[4, 2]);
+            let mut flat = Tensor::zeros([6], (Kind::Float, Device::Cpu));
+            pack(&bucket, &w0, &mut flat);
+            let mut server = ServerState::new(flat, &bucket, 1, &cfg, exempt.clone()).unwrap();
+            let mut whole: Vec<Tensor> = w0.iter().map(|t| t.copy()).collect();
+            let mut optimizer = Optimizer::new(config, schedule, exempt);
+            for step in 0..4 {
+                let g: Vec<Tensor> = whole.iter().map(|w| (w * 0.3 + (step as f64 + 1.0) * 0.1).sin()).collect();
+                let mut push = Tensor::zeros([6], (Kind::Float, Device::Cpu));
+                pack(&bucket, &g, &mut push);
+                let _new_weights = server.combine(&[push], true).unwrap();
+                optimizer.begin_step(step);
+                optimizer.step(&mut whole, &mut g.iter().map(|t| t.copy()).collect::<Vec<_>>()).unwrap();
+            }
+            let mut expected = Tensor::zeros([6], (Kind::Float, Device::Cpu));
+            pack(&bucket, &whole, &mut expected);
+            let diff = (&server.weights - &expected).abs().max().double_value(&[]);
+            assert!(diff < 1e-6, "{kind:?}: {diff}");
+            assert_eq!(server.state_share().unwrap().numel(), 6 * kind.slots().len());
+        }
     }
 }

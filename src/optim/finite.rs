@@ -1,0 +1,134 @@
+//! What the training step asks of gradients besides the update: whether they are finite,
+//! zeroed between steps, and defined for every parameter.
+
+use tch::{Kind, Tensor};
+
+use crate::error::Result;
+
+/// Whether a step's gradients are all finite, gathered on the device bucket by bucket and read
+/// once at the step's end: a read of a device value makes the host wait for the GPU, and with
+/// overlap a read per bucket made each bucket's exchange wait for every backward kernel queued
+/// so far. Each tensor adds its minimum and maximum (one pass, `aminmax`, no temporary as large
+/// as the tensor), in f64: NaN carries through both, an infinity shows in one of them, and the
+/// extremes of finite values add up to a finite f64, so the total is finite exactly when every
+/// element is.
+#[derive(Default)]
+pub struct FiniteCheck {
+    total: Option<Tensor>,
+}
+
+impl FiniteCheck {
+    /// Adds `t`'s elements (queued on the device; nothing is read).
+    pub fn add(&mut self, t: &Tensor) -> Result<()> {
+        if !t.defined() || t.numel() == 0 {
+            return Ok(());
+        }
+        let (low, high) = t.f_aminmax(None, false)?;
+        let extremes = low.f_to_kind(Kind::Double)?.f_add(&high.f_to_kind(Kind::Double)?)?;
+        self.total = Some(match self.total.take() {
+            None => extremes,
+            Some(total) => total.f_add(&extremes)?,
+        });
+        Ok(())
+    }
+
+    /// Whether every element added so far is finite: one read of the device.
+    pub fn all_finite(&self) -> Result<bool> {
+        match &self.total {
+            None => Ok(true),
+            Some(total) => Ok(total.f_double_value(&[])?.is_finite()),
+        }
+    }
+}
+
+/// Whether every element of every tensor is finite, in one pass over them: a sum per tensor in
+/// its own kind, then a single device-to-host read for all of them (a read per tensor would stall
+/// a GPU once per parameter). NaN and infinities carry through a sum, so a finite total proves
+/// every element finite. A total that is not finite may also come from finite values whose sum
+/// overflows, so only then is each element checked (`isfinite`), which is exact but four passes
+/// and a mask as large as the tensors. The sum must stay in the tensor's kind: asked for in f64,
+/// libtorch first copies the tensor to f64 (a scalar cast loop), which made this check cost
+/// 12 ms of a 490 ms ResNet-18 step on 2 cores, against 5 ms for the plain sum.
+pub fn all_finite(tensors: &[Tensor]) -> Result<bool> {
+    let defined: Vec<&Tensor> = tensors.iter().filter(|t| t.defined()).collect();
+    let sums: Vec<Tensor> = defined.iter().map(|t| t.f_sum(t.kind())?.f_to_kind(Kind::Float)).collect::<std::result::Result<_, _>>()?;
+    let total_finite = match sums.as_slice() {
+        [] => return Ok(true),
+        [one] => one.f_double_value(&[])?.is_finite(),
+        many => Tensor::f_stack(many, 0)?.f_sum(Kind::Double)?.f_double_value(&[])?.is_finite(),
+    };
+    if total_finite {
+        return Ok(true);
+    }
+    for t in defined {
+        if t.f_isfinite()?.f_all()?.f_int64_value(&[])? == 0 {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Zeroes every gradient in place (keeping its storage, which the exchange buffers rely on);
+/// a gradient that was let go (ZeRO stage 2) stays undefined until backward makes it.
+pub fn zero_grads(grads: &mut [Tensor]) -> Result<()> {
+    for g in grads.iter_mut().filter(|g| g.defined()) {
+        let _ = g.f_zero_()?;
+    }
+    Ok(())
+}
+
+/// Makes every parameter's gradient defined (zero), so that a parameter unused by a step still
+/// has a gradient to exchange and every rank exchanges the same set.
+pub fn define_grads(params: &[Tensor]) -> Result<Vec<Tensor>> {
+    let touch = params.iter().try_fold(Tensor::f_zeros([], (Kind::Float, params[0].device()))?, |acc, p| {
+        acc.f_add(&p.f_sum(Kind::Float)?.f_mul_scalar(0.0)?)
+    })?;
+    touch.f_backward()?;
+    Ok(params.iter().map(|p| p.grad()).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(v: &[f32]) -> Tensor {
+        Tensor::from_slice(v)
+    }
+
+    #[test]
+    fn the_deferred_check_sees_one_bad_element_and_no_false_one() {
+        let t = |v: &[f32]| Tensor::from_slice(v);
+        let verdict = |tensors: &[Tensor]| {
+            let mut check = FiniteCheck::default();
+            tensors.iter().for_each(|x| check.add(x).unwrap());
+            check.all_finite().unwrap()
+        };
+        assert!(verdict(&[]));
+        assert!(verdict(&[t(&[1.0, -2.0]), t(&[0.0])]));
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert!(!verdict(&[t(&[1.0]), t(&[0.0, bad, 2.0])]), "{bad}");
+        }
+        assert!(!verdict(&[t(&[f32::INFINITY, f32::NEG_INFINITY])]), "opposite infinities");
+        // Finite values whose f32 sum overflows, in many tensors: still finite.
+        assert!(verdict(&[t(&[f32::MAX; 8]), t(&[f32::MAX, -f32::MAX]), t(&[f32::MAX])]));
+        let half = Tensor::from_slice(&[60000.0f32; 4]).to_kind(Kind::Half);
+        assert!(verdict(&[half.shallow_clone(), half]), "f16 values whose f16 sum overflows");
+    }
+
+    #[test]
+    fn all_finite_sees_one_bad_element_among_many_tensors() {
+        let good = [t(&[1.0, 2.0]), t(&[3.0])];
+        assert!(all_finite(&good).unwrap());
+        assert!(all_finite(&[]).unwrap());
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            assert!(!all_finite(&[t(&[1.0]), t(&[0.0, bad, 2.0])]).unwrap(), "{bad}");
+            assert!(!all_finite(&[t(&[bad])]).unwrap(), "{bad}");
+        }
+        assert!(!all_finite(&[t(&[f32::INFINITY, f32::NEG_INFINITY])]).unwrap(), "opposite infinities");
+        assert!(all_finite(&[t(&[f32::MAX; 8]), t(&[f32::MAX])]).unwrap(), "large finite values whose f32 sum overflows");
+        assert!(!all_finite(&[t(&[f32::MAX, f32::MAX, f32::NAN])]).unwrap(), "a NaN among values whose sum overflows");
+        let half = |v: &[f32]| t(v).to_kind(Kind::Half);
+        assert!(all_finite(&[half(&[60000.0; 4])]).unwrap(), "f16 values whose f16 sum overflows");
+        assert!(!all_finite(&[half(&[1.0, f32::INFINITY])]).unwrap(), "an f16 infinity");
+    }
+}

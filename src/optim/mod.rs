@@ -1,0 +1,184 @@
+//! The optimizer every strategy steps: SGD, LARS or AdamW (`--optimizer`), at the rate of the
+//! learning-rate schedule ([`schedule`]).
+//!
+//! One [`Optimizer`] serves every strategy. The averaging strategies step it on whole parameter
+//! tensors; ZeRO on its shards, a parameter server on its share; both as *pieces*, flat views of
+//! parts of parameter tensors, each tagged with the tensor it belongs to. SGD and AdamW are
+//! element-wise, so pieces change nothing. LARS scales each layer by a ratio of norms over the
+//! whole layer: pieces add their squared norms per layer, and a sharded caller sums those over
+//! the ranks (one small all-reduce per bucket) before any piece is updated, so that every shard
+//! steps with the whole layer's ratio. The rules, in PyTorch's terms, are in the files of each:
+//! sgd.rs, lars.rs, adamw.rs.
+//!
+//! State: one buffer per piece for each of the optimizer's slots (SGD and LARS: `momentum`;
+//! AdamW: `exp_avg`, `exp_avg_sq`), made at the first step, or handed over whole from a
+//! checkpoint by [`Optimizer::restore`], and the count of steps taken (AdamW's bias correction).
+
+mod adamw;
+mod config;
+mod finite;
+mod lars;
+mod rule;
+pub mod schedule;
+mod sgd;
+
+use std::time::{Duration, Instant};
+
+use tch::Tensor;
+
+use crate::error::Result;
+
+pub use config::{OptimizerConfig, OptimizerKind};
+pub use finite::{all_finite, define_grads, zero_grads, FiniteCheck};
+pub use rule::Pieces;
+use rule::Step;
+pub use schedule::{DecayKind, LrSchedule, ScaleLr};
+
+pub struct Optimizer {
+    pub config: OptimizerConfig,
+    schedule: LrSchedule,
+    /// The rate of the step under way ([`Optimizer::begin_step`]).
+    lr: f64,
+    /// Per parameter tensor: excluded from LARS's adaptation and weight decay.
+    exempt: Vec<bool>,
+    /// `state[slot][i]`: the buffer of slot `slot` of piece `i` (None until its first step).
+    state: Vec<Vec<Option<Tensor>>>,
+    steps: u64,
+    /// Time spent in `step` since the last `take_busy`.
+    busy: Duration,
+}
+
+impl Optimizer {
+    /// `exempt[t]`: parameter tensor t takes no LARS adaptation or decay (see [`exempt_from_lars`]).
+    pub fn new(config: OptimizerConfig, schedule: LrSchedule, exempt: Vec<bool>) -> Optimizer {
+        let lr = schedule.lr_at(0);
+        let slots = config.kind.slots().len();
+        Optimizer { config, schedule, lr, exempt, state: (0..slots).map(|_| Vec::new()).collect(), steps: 0, busy: Duration::ZERO }
+    }
+
+    pub fn kind(&self) -> OptimizerKind {
+        self.config.kind
+    }
+
+    pub fn schedule(&self) -> &LrSchedule {
+        &self.schedule
+    }
+
+    /// Sets the rate for global step `step` (0-based): the schedule follows the global step,
+    /// also where a step is skipped (fp16 overflow) or the run resumed.
+    pub fn begin_step(&mut self, step: u64) {
+        self.lr = self.schedule.lr_at(step);
+    }
+
+    /// The rate of the step under way.
+    pub fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    /// Updates taken (restored from a checkpoint on resume).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Applies one update to `params` from `grads` (same shapes, same order), and counts it.
+    /// `grads` may be used as scratch.
+    pub fn step(&mut self, params: &mut [Tensor], grads: &mut [Tensor]) -> Result<()> {
+        let all: Vec<usize> = (0..params.len()).collect();
+        self.step_some(params, grads, &all)?;
+        self.count_step();
+        Ok(())
+    }
+
+    /// Counts a step made of several `step_some`/`step_pieces` calls (one per bucket).
+    pub fn count_step(&mut self) {
+        self.steps += 1;
+    }
+
+    /// Updates the whole parameter tensors at `which`; does not count a step. Their state is
+    /// theirs alone, so a step made bucket by bucket equals one made at once.
+    pub fn step_some(&mut self, params: &mut [Tensor], grads: &mut [Tensor], which: &[usize]) -> Result<()> {
+        self.step_pieces(params, grads, which, Pieces::Whole)
+    }
+
+    /// Updates the pieces at `which` (see [`Pieces`]); does not count a step.
+    pub fn step_pieces(&mut self, params: &mut [Tensor], grads: &mut [Tensor], which: &[usize], pieces: Pieces) -> Result<()> {
+        let started = Instant::now();
+        assert_eq!(params.len(), grads.len(), "one gradient per parameter");
+        for slot in &mut self.state {
+            if slot.len() != params.len() {
+                slot.resize_with(params.len(), || None);
+            }
+        }
+        let step = Step { lr: self.lr, count: self.steps + 1, config: &self.config };
+        tch::no_grad(|| -> Result<()> {
+            match self.config.kind {
+                OptimizerKind::Sgd => sgd::update(&step, params, grads, &mut self.state[0], which),
+                OptimizerKind::Adamw => {
+                    let (first, second) = self.state.split_at_mut(1);
+                    adamw::update(&step, params, grads, &mut first[0], &mut second[0], which)
+                }
+                OptimizerKind::Lars => lars::update(&step, params, grads, &mut self.state[0], which, &self.exempt, pieces),
+            }
+        })?;
+        self.busy += started.elapsed();
+        Ok(())
+    }
+
+    /// Time spent stepping since the last call.
+    pub fn take_busy(&mut self) -> Duration {
+        std::mem::take(&mut self.busy)
+    }
+
+    /// The buffers of state slot `slot` (see [`OptimizerKind::slots`]), per piece; None before
+    /// a piece's first step.
+    pub fn state(&self, slot: usize) -> &[Option<Tensor>] {
+        &self.state[slot]
+    }
+
+    /// Bytes of optimizer state held.
+    pub fn state_bytes(&self) -> usize {
+        self.state.iter().flatten().flatten().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum()
+    }
+
+    /// Takes over `state[slot][piece]` (from a checkpoint, or re-cut along new shards) and the
+    /// count of steps taken. An empty `state` starts every buffer afresh.
+    pub fn restore(&mut self, state: Vec<Vec<Option<Tensor>>>, steps: u64) {
+        let slots = self.config.kind.slots().len();
+        self.state = if state.is_empty() { (0..slots).map(|_| Vec::new()).collect() } else { state };
+        assert_eq!(self.state.len(), slots, "one list per state slot");
+        self.steps = steps;
+    }
+}
+
+/// The tensors LARS leaves unadapted and undecayed: those of at most one dimension, which in
+/// ResNet and the tiny CNN are exactly the batch-norm weights and biases and every bias (MLPerf's
+/// reference and NVIDIA's DeepLearningExamples skip the same ones, by name).
+pub fn exempt_from_lars(params: &[Tensor]) -> Vec<bool> {
+    params.iter().map(|p| p.dim() <= 1).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The optimizer steps at the schedule's rate for the global step it is told, counts its
+    /// updates, and takes its state and count back from a checkpoint.
+    #[test]
+    fn steps_at_the_scheduled_rate_and_restores_its_state() {
+        let schedule = LrSchedule { warmup_steps: 4, total_steps: 8, ..LrSchedule::constant(0.4) };
+        let mut optimizer = Optimizer::new(OptimizerConfig::sgd(0.4, 0.0, 0.0), schedule, Vec::new());
+        let mut w = vec![Tensor::from_slice(&[1.0f32])];
+        for step in [0, 2] {
+            optimizer.begin_step(step);
+            optimizer.step(&mut w, &mut [Tensor::from_slice(&[1.0f32])]).unwrap();
+        }
+        // Rates 0.1 (step 0 of a 4-step warm-up) and 0.3 (step 2).
+        assert!((w[0].double_value(&[0]) - 0.6).abs() < 1e-6, "{w:?}");
+        assert_eq!((optimizer.steps(), optimizer.lr()), (2, 0.30000000000000004));
+        let mut adamw = Optimizer::new(OptimizerConfig { kind: OptimizerKind::Adamw, ..OptimizerConfig::sgd(0.1, 0.0, 0.0) }, LrSchedule::constant(0.1), Vec::new());
+        adamw.restore(vec![vec![Some(Tensor::from_slice(&[0.5f32]))], vec![Some(Tensor::from_slice(&[0.25f32]))]], 7);
+        assert_eq!((adamw.steps(), adamw.state_bytes()), (7, 8));
+        adamw.restore(Vec::new(), 0);
+        assert_eq!(adamw.state_bytes(), 0);
+    }
+}
