@@ -128,6 +128,27 @@ pub fn efficiency_chart(table: &Table) -> Option<LineChart> {
     })
 }
 
+/// Test accuracy (%) after the last epoch against ranks, a series per column (strategy and
+/// recipe): in a weak-scaling study the global batch grows with the ranks, and this shows what
+/// the larger batch costs in accuracy. None when no run has a test accuracy.
+pub fn accuracy_chart(table: &Table) -> Option<LineChart> {
+    let mut series = Vec::new();
+    for (i, s) in table.strategies.iter().enumerate() {
+        let points: Vec<(f64, f64)> = table.present().filter(|(name, _)| name == s).filter_map(|(_, f)| Some((f.ranks as f64, f.test_accuracy? * 100.0))).collect();
+        if !points.is_empty() {
+            series.push(Series { label: s.clone(), points, colour: Some(i % COLOURS.len()), reference: false });
+        }
+    }
+    (!series.is_empty()).then(|| LineChart {
+        title: scaling_title(table, "Test accuracy"),
+        x_desc: "ranks".into(),
+        y_desc: "test accuracy after the last epoch".into(),
+        x_axis: XAxis::Ranks,
+        y_axis: YAxis::Percent,
+        series,
+    })
+}
+
 /// Bus bandwidth against message size (log2 axis), a series per strategy.
 pub fn busbw_chart(group: &BenchGroup) -> LineChart {
     let series = group
@@ -290,6 +311,23 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &LineChart) ->
 mod tests {
     use super::*;
     use crate::report::tables::{group, tests::record};
+
+    #[test]
+    fn accuracy_is_plotted_per_column_where_runs_have_it() {
+        let with = |ranks: usize, accuracy: Option<f64>, optimizer: &str| {
+            let mut r = record("ring", ranks, 100.0);
+            r.test_accuracy = accuracy;
+            r.optimizer = Some(optimizer.into());
+            r
+        };
+        let runs = vec![with(1, Some(0.9), "sgd"), with(8, Some(0.8), "sgd"), with(8, Some(0.88), "lars"), with(2, None, "adamw")];
+        let tables = group(&runs).unwrap();
+        let chart = accuracy_chart(&tables[0]).unwrap();
+        let labels: Vec<&str> = chart.series.iter().map(|s| s.label.as_str()).collect();
+        assert_eq!(labels, vec!["ring", "ring (lars, constant)"], "the AdamW column has no accuracy to plot");
+        assert_eq!(chart.series[0].points, vec![(1.0, 90.0), (8.0, 80.0)]);
+        assert!(accuracy_chart(&group(&runs[3..]).unwrap()[0]).is_none());
+    }
 
     #[test]
     fn throughput_has_an_ideal_only_where_a_1_rank_run_exists() {

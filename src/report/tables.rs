@@ -136,11 +136,27 @@ pub fn strategy_label(record: &RunRecord) -> String {
         }
         _ => {}
     }
+    variant.extend(recipe_label(record));
     if variant.is_empty() {
         record.strategy.clone()
     } else {
         format!("{} ({})", record.strategy, variant.join(", "))
     }
+}
+
+/// The training recipe as part of a column's name, where it is not plain SGD at a constant,
+/// unscaled rate (issue 35: a weak-scaling study compares recipes side by side).
+fn recipe_label(record: &RunRecord) -> Option<String> {
+    let optimizer = record.optimizer.as_deref().unwrap_or("sgd");
+    let schedule = record.lr_schedule.as_deref().unwrap_or("constant");
+    let scale = record.extra.get("scale_lr").and_then(|v| v.as_str()).filter(|s| *s != "none");
+    if optimizer == "sgd" && schedule == "constant" && scale.is_none() {
+        return None;
+    }
+    let mut parts = vec![optimizer.to_string()];
+    parts.extend(scale.map(|s| format!("lr scaled {s}")));
+    parts.push(schedule.to_string());
+    Some(parts.join(", "))
 }
 
 /// The record shown in a cell: the most recent of its strategy and rank count.
@@ -246,6 +262,17 @@ pub struct Figures {
     pub comm_ms: f64,
     /// Strong scaling only.
     pub epoch_s: Option<f64>,
+    /// Test accuracy after the last epoch, and when --target-accuracy was first reached
+    /// (seconds of training, epoch), with the target.
+    pub test_accuracy: Option<f64>,
+    pub target: Option<TargetReached>,
+}
+
+/// A run's --target-accuracy and when it was reached (None: not within the run).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TargetReached {
+    pub accuracy: f64,
+    pub reached: Option<(f64, u64)>,
 }
 
 impl<'a> Table<'a> {
@@ -275,6 +302,8 @@ impl<'a> Table<'a> {
                 Scaling::Strong => epoch_seconds(r.steps, r.epochs, r.global_batch, r.images_per_sec),
                 Scaling::Weak => None,
             },
+            test_accuracy: r.test_accuracy,
+            target: r.target_accuracy.map(|accuracy| TargetReached { accuracy, reached: r.time_to_target_s.zip(r.epoch_to_target) }),
         })
     }
 
@@ -428,6 +457,13 @@ impl<'a> Table<'a> {
             self.summary_table("**Scaling efficiency**", |f| efficiency_cell(f.efficiency)),
             self.summary_table("**Speedup**", |f| speedup_cell(f.speedup)),
         ];
+        if self.present().any(|(_, f)| f.test_accuracy.is_some()) {
+            blocks.push(self.summary_table("**Test accuracy after the last epoch**", |f| f.test_accuracy.map_or(NOT_COMPUTED.to_string(), percent)));
+        }
+        if let Some(target) = self.present().find_map(|(_, f)| f.target) {
+            let caption = format!("**Time to {} test accuracy** (seconds of training, evaluations excluded; epoch)", percent(target.accuracy));
+            blocks.push(self.summary_table(&caption, |f| target_cell(f, target.accuracy)));
+        }
         let notes = self.notes();
         if !notes.is_empty() {
             blocks.push(notes.iter().map(|n| format!("- {n}\n")).collect());
@@ -460,6 +496,10 @@ impl<'a> Table<'a> {
                     compute_ms: f.compute_ms,
                     comm_ms: f.comm_ms,
                     epoch_s: f.epoch_s,
+                    test_accuracy: f.test_accuracy,
+                    target_accuracy: f.target.map(|t| t.accuracy),
+                    time_to_target_s: f.target.and_then(|t| t.reached).map(|r| r.0),
+                    epoch_to_target: f.target.and_then(|t| t.reached).map(|r| r.1),
                     superseded: cell.superseded,
                     timestamp: cell.record.timestamp.clone(),
                     git_commit: cell.record.git_commit.clone(),
@@ -492,6 +532,10 @@ pub struct CsvRow {
     pub compute_ms: f64,
     pub comm_ms: f64,
     pub epoch_s: Option<f64>,
+    pub test_accuracy: Option<f64>,
+    pub target_accuracy: Option<f64>,
+    pub time_to_target_s: Option<f64>,
+    pub epoch_to_target: Option<u64>,
     pub superseded: usize,
     pub timestamp: String,
     pub git_commit: String,
@@ -512,6 +556,17 @@ fn markdown_table(caption: &str, header: &[String], rows: impl Iterator<Item = V
         let _ = writeln!(out, "| {} |", row.join(" | "));
     }
     out
+}
+
+/// When a run reached its target accuracy: `412.0 s (epoch 3)`, naming the target where it is
+/// not the caption's; `not reached`, or `n/a` for a run without a target.
+fn target_cell(f: &Figures, caption_target: f64) -> String {
+    let Some(target) = f.target else { return NOT_COMPUTED.to_string() };
+    let other = (target.accuracy != caption_target).then(|| format!(", target {}", percent(target.accuracy))).unwrap_or_default();
+    match target.reached {
+        None => format!("not reached{other}"),
+        Some((seconds, epoch)) => format!("{} s (epoch {epoch}{other})", fixed(seconds, 1)),
+    }
 }
 
 fn speedup_cell(speedup: Option<f64>) -> String {
@@ -604,6 +659,48 @@ pub(crate) mod tests {
             batch_per_rank: global_batch / ranks,
             ..record(strategy, ranks, images_per_sec)
         }
+    }
+
+    /// A weak-scaling accuracy study (issue 35): each recipe is a column of its own, with the
+    /// final test accuracy and the time to the target accuracy beside the throughput.
+    #[test]
+    fn recipes_get_columns_of_their_own_with_accuracy_and_time_to_target() {
+        let with = |ranks: usize, optimizer: &str, schedule: &str, scaled: bool, accuracy: f64, reached: Option<(f64, u64)>| {
+            let mut r = record("ring", ranks, 100.0 * ranks as f64);
+            r.optimizer = Some(optimizer.into());
+            r.lr_schedule = Some(schedule.into());
+            if scaled {
+                r.extra.insert("scale_lr".into(), "linear".into());
+            }
+            r.test_accuracy = Some(accuracy);
+            r.target_accuracy = Some(0.85);
+            r.time_to_target_s = reached.map(|x| x.0);
+            r.epoch_to_target = reached.map(|x| x.1);
+            r
+        };
+        let records = vec![
+            with(1, "sgd", "constant", false, 0.90, Some((30.0, 2))),
+            with(8, "sgd", "constant", false, 0.80, None),
+            with(8, "sgd", "constant after a 40-step warm-up", true, 0.891, Some((12.5, 3))),
+            with(8, "lars", "constant after a 40-step warm-up", false, 0.88, Some((14.0, 3))),
+        ];
+        let tables = group(&records).unwrap();
+        assert_eq!(tables.len(), 1);
+        let t = &tables[0];
+        assert_eq!(
+            t.strategies,
+            vec!["ring", "ring (lars, constant after a 40-step warm-up)", "ring (sgd, lr scaled linear, constant after a 40-step warm-up)"]
+        );
+        let md = t.markdown();
+        assert!(md.contains("**Test accuracy after the last epoch**"), "{md}");
+        assert!(md.contains("| 8 | 512 | 80.0% | 88.0% | 89.1% |"), "{md}");
+        assert!(md.contains("**Time to 85.0% test accuracy**"), "{md}");
+        assert!(md.contains("| 1 | 64 | 30.0 s (epoch 2) | — | — |"), "{md}");
+        assert!(md.contains("| 8 | 512 | not reached | 14.0 s (epoch 3) | 12.5 s (epoch 3) |"), "{md}");
+        let csv = t.csv_rows();
+        assert_eq!(csv.iter().filter(|r| r.epoch_to_target == Some(3)).count(), 2);
+        // Records without a recipe (older binaries) keep their plain column.
+        assert_eq!(strategy_label(&record("ring", 2, 1.0)), "ring");
     }
 
     #[test]

@@ -102,6 +102,14 @@ impl Run<'_> {
         extra.insert("overlap".into(), self.overlap.is_some().into());
         extra.insert("precision".into(), serde_json::to_value(args.precision).unwrap_or_default());
         extra.insert("channels_last".into(), args.channels_last.into());
+        if args.recipe.scale_lr != crate::optim::ScaleLr::None {
+            extra.insert("scale_lr".into(), serde_json::to_value(args.recipe.scale_lr).unwrap_or_default());
+            extra.insert("base_lr".into(), args.recipe.lr.into());
+            extra.insert("base_batch".into(), args.recipe.base_batch.into());
+        }
+        if args.recipe.label_smoothing > 0.0 {
+            extra.insert("label_smoothing".into(), args.recipe.label_smoothing.into());
+        }
         extra.insert("data_cached".into(), self.cache_data.into());
         // What every step's exchange carries (the cost model's projections and validation read it).
         extra.insert("parameters".into(), self.net.params.iter().map(|p| p.numel()).sum::<usize>().into());
