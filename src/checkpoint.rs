@@ -486,6 +486,26 @@ mod tests {
         assert!(check_compatible(&old, &meta(0)).unwrap()[0].contains("no dataset fingerprint"));
     }
 
+    /// Issue 35: the optimizer's kind must match (its state would not fit), its settings and
+    /// the schedule may change (said); format 2's `sgd` settings read as SGD.
+    #[test]
+    fn the_optimizer_kind_must_match_and_old_settings_read_as_sgd() {
+        use crate::optim::{LrSchedule, OptimizerKind};
+        let adamw = CheckpointMeta { optimizer: OptimizerConfig { kind: OptimizerKind::Adamw, ..meta(0).optimizer }, ..meta(10) };
+        let err = check_compatible(&adamw, &meta(0)).unwrap_err();
+        assert!(err.contains("--optimizer adamw, this run uses sgd") && err.contains("exp_avg, exp_avg_sq against momentum"), "{err}");
+        let scheduled = CheckpointMeta { schedule: Some(LrSchedule::constant(0.1)), ..meta(10) };
+        let longer = CheckpointMeta { schedule: Some(LrSchedule { total_steps: 20, ..LrSchedule::constant(0.1) }), ..meta(0) };
+        assert!(check_compatible(&scheduled, &longer).unwrap()[0].contains("learning-rate schedule"));
+        let mut json = serde_json::to_value(meta(10)).unwrap();
+        let settings = json.as_object_mut().unwrap().remove("optimizer").unwrap();
+        json["sgd"] = serde_json::json!({"lr": settings["lr"], "momentum": settings["momentum"], "weight_decay": settings["weight_decay"]});
+        json.as_object_mut().unwrap().remove("schedule");
+        let old: CheckpointMeta = serde_json::from_value(json).unwrap();
+        assert_eq!((old.optimizer, old.schedule), (meta(10).optimizer, None));
+        assert_eq!((state_name("momentum", "fc.weight"), state_name("exp_avg", "fc.weight")), ("fc.weight".to_string(), "exp_avg/fc.weight".to_string()));
+    }
+
     #[test]
     fn an_edited_meta_json_is_refused() {
         let root = scratch("edited");
