@@ -126,13 +126,16 @@ impl RecipeArgs {
     /// The schedule of a run of `total_steps` steps of `global_batch` samples, `steps_per_epoch`
     /// to an epoch.
     pub fn schedule(&self, global_batch: usize, steps_per_epoch: u64, total_steps: u64) -> LrSchedule {
+        // The warm-up lasts the nearest whole number of steps; a milestone falls on the first
+        // step at or after its epoch (the schedule's rule: k counts milestones m with m E <= s).
         let epochs_to_steps = |epochs: f64| (epochs * steps_per_epoch as f64).round() as u64;
+        let first_step_from = |epochs: f64| (epochs * steps_per_epoch as f64).ceil() as u64;
         LrSchedule {
             peak: self.lr * self.scale_lr.factor(global_batch, self.base_batch as usize),
             decay: self.lr_schedule,
             warmup_steps: epochs_to_steps(self.warmup_epochs),
             total_steps,
-            milestones: self.lr_steps.iter().map(|&e| epochs_to_steps(e)).collect(),
+            milestones: self.lr_steps.iter().map(|&e| first_step_from(e)).collect(),
             gamma: self.lr_gamma,
             end_lr: self.end_lr,
             power: self.poly_power,
@@ -273,6 +276,10 @@ mod tests {
         let (recipe, _) = parse(&["--lr", "0.1", "--scale-lr", "linear", "--warmup-epochs", "2.5", "--lr-schedule", "step", "--lr-steps", "30,60"]);
         let s = recipe.schedule(2048, 10, 900);
         assert_eq!((s.peak, s.warmup_steps, s.milestones.clone(), s.total_steps), (0.8, 25, vec![300, 600], 900));
+        // A milestone between steps takes effect at the next one (2.25 epochs of 1 step: step 3).
+        let (fractional, _) = parse(&["--lr-schedule", "step", "--lr-steps", "2.25,4.5", "--warmup-epochs", "1.4"]);
+        let s = fractional.schedule(64, 1, 10);
+        assert_eq!((s.milestones.clone(), s.warmup_steps), (vec![3, 5], 1));
         let (sqrt, _) = parse(&["--lr", "0.1", "--scale-lr", "sqrt", "--base-batch", "512"]);
         assert!((sqrt.schedule(2048, 10, 900).peak - 0.2).abs() < 1e-15);
     }
