@@ -206,15 +206,31 @@ impl RecipeArgs {
         Ok(())
     }
 
-    /// The settings every rank must share, for the start-up comparison.
+    /// The settings every rank must share, for the start-up comparison, by flag.
     pub fn fingerprint(&self) -> Vec<(String, String)> {
-        vec![
-            ("optimizer".into(), format!("{:?}", self.config())),
-            ("lr-schedule".into(), format!("{:?} {} {:?} {} {} {}", self.lr_schedule, self.warmup_epochs, self.lr_steps, self.lr_gamma, self.end_lr, self.poly_power)),
-            ("scale-lr".into(), format!("{:?} {}", self.scale_lr, self.base_batch)),
-            ("label-smoothing".into(), self.label_smoothing.to_string()),
-            ("target-accuracy".into(), format!("{:?}", self.target_accuracy)),
+        let c = self.config();
+        let list = |v: &[f64]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",");
+        [
+            ("optimizer", c.kind.name().to_string()),
+            ("lr", c.lr.to_string()),
+            ("momentum", c.momentum.to_string()),
+            ("weight-decay", c.weight_decay.to_string()),
+            ("lars-eta", c.lars_eta.to_string()),
+            ("adam-betas", format!("{},{}", c.beta1, c.beta2)),
+            ("adam-eps", c.eps.to_string()),
+            ("lr-schedule", self.lr_schedule.name().to_string()),
+            ("warmup-epochs", self.warmup_epochs.to_string()),
+            ("lr-steps", list(&self.lr_steps)),
+            ("lr-gamma", self.lr_gamma.to_string()),
+            ("end-lr", self.end_lr.to_string()),
+            ("poly-power", self.poly_power.to_string()),
+            ("scale-lr", format!("{:?} {}", self.scale_lr, self.base_batch).to_lowercase()),
+            ("label-smoothing", self.label_smoothing.to_string()),
+            ("target-accuracy", format!("{:?}", self.target_accuracy)),
         ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
     }
 }
 
