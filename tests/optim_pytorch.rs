@@ -18,6 +18,13 @@ const SKIPPED: i32 = 77;
 
 #[test]
 fn optimizers_and_schedules_end_with_the_weights_of_torch_optim() {
+    // The optimizers' arithmetic is the same whatever MPI the binary is built against: the
+    // Open MPI build's run of this test covers it, and the MPICH build (target/mpich, see
+    // scripts/test.sh) saves CI the minute.
+    if bin().contains("/target/mpich/") {
+        eprintln!("skipped under the MPICH build: the Open MPI build's run compares the same arithmetic");
+        return;
+    }
     let data = fashion_mnist();
     let out = scratch("optim-pytorch");
     let mut cmd = Command::new("bash");
