@@ -139,7 +139,7 @@ fn the_record_says_what_ran_and_when_the_target_was_reached() {
     for r in &runs {
         assert_eq!(r["optimizer"], "sgd", "{r}");
         let schedule = r["lr_schedule"].as_str().unwrap();
-        assert!(schedule.starts_with("poly^1 to 0") && schedule.contains("8-step warm-up"), "{schedule}");
+        assert!(schedule.starts_with("poly^1 to 0") && schedule.contains("1-epoch warm-up"), "{schedule}");
         assert_eq!(r["accuracy_by_epoch"].as_array().unwrap().len(), 3, "{r}");
     }
     // 300 samples, 40 per step: 8 steps an epoch, 24 in all, 8 of warm-up to a peak of

@@ -112,7 +112,8 @@ impl LrSchedule {
         }
     }
 
-    /// In words, for logs and runs.jsonl: `cosine to 0 after a 2-epoch warm-up (390 steps)`.
+    /// In words, for logs and runs.jsonl, in epochs so that runs of a weak-scaling study (whose
+    /// steps per epoch differ with the ranks) read alike: `cosine to 0 after a 2-epoch warm-up`.
     pub fn describe(&self, steps_per_epoch: u64) -> String {
         let mut text = match self.decay {
             DecayKind::Constant => "constant".to_string(),
@@ -124,7 +125,7 @@ impl LrSchedule {
             DecayKind::Poly => format!("poly^{} to {}", self.power, self.end_lr),
         };
         if self.warmup_steps > 0 {
-            text += &format!(" after a {}-step warm-up", self.warmup_steps);
+            text += &format!(" after a {}-epoch warm-up", self.warmup_steps as f64 / steps_per_epoch.max(1) as f64);
         }
         text
     }

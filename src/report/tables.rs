@@ -155,8 +155,21 @@ fn recipe_label(record: &RunRecord) -> Option<String> {
     }
     let mut parts = vec![optimizer.to_string()];
     parts.extend(scale.map(|s| format!("lr scaled {s}")));
-    parts.push(schedule.to_string());
+    parts.push(warmup_in_epochs(schedule, record));
     Some(parts.join(", "))
+}
+
+/// Records of the first issue-35 binaries gave the warm-up in steps ("after a 40-step
+/// warm-up"), which differ with the ranks in a weak-scaling study: read in epochs, as later
+/// records give it, so that one recipe keeps one column.
+fn warmup_in_epochs(schedule: &str, record: &RunRecord) -> String {
+    let Some((before, rest)) = schedule.split_once(" after a ") else { return schedule.to_string() };
+    let Some(steps) = rest.strip_suffix("-step warm-up").and_then(|n| n.parse::<f64>().ok()) else { return schedule.to_string() };
+    let steps_per_epoch = record.steps as f64 / record.epochs;
+    match steps_per_epoch.is_finite() && steps_per_epoch > 0.0 && record.extra.get("resumed_from_step").is_none() {
+        true => format!("{before} after a {}-epoch warm-up", steps / steps_per_epoch),
+        false => schedule.to_string(),
+    }
 }
 
 /// The record shown in a cell: the most recent of its strategy and rank count.
@@ -681,15 +694,16 @@ pub(crate) mod tests {
         let records = vec![
             with(1, "sgd", "constant", false, 0.90, Some((30.0, 2))),
             with(8, "sgd", "constant", false, 0.80, None),
-            with(8, "sgd", "constant after a 40-step warm-up", true, 0.891, Some((12.5, 3))),
-            with(8, "lars", "constant after a 40-step warm-up", false, 0.88, Some((14.0, 3))),
+            with(8, "sgd", "constant after a 1-epoch warm-up", true, 0.891, Some((12.5, 3))),
+            // An older record's warm-up in steps: 10 steps of an epoch of 20 (steps 10, epochs 0.5).
+            with(8, "lars", "constant after a 10-step warm-up", false, 0.88, Some((14.0, 3))),
         ];
         let tables = group(&records).unwrap();
         assert_eq!(tables.len(), 1);
         let t = &tables[0];
         assert_eq!(
             t.strategies,
-            vec!["ring", "ring (lars, constant after a 40-step warm-up)", "ring (sgd, lr scaled linear, constant after a 40-step warm-up)"]
+            vec!["ring", "ring (lars, constant after a 0.5-epoch warm-up)", "ring (sgd, lr scaled linear, constant after a 1-epoch warm-up)"]
         );
         let md = t.markdown();
         assert!(md.contains("**Test accuracy after the last epoch**"), "{md}");
