@@ -24,10 +24,13 @@ use crate::error::Result;
 
 use super::rule::{scalar_like, Pieces, Step};
 
+/// How a caller holding parts of layers sums per-layer figures over the ranks.
+type SumOverRanks<'a> = dyn FnMut(&mut Tensor) -> Result<()> + 'a;
+
 pub(super) fn update(step: &Step, params: &mut [Tensor], grads: &mut [Tensor], momentum: &mut [Option<Tensor>], which: &[usize], exempt: &[bool], pieces: Pieces) -> Result<()> {
     let c = step.config;
     let is_exempt = |layer: usize| exempt.get(layer).copied().unwrap_or(false);
-    let (layer_of, layers, sum_over_ranks): (Vec<usize>, Vec<usize>, Option<&mut dyn FnMut(&mut Tensor) -> Result<()>>) = match pieces {
+    let (layer_of, layers, sum_over_ranks): (Vec<usize>, Vec<usize>, Option<&mut SumOverRanks>) = match pieces {
         Pieces::Whole => ((0..params.len()).collect(), which.to_vec(), None),
         Pieces::Parts { layer_of, layers, sum_over_ranks } => (layer_of.to_vec(), layers.to_vec(), Some(sum_over_ranks)),
     };
