@@ -55,6 +55,10 @@ if [ ${#missing[@]} -gt 0 ]; then
 else
     say "Debian packages present"
 fi
+# env.sh chose the compiler wrapper and launcher among the MPI commands present when it was
+# read: read it again now that the MPI asked for is installed (on a new machine `--mpi mpich`
+# found only Open MPI's mpicc before, and built target/mpich against Open MPI).
+source scripts/env.sh
 
 # 2. Rust.
 if ! command -v cargo >/dev/null; then
