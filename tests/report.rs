@@ -147,7 +147,8 @@ fn each_section_has_a_narrow_table_per_figure_and_a_detail_table_per_strategy() 
         strategies.dedup();
         let detail_columns = ["Ranks", "Global batch", "images/s", "images/s per rank", "speedup", "efficiency", "compute ms", "exchange ms"];
         let detail_columns = if section.slug.starts_with("strong") { [&detail_columns[..], &["epoch s"]].concat() } else { detail_columns.to_vec() };
-        let mut want: Vec<(String, Vec<&str>)> = ["**Images/s**", "**Scaling efficiency**", "**Speedup**"]
+        // Every fixture record has a test accuracy, so every section has the accuracy table.
+        let mut want: Vec<(String, Vec<&str>)> = ["**Images/s**", "**Scaling efficiency**", "**Speedup**", "**Test accuracy after the last epoch**"]
             .iter()
             .map(|c| (c.to_string(), [&["Ranks", "Global batch"][..], &strategies].concat()))
             .collect();
@@ -159,10 +160,10 @@ fn each_section_has_a_narrow_table_per_figure_and_a_detail_table_per_strategy() 
                 assert!(row[1].parse::<usize>().is_ok(), "{}, {}: global batch {:?}", section.slug, t.caption, row[1]);
             }
         }
-        for t in &section.tables[..3] {
+        for t in &section.tables[..4] {
             assert!(t.rows.iter().flat_map(|r| &r[2..]).all(|c| is_one_figure(c)), "{}, {}: {:?}", section.slug, t.caption, t.rows);
         }
-        for (s, t) in strategies.iter().zip(&section.tables[3..]) {
+        for (s, t) in strategies.iter().zip(&section.tables[4..]) {
             let ranks: Vec<usize> = t.rows.iter().map(|r| r[0].parse().unwrap()).collect();
             let ran: Vec<usize> = cells_run.iter().filter(|&&(c, _)| c == *s).map(|&(_, n)| n).collect();
             assert_eq!(ranks, ran, "{}, {s}", section.slug);
@@ -174,7 +175,8 @@ fn each_section_has_a_narrow_table_per_figure_and_a_detail_table_per_strategy() 
     assert_eq!(tiny.tables[0].rows[2], ["4", "256", "3500.0", "2400.0†", "3600.0"]);
     assert_eq!(tiny.tables[1].rows[2], ["4", "256", "86.6%", "n/a†", "90.0%"]);
     assert!(tiny.text.contains("\n- † ps (sync) ran with global batch 192 at 4 ranks\n"), "{}", tiny.text);
-    assert_eq!(tiny.tables[4].rows, [["4", "192", "2400.0", "600.0", "n/a", "n/a", "61.0", "30.0"]]);
+    assert_eq!(tiny.tables[3].rows[2], ["4", "256", "78.0%", "78.0%†", "78.0%"]);
+    assert_eq!(tiny.tables[5].rows, [["4", "192", "2400.0", "600.0", "n/a", "n/a", "61.0", "30.0"]]);
     // Strong scaling holds the global batch: nothing differs, nothing is marked.
     assert!(!sections.iter().find(|s| s.slug.starts_with("strong")).unwrap().text.contains('†'));
     std::fs::remove_dir_all(&out).unwrap();
@@ -218,7 +220,7 @@ fn plots_are_written_for_every_table_and_benchmark_group() {
     let out = scratch("report-plots");
     report(&["--input", RUNS, "--out", out.to_str().unwrap()], &[]).expect_ok();
     let mut stems: Vec<String> =
-        expected_tables().keys().flat_map(|slug| [format!("{slug}-throughput"), format!("{slug}-efficiency")]).collect();
+        expected_tables().keys().flat_map(|slug| ["throughput", "efficiency", "accuracy"].map(|plot| format!("{slug}-{plot}"))).collect();
     stems.extend(BUSBW_PLOTS.iter().map(|s| s.to_string()));
     stems.sort();
     assert_eq!(files_with_extension(&out, "svg"), stems);
@@ -250,7 +252,7 @@ fn without_a_font_svg_plots_are_still_written() {
     let run = report(&["--input", RUNS, "--out", out.to_str().unwrap()], &[("HPC_TRAIN_FONT", missing.to_str().unwrap())]).expect_ok();
     assert!(run.stderr.contains(&format!("font {}", missing.display())) && run.stderr.contains("SVG plots only"), "{}", run.stderr);
     assert!(files_with_extension(&out, "png").is_empty());
-    assert_eq!(files_with_extension(&out, "svg").len(), 2 * expected_tables().len() + BUSBW_PLOTS.len());
+    assert_eq!(files_with_extension(&out, "svg").len(), 3 * expected_tables().len() + BUSBW_PLOTS.len());
     let expected = std::fs::read_to_string(root().join(EXPECTED)).unwrap();
     assert_eq!(std::fs::read_to_string(out.join("report.md")).unwrap(), expected);
     std::fs::remove_dir_all(&out).unwrap();
