@@ -4,13 +4,15 @@
 //! - [`shard`]: which part of a count each of n parts owns (`ShardInfo`);
 //! - [`ring`]: the ring all-reduce's schedule of chunks;
 //! - [`rhd`]: recursive halving and doubling's partners and ranges;
-//! - [`buckets`]: which tensors share a bucket, at which offsets.
+//! - [`buckets`]: which tensors share a bucket, at which offsets;
+//! - [`pipeline`]: pipeline parallelism's rank grid, model cuts and per-stage schedules.
 //!
 //! Each file is pure arithmetic with its unit tests, which run the schedules on in-memory
 //! buffers. A new collective's schedule (a pipeline's table of micro-batches per stage, a tree)
 //! goes here, beside these, before the strategy that sends its messages.
 
 pub mod buckets;
+pub mod pipeline;
 pub mod rhd;
 pub mod ring;
 pub mod shard;
