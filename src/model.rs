@@ -114,17 +114,58 @@ const SMALL_IMAGE: i64 = 64;
 /// Builds `kind` under `vs`. Parameters are created in forward order, so that reverse creation
 /// order is the order in which backward produces their gradients.
 pub fn build(kind: ModelKind, vs: &nn::Path, spec: InputSpec) -> nn::FuncT<'static> {
-    match kind {
-        ModelKind::Resnet50 => resnet(vs, spec, Block::Bottleneck, [3, 4, 6, 3]),
-        ModelKind::Resnet18 => resnet(vs, spec, Block::Basic, [2, 2, 2, 2]),
-        ModelKind::Tiny => tiny(vs, spec),
-        ModelKind::TinyUnused => {
-            let model = tiny(vs, spec);
-            // Created between the used layers' parameters, so that its bucket is not the last.
-            let _unused = nn::linear(vs / "unused", 8, 8, Default::default());
-            model
-        }
+    let blocks = build_blocks(kind, spec, |_| vs.clone());
+    if kind == ModelKind::TinyUnused {
+        // Created after the used layers: its gradient is never produced by backward.
+        let _unused = nn::linear(vs / "unused", 8, 8, Default::default());
     }
+    sequence(blocks.into_iter().map(|b| b.module).collect())
+}
+
+/// One piece of a model that a pipeline may put on a stage of its own: the stem, a residual
+/// block, the head. Its variables have the names they have in the whole model.
+pub struct Block {
+    /// What it is, for messages and logs: "stem", "layer2.1", "head".
+    pub name: String,
+    pub module: nn::FuncT<'static>,
+}
+
+/// The blocks of `kind` in forward order; block `i` creates its variables under `path_of(i)`
+/// (the root of a VarStore), so that a pipeline stage keeps its blocks' variables in a store of
+/// its own and the others in a scratch store it drops, while the random initialisation draws
+/// in the same order as for the whole model: a stage's weights are the whole model's.
+pub fn build_blocks<'a>(kind: ModelKind, spec: InputSpec, path_of: impl Fn(usize) -> nn::Path<'a>) -> Vec<Block> {
+    match kind {
+        ModelKind::Resnet50 => resnet_blocks(spec, Residual::Bottleneck, [3, 4, 6, 3], path_of),
+        ModelKind::Resnet18 => resnet_blocks(spec, Residual::Basic, [2, 2, 2, 2], path_of),
+        ModelKind::Tiny | ModelKind::TinyUnused => tiny_blocks(spec, path_of),
+    }
+}
+
+/// Runs `modules` one after the other.
+pub fn sequence(modules: Vec<nn::FuncT<'static>>) -> nn::FuncT<'static> {
+    nn::func_t(move |xs, train| {
+        let mut ys = xs.shallow_clone();
+        for m in &modules {
+            ys = m.forward_t(&ys, train);
+        }
+        ys
+    })
+}
+
+/// The shape of one sample after each block, from a forward of one zero image in evaluation
+/// mode: what a pipeline's activation messages carry per sample (agreed without a message).
+pub fn block_output_shapes(blocks: &[Block], spec: InputSpec) -> Vec<Vec<i64>> {
+    let mut x = Tensor::zeros([1, spec.channels, spec.height, spec.width], (Kind::Float, tch::Device::Cpu));
+    tch::no_grad(|| {
+        blocks
+            .iter()
+            .map(|b| {
+                x = b.module.forward_t(&x, false);
+                x.size()[1..].to_vec()
+            })
+            .collect()
+    })
 }
 
 fn conv2d(p: nn::Path, c_in: i64, c_out: i64, ksize: i64, padding: i64, stride: i64) -> nn::Conv2D {
@@ -133,19 +174,20 @@ fn conv2d(p: nn::Path, c_in: i64, c_out: i64, ksize: i64, padding: i64, stride: 
 }
 
 #[derive(Clone, Copy)]
-enum Block {
+enum Residual {
     Basic,
     Bottleneck,
 }
 
-impl Block {
+impl Residual {
     fn expansion(self) -> i64 {
         match self {
-            Block::Basic => 1,
-            Block::Bottleneck => 4,
+            Residual::Basic => 1,
+            Residual::Bottleneck => 4,
         }
     }
 }
+
 
 fn downsample(p: nn::Path, c_in: i64, c_out: i64, stride: i64) -> Option<nn::SequentialT> {
     (stride != 1 || c_in != c_out).then(|| {
@@ -172,7 +214,7 @@ fn basic_block(p: nn::Path, c_in: i64, planes: i64, stride: i64) -> nn::FuncT<'s
 }
 
 fn bottleneck_block(p: nn::Path, c_in: i64, planes: i64, stride: i64) -> nn::FuncT<'static> {
-    let out = planes * Block::Bottleneck.expansion();
+    let out = planes * Residual::Bottleneck.expansion();
     let conv1 = conv2d(&p / "conv1", c_in, planes, 1, 0, 1);
     let bn1 = nn::batch_norm2d(&p / "bn1", planes, Default::default());
     // torchvision's ResNet v1.5: the stride sits on the 3x3 convolution.
@@ -199,64 +241,55 @@ fn bottleneck_block(p: nn::Path, c_in: i64, planes: i64, stride: i64) -> nn::Fun
     })
 }
 
-fn layer(p: nn::Path, block: Block, c_in: i64, planes: i64, stride: i64, count: i64) -> nn::SequentialT {
-    let make = |p: nn::Path, c_in: i64, stride: i64| match block {
-        Block::Basic => basic_block(p, c_in, planes, stride),
-        Block::Bottleneck => bottleneck_block(p, c_in, planes, stride),
-    };
-    let mut seq = nn::seq_t().add(make(&p / "0", c_in, stride));
-    for i in 1..count {
-        seq = seq.add(make(&p / i, planes * block.expansion(), 1));
-    }
-    seq
-}
-
-fn resnet(p: &nn::Path, spec: InputSpec, block: Block, counts: [i64; 4]) -> nn::FuncT<'static> {
+fn resnet_blocks<'a>(spec: InputSpec, residual: Residual, counts: [i64; 4], path_of: impl Fn(usize) -> nn::Path<'a>) -> Vec<Block> {
     let small = spec.height.min(spec.width) < SMALL_IMAGE;
+    let mut blocks = Vec::new();
+    let p = path_of(0);
     let conv1 = if small {
-        conv2d(p / "conv1", spec.channels, 64, 3, 1, 1)
+        conv2d(&p / "conv1", spec.channels, 64, 3, 1, 1)
     } else {
-        conv2d(p / "conv1", spec.channels, 64, 7, 3, 2)
+        conv2d(&p / "conv1", spec.channels, 64, 7, 3, 2)
     };
-    let bn1 = nn::batch_norm2d(p / "bn1", 64, Default::default());
-    let e = block.expansion();
-    let layer1 = layer(p / "layer1", block, 64, 64, 1, counts[0]);
-    let layer2 = layer(p / "layer2", block, 64 * e, 128, 2, counts[1]);
-    let layer3 = layer(p / "layer3", block, 128 * e, 256, 2, counts[2]);
-    let layer4 = layer(p / "layer4", block, 256 * e, 512, 2, counts[3]);
-    let fc = nn::linear(p / "fc", 512 * e, spec.classes, Default::default());
-    nn::func_t(move |xs, train| {
-        let mut ys = xs.apply(&conv1).apply_t(&bn1, train).relu();
-        if !small {
-            ys = ys.max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false);
+    let bn1 = nn::batch_norm2d(&p / "bn1", 64, Default::default());
+    blocks.push(Block {
+        name: "stem".into(),
+        module: nn::func_t(move |xs, train| {
+            let ys = xs.apply(&conv1).apply_t(&bn1, train).relu();
+            if small { ys } else { ys.max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false) }
+        }),
+    });
+    let e = residual.expansion();
+    let mut c_in = 64;
+    for (layer, (&count, planes)) in counts.iter().zip([64, 128, 256, 512]).enumerate() {
+        for i in 0..count {
+            let p = path_of(blocks.len()) / format!("layer{}", layer + 1) / i;
+            let stride = if i == 0 && layer > 0 { 2 } else { 1 };
+            let module = match residual {
+                Residual::Basic => basic_block(p, c_in, planes, stride),
+                Residual::Bottleneck => bottleneck_block(p, c_in, planes, stride),
+            };
+            blocks.push(Block { name: format!("layer{}.{i}", layer + 1), module });
+            c_in = planes * e;
         }
-        ys.apply_t(&layer1, train)
-            .apply_t(&layer2, train)
-            .apply_t(&layer3, train)
-            .apply_t(&layer4, train)
-            .adaptive_avg_pool2d([1, 1])
-            .flat_view()
-            .apply(&fc)
-    })
+    }
+    let fc = nn::linear(path_of(blocks.len()) / "fc", 512 * e, spec.classes, Default::default());
+    blocks.push(Block { name: "head".into(), module: nn::func_t(move |xs, _train| xs.adaptive_avg_pool2d([1, 1]).flat_view().apply(&fc)) });
+    blocks
 }
 
-fn tiny(p: &nn::Path, spec: InputSpec) -> nn::FuncT<'static> {
-    let conv = |name: &str, c_in, c_out| {
-        nn::conv2d(p / name, c_in, c_out, 3, nn::ConvConfig { padding: 1, ..Default::default() })
-    };
-    let conv1 = conv("conv1", spec.channels, 16);
-    let conv2 = conv("conv2", 16, 32);
-    let fc = nn::linear(p / "fc", 32, spec.classes, Default::default());
-    nn::func_t(move |xs, _train| {
-        xs.apply(&conv1)
-            .relu()
-            .max_pool2d_default(2)
-            .apply(&conv2)
-            .relu()
-            .adaptive_avg_pool2d([1, 1])
-            .flat_view()
-            .apply(&fc)
-    })
+/// The tiny CNN in four blocks, so that it makes pipelines of up to four stages for tests (the
+/// pooling block has no parameters: a stage may hold none).
+fn tiny_blocks<'a>(spec: InputSpec, path_of: impl Fn(usize) -> nn::Path<'a>) -> Vec<Block> {
+    let conv = |p: nn::Path<'a>, name: &str, c_in, c_out| nn::conv2d(p / name, c_in, c_out, 3, nn::ConvConfig { padding: 1, ..Default::default() });
+    let conv1 = conv(path_of(0), "conv1", spec.channels, 16);
+    let conv2 = conv(path_of(1), "conv2", 16, 32);
+    let fc = nn::linear(path_of(3) / "fc", 32, spec.classes, Default::default());
+    vec![
+        Block { name: "conv1".into(), module: nn::func_t(move |xs, _| xs.apply(&conv1).relu().max_pool2d_default(2)) },
+        Block { name: "conv2".into(), module: nn::func_t(move |xs, _| xs.apply(&conv2).relu()) },
+        Block { name: "pool".into(), module: nn::func_t(|xs, _| xs.adaptive_avg_pool2d([1, 1]).flat_view()) },
+        Block { name: "fc".into(), module: nn::func_t(move |xs, _| xs.apply(&fc)) },
+    ]
 }
 
 /// Number of elements in a set of tensors.
@@ -321,6 +354,34 @@ mod tests {
         assert!(ModelKind::Resnet18.check_input(one_pixel, 1).unwrap_err().contains("batch of at least 2"));
         assert!(ModelKind::Resnet18.check_input(one_pixel, 2).is_ok());
         assert!(ModelKind::Resnet18.check_input(InputSpec { height: 9, width: 9, ..one_pixel }, 1).is_ok());
+    }
+
+    /// A pipeline's stages together hold the whole model: the same variables under the same
+    /// names, and the blocks in turn compute what it computes. (That one seed initialises them
+    /// alike is shown by the pipeline's equality tests, tests/pipeline.rs: libtorch's generator
+    /// is global, and the unit tests run in parallel threads.)
+    #[test]
+    fn blocks_split_over_stores_are_the_whole_model() {
+        let spec = InputSpec { channels: 1, height: 28, width: 28, classes: 10 };
+        for kind in [ModelKind::Tiny, ModelKind::Resnet18] {
+            let whole_vs = nn::VarStore::new(Device::Cpu);
+            let whole = build(kind, &whole_vs.root(), spec);
+            let (even, odd) = (nn::VarStore::new(Device::Cpu), nn::VarStore::new(Device::Cpu));
+            let blocks = build_blocks(kind, spec, |i| if i % 2 == 0 { even.root() } else { odd.root() });
+            let mut split: Vec<(String, Tensor)> = even.variables().into_iter().chain(odd.variables()).collect();
+            split.sort_by(|a, b| a.0.cmp(&b.0));
+            let mut all: Vec<(String, Tensor)> = whole_vs.variables().into_iter().collect();
+            all.sort_by(|a, b| a.0.cmp(&b.0));
+            assert_eq!(split.iter().map(|v| &v.0).collect::<Vec<_>>(), all.iter().map(|v| &v.0).collect::<Vec<_>>());
+            tch::no_grad(|| split.iter().zip(&all).for_each(|(a, b)| a.1.shallow_clone().copy_(&b.1)));
+            let x = Tensor::randn([2, 1, 28, 28], (Kind::Float, Device::Cpu));
+            let y = sequence(blocks.into_iter().map(|b| b.module).collect()).forward_t(&x, false);
+            assert!(y.equal(&whole.forward_t(&x, false)));
+        }
+        let scratch = nn::VarStore::new(Device::Cpu);
+        let blocks = build_blocks(ModelKind::Resnet50, spec, |_| scratch.root());
+        assert_eq!(blocks.len(), 18);
+        assert_eq!(block_output_shapes(&blocks, spec).last().unwrap(), &vec![10]);
     }
 
     #[test]
