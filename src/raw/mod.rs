@@ -21,6 +21,7 @@
 //! - [`cuda`]: events, streams, the current device, autocast and TF32, loading libtorch_cuda,
 //!   the GPUs' UUIDs;
 //! - [`hooks`]: gradient-ready hooks on parameters, for overlap;
+//! - [`messages`]: whole tensors in flight between two ranks (a pipeline's activations);
 //! - [`process`]: this process and its host: resident memory, the allocator, free disk space,
 //!   the host name.
 //!
@@ -30,6 +31,7 @@
 pub mod collective;
 pub mod cuda;
 pub mod hooks;
+pub mod messages;
 pub mod mpi;
 pub mod process;
 pub mod requests;
@@ -42,7 +44,8 @@ pub use cuda::{
     CudaStream,
 };
 pub use hooks::{GradReady, GradReadyHooks};
-pub use self::mpi::{abort_world, any_tag, exit_now, mpi_cuda_support, mpix_gpu_query_support_cuda, PeerComm, PointToPoint, SendComm};
+pub use messages::TensorMessage;
+pub use self::mpi::{abort_world, any_tag, exit_now, mpi_cuda_support, mpix_gpu_query_support_cuda, tag_upper_bound, PeerComm, PointToPoint, SendComm};
 pub use process::{current_rss_mb, free_bytes, hostname, keep_freed_memory, peak_rss_mb};
 pub use requests::{completed_requests, with_segments, Backoff, Segments};
 pub use tensor::{

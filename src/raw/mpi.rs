@@ -205,3 +205,21 @@ pub fn exit_now(code: i32) -> ! {
     // SAFETY: _exit has no preconditions; it does not return.
     unsafe { libc::_exit(code) }
 }
+
+/// MPI_TAG_UB, the largest message tag the MPI library accepts (the standard guarantees at
+/// least 32767, the value taken when the attribute cannot be read).
+pub fn tag_upper_bound() -> i32 {
+    let mut value: *mut c_int = std::ptr::null_mut();
+    let mut found: c_int = 0;
+    // SAFETY: for MPI_TAG_UB, MPI_Comm_get_attr stores a pointer to the library's own int in
+    // `value` (the address of a pointer is what it takes) and sets `found`; both are valid
+    // locals, and MPI_COMM_WORLD is valid between MPI_Init and MPI_Finalize.
+    let rc = unsafe {
+        mpi::ffi::MPI_Comm_get_attr(mpi::ffi::RSMPI_COMM_WORLD, mpi::ffi::MPI_TAG_UB as c_int, &mut value as *mut *mut c_int as *mut std::ffi::c_void, &mut found)
+    };
+    if rc != 0 || found == 0 || value.is_null() {
+        return 32767;
+    }
+    // SAFETY: MPI set `value` to the attribute's int, which lives until MPI_Finalize.
+    unsafe { *value }
+}

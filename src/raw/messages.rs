@@ -1,0 +1,117 @@
+//! Whole tensors in flight between two ranks: a non-blocking send or receive that owns its
+//! tensor until MPI is done with it ([`TensorMessage`]), for pipeline parallelism's activations
+//! and their gradients, which stay in flight across several compute steps (rsmpi's scoped
+//! requests cannot outlive the scope that borrows their buffer).
+//!
+//! The invariants its unsafe code relies on: the tensor handed to MPI is contiguous, f32, on the
+//! host or (CUDA-aware MPI) on a device, with its device work finished (the caller's contract);
+//! the message owns the handle for as long as the request is active, and the program gets the
+//! tensor back only from [`TensorMessage::wait`], after completion; a message dropped while
+//! still active waits for its request first, so MPI never writes or reads freed memory. The
+//! tensors are fresh ones that no other handle writes (a new empty tensor for a receive, a
+//! detached contiguous copy for a send), so nothing else touches the memory meanwhile.
+
+use std::ffi::{c_int, c_void};
+
+use mpi::raw::AsRaw;
+use mpi::topology::{Rank, SimpleCommunicator};
+use mpi::traits::Equivalence;
+use mpi::Tag;
+use tch::{Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::raw::mpi::mpi_count;
+
+/// A send or receive of one f32 tensor, in flight.
+pub struct TensorMessage {
+    tensor: Option<Tensor>,
+    request: mpi::ffi::MPI_Request,
+    active: bool,
+}
+
+fn checked(t: &Tensor) -> Result<c_int> {
+    if t.kind() != Kind::Float || !t.is_contiguous() {
+        return Err(Error::exchange("pipeline message", format!("expected a contiguous f32 tensor, got {:?}", t.kind())));
+    }
+    mpi_count(t.numel(), "a pipeline message")
+}
+
+impl TensorMessage {
+    /// Starts sending `tensor` to `dest`.
+    ///
+    /// # Safety
+    /// `tensor` is contiguous f32 memory that no other handle writes until the message is
+    /// waited for or dropped; on a device, the work that wrote it is finished and the MPI
+    /// library is CUDA-aware.
+    pub unsafe fn send(tensor: Tensor, comm: &SimpleCommunicator, dest: Rank, tag: Tag) -> Result<TensorMessage> {
+        let count = checked(&tensor)?;
+        let mut request = std::mem::MaybeUninit::<mpi::ffi::MPI_Request>::uninit();
+        let datatype = f32::equivalent_datatype();
+        // SAFETY: the pointer is the tensor's `count` f32 elements (checked), kept alive by the
+        // handle this message owns until the request completes; the caller guarantees nothing
+        // writes them meanwhile. MPI writes the request handle before returning.
+        let rc = unsafe { mpi::ffi::MPI_Isend(tensor.data_ptr() as *const c_void, count, datatype.as_raw(), dest, tag, comm.as_raw(), request.as_mut_ptr()) };
+        if rc != 0 {
+            return Err(Error::exchange("MPI_Isend", format!("returned error code {rc}")));
+        }
+        // SAFETY: initialised by the successful MPI_Isend.
+        Ok(TensorMessage { tensor: Some(tensor), request: unsafe { request.assume_init() }, active: true })
+    }
+
+    /// Starts receiving into `tensor` (its size is the message's) from `source`.
+    ///
+    /// # Safety
+    /// As [`TensorMessage::send`], and no other handle reads `tensor` either until `wait`.
+    pub unsafe fn receive(tensor: Tensor, comm: &SimpleCommunicator, source: Rank, tag: Tag) -> Result<TensorMessage> {
+        let count = checked(&tensor)?;
+        let mut request = std::mem::MaybeUninit::<mpi::ffi::MPI_Request>::uninit();
+        let datatype = f32::equivalent_datatype();
+        // SAFETY: as in `send`: the tensor's memory, owned by this message until completion and
+        // touched by nobody else (the caller's contract), is MPI's to write.
+        let rc = unsafe { mpi::ffi::MPI_Irecv(tensor.data_ptr(), count, datatype.as_raw(), source, tag, comm.as_raw(), request.as_mut_ptr()) };
+        if rc != 0 {
+            return Err(Error::exchange("MPI_Irecv", format!("returned error code {rc}")));
+        }
+        // SAFETY: initialised by the successful MPI_Irecv.
+        Ok(TensorMessage { tensor: Some(tensor), request: unsafe { request.assume_init() }, active: true })
+    }
+
+    /// Whether the transfer is done (drives MPI's progress too); never blocks.
+    pub fn test(&mut self) -> Result<bool> {
+        if !self.active {
+            return Ok(true);
+        }
+        let mut done: c_int = 0;
+        // SAFETY: an active request of this process; MPI sets it to MPI_REQUEST_NULL on completion.
+        let rc = unsafe { mpi::ffi::MPI_Test(&mut self.request, &mut done, mpi::ffi::RSMPI_STATUS_IGNORE) };
+        if rc != 0 {
+            return Err(Error::exchange("MPI_Test", format!("returned error code {rc}")));
+        }
+        self.active = done == 0;
+        Ok(done != 0)
+    }
+
+    /// Waits for the transfer (politely: see `requests::wait_politely`) and gives the tensor back.
+    pub fn wait(mut self) -> Result<Tensor> {
+        self.finish()?;
+        Ok(self.tensor.take().expect("the tensor is held until the message is waited for"))
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        if self.active {
+            // SAFETY: an active request of this process (see `test`).
+            unsafe { super::requests::wait_politely(&mut self.request)? };
+            self.active = false;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TensorMessage {
+    fn drop(&mut self) {
+        // MPI may still read or write the tensor: it must not be freed before the request ends.
+        if let Err(e) = self.finish() {
+            log::error!("a pipeline message could not be completed: {e}");
+        }
+    }
+}
