@@ -579,6 +579,7 @@ fn projected_record(args: &ProjectArgs, profile: &Profile, p: Point, layout: Lay
         target_accuracy: None,
         time_to_target_s: None,
         epoch_to_target: None,
+        pipeline: None,
         extra,
     }
 }

@@ -86,9 +86,40 @@ pub struct RunRecord {
     pub time_to_target_s: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epoch_to_target: Option<u64>,
+    /// A pipelined run's layout and figures (--pipeline-stages, --micro-batches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineRecord>,
     /// Strategy-specific figures (staleness, cache hits, ...).
     #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// A pipelined run: its layout, the cut, and per stage (index = stage) the measured figures.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PipelineRecord {
+    pub pipeline_stages: usize,
+    pub micro_batches: usize,
+    pub schedule: String,
+    pub virtual_stages: usize,
+    /// `--partition`: time, params or the cut list given.
+    pub partition: String,
+    pub recompute: bool,
+    /// Per chunk: its blocks, "0..3 (stem..layer1.2)".
+    pub chunk_blocks: Vec<String>,
+    /// Per chunk: parameters, and the profiled forward+backward ms per micro-batch (--partition time).
+    pub chunk_params: Vec<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk_profiled_ms: Option<Vec<f64>>,
+    /// Per stage: forwards and backwards per measured step (ms, mean over the replicas).
+    pub stage_compute_ms: Vec<f64>,
+    /// Per stage: the measured idle share of the pipelined phase (mean over the replicas).
+    pub bubble: Vec<f64>,
+    /// (P-1)/(M+P-1), P-1 divided by V when interleaved: the balanced schedule's bubble.
+    pub theoretical_bubble: f64,
+    /// Per stage: the most micro-batches (per chunk) held between forward and backward, and
+    /// the most bytes of boundary activations (inputs and outputs of chunks) held at once.
+    pub peak_alive_micro_batches: Vec<usize>,
+    pub peak_boundary_activation_bytes: Vec<usize>,
 }
 
 /// Creates `dir` if needed and checks that a file can be written in it.

@@ -80,6 +80,10 @@ pub fn zero_grads(grads: &mut [Tensor]) -> Result<()> {
 /// Makes every parameter's gradient defined (zero), so that a parameter unused by a step still
 /// has a gradient to exchange and every rank exchanges the same set.
 pub fn define_grads(params: &[Tensor]) -> Result<Vec<Tensor>> {
+    // A pipeline stage may hold no parameters (a pooling block alone).
+    if params.is_empty() {
+        return Ok(Vec::new());
+    }
     let touch = params.iter().try_fold(Tensor::f_zeros([], (Kind::Float, params[0].device()))?, |acc, p| {
         acc.f_add(&p.f_sum(Kind::Float)?.f_mul_scalar(0.0)?)
     })?;

@@ -148,12 +148,6 @@ pub enum Action {
     SendGradient { micro: usize, chunk: usize },
 }
 
-impl Action {
-    pub fn is_compute(&self) -> bool {
-        matches!(self, Action::Forward { .. } | Action::Backward { .. })
-    }
-}
-
 /// The compute actions of `stage`, in order, as the schedule orders them.
 pub fn compute_order(shape: &Shape, stage: usize) -> Vec<Action> {
     let (p_count, m_count) = (shape.stages, shape.micro_batches);
@@ -255,6 +249,7 @@ impl Grid {
         rank / self.stages
     }
 
+    #[cfg(test)]
     pub fn rank_of(&self, replica: usize, stage: usize) -> usize {
         replica * self.stages + stage
     }

@@ -646,6 +646,7 @@ pub(crate) mod tests {
             target_accuracy: None,
             time_to_target_s: None,
             epoch_to_target: None,
+            pipeline: None,
             extra: Default::default(),
         }
     }

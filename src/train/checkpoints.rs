@@ -238,11 +238,12 @@ pub(super) fn save_checkpoint_weights(found: Option<&Checkpoint>, net: &Net, pat
 /// Writes the weights (parameters and batch-norm statistics) as safetensors, under a temporary
 /// name first so that an interrupted write leaves no damaged file.
 pub(super) fn save_weights(net: &Net, path: &Path) -> Result<()> {
-    let vars: Vec<(String, Tensor)> = net
-        .named_variables()
-        .into_iter()
-        .map(|(n, t)| Ok((n, t.f_to_device(Device::Cpu)?.f_contiguous()?)))
-        .collect::<Result<_>>()?;
+    save_named(net.named_variables(), path)
+}
+
+/// Writes named tensors as safetensors, as [`save_weights`] does.
+pub(super) fn save_named(vars: Vec<(String, Tensor)>, path: &Path) -> Result<()> {
+    let vars: Vec<(String, Tensor)> = vars.into_iter().map(|(n, t)| Ok((n, t.f_to_device(Device::Cpu)?.f_contiguous()?))).collect::<Result<_>>()?;
     let tmp = path.with_extension("safetensors.tmp");
     results::replace_via_temp(path, &tmp, |tmp| Ok(Tensor::write_safetensors(&vars, tmp)?))
 }

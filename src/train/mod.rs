@@ -16,12 +16,14 @@ mod checkpoints;
 mod collective;
 mod net;
 pub mod options;
+mod pipeline;
 mod plan;
 mod progress;
 pub mod recipe;
 mod record;
 mod run;
 mod setup;
+pub mod stages;
 mod step;
 
 use std::time::Instant;
@@ -86,6 +88,9 @@ impl Run<'_> {
     fn train(&mut self) -> Result<Outcome> {
         let mut out = self.outcome();
         let mut state = step::LoopState::new(self)?;
+        if let Some(pipeline) = &mut self.pipeline {
+            pipeline.start_timeline(state.warmup);
+        }
         let mut window = LossWindow::default();
         // The last step's summed loss and samples on this worker: the record's final loss.
         let mut last_loss = (f64::NAN, 0.0);

@@ -11,10 +11,12 @@ use crate::raw;
 
 use super::options::TrainArgs;
 
-/// The network and its parameters.
+/// The network and its parameters: the whole model, or a pipeline stage's chunks of it.
 pub(super) struct Net {
     pub(super) vs: nn::VarStore,
-    pub(super) model: nn::FuncT<'static>,
+    /// The model's pieces this rank runs, by global chunk index: one chunk, the whole model,
+    /// outside pipelines; a stage's chunks (V of them, model order) in a pipeline.
+    pub(super) chunks: Vec<(usize, nn::FuncT<'static>)>,
     pub(super) params: Vec<Tensor>,
     /// The name of every parameter, in `params` order.
     pub(super) param_names: Vec<String>,
@@ -23,22 +25,34 @@ pub(super) struct Net {
 }
 
 impl Net {
-    pub(super) fn new(args: &TrainArgs, info: &DatasetInfo, device: Device) -> Result<(Net, InputSpec)> {
-        let spec = InputSpec {
-            channels: info.meta.channels as i64,
-            height: info.meta.height as i64,
-            width: info.meta.width as i64,
-            classes: info.meta.classes as i64,
-        };
+    /// The whole model, or with `stage` the chunks of one pipeline stage (its blocks'
+    /// variables only; the others are drawn in a scratch store and dropped, so that the seed
+    /// gives every variable the value it has in the whole model).
+    pub(super) fn new(args: &TrainArgs, info: &DatasetInfo, device: Device, stage: Option<&StageCut>) -> Result<(Net, InputSpec)> {
+        let spec = input_spec(info);
         // The same initial weights on every rank and every device: initialised on the CPU from
         // the seed, then moved. CUDA's random stream differs from the CPU's, so weights drawn on
         // the GPU would differ from a CPU run's with the same seed. Moving keeps each variable's
         // identity (set_data), so the model's layers see the moved tensors.
         tch::manual_seed(args.seed as i64);
         let mut vs = nn::VarStore::new(Device::Cpu);
-        let model = model::build(args.model, &vs.root(), spec);
+        let chunks = match stage {
+            None => {
+                let model = model::build(args.model, &vs.root(), spec);
+                model::check_forward(&model, spec, Device::Cpu)?;
+                vec![(0, model)]
+            }
+            Some(cut) => {
+                let scratch = nn::VarStore::new(Device::Cpu);
+                let mut blocks: Vec<Option<model::Block>> =
+                    model::build_blocks(args.model, spec, |b| if cut.holds(b) { vs.root() } else { scratch.root() }).into_iter().map(Some).collect();
+                cut.chunks
+                    .iter()
+                    .map(|(index, range)| (*index, model::sequence(range.clone().map(|b| blocks[b].take().expect("a block is in one chunk").module).collect())))
+                    .collect()
+            }
+        };
         vs.set_device(device);
-        model::check_forward(&model, spec, device)?;
         let params = vs.trainable_variables();
         let param_addrs: Vec<usize> = params.iter().map(raw::data_address).collect();
         let variables = vs.variables();
@@ -49,7 +63,13 @@ impl Net {
         let mut buffers: Vec<(String, Tensor)> =
             variables.into_iter().filter(|(_, t)| !param_addrs.contains(&raw::data_address(t))).collect();
         buffers.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok((Net { vs, model, params, param_names, buffers }, spec))
+        Ok((Net { vs, chunks, params, param_names, buffers }, spec))
+    }
+
+    /// The whole model (outside pipelines, where the one chunk is all of it).
+    pub(super) fn model(&self) -> &nn::FuncT<'static> {
+        assert!(self.chunks.len() == 1 && self.chunks[0].0 == 0, "the whole model is asked of a pipeline stage");
+        &self.chunks[0].1
     }
 
     /// Every variable, sorted by name (the same order on every rank).
@@ -82,6 +102,23 @@ impl Net {
 
     pub(super) fn grads(&self) -> Vec<Tensor> {
         self.params.iter().map(|p| p.grad()).collect()
+    }
+}
+
+/// The input the model must fit, from the dataset.
+pub(super) fn input_spec(info: &DatasetInfo) -> InputSpec {
+    InputSpec { channels: info.meta.channels as i64, height: info.meta.height as i64, width: info.meta.width as i64, classes: info.meta.classes as i64 }
+}
+
+/// The blocks of one pipeline stage: per chunk it holds, the global chunk index and its blocks.
+#[derive(Clone, Debug)]
+pub(super) struct StageCut {
+    pub(super) chunks: Vec<(usize, std::ops::Range<usize>)>,
+}
+
+impl StageCut {
+    fn holds(&self, block: usize) -> bool {
+        self.chunks.iter().any(|(_, r)| r.contains(&block))
     }
 }
 

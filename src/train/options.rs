@@ -12,6 +12,7 @@ use crate::exchange::options::{check_strategy_options, Given, HorovodArgs, PsArg
 use crate::model::ModelKind;
 
 use super::recipe::RecipeArgs;
+use super::stages::PipelineArgs;
 
 /// The exchange watchdog's default: far beyond any one exchange on a working cluster (a 100 MB
 /// bucket over a 1 Gbit/s link takes about a second; the first exchange may also set up
@@ -185,6 +186,9 @@ pub struct TrainArgs {
     /// Record the sample indices each rank trains on, one file per rank in this folder (checks).
     #[arg(long, hide = true)]
     pub trace_samples: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
 
     #[command(flatten)]
     pub ps: PsArgs,

@@ -20,6 +20,7 @@ use crate::topology::{assign_gpus, World};
 
 use super::collective::gather_strings;
 use super::options::{DeviceChoice, Precision, Scaling, TrainArgs};
+use super::stages::PipelinePlan;
 
 /// Options resolved against the world: what every rank agrees to run.
 pub(super) struct Plan {
@@ -28,13 +29,20 @@ pub(super) struct Plan {
     pub(super) cuda_aware: bool,
     pub(super) workers: usize,
     pub(super) batch: usize,
+    /// The pipelines' grid and schedule shape, for a pipelined run.
+    pub(super) pipeline: Option<PipelinePlan>,
 }
 
 impl Plan {
     pub(super) fn resolve(args: &TrainArgs, world: &World) -> Result<Plan> {
         // First: choosing the device is collective over the node's ranks (before any early return).
         let device = choose_device(args.device, args.allow_gpu_sharing, world);
-        let workers = exchange::worker_count(args.strategy, world.size as usize, &args.ps.roles())?;
+        let pipeline = args.pipeline.plan(&args.given, world.size as usize, args.strategy, args.model)?;
+        // A pipelined run's workers are its pipelines (the replicas), each taking a batch.
+        let workers = match &pipeline {
+            Some(p) => p.grid.replicas,
+            None => exchange::worker_count(args.strategy, world.size as usize, &args.ps.roles())?,
+        };
         let batch = match args.scaling {
             Scaling::Weak => {
                 if args.global_batch.is_some() {
@@ -54,6 +62,9 @@ impl Plan {
                 global / workers
             }
         };
+        if let Some(p) = &pipeline {
+            check_pipeline(args, p, batch)?;
+        }
         if args.steps == Some(0) || (args.steps.is_none() && args.epochs == 0) {
             return Err(Error::usage("nothing to train: --steps and --epochs must be at least 1"));
         }
@@ -93,8 +104,27 @@ impl Plan {
             if bound { cores } else { (cores / world.local_size as usize).max(1) }
         };
         let cuda_aware = args.cuda_aware.resolve();
-        Ok(Plan { device, threads, cuda_aware, workers, batch })
+        Ok(Plan { device, threads, cuda_aware, workers, batch, pipeline })
     }
+}
+
+/// What a pipelined run cannot do, refused with the reason.
+fn check_pipeline(args: &TrainArgs, plan: &PipelinePlan, batch: usize) -> Result<()> {
+    let m = plan.shape.micro_batches;
+    if batch < m {
+        return Err(Error::usage(format!(
+            "--micro-batches {m} with a batch of {batch} per pipeline: some micro-batches would be empty; use at most {batch} micro-batches or a larger batch"
+        )));
+    }
+    if args.checkpoint_dir.is_some() || args.resume {
+        return Err(Error::usage(
+            "--checkpoint-dir with --pipeline-stages or --micro-batches: checkpoints of pipelined runs (the stages' weights and optimizer state gathered into one) are not built yet; drop --checkpoint-dir",
+        ));
+    }
+    if args.precision == Precision::Fp16 {
+        return Err(Error::usage("--precision fp16 with a pipeline: the loss scaler's skip decision would have to be agreed by every stage; use bf16"));
+    }
+    Ok(())
 }
 
 /// Intra-op threads beyond this many per core online are refused.

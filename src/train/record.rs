@@ -9,7 +9,7 @@ use crate::model::InputSpec;
 use crate::raw;
 use crate::results::{self, RunRecord};
 
-use super::checkpoints::{save_weights, CheckpointLog};
+use super::checkpoints::{save_named, save_weights, CheckpointLog};
 use super::collective::broadcast_step;
 use super::options::Scaling;
 use super::plan::device_name;
@@ -27,8 +27,18 @@ impl Run<'_> {
         if is_worker && out.saved_at != Some(out.last_step) {
             self.save_checkpoint(out.last_step)?;
         }
-        if let (Some(path), true) = (&args.save_weights, world.is_root()) {
-            save_weights(&self.net, path)?;
+        if let Some(path) = &args.save_weights {
+            if self.pipeline.is_some() {
+                // The stages of the first pipeline send their variables to rank 0.
+                if let Some(whole) = world.agree(self.gather_whole_model())? {
+                    save_named(whole, path)?;
+                }
+            } else if world.is_root() {
+                save_weights(&self.net, path)?;
+            }
+        }
+        if let (Some(pipeline), Some(path)) = (&self.pipeline, &args.pipeline.pipeline_timeline) {
+            world.agree(pipeline.write_timeline(world, path))?;
         }
         let last_step = broadcast_step(&world.comm, Some(out.last_step)).unwrap_or(out.last_step);
         let checkpointed = broadcast_step(&world.comm, self.checkpoints.newest_good) == Some(last_step);
@@ -75,7 +85,9 @@ impl Run<'_> {
         let (world, args, plan, m) = (self.world, self.args, &self.plan, &out.measured);
         // Throughput counts the measured steps' own time (evaluation excluded), on the slowest worker.
         let wall = world.max_f64(m.step.as_secs_f64());
-        let mean_over_workers = |v: f64| world.sum_f64(if is_worker { v } else { 0.0 }) / self.workers as f64;
+        // Every rank of a pipeline is a worker; parameter servers are not.
+        let worker_ranks = world.sum_f64(if is_worker { 1.0 } else { 0.0 }).max(1.0);
+        let mean_over_workers = |v: f64| world.sum_f64(if is_worker { v } else { 0.0 }) / worker_ranks;
         let images_per_sec = if wall > 0.0 { m.samples as f64 / wall } else { 0.0 };
         let [step_ms, compute_ms, comm_ms, data_wait_ms, optimizer_ms] =
             [m.step, m.compute, m.comm, m.data_wait, m.optimizer].map(|d| mean_over_workers(m.mean_ms(d)));
@@ -92,6 +104,12 @@ impl Run<'_> {
         // Memory held between steps (after the last one), the largest over the ranks.
         let held = self.exchange.held_bytes(&self.net.params, &self.optimizer);
         let (optimizer_state_bytes, gradient_bytes) = (world.max_f64(held.optimizer_state as f64), world.max_f64(held.gradients as f64));
+        let pipeline = self.pipeline.as_ref().map(|p| p.record(world, args));
+        let parameters = match &self.pipeline {
+            // Each stage's parameters once (from the first pipeline).
+            Some(p) => world.sum_f64(if p.replica == 0 { self.net.params.iter().map(|t| t.numel()).sum::<usize>() as f64 } else { 0.0 }) as usize,
+            None => self.net.params.iter().map(|p| p.numel()).sum::<usize>(),
+        };
         if !world.is_root() {
             return None;
         }
@@ -112,7 +130,7 @@ impl Run<'_> {
         }
         extra.insert("data_cached".into(), self.cache_data.into());
         // What every step's exchange carries (the cost model's projections and validation read it).
-        extra.insert("parameters".into(), self.net.params.iter().map(|p| p.numel()).sum::<usize>().into());
+        extra.insert("parameters".into(), parameters.into());
         if let Some((buckets, total, hidden)) = overlap_figures {
             extra.insert("overlap_buckets".into(), buckets.into());
             extra.insert("exchange_total_ms".into(), total.into());
@@ -165,6 +183,7 @@ impl Run<'_> {
             target_accuracy: args.recipe.target_accuracy,
             time_to_target_s: out.reached_target.map(|r| r.0),
             epoch_to_target: out.reached_target.map(|r| r.1),
+            pipeline,
             extra,
         })
     }

@@ -20,6 +20,7 @@ use crate::topology::World;
 use super::checkpoints::CheckpointLog;
 use super::net::Net;
 use super::options::TrainArgs;
+use super::pipeline::Pipeline;
 use super::plan::Plan;
 use super::progress::Timings;
 
@@ -43,6 +44,8 @@ pub(super) struct Run<'a> {
     pub(super) exchange: Box<dyn Exchange>,
     pub(super) optimizer: Optimizer,
     pub(super) overlap: Option<Overlap>,
+    /// This rank's pipeline stage (--pipeline-stages, --micro-batches), or None for a plain run.
+    pub(super) pipeline: Option<Pipeline>,
     pub(super) faults: Faults,
     pub(super) stop: StopSignal,
     /// Workers only: dedicated parameter servers take no part in evaluation or the loss.

@@ -17,7 +17,9 @@ use crate::topology::World;
 
 use super::checkpoints::{checkpoint_meta, find_resume_point, lock_checkpoint_dir, restore, save_checkpoint_weights, CheckpointLog};
 use super::collective::{broadcast_from_root, broadcast_step};
-use super::net::Net;
+use super::net::{input_spec, Net};
+use super::pipeline::Pipeline;
+use super::stages::choose_cut;
 use super::options::{OnOff, Precision, TrainArgs};
 use super::plan::{check_model_fits, check_same_config, device_name, make_current, num_cpus_online, watchdog_timeout, Plan};
 use super::run::{Run, StopSignal};
@@ -54,13 +56,26 @@ impl<'a> Run<'a> {
         let steps_per_epoch = info.train.len.div_ceil(global_batch) as u64;
         let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
         world.agree(check_model_fits(args, &info, &plan, world))?;
-        let (mut net, spec) = world.agree(Net::new(args, &info, plan.device))?;
+        // A pipeline: the cut of the model, then this rank's stage of it.
+        let (pipeline, stage_cut) = match plan.pipeline {
+            Some(pp) => {
+                let micro_batch = plan.batch.div_ceil(pp.shape.micro_batches);
+                let cut = world.agree(choose_cut(world, args.model, input_spec(&info), &args.pipeline.partition, pp.shape.chunks(), micro_batch, plan.device))?;
+                let stage_cut = cut.stage(&pp.shape, pp.grid.stage_of(world.rank as usize));
+                let pipeline = world.agree(Pipeline::new(world, pp, cut, plan.device, plan.cuda_aware, args.pipeline.recompute, args.pipeline.pipeline_timeline.is_some()))?;
+                (Some(pipeline), Some(stage_cut))
+            }
+            None => (None, None),
+        };
+        // The ranks that hold the same variables: all of them, or a stage's replicas.
+        let replicas: &World = pipeline.as_ref().map_or(world, |p| &p.stage_world);
+        let (mut net, spec) = world.agree(Net::new(args, &info, plan.device, stage_cut.as_ref()))?;
         if let Some(path) = &args.init_weights {
-            world.agree(if world.is_root() { net.load_weights(path) } else { Ok(()) })?;
+            world.agree(if replicas.is_root() { net.load_weights(path) } else { Ok(()) })?;
         }
         // Same seed on every rank gives the same weights; rank 0's are sent anyway, so that a
         // mismatch (another libtorch, another seed) cannot start, and --init-weights is read once.
-        broadcast_from_root(&world.comm, &net.named_variables().into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
+        broadcast_from_root(&replicas.comm, &net.named_variables().into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
         if args.channels_last {
             world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;
         }
@@ -93,14 +108,21 @@ impl<'a> Run<'a> {
         let optimizer_config = args.recipe.config();
         let schedule = args.recipe.schedule(global_batch, steps_per_epoch, total_steps);
         let config = exchange_config(world, args, &plan, optimizer_config, schedule.clone(), first_step)?;
-        let mut exchange = world.agree(exchange::build(args.strategy, world, &config))?;
+        let mut exchange = world.agree(exchange::build(args.strategy, replicas, &config))?;
         world.agree(exchange.prepare(&net.params))?;
         exchange.name_tensors(&net.param_names);
         let mut optimizer = Optimizer::new(optimizer_config, schedule, optim::exempt_from_lars(&net.params));
         if resume_from.is_some() || first_step > 0 {
             restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?;
         }
-        let overlap = make_overlap(world, args, &plan, &net, config.bucket_bytes)?;
+        let overlap = if pipeline.is_some() {
+            if args.overlap == OnOff::On && world.is_root() {
+                log::info!("--overlap on: a pipeline exchanges each stage's gradients after its last backward");
+            }
+            None
+        } else {
+            make_overlap(world, args, &plan, &net, config.bucket_bytes)?
+        };
         if let Some(overlap) = &overlap {
             exchange.describe_keys(overlap.plan());
         }
@@ -117,7 +139,7 @@ impl<'a> Run<'a> {
             Role::Server => (0, plan.workers),
         };
         let run = Run {
-            world, args, plan, info, labels, cache_data, spec, net, exchange, optimizer, overlap, faults, stop, workers_comm, worker, workers,
+            world, args, plan, info, labels, cache_data, spec, net, exchange, optimizer, overlap, pipeline, faults, stop, workers_comm, worker, workers,
             global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),
             dataset_fingerprint, checkpoints: CheckpointLog { newest_good: resume_from.as_ref().map(|c| c.meta.step), failed: Vec::new() },
             _checkpoint_lock: checkpoint_lock,
@@ -137,6 +159,31 @@ impl<'a> Run<'a> {
             info.train.len, info.test.len, plan.batch, self.global_batch, self.first_step, self.total_steps, self.total_steps as f64 / self.steps_per_epoch as f64,
             device_name(plan.device), plan.threads
         );
+        if let Some(p) = &self.pipeline {
+            let shape = &p.plan.shape;
+            log::info!(
+                "pipeline: {} replica(s) x {} stage(s), {} micro-batch(es) of about {} samples, schedule {}{}, --partition {}{}",
+                p.plan.grid.replicas,
+                shape.stages,
+                shape.micro_batches,
+                self.plan.batch.div_ceil(shape.micro_batches),
+                shape.kind,
+                if shape.virtual_stages > 1 { format!(" ({} chunks per stage)", shape.virtual_stages) } else { String::new() },
+                self.args.pipeline.partition.name(),
+                if self.args.pipeline.recompute { ", recomputing forwards in backward" } else { "" }
+            );
+            for line in p.cut.describe(shape) {
+                log::info!("  {line}");
+            }
+            if let Some(ms) = p.cut.chunk_ms() {
+                // Backward taken as twice forward: what the profiled cut should give.
+                let (forward, backward): (Vec<f64>, Vec<f64>) = ms.iter().map(|t| (t / 3.0, t * 2.0 / 3.0)).unzip();
+                if let Ok(replay) = crate::plan::pipeline::replay(shape, &forward, &backward) {
+                    let bubbles: Vec<String> = (0..shape.stages).map(|s| format!("{:.1}%", replay.bubble(s) * 100.0)).collect();
+                    log::info!("  expected bubble per stage with the profiled times: {} (balanced theory {:.1}%)", bubbles.join(", "), shape.theoretical_bubble() * 100.0);
+                }
+            }
+        }
         let schedule = self.optimizer.schedule();
         log::info!(
             "optimizer {}; learning rate {} ({}{}), label smoothing {}",

@@ -27,9 +27,9 @@ use super::run::Run;
 
 /// What the loop keeps from step to step.
 pub(super) struct LoopState {
-    norm: Normalizer,
-    loader: Loader,
-    trace: SampleTrace,
+    pub(super) norm: Normalizer,
+    pub(super) loader: Loader,
+    pub(super) trace: SampleTrace,
     pub(super) progress: Progress,
     /// The first step whose time counts in throughput figures.
     pub(super) warmup: u64,
@@ -94,6 +94,9 @@ pub(super) struct StepDone {
 impl Run<'_> {
     /// Data, forward, backward overlapped with (or followed by) the exchange, optimizer.
     pub(super) fn step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
+        if self.pipeline.is_some() {
+            return self.pipeline_step(step, state);
+        }
         let started = Instant::now();
         crate::watchdog::set_step(step);
         self.optimizer.begin_step(step);
@@ -158,7 +161,7 @@ impl Run<'_> {
         let x = norm.images(&batch.images, batch.labels.len())?;
         let y = norm.labels(&batch.labels)?;
         let loss = || -> Result<Tensor> {
-            let logits = self.net.model.forward_t(&x, true);
+            let logits = self.net.model().forward_t(&x, true);
             Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, self.args.recipe.label_smoothing)?.f_to_kind(Kind::Float)?)
         };
         // Autocast only where the precision asks for it (bf16 and fp16 run on CUDA only: see
@@ -232,8 +235,12 @@ impl Run<'_> {
     /// Test loss and accuracy at an epoch's end, batch-norm statistics averaged first.
     pub(super) fn evaluate_epoch(&self, step: u64, epoch: u64, state: &LoopState) -> Result<(f64, f64)> {
         let buffers: Vec<Tensor> = self.net.buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
-        average_over(&self.workers_comm, &buffers, true, self.workers)?;
-        let (test_loss, accuracy) = evaluate(&self.net, &state.norm, &self.args.data, &self.info, &self.labels, &self.workers_comm, self.worker, self.workers, self.plan.batch)?;
+        let (test_loss, accuracy) = if self.pipeline.is_some() {
+            self.pipeline_evaluate(&state.norm)?
+        } else {
+            average_over(&self.workers_comm, &buffers, true, self.workers)?;
+            evaluate(&self.net, &state.norm, &self.args.data, &self.info, &self.labels, &self.workers_comm, self.worker, self.workers, self.plan.batch)?
+        };
         if self.world.is_root() {
             state.progress.suspend(|| log::info!("epoch {} done at step {}: test loss {test_loss:.4}, accuracy {:.2}%", epoch + 1, step + 1, accuracy * 100.0));
         }
@@ -334,7 +341,7 @@ pub(super) fn evaluate(
             reader.read(&indices, &mut images)?;
             let x = norm.images(&images, indices.len())?;
             let y = norm.labels(&labels.test[start..end])?;
-            let logits = net.model.forward_t(&x, false);
+            let logits = net.model().forward_t(&x, false);
             loss_sum += logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;
             correct += logits.f_argmax(-1, false)?.f_eq_tensor(&y)?.f_sum(Kind::Float)?.f_double_value(&[])?;
         }

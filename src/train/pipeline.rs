@@ -1,0 +1,533 @@
+//! Pipeline parallelism's executor: one stage runs its schedule (plan/pipeline.rs) action by
+//! action, its activations and their gradients travelling as non-blocking MPI messages to the
+//! neighbouring stages; then the D ranks that hold the stage average its gradients with the
+//! run's exchange and step the optimizer, as a plain step does. Also the pipelined evaluation
+//! and the gathering of the whole model's weights on rank 0.
+//!
+//! The loss of every micro-batch is its samples' summed loss times D / global samples, as in a
+//! plain step, and a stage's gradients accumulate over its micro-batches in micro-batch order:
+//! P and M change the order of float additions (D does too), nothing else.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use mpi::topology::{Color, Communicator, SimpleCommunicator};
+use mpi::traits::*;
+use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Reduction, Tensor};
+
+use crate::data::reader::SplitReader;
+use crate::data::{DatasetInfo, Labels, Split};
+use crate::error::{Error, Result};
+use crate::exchange::staging::synchronize_device;
+use crate::optim;
+use crate::plan::pipeline::{self, Action, Message, Shape};
+use crate::plan::shard::ShardInfo;
+use crate::raw::TensorMessage;
+use crate::topology::World;
+
+use super::collective::{average_over, gather_strings, sum_pair};
+use super::net::Normalizer;
+use super::progress::Timings;
+use super::run::Run;
+use super::stages::{Cut, PipelinePlan};
+use super::step::{LoopState, StepDone};
+
+/// How many steps the timeline keeps (from the first measured step): enough to see the
+/// schedule, small enough to load in a browser.
+const TIMELINE_STEPS: u64 = 10;
+
+/// One rank's stage of a pipeline.
+pub(super) struct Pipeline {
+    pub(super) plan: PipelinePlan,
+    pub(super) stage: usize,
+    pub(super) replica: usize,
+    pub(super) cut: Cut,
+    /// This rank's pipeline: P ranks, ranked by stage.
+    comm: SimpleCommunicator,
+    /// The D ranks that hold this stage: the exchange's world.
+    pub(super) stage_world: World,
+    actions: Vec<Action>,
+    device: Device,
+    /// Messages go from and to device memory (CUDA-aware MPI); otherwise through the host.
+    cuda_aware: bool,
+    recompute: bool,
+    pub(super) figures: PipelineFigures,
+    timeline: Option<Timeline>,
+}
+
+/// What the measured steps showed on this stage.
+#[derive(Default, Clone, Debug)]
+pub(super) struct PipelineFigures {
+    pub(super) steps: u64,
+    /// Forwards and backwards (recomputation included).
+    pub(super) compute: Duration,
+    /// From the first action to the last send's completion: compute plus waiting.
+    pub(super) phase: Duration,
+    /// The most micro-batches (per chunk) whose activations were held at once.
+    pub(super) peak_alive: usize,
+    /// The most bytes of boundary activations (inputs kept for backward and outputs) held at once.
+    pub(super) peak_boundary_bytes: usize,
+}
+
+impl PipelineFigures {
+    /// The measured idle share of the stage's pipelined phase.
+    pub(super) fn bubble(&self) -> f64 {
+        if self.phase.is_zero() { 0.0 } else { 1.0 - self.compute.as_secs_f64() / self.phase.as_secs_f64() }
+    }
+}
+
+/// Chrome-tracing events of this rank.
+struct Timeline {
+    /// Microseconds since the Unix epoch of rank 0's start, which every rank measures from.
+    origin_us: f64,
+    events: Vec<String>,
+    until_step: u64,
+}
+
+impl Timeline {
+    fn now_us(&self) -> f64 {
+        SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e6) - self.origin_us
+    }
+}
+
+impl Pipeline {
+    /// Sets up this rank's stage (collective over `world`).
+    pub(super) fn new(world: &World, plan: PipelinePlan, cut: Cut, device: Device, cuda_aware: bool, recompute: bool, timeline: bool) -> Result<Pipeline> {
+        let rank = world.rank as usize;
+        let (stage, replica) = (plan.grid.stage_of(rank), plan.grid.replica_of(rank));
+        let comm = world.comm.split_by_color_with_key(Color::with_value(replica as i32), stage as i32).expect("every rank has a colour");
+        let stage_comm = world.comm.split_by_color_with_key(Color::with_value(stage as i32), replica as i32).expect("every rank has a colour");
+        let stage_world = World::new(stage_comm)?;
+        let tag_limit = crate::raw::tag_upper_bound();
+        if plan.shape.max_tag() > tag_limit {
+            return Err(Error::usage(format!(
+                "--micro-batches {} over {} chunks needs message tags up to {}, beyond this MPI's MPI_TAG_UB of {tag_limit}: use fewer micro-batches",
+                plan.shape.micro_batches,
+                plan.shape.chunks(),
+                plan.shape.max_tag()
+            )));
+        }
+        let actions = pipeline::schedule(&plan.shape, stage);
+        let mut origin_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e6);
+        world.comm.process_at_rank(0).broadcast_into(&mut origin_us);
+        let timeline = timeline.then(|| Timeline { origin_us, events: Vec::new(), until_step: 0 });
+        Ok(Pipeline { plan, stage, replica, cut, comm, stage_world, actions, device, cuda_aware, recompute, figures: PipelineFigures::default(), timeline })
+    }
+
+    fn shape(&self) -> &Shape {
+        &self.plan.shape
+    }
+
+    pub(super) fn first_stage(&self) -> bool {
+        self.stage == 0
+    }
+
+    /// Whether this stage holds the last chunk, which computes the loss.
+    pub(super) fn last_stage(&self) -> bool {
+        self.stage == self.plan.grid.stages - 1
+    }
+
+    /// Where messages live: the device with CUDA-aware MPI, else the host.
+    fn message_device(&self) -> Device {
+        if self.device.is_cuda() && self.cuda_aware { self.device } else { Device::Cpu }
+    }
+
+    fn peer(&self, chunk: usize) -> i32 {
+        self.shape().stage_of(chunk) as i32
+    }
+
+    fn event(&mut self, step: u64, name: String, category: &str, start_us: f64) {
+        if let Some(t) = &mut self.timeline {
+            if step < t.until_step {
+                let end = t.now_us();
+                t.events.push(format!(
+                    r#"{{"name":"{name}","cat":"{category}","ph":"X","ts":{start_us:.1},"dur":{:.1},"pid":{},"tid":{}}}"#,
+                    end - start_us,
+                    self.replica,
+                    self.stage
+                ));
+            }
+        }
+    }
+
+    fn now_us(&self) -> f64 {
+        self.timeline.as_ref().map_or(0.0, Timeline::now_us)
+    }
+
+    /// Starts the timeline's window at the first measured step.
+    pub(super) fn start_timeline(&mut self, first_measured: u64) {
+        if let Some(t) = &mut self.timeline {
+            t.until_step = first_measured + TIMELINE_STEPS;
+        }
+    }
+
+    /// Runs one step's schedule over `n` samples (split into the micro-batches); returns the
+    /// summed loss of the samples (on the last stage; 0 elsewhere).
+    #[allow(clippy::too_many_arguments)]
+    fn run_schedule(&mut self, chunks: &[(usize, nn::FuncT<'static>)], n: usize, images: Option<&Tensor>, labels: Option<&Tensor>, factor: f64, smoothing: f64, step: u64, measured: bool) -> Result<f64> {
+        let shape = *self.shape();
+        let micro = ShardInfo::all(n, shape.micro_batches);
+        let last = shape.chunks() - 1;
+        let module = |c: usize| &chunks.iter().find(|(i, _)| *i == c).expect("the schedule only names this stage's chunks").1;
+        let on = self.message_device();
+        let mut inputs: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut outputs: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut receives: HashMap<(Message, usize, usize), TensorMessage> = HashMap::new();
+        let mut sends: Vec<TensorMessage> = Vec::new();
+        let mut losses: Vec<Tensor> = Vec::new();
+        let (mut compute, mut alive, mut held_bytes) = (Duration::ZERO, 0usize, 0usize);
+        let bytes = |t: &Tensor| t.numel() * 4;
+        let started = Instant::now();
+        let loss_of = |logits: &Tensor, m: usize| -> Result<Tensor> {
+            let y = labels.expect("the last stage has the labels").f_narrow(0, micro[m].offset as i64, micro[m].len as i64)?;
+            Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, smoothing)?.f_to_kind(Kind::Float)?)
+        };
+        for index in 0..self.actions.len() {
+            let action = self.actions[index];
+            match action {
+                Action::ReceiveActivation { micro: m, chunk: c } | Action::ReceiveGradient { micro: m, chunk: c } => {
+                    if micro[m].len == 0 {
+                        continue;
+                    }
+                    let (kind, sample_shape, from, boundary) = match action {
+                        Action::ReceiveActivation { .. } => (Message::Activation, self.cut.input_shape(c).to_vec(), self.peer(c - 1), c),
+                        _ => (Message::Gradient, self.cut.output_shape(c).to_vec(), self.peer(c + 1), c + 1),
+                    };
+                    let size: Vec<i64> = std::iter::once(micro[m].len as i64).chain(sample_shape).collect();
+                    let buffer = Tensor::f_empty(size.as_slice(), (Kind::Float, on))?;
+                    // SAFETY: a new tensor with no other handle; the message owns it until waited for.
+                    let message = unsafe { TensorMessage::receive(buffer, &self.comm, from, shape.tag(kind, m, boundary))? };
+                    receives.insert((kind, m, c), message);
+                }
+                Action::Forward { micro: m, chunk: c } => {
+                    if micro[m].len == 0 {
+                        continue;
+                    }
+                    let x = if c == 0 {
+                        images.expect("the first stage has the images").f_narrow(0, micro[m].offset as i64, micro[m].len as i64)?
+                    } else {
+                        let waited = self.now_us();
+                        let message = receives.remove(&(Message::Activation, m, c)).expect("the schedule posts every receive before its use");
+                        let x = message.wait()?.f_to_device(self.device)?.f_requires_grad_(true)?;
+                        self.event(step, format!("wait activation {m}"), "wait", waited);
+                        x
+                    };
+                    let (began, t) = (Instant::now(), self.now_us());
+                    let out = if self.recompute { tch::no_grad(|| module(c).forward_t(&x, true)) } else { module(c).forward_t(&x, true) };
+                    let out = if c == last {
+                        let loss = loss_of(&out, m)?;
+                        losses.push(loss.f_detach()?);
+                        loss.f_mul_scalar(factor)?
+                    } else {
+                        out
+                    };
+                    synchronize_device(self.device);
+                    compute += began.elapsed();
+                    self.event(step, format!("forward {m} (chunk {c})"), "forward", t);
+                    held_bytes += bytes(&out) + bytes(&x);
+                    outputs.insert((m, c), out);
+                    inputs.insert((m, c), x);
+                    alive += 1;
+                    if measured {
+                        self.figures.peak_alive = self.figures.peak_alive.max(alive);
+                        self.figures.peak_boundary_bytes = self.figures.peak_boundary_bytes.max(held_bytes);
+                    }
+                }
+                Action::SendActivation { micro: m, chunk: c } => {
+                    if micro[m].len == 0 {
+                        continue;
+                    }
+                    let out = if self.recompute { outputs.remove(&(m, c)).expect("sent after its forward") } else { outputs[&(m, c)].shallow_clone() };
+                    if self.recompute {
+                        held_bytes -= bytes(&out);
+                    }
+                    let payload = out.f_detach()?.f_to_device(on)?.f_contiguous()?;
+                    synchronize_device(self.device);
+                    let payload = if raw_shares_storage(&payload, &out) { payload.copy() } else { payload };
+                    // SAFETY: `payload` is a fresh copy (cloned when detach and contiguous kept
+                    // the output's storage, which autograd may hold), written by nothing else.
+                    sends.push(unsafe { TensorMessage::send(payload, &self.comm, self.peer(c + 1), shape.tag(Message::Activation, m, c + 1))? });
+                }
+                Action::Backward { micro: m, chunk: c } => {
+                    if micro[m].len == 0 {
+                        continue;
+                    }
+                    let gradient = if c < last {
+                        let waited = self.now_us();
+                        let message = receives.remove(&(Message::Gradient, m, c)).expect("the schedule posts every receive before its use");
+                        let g = message.wait()?.f_to_device(self.device)?;
+                        self.event(step, format!("wait gradient {m}"), "wait", waited);
+                        Some(g)
+                    } else {
+                        None
+                    };
+                    let (began, t) = (Instant::now(), self.now_us());
+                    let x = inputs.get(&(m, c)).expect("backward after forward");
+                    let out = if self.recompute {
+                        let out = module(c).forward_t(x, true);
+                        if c == last { loss_of(&out, m)?.f_mul_scalar(factor)? } else { out }
+                    } else {
+                        outputs.remove(&(m, c)).expect("backward after forward")
+                    };
+                    if !self.recompute || c == last {
+                        held_bytes -= bytes(&out);
+                    }
+                    match gradient {
+                        // d(sum(out * g))/d(out) is g exactly: the parameters' gradients are
+                        // those of backward from `out` with gradient g.
+                        Some(g) => out.f_mul(&g)?.f_sum(Kind::Float)?.f_backward()?,
+                        None => out.f_backward()?,
+                    }
+                    synchronize_device(self.device);
+                    compute += began.elapsed();
+                    self.event(step, format!("backward {m} (chunk {c})"), "backward", t);
+                    alive -= 1;
+                    if c == 0 {
+                        let x = inputs.remove(&(m, c)).expect("held");
+                        held_bytes -= bytes(&x);
+                    }
+                }
+                Action::SendGradient { micro: m, chunk: c } => {
+                    if micro[m].len == 0 {
+                        continue;
+                    }
+                    let x = inputs.remove(&(m, c)).expect("sent after its backward");
+                    held_bytes -= bytes(&x);
+                    let payload = x.grad().f_to_device(on)?.f_contiguous()?;
+                    let payload = if raw_shares_storage(&payload, &x.grad()) { payload.copy() } else { payload };
+                    // SAFETY: a fresh copy of the input's gradient, which nothing else writes.
+                    sends.push(unsafe { TensorMessage::send(payload, &self.comm, self.peer(c - 1), shape.tag(Message::Gradient, m, c))? });
+                }
+            }
+            // Completed sends let go of their buffers; testing also drives MPI's progress.
+            let mut still = Vec::with_capacity(sends.len());
+            for mut s in sends.drain(..) {
+                if !s.test()? {
+                    still.push(s);
+                }
+            }
+            sends = still;
+        }
+        let waited = self.now_us();
+        for s in sends {
+            let _sent = s.wait()?;
+        }
+        self.event(step, "wait sends".into(), "wait", waited);
+        if measured {
+            self.figures.steps += 1;
+            self.figures.compute += compute;
+            self.figures.phase += started.elapsed();
+        }
+        let mut loss_sum = 0.0;
+        for l in &losses {
+            loss_sum += l.f_double_value(&[])?;
+        }
+        Ok(loss_sum)
+    }
+
+    /// The Chrome trace of every rank, written by rank 0 (collective over `world`).
+    pub(super) fn write_timeline(&self, world: &World, path: &std::path::Path) -> Result<()> {
+        let mine = self.timeline.as_ref().map(|t| t.events.join(",\n")).unwrap_or_default();
+        let all = gather_strings(&world.comm, &mine);
+        if world.is_root() {
+            let mut names = Vec::new();
+            for rank in 0..world.size as usize {
+                let (d, p) = (self.plan.grid.replica_of(rank), self.plan.grid.stage_of(rank));
+                names.push(format!(r#"{{"name":"thread_name","ph":"M","pid":{d},"tid":{p},"args":{{"name":"stage {p} (rank {rank})"}}}}"#));
+                if p == 0 {
+                    names.push(format!(r#"{{"name":"process_name","ph":"M","pid":{d},"args":{{"name":"pipeline {d}"}}}}"#));
+                }
+            }
+            let body: Vec<&str> = names.iter().map(String::as_str).chain(all.iter().map(String::as_str).filter(|s| !s.is_empty())).collect();
+            let text = format!("{{\"traceEvents\":[\n{}\n]}}\n", body.join(",\n"));
+            let tmp = path.with_extension("json.tmp");
+            crate::results::replace_via_temp(path, &tmp, |tmp| std::fs::write(tmp, &text).map_err(|e| Error::io(tmp, e)))?;
+        }
+        Ok(())
+    }
+}
+
+impl Pipeline {
+    /// Per stage, the mean over the replicas of `value` (collective over `world`).
+    fn per_stage(&self, world: &World, value: f64) -> Vec<f64> {
+        let mut mine = vec![0.0; self.plan.grid.stages];
+        mine[self.stage] = value;
+        let mut sums = vec![0.0; mine.len()];
+        world.comm.all_reduce_into(&mine[..], &mut sums[..], mpi::collective::SystemOperation::sum());
+        sums.iter().map(|s| s / self.plan.grid.replicas as f64).collect()
+    }
+
+    /// The record's pipeline figures (collective over `world`; meaningful on rank 0).
+    pub(super) fn record(&self, world: &World, args: &super::options::TrainArgs) -> crate::results::PipelineRecord {
+        let f = &self.figures;
+        let compute_ms = if f.steps == 0 { 0.0 } else { f.compute.as_secs_f64() * 1e3 / f.steps as f64 };
+        let shape = self.shape();
+        // Every replica of a stage holds the same shapes: the mean over them is each one's peak.
+        let peak_per_stage = |v: usize| self.per_stage(world, v as f64).iter().map(|m| m.round() as usize).collect::<Vec<_>>();
+        crate::results::PipelineRecord {
+            pipeline_stages: shape.stages,
+            micro_batches: shape.micro_batches,
+            schedule: shape.kind.name().into(),
+            virtual_stages: shape.virtual_stages,
+            partition: args.pipeline.partition.name(),
+            recompute: self.recompute,
+            chunk_blocks: self.cut.chunks.iter().map(|r| format!("{}..{} ({}..{})", r.start, r.end - 1, self.cut.survey.names[r.start], self.cut.survey.names[r.end - 1])).collect(),
+            chunk_params: self.cut.chunk_params(),
+            chunk_profiled_ms: self.cut.chunk_ms(),
+            stage_compute_ms: self.per_stage(world, compute_ms),
+            bubble: self.per_stage(world, f.bubble()),
+            theoretical_bubble: shape.theoretical_bubble(),
+            peak_alive_micro_batches: peak_per_stage(f.peak_alive),
+            peak_boundary_activation_bytes: peak_per_stage(f.peak_boundary_bytes),
+        }
+    }
+}
+
+/// Whether two tensors share their first element's memory (a no-op copy).
+fn raw_shares_storage(a: &Tensor, b: &Tensor) -> bool {
+    a.device() == b.device() && crate::raw::data_address(a) == crate::raw::data_address(b)
+}
+
+impl Run<'_> {
+    /// One pipelined step: the stage's schedule over the micro-batches, then the exchange of
+    /// the accumulated gradients among the stage's replicas and the optimizer step.
+    pub(super) fn pipeline_step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
+        let started = Instant::now();
+        crate::watchdog::set_step(step);
+        self.optimizer.begin_step(step);
+        let batch = state.loader.next()?;
+        let data_wait = started.elapsed();
+        state.trace.record(&batch)?;
+        let compute_start = Instant::now();
+        let mut grads = self.net.grads();
+        optim::zero_grads(&mut grads)?;
+        let n = batch.labels.len();
+        let pipeline = self.pipeline.as_mut().expect("a pipelined run");
+        let images = if pipeline.first_stage() && n > 0 { Some(state.norm.images(&batch.images, n)?) } else { None };
+        let labels = if pipeline.last_stage() && n > 0 { Some(state.norm.labels(&batch.labels)?) } else { None };
+        let factor = self.workers as f64 / batch.global_samples.max(1) as f64;
+        let measured = step >= state.warmup;
+        let loss_sum = pipeline.run_schedule(&self.net.chunks, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, step, measured)?;
+        let last_stage = pipeline.last_stage();
+        if !loss_sum.is_finite() {
+            return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });
+        }
+        grads = self.net.grads();
+        if !optim::all_finite(&grads)? {
+            return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
+        }
+        let compute = compute_start.elapsed();
+        let comm_start = Instant::now();
+        // A stage without parameters (the tiny CNN's pooling) has nothing to exchange or step.
+        if !self.net.params.is_empty() {
+            let exchange = &mut self.exchange;
+            let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
+            exchange.update(&mut self.net.params, &mut grads, &mut self.optimizer)?;
+        }
+        synchronize_device(self.plan.device);
+        let comm = comm_start.elapsed();
+        let optimizer = self.optimizer.take_busy();
+        let comm = comm.saturating_sub(optimizer);
+        let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total: comm, exchange_exposed: comm };
+        // The loss and its samples count once, on the stage that computes them.
+        Ok(StepDone { timings, loss_sum, samples: if last_stage { n } else { 0 }, epoch: batch.epoch })
+    }
+
+    /// Test loss and accuracy through the pipelines: each replica evaluates its share of the
+    /// test set, stage by stage, the last stage scoring it.
+    pub(super) fn pipeline_evaluate(&self, norm: &Normalizer) -> Result<(f64, f64)> {
+        let pipeline = self.pipeline.as_ref().expect("a pipelined run");
+        let (info, labels): (&DatasetInfo, &Labels) = (&self.info, &self.labels);
+        let buffers: Vec<Tensor> = self.net.buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
+        average_over(&pipeline.stage_world.comm, &buffers, true, pipeline.stage_world.size as usize)?;
+        let shape = *pipeline.shape();
+        let last = shape.chunks() - 1;
+        let shard = ShardInfo::split(info.test.len, self.workers, pipeline.replica);
+        let mut reader = if pipeline.first_stage() { Some(SplitReader::open(&self.args.data, Split::Test)?) } else { None };
+        let (mut loss_sum, mut correct) = (0.0, 0.0);
+        let mut images = Vec::new();
+        let eval_batch = self.plan.batch.max(1) * 2;
+        let on = pipeline.message_device();
+        tch::no_grad(|| -> Result<()> {
+            for start in (shard.offset..shard.end()).step_by(eval_batch) {
+                let end = (start + eval_batch).min(shard.end());
+                let len = (end - start) as i64;
+                for (c, module) in &self.net.chunks {
+                    let c = *c;
+                    let x = if c == 0 {
+                        let indices: Vec<usize> = (start..end).collect();
+                        images.resize(indices.len() * info.sample_bytes(), 0);
+                        reader.as_mut().expect("stage 0 reads").read(&indices, &mut images)?;
+                        norm.images(&images, indices.len())?
+                    } else {
+                        let size: Vec<i64> = std::iter::once(len).chain(pipeline.cut.input_shape(c).iter().copied()).collect();
+                        let buffer = Tensor::f_empty(size.as_slice(), (Kind::Float, on))?;
+                        // SAFETY: a new tensor with no other handle, waited for at once.
+                        unsafe { TensorMessage::receive(buffer, &pipeline.comm, pipeline.peer(c - 1), shape.tag(Message::Activation, 0, c))? }.wait()?.f_to_device(pipeline.device)?
+                    };
+                    let y = module.forward_t(&x, false);
+                    if c == last {
+                        let target = norm.labels(&labels.test[start..end])?;
+                        loss_sum += y.f_cross_entropy_loss::<Tensor>(&target, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;
+                        correct += y.f_argmax(-1, false)?.f_eq_tensor(&target)?.f_sum(Kind::Float)?.f_double_value(&[])?;
+                    } else {
+                        let payload = y.f_to_device(on)?.f_contiguous()?;
+                        synchronize_device(pipeline.device);
+                        // SAFETY: the forward's fresh output (no graph under no_grad), waited for at once.
+                        unsafe { TensorMessage::send(payload, &pipeline.comm, pipeline.peer(c + 1), shape.tag(Message::Activation, 0, c + 1))? }.wait().map(drop)?;
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        let (loss_sum, correct) = sum_pair(&self.world.comm, loss_sum, correct);
+        let n = info.test.len as f64;
+        Ok((loss_sum / n, correct / n))
+    }
+
+    /// The whole model's variables on rank 0 (None elsewhere), sent by the first pipeline's
+    /// stages: for --save-weights. Collective over the first pipeline.
+    pub(super) fn gather_whole_model(&self) -> Result<Option<Vec<(String, Tensor)>>> {
+        let pipeline = self.pipeline.as_ref().expect("a pipelined run");
+        if pipeline.replica != 0 {
+            return Ok(None);
+        }
+        let mine: Vec<(String, Tensor)> = self.net.named_variables();
+        if pipeline.stage != 0 {
+            let root = pipeline.comm.process_at_rank(0);
+            root.send(&(mine.len() as u64));
+            for (name, t) in &mine {
+                root.send(name.as_bytes());
+                let values: Vec<f32> = Vec::<f32>::try_from(t.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)?.f_reshape([-1])?)?;
+                root.send(&values[..]);
+            }
+            return Ok(None);
+        }
+        let mut all: Vec<(String, Tensor)> = mine.into_iter().map(|(n, t)| Ok((n, t.f_to_device(Device::Cpu)?))).collect::<Result<_>>()?;
+        for stage in 1..pipeline.plan.grid.stages {
+            let from = pipeline.comm.process_at_rank(stage as i32);
+            let (count, _) = from.receive::<u64>();
+            for _ in 0..count {
+                let (name, _) = from.receive_vec::<u8>();
+                let (values, _) = from.receive_vec::<f32>();
+                let name = String::from_utf8(name).map_err(|_| Error::exchange("gathering the weights", "a variable name is not UTF-8"))?;
+                all.push((name, Tensor::f_from_slice(&values)?));
+            }
+        }
+        // Shapes and element types from a whole model built on the CPU (its values unused).
+        let whole = nn::VarStore::new(Device::Cpu);
+        let _model = crate::model::build(self.args.model, &whole.root(), self.spec);
+        let reference = whole.variables();
+        let mut out = Vec::with_capacity(all.len());
+        for (name, t) in all {
+            let like = reference.get(&name).ok_or_else(|| Error::exchange("gathering the weights", format!("{name} is no variable of the model")))?;
+            out.push((name, t.f_reshape(like.size().as_slice())?.f_to_kind(like.kind())?));
+        }
+        if out.len() != reference.len() {
+            return Err(Error::exchange("gathering the weights", format!("{} variables gathered, the model has {}", out.len(), reference.len())));
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(Some(out))
+    }
+}

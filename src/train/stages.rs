@@ -1,0 +1,263 @@
+//! Pipeline parallelism's options ([`PipelineArgs`]) and the choice of the cut: which blocks
+//! each chunk holds, balanced by measured time (torchgpipe's balance by time: a few profiling
+//! passes of every block on this rank's device, averaged over the ranks so that every rank
+//! computes the same cut), by parameters, or as given. The schedules are plan/pipeline.rs; the
+//! executor is pipeline.rs.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Error, Result};
+use crate::exchange::options::Given;
+use crate::exchange::StrategyKind;
+use crate::model::{self, InputSpec, ModelKind};
+use crate::plan::pipeline::{self, Grid, ScheduleKind, Shape};
+use crate::topology::World;
+
+use super::net::StageCut;
+
+/// Pipeline parallelism (README, "Pipeline parallelism").
+#[derive(Args, Debug, Clone)]
+pub struct PipelineArgs {
+    /// Pipeline stages per model replica: N ranks form N/P pipelines of P consecutive ranks, and
+    /// the N/P ranks that hold the same stage average its gradients with --strategy.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub pipeline_stages: u64,
+
+    /// Micro-batches each pipeline's batch is cut into per step (with one stage: gradient
+    /// accumulation over the micro-batches).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub micro_batches: u64,
+
+    /// Order of the micro-batches' forwards and backwards on each stage.
+    #[arg(long = "schedule", value_enum, default_value_t = ScheduleKind::OneFOneB)]
+    pub schedule: ScheduleKind,
+
+    /// Model chunks per stage for --schedule interleaved (the bubble divided by it).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub virtual_stages: u64,
+
+    /// Where the model is cut: `time` (balance measured forward+backward time), `params`
+    /// (balance parameters), or the first block of every chunk but the first, e.g. `3,6,8`.
+    #[arg(long, default_value = "time", value_parser = parse_partition)]
+    pub partition: Partition,
+
+    /// Keep only each stage's input per micro-batch and recompute its forward during backward
+    /// (GPipe's re-materialisation): activation memory for compute.
+    #[arg(long)]
+    pub recompute: bool,
+
+    /// Write every rank's forward, backward, send, receive and idle time per micro-batch as a
+    /// Chrome trace (chrome://tracing, Perfetto) to this file (rank 0 writes it).
+    #[arg(long)]
+    pub pipeline_timeline: Option<PathBuf>,
+}
+
+/// `--partition`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Partition {
+    Time,
+    Params,
+    Cuts(Vec<usize>),
+}
+
+impl Partition {
+    pub fn name(&self) -> String {
+        match self {
+            Partition::Time => "time".into(),
+            Partition::Params => "params".into(),
+            Partition::Cuts(c) => c.iter().map(|b| b.to_string()).collect::<Vec<_>>().join(","),
+        }
+    }
+}
+
+fn parse_partition(s: &str) -> std::result::Result<Partition, String> {
+    match s {
+        "time" => Ok(Partition::Time),
+        "params" => Ok(Partition::Params),
+        list => list
+            .split(',')
+            .map(|b| b.trim().parse::<usize>().map_err(|_| format!("expected time, params or a list of block indices such as 3,6,8; {b:?} is not a block index")))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map(Partition::Cuts),
+    }
+}
+
+/// Options that only a pipeline reads: (clap id, flag).
+const PIPELINE_ONLY: &[(&str, &str)] =
+    &[("schedule", "--schedule"), ("virtual_stages", "--virtual-stages"), ("partition", "--partition"), ("recompute", "--recompute"), ("pipeline_timeline", "--pipeline-timeline")];
+
+/// What a pipelined run is: its rank grid and the shape of its schedule.
+#[derive(Clone, Copy, Debug)]
+pub struct PipelinePlan {
+    pub grid: Grid,
+    pub shape: Shape,
+}
+
+impl PipelineArgs {
+    /// Whether the run goes through the pipeline's executor: more than one stage, or one stage
+    /// that accumulates the gradients of several micro-batches.
+    pub fn pipelined(&self) -> bool {
+        self.pipeline_stages > 1 || self.micro_batches > 1
+    }
+
+    /// The grid and shape for `ranks`, or None for a plain run; refuses what cannot run, naming
+    /// the flag.
+    pub fn plan(&self, given: &Given, ranks: usize, strategy: StrategyKind, model: ModelKind) -> Result<Option<PipelinePlan>> {
+        if self.pipeline_stages == 1 {
+            if let Some((_, flag)) = PIPELINE_ONLY.iter().find(|(id, _)| given.has(id)) {
+                return Err(Error::usage(format!("{flag} is an option of pipelines; with --pipeline-stages 1 there is none: drop it, or add --pipeline-stages")));
+            }
+        }
+        if !self.pipelined() {
+            return Ok(None);
+        }
+        let grid = Grid::new(ranks, self.pipeline_stages as usize).map_err(Error::usage)?;
+        let shape = Shape::new(self.schedule, grid.stages, self.micro_batches as usize, self.virtual_stages as usize).map_err(Error::usage)?;
+        if strategy == StrategyKind::Ps {
+            return Err(Error::usage("--strategy ps with --pipeline-stages or --micro-batches: a pipeline's stages average their gradients among themselves; use ring, rhd, auto, allreduce or horovod"));
+        }
+        if model == ModelKind::TinyUnused {
+            return Err(Error::usage("--model tiny-unused has a layer outside its blocks, which no pipeline stage would hold"));
+        }
+        Ok(Some(PipelinePlan { grid, shape }))
+    }
+}
+
+/// What the cut was chosen from, per block: name, parameters, measured milliseconds.
+#[derive(Clone, Debug)]
+pub(super) struct BlockSurvey {
+    pub(super) names: Vec<String>,
+    pub(super) params: Vec<usize>,
+    /// Forward + backward per micro-batch (ms, mean over the ranks), when measured.
+    pub(super) ms: Option<Vec<f64>>,
+    /// Per block, the shape of one sample of its output.
+    pub(super) output_shapes: Vec<Vec<i64>>,
+}
+
+/// The cut of the model into P x V chunks, and what it was chosen from.
+#[derive(Clone, Debug)]
+pub(super) struct Cut {
+    /// The blocks of every chunk, in model order.
+    pub(super) chunks: Vec<std::ops::Range<usize>>,
+    pub(super) survey: BlockSurvey,
+}
+
+impl Cut {
+    /// The chunks `stage` holds.
+    pub(super) fn stage(&self, shape: &Shape, stage: usize) -> StageCut {
+        StageCut { chunks: shape.chunks_of(stage).into_iter().map(|c| (c, self.chunks[c].clone())).collect() }
+    }
+
+    /// The shape of one sample entering chunk `c` (c >= 1).
+    pub(super) fn input_shape(&self, chunk: usize) -> &[i64] {
+        &self.survey.output_shapes[self.chunks[chunk].start - 1]
+    }
+
+    /// The shape of one sample leaving chunk `c`.
+    pub(super) fn output_shape(&self, chunk: usize) -> &[i64] {
+        &self.survey.output_shapes[self.chunks[chunk].end - 1]
+    }
+
+    /// Per chunk: its blocks by name, parameters and measured time, for the log and the record.
+    pub(super) fn describe(&self, shape: &Shape) -> Vec<String> {
+        let s = &self.survey;
+        self.chunks
+            .iter()
+            .enumerate()
+            .map(|(c, r)| {
+                let params: usize = s.params[r.clone()].iter().sum();
+                let ms = s.ms.as_ref().map(|ms| format!(", {:.2} ms", ms[r.clone()].iter().sum::<f64>())).unwrap_or_default();
+                format!("chunk {c} on stage {}: blocks {}..{} ({}..{}), {params} parameters{ms}", shape.stage_of(c), r.start, r.end - 1, s.names[r.start], s.names[r.end - 1])
+            })
+            .collect()
+    }
+
+    pub(super) fn chunk_params(&self) -> Vec<usize> {
+        self.chunks.iter().map(|r| self.survey.params[r.clone()].iter().sum()).collect()
+    }
+
+    pub(super) fn chunk_ms(&self) -> Option<Vec<f64>> {
+        self.survey.ms.as_ref().map(|ms| self.chunks.iter().map(|r| ms[r.clone()].iter().sum()).collect())
+    }
+}
+
+/// Chooses the cut (collective over `world` for `--partition time`: every rank profiles, the
+/// times are averaged, and every rank cuts the same way).
+pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partition: &Partition, chunks: usize, micro_batch: usize, device: Device) -> Result<Cut> {
+    // Every block in a store of its own, to count and time it alone.
+    let stores: Vec<nn::VarStore> = (0..64).map(|_| nn::VarStore::new(Device::Cpu)).collect();
+    let blocks = model::build_blocks(kind, spec, |b| stores[b.min(stores.len() - 1)].root());
+    if blocks.len() > stores.len() {
+        return Err(Error::usage(format!("{} has {} blocks, more than the {} the survey provides", kind.name(), blocks.len(), stores.len())));
+    }
+    if chunks > blocks.len() {
+        return Err(Error::usage(format!(
+            "--pipeline-stages x --virtual-stages = {chunks} chunks, but --model {} has {} blocks to cut (each chunk needs one): use fewer stages or virtual stages",
+            kind.name(),
+            blocks.len()
+        )));
+    }
+    let names = blocks.iter().map(|b| b.name.clone()).collect();
+    let params = stores[..blocks.len()].iter().map(|vs| vs.trainable_variables().iter().map(Tensor::numel).sum()).collect();
+    let output_shapes = model::block_output_shapes(&blocks, spec);
+    let mut survey = BlockSurvey { names, params, ms: None, output_shapes };
+    let starts = match partition {
+        Partition::Cuts(list) => pipeline::cuts_from_list(list, blocks.len(), chunks).map_err(Error::usage)?,
+        Partition::Params => {
+            let costs: Vec<f64> = survey.params.iter().map(|&p| p as f64).collect();
+            pipeline::balance(&costs, chunks).map_err(|e| Error::usage(format!("--partition params: {e}")))?
+        }
+        Partition::Time => {
+            let mine = world.agree(profile_blocks(&blocks, &stores[..blocks.len()], spec, micro_batch, device))?;
+            let ms: Vec<f64> = mine.iter().map(|&t| world.sum_f64(t) / world.size as f64).collect();
+            let starts = pipeline::balance(&ms, chunks).map_err(|e| Error::usage(format!("--partition time: {e}")))?;
+            survey.ms = Some(ms);
+            starts
+        }
+    };
+    Ok(Cut { chunks: pipeline::ranges(&starts, blocks.len()), survey })
+}
+
+/// Milliseconds of forward + backward of every block on a micro-batch of random images: the
+/// median of 3 passes after one warm-up pass.
+fn profile_blocks(blocks: &[model::Block], stores: &[nn::VarStore], spec: InputSpec, micro_batch: usize, device: Device) -> Result<Vec<f64>> {
+    if device != Device::Cpu {
+        // The survey's variables were made on the CPU; a GPU run profiles on its device (the
+        // stores are dropped after the survey). set_data keeps each variable's identity, so
+        // the blocks see the moved tensors.
+        for vs in stores {
+            for (_, t) in vs.variables() {
+                tch::no_grad(|| t.shallow_clone().set_data(&t.to_device(device)));
+            }
+        }
+    }
+    let input = Tensor::f_randn([micro_batch.max(1) as i64, spec.channels, spec.height, spec.width], (Kind::Float, device))?;
+    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); blocks.len()];
+    for pass in 0..4 {
+        let mut x = input.shallow_clone();
+        for (b, block) in blocks.iter().enumerate() {
+            let inp = x.f_detach()?.f_requires_grad_(b > 0)?;
+            let started = Instant::now();
+            let y = block.module.forward_t(&inp, true);
+            let gradient = y.f_ones_like()?;
+            y.f_mul(&gradient)?.f_sum(Kind::Float)?.f_backward()?;
+            crate::exchange::staging::synchronize_device(device);
+            if pass > 0 {
+                samples[b].push(started.elapsed().as_secs_f64() * 1e3);
+            }
+            x = y.f_detach()?;
+        }
+    }
+    Ok(samples
+        .into_iter()
+        .map(|mut s| {
+            s.sort_by(f64::total_cmp);
+            s[s.len() / 2]
+        })
+        .collect())
+}
