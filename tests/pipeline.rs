@@ -1,0 +1,186 @@
+//! Pipeline parallelism (`--pipeline-stages`, `--micro-batches`, `--schedule`) launched as
+//! users launch it: every schedule, stage count and micro-batch count trains the tiny CNN (no
+//! batch norm) to the weights of one process that accumulates the same micro-batches'
+//! gradients, and pipelines of two replicas do so with every exchange strategy; the record
+//! and the timeline say what ran; bad layouts end with one clear line and every rank non-zero.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use common::*;
+
+/// A small dataset (512 samples of 1x16x16) shared by the tests of this binary.
+fn data() -> &'static Path {
+    static DATA: OnceLock<PathBuf> = OnceLock::new();
+    DATA.get_or_init(|| synth(&scratch("pipeline-data"), "small", 512, 96, "1x16x16", 10))
+}
+
+/// The options every run here shares: the tiny CNN, 4 steps of 32 samples per pipeline.
+fn base(batch: usize) -> Vec<String> {
+    let batch = batch.to_string();
+    ["--model", "tiny", "--data", data().to_str().unwrap(), "--steps", "4", "--batch-size", &batch, "--threads", "1", "--no-eval", "--lr", "0.1"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+}
+
+fn train(dir: &Path, name: &str, ranks: usize, batch: usize, extra: &[&str]) -> PathBuf {
+    let mut args = base(batch);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    train_saving_weights(dir, name, ranks, &args)
+}
+
+/// One process, one stage, M micro-batches: the reference each layout must reproduce.
+fn reference(dir: &Path, batch: usize, micro: usize) -> PathBuf {
+    train(dir, &format!("reference-b{batch}-m{micro}"), 1, batch, &["--micro-batches", &micro.to_string()])
+}
+
+#[test]
+fn every_schedule_trains_the_weights_of_one_process_accumulating_the_micro_batches() {
+    let dir = scratch("pipeline-equality");
+    // (stages, schedule, virtual stages, micro-batches); one pipeline (D = 1).
+    let layouts: &[(usize, &str, usize, usize)] = &[
+        (2, "gpipe", 1, 1),
+        (2, "gpipe", 1, 4),
+        (2, "gpipe", 1, 8),
+        (2, "1f1b", 1, 1),
+        (2, "1f1b", 1, 4),
+        (2, "1f1b", 1, 8),
+        (2, "interleaved", 2, 4),
+        (2, "interleaved", 2, 8),
+        (3, "gpipe", 1, 4),
+        (3, "1f1b", 1, 1),
+        (3, "1f1b", 1, 8),
+        (4, "gpipe", 1, 8),
+        (4, "1f1b", 1, 1),
+        (4, "1f1b", 1, 4),
+    ];
+    let mut report = Vec::new();
+    for &(p, schedule, v, m) in layouts {
+        let want = reference(&dir, 32, m);
+        let name = format!("p{p}-{schedule}-v{v}-m{m}");
+        let (ps, vs, ms) = (p.to_string(), v.to_string(), m.to_string());
+        let mut extra = vec!["--pipeline-stages", &ps, "--schedule", schedule, "--micro-batches", &ms, "--partition", "params"];
+        if v > 1 {
+            extra.extend(["--virtual-stages", &vs]);
+        }
+        let got = train(&dir, &name, p, 32, &extra);
+        let diff = max_relative_difference(&want, &got);
+        report.push(format!("{name}: {diff:e}"));
+        // The same operations in the same order as the reference: equal to f32 summation
+        // tolerance (in practice bit for bit).
+        assert!(diff < 1e-6, "{name}: weights differ from one process by {diff:e}\n{}", report.join("\n"));
+    }
+    eprintln!("{}", report.join("\n"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn two_pipelines_average_their_stages_gradients_with_every_strategy() {
+    let dir = scratch("pipeline-hybrid");
+    // Two pipelines of 16 samples each against one process taking 32 in 4 micro-batches.
+    let want = reference(&dir, 32, 4);
+    let mut report = Vec::new();
+    for strategy in ["ring", "rhd", "auto", "allreduce", "horovod"] {
+        let got = train(&dir, &format!("d2p2-{strategy}"), 4, 16, &["--pipeline-stages", "2", "--micro-batches", "2", "--strategy", strategy, "--partition", "1"]);
+        let diff = max_relative_difference(&want, &got);
+        report.push(format!("{strategy}: {diff:e}"));
+        // The replicas' mean reorders float additions: f32 summation tolerance.
+        assert!(diff < 1e-5, "D=2 x P=2 with {strategy}: {diff:e}\n{}", report.join("\n"));
+    }
+    // A whole replica on each of two ranks, micro-batches accumulated: data parallelism with
+    // gradient accumulation, through the same executor.
+    let got = train(&dir, "d2p1", 2, 16, &["--micro-batches", "2"]);
+    assert!(max_relative_difference(&want, &got) < 1e-5);
+    eprintln!("{}", report.join("\n"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Recomputing forwards in backward changes memory, not arithmetic; the evaluation runs through
+/// the stages and scores as one process does; the record and the timeline say what ran.
+#[test]
+fn recompute_evaluation_record_and_timeline() {
+    let dir = scratch("pipeline-record");
+    let with_eval = |name: &str, ranks: usize, extra: &[&str]| {
+        let mut args: Vec<String> = base(32).into_iter().filter(|a| a != "--no-eval").collect();
+        args.extend(["--epochs", "1"].iter().map(|s| s.to_string()));
+        let pos = args.iter().position(|a| a == "--steps").unwrap();
+        args.drain(pos..pos + 2);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let results = dir.join(name);
+        args.extend(["--results".into(), results.to_str().unwrap().into()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let run = mpirun(ranks, &args).expect_ok();
+        (run, read_runs(&results).pop().unwrap())
+    };
+    let (_, plain) = with_eval("plain", 1, &["--micro-batches", "4"]);
+    let (_, whole) = with_eval("whole", 1, &[]);
+    let timeline = dir.join("timeline.json");
+    let (run, piped) = with_eval("piped", 3, &["--pipeline-stages", "3", "--micro-batches", "4", "--schedule", "gpipe", "--recompute", "--pipeline-timeline", timeline.to_str().unwrap()]);
+    assert!(run.stderr.contains("pipeline: 1 replica(s) x 3 stage(s), 4 micro-batch(es)"), "{}", run.stderr);
+    assert!(run.stderr.contains("chunk 2 on stage 2: blocks"), "{}", run.stderr);
+    assert_eq!(piped["test_accuracy"], plain["test_accuracy"], "the pipelined evaluation scores as one process");
+    let (a, b) = (piped["final_loss"].as_f64().unwrap(), plain["final_loss"].as_f64().unwrap());
+    assert!((a - b).abs() <= 1e-5 * b.abs(), "final loss {a} against {b}");
+    let p = &piped["pipeline"];
+    assert_eq!((p["pipeline_stages"].as_u64(), p["micro_batches"].as_u64(), p["schedule"].as_str()), (Some(3), Some(4), Some("gpipe")));
+    assert_eq!(p["recompute"], true);
+    assert_eq!(p["partition"], "time");
+    assert_eq!(p["bubble"].as_array().unwrap().len(), 3);
+    assert!(p["bubble"].as_array().unwrap().iter().all(|b| (0.0..1.0).contains(&b.as_f64().unwrap())), "{p}");
+    assert_eq!(p["theoretical_bubble"].as_f64().unwrap(), 2.0 / 6.0);
+    // GPipe holds every micro-batch on every stage.
+    assert_eq!(p["peak_alive_micro_batches"], serde_json::json!([4, 4, 4]));
+    assert_eq!(p["chunk_profiled_ms"].as_array().unwrap().len(), 3);
+    assert!(plain["pipeline"]["pipeline_stages"].as_u64() == Some(1));
+    // Against the plain evaluation of the plain step's weights (which differ in the order of
+    // additions only): at most one of the 96 test images scored otherwise.
+    let (a, b) = (piped["test_accuracy"].as_f64().unwrap(), whole["test_accuracy"].as_f64().unwrap());
+    assert!((a - b).abs() <= 1.0 / 96.0 + 1e-12, "accuracy {a} against the plain run's {b}");
+    assert!(whole.get("pipeline").is_none());
+    // The timeline: valid JSON, a thread per rank, forwards and backwards of every micro-batch.
+    let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&timeline).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for stage in 0..3 {
+        for m in 0..4 {
+            for what in ["forward", "backward"] {
+                let name = format!("{what} {m} (chunk {stage})");
+                assert!(events.iter().any(|e| e["name"] == name.as_str() && e["tid"] == stage), "no {name:?} on stage {stage}");
+            }
+        }
+    }
+    assert!(events.iter().any(|e| e["name"] == "wait activation 0" && e["tid"] == 1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn expect_refused(ranks: usize, extra: &[&str], message: &str) {
+    let dir = scratch("pipeline-bad");
+    let mut args = base(32);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args.extend(["--results".into(), dir.to_str().unwrap().into()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = mpirun(ranks, &args);
+    assert!(!run.timed_out, "hung: {extra:?}\n{}", run.all_output());
+    assert!(!run.ok(), "ran: {extra:?}\n{}", run.all_output());
+    assert_eq!(run.stderr.matches(message).count(), 1, "{extra:?}: expected {message:?} once in\n{}", run.all_output());
+    assert_eq!(run.stderr.lines().filter(|l| l.starts_with("error:")).count(), 1, "{extra:?}: one error line\n{}", run.stderr);
+    assert!(!dir.join("runs.jsonl").exists(), "no record of a refused run");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn layouts_that_cannot_run_are_refused_with_one_line() {
+    expect_refused(3, &["--pipeline-stages", "2"], "--pipeline-stages 2 does not divide the 3 ranks");
+    expect_refused(4, &["--pipeline-stages", "4", "--micro-batches", "2", "--schedule", "interleaved", "--virtual-stages", "2"], "--micro-batches 2 is not a multiple of --pipeline-stages 4");
+    expect_refused(2, &["--pipeline-stages", "2", "--schedule", "interleaved"], "--schedule interleaved needs --virtual-stages of at least 2");
+    expect_refused(2, &["--pipeline-stages", "2", "--partition", "3,3"], "--partition 3,3: 2 chunks need 1 cut(s)");
+    expect_refused(3, &["--pipeline-stages", "3", "--partition", "2,2"], "chunk 1 would be empty");
+    expect_refused(2, &["--pipeline-stages", "2", "--partition", "4"], "the last chunk would be empty");
+    expect_refused(2, &["--pipeline-stages", "2", "--schedule", "interleaved", "--virtual-stages", "3", "--micro-batches", "2"], "6 chunks, but --model tiny has 4 blocks");
+    expect_refused(2, &["--pipeline-stages", "2", "--strategy", "ps"], "--strategy ps with --pipeline-stages");
+    expect_refused(1, &["--micro-batches", "64"], "--micro-batches 64 with a batch of 32 per pipeline");
+    expect_refused(1, &["--schedule", "gpipe"], "--schedule is an option of pipelines");
+}
