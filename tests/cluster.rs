@@ -1,6 +1,7 @@
 //! Several nodes on this one machine (scripts/local-cluster.sh: a network and a UTS namespace per
 //! node, linked by a bridge): training across nodes gives the weights of training on one node,
-//! the benchmark and the Slurm job files span the nodes, and the loss of a whole node ends the
+//! pipelines with stages on several nodes train like one node too, the benchmark and the Slurm
+//! job files span the nodes, and the loss of a whole node ends the
 //! job, which then resumes from its checkpoint.
 
 mod common;
@@ -169,6 +170,8 @@ fn two_nodes_of_two_ranks_train_like_one_node() {
         ("horovod-hierarchical", &["--strategy", "horovod", "--hierarchical"]),
         ("ps", SYNC_PS),
         ("ps-async", ASYNC_PS),
+        // Two pipelines of two stages, one per node; each stage's replicas across the nodes.
+        ("pipeline-hybrid", &["--strategy", "ring", "--pipeline-stages", "2", "--micro-batches", "3", "--partition", "params"]),
     ]);
 }
 
@@ -180,6 +183,8 @@ fn three_nodes_of_one_rank_train_like_one_node() {
         ("horovod-hierarchical", &["--strategy", "horovod", "--hierarchical"]),
         ("ps", SYNC_PS),
         ("ps-async", ASYNC_PS),
+        // One pipeline with a stage on every node: every activation crosses the network.
+        ("pipeline-3-stages", &["--pipeline-stages", "3", "--micro-batches", "4", "--schedule", "gpipe", "--partition", "params"]),
     ]);
 }
 

@@ -17,10 +17,14 @@ fn data() -> &'static Path {
     DATA.get_or_init(|| synth(&scratch("pipeline-data"), "small", 512, 96, "1x16x16", 10))
 }
 
-/// The options every run here shares: the tiny CNN, 4 steps of 32 samples per pipeline.
+/// The options every run here shares: the tiny CNN, 4 steps of `batch` samples per pipeline.
 fn base(batch: usize) -> Vec<String> {
-    let batch = batch.to_string();
-    ["--model", "tiny", "--data", data().to_str().unwrap(), "--steps", "4", "--batch-size", &batch, "--threads", "1", "--no-eval", "--lr", "0.1"]
+    base_steps(batch, 4)
+}
+
+fn base_steps(batch: usize, steps: usize) -> Vec<String> {
+    let (batch, steps) = (batch.to_string(), steps.to_string());
+    ["--model", "tiny", "--data", data().to_str().unwrap(), "--steps", &steps, "--batch-size", &batch, "--threads", "1", "--no-eval", "--lr", "0.1"]
         .iter()
         .map(|s| s.to_string())
         .collect()
@@ -91,6 +95,9 @@ fn two_pipelines_average_their_stages_gradients_with_every_strategy() {
         // The replicas' mean reorders float additions: f32 summation tolerance.
         assert!(diff < 1e-5, "D=2 x P=2 with {strategy}: {diff:e}\n{}", report.join("\n"));
     }
+    // ZeRO stage 1 among each stage's replicas.
+    let got = train(&dir, "d2p2-ring-zero1", 4, 16, &["--pipeline-stages", "2", "--micro-batches", "2", "--strategy", "ring", "--zero", "1", "--partition", "1"]);
+    assert!(max_relative_difference(&want, &got) < 1e-5, "ZeRO 1 in a hybrid layout");
     // A whole replica on each of two ranks, micro-batches accumulated: data parallelism with
     // gradient accumulation, through the same executor.
     let got = train(&dir, "d2p1", 2, 16, &["--micro-batches", "2"]);
@@ -153,6 +160,39 @@ fn recompute_evaluation_record_and_timeline() {
         }
     }
     assert!(events.iter().any(|e| e["name"] == "wait activation 0" && e["tid"] == 1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A pipelined run's checkpoint holds the whole model in the usual format; a run resumes from
+/// it with another number of stages, or of pipelines, and ends where one uninterrupted process
+/// does.
+#[test]
+fn a_checkpoint_resumes_with_other_stages_and_replicas() {
+    let dir = scratch("pipeline-resume");
+    let run = |name: &str, ranks: usize, steps: usize, batch: usize, extra: &[&str]| {
+        let mut args = base_steps(batch, steps);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let out = dir.join(format!("{name}.safetensors"));
+        args.extend(["--results".into(), dir.to_str().unwrap().into(), "--save-weights".into(), out.to_str().unwrap().into()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        mpirun(ranks, &args).expect_ok();
+        out
+    };
+    let reference = run("reference", 1, 6, 32, &["--micro-batches", "4"]);
+    // 3 steps on 2 stages (momentum and weights in the checkpoint), then 3 more on 4 stages.
+    let first = dir.join("ckpt-p4");
+    let f = first.to_str().unwrap();
+    run("first-half", 2, 3, 32, &["--pipeline-stages", "2", "--micro-batches", "4", "--partition", "params", "--checkpoint-dir", f, "--checkpoint-every", "3"]);
+    assert_eq!(checkpoint_steps(&first), vec![3]);
+    let second = dir.join("ckpt-d2");
+    copy_dir(&first, &second);
+    let p4 = run("resumed-p4", 4, 6, 32, &["--pipeline-stages", "4", "--micro-batches", "4", "--partition", "params", "--checkpoint-dir", f, "--resume"]);
+    let diff = max_relative_difference(&reference, &p4);
+    assert!(diff < 1e-6, "resumed on 4 stages: {diff:e}");
+    // The same checkpoint taken up by two pipelines of two stages (16 samples each).
+    let d2 = run("resumed-d2", 4, 6, 16, &["--pipeline-stages", "2", "--micro-batches", "2", "--partition", "params", "--checkpoint-dir", second.to_str().unwrap(), "--resume"]);
+    let diff = max_relative_difference(&reference, &d2);
+    assert!(diff < 1e-5, "resumed on 2 x 2: {diff:e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

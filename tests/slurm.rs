@@ -87,6 +87,11 @@ fn job_files_run_under_slurm_and_write_their_results() {
     env.extend([("STRATEGIES", "ring allreduce"), ("BENCH_DEVICE", "cpu"), ("MAX_BYTES", "64K"), ("ITERS", "2"), ("LAUNCH_EXTRA", "--overcommit"), ("RANK_COUNTS", "2"), ("STUDY_ID", "slurm-bench")]);
     slurm.submit("jobs/bench.sbatch", &env, &NODE, &dir.join("bench.out"));
 
+    // Pipeline and hybrid layouts: one pipeline of two stages and two plain replicas.
+    let mut env = common.to_vec();
+    env.extend([("STRATEGIES", "ring"), ("LAUNCH_EXTRA", "--overcommit"), ("RANK_COUNTS", "2"), ("STUDY_ID", "slurm-pipeline"), ("BATCH", "8"), ("PIPELINE_STAGES", "1 2"), ("MICRO_BATCHES", "4"), ("PARTITION", "params")]);
+    slurm.submit("jobs/pipeline.sbatch", &env, &NODE, &dir.join("pipeline.out"));
+
     let runs = read_runs(&results);
     // The job files ran the binary under test, with its own MPI's launchers.
     let library = match launcher::mpi() {
@@ -101,6 +106,10 @@ fn job_files_run_under_slurm_and_write_their_results() {
     assert_eq!(strong.len(), 4);
     assert!(strong.iter().all(|r| r["global_batch"] == 16 && r["scaling"] == "strong"));
     assert!(weak.iter().any(|r| r["strategy"] == "ps" && r["ranks"] == 2));
+    let piped: Vec<_> = runs.iter().filter(|r| r["study"] == "slurm-pipeline").collect();
+    assert_eq!(piped.len(), 2, "{piped:#?}");
+    assert!(piped.iter().any(|r| r["pipeline"]["pipeline_stages"] == 2 && r["pipeline"]["micro_batches"] == 4), "{piped:#?}");
+    assert!(piped.iter().any(|r| r.get("pipeline").is_none() && r["workers"] == 2), "{piped:#?}");
     let bench = std::fs::read_to_string(results.join("bench.jsonl")).unwrap();
     assert!(bench.lines().count() >= 8, "{bench}");
     for study in ["slurm-weak", "slurm-strong"] {

@@ -490,44 +490,119 @@ impl Run<'_> {
     /// stages: for --save-weights. Collective over the first pipeline.
     pub(super) fn gather_whole_model(&self) -> Result<Option<Vec<(String, Tensor)>>> {
         let pipeline = self.pipeline.as_ref().expect("a pipelined run");
-        if pipeline.replica != 0 {
+        let all = pipeline.gather_named(self.net.named_variables())?;
+        if let Some(all) = &all {
+            let whole = nn::VarStore::new(Device::Cpu);
+            let _model = crate::model::build(self.args.model, &whole.root(), self.spec);
+            if all.len() != whole.variables().len() {
+                return Err(Error::exchange("gathering the weights", format!("{} variables gathered, the model has {}", all.len(), whole.variables().len())));
+            }
+        }
+        Ok(all)
+    }
+}
+
+impl Pipeline {
+    /// `mine`, named tensors of this stage, gathered from the first pipeline's stages on rank 0
+    /// (sorted by name; None elsewhere). f32 on the wire, each tensor's element type kept.
+    /// Collective over the first pipeline (the other replicas return at once).
+    pub(super) fn gather_named(&self, mine: Vec<(String, Tensor)>) -> Result<Option<Vec<(String, Tensor)>>> {
+        if self.replica != 0 {
             return Ok(None);
         }
-        let mine: Vec<(String, Tensor)> = self.net.named_variables();
-        if pipeline.stage != 0 {
-            let root = pipeline.comm.process_at_rank(0);
+        if self.stage != 0 {
+            let root = self.comm.process_at_rank(0);
             root.send(&(mine.len() as u64));
             for (name, t) in &mine {
-                root.send(name.as_bytes());
-                let values: Vec<f32> = Vec::<f32>::try_from(t.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)?.f_reshape([-1])?)?;
-                root.send(&values[..]);
+                send_named(&root, name, t)?;
             }
             return Ok(None);
         }
         let mut all: Vec<(String, Tensor)> = mine.into_iter().map(|(n, t)| Ok((n, t.f_to_device(Device::Cpu)?))).collect::<Result<_>>()?;
-        for stage in 1..pipeline.plan.grid.stages {
-            let from = pipeline.comm.process_at_rank(stage as i32);
+        for stage in 1..self.plan.grid.stages {
+            let from = self.comm.process_at_rank(stage as i32);
             let (count, _) = from.receive::<u64>();
             for _ in 0..count {
-                let (name, _) = from.receive_vec::<u8>();
-                let (values, _) = from.receive_vec::<f32>();
-                let name = String::from_utf8(name).map_err(|_| Error::exchange("gathering the weights", "a variable name is not UTF-8"))?;
-                all.push((name, Tensor::f_from_slice(&values)?));
+                all.push(receive_named(&from)?);
             }
         }
-        // Shapes and element types from a whole model built on the CPU (its values unused).
-        let whole = nn::VarStore::new(Device::Cpu);
-        let _model = crate::model::build(self.args.model, &whole.root(), self.spec);
-        let reference = whole.variables();
-        let mut out = Vec::with_capacity(all.len());
-        for (name, t) in all {
-            let like = reference.get(&name).ok_or_else(|| Error::exchange("gathering the weights", format!("{name} is no variable of the model")))?;
-            out.push((name, t.f_reshape(like.size().as_slice())?.f_to_kind(like.kind())?));
-        }
-        if out.len() != reference.len() {
-            return Err(Error::exchange("gathering the weights", format!("{} variables gathered, the model has {}", out.len(), reference.len())));
-        }
-        out.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(Some(out))
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(Some(all))
     }
+
+    /// The reverse of [`Pipeline::gather_named`]: each stage of the first pipeline asks rank 0
+    /// for the tensors it names and gets them from `all` (rank 0's, by name); every stage's
+    /// replicas then take their first replica's. Returns this rank's tensors in `wanted` order
+    /// (a name `all` lacks comes back None). Collective over the world.
+    pub(super) fn scatter_named(&self, all: Option<&std::collections::BTreeMap<String, Tensor>>, wanted: &[String], like: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
+        let mut mine: Vec<Option<Tensor>> = wanted.iter().map(|_| None).collect();
+        if self.replica == 0 {
+            if self.stage == 0 {
+                let all = all.expect("rank 0 holds the checkpoint");
+                for (i, name) in wanted.iter().enumerate() {
+                    mine[i] = all.get(name).map(|t| t.shallow_clone());
+                }
+                for stage in 1..self.plan.grid.stages {
+                    let peer = self.comm.process_at_rank(stage as i32);
+                    let (count, _) = peer.receive::<u64>();
+                    for _ in 0..count {
+                        let (name, _) = peer.receive_vec::<u8>();
+                        let name = String::from_utf8_lossy(&name).into_owned();
+                        match all.get(&name) {
+                            Some(t) => {
+                                peer.send(&1u8);
+                                send_named(&peer, &name, t)?;
+                            }
+                            None => peer.send(&0u8),
+                        }
+                    }
+                }
+            } else {
+                let root = self.comm.process_at_rank(0);
+                root.send(&(wanted.len() as u64));
+                for (i, name) in wanted.iter().enumerate() {
+                    root.send(name.as_bytes());
+                    let (found, _) = root.receive::<u8>();
+                    if found == 1 {
+                        mine[i] = Some(receive_named(&root)?.1);
+                    }
+                }
+            }
+        }
+        // The stage's replicas take the first replica's values (absent ones stay zero). A stage
+        // without parameters wants no state: nothing to broadcast (MPI refuses empty buffers).
+        if wanted.is_empty() {
+            return Ok(Vec::new());
+        }
+        let found: Vec<u8> = mine.iter().map(|t| u8::from(t.is_some())).collect();
+        let mut found_here = found.clone();
+        self.stage_world.comm.process_at_rank(0).broadcast_into(&mut found_here[..]);
+        let values: Vec<Tensor> = like
+            .iter()
+            .zip(&mine)
+            .map(|(l, t)| match t {
+                Some(t) => t.f_reshape(l.size().as_slice())?.f_to_kind(l.kind()).map_err(Error::from),
+                None => Ok(l.f_zeros_like()?.f_to_device(Device::Cpu)?),
+            })
+            .collect::<Result<_>>()?;
+        super::collective::broadcast_from_root(&self.stage_world.comm, &values)?;
+        Ok(values.into_iter().zip(found_here).map(|(v, f)| (f == 1).then_some(v)).collect())
+    }
+}
+
+/// One named tensor to `to`: its name, its shape, its values as f32.
+fn send_named(to: &mpi::topology::Process<'_>, name: &str, t: &Tensor) -> Result<()> {
+    to.send(name.as_bytes());
+    to.send(&t.size()[..]);
+    let values: Vec<f32> = Vec::<f32>::try_from(t.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)?.f_reshape([-1])?)?;
+    to.send(&values[..]);
+    Ok(())
+}
+
+fn receive_named(from: &mpi::topology::Process<'_>) -> Result<(String, Tensor)> {
+    let (name, _) = from.receive_vec::<u8>();
+    let (shape, _) = from.receive_vec::<i64>();
+    let (values, _) = from.receive_vec::<f32>();
+    let name = String::from_utf8(name).map_err(|_| Error::exchange("gathering tensors", "a name is not UTF-8"))?;
+    Ok((name, Tensor::f_from_slice(&values)?.f_reshape(shape.as_slice())?))
 }

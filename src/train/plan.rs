@@ -116,11 +116,6 @@ fn check_pipeline(args: &TrainArgs, plan: &PipelinePlan, batch: usize) -> Result
             "--micro-batches {m} with a batch of {batch} per pipeline: some micro-batches would be empty; use at most {batch} micro-batches or a larger batch"
         )));
     }
-    if args.checkpoint_dir.is_some() || args.resume {
-        return Err(Error::usage(
-            "--checkpoint-dir with --pipeline-stages or --micro-batches: checkpoints of pipelined runs (the stages' weights and optimizer state gathered into one) are not built yet; drop --checkpoint-dir",
-        ));
-    }
     if args.precision == Precision::Fp16 {
         return Err(Error::usage("--precision fp16 with a pipeline: the loss scaler's skip decision would have to be agreed by every stage; use bf16"));
     }

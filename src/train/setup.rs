@@ -15,7 +15,7 @@ use crate::raw;
 use crate::results::{self};
 use crate::topology::World;
 
-use super::checkpoints::{checkpoint_meta, find_resume_point, lock_checkpoint_dir, restore, save_checkpoint_weights, CheckpointLog};
+use super::checkpoints::{checkpoint_meta, find_resume_point, lock_checkpoint_dir, restore, restore_pipeline, save_checkpoint_weights, CheckpointLog};
 use super::collective::{broadcast_from_root, broadcast_step};
 use super::net::{input_spec, Net};
 use super::pipeline::Pipeline;
@@ -100,7 +100,7 @@ impl<'a> Run<'a> {
                 println!("hpc-train: the checkpoint at step {first_step} in {dir} already covers the {total_steps} steps asked for; nothing to train, no record appended");
             }
             if let Some(path) = &args.save_weights {
-                world.agree(if world.is_root() { save_checkpoint_weights(resume_from.as_ref(), &net, path) } else { Ok(()) })?;
+                world.agree(if world.is_root() { save_checkpoint_weights(resume_from.as_ref(), &net, path, pipeline.is_some()) } else { Ok(()) })?;
             }
             return Ok(None);
         }
@@ -113,7 +113,10 @@ impl<'a> Run<'a> {
         exchange.name_tensors(&net.param_names);
         let mut optimizer = Optimizer::new(optimizer_config, schedule, optim::exempt_from_lars(&net.params));
         if resume_from.is_some() || first_step > 0 {
-            restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?;
+            match &pipeline {
+                Some(p) => restore_pipeline(world, p, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?,
+                None => restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?,
+            }
         }
         let overlap = if pipeline.is_some() {
             if args.overlap == OnOff::On && world.is_root() {
@@ -154,9 +157,9 @@ impl<'a> Run<'a> {
         }
         let (args, info, plan) = (self.args, &self.info, &self.plan);
         log::info!(
-            "{} on {} rank(s) ({} worker(s), {} node(s)), {} on {} {}x{}x{} ({} train / {} test), batch {}/rank = {} global, steps {}..{} ({:.2} epochs), device {}, {} thread(s)/rank",
-            args.strategy, self.world.size, self.workers, self.world.nodes(), args.model.name(), info.meta.name, info.meta.channels, info.meta.height, info.meta.width,
-            info.train.len, info.test.len, plan.batch, self.global_batch, self.first_step, self.total_steps, self.total_steps as f64 / self.steps_per_epoch as f64,
+            "{} on {} rank(s) ({} {}, {} node(s)), {} on {} {}x{}x{} ({} train / {} test), batch {}/{} = {} global, steps {}..{} ({:.2} epochs), device {}, {} thread(s)/rank",
+            args.strategy, self.world.size, self.workers, if self.pipeline.is_some() { "pipeline(s)" } else { "worker(s)" }, self.world.nodes(), args.model.name(), info.meta.name, info.meta.channels, info.meta.height, info.meta.width,
+            info.train.len, info.test.len, plan.batch, if self.pipeline.is_some() { "pipeline" } else { "rank" }, self.global_batch, self.first_step, self.total_steps, self.total_steps as f64 / self.steps_per_epoch as f64,
             device_name(plan.device), plan.threads
         );
         if let Some(p) = &self.pipeline {
@@ -180,7 +183,13 @@ impl<'a> Run<'a> {
                 let (forward, backward): (Vec<f64>, Vec<f64>) = ms.iter().map(|t| (t / 3.0, t * 2.0 / 3.0)).unzip();
                 if let Ok(replay) = crate::plan::pipeline::replay(shape, &forward, &backward) {
                     let bubbles: Vec<String> = (0..shape.stages).map(|s| format!("{:.1}%", replay.bubble(s) * 100.0)).collect();
-                    log::info!("  expected bubble per stage with the profiled times: {} (balanced theory {:.1}%)", bubbles.join(", "), shape.theoretical_bubble() * 100.0);
+                    let held: Vec<String> = replay.peak_alive.iter().map(usize::to_string).collect();
+                    log::info!(
+                        "  expected bubble per stage with the profiled times: {} (balanced theory {:.1}%); micro-batches held per stage at most {}",
+                        bubbles.join(", "),
+                        shape.theoretical_bubble() * 100.0,
+                        held.join(", ")
+                    );
                 }
             }
         }

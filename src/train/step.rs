@@ -18,7 +18,7 @@ use crate::faults::Fault;
 use crate::optim::{self};
 use crate::plan::shard::ShardInfo;
 
-use super::checkpoints::{checkpoint_meta, save_checkpoint};
+use super::checkpoints::{checkpoint_meta, save_checkpoint, save_pipeline_checkpoint};
 use super::collective::{average_over, sum_pair};
 use super::net::{Net, Normalizer};
 use super::options::Precision;
@@ -269,7 +269,11 @@ impl Run<'_> {
     pub(super) fn save_checkpoint(&mut self, last_step: u64) -> Result<()> {
         let Some(dir) = &self.args.checkpoint_dir else { return Ok(()) };
         let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, self.total_steps, last_step, self.optimizer.steps());
-        match save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta)? {
+        let saved = match &self.pipeline {
+            Some(p) => save_pipeline_checkpoint(p, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta)?,
+            None => save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta)?,
+        };
+        match saved {
             Some(written) => self.checkpoints.note(dir, last_step, written),
             None => Ok(()),
         }
