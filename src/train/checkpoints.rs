@@ -17,7 +17,6 @@ use crate::topology::World;
 
 use super::collective::broadcast_from_root;
 use super::net::Net;
-use super::pipeline::Pipeline;
 use super::options::TrainArgs;
 use super::plan::Plan;
 
@@ -220,82 +219,6 @@ pub(super) fn save_checkpoint(
         .flat_map(|(slot, buffers)| net.param_names.iter().map(|name| checkpoint::state_name(slot, name)).zip(buffers).collect::<Vec<_>>())
         .collect();
     Ok(Some(checkpoint::save(dir, meta, &net.named_variables(), &named_state, keep)))
-}
-
-/// A pipelined run's checkpoint, in the usual format: each stage's replicas gather its
-/// optimizer state on their first replica (collective over the stage where ZeRO shards it),
-/// the first pipeline's stages send their weights and state to rank 0, which writes them.
-pub(super) fn save_pipeline_checkpoint(
-    pipeline: &Pipeline,
-    dir: &Path,
-    keep: usize,
-    net: &Net,
-    exchange: &mut dyn Exchange,
-    optimizer: &Optimizer,
-    meta: CheckpointMeta,
-) -> Result<Option<Result<std::path::PathBuf>>> {
-    let stage_comm = &pipeline.stage_world.comm;
-    let state = crate::watchdog::collective("gathering the optimizer state", stage_comm, || exchange.optimizer_state(&net.params, optimizer))?;
-    let named_state: Vec<(String, Tensor)> = match (pipeline.replica, state) {
-        (0, Some(state)) => optimizer
-            .kind()
-            .slots()
-            .iter()
-            .zip(state)
-            .flat_map(|(slot, buffers)| net.param_names.iter().map(|name| checkpoint::state_name(slot, name)).zip(buffers).collect::<Vec<_>>())
-            .collect(),
-        (0, None) => return Err(Error::exchange("checkpoint", "a stage's first replica received no optimizer state")),
-        _ => Vec::new(),
-    };
-    let weights = pipeline.gather_named(net.named_variables())?;
-    let state = pipeline.gather_named(named_state)?;
-    let (Some(weights), Some(state)) = (weights, state) else { return Ok(None) };
-    let finite = |named: &[(String, Tensor)]| optim::all_finite(&named.iter().map(|(_, t)| t.shallow_clone()).collect::<Vec<_>>());
-    if !finite(&weights)? || !finite(&state)? {
-        return Err(Error::NonFinite { what: "weights (no checkpoint written)", step: meta.step, epoch: meta.epoch() });
-    }
-    Ok(Some(checkpoint::save(dir, meta, &weights, &state, keep)))
-}
-
-/// Restores a pipelined run from a checkpoint of any layout: rank 0 loads it, each stage gets
-/// its variables and optimizer state by name, and its replicas take them from the first one.
-pub(super) fn restore_pipeline(world: &World, pipeline: &Pipeline, found: Option<&Checkpoint>, net: &mut Net, exchange: &mut dyn Exchange, optimizer: &mut Optimizer) -> Result<()> {
-    let loaded = world.agree(match found {
-        Some(c) if world.is_root() => checkpoint::load(c).map(Some),
-        _ => Ok(None),
-    })?;
-    let (weights, saved_state) = match &loaded {
-        Some((w, s)) => (Some(w), Some(s)),
-        None => (None, None),
-    };
-    let variables = net.named_variables();
-    let names: Vec<String> = variables.iter().map(|(n, _)| n.clone()).collect();
-    let tensors: Vec<Tensor> = variables.iter().map(|(_, t)| t.shallow_clone()).collect();
-    let values = world.agree(pipeline.scatter_named(weights, &names, &tensors))?;
-    let missing: Vec<&String> = names.iter().zip(&values).filter(|(_, v)| v.is_none()).map(|(n, _)| n).collect();
-    world.agree(match missing.first() {
-        Some(name) => Err(Error::Checkpoint { path: found.map(|c| c.dir.clone()).unwrap_or_default(), reason: format!("no tensor {name}") }),
-        None => Ok(()),
-    })?;
-    tch::no_grad(|| -> Result<()> {
-        for (t, v) in tensors.iter().zip(values.into_iter().flatten()) {
-            t.shallow_clone().f_copy_(&v)?;
-        }
-        Ok(())
-    })?;
-    let mut state = Vec::new();
-    for slot in optimizer.kind().slots() {
-        let wanted: Vec<String> = net.param_names.iter().map(|n| checkpoint::state_name(slot, n)).collect();
-        let buffers = world.agree(pipeline.scatter_named(saved_state, &wanted, &net.params))?;
-        // A buffer the checkpoint lacks stays zero: a parameter never stepped.
-        state.push(buffers.into_iter().zip(&net.params).map(|(b, p)| match b {
-            Some(b) => Ok(b.f_to_device(p.device())?),
-            None => Ok(p.f_zeros_like()?),
-        }).collect::<Result<Vec<Tensor>>>()?);
-    }
-    let mut steps = found.map_or(0, |c| c.meta.optimizer_steps);
-    world.comm.process_at_rank(0).broadcast_into(&mut steps);
-    exchange.restore_optimizer(&net.params, state, steps, optimizer)
 }
 
 /// `--save-weights` for a run that had nothing left to train: the checkpoint's weights.

@@ -17,6 +17,7 @@ mod collective;
 mod net;
 pub mod options;
 mod pipeline;
+mod pipeline_step;
 mod plan;
 mod progress;
 pub mod recipe;

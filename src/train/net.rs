@@ -10,6 +10,7 @@ use crate::model::{self, InputSpec};
 use crate::raw;
 
 use super::options::TrainArgs;
+use super::stages::StageCut;
 
 /// The network and its parameters: the whole model, or a pipeline stage's chunks of it.
 pub(super) struct Net {
@@ -108,18 +109,6 @@ impl Net {
 /// The input the model must fit, from the dataset.
 pub(super) fn input_spec(info: &DatasetInfo) -> InputSpec {
     InputSpec { channels: info.meta.channels as i64, height: info.meta.height as i64, width: info.meta.width as i64, classes: info.meta.classes as i64 }
-}
-
-/// The blocks of one pipeline stage: per chunk it holds, the global chunk index and its blocks.
-#[derive(Clone, Debug)]
-pub(super) struct StageCut {
-    pub(super) chunks: Vec<(usize, std::ops::Range<usize>)>,
-}
-
-impl StageCut {
-    fn holds(&self, block: usize) -> bool {
-        self.chunks.iter().any(|(_, r)| r.contains(&block))
-    }
 }
 
 /// Scales raw bytes to the normalised input the model trains on, on the device.

@@ -9,6 +9,7 @@
 //! P and M change the order of float additions (D does too), nothing else.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
@@ -16,22 +17,19 @@ use mpi::traits::*;
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
 
-use crate::data::reader::SplitReader;
-use crate::data::{DatasetInfo, Labels, Split};
+use crate::checkpoint::{Checkpoint, CheckpointMeta};
 use crate::error::{Error, Result};
 use crate::exchange::staging::synchronize_device;
-use crate::optim;
+use crate::exchange::Exchange;
+use crate::optim::{self, Optimizer};
 use crate::plan::pipeline::{self, Action, Message, Shape};
 use crate::plan::shard::ShardInfo;
 use crate::raw::TensorMessage;
 use crate::topology::World;
 
-use super::collective::{average_over, gather_strings, sum_pair};
-use super::net::Normalizer;
-use super::progress::Timings;
-use super::run::Run;
+use super::collective::gather_strings;
+use super::net::Net;
 use super::stages::{Cut, PipelinePlan};
-use super::step::{LoopState, StepDone};
 
 /// How many steps the timeline keeps (from the first measured step): enough to see the
 /// schedule, small enough to load in a browser.
@@ -44,11 +42,11 @@ pub(super) struct Pipeline {
     pub(super) replica: usize,
     pub(super) cut: Cut,
     /// This rank's pipeline: P ranks, ranked by stage.
-    comm: SimpleCommunicator,
+    pub(super) comm: SimpleCommunicator,
     /// The D ranks that hold this stage: the exchange's world.
     pub(super) stage_world: World,
     actions: Vec<Action>,
-    device: Device,
+    pub(super) device: Device,
     /// Messages go from and to device memory (CUDA-aware MPI); otherwise through the host.
     cuda_aware: bool,
     recompute: bool,
@@ -115,7 +113,7 @@ impl Pipeline {
         Ok(Pipeline { plan, stage, replica, cut, comm, stage_world, actions, device, cuda_aware, recompute, figures: PipelineFigures::default(), timeline })
     }
 
-    fn shape(&self) -> &Shape {
+    pub(super) fn shape(&self) -> &Shape {
         &self.plan.shape
     }
 
@@ -129,11 +127,11 @@ impl Pipeline {
     }
 
     /// Where messages live: the device with CUDA-aware MPI, else the host.
-    fn message_device(&self) -> Device {
+    pub(super) fn message_device(&self) -> Device {
         if self.device.is_cuda() && self.cuda_aware { self.device } else { Device::Cpu }
     }
 
-    fn peer(&self, chunk: usize) -> i32 {
+    pub(super) fn peer(&self, chunk: usize) -> i32 {
         self.shape().stage_of(chunk) as i32
     }
 
@@ -165,7 +163,7 @@ impl Pipeline {
     /// Runs one step's schedule over `n` samples (split into the micro-batches); returns the
     /// summed loss of the samples (on the last stage; 0 elsewhere).
     #[allow(clippy::too_many_arguments)]
-    fn run_schedule(&mut self, chunks: &[(usize, nn::FuncT<'static>)], n: usize, images: Option<&Tensor>, labels: Option<&Tensor>, factor: f64, smoothing: f64, step: u64, measured: bool) -> Result<f64> {
+    pub(super) fn run_schedule(&mut self, chunks: &[(usize, nn::FuncT<'static>)], n: usize, images: Option<&Tensor>, labels: Option<&Tensor>, factor: f64, smoothing: f64, step: u64, measured: bool) -> Result<f64> {
         let shape = *self.shape();
         let micro = ShardInfo::all(n, shape.micro_batches);
         let last = shape.chunks() - 1;
@@ -389,119 +387,6 @@ fn raw_shares_storage(a: &Tensor, b: &Tensor) -> bool {
     a.device() == b.device() && crate::raw::data_address(a) == crate::raw::data_address(b)
 }
 
-impl Run<'_> {
-    /// One pipelined step: the stage's schedule over the micro-batches, then the exchange of
-    /// the accumulated gradients among the stage's replicas and the optimizer step.
-    pub(super) fn pipeline_step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
-        let started = Instant::now();
-        crate::watchdog::set_step(step);
-        self.optimizer.begin_step(step);
-        let batch = state.loader.next()?;
-        let data_wait = started.elapsed();
-        state.trace.record(&batch)?;
-        let compute_start = Instant::now();
-        let mut grads = self.net.grads();
-        optim::zero_grads(&mut grads)?;
-        let n = batch.labels.len();
-        let pipeline = self.pipeline.as_mut().expect("a pipelined run");
-        let images = if pipeline.first_stage() && n > 0 { Some(state.norm.images(&batch.images, n)?) } else { None };
-        let labels = if pipeline.last_stage() && n > 0 { Some(state.norm.labels(&batch.labels)?) } else { None };
-        let factor = self.workers as f64 / batch.global_samples.max(1) as f64;
-        let measured = step >= state.warmup;
-        let loss_sum = pipeline.run_schedule(&self.net.chunks, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, step, measured)?;
-        let last_stage = pipeline.last_stage();
-        if !loss_sum.is_finite() {
-            return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });
-        }
-        grads = self.net.grads();
-        if !optim::all_finite(&grads)? {
-            return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
-        }
-        let compute = compute_start.elapsed();
-        let comm_start = Instant::now();
-        // A stage without parameters (the tiny CNN's pooling) has nothing to exchange or step.
-        if !self.net.params.is_empty() {
-            let exchange = &mut self.exchange;
-            let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
-            exchange.update(&mut self.net.params, &mut grads, &mut self.optimizer)?;
-        }
-        synchronize_device(self.plan.device);
-        let comm = comm_start.elapsed();
-        let optimizer = self.optimizer.take_busy();
-        let comm = comm.saturating_sub(optimizer);
-        let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total: comm, exchange_exposed: comm };
-        // The loss and its samples count once, on the stage that computes them.
-        Ok(StepDone { timings, loss_sum, samples: if last_stage { n } else { 0 }, epoch: batch.epoch })
-    }
-
-    /// Test loss and accuracy through the pipelines: each replica evaluates its share of the
-    /// test set, stage by stage, the last stage scoring it.
-    pub(super) fn pipeline_evaluate(&self, norm: &Normalizer) -> Result<(f64, f64)> {
-        let pipeline = self.pipeline.as_ref().expect("a pipelined run");
-        let (info, labels): (&DatasetInfo, &Labels) = (&self.info, &self.labels);
-        let buffers: Vec<Tensor> = self.net.buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
-        average_over(&pipeline.stage_world.comm, &buffers, true, pipeline.stage_world.size as usize)?;
-        let shape = *pipeline.shape();
-        let last = shape.chunks() - 1;
-        let shard = ShardInfo::split(info.test.len, self.workers, pipeline.replica);
-        let mut reader = if pipeline.first_stage() { Some(SplitReader::open(&self.args.data, Split::Test)?) } else { None };
-        let (mut loss_sum, mut correct) = (0.0, 0.0);
-        let mut images = Vec::new();
-        let eval_batch = self.plan.batch.max(1) * 2;
-        let on = pipeline.message_device();
-        tch::no_grad(|| -> Result<()> {
-            for start in (shard.offset..shard.end()).step_by(eval_batch) {
-                let end = (start + eval_batch).min(shard.end());
-                let len = (end - start) as i64;
-                for (c, module) in &self.net.chunks {
-                    let c = *c;
-                    let x = if c == 0 {
-                        let indices: Vec<usize> = (start..end).collect();
-                        images.resize(indices.len() * info.sample_bytes(), 0);
-                        reader.as_mut().expect("stage 0 reads").read(&indices, &mut images)?;
-                        norm.images(&images, indices.len())?
-                    } else {
-                        let size: Vec<i64> = std::iter::once(len).chain(pipeline.cut.input_shape(c).iter().copied()).collect();
-                        let buffer = Tensor::f_empty(size.as_slice(), (Kind::Float, on))?;
-                        // SAFETY: a new tensor with no other handle, waited for at once.
-                        unsafe { TensorMessage::receive(buffer, &pipeline.comm, pipeline.peer(c - 1), shape.tag(Message::Activation, 0, c))? }.wait()?.f_to_device(pipeline.device)?
-                    };
-                    let y = module.forward_t(&x, false);
-                    if c == last {
-                        let target = norm.labels(&labels.test[start..end])?;
-                        loss_sum += y.f_cross_entropy_loss::<Tensor>(&target, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;
-                        correct += y.f_argmax(-1, false)?.f_eq_tensor(&target)?.f_sum(Kind::Float)?.f_double_value(&[])?;
-                    } else {
-                        let payload = y.f_to_device(on)?.f_contiguous()?;
-                        synchronize_device(pipeline.device);
-                        // SAFETY: the forward's fresh output (no graph under no_grad), waited for at once.
-                        unsafe { TensorMessage::send(payload, &pipeline.comm, pipeline.peer(c + 1), shape.tag(Message::Activation, 0, c + 1))? }.wait().map(drop)?;
-                    }
-                }
-            }
-            Ok(())
-        })?;
-        let (loss_sum, correct) = sum_pair(&self.world.comm, loss_sum, correct);
-        let n = info.test.len as f64;
-        Ok((loss_sum / n, correct / n))
-    }
-
-    /// The whole model's variables on rank 0 (None elsewhere), sent by the first pipeline's
-    /// stages: for --save-weights. Collective over the first pipeline.
-    pub(super) fn gather_whole_model(&self) -> Result<Option<Vec<(String, Tensor)>>> {
-        let pipeline = self.pipeline.as_ref().expect("a pipelined run");
-        let all = pipeline.gather_named(self.net.named_variables())?;
-        if let Some(all) = &all {
-            let whole = nn::VarStore::new(Device::Cpu);
-            let _model = crate::model::build(self.args.model, &whole.root(), self.spec);
-            if all.len() != whole.variables().len() {
-                return Err(Error::exchange("gathering the weights", format!("{} variables gathered, the model has {}", all.len(), whole.variables().len())));
-            }
-        }
-        Ok(all)
-    }
-}
-
 impl Pipeline {
     /// `mine`, named tensors of this stage, gathered from the first pipeline's stages on rank 0
     /// (sorted by name; None elsewhere). f32 on the wire, each tensor's element type kept.
@@ -588,6 +473,82 @@ impl Pipeline {
         super::collective::broadcast_from_root(&self.stage_world.comm, &values)?;
         Ok(values.into_iter().zip(found_here).map(|(v, f)| (f == 1).then_some(v)).collect())
     }
+}
+
+/// A pipelined run's checkpoint, in the usual format: each stage's replicas gather its
+/// optimizer state on their first replica (collective over the stage where ZeRO shards it),
+/// the first pipeline's stages send their weights and state to rank 0, which writes them.
+pub(super) fn save_pipeline_checkpoint(
+    pipeline: &Pipeline,
+    dir: &Path,
+    keep: usize,
+    net: &Net,
+    exchange: &mut dyn Exchange,
+    optimizer: &Optimizer,
+    meta: CheckpointMeta,
+) -> Result<Option<Result<std::path::PathBuf>>> {
+    let stage_comm = &pipeline.stage_world.comm;
+    let state = crate::watchdog::collective("gathering the optimizer state", stage_comm, || exchange.optimizer_state(&net.params, optimizer))?;
+    let named_state: Vec<(String, Tensor)> = match (pipeline.replica, state) {
+        (0, Some(state)) => optimizer
+            .kind()
+            .slots()
+            .iter()
+            .zip(state)
+            .flat_map(|(slot, buffers)| net.param_names.iter().map(|name| crate::checkpoint::state_name(slot, name)).zip(buffers).collect::<Vec<_>>())
+            .collect(),
+        (0, None) => return Err(Error::exchange("checkpoint", "a stage's first replica received no optimizer state")),
+        _ => Vec::new(),
+    };
+    let weights = pipeline.gather_named(net.named_variables())?;
+    let state = pipeline.gather_named(named_state)?;
+    let (Some(weights), Some(state)) = (weights, state) else { return Ok(None) };
+    let finite = |named: &[(String, Tensor)]| optim::all_finite(&named.iter().map(|(_, t)| t.shallow_clone()).collect::<Vec<_>>());
+    if !finite(&weights)? || !finite(&state)? {
+        return Err(Error::NonFinite { what: "weights (no checkpoint written)", step: meta.step, epoch: meta.epoch() });
+    }
+    Ok(Some(crate::checkpoint::save(dir, meta, &weights, &state, keep)))
+}
+
+/// Restores a pipelined run from a checkpoint of any layout: rank 0 loads it, each stage gets
+/// its variables and optimizer state by name, and its replicas take them from the first one.
+pub(super) fn restore_pipeline(world: &World, pipeline: &Pipeline, found: Option<&Checkpoint>, net: &mut Net, exchange: &mut dyn Exchange, optimizer: &mut Optimizer) -> Result<()> {
+    let loaded = world.agree(match found {
+        Some(c) if world.is_root() => crate::checkpoint::load(c).map(Some),
+        _ => Ok(None),
+    })?;
+    let (weights, saved_state) = match &loaded {
+        Some((w, s)) => (Some(w), Some(s)),
+        None => (None, None),
+    };
+    let variables = net.named_variables();
+    let names: Vec<String> = variables.iter().map(|(n, _)| n.clone()).collect();
+    let tensors: Vec<Tensor> = variables.iter().map(|(_, t)| t.shallow_clone()).collect();
+    let values = world.agree(pipeline.scatter_named(weights, &names, &tensors))?;
+    let missing: Vec<&String> = names.iter().zip(&values).filter(|(_, v)| v.is_none()).map(|(n, _)| n).collect();
+    world.agree(match missing.first() {
+        Some(name) => Err(Error::Checkpoint { path: found.map(|c| c.dir.clone()).unwrap_or_default(), reason: format!("no tensor {name}") }),
+        None => Ok(()),
+    })?;
+    tch::no_grad(|| -> Result<()> {
+        for (t, v) in tensors.iter().zip(values.into_iter().flatten()) {
+            t.shallow_clone().f_copy_(&v)?;
+        }
+        Ok(())
+    })?;
+    let mut state = Vec::new();
+    for slot in optimizer.kind().slots() {
+        let wanted: Vec<String> = net.param_names.iter().map(|n| crate::checkpoint::state_name(slot, n)).collect();
+        let buffers = world.agree(pipeline.scatter_named(saved_state, &wanted, &net.params))?;
+        // A buffer the checkpoint lacks stays zero: a parameter never stepped.
+        state.push(buffers.into_iter().zip(&net.params).map(|(b, p)| match b {
+            Some(b) => Ok(b.f_to_device(p.device())?),
+            None => Ok(p.f_zeros_like()?),
+        }).collect::<Result<Vec<Tensor>>>()?);
+    }
+    let mut steps = found.map_or(0, |c| c.meta.optimizer_steps);
+    world.comm.process_at_rank(0).broadcast_into(&mut steps);
+    exchange.restore_optimizer(&net.params, state, steps, optimizer)
 }
 
 /// One named tensor to `to`: its name, its shape, its values as f32.

@@ -15,10 +15,10 @@ use crate::raw;
 use crate::results::{self};
 use crate::topology::World;
 
-use super::checkpoints::{checkpoint_meta, find_resume_point, lock_checkpoint_dir, restore, restore_pipeline, save_checkpoint_weights, CheckpointLog};
+use super::checkpoints::{checkpoint_meta, find_resume_point, lock_checkpoint_dir, restore, save_checkpoint_weights, CheckpointLog};
 use super::collective::{broadcast_from_root, broadcast_step};
 use super::net::{input_spec, Net};
-use super::pipeline::Pipeline;
+use super::pipeline::{restore_pipeline, Pipeline};
 use super::stages::choose_cut;
 use super::options::{OnOff, Precision, TrainArgs};
 use super::plan::{check_model_fits, check_same_config, device_name, make_current, num_cpus_online, watchdog_timeout, Plan};

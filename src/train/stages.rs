@@ -18,7 +18,6 @@ use crate::model::{self, InputSpec, ModelKind};
 use crate::plan::pipeline::{self, Grid, ScheduleKind, Shape};
 use crate::topology::World;
 
-use super::net::StageCut;
 
 /// Pipeline parallelism (README, "Pipeline parallelism").
 #[derive(Args, Debug, Clone)]
@@ -125,6 +124,18 @@ impl PipelineArgs {
             return Err(Error::usage("--model tiny-unused has a layer outside its blocks, which no pipeline stage would hold"));
         }
         Ok(Some(PipelinePlan { grid, shape }))
+    }
+}
+
+/// The blocks of one pipeline stage: per chunk it holds, the global chunk index and its blocks.
+#[derive(Clone, Debug)]
+pub(super) struct StageCut {
+    pub(super) chunks: Vec<(usize, std::ops::Range<usize>)>,
+}
+
+impl StageCut {
+    pub(super) fn holds(&self, block: usize) -> bool {
+        self.chunks.iter().any(|(_, r)| r.contains(&block))
     }
 }
 

@@ -18,7 +18,8 @@ use crate::faults::Fault;
 use crate::optim::{self};
 use crate::plan::shard::ShardInfo;
 
-use super::checkpoints::{checkpoint_meta, save_checkpoint, save_pipeline_checkpoint};
+use super::checkpoints::{checkpoint_meta, save_checkpoint};
+use super::pipeline::save_pipeline_checkpoint;
 use super::collective::{average_over, sum_pair};
 use super::net::{Net, Normalizer};
 use super::options::Precision;

@@ -1,0 +1,138 @@
+//! The pipelined run's own steps on the [`Run`]: one step through the stage's schedule then the
+//! exchange among the stage's replicas, the evaluation through the stages, and the whole model
+//! gathered for --save-weights. The stage itself (its schedule's executor, messages, figures,
+//! checkpoints) is pipeline.rs, which the run holds.
+
+use std::time::{Duration, Instant};
+
+use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Reduction, Tensor};
+
+use crate::data::reader::SplitReader;
+use crate::data::{DatasetInfo, Labels, Split};
+use crate::error::{Error, Result};
+use crate::exchange::staging::synchronize_device;
+use crate::optim;
+use crate::plan::pipeline::Message;
+use crate::plan::shard::ShardInfo;
+use crate::raw::TensorMessage;
+
+use super::collective::{average_over, sum_pair};
+use super::net::Normalizer;
+use super::progress::Timings;
+use super::run::Run;
+use super::step::{LoopState, StepDone};
+
+impl Run<'_> {
+    /// One pipelined step: the stage's schedule over the micro-batches, then the exchange of
+    /// the accumulated gradients among the stage's replicas and the optimizer step.
+    pub(super) fn pipeline_step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
+        let started = Instant::now();
+        crate::watchdog::set_step(step);
+        self.optimizer.begin_step(step);
+        let batch = state.loader.next()?;
+        let data_wait = started.elapsed();
+        state.trace.record(&batch)?;
+        let compute_start = Instant::now();
+        let mut grads = self.net.grads();
+        optim::zero_grads(&mut grads)?;
+        let n = batch.labels.len();
+        let pipeline = self.pipeline.as_mut().expect("a pipelined run");
+        let images = if pipeline.first_stage() && n > 0 { Some(state.norm.images(&batch.images, n)?) } else { None };
+        let labels = if pipeline.last_stage() && n > 0 { Some(state.norm.labels(&batch.labels)?) } else { None };
+        let factor = self.workers as f64 / batch.global_samples.max(1) as f64;
+        let measured = step >= state.warmup;
+        let loss_sum = pipeline.run_schedule(&self.net.chunks, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, step, measured)?;
+        let last_stage = pipeline.last_stage();
+        if !loss_sum.is_finite() {
+            return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });
+        }
+        grads = self.net.grads();
+        if !optim::all_finite(&grads)? {
+            return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
+        }
+        let compute = compute_start.elapsed();
+        let comm_start = Instant::now();
+        // A stage without parameters (the tiny CNN's pooling) has nothing to exchange or step.
+        if !self.net.params.is_empty() {
+            let exchange = &mut self.exchange;
+            let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
+            exchange.update(&mut self.net.params, &mut grads, &mut self.optimizer)?;
+        }
+        synchronize_device(self.plan.device);
+        let comm = comm_start.elapsed();
+        let optimizer = self.optimizer.take_busy();
+        let comm = comm.saturating_sub(optimizer);
+        let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total: comm, exchange_exposed: comm };
+        // The loss and its samples count once, on the stage that computes them.
+        Ok(StepDone { timings, loss_sum, samples: if last_stage { n } else { 0 }, epoch: batch.epoch })
+    }
+
+    /// Test loss and accuracy through the pipelines: each replica evaluates its share of the
+    /// test set, stage by stage, the last stage scoring it.
+    pub(super) fn pipeline_evaluate(&self, norm: &Normalizer) -> Result<(f64, f64)> {
+        let pipeline = self.pipeline.as_ref().expect("a pipelined run");
+        let (info, labels): (&DatasetInfo, &Labels) = (&self.info, &self.labels);
+        let buffers: Vec<Tensor> = self.net.buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
+        average_over(&pipeline.stage_world.comm, &buffers, true, pipeline.stage_world.size as usize)?;
+        let shape = *pipeline.shape();
+        let last = shape.chunks() - 1;
+        let shard = ShardInfo::split(info.test.len, self.workers, pipeline.replica);
+        let mut reader = if pipeline.first_stage() { Some(SplitReader::open(&self.args.data, Split::Test)?) } else { None };
+        let (mut loss_sum, mut correct) = (0.0, 0.0);
+        let mut images = Vec::new();
+        let eval_batch = self.plan.batch.max(1) * 2;
+        let on = pipeline.message_device();
+        tch::no_grad(|| -> Result<()> {
+            for start in (shard.offset..shard.end()).step_by(eval_batch) {
+                let end = (start + eval_batch).min(shard.end());
+                let len = (end - start) as i64;
+                for (c, module) in &self.net.chunks {
+                    let c = *c;
+                    let x = if c == 0 {
+                        let indices: Vec<usize> = (start..end).collect();
+                        images.resize(indices.len() * info.sample_bytes(), 0);
+                        reader.as_mut().expect("stage 0 reads").read(&indices, &mut images)?;
+                        norm.images(&images, indices.len())?
+                    } else {
+                        let size: Vec<i64> = std::iter::once(len).chain(pipeline.cut.input_shape(c).iter().copied()).collect();
+                        let buffer = Tensor::f_empty(size.as_slice(), (Kind::Float, on))?;
+                        // SAFETY: a new tensor with no other handle, waited for at once.
+                        unsafe { TensorMessage::receive(buffer, &pipeline.comm, pipeline.peer(c - 1), shape.tag(Message::Activation, 0, c))? }.wait()?.f_to_device(pipeline.device)?
+                    };
+                    let y = module.forward_t(&x, false);
+                    if c == last {
+                        let target = norm.labels(&labels.test[start..end])?;
+                        loss_sum += y.f_cross_entropy_loss::<Tensor>(&target, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;
+                        correct += y.f_argmax(-1, false)?.f_eq_tensor(&target)?.f_sum(Kind::Float)?.f_double_value(&[])?;
+                    } else {
+                        let payload = y.f_to_device(on)?.f_contiguous()?;
+                        synchronize_device(pipeline.device);
+                        // SAFETY: the forward's fresh output (no graph under no_grad), waited for at once.
+                        unsafe { TensorMessage::send(payload, &pipeline.comm, pipeline.peer(c + 1), shape.tag(Message::Activation, 0, c + 1))? }.wait().map(drop)?;
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        let (loss_sum, correct) = sum_pair(&self.world.comm, loss_sum, correct);
+        let n = info.test.len as f64;
+        Ok((loss_sum / n, correct / n))
+    }
+
+    /// The whole model's variables on rank 0 (None elsewhere), sent by the first pipeline's
+    /// stages: for --save-weights. Collective over the first pipeline.
+    pub(super) fn gather_whole_model(&self) -> Result<Option<Vec<(String, Tensor)>>> {
+        let pipeline = self.pipeline.as_ref().expect("a pipelined run");
+        let all = pipeline.gather_named(self.net.named_variables())?;
+        if let Some(all) = &all {
+            let whole = nn::VarStore::new(Device::Cpu);
+            let _model = crate::model::build(self.args.model, &whole.root(), self.spec);
+            if all.len() != whole.variables().len() {
+                return Err(Error::exchange("gathering the weights", format!("{} variables gathered, the model has {}", all.len(), whole.variables().len())));
+            }
+        }
+        Ok(all)
+    }
+}
+
