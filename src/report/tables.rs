@@ -137,6 +137,7 @@ pub fn strategy_label(record: &RunRecord) -> String {
         _ => {}
     }
     variant.extend(recipe_label(record));
+    variant.extend(pipeline_label(record));
     if variant.is_empty() {
         record.strategy.clone()
     } else {
@@ -157,6 +158,15 @@ fn recipe_label(record: &RunRecord) -> Option<String> {
     parts.extend(scale.map(|s| format!("lr scaled {s}")));
     parts.push(warmup_in_epochs(schedule, record));
     Some(parts.join(", "))
+}
+
+/// A pipelined run's layout as part of its column's name (issue 36), so that a pipeline never
+/// takes the cell of the plain run with the same strategy and ranks: `P=2, M=8 1f1b`.
+fn pipeline_label(record: &RunRecord) -> Option<String> {
+    let p = record.pipeline.as_ref()?;
+    let virtual_stages = if p.virtual_stages > 1 { format!(" V={}", p.virtual_stages) } else { String::new() };
+    let recompute = if p.recompute { ", recompute" } else { "" };
+    Some(format!("P={}, M={} {}{virtual_stages}{recompute}", p.pipeline_stages, p.micro_batches, p.schedule))
 }
 
 /// Records of the first issue-35 binaries gave the warm-up in steps ("after a 40-step
@@ -673,6 +683,16 @@ pub(crate) mod tests {
             batch_per_rank: global_batch / ranks,
             ..record(strategy, ranks, images_per_sec)
         }
+    }
+
+    /// A pipelined run has a column of its own beside the plain run of its strategy and ranks.
+    #[test]
+    fn pipelined_runs_get_columns_of_their_own() {
+        let plain = record("ring", 2, 1900.0);
+        let mut piped = record("ring", 2, 1500.0);
+        piped.pipeline = Some(crate::results::PipelineRecord { pipeline_stages: 2, micro_batches: 8, schedule: "1f1b".into(), virtual_stages: 1, ..Default::default() });
+        assert_eq!(strategy_label(&piped), "ring (P=2, M=8 1f1b)");
+        assert_eq!(strategy_label(&plain), "ring");
     }
 
     /// A weak-scaling accuracy study (issue 35): each recipe is a column of its own, with the
