@@ -29,6 +29,10 @@ pub struct StudyArgs {
     /// Id tagging the study's runs in runs.jsonl [default: scaling mode and UTC time].
     #[arg(long)]
     pub study_id: Option<String>,
+    /// Pipeline stages per point, each run at every rank count it divides (issue 36): 1 is
+    /// plain data parallelism, P > 1 pipelines of P stages with --micro-batches and --schedule.
+    #[arg(long, default_value = "1")]
+    pub stages: String,
     /// Training options for every run (--strategy is set by the sweep).
     #[command(flatten)]
     pub train: TrainArgs,
@@ -58,6 +62,7 @@ pub fn parse_ranks(list: &str, available: usize) -> Result<Vec<usize>> {
 pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
     let ranks = world.agree(parse_ranks(&args.ranks, world.size as usize))?;
     let strategies = world.agree(parse_strategies(&args.strategies))?;
+    let stage_counts = world.agree(parse_stages(&args.stages))?;
     // An option is fine when one strategy of the study reads it (each point gets them all).
     world.log_warnings(&world.agree(args.train.check_unused_options(&strategies))?);
     if args.train.scaling == Scaling::Strong && args.train.global_batch.is_none() {
@@ -73,9 +78,23 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
     let context = RunContext { study: Some(id.clone()) };
     let mut done = 0usize;
     for &n in &ranks {
-        for &strategy in &strategies {
+        for (&strategy, &stages) in strategies.iter().flat_map(|s| stage_counts.iter().map(move |p| (s, p))) {
             let mut point = args.train.clone();
             point.strategy = strategy;
+            if stage_counts != [1] {
+                if n % stages != 0 {
+                    if world.is_root() {
+                        log::info!("study {id}: skipping {stages} pipeline stage(s) at {n} rank(s): they do not divide the ranks");
+                    }
+                    continue;
+                }
+                point.pipeline.pipeline_stages = stages as u64;
+                if stages == 1 {
+                    // The plain point of a pipeline study: the pipeline's own options do not apply.
+                    point.pipeline.micro_batches = 1;
+                    point.given = point.given.without(&["schedule", "virtual_stages", "partition", "recompute", "pipeline_timeline", "micro_batches"]);
+                }
+            }
             if strategy == StrategyKind::Ps && !point.ps.ps_colocate && n <= point.ps.servers {
                 if world.is_root() {
                     log::warn!("study {id}: skipping ps at {n} rank(s): {} dedicated server(s) would leave no worker (use --ps-colocate to include it)", point.ps.servers);
@@ -122,6 +141,26 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
 }
 
 /// Rank 0's string on every rank.
+/// `--stages 1,2,4`: pipeline stage counts, each at least 1.
+pub fn parse_stages(list: &str) -> Result<Vec<usize>> {
+    let mut stages = Vec::new();
+    for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        match item.parse::<usize>() {
+            Ok(p) if p >= 1 => {
+                if !stages.contains(&p) {
+                    stages.push(p);
+                }
+            }
+            _ => return Err(Error::usage(format!("--stages: {item:?} is not a number of pipeline stages (1 or more)"))),
+        }
+    }
+    if stages.is_empty() {
+        return Err(Error::usage("--stages: name at least one stage count"));
+    }
+    stages.sort_unstable();
+    Ok(stages)
+}
+
 fn broadcast_string(world: &World, value: String) -> String {
     let mut len = value.len() as u64;
     let root = world.comm.process_at_rank(0);

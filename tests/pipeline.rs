@@ -196,6 +196,28 @@ fn a_checkpoint_resumes_with_other_stages_and_replicas() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A study runs pipeline layouts beside plain data parallelism (`--stages`), and the report
+/// gives each layout its column and a bubble table.
+#[test]
+fn a_study_with_stage_counts_and_its_report() {
+    let dir = scratch("pipeline-study");
+    let mut args: Vec<String> = ["study", "--ranks", "1,2", "--strategies", "ring", "--stages", "1,2", "--schedule", "gpipe", "--study-id", "pipe-study"].iter().map(|s| s.to_string()).collect();
+    args.extend(base(32));
+    args.extend(["--micro-batches".into(), "2".into(), "--results".into(), dir.to_str().unwrap().into()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = mpirun(2, &args).expect_ok();
+    assert!(run.stderr.contains("skipping 2 pipeline stage(s) at 1 rank(s)"), "{}", run.stderr);
+    let runs = read_runs(&dir);
+    let layouts: Vec<(u64, Option<u64>)> = runs.iter().map(|r| (r["ranks"].as_u64().unwrap(), r["pipeline"]["pipeline_stages"].as_u64())).collect();
+    assert_eq!(layouts, vec![(1, None), (2, None), (2, Some(2))], "plain points stay plain (their micro-batches reset to 1)");
+    let out = dir.join("report");
+    hpc_train(&["report", "--input", dir.join("runs.jsonl").to_str().unwrap(), "--study", "pipe-study", "--out", out.to_str().unwrap()]).expect_ok();
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("| Ranks | Global batch | ring | ring (P=2, M=2 gpipe) |"), "{md}");
+    assert!(md.contains("**Pipeline bubble**"), "{md}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 fn expect_refused(ranks: usize, extra: &[&str], message: &str) {
     let dir = scratch("pipeline-bad");
     let mut args = base(32);

@@ -29,6 +29,11 @@ impl Given {
         Given(ids.iter().map(|s| s.to_string()).collect())
     }
 
+    /// The same options less `ids` (a study's point that does not read them).
+    pub fn without(&self, ids: &[&str]) -> Given {
+        Given(self.0.iter().filter(|id| !ids.contains(&id.as_str())).cloned().collect())
+    }
+
     pub fn has(&self, id: &str) -> bool {
         self.0.contains(id)
     }

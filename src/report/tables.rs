@@ -289,6 +289,8 @@ pub struct Figures {
     /// (seconds of training, epoch), with the target.
     pub test_accuracy: Option<f64>,
     pub target: Option<TargetReached>,
+    /// A pipelined run's measured bubble (mean over its stages) and the balanced theory's.
+    pub bubble: Option<(f64, f64)>,
 }
 
 /// A run's --target-accuracy and when it was reached (None: not within the run).
@@ -326,6 +328,7 @@ impl<'a> Table<'a> {
                 Scaling::Weak => None,
             },
             test_accuracy: r.test_accuracy,
+            bubble: r.pipeline.as_ref().filter(|p| !p.bubble.is_empty()).map(|p| (p.bubble.iter().sum::<f64>() / p.bubble.len() as f64, p.theoretical_bubble)),
             target: r.target_accuracy.map(|accuracy| TargetReached { accuracy, reached: r.time_to_target_s.zip(r.epoch_to_target) }),
         })
     }
@@ -480,6 +483,10 @@ impl<'a> Table<'a> {
             self.summary_table("**Scaling efficiency**", |f| efficiency_cell(f.efficiency)),
             self.summary_table("**Speedup**", |f| speedup_cell(f.speedup)),
         ];
+        if self.present().any(|(_, f)| f.bubble.is_some()) {
+            let cell = |f: &Figures| f.bubble.map_or(NOT_COMPUTED.to_string(), |(measured, theory)| format!("{} ({})", percent(measured), percent(theory)));
+            blocks.push(self.summary_table("**Pipeline bubble** (measured idle share of the stages' pipelined phase, mean over the stages; balanced theory in brackets)", cell));
+        }
         if self.present().any(|(_, f)| f.test_accuracy.is_some()) {
             blocks.push(self.summary_table("**Test accuracy after the last epoch**", |f| f.test_accuracy.map_or(NOT_COMPUTED.to_string(), percent)));
         }
@@ -693,6 +700,13 @@ pub(crate) mod tests {
         piped.pipeline = Some(crate::results::PipelineRecord { pipeline_stages: 2, micro_batches: 8, schedule: "1f1b".into(), virtual_stages: 1, ..Default::default() });
         assert_eq!(strategy_label(&piped), "ring (P=2, M=8 1f1b)");
         assert_eq!(strategy_label(&plain), "ring");
+        // The bubble table, for the pipelined column only.
+        piped.pipeline.as_mut().unwrap().bubble = vec![0.10, 0.14];
+        piped.pipeline.as_mut().unwrap().theoretical_bubble = 1.0 / 9.0;
+        let runs = [record("ring", 1, 1000.0), plain, piped];
+        let md = group(&runs).unwrap()[0].markdown();
+        let rows = table_under(&md, "**Pipeline bubble** (measured idle share of the stages' pipelined phase, mean over the stages; balanced theory in brackets)");
+        assert!(rows.iter().any(|r| r.starts_with("| 2 | 128 | n/a | 12.0% (11.1%) |")), "{md}");
     }
 
     /// A weak-scaling accuracy study (issue 35): each recipe is a column of its own, with the
