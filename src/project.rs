@@ -86,6 +86,14 @@ pub struct ProjectArgs {
     /// Measured training runs to compare the model with (validation.csv).
     #[arg(long)]
     pub validate_runs: Option<PathBuf>,
+    /// Pipeline stages to project besides data parallelism, e.g. `2,4` (issue 36): each at every
+    /// rank count it divides, a pipeline on consecutive ranks, the stages' replicas averaging
+    /// with the ring.
+    #[arg(long, default_value = "")]
+    pub pipeline_stages: String,
+    /// Micro-batches per step of the projected pipelines (each pipeline takes --batch).
+    #[arg(long, default_value_t = 16)]
+    pub micro_batches: usize,
 }
 
 /// The bench.jsonl fields the fit reads.
@@ -441,7 +449,7 @@ impl Profile {
 
 /// One projected point.
 struct Point {
-    strategy: &'static str,
+    strategy: String,
     ranks: usize,
     step_s: f64,
     exchange_s: f64,
@@ -470,7 +478,48 @@ fn project_step(predictor: Predictor, strategy: &'static str, layout: Layout, gr
         let last = each(bucket.min(gradient_bytes))?;
         (exchange - args.backward_share * compute_s).max(last.min(exchange))
     };
-    Some(Point { strategy, ranks: layout.ranks, step_s: compute_s + exposed, exchange_s: exchange, exposed_s: exposed })
+    Some(Point { strategy: strategy.into(), ranks: layout.ranks, step_s: compute_s + exposed, exchange_s: exchange, exposed_s: exposed })
+}
+
+/// A pipelined layout's step: D = ranks / P pipelines of P stages on consecutive ranks. The
+/// balanced stages go through the 1F1B schedule's M + P - 1 slots, each a micro-batch's share
+/// of a stage's compute plus its activation and gradient on the link to the neighbour (counted
+/// in full, not hidden behind compute: a bound); then each stage's 1/P of the gradients is
+/// all-reduced by its D replicas with the ring, after the last backward (pipelines do not
+/// overlap it). `boundary_bytes`: one sample's largest activation between two stages.
+fn project_pipeline(predictor: Predictor, layout: Layout, stages: usize, micro: usize, boundary_bytes: f64, batch: usize, gradient_bytes: f64, compute_s: f64) -> Option<Point> {
+    let replicas = layout.ranks / stages;
+    let per_slot = compute_s / (stages * micro) as f64;
+    // A pipeline sits on one node when the node's ranks hold whole pipelines.
+    let link = if layout.per_node % stages == 0 { predictor.model.intra } else { predictor.model.inter };
+    let message = link.alpha_s + boundary_bytes * (batch as f64 / micro as f64) * link.beta_s_per_byte;
+    let pipeline_s = (micro + stages - 1) as f64 * (per_slot + 2.0 * message);
+    let stage_layout = Layout { ranks: replicas, per_node: (layout.per_node / stages).max(1) };
+    let exchange = if replicas > 1 { predictor.exchange("ring", stage_layout, gradient_bytes / stages as f64, true, false)? } else { 0.0 };
+    let strategy = format!("ring (P={stages}, M={micro} 1f1b)");
+    Some(Point { strategy, ranks: layout.ranks, step_s: pipeline_s + exchange, exchange_s: exchange, exposed_s: exchange })
+}
+
+/// One sample's largest activation (bytes, f32) crossing a stage boundary when `kind` at
+/// 3x224x224 is cut into `stages` by parameters (the projection's cut).
+fn boundary_bytes(kind: ModelKind, stages: usize) -> Result<f64> {
+    use crate::plan::pipeline::{balance, ranges};
+    let spec = crate::model::InputSpec { channels: 3, height: 224, width: 224, classes: 1000 };
+    let stores: Vec<tch::nn::VarStore> = (0..64).map(|_| tch::nn::VarStore::new(tch::Device::Cpu)).collect();
+    let blocks = crate::model::build_blocks(kind, spec, |b| stores[b.min(63)].root());
+    let params: Vec<f64> = stores[..blocks.len()].iter().map(|vs| vs.trainable_variables().iter().map(|t| t.numel() as f64).sum()).collect();
+    let shapes = crate::model::block_output_shapes(&blocks, spec);
+    let starts = balance(&params, stages).map_err(|e| Error::usage(format!("--pipeline-stages {stages}: {e}")))?;
+    Ok(ranges(&starts, blocks.len())[..stages - 1].iter().map(|r| shapes[r.end - 1].iter().product::<i64>() as f64 * 4.0).fold(0.0, f64::max))
+}
+
+/// `--pipeline-stages` of `project`: stage counts of at least 2.
+fn parse_pipeline_stages(list: &str) -> Result<Vec<usize>> {
+    let stages = if list.trim().is_empty() { Vec::new() } else { crate::study::parse_stages(list)? };
+    match stages.iter().find(|&&p| p < 2) {
+        Some(p) => Err(Error::usage(format!("--pipeline-stages {p}: a projected pipeline has at least 2 stages (data parallelism is projected anyway)"))),
+        None => Ok(stages),
+    }
 }
 
 /// `hpc-train project`.
@@ -513,6 +562,37 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
                 p.strategy, p.ranks, layout.nodes(), p.step_s * 1e3, p.exchange_s * 1e3, p.exposed_s * 1e3, images, speedup, speedup / n as f64 * 100.0
             ));
             records.push(projected_record(args, &profile, p, layout, images, compute_s, &slug));
+        }
+    }
+    // Pipelined layouts (issue 36), beside the data-parallel ones.
+    let micro = args.micro_batches.max(1);
+    for stages in parse_pipeline_stages(&args.pipeline_stages)? {
+        let bytes = boundary_bytes(args.model, stages)?;
+        for &n in ranks.iter().filter(|&&n| n % stages == 0) {
+            let layout = Layout { ranks: n, per_node: per_node.min(n) };
+            let Some(p) = project_pipeline(predictor, layout, stages, micro, bytes, args.batch, gradient_bytes, compute_s) else { continue };
+            let images = (n / stages * args.batch) as f64 / p.step_s;
+            let speedup = images / one_rank;
+            text.push_str(&format!(
+                "| {} (projected) | {} | {} | {:.1} | {:.1} | {:.1} | {:.0} | {:.2} | {:.1}% |\n",
+                p.strategy, p.ranks, layout.nodes(), p.step_s * 1e3, p.exchange_s * 1e3, p.exposed_s * 1e3, images, speedup, speedup / n as f64 * 100.0
+            ));
+            let mut record = projected_record(args, &profile, p, layout, images, compute_s, &slug);
+            record.strategy = "ring (projected)".into();
+            record.workers = n / stages;
+            record.global_batch = n / stages * args.batch;
+            record.batch_per_rank = args.batch;
+            let shape = crate::plan::pipeline::Shape::new(crate::plan::pipeline::ScheduleKind::OneFOneB, stages, micro, 1).map_err(Error::usage)?;
+            record.pipeline = Some(crate::results::PipelineRecord {
+                pipeline_stages: stages,
+                micro_batches: micro,
+                schedule: "1f1b".into(),
+                virtual_stages: 1,
+                partition: "params".into(),
+                theoretical_bubble: shape.theoretical_bubble(),
+                ..Default::default()
+            });
+            records.push(record);
         }
     }
     let md = args.out.join(format!("{slug}.md"));
@@ -614,6 +694,10 @@ fn validate(predictor: Predictor, args: &ProjectArgs) -> Result<()> {
             let sub = ProjectArgs { bucket_mb: if r.bucket_mb > 0.0 { r.bucket_mb } else { args.bucket_mb }, ..args.clone() };
             let compute = (r.compute_ms + r.optimizer_ms + r.data_wait_ms) * 1e-3;
             let overlap = r.extra.get("overlap").and_then(|v| v.as_bool()).unwrap_or(false);
+            // Pipelined runs are not data-parallel steps: the formula above is not theirs.
+            if r.pipeline.is_some() {
+                continue;
+            }
             let strategy: &'static str = match r.strategy.as_str() {
                 "ring" => "ring",
                 "rhd" => "rhd",
@@ -733,5 +817,30 @@ mod tests {
         let lone = Predictor { cycle_share: 1.0, ..p };
         let flat = lone.exchange("horovod", leaders, s, false, false).unwrap();
         assert!((flat - best(leaders) - 1e-3).abs() < 1e-12);
+    }
+
+    /// A projected pipeline: the bubble's M + P - 1 slots with their messages, then the
+    /// stage's share of the gradients among its replicas.
+    #[test]
+    fn pipelines_are_projected_through_the_bubble_and_the_stages_exchange() {
+        let model = CostModel::default();
+        let p = Predictor { model: &model, mpi_allreduce: None, servers: 1, cycle_s: 1e-3, cycle_share: 0.5 };
+        let (compute, grads, boundary) = (0.1, 1e8, 1e5);
+        // One node of 8: 4 pipelines of 2 stages, messages on the node's link.
+        let layout = Layout { ranks: 8, per_node: 8 };
+        let point = project_pipeline(p, layout, 2, 16, boundary, 64, grads, compute).unwrap();
+        let message = model.intra.alpha_s + boundary * 4.0 * model.intra.beta_s_per_byte;
+        let ring = p.exchange("ring", Layout { ranks: 4, per_node: 4 }, grads / 2.0, true, false).unwrap();
+        let expected = 17.0 * (compute / 32.0 + 2.0 * message) + ring;
+        assert!((point.step_s - expected).abs() < 1e-12, "{} {expected}", point.step_s);
+        assert_eq!(point.strategy, "ring (P=2, M=16 1f1b)");
+        // More micro-batches, a smaller bubble; one pipeline, no exchange.
+        let more = project_pipeline(p, Layout { ranks: 2, per_node: 8 }, 2, 64, 0.0, 64, grads, compute).unwrap();
+        let fewer = project_pipeline(p, Layout { ranks: 2, per_node: 8 }, 2, 4, 0.0, 64, grads, compute).unwrap();
+        assert_eq!(more.exchange_s, 0.0);
+        assert!(more.step_s < fewer.step_s);
+        assert!(boundary_bytes(ModelKind::Resnet18, 2).unwrap() > 0.0);
+        assert!(parse_pipeline_stages("1,2").unwrap_err().to_string().contains("at least 2 stages"));
+        assert!(parse_pipeline_stages("").unwrap().is_empty());
     }
 }

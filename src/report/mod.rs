@@ -77,6 +77,10 @@ pub fn run(args: &ReportArgs) -> Result<()> {
             written.extend(plots::write(&chart, &args.out.join(format!("{}-efficiency", table.slug)), png)?);
             links.push(format!("[efficiency]({}-efficiency.svg)", table.slug));
         }
+        if let Some(chart) = plots::bubble_chart(table) {
+            written.extend(plots::write(&chart, &args.out.join(format!("{}-bubble", table.slug)), png)?);
+            links.push(format!("[bubble]({}-bubble.svg)", table.slug));
+        }
         if let Some(chart) = plots::accuracy_chart(table) {
             written.extend(plots::write(&chart, &args.out.join(format!("{}-accuracy", table.slug)), png)?);
             links.push(format!("[accuracy]({}-accuracy.svg)", table.slug));

@@ -149,6 +149,43 @@ pub fn accuracy_chart(table: &Table) -> Option<LineChart> {
     })
 }
 
+/// The pipelines' measured bubble (%, mean over the stages) against the micro-batches per step,
+/// a series per stage count, schedule and rank count, with the balanced theory of each stage
+/// count and interleaving dashed (issue 36). None when no run of the table is pipelined.
+pub fn bubble_chart(table: &Table) -> Option<LineChart> {
+    use std::collections::BTreeMap;
+    let mut measured: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    let mut theory: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+    for (name, f) in table.present() {
+        let Some((bubble, ideal)) = f.bubble else { continue };
+        let Some(p) = table.cell(name, f.ranks).and_then(|c| c.record.pipeline.as_ref()) else { continue };
+        let v = if p.virtual_stages > 1 { format!(" V={}", p.virtual_stages) } else { String::new() };
+        let recompute = if p.recompute { ", recompute" } else { "" };
+        let m = p.micro_batches as f64;
+        measured.entry(format!("P={} {}{v}{recompute}, {} ranks", p.pipeline_stages, p.schedule, f.ranks)).or_default().push((m, bubble * 100.0));
+        theory.entry(format!("theory P={}{v}", p.pipeline_stages)).or_default().push((m, ideal * 100.0));
+    }
+    if measured.is_empty() {
+        return None;
+    }
+    let tidy = |mut points: Vec<(f64, f64)>| {
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        points.dedup_by(|a, b| a.0 == b.0);
+        points
+    };
+    let mut series: Vec<Series> =
+        measured.into_iter().enumerate().map(|(i, (label, points))| Series { label, points: tidy(points), colour: Some(i % COLOURS.len()), reference: false }).collect();
+    series.extend(theory.into_iter().map(|(label, points)| Series { label, points: tidy(points), colour: None, reference: true }));
+    Some(LineChart {
+        title: scaling_title(table, "Pipeline bubble"),
+        x_desc: "micro-batches per step".into(),
+        y_desc: "idle share of the pipelined phase".into(),
+        x_axis: XAxis::Ranks,
+        y_axis: YAxis::Percent,
+        series,
+    })
+}
+
 /// Bus bandwidth against message size (log2 axis), a series per strategy.
 pub fn busbw_chart(group: &BenchGroup) -> LineChart {
     let series = group
@@ -311,6 +348,22 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &LineChart) ->
 mod tests {
     use super::*;
     use crate::report::tables::{group, tests::record};
+
+    #[test]
+    fn the_bubble_is_plotted_against_the_micro_batches_with_its_theory() {
+        let with = |m: usize, bubble: f64| {
+            let mut r = record("ring", 2, 100.0);
+            r.pipeline = Some(crate::results::PipelineRecord { pipeline_stages: 2, micro_batches: m, schedule: "1f1b".into(), virtual_stages: 1, bubble: vec![bubble, bubble], theoretical_bubble: 1.0 / (m as f64 + 1.0), ..Default::default() });
+            r
+        };
+        let runs = [record("ring", 1, 60.0), with(4, 0.25), with(8, 0.12)];
+        let chart = bubble_chart(&group(&runs).unwrap()[0]).unwrap();
+        let labels: Vec<&str> = chart.series.iter().map(|s| s.label.as_str()).collect();
+        assert_eq!(labels, vec!["P=2 1f1b, 2 ranks", "theory P=2"]);
+        assert_eq!(chart.series[0].points, vec![(4.0, 25.0), (8.0, 12.0)]);
+        assert!(chart.series[1].reference && (chart.series[1].points[1].1 - 100.0 / 9.0).abs() < 1e-9);
+        assert!(bubble_chart(&group(&runs[..1]).unwrap()[0]).is_none());
+    }
 
     #[test]
     fn accuracy_is_plotted_per_column_where_runs_have_it() {
