@@ -487,6 +487,7 @@ fn project_step(predictor: Predictor, strategy: &'static str, layout: Layout, gr
 /// in full, not hidden behind compute: a bound); then each stage's 1/P of the gradients is
 /// all-reduced by its D replicas with the ring, after the last backward (pipelines do not
 /// overlap it). `boundary_bytes`: one sample's largest activation between two stages.
+#[allow(clippy::too_many_arguments)]
 fn project_pipeline(predictor: Predictor, layout: Layout, stages: usize, micro: usize, boundary_bytes: f64, batch: usize, gradient_bytes: f64, compute_s: f64) -> Option<Point> {
     let replicas = layout.ranks / stages;
     let per_slot = compute_s / (stages * micro) as f64;
