@@ -211,14 +211,18 @@ pub(super) fn save_checkpoint(
     if !optim::all_finite(&net.params)? || !state.iter().try_fold(true, |ok, slot| Ok::<bool, Error>(ok && optim::all_finite(slot)?))? {
         return Err(Error::NonFinite { what: "weights (no checkpoint written)", step: meta.step, epoch: meta.epoch() });
     }
-    let named_state: Vec<(String, Tensor)> = optimizer
+    Ok(Some(checkpoint::save(dir, meta, &net.named_variables(), &named_state(net, optimizer, state), keep)))
+}
+
+/// The optimizer's state buffers (`[slot][parameter]`) by their checkpoint names.
+pub(super) fn named_state(net: &Net, optimizer: &Optimizer, state: Vec<Vec<Tensor>>) -> Vec<(String, Tensor)> {
+    optimizer
         .kind()
         .slots()
         .iter()
         .zip(state)
         .flat_map(|(slot, buffers)| net.param_names.iter().map(|name| checkpoint::state_name(slot, name)).zip(buffers).collect::<Vec<_>>())
-        .collect();
-    Ok(Some(checkpoint::save(dir, meta, &net.named_variables(), &named_state, keep)))
+        .collect()
 }
 
 /// `--save-weights` for a run that had nothing left to train: the checkpoint's weights.

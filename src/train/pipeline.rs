@@ -27,6 +27,7 @@ use crate::plan::shard::ShardInfo;
 use crate::raw::TensorMessage;
 use crate::topology::World;
 
+use super::checkpoints::named_state;
 use super::collective::gather_strings;
 use super::net::Net;
 use super::stages::{Cut, PipelinePlan};
@@ -490,13 +491,7 @@ pub(super) fn save_pipeline_checkpoint(
     let stage_comm = &pipeline.stage_world.comm;
     let state = crate::watchdog::collective("gathering the optimizer state", stage_comm, || exchange.optimizer_state(&net.params, optimizer))?;
     let named_state: Vec<(String, Tensor)> = match (pipeline.replica, state) {
-        (0, Some(state)) => optimizer
-            .kind()
-            .slots()
-            .iter()
-            .zip(state)
-            .flat_map(|(slot, buffers)| net.param_names.iter().map(|name| crate::checkpoint::state_name(slot, name)).zip(buffers).collect::<Vec<_>>())
-            .collect(),
+        (0, Some(state)) => named_state(net, optimizer, state),
         (0, None) => return Err(Error::exchange("checkpoint", "a stage's first replica received no optimizer state")),
         _ => Vec::new(),
     };

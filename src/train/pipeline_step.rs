@@ -27,12 +27,7 @@ impl Run<'_> {
     /// One pipelined step: the stage's schedule over the micro-batches, then the exchange of
     /// the accumulated gradients among the stage's replicas and the optimizer step.
     pub(super) fn pipeline_step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
-        let started = Instant::now();
-        crate::watchdog::set_step(step);
-        self.optimizer.begin_step(step);
-        let batch = state.loader.next()?;
-        let data_wait = started.elapsed();
-        state.trace.record(&batch)?;
+        let (batch, data_wait) = self.begin_step(step, state)?;
         let compute_start = Instant::now();
         let mut grads = self.net.grads();
         optim::zero_grads(&mut grads)?;

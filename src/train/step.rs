@@ -98,12 +98,7 @@ impl Run<'_> {
         if self.pipeline.is_some() {
             return self.pipeline_step(step, state);
         }
-        let started = Instant::now();
-        crate::watchdog::set_step(step);
-        self.optimizer.begin_step(step);
-        let batch = state.loader.next()?;
-        let data_wait = started.elapsed();
-        state.trace.record(&batch)?;
+        let (batch, data_wait) = self.begin_step(step, state)?;
         let fault = self.faults.at(self.world.rank, step).cloned();
         if fault == Some(Fault::Exit) {
             eprintln!("rank {}: exiting at step {step} (injected fault)", self.world.rank);
@@ -154,6 +149,18 @@ impl Run<'_> {
         let comm = comm.saturating_sub(optimizer);
         let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total, exchange_exposed };
         Ok(StepDone { timings, loss_sum, samples: n, epoch: batch.epoch })
+    }
+
+    /// What every step starts with: the watchdog and the optimizer told the step, and the
+    /// step's batch (with the time waited for it), traced.
+    pub(super) fn begin_step(&mut self, step: u64, state: &mut LoopState) -> Result<(Batch, Duration)> {
+        let started = Instant::now();
+        crate::watchdog::set_step(step);
+        self.optimizer.begin_step(step);
+        let batch = state.loader.next()?;
+        let data_wait = started.elapsed();
+        state.trace.record(&batch)?;
+        Ok((batch, data_wait))
     }
 
     /// The summed loss of the rank's samples (with --label-smoothing), in f32 (autocast for bf16
