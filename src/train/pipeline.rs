@@ -460,9 +460,8 @@ impl Pipeline {
         if wanted.is_empty() {
             return Ok(Vec::new());
         }
-        let found: Vec<u8> = mine.iter().map(|t| u8::from(t.is_some())).collect();
-        let mut found_here = found.clone();
-        self.stage_world.comm.process_at_rank(0).broadcast_into(&mut found_here[..]);
+        let mut found: Vec<u8> = mine.iter().map(|t| u8::from(t.is_some())).collect();
+        self.stage_world.comm.process_at_rank(0).broadcast_into(&mut found[..]);
         let values: Vec<Tensor> = like
             .iter()
             .zip(&mine)
@@ -472,7 +471,7 @@ impl Pipeline {
             })
             .collect::<Result<_>>()?;
         super::collective::broadcast_from_root(&self.stage_world.comm, &values)?;
-        Ok(values.into_iter().zip(found_here).map(|(v, f)| (f == 1).then_some(v)).collect())
+        Ok(values.into_iter().zip(found).map(|(v, f)| (f == 1).then_some(v)).collect())
     }
 }
 
