@@ -142,6 +142,15 @@ pub fn build_blocks<'a>(kind: ModelKind, spec: InputSpec, path_of: impl Fn(usize
     }
 }
 
+/// How many blocks [`build_blocks`] makes.
+pub fn block_count(kind: ModelKind) -> usize {
+    match kind {
+        ModelKind::Resnet50 => 1 + (3 + 4 + 6 + 3) + 1,
+        ModelKind::Resnet18 => 1 + (2 + 2 + 2 + 2) + 1,
+        ModelKind::Tiny | ModelKind::TinyUnused => 4,
+    }
+}
+
 /// Runs `modules` one after the other.
 pub fn sequence(modules: Vec<nn::FuncT<'static>>) -> nn::FuncT<'static> {
     nn::func_t(move |xs, train| {
@@ -368,6 +377,7 @@ mod tests {
             let whole = build(kind, &whole_vs.root(), spec);
             let (even, odd) = (nn::VarStore::new(Device::Cpu), nn::VarStore::new(Device::Cpu));
             let blocks = build_blocks(kind, spec, |i| if i % 2 == 0 { even.root() } else { odd.root() });
+            assert_eq!(blocks.len(), block_count(kind));
             let mut split: Vec<(String, Tensor)> = even.variables().into_iter().chain(odd.variables()).collect();
             split.sort_by(|a, b| a.0.cmp(&b.0));
             let mut all: Vec<(String, Tensor)> = whole_vs.variables().into_iter().collect();
@@ -381,6 +391,7 @@ mod tests {
         let scratch = nn::VarStore::new(Device::Cpu);
         let blocks = build_blocks(ModelKind::Resnet50, spec, |_| scratch.root());
         assert_eq!(blocks.len(), 18);
+        assert_eq!(block_count(ModelKind::Resnet50), 18);
         assert_eq!(block_output_shapes(&blocks, spec).last().unwrap(), &vec![10]);
     }
 

@@ -5,13 +5,15 @@
 //! - [`ring`]: the ring all-reduce's schedule of chunks;
 //! - [`rhd`]: recursive halving and doubling's partners and ranges;
 //! - [`buckets`]: which tensors share a bucket, at which offsets;
-//! - [`pipeline`]: pipeline parallelism's rank grid, model cuts and per-stage schedules.
+//! - [`pipeline`]: pipeline parallelism's rank grid, model cuts and per-stage schedules;
+//! - [`fsdp`]: fully sharded data parallelism's units and their flat layouts.
 //!
 //! Each file is pure arithmetic with its unit tests, which run the schedules on in-memory
 //! buffers. A new collective's schedule (a pipeline's table of micro-batches per stage, a tree)
 //! goes here, beside these, before the strategy that sends its messages.
 
 pub mod buckets;
+pub mod fsdp;
 pub mod pipeline;
 pub mod rhd;
 pub mod ring;

@@ -1,0 +1,203 @@
+//! `--zero 3` (fully sharded data parallelism) as data: which of the model's blocks make a unit
+//! (`--fsdp-unit`), and each unit's parameters laid out in one flat buffer, the buffer that is
+//! sharded over the ranks, all-gathered before the unit computes and reduce-scattered after
+//! its backward. Computed and tested without MPI or tensors.
+//!
+//! A unit is what PyTorch FSDP calls a wrapped module and DeepSpeed ZeRO-3 a parameter group:
+//! the granularity of communication. Smaller units hold less gathered at a time and overlap
+//! more finely; larger ones send fewer, bigger messages.
+
+use std::ops::Range;
+
+use crate::plan::buckets::{Bucket, Slot};
+
+/// How the model is cut into units.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UnitSize {
+    /// Each block: ResNet's stem, every residual block, the head; the tiny CNN's every layer.
+    Block,
+    /// Blocks of one stage together: ResNet's stem, layer1 to layer4, the head.
+    Stage,
+    /// The whole model as one unit (gathered whole once per step: stage 3's memory only
+    /// between steps).
+    Model,
+}
+
+impl UnitSize {
+    pub fn name(self) -> &'static str {
+        match self {
+            UnitSize::Block => "block",
+            UnitSize::Stage => "stage",
+            UnitSize::Model => "model",
+        }
+    }
+}
+
+/// The stage a block belongs to, from its name: "layer2.1" is in "layer2"; "stem" and "head"
+/// are stages of their own.
+fn stage_of(block: &str) -> &str {
+    block.split('.').next().unwrap_or(block)
+}
+
+/// The blocks of each unit, consecutive and in model order, covering every block once.
+pub fn group_blocks(block_names: &[String], size: UnitSize) -> Vec<Range<usize>> {
+    let n = block_names.len();
+    match size {
+        UnitSize::Model => vec![0..n],
+        UnitSize::Block => (0..n).map(|b| b..b + 1).collect(),
+        UnitSize::Stage => {
+            let mut groups: Vec<Range<usize>> = Vec::new();
+            for (b, name) in block_names.iter().enumerate() {
+                match groups.last_mut() {
+                    Some(last) if stage_of(&block_names[last.start]) == stage_of(name) => last.end = b + 1,
+                    _ => groups.push(b..b + 1),
+                }
+            }
+            groups
+        }
+    }
+}
+
+/// One unit: its blocks, and its parameters' flat layout (the tensors in parameter order, each
+/// at its offset). `layout.len` elements are gathered whole while the unit computes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unit {
+    /// "stem", "layer1.0", or "layer1" (a stage), or "conv1..fc" for several blocks.
+    pub name: String,
+    pub blocks: Range<usize>,
+    pub layout: Bucket,
+}
+
+/// The units of a model: `groups` of blocks, `block_of[t]` the block of parameter tensor t, and
+/// `sizes[t]` its element count.
+pub fn lay_out(block_names: &[String], groups: &[Range<usize>], block_of: &[usize], sizes: &[usize]) -> Vec<Unit> {
+    assert_eq!(block_of.len(), sizes.len(), "one block per parameter");
+    groups
+        .iter()
+        .map(|blocks| {
+            let mut slots = Vec::new();
+            let mut offset = 0;
+            for (tensor, (&block, &len)) in block_of.iter().zip(sizes).enumerate() {
+                if blocks.contains(&block) {
+                    slots.push(Slot { tensor, offset, len });
+                    offset += len;
+                }
+            }
+            let name = if blocks.len() == 1 {
+                block_names[blocks.start].clone()
+            } else if stage_of(&block_names[blocks.start]) == stage_of(&block_names[blocks.end - 1]) {
+                stage_of(&block_names[blocks.start]).to_string()
+            } else {
+                format!("{}..{}", block_names[blocks.start], block_names[blocks.end - 1])
+            };
+            Unit { name, blocks: blocks.clone(), layout: Bucket { slots, len: offset } }
+        })
+        .collect()
+}
+
+/// Elements this rank holds between steps: its shard of every unit (`shard_len(len)`).
+pub fn held_elements(units: &[Unit], shard_len: impl Fn(usize) -> usize) -> usize {
+    units.iter().map(|u| shard_len(u.layout.len)).sum()
+}
+
+/// The most elements gathered at once: a unit and, with prefetch, the next one beside it (in
+/// forward order, and in backward order, which is the same pairs).
+pub fn peak_gathered_elements(units: &[Unit], prefetch: bool) -> usize {
+    let lens: Vec<usize> = units.iter().map(|u| u.layout.len).collect();
+    if prefetch {
+        lens.windows(2).map(|w| w[0] + w[1]).max().unwrap_or_else(|| lens.iter().copied().max().unwrap_or(0))
+    } else {
+        lens.iter().copied().max().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::shard::ShardInfo;
+
+    fn resnet18_blocks() -> Vec<String> {
+        let mut names = vec!["stem".to_string()];
+        for layer in 1..=4 {
+            for i in 0..2 {
+                names.push(format!("layer{layer}.{i}"));
+            }
+        }
+        names.push("head".into());
+        names
+    }
+
+    #[test]
+    fn units_group_blocks_by_size() {
+        let names = resnet18_blocks();
+        assert_eq!(group_blocks(&names, UnitSize::Block).len(), 10);
+        assert_eq!(group_blocks(&names, UnitSize::Model), vec![0..10]);
+        assert_eq!(group_blocks(&names, UnitSize::Stage), vec![0..1, 1..3, 3..5, 5..7, 7..9, 9..10]);
+        let tiny: Vec<String> = ["conv1", "conv2", "pool", "fc"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(group_blocks(&tiny, UnitSize::Stage), vec![0..1, 1..2, 2..3, 3..4]);
+    }
+
+    #[test]
+    fn every_parameter_is_in_one_unit_at_its_own_offset() {
+        let names = resnet18_blocks();
+        // Two tensors per block, except a block without parameters (like the tiny CNN's pool).
+        let block_of: Vec<usize> = (0..10).filter(|&b| b != 4).flat_map(|b| [b, b]).collect();
+        let sizes: Vec<usize> = (0..block_of.len()).map(|t| 3 + t * 7).collect();
+        for size in [UnitSize::Block, UnitSize::Stage, UnitSize::Model] {
+            let units = lay_out(&names, &group_blocks(&names, size), &block_of, &sizes);
+            let mut seen = vec![0; sizes.len()];
+            for unit in &units {
+                let mut next = 0;
+                for slot in &unit.layout.slots {
+                    assert_eq!(slot.offset, next, "{size:?}: slots follow each other");
+                    assert_eq!(slot.len, sizes[slot.tensor]);
+                    assert!(unit.blocks.contains(&block_of[slot.tensor]));
+                    next += slot.len;
+                    seen[slot.tensor] += 1;
+                }
+                assert_eq!(next, unit.layout.len);
+            }
+            assert!(seen.iter().all(|&s| s == 1), "{size:?}: {seen:?}");
+            assert_eq!(units.iter().map(|u| u.layout.len).sum::<usize>(), sizes.iter().sum::<usize>());
+        }
+        let stages = lay_out(&names, &group_blocks(&names, UnitSize::Stage), &block_of, &sizes);
+        let unit_names: Vec<&str> = stages.iter().map(|u| u.name.as_str()).collect();
+        assert_eq!(unit_names, ["stem", "layer1", "layer2", "layer3", "layer4", "head"]);
+        // The block without parameters makes an empty unit, which is never gathered.
+        let blocks = lay_out(&names, &group_blocks(&names, UnitSize::Block), &block_of, &sizes);
+        assert_eq!(blocks[4].layout.len, 0);
+    }
+
+    #[test]
+    fn a_rank_holds_its_share_within_one_element_per_unit() {
+        let names = resnet18_blocks();
+        let block_of: Vec<usize> = (0..10).flat_map(|b| [b, b, b]).collect();
+        let sizes: Vec<usize> = (0..30).map(|t| 1 + t * t * 11).collect();
+        let total: usize = sizes.iter().sum();
+        for size in [UnitSize::Block, UnitSize::Stage, UnitSize::Model] {
+            let units = lay_out(&names, &group_blocks(&names, size), &block_of, &sizes);
+            for n in [1, 2, 3, 4, 5, 16] {
+                let mut all = 0;
+                for r in 0..n {
+                    let held = held_elements(&units, |len| ShardInfo::split(len, n, r).len);
+                    assert!(held.abs_diff(total / n) <= units.len(), "{size:?} n {n} rank {r}: {held} of {total}");
+                    all += held;
+                }
+                assert_eq!(all, total, "{size:?} n {n}: the shards tile the model");
+            }
+        }
+    }
+
+    #[test]
+    fn prefetch_holds_two_neighbouring_units_at_most() {
+        let names = resnet18_blocks();
+        let block_of: Vec<usize> = (0..10).collect();
+        let sizes = vec![5, 1, 1, 9, 1, 1, 1, 1, 20, 2];
+        let units = lay_out(&names, &group_blocks(&names, UnitSize::Block), &block_of, &sizes);
+        assert_eq!(peak_gathered_elements(&units, false), 20);
+        assert_eq!(peak_gathered_elements(&units, true), 22);
+        let whole = lay_out(&names, &group_blocks(&names, UnitSize::Model), &block_of, &sizes);
+        assert_eq!(peak_gathered_elements(&whole, true), 42);
+    }
+}
