@@ -425,6 +425,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
         mpi_allreduce: args.mpi_allreduce,
         cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,
         zero: 0,
+        fsdp_hybrid: false,
     };
 
     let is_host_f32 = device == Device::Cpu && args.dtype == Dtype::F32 && n > 1;

@@ -81,8 +81,10 @@ pub struct ExchangeConfig {
     pub horovod: HorovodConfig,
     /// What `auto` chooses with.
     pub cost_model: CostModel,
-    /// `--zero`: 0 (every rank keeps the whole optimizer state), 1 or 2.
+    /// `--zero`: 0 (every rank keeps the whole optimizer state), 1, 2 or 3.
     pub zero: u8,
+    /// `--fsdp-hybrid` (stage 3): shard over each node's ranks, replicate across nodes.
+    pub fsdp_hybrid: bool,
     /// `--mpi-allreduce`: the MPI call `allreduce` and `horovod` reduce host buffers with.
     pub mpi_allreduce: MpiAllreduceCall,
 }

@@ -10,7 +10,7 @@ use tch::{Device, Kind, Tensor};
 use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::optim::{FiniteCheck, Optimizer};
-use crate::plan::buckets::BucketPlan;
+use crate::plan::buckets::{Bucket, BucketPlan};
 
 /// What a reduction produces: the sum over ranks, or the mean.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -175,6 +175,12 @@ pub trait Exchange {
         None
     }
 
+    /// Fully sharded data parallelism's units (`--zero 3`): the training step gathers each
+    /// unit's parameters before it computes and reduces its gradients after it.
+    fn fully_sharded(&mut self) -> Option<&mut dyn UnitShards> {
+        None
+    }
+
     /// Optimizer state and gradient bytes this rank holds between steps.
     fn held_bytes(&self, params: &[Tensor], optimizer: &Optimizer) -> HeldBytes {
         HeldBytes::of(params, optimizer)
@@ -206,6 +212,56 @@ pub trait ShardedUpdate {
     /// Steps the optimizer on this rank's shard of bucket `b`, then all-gathers the bucket's
     /// weights into the parameters.
     fn step_bucket(&mut self, b: usize, params: &mut [Tensor], optimizer: &mut Optimizer) -> Result<()>;
+}
+
+/// Stage 3's calls (`--zero 3`), in the order a step makes them: `gather` then `install` a
+/// unit before it computes, `release` it after; `pack_grads` after its backward, `reduce` the
+/// packed gradients, and `step` once every unit is reduced. `exchange::fsdp::FullyShardedExchange`
+/// implements it; the trait lives here so that [`Exchange::fully_sharded`] can name it without
+/// importing that strategy.
+pub trait UnitShards {
+    /// Cuts every unit's parameters (`units`: their flat layouts) and optimizer state (whole
+    /// from a checkpoint, or none yet) to this rank's shard, and lets go of the whole
+    /// parameters. Once, before the first step; not collective.
+    fn shard(&mut self, units: &[Bucket], params: &[Tensor], optimizer: &mut Optimizer) -> Result<()>;
+
+    /// Unit `u`'s parameters from every rank's shard, flat on the parameters' device.
+    /// Collective over the ranks that share the shards.
+    fn gather(&mut self, u: usize) -> Result<Tensor>;
+
+    /// Points unit `u`'s parameters at the elements of `gathered` (from [`UnitShards::gather`]).
+    fn install(&mut self, u: usize, gathered: &Tensor, params: &[Tensor]) -> Result<()>;
+
+    /// Lets go of unit `u`'s parameters (their memory goes once no other handle holds it).
+    fn release(&mut self, u: usize, params: &[Tensor]) -> Result<()>;
+
+    /// Unit `u`'s gradients packed flat (added to `finite`); the parameters' own are let go.
+    fn pack_grads(&mut self, u: usize, params: &[Tensor], finite: &mut FiniteCheck) -> Result<Tensor>;
+
+    /// Averages `packed` over the ranks and keeps this rank's shard for [`UnitShards::step`].
+    /// Collective.
+    fn reduce(&mut self, u: usize, packed: Tensor) -> Result<()>;
+
+    /// Steps the optimizer on every unit's shard, from the reduced shards, and counts the step.
+    fn step(&mut self, optimizer: &mut Optimizer) -> Result<()>;
+
+    /// Whether the gathers that follow make the whole model (for a checkpoint or the saved
+    /// weights): they are left out of the peak of gathered bytes a step needs.
+    fn whole_model(&mut self, whole: bool);
+
+    /// Adds one training step's gathering and reducing time to the record's figures: in all,
+    /// and the part computing did not hide.
+    fn note_step(&mut self, times: UnitTimes);
+}
+
+/// One step's gathers and reductions of `--zero 3`: their time in all, and the part that
+/// computing did not hide.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct UnitTimes {
+    pub gather: std::time::Duration,
+    pub exposed_gather: std::time::Duration,
+    pub reduce: std::time::Duration,
+    pub exposed_reduce: std::time::Duration,
 }
 
 /// What a rank holds between steps, for runs.jsonl.

@@ -98,17 +98,17 @@ impl Phases {
 
 /// The part of one tensor that falls in this rank's shard of a bucket.
 #[derive(Clone, Debug)]
-struct Piece {
-    tensor: usize,
+pub(super) struct Piece {
+    pub(super) tensor: usize,
     /// Where it starts in the tensor's flat view, and in the shard.
-    at: usize,
-    shard_at: usize,
-    len: usize,
+    pub(super) at: usize,
+    pub(super) shard_at: usize,
+    pub(super) len: usize,
 }
 
 /// The pieces of `range` of a bucket's flat layout: a shard may start and end inside a tensor
 /// and span several.
-fn pieces(bucket: &Bucket, range: &Range<usize>) -> Vec<Piece> {
+pub(super) fn pieces(bucket: &Bucket, range: &Range<usize>) -> Vec<Piece> {
     bucket
         .slots
         .iter()
@@ -373,7 +373,7 @@ impl ZeroExchange {
 }
 
 /// A device buffer's writes must be done before MPI reads it.
-fn ready_for_mpi(buffer: &Tensor) -> Result<()> {
+pub(super) fn ready_for_mpi(buffer: &Tensor) -> Result<()> {
     if buffer.device().is_cuda() {
         wait_for_stream(buffer.device())?;
     }
@@ -382,7 +382,7 @@ fn ready_for_mpi(buffer: &Tensor) -> Result<()> {
 
 /// Packs the bucket's gradients into `buffer`; a parameter without one (unused by this step,
 /// or let go by stage 2 and not remade) counts as zero.
-fn pack_grads(bucket: &Bucket, params: &[Tensor], buffer: &mut Tensor) -> Result<()> {
+pub(super) fn pack_grads(bucket: &Bucket, params: &[Tensor], buffer: &mut Tensor) -> Result<()> {
     for slot in &bucket.slots {
         let grad = params[slot.tensor].grad();
         if !grad.defined() {

@@ -14,6 +14,8 @@
 
 mod checkpoints;
 mod collective;
+mod fsdp;
+mod fsdp_step;
 mod net;
 pub mod options;
 mod pipeline;

@@ -12,11 +12,20 @@ use crate::raw;
 use super::options::TrainArgs;
 use super::stages::StageCut;
 
+/// How the model is held: whole, as one pipeline stage's chunks, or as `--zero 3`'s units.
+pub(super) enum NetLayout<'a> {
+    Whole,
+    Stage(&'a StageCut),
+    /// The blocks of each unit, consecutive and in model order.
+    Units(&'a [std::ops::Range<usize>]),
+}
+
 /// The network and its parameters: the whole model, or a pipeline stage's chunks of it.
 pub(super) struct Net {
     pub(super) vs: nn::VarStore,
     /// The model's pieces this rank runs, by global chunk index: one chunk, the whole model,
-    /// outside pipelines; a stage's chunks (V of them, model order) in a pipeline.
+    /// outside pipelines; a stage's chunks (V of them, model order) in a pipeline; every unit
+    /// under `--zero 3`.
     pub(super) chunks: Vec<(usize, nn::FuncT<'static>)>,
     pub(super) params: Vec<Tensor>,
     /// The name of every parameter, in `params` order.
@@ -29,7 +38,7 @@ impl Net {
     /// The whole model, or with `stage` the chunks of one pipeline stage (its blocks'
     /// variables only; the others are drawn in a scratch store and dropped, so that the seed
     /// gives every variable the value it has in the whole model).
-    pub(super) fn new(args: &TrainArgs, info: &DatasetInfo, device: Device, stage: Option<&StageCut>) -> Result<(Net, InputSpec)> {
+    pub(super) fn new(args: &TrainArgs, info: &DatasetInfo, device: Device, layout: NetLayout) -> Result<(Net, InputSpec)> {
         let spec = input_spec(info);
         // The same initial weights on every rank and every device: initialised on the CPU from
         // the seed, then moved. CUDA's random stream differs from the CPU's, so weights drawn on
@@ -37,13 +46,25 @@ impl Net {
         // identity (set_data), so the model's layers see the moved tensors.
         tch::manual_seed(args.seed as i64);
         let mut vs = nn::VarStore::new(Device::Cpu);
-        let chunks = match stage {
-            None => {
+        let chunks = match layout {
+            NetLayout::Whole => {
                 let model = model::build(args.model, &vs.root(), spec);
                 model::check_forward(&model, spec, Device::Cpu)?;
                 vec![(0, model)]
             }
-            Some(cut) => {
+            NetLayout::Units(groups) => {
+                let mut blocks: Vec<Option<model::Block>> = model::build_blocks(args.model, spec, |_| vs.root()).into_iter().map(Some).collect();
+                if args.model == model::ModelKind::TinyUnused {
+                    // As model::build: created after the used layers, never given a gradient.
+                    let _unused = nn::linear(vs.root() / "unused", 8, 8, Default::default());
+                }
+                groups
+                    .iter()
+                    .enumerate()
+                    .map(|(u, range)| (u, model::sequence(range.clone().map(|b| blocks[b].take().expect("a block is in one unit").module).collect())))
+                    .collect()
+            }
+            NetLayout::Stage(cut) => {
                 let scratch = nn::VarStore::new(Device::Cpu);
                 let mut blocks: Vec<Option<model::Block>> =
                     model::build_blocks(args.model, spec, |b| if cut.holds(b) { vs.root() } else { scratch.root() }).into_iter().map(Some).collect();
@@ -104,6 +125,18 @@ impl Net {
     pub(super) fn grads(&self) -> Vec<Tensor> {
         self.params.iter().map(|p| p.grad()).collect()
     }
+}
+
+/// The names of `kind`'s blocks, and the block that creates each variable (by name): a build
+/// into one store per block. It draws from libtorch's random stream, so it comes before the
+/// seed is set for the real build.
+pub(super) fn variable_blocks(kind: model::ModelKind, spec: InputSpec) -> (Vec<String>, std::collections::HashMap<String, usize>) {
+    let count = model::block_count(kind);
+    let stores: Vec<nn::VarStore> = (0..count).map(|_| nn::VarStore::new(Device::Cpu)).collect();
+    let blocks = model::build_blocks(kind, spec, |b| stores[b].root());
+    let names = blocks.iter().map(|b| b.name.clone()).collect();
+    let of = stores.iter().enumerate().flat_map(|(b, vs)| vs.variables().into_keys().map(move |name| (name, b))).collect();
+    (names, of)
 }
 
 /// The input the model must fit, from the dataset.

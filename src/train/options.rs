@@ -13,6 +13,7 @@ use crate::model::ModelKind;
 
 use super::recipe::RecipeArgs;
 use super::stages::PipelineArgs;
+use crate::plan::fsdp::UnitSize;
 
 /// The exchange watchdog's default: far beyond any one exchange on a working cluster (a 100 MB
 /// bucket over a 1 Gbit/s link takes about a second; the first exchange may also set up
@@ -113,10 +114,21 @@ pub struct TrainArgs {
     pub channels_last: bool,
 
     /// ZeRO stage (ring, rhd on a power of two of ranks, auto): 1 shards the optimizer state
-    /// (momentum) over the ranks, 2 also the gradients held between steps; 0 keeps everything
-    /// on every rank.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    /// (momentum) over the ranks, 2 also the gradients held between steps, 3 also the
+    /// parameters (fully sharded data parallelism: each unit gathered while it computes); 0
+    /// keeps everything on every rank.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
+
+    /// With --zero 3: what a unit of sharding is (gathered whole while it computes): each
+    /// block (ResNet's stem, residual blocks and head), each stage (layer1..layer4), or the model.
+    #[arg(long, value_enum, default_value_t = UnitSize::Block)]
+    pub fsdp_unit: UnitSize,
+
+    /// With --zero 3: shard over each node's ranks and keep one copy of the shards per node
+    /// (FSDP's HYBRID_SHARD): gathers stay inside the node, only reduced shards cross nodes.
+    #[arg(long)]
+    pub fsdp_hybrid: bool,
 
     /// Let several ranks of a node share one GPU (for testing on a machine with fewer GPUs).
     #[arg(long)]

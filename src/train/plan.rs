@@ -84,6 +84,7 @@ impl Plan {
             )));
         }
         exchange::check_zero(args.strategy, args.zero, world.size as usize)?;
+        check_fully_sharded(args, pipeline.is_some())?;
         if args.precision == Precision::Fp16 && args.zero > 0 {
             return Err(Error::usage(format!("--precision fp16 with --zero {}: the loss scaler checks and unscales whole gradients before the optimizer step, which ZeRO shards; use bf16", args.zero)));
         }
@@ -106,6 +107,23 @@ impl Plan {
         let cuda_aware = args.cuda_aware.resolve();
         Ok(Plan { device, threads, cuda_aware, workers, batch, pipeline })
     }
+}
+
+/// What `--zero 3` cannot do, and its options without it, refused with the reason.
+fn check_fully_sharded(args: &TrainArgs, pipelined: bool) -> Result<()> {
+    if args.zero != 3 {
+        if let Some(flag) = [("fsdp_unit", "--fsdp-unit"), ("fsdp_hybrid", "--fsdp-hybrid")].iter().find(|(id, _)| args.given.has(id)).map(|(_, f)| f) {
+            return Err(Error::usage(format!("{flag} is an option of --zero 3 (fully sharded data parallelism); add --zero 3 or drop it")));
+        }
+        return Ok(());
+    }
+    if pipelined {
+        return Err(Error::usage("--zero 3 with --pipeline-stages or --micro-batches: a pipeline stage holds its own blocks whole; use --zero 1 or 2 with pipelines"));
+    }
+    if args.channels_last {
+        return Err(Error::usage("--zero 3 with --channels-last: stage 3 points parameters at their unit's flat, contiguous buffer, which has no channels-last layout; drop --channels-last"));
+    }
+    Ok(())
 }
 
 /// What a pipelined run cannot do, refused with the reason.
@@ -323,6 +341,8 @@ pub(super) fn config_fingerprint(args: &TrainArgs) -> Vec<(String, String)> {
         ("ps".into(), format!("{:?}", args.ps)),
         ("horovod".into(), format!("{:?}", args.horovod)),
         ("zero".into(), args.zero.to_string()),
+        ("fsdp-unit".into(), args.fsdp_unit.name().into()),
+        ("fsdp-hybrid".into(), args.fsdp_hybrid.to_string()),
         ("mpi-allreduce".into(), args.mpi_allreduce.name().into()),
     ];
     out.extend(args.recipe.fingerprint());

@@ -33,6 +33,12 @@ impl Run<'_> {
                 if let Some(whole) = world.agree(self.gather_whole_model())? {
                     save_named(whole, path)?;
                 }
+            } else if self.fsdp.is_some() {
+                // Every unit gathered for rank 0's write, let go after it.
+                self.fsdp_make_whole()?;
+                let saved = world.agree(if world.is_root() { save_weights(&self.net, path) } else { Ok(()) });
+                self.fsdp_let_go()?;
+                saved?;
             } else if world.is_root() {
                 save_weights(&self.net, path)?;
             }
@@ -108,8 +114,17 @@ impl Run<'_> {
         let parameters = match &self.pipeline {
             // Each stage's parameters once (from the first pipeline).
             Some(p) => world.sum_f64(if p.replica == 0 { self.net.params.iter().map(|t| t.numel()).sum::<usize>() as f64 } else { 0.0 }) as usize,
-            None => self.net.params.iter().map(|p| p.numel()).sum::<usize>(),
+            None => match &self.fsdp {
+                // Stage 3's parameters are empty between steps; the units know their sizes.
+                Some(f) => f.units.iter().map(|u| u.layout.len).sum::<usize>(),
+                None => self.net.params.iter().map(|p| p.numel()).sum::<usize>(),
+            },
         };
+        // Stage 3: the largest over the ranks of what each holds and gathers.
+        let fsdp_bytes = self.fsdp.as_ref().map(|_| {
+            let max_of = |key: &str| world.max_f64(report.extra.get(key).and_then(|v| v.as_f64()).unwrap_or(0.0)) as u64;
+            (max_of("parameter_bytes_held"), max_of("peak_gathered_parameter_bytes"))
+        });
         if !world.is_root() {
             return None;
         }
@@ -117,7 +132,12 @@ impl Run<'_> {
         extra.entry("zero").or_insert(0.into());
         extra.insert("optimizer_state_bytes".into(), (optimizer_state_bytes as u64).into());
         extra.insert("gradient_bytes".into(), (gradient_bytes as u64).into());
-        extra.insert("overlap".into(), self.overlap.is_some().into());
+        extra.insert("overlap".into(), (self.overlap.is_some() || self.fsdp.as_ref().is_some_and(|f| f.prefetch)).into());
+        if let (Some(f), Some((held, gathered))) = (&self.fsdp, fsdp_bytes) {
+            extra.insert("fsdp_unit".into(), f.size.name().into());
+            extra.insert("parameter_bytes_held".into(), held.into());
+            extra.insert("peak_gathered_parameter_bytes".into(), gathered.into());
+        }
         extra.insert("precision".into(), serde_json::to_value(args.precision).unwrap_or_default());
         extra.insert("channels_last".into(), args.channels_last.into());
         if args.recipe.scale_lr != crate::optim::ScaleLr::None {

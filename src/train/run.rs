@@ -20,6 +20,7 @@ use crate::topology::World;
 use super::checkpoints::CheckpointLog;
 use super::net::Net;
 use super::options::TrainArgs;
+use super::fsdp::FullySharded;
 use super::pipeline::Pipeline;
 use super::plan::Plan;
 use super::progress::Timings;
@@ -46,6 +47,8 @@ pub(super) struct Run<'a> {
     pub(super) overlap: Option<Overlap>,
     /// This rank's pipeline stage (--pipeline-stages, --micro-batches), or None for a plain run.
     pub(super) pipeline: Option<Pipeline>,
+    /// `--zero 3`: the units and the thread that computes them.
+    pub(super) fsdp: Option<FullySharded>,
     pub(super) faults: Faults,
     pub(super) stop: StopSignal,
     /// Workers only: dedicated parameter servers take no part in evaluation or the loss.

@@ -1,6 +1,7 @@
 //! Set-up, checked on every rank (a problem on any rank stops all of them here): the plan, the
 //! device, the data, the network, the resume point, the exchange, overlap. Builds the [`Run`].
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use mpi::topology::{Color, Communicator};
@@ -11,13 +12,15 @@ use crate::exchange::{self, ExchangeConfig, Role};
 use crate::faults::Faults;
 use crate::optim::{self, LrSchedule, Optimizer, OptimizerConfig};
 use crate::overlap::Overlap;
+use crate::plan::fsdp as fsdp_plan;
 use crate::raw;
 use crate::results::{self};
 use crate::topology::World;
 
 use super::checkpoints::{checkpoint_meta, find_resume_point, lock_checkpoint_dir, restore, save_checkpoint_weights, CheckpointLog};
 use super::collective::{broadcast_from_root, broadcast_step};
-use super::net::{input_spec, Net};
+use super::fsdp::{FullySharded, UnitWorker};
+use super::net::{input_spec, variable_blocks, Net, NetLayout};
 use super::pipeline::{restore_pipeline, Pipeline};
 use super::stages::choose_cut;
 use super::options::{OnOff, Precision, TrainArgs};
@@ -69,7 +72,18 @@ impl<'a> Run<'a> {
         };
         // The ranks that hold the same variables: all of them, or a stage's replicas.
         let replicas: &World = pipeline.as_ref().map_or(world, |p| &p.stage_world);
-        let (mut net, spec) = world.agree(Net::new(args, &info, plan.device, stage_cut.as_ref()))?;
+        // --zero 3: which blocks make each unit (learnt before the seed draws the weights).
+        let fully_sharded = (args.zero == 3).then(|| {
+            let (block_names, block_of_variable) = variable_blocks(args.model, input_spec(&info));
+            let groups = fsdp_plan::group_blocks(&block_names, args.fsdp_unit);
+            (block_names, block_of_variable, groups)
+        });
+        let layout = match (&stage_cut, &fully_sharded) {
+            (Some(cut), _) => NetLayout::Stage(cut),
+            (None, Some((_, _, groups))) => NetLayout::Units(groups),
+            (None, None) => NetLayout::Whole,
+        };
+        let (mut net, spec) = world.agree(Net::new(args, &info, plan.device, layout))?;
         if let Some(path) = &args.init_weights {
             world.agree(if replicas.is_root() { net.load_weights(path) } else { Ok(()) })?;
         }
@@ -79,8 +93,11 @@ impl<'a> Run<'a> {
         if args.channels_last {
             world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;
         }
-        // Every parameter gets a gradient, so that every rank exchanges the same set.
-        optim::define_grads(&net.params)?;
+        // Every parameter gets a gradient, so that every rank exchanges the same set (stage 3
+        // packs a missing gradient as zeros, and holds no whole gradients between steps).
+        if fully_sharded.is_none() {
+            optim::define_grads(&net.params)?;
+        }
 
         // The checkpoint folder, held for this run alone; the checkpoint to continue from, and
         // whether anything is left to do.
@@ -118,7 +135,17 @@ impl<'a> Run<'a> {
                 None => restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?,
             }
         }
-        let overlap = if pipeline.is_some() {
+        // --zero 3: the parameters cut to this rank's shards, the units' modules to their thread.
+        let fsdp = match fully_sharded {
+            Some((block_names, block_of_variable, groups)) => {
+                let prefetch = overlap_choice(world, args, &plan) == OnOff::On;
+                Some(world.agree(shard_units(&mut net, exchange.as_mut(), &mut optimizer, &block_names, &block_of_variable, &groups, args, plan.device, prefetch))?)
+            }
+            None => None,
+        };
+        let overlap = if fsdp.is_some() {
+            None
+        } else if pipeline.is_some() {
             if args.overlap == OnOff::On && world.is_root() {
                 log::info!("--overlap on: a pipeline exchanges each stage's gradients after its last backward");
             }
@@ -142,7 +169,7 @@ impl<'a> Run<'a> {
             Role::Server => (0, plan.workers),
         };
         let run = Run {
-            world, args, plan, info, labels, cache_data, spec, net, exchange, optimizer, overlap, pipeline, faults, stop, workers_comm, worker, workers,
+            world, args, plan, info, labels, cache_data, spec, net, exchange, optimizer, overlap, pipeline, fsdp, faults, stop, workers_comm, worker, workers,
             global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),
             dataset_fingerprint, checkpoints: CheckpointLog { newest_good: resume_from.as_ref().map(|c| c.meta.step), failed: Vec::new() },
             _checkpoint_lock: checkpoint_lock,
@@ -162,6 +189,10 @@ impl<'a> Run<'a> {
             info.train.len, info.test.len, plan.batch, if self.pipeline.is_some() { "pipeline" } else { "rank" }, self.global_batch, self.first_step, self.total_steps, self.total_steps as f64 / self.steps_per_epoch as f64,
             device_name(plan.device), plan.threads
         );
+        if let Some(f) = &self.fsdp {
+            let sharing = if self.args.fsdp_hybrid { self.world.local_size } else { self.world.size };
+            log::info!("{}", f.describe(sharing as usize));
+        }
         if let Some(p) = &self.pipeline {
             let shape = &p.plan.shape;
             log::info!(
@@ -233,13 +264,47 @@ fn exchange_config(world: &World, args: &TrainArgs, plan: &Plan, optimizer: Opti
         mpi_allreduce: args.mpi_allreduce,
         cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,
         zero: args.zero,
+        fsdp_hybrid: args.fsdp_hybrid,
     })
 }
 
-/// Gradient-ready hooks for overlapping the exchange with backward (not for the parameter
-/// server, whose servers take whole shares after backward).
-fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &Net, bucket_bytes: usize) -> Result<Option<Overlap>> {
-    let choice = match args.overlap {
+/// `--zero 3`: the units' layouts, this rank's shards cut from the whole parameters (and
+/// optimizer state, on resume) which are then let go, and the thread that computes the units.
+#[allow(clippy::too_many_arguments)]
+fn shard_units(
+    net: &mut Net,
+    exchange: &mut dyn exchange::Exchange,
+    optimizer: &mut Optimizer,
+    block_names: &[String],
+    block_of_variable: &HashMap<String, usize>,
+    groups: &[std::ops::Range<usize>],
+    args: &TrainArgs,
+    device: tch::Device,
+    prefetch: bool,
+) -> Result<FullySharded> {
+    // A variable outside every block (tiny-unused's extra layer) goes with the last one.
+    let last_block = block_names.len() - 1;
+    let block_of = |name: &str| block_of_variable.get(name).copied().unwrap_or(last_block);
+    let param_blocks: Vec<usize> = net.param_names.iter().map(|n| block_of(n)).collect();
+    let sizes: Vec<usize> = net.params.iter().map(|p| p.numel()).collect();
+    let units = fsdp_plan::lay_out(block_names, groups, &param_blocks, &sizes);
+    let layouts: Vec<_> = units.iter().map(|u| u.layout.clone()).collect();
+    let shards = exchange.fully_sharded().ok_or_else(|| Error::usage("--zero 3 needs a fully sharded exchange"))?;
+    shards.shard(&layouts, &net.params, optimizer)?;
+    let unit_of_block = |b: usize| groups.iter().position(|g| g.contains(&b)).expect("every block is in a unit");
+    let mut buffers: Vec<Vec<tch::Tensor>> = (0..units.len()).map(|_| Vec::new()).collect();
+    for (name, t) in &net.buffers {
+        buffers[unit_of_block(block_of(name))].push(t.shallow_clone());
+    }
+    let modules = std::mem::take(&mut net.chunks).into_iter().map(|(_, m)| m).collect();
+    let autocast = args.precision == Precision::Bf16;
+    Ok(FullySharded { units, size: args.fsdp_unit, prefetch, worker: UnitWorker::spawn(modules, buffers, device, autocast)? })
+}
+
+/// What `--overlap` comes to on this rank: auto is on where backward leaves cores free (or on
+/// a GPU).
+fn overlap_choice(world: &World, args: &TrainArgs, plan: &Plan) -> OnOff {
+    match args.overlap {
         OnOff::Auto => {
             // Cores this rank's backward leaves free: those it may use beyond its threads (each
             // rank of the node counted).
@@ -254,7 +319,13 @@ fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &Net, bucket_
             if on { OnOff::On } else { OnOff::Off }
         }
         other => other,
-    };
+    }
+}
+
+/// Gradient-ready hooks for overlapping the exchange with backward (not for the parameter
+/// server, whose servers take whole shares after backward).
+fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &Net, bucket_bytes: usize) -> Result<Option<Overlap>> {
+    let choice = overlap_choice(world, args, plan);
     Ok(match (choice, args.strategy) {
         (OnOff::On, exchange::StrategyKind::Ps) => {
             if world.is_root() {

@@ -98,6 +98,9 @@ impl Run<'_> {
         if self.pipeline.is_some() {
             return self.pipeline_step(step, state);
         }
+        if self.fsdp.is_some() {
+            return self.fsdp_step(step, state);
+        }
         let (batch, data_wait) = self.begin_step(step, state)?;
         let fault = self.faults.at(self.world.rank, step).cloned();
         if fault == Some(Fault::Exit) {
@@ -241,10 +244,13 @@ impl Run<'_> {
     }
 
     /// Test loss and accuracy at an epoch's end, batch-norm statistics averaged first.
-    pub(super) fn evaluate_epoch(&self, step: u64, epoch: u64, state: &LoopState) -> Result<(f64, f64)> {
+    pub(super) fn evaluate_epoch(&mut self, step: u64, epoch: u64, state: &LoopState) -> Result<(f64, f64)> {
         let buffers: Vec<Tensor> = self.net.buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
         let (test_loss, accuracy) = if self.pipeline.is_some() {
             self.pipeline_evaluate(&state.norm)?
+        } else if self.fsdp.is_some() {
+            average_over(&self.workers_comm, &buffers, true, self.workers)?;
+            self.fsdp_evaluate(&state.norm)?
         } else {
             average_over(&self.workers_comm, &buffers, true, self.workers)?;
             evaluate(&self.net, &state.norm, &self.args.data, &self.info, &self.labels, &self.workers_comm, self.worker, self.workers, self.plan.batch)?
@@ -277,10 +283,18 @@ impl Run<'_> {
     pub(super) fn save_checkpoint(&mut self, last_step: u64) -> Result<()> {
         let Some(dir) = &self.args.checkpoint_dir else { return Ok(()) };
         let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, self.total_steps, last_step, self.optimizer.steps());
+        // Stage 3 writes the whole model: every unit gathered for the write, let go after it.
+        if self.fsdp.is_some() {
+            self.fsdp_make_whole()?;
+        }
         let saved = match &self.pipeline {
-            Some(p) => save_pipeline_checkpoint(p, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta)?,
-            None => save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta)?,
+            Some(p) => save_pipeline_checkpoint(p, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta),
+            None => save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta),
         };
+        if self.fsdp.is_some() {
+            self.fsdp_let_go()?;
+        }
+        let saved = saved?;
         match saved {
             Some(written) => self.checkpoints.note(dir, last_step, written),
             None => Ok(()),

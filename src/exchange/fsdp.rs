@@ -1,0 +1,407 @@
+//! `--zero 3`: fully sharded data parallelism (ZeRO stage 3, Rajbhandari et al. 2020; PyTorch
+//! FSDP, Zhao et al. 2023) on the halves of the from-scratch all-reduces.
+//!
+//! The model is cut into units (`plan::fsdp`). Each unit's parameters are laid out flat, one
+//! buffer per unit, and this rank keeps only its shard of that buffer: the range the strategy's
+//! reduce-scatter leaves reduced here (`ShardedCollectives::shard`), as ZeRO stages 1 and 2 do
+//! for a bucket. Between steps the parameters themselves hold no memory (their data is an empty
+//! tensor); the optimizer state and the reduced gradients exist for the shard only.
+//!
+//! The training step (`train/fsdp_step.rs`) drives the units: [`UnitShards::gather`] all-gathers
+//! a unit's buffer from every rank's shard, [`UnitShards::install`] points the unit's
+//! parameters at its elements (`set_data`, PyTorch's `param.data = ...`: the parameter keeps
+//! its identity, so the modules see the gathered values), and [`UnitShards::release`] points
+//! them back at nothing, which frees the buffer. After a unit's backward, its gradients are
+//! packed flat, reduce-scattered (averaged), and the shard is kept for the optimizer.
+//!
+//! `--fsdp-hybrid` (FSDP's HYBRID_SHARD, ZeRO++'s hpZ): the shards are cut over the ranks of a
+//! node only, and the same shard lives on every node. The all-gathers stay inside the node; a
+//! reduce-scatter inside the node is followed by an all-reduce of the shard among the ranks that
+//! hold it on the other nodes, so only 1/(ranks per node) of each unit crosses the network.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::element::Dtype;
+use crate::error::{Error, Result};
+use crate::exchange::buckets::unpack;
+use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, HeldBytes, ReduceOp, Role, UnitShards, UnitTimes, WholeState};
+use crate::exchange::zero::{pack_grads, pieces, ready_for_mpi, Piece, ShardAlgorithm, ShardedCollectives};
+use crate::optim::{FiniteCheck, Optimizer, Pieces};
+use crate::plan::buckets::Bucket;
+use crate::raw;
+
+/// One unit's layout and this rank's part of it.
+struct UnitShard {
+    layout: Bucket,
+    /// Chosen once, with the shard: the algorithm whose reduce-scatter leaves `shard` here.
+    algorithm: ShardAlgorithm,
+    shard: Range<usize>,
+    /// This rank's elements of the unit's flat parameters: what it holds between steps.
+    params: Tensor,
+    /// The averaged gradient of `shard`, from the reduce-scatter until the optimizer step.
+    grads: Option<Tensor>,
+    /// Indices of this unit's pieces in the exchange's piece lists.
+    pieces: Vec<usize>,
+    /// The unit's parameter tensors in layout order (the same on every rank): LARS's layers.
+    layers: Vec<usize>,
+}
+
+/// Figures for runs.jsonl.
+#[derive(Default)]
+struct Figures {
+    gathered_bytes: usize,
+    /// The most gathered at once by steps and evaluations (not by the whole model made for a
+    /// checkpoint).
+    peak_gathered_bytes: usize,
+    /// The whole model is being made ([`UnitShards::whole_model`]).
+    whole: bool,
+    /// Every gather (training, evaluation, checkpoints).
+    gathers: u64,
+    /// Training steps, and their gathers and reductions.
+    steps: u64,
+    step_times: UnitTimes,
+}
+
+pub struct FullyShardedExchange {
+    /// The ranks the shards are cut over: all of them, or (hybrid) the node's.
+    shards: Box<dyn ShardedCollectives>,
+    /// Hybrid sharding: the ranks on other nodes that hold the same shard.
+    replicas: Option<Box<dyn Exchange>>,
+    role: Role,
+    path: DataPath,
+    units: Vec<UnitShard>,
+    /// Every parameter's shape, kind and device: the parameters themselves are empty between
+    /// steps.
+    shapes: Vec<Vec<i64>>,
+    kind: Kind,
+    device: Device,
+    dtype: Dtype,
+    /// Per piece (a parameter's part in this rank's shard of a unit): where it is, its layer,
+    /// and a view of its elements in the unit's shard, which the optimizer updates in place.
+    pieces: Vec<Piece>,
+    layer_of: Vec<usize>,
+    weights: Vec<Tensor>,
+    /// The whole optimizer state from a checkpoint, until `shard` cuts it.
+    restored: Option<WholeState>,
+    figures: Figures,
+}
+
+impl FullyShardedExchange {
+    /// `role`: this rank among all the ranks that train (not only those it shares shards with).
+    pub fn new(shards: Box<dyn ShardedCollectives>, replicas: Option<Box<dyn Exchange>>, role: Role, path: DataPath) -> FullyShardedExchange {
+        FullyShardedExchange {
+            shards,
+            replicas,
+            role,
+            path,
+            units: Vec::new(),
+            shapes: Vec::new(),
+            kind: Kind::Float,
+            device: Device::Cpu,
+            dtype: Dtype::F32,
+            pieces: Vec::new(),
+            layer_of: Vec::new(),
+            weights: Vec::new(),
+            restored: None,
+            figures: Figures::default(),
+        }
+    }
+
+    fn elem_bytes(&self) -> usize {
+        self.kind.elt_size_in_bytes()
+    }
+
+    /// Bytes of parameters this rank holds between steps: its shards.
+    pub fn held_parameter_bytes(&self) -> usize {
+        self.units.iter().map(|u| u.shard.len()).sum::<usize>() * self.elem_bytes()
+    }
+
+    /// The MPI side of `buffer` (device memory with a CUDA-aware MPI, host memory otherwise),
+    /// made ready for MPI, and whether it is a host copy to bring back.
+    fn for_mpi(&self, buffer: &Tensor) -> Result<(Tensor, bool)> {
+        match self.path {
+            DataPath::Staged => Ok((buffer.f_to_device(Device::Cpu)?, true)),
+            DataPath::Host | DataPath::Direct => {
+                ready_for_mpi(buffer)?;
+                Ok((buffer.shallow_clone(), false))
+            }
+        }
+    }
+
+    /// Fills `full` (a unit's flat buffer with this rank's shard in place) from every rank.
+    fn all_gather_unit(&mut self, u: usize, full: &mut Tensor) -> Result<()> {
+        let (mut mpi_buffer, copied) = self.for_mpi(full)?;
+        self.shards.all_gather(&mut mpi_buffer, self.dtype, self.units[u].algorithm)?;
+        if copied {
+            tch::no_grad(|| full.f_copy_(&mpi_buffer))?;
+        }
+        Ok(())
+    }
+
+    /// Every parameter's whole state of one optimizer slot, gathered unit by unit. Collective.
+    fn whole_slot(&mut self, buffers: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
+        let mut whole: Vec<Tensor> =
+            self.shapes.iter().map(|s| Tensor::f_zeros(s.as_slice(), (self.kind, self.device))).collect::<std::result::Result<_, _>>()?;
+        for u in 0..self.units.len() {
+            let unit = &self.units[u];
+            if unit.layout.len == 0 {
+                continue;
+            }
+            let mut full = Tensor::f_zeros([unit.layout.len as i64], (self.kind, self.device))?;
+            tch::no_grad(|| -> Result<()> {
+                for &i in &unit.pieces {
+                    if let Some(Some(mine)) = buffers.get(i) {
+                        let piece = &self.pieces[i];
+                        full.f_narrow(0, (unit.shard.start + piece.shard_at) as i64, piece.len as i64)?.f_copy_(mine)?;
+                    }
+                }
+                Ok(())
+            })?;
+            self.all_gather_unit(u, &mut full)?;
+            let layout = self.units[u].layout.clone();
+            tch::no_grad(|| unpack(&layout, &full, &mut whole));
+        }
+        Ok(whole)
+    }
+}
+
+impl UnitShards for FullyShardedExchange {
+    fn shard(&mut self, units: &[Bucket], params: &[Tensor], optimizer: &mut Optimizer) -> Result<()> {
+        self.dtype = common_dtype(params)?;
+        (self.kind, self.device) = params.first().map_or((Kind::Float, Device::Cpu), |p| (p.kind(), p.device()));
+        self.shapes = params.iter().map(|p| p.size()).collect();
+        let covered: usize = units.iter().flat_map(|u| &u.slots).map(|s| s.len).sum();
+        if covered != params.iter().map(|p| p.numel()).sum::<usize>() {
+            return Err(Error::exchange("zero 3", format!("the units cover {covered} elements, the parameters have {}", params.iter().map(|p| p.numel()).sum::<usize>())));
+        }
+        let (mut all, mut unit_shards) = (Vec::new(), Vec::new());
+        let mut weights = Vec::new();
+        tch::no_grad(|| -> Result<()> {
+            for layout in units {
+                let algorithm = self.shards.choose(layout.len, self.dtype);
+                let shard = if layout.len == 0 { 0..0 } else { self.shards.shard(layout.len, algorithm) };
+                let mine = pieces(layout, &shard);
+                let flat = Tensor::f_zeros([shard.len() as i64], (self.kind, self.device))?;
+                let ids: Vec<usize> = (all.len()..all.len() + mine.len()).collect();
+                for piece in &mine {
+                    let mut dst = flat.f_narrow(0, piece.shard_at as i64, piece.len as i64)?;
+                    dst.f_copy_(&raw::flat_dense_view(&params[piece.tensor])?.f_narrow(0, piece.at as i64, piece.len as i64)?)?;
+                    weights.push(dst);
+                }
+                all.extend(mine);
+                let layers = layout.slots.iter().map(|s| s.tensor).collect();
+                unit_shards.push(UnitShard { layout: layout.clone(), algorithm, shard, params: flat, grads: None, pieces: ids, layers });
+            }
+            Ok(())
+        })?;
+        // This rank's pieces of the whole optimizer state, if a checkpoint gave one.
+        let state = match self.restored.take() {
+            Some(whole) => tch::no_grad(|| {
+                whole
+                    .iter()
+                    .map(|slot| all.iter().map(|p| Ok(Some(raw::flat_dense_view(&slot[p.tensor])?.f_narrow(0, p.at as i64, p.len as i64)?.f_detach_copy()?))).collect::<Result<Vec<_>>>())
+                    .collect::<Result<Vec<_>>>()
+            })?,
+            None => Vec::new(),
+        };
+        optimizer.restore(state, optimizer.steps());
+        self.layer_of = all.iter().map(|p| p.tensor).collect();
+        self.pieces = all;
+        self.weights = weights;
+        self.units = unit_shards;
+        for u in 0..self.units.len() {
+            self.release(u, params)?;
+        }
+        self.figures.gathered_bytes = 0;
+        Ok(())
+    }
+
+    fn gather(&mut self, u: usize) -> Result<Tensor> {
+        let unit = &self.units[u];
+        let mut full = Tensor::f_empty([unit.layout.len as i64], (self.kind, self.device))?;
+        if unit.layout.len > 0 {
+            tch::no_grad(|| full.f_narrow(0, unit.shard.start as i64, unit.shard.len() as i64)?.f_copy_(&unit.params).map(drop))?;
+            self.all_gather_unit(u, &mut full)?;
+        }
+        let f = &mut self.figures;
+        f.gathered_bytes += full.numel() * self.kind.elt_size_in_bytes();
+        if !f.whole {
+            f.peak_gathered_bytes = f.peak_gathered_bytes.max(f.gathered_bytes);
+        }
+        f.gathers += 1;
+        Ok(full)
+    }
+
+    fn install(&mut self, u: usize, gathered: &Tensor, params: &[Tensor]) -> Result<()> {
+        tch::no_grad(|| -> Result<()> {
+            for slot in &self.units[u].layout.slots {
+                let view = gathered.f_narrow(0, slot.offset as i64, slot.len as i64)?.f_view(self.shapes[slot.tensor].as_slice())?;
+                params[slot.tensor].shallow_clone().f_set_data(&view)?;
+            }
+            Ok(())
+        })
+    }
+
+    fn release(&mut self, u: usize, params: &[Tensor]) -> Result<()> {
+        let empty = Tensor::f_empty([0], (self.kind, self.device))?;
+        tch::no_grad(|| -> Result<()> {
+            for slot in &self.units[u].layout.slots {
+                params[slot.tensor].shallow_clone().f_set_data(&empty)?;
+            }
+            Ok(())
+        })?;
+        let bytes = self.units[u].layout.len * self.elem_bytes();
+        self.figures.gathered_bytes = self.figures.gathered_bytes.saturating_sub(bytes);
+        Ok(())
+    }
+
+    fn pack_grads(&mut self, u: usize, params: &[Tensor], finite: &mut FiniteCheck) -> Result<Tensor> {
+        let layout = &self.units[u].layout;
+        let mut packed = Tensor::f_zeros([layout.len as i64], (self.kind, self.device))?;
+        pack_grads(layout, params, &mut packed)?;
+        finite.add(&packed)?;
+        for slot in &layout.slots {
+            raw::release_grad(&params[slot.tensor])?;
+        }
+        Ok(packed)
+    }
+
+    fn reduce(&mut self, u: usize, packed: Tensor) -> Result<()> {
+        let (len, shard, algorithm) = (self.units[u].layout.len, self.units[u].shard.clone(), self.units[u].algorithm);
+        if len == 0 {
+            return Ok(());
+        }
+        let (mut mpi_buffer, _) = self.for_mpi(&packed)?;
+        self.shards.reduce_scatter(&mut mpi_buffer, self.dtype, ReduceOp::Mean, algorithm)?;
+        let mut mine = mpi_buffer.f_narrow(0, shard.start as i64, shard.len() as i64)?.f_to_device(self.device)?.f_detach_copy()?;
+        if let Some(replicas) = &mut self.replicas {
+            replicas.all_reduce(std::slice::from_mut(&mut mine), ReduceOp::Mean)?;
+        }
+        self.units[u].grads = Some(mine);
+        Ok(())
+    }
+
+    fn step(&mut self, optimizer: &mut Optimizer) -> Result<()> {
+        let mut grads: Vec<Tensor> = Vec::with_capacity(self.pieces.len());
+        for unit in &self.units {
+            for &i in &unit.pieces {
+                let piece = &self.pieces[i];
+                let grad = unit.grads.as_ref().ok_or_else(|| Error::exchange("zero 3", "a unit's gradients were not reduced before the step"))?;
+                grads.push(grad.f_narrow(0, piece.shard_at as i64, piece.len as i64)?);
+            }
+        }
+        let shards = &mut self.shards;
+        let mut sum_over_ranks = |sums: &mut Tensor| shards.all_reduce(std::slice::from_mut(sums), ReduceOp::Sum);
+        for unit in &self.units {
+            let pieces = Pieces::Parts { layer_of: &self.layer_of, layers: &unit.layers, sum_over_ranks: &mut sum_over_ranks };
+            optimizer.step_pieces(&mut self.weights, &mut grads, &unit.pieces, pieces)?;
+        }
+        for unit in &mut self.units {
+            unit.grads = None;
+        }
+        optimizer.count_step();
+        Ok(())
+    }
+
+    fn whole_model(&mut self, whole: bool) {
+        self.figures.whole = whole;
+    }
+
+    fn note_step(&mut self, times: UnitTimes) {
+        let t = &mut self.figures.step_times;
+        t.gather += times.gather;
+        t.exposed_gather += times.exposed_gather;
+        t.reduce += times.reduce;
+        t.exposed_reduce += times.exposed_reduce;
+        self.figures.steps += 1;
+    }
+}
+
+impl Exchange for FullyShardedExchange {
+    fn name(&self) -> &'static str {
+        self.shards.name()
+    }
+
+    fn bus_factor(&self) -> f64 {
+        self.shards.bus_factor()
+    }
+
+    /// Over every rank: the shard group, then (hybrid) the same ranks of the other nodes.
+    fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        self.shards.all_reduce(tensors, op)?;
+        match &mut self.replicas {
+            Some(replicas) => replicas.all_reduce(tensors, op),
+            None => Ok(()),
+        }
+    }
+
+    fn role(&self) -> Role {
+        self.role
+    }
+
+    fn waits_for(&self) -> String {
+        self.shards.waits_for()
+    }
+
+    fn update(&mut self, _params: &mut [Tensor], _grads: &mut [Tensor], _optimizer: &mut Optimizer) -> Result<()> {
+        Err(Error::exchange("zero 3", "stage 3 reduces and steps unit by unit (the fully sharded step), never whole gradients"))
+    }
+
+    fn fully_sharded(&mut self) -> Option<&mut dyn UnitShards> {
+        Some(self)
+    }
+
+    /// The whole optimizer state, gathered unit by unit from the shards (every rank takes part).
+    fn optimizer_state(&mut self, params: &[Tensor], optimizer: &Optimizer) -> Result<Option<WholeState>> {
+        if self.units.is_empty() {
+            return match &self.restored {
+                Some(whole) => Ok(Some(whole.iter().map(|slot| slot.iter().map(|t| t.shallow_clone()).collect()).collect())),
+                None => Ok(Some(crate::exchange::strategy::state_or_zeros(params, optimizer)?)),
+            };
+        }
+        let slots = optimizer.kind().slots().len();
+        let mut whole = Vec::with_capacity(slots);
+        for slot in 0..slots {
+            let buffers: Vec<Option<Tensor>> = optimizer.state(slot).iter().map(|b| b.as_ref().map(|t| t.shallow_clone())).collect();
+            whole.push(self.whole_slot(&buffers)?);
+        }
+        Ok(Some(whole))
+    }
+
+    /// Keeps the whole state until `shard` cuts this rank's pieces from it.
+    fn restore_optimizer(&mut self, _params: &[Tensor], state: WholeState, steps: u64, optimizer: &mut Optimizer) -> Result<()> {
+        self.restored = Some(state);
+        optimizer.restore(Vec::new(), steps);
+        Ok(())
+    }
+
+    fn held_bytes(&self, _params: &[Tensor], optimizer: &Optimizer) -> HeldBytes {
+        let grads = self.units.iter().filter_map(|u| u.grads.as_ref()).map(|g| g.numel()).sum::<usize>() * self.elem_bytes();
+        HeldBytes { optimizer_state: optimizer.state_bytes(), gradients: grads }
+    }
+
+    fn report(&self) -> ExchangeReport {
+        let mut report = self.shards.report();
+        let f = &self.figures;
+        let per_step = |d: Duration| d.as_secs_f64() * 1e3 / f.steps.max(1) as f64;
+        let hidden = |total: Duration, exposed: Duration| if total.is_zero() { 0.0 } else { 1.0 - exposed.as_secs_f64().min(total.as_secs_f64()) / total.as_secs_f64() };
+        let t = &f.step_times;
+        let extra = &mut report.extra;
+        extra.insert("zero".into(), 3.into());
+        extra.insert("fsdp_units".into(), self.units.len().into());
+        extra.insert("fsdp_hybrid".into(), self.replicas.is_some().into());
+        extra.insert("parameter_bytes_held".into(), self.held_parameter_bytes().into());
+        extra.insert("peak_gathered_parameter_bytes".into(), f.peak_gathered_bytes.into());
+        extra.insert("fsdp_gathers".into(), f.gathers.into());
+        extra.insert("fsdp_gather_ms_per_step".into(), per_step(t.gather).into());
+        extra.insert("fsdp_exposed_gather_ms_per_step".into(), per_step(t.exposed_gather).into());
+        extra.insert("fsdp_reduce_scatter_ms_per_step".into(), per_step(t.reduce).into());
+        extra.insert("fsdp_exposed_reduce_scatter_ms_per_step".into(), per_step(t.exposed_reduce).into());
+        extra.insert("fsdp_gather_hidden".into(), hidden(t.gather, t.exposed_gather).into());
+        extra.insert("fsdp_reduce_scatter_hidden".into(), hidden(t.reduce, t.exposed_reduce).into());
+        report
+    }
+}

@@ -1,0 +1,252 @@
+//! The `--zero 3` run's own steps on the [`Run`]: one step unit by unit, the evaluation unit by
+//! unit, and the whole model made for a checkpoint or --save-weights. The compute thread and
+//! the units are fsdp.rs; the shards and their collectives exchange/fsdp.rs.
+//!
+//! One step, for units 0..L (every rank makes the same collectives in the same order):
+//! - forward: gather unit 0; for each unit but the last, compute it (no graph, its input kept)
+//!   while the next unit gathers, then let it go;
+//! - the last unit computes forward, loss and backward in one job while unit L-2 gathers again;
+//! - backward, for u from L-2 down to 0: recompute and backward unit u while the gradients of
+//!   unit u+1 are reduce-scattered and unit u-1 gathers; then pack u's gradients, let it go;
+//! - the last reduce-scatter, then the optimizer on every shard.
+//!
+//! Without prefetch (`--overlap off`) each gather and reduction runs after the compute it would
+//! hide behind, so the two orders are the same collectives, only timed apart.
+
+use std::time::{Duration, Instant};
+
+use tch::{Kind, Reduction, Tensor};
+
+use crate::data::reader::SplitReader;
+use crate::data::Split;
+use crate::error::{Error, Result};
+use crate::exchange::staging::synchronize_device;
+use crate::exchange::strategy::{UnitShards, UnitTimes};
+use crate::optim::FiniteCheck;
+use crate::plan::shard::ShardInfo;
+
+use super::collective::sum_pair;
+use super::fsdp::{Done, Job, UnitWorker};
+use super::net::Normalizer;
+use super::progress::Timings;
+use super::run::Run;
+use super::step::{LoopState, StepDone};
+
+
+/// A unit's collectives for one window: the reduce-scatter of a unit's packed gradients, then
+/// the gather of another unit.
+struct Window {
+    reduce: Option<(usize, Tensor)>,
+    gather: Option<usize>,
+}
+
+impl Window {
+    /// Runs the window's collectives: gives the gathered unit's buffer, and how long each half
+    /// took.
+    fn run(self, shards: &mut dyn UnitShards) -> Result<(Option<Tensor>, Duration, Duration)> {
+        let started = Instant::now();
+        if let Some((u, packed)) = self.reduce {
+            shards.reduce(u, packed)?;
+        }
+        let reduced = started.elapsed();
+        let gathered = self.gather.map(|u| shards.gather(u)).transpose()?;
+        Ok((gathered, reduced, started.elapsed() - reduced))
+    }
+}
+
+/// Sends `job` (when there is one: a rank without samples computes nothing) and runs `window`'s
+/// collectives beside it (prefetch) or after it; adds their time to `times`, and as exposed
+/// what compute did not hide.
+fn compute_beside(worker: &UnitWorker, shards: &mut dyn UnitShards, job: Option<Job>, window: Window, prefetch: bool, times: &mut UnitTimes) -> Result<(Option<Done>, Option<Tensor>)> {
+    let has_job = job.is_some();
+    if let Some(job) = job {
+        worker.send(job)?;
+    }
+    let (done, (gathered, reduce, gather)) = if prefetch {
+        let collectives = window.run(shards)?;
+        (if has_job { Some(worker.wait()?) } else { None }, collectives)
+    } else {
+        let done = if has_job { Some(worker.wait()?) } else { None };
+        (done, window.run(shards)?)
+    };
+    // Beside compute, only the time the collectives ran past it is exposed (the gather's
+    // first: it runs last).
+    let hidden = if prefetch { done.as_ref().map_or(Duration::ZERO, |d| d.took) } else { Duration::ZERO };
+    let past = (reduce + gather).saturating_sub(hidden);
+    let gather_exposed = past.min(gather);
+    times.gather += gather;
+    times.reduce += reduce;
+    times.exposed_gather += gather_exposed;
+    times.exposed_reduce += past - gather_exposed;
+    Ok((done, gathered))
+}
+
+impl Run<'_> {
+    /// One fully sharded step (see the file's comment).
+    pub(super) fn fsdp_step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
+        let (batch, data_wait) = self.begin_step(step, state)?;
+        let compute_start = Instant::now();
+        let n = batch.labels.len();
+        let images = if n > 0 { Some(state.norm.images(&batch.images, n)?) } else { None };
+        let labels = if n > 0 { Some(state.norm.labels(&batch.labels)?) } else { None };
+        let factor = self.workers as f64 / batch.global_samples.max(1) as f64;
+        let label_smoothing = self.args.recipe.label_smoothing;
+        let fsdp = self.fsdp.as_ref().expect("a --zero 3 run");
+        let (worker, prefetch, last) = (&fsdp.worker, fsdp.prefetch, fsdp.units.len() - 1);
+        let params = &self.net.params;
+        let shards = self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange");
+        let mut times = UnitTimes::default();
+        let mut finite = FiniteCheck::default();
+
+        // Forward: each unit's input kept for its backward.
+        let started = Instant::now();
+        let mut gathered = shards.gather(0)?;
+        times.gather += started.elapsed();
+        times.exposed_gather += started.elapsed();
+        let mut inputs: Vec<Option<Tensor>> = vec![images];
+        for u in 0..last {
+            shards.install(u, &gathered, params)?;
+            let job = inputs[u].as_ref().map(|x| Job::Forward { unit: u, input: x.shallow_clone(), train: true });
+            let (done, next) = compute_beside(worker, shards, job, Window { reduce: None, gather: Some(u + 1) }, prefetch, &mut times)?;
+            shards.release(u, params)?;
+            gathered = next.expect("gathered");
+            inputs.push(done.and_then(|d| d.output));
+        }
+
+        // The last unit: forward, loss and backward; the unit before it gathers again.
+        shards.install(last, &gathered, params)?;
+        let job = match (&inputs[last], &labels) {
+            (Some(x), Some(y)) => Some(Job::Last { unit: last, input: x.shallow_clone(), labels: y.shallow_clone(), factor, label_smoothing }),
+            _ => None,
+        };
+        let window = Window { reduce: None, gather: last.checked_sub(1) };
+        let (done, mut next) = compute_beside(worker, shards, job, window, prefetch, &mut times)?;
+        let (loss, mut grad) = match done {
+            Some(d) => (d.loss, d.output),
+            None => (None, None),
+        };
+        let mut pending = (last, shards.pack_grads(last, params, &mut finite)?);
+        shards.release(last, params)?;
+
+        // Backward, unit by unit from the end.
+        for u in (0..last).rev() {
+            shards.install(u, &next.take().expect("gathered"), params)?;
+            let job = match (inputs[u].take(), grad.take()) {
+                (Some(x), Some(g)) => Some(Job::Backward { unit: u, input: x, grad: g }),
+                _ => None,
+            };
+            let window = Window { reduce: Some(pending), gather: u.checked_sub(1) };
+            let (done, gathered) = compute_beside(worker, shards, job, window, prefetch, &mut times)?;
+            next = gathered;
+            grad = done.and_then(|d| d.output);
+            pending = (u, shards.pack_grads(u, params, &mut finite)?);
+            shards.release(u, params)?;
+        }
+        let started = Instant::now();
+        shards.reduce(pending.0, pending.1)?;
+        times.reduce += started.elapsed();
+        times.exposed_reduce += started.elapsed();
+        synchronize_device(self.plan.device);
+
+        let loss_sum = match loss {
+            Some(l) => l.f_double_value(&[])?,
+            None => 0.0,
+        };
+        if !loss_sum.is_finite() {
+            return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });
+        }
+        if !finite.all_finite()? {
+            return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
+        }
+        let step_time = compute_start.elapsed();
+        let started = Instant::now();
+        shards.step(&mut self.optimizer)?;
+        synchronize_device(self.plan.device);
+        let optimizer_time = started.elapsed();
+        let _ = self.optimizer.take_busy();
+        shards.note_step(times);
+        let comm = times.exposed_gather + times.exposed_reduce;
+        let compute = step_time.saturating_sub(comm);
+        let timings = Timings {
+            steps: 1,
+            samples: batch.global_samples as u64,
+            data_wait,
+            compute,
+            comm,
+            optimizer: optimizer_time,
+            step: Duration::ZERO,
+            exchange_total: times.gather + times.reduce,
+            exchange_exposed: comm,
+        };
+        Ok(StepDone { timings, loss_sum, samples: n, epoch: batch.epoch })
+    }
+
+    /// Test loss and accuracy, unit by unit per batch of the test set (every rank gathers every
+    /// unit for as many batches as the largest share has, computing only its own).
+    pub(super) fn fsdp_evaluate(&mut self, norm: &Normalizer) -> Result<(f64, f64)> {
+        let (info, labels) = (&self.info, &self.labels);
+        let shard = ShardInfo::split(info.test.len, self.workers, self.worker);
+        let eval_batch = self.plan.batch.max(1) * 2;
+        let batches = ShardInfo::split(info.test.len, self.workers, 0).len.div_ceil(eval_batch);
+        let mut reader = SplitReader::open(&self.args.data, Split::Test)?;
+        let (mut loss_sum, mut correct) = (0.0, 0.0);
+        let mut images = Vec::new();
+        let fsdp = self.fsdp.as_ref().expect("a --zero 3 run");
+        let (worker, prefetch, units) = (&fsdp.worker, fsdp.prefetch, fsdp.units.len());
+        let params = &self.net.params;
+        let shards = self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange");
+        let mut times = UnitTimes::default();
+        for b in 0..batches {
+            let start = shard.offset + b * eval_batch;
+            let end = (start + eval_batch).min(shard.end());
+            let mut x = if start < end {
+                let indices: Vec<usize> = (start..end).collect();
+                images.resize(indices.len() * info.sample_bytes(), 0);
+                reader.read(&indices, &mut images)?;
+                Some(norm.images(&images, indices.len())?)
+            } else {
+                None
+            };
+            let mut gathered = shards.gather(0)?;
+            for u in 0..units {
+                shards.install(u, &gathered, params)?;
+                let job = x.take().map(|input| Job::Forward { unit: u, input, train: false });
+                let window = Window { reduce: None, gather: (u + 1 < units).then_some(u + 1) };
+                let (done, next) = compute_beside(worker, shards, job, window, prefetch, &mut times)?;
+                shards.release(u, params)?;
+                x = done.and_then(|d| d.output);
+                if let Some(next) = next {
+                    gathered = next;
+                }
+            }
+            if let Some(logits) = x {
+                let y = norm.labels(&labels.test[start..end])?;
+                loss_sum += logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;
+                correct += logits.f_argmax(-1, false)?.f_eq_tensor(&y)?.f_sum(Kind::Float)?.f_double_value(&[])?;
+            }
+        }
+        let (loss_sum, correct) = sum_pair(&self.workers_comm, loss_sum, correct);
+        let n = info.test.len as f64;
+        Ok((loss_sum / n, correct / n))
+    }
+
+    /// Every unit gathered and installed: the parameters whole, for a checkpoint or
+    /// --save-weights; [`Run::fsdp_let_go`] undoes it. Collective.
+    pub(super) fn fsdp_make_whole(&mut self) -> Result<()> {
+        let units = self.fsdp.as_ref().expect("a --zero 3 run").units.len();
+        let shards = self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange");
+        shards.whole_model(true);
+        for u in 0..units {
+            let gathered = shards.gather(u)?;
+            shards.install(u, &gathered, &self.net.params)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn fsdp_let_go(&mut self) -> Result<()> {
+        let units = self.fsdp.as_ref().expect("a --zero 3 run").units.len();
+        let shards = self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange");
+        shards.whole_model(false);
+        (0..units).try_for_each(|u| shards.release(u, &self.net.params))
+    }
+}
