@@ -172,6 +172,10 @@ fn two_nodes_of_two_ranks_train_like_one_node() {
         ("ps-async", ASYNC_PS),
         // Two pipelines of two stages, one per node; each stage's replicas across the nodes.
         ("pipeline-hybrid", &["--strategy", "ring", "--pipeline-stages", "2", "--micro-batches", "3", "--partition", "params"]),
+        // Fully sharded over the 4 ranks, and sharded within each node with the nodes' copies
+        // joined by an all-reduce (on one node, --fsdp-hybrid is plain sharding).
+        ("zero3", &["--strategy", "ring", "--zero", "3", "--overlap", "on"]),
+        ("zero3-hybrid", &["--strategy", "ring", "--zero", "3", "--overlap", "on", "--fsdp-hybrid"]),
     ]);
 }
 

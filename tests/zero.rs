@@ -166,6 +166,6 @@ fn zero_with_another_strategy_is_refused() {
         assert!(!run.ok(), "{strategy} accepted --zero");
         assert_eq!(run.all_output().matches(reason).count(), 1, "{}", run.all_output());
     }
-    let run = hpc_train(&["--data", d, "--zero", "3"]);
+    let run = hpc_train(&["--data", d, "--zero", "4"]);
     assert!(!run.ok() && run.all_output().contains("--zero"), "{}", run.all_output());
 }

@@ -55,19 +55,32 @@ impl Window {
 }
 
 /// Sends `job` (when there is one: a rank without samples computes nothing) and runs `window`'s
-/// collectives beside it (prefetch) or after it; adds their time to `times`, and as exposed
-/// what compute did not hide.
-fn compute_beside(worker: &UnitWorker, shards: &mut dyn UnitShards, job: Option<Job>, window: Window, prefetch: bool, times: &mut UnitTimes) -> Result<(Option<Done>, Option<Tensor>)> {
+/// collectives beside it (prefetch) or after it; then `after` (what follows the unit's compute:
+/// letting it go). Without prefetch, `after` comes before the window, so that one unit is
+/// gathered at a time. Either way every rank makes the same collectives in the same order.
+/// Adds the collectives' time to `times`, and as exposed what compute did not hide.
+fn compute_beside<R>(
+    worker: &UnitWorker,
+    shards: &mut dyn UnitShards,
+    job: Option<Job>,
+    window: Window,
+    prefetch: bool,
+    times: &mut UnitTimes,
+    after: impl FnOnce(&mut dyn UnitShards) -> Result<R>,
+) -> Result<(Option<Done>, Option<Tensor>, R)> {
     let has_job = job.is_some();
     if let Some(job) = job {
         worker.send(job)?;
     }
-    let (done, (gathered, reduce, gather)) = if prefetch {
+    let wait = |worker: &UnitWorker| if has_job { worker.wait().map(Some) } else { Ok(None) };
+    let (done, (gathered, reduce, gather), after) = if prefetch {
         let collectives = window.run(shards)?;
-        (if has_job { Some(worker.wait()?) } else { None }, collectives)
+        let done = wait(worker)?;
+        (done, collectives, after(shards)?)
     } else {
-        let done = if has_job { Some(worker.wait()?) } else { None };
-        (done, window.run(shards)?)
+        let done = wait(worker)?;
+        let after = after(shards)?;
+        (done, window.run(shards)?, after)
     };
     // Beside compute, only the time the collectives ran past it is exposed (the gather's
     // first: it runs last).
@@ -78,7 +91,16 @@ fn compute_beside(worker: &UnitWorker, shards: &mut dyn UnitShards, job: Option<
     times.reduce += reduce;
     times.exposed_gather += gather_exposed;
     times.exposed_reduce += past - gather_exposed;
-    Ok((done, gathered))
+    Ok((done, gathered, after))
+}
+
+/// After a unit's backward: its gradients packed (for the reduce-scatter), the unit let go.
+fn pack_and_let_go<'a>(u: usize, params: &'a [Tensor], finite: &'a mut FiniteCheck) -> impl FnOnce(&mut dyn UnitShards) -> Result<Tensor> + 'a {
+    move |s| {
+        let packed = s.pack_grads(u, params, finite)?;
+        s.release(u, params)?;
+        Ok(packed)
+    }
 }
 
 impl Run<'_> {
@@ -107,8 +129,8 @@ impl Run<'_> {
         for u in 0..last {
             shards.install(u, &gathered, params)?;
             let job = inputs[u].as_ref().map(|x| Job::Forward { unit: u, input: x.shallow_clone(), train: true });
-            let (done, next) = compute_beside(worker, shards, job, Window { reduce: None, gather: Some(u + 1) }, prefetch, &mut times)?;
-            shards.release(u, params)?;
+            let window = Window { reduce: None, gather: Some(u + 1) };
+            let (done, next, ()) = compute_beside(worker, shards, job, window, prefetch, &mut times, |s| s.release(u, params))?;
             gathered = next.expect("gathered");
             inputs.push(done.and_then(|d| d.output));
         }
@@ -120,13 +142,12 @@ impl Run<'_> {
             _ => None,
         };
         let window = Window { reduce: None, gather: last.checked_sub(1) };
-        let (done, mut next) = compute_beside(worker, shards, job, window, prefetch, &mut times)?;
+        let (done, mut next, packed) = compute_beside(worker, shards, job, window, prefetch, &mut times, pack_and_let_go(last, params, &mut finite))?;
         let (loss, mut grad) = match done {
             Some(d) => (d.loss, d.output),
             None => (None, None),
         };
-        let mut pending = (last, shards.pack_grads(last, params, &mut finite)?);
-        shards.release(last, params)?;
+        let mut pending = (last, packed);
 
         // Backward, unit by unit from the end.
         for u in (0..last).rev() {
@@ -136,11 +157,10 @@ impl Run<'_> {
                 _ => None,
             };
             let window = Window { reduce: Some(pending), gather: u.checked_sub(1) };
-            let (done, gathered) = compute_beside(worker, shards, job, window, prefetch, &mut times)?;
+            let (done, gathered, packed) = compute_beside(worker, shards, job, window, prefetch, &mut times, pack_and_let_go(u, params, &mut finite))?;
             next = gathered;
             grad = done.and_then(|d| d.output);
-            pending = (u, shards.pack_grads(u, params, &mut finite)?);
-            shards.release(u, params)?;
+            pending = (u, packed);
         }
         let started = Instant::now();
         shards.reduce(pending.0, pending.1)?;
@@ -212,8 +232,7 @@ impl Run<'_> {
                 shards.install(u, &gathered, params)?;
                 let job = x.take().map(|input| Job::Forward { unit: u, input, train: false });
                 let window = Window { reduce: None, gather: (u + 1 < units).then_some(u + 1) };
-                let (done, next) = compute_beside(worker, shards, job, window, prefetch, &mut times)?;
-                shards.release(u, params)?;
+                let (done, next, ()) = compute_beside(worker, shards, job, window, prefetch, &mut times, |s| s.release(u, params))?;
                 x = done.and_then(|d| d.output);
                 if let Some(next) = next {
                     gathered = next;

@@ -1,0 +1,224 @@
+//! Fully sharded data parallelism (`--zero 3`): the weights of MPI_Allreduce for every unit size,
+//! with prefetch on and off, at rank counts whose shards cut tensors, are uneven or empty; with
+//! ResNet's batch norm and residual blocks; across a resume with another rank count and stage;
+//! hybrid sharding over (fake) nodes; the evaluation; the memory figures in runs.jsonl;
+//! refusals. The two-node namespaced cluster runs it in tests/cluster.rs.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+
+/// Tiny model on 3 classes: its tensors have 144, 16, 4608, 32, 96 and 3 elements, in units of
+/// 160 (conv1), 4640 (conv2), 0 (the pooling block) and 99 (fc) with --fsdp-unit block.
+fn dataset(dir: &Path) -> PathBuf {
+    synth(dir, "fsdp", 300, 60, "1x12x12", 3)
+}
+
+fn args<'a>(data: &'a str, steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec![
+        "--model", "tiny", "--data", data, "--scaling", "strong", "--global-batch", "60", "--steps", steps,
+        "--no-eval", "--threads", "1", "--log-every", "1000", "--weight-decay", "0.01",
+    ];
+    a.extend(extra);
+    a
+}
+
+/// Every unit size, prefetch on and off, at 1, 2, 3, 4 and 5 ranks, ends with the weights
+/// MPI_Allreduce gives: the ring everywhere, recursive halving at powers of two, auto at 3. At
+/// 5 ranks fc's unit of 99 elements and the bias inside it are cut five ways, and the pooling
+/// block is a unit without parameters.
+#[test]
+fn every_unit_size_trains_to_the_weights_of_allreduce() {
+    let dir = scratch("fsdp-equal");
+    let data = dataset(&dir);
+    let d = data.to_str().unwrap();
+    for ranks in [1, 2, 3, 4, 5] {
+        let reference = train_saving_weights(&dir, &format!("allreduce-{ranks}"), ranks, &args(d, "6", &["--strategy", "allreduce", "--overlap", "off"]));
+        let mut cases: Vec<(String, Vec<&str>)> = Vec::new();
+        if ranks != 4 {
+            for unit in ["block", "model"] {
+                for overlap in ["off", "on"] {
+                    cases.push((format!("ring-{unit}-overlap-{overlap}-{ranks}"), vec!["--strategy", "ring", "--fsdp-unit", unit, "--overlap", overlap]));
+                }
+            }
+        }
+        if ranks.is_power_of_two() {
+            cases.push((format!("rhd-block-{ranks}"), vec!["--strategy", "rhd", "--overlap", "on"]));
+        }
+        if ranks == 3 {
+            cases.push((format!("auto-stage-{ranks}"), vec!["--strategy", "auto", "--fsdp-unit", "stage", "--overlap", "off"]));
+        }
+        for (name, extra) in cases {
+            let mut a = args(d, "6", &["--zero", "3"]);
+            a.extend(extra);
+            let weights = train_saving_weights(&dir, &name, ranks, &a);
+            let diff = max_relative_difference(&reference, &weights);
+            assert!(diff < 1e-5, "{name} differs from MPI_Allreduce by {diff:e}");
+        }
+    }
+    // The record says what each rank held and gathered.
+    let runs = read_runs(&dir);
+    let ring3: Vec<&serde_json::Value> = runs.iter().filter(|r| r["strategy"] == "ring" && r["ranks"] == 3).collect();
+    assert_eq!(ring3.len(), 4, "{ring3:#?}");
+    for r in ring3 {
+        let extra = &r["extra"];
+        let get = |key: &str| extra[key].as_u64().unwrap_or_else(|| panic!("{key} in {r}"));
+        assert_eq!(get("zero"), 3);
+        let params = get("parameters");
+        assert_eq!(params, 160 + 4640 + 99);
+        // A third of every unit, the largest share rounded up (one element per unit at most).
+        let units = get("fsdp_units");
+        assert!(get("parameter_bytes_held").abs_diff(4 * params / 3) <= 4 * units, "{r}");
+        assert!(get("optimizer_state_bytes").abs_diff(4 * params / 3) <= 4 * units, "{r}");
+        assert_eq!(get("gradient_bytes"), 0, "{r}");
+        // One unit at a time, or two with prefetch (conv2 beside conv1 or the pooling block).
+        let gathered = get("peak_gathered_parameter_bytes");
+        match (extra["fsdp_unit"].as_str().unwrap(), extra["overlap"].as_bool().unwrap()) {
+            ("model", _) => assert_eq!((units, gathered), (1, 4 * params), "{r}"),
+            ("block", false) => assert_eq!((units, gathered), (4, 4 * 4640), "{r}"),
+            ("block", true) => assert_eq!((units, gathered), (4, 4 * (160 + 4640)), "{r}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(extra["fsdp_gather_ms_per_step"].as_f64().unwrap() > 0.0, "{r}");
+        let hidden = extra["fsdp_gather_hidden"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&hidden), "{r}");
+    }
+}
+
+/// ResNet-18's batch norm and residual blocks, cut into blocks and into stages, with the
+/// unit's forward recomputed in backward: the weights and the batch-norm statistics of the
+/// plain run, and LARS's per-layer norms summed from the shards.
+#[test]
+fn resnet_units_recompute_to_the_weights_of_the_plain_run() {
+    let dir = scratch("fsdp-resnet");
+    let data = synth(&dir, "fsdp-resnet", 64, 0, "1x12x12", 4);
+    let d = data.to_str().unwrap();
+    let base = |extra: &[&'static str]| -> Vec<&str> {
+        let mut a = vec!["--model", "resnet18", "--data", d, "--scaling", "strong", "--global-batch", "16", "--steps", "3", "--no-eval", "--threads", "1", "--optimizer", "lars", "--lr", "0.5"];
+        a.extend(extra);
+        a
+    };
+    let reference = train_saving_weights(&dir, "allreduce", 2, &base(&["--strategy", "allreduce"]));
+    for (name, extra) in [("block", ["--fsdp-unit", "block", "--overlap", "on"]), ("stage", ["--fsdp-unit", "stage", "--overlap", "off"])] {
+        let mut a = base(&["--strategy", "ring", "--zero", "3"]);
+        a.extend(extra);
+        let weights = train_saving_weights(&dir, name, 2, &a);
+        let diff = max_relative_difference(&reference, &weights);
+        assert!(diff < 1e-5, "resnet18 in {name} units differs from MPI_Allreduce by {diff:e}");
+    }
+    let units: Vec<u64> = read_runs(&dir).iter().filter_map(|r| r["extra"]["fsdp_units"].as_u64()).collect();
+    assert_eq!(units, vec![10, 6], "stem, 8 residual blocks, head; or stem, 4 stages, head");
+}
+
+/// A checkpoint of a --zero 3 run on 3 ranks is whole: it resumes on 2 ranks at stage 3 and on
+/// 5 ranks at stage 0, and a stage-2 checkpoint resumes at stage 3; all end with the weights of
+/// an uninterrupted run. The test loss and accuracy of an evaluation through the units are those
+/// of the plain run.
+#[test]
+fn a_fully_sharded_checkpoint_resumes_with_another_rank_count_and_stage() {
+    let dir = scratch("fsdp-resume");
+    let data = dataset(&dir);
+    let d = data.to_str().unwrap();
+    let reference = train_saving_weights(&dir, "uninterrupted", 3, &args(d, "12", &["--strategy", "allreduce", "--optimizer", "adamw", "--lr", "0.01"]));
+    for (name, first, resumed) in [
+        ("z3-to-z3-on-2", (3, "3"), (2, "3")),
+        ("z3-to-z0-on-5", (3, "3"), (5, "0")),
+        ("z2-to-z3-on-5", (2, "2"), (5, "3")),
+    ] {
+        let ckpt = dir.join(format!("ckpt-{name}"));
+        let c = ckpt.to_str().unwrap();
+        let common = ["--strategy", "ring", "--optimizer", "adamw", "--lr", "0.01", "--checkpoint-dir", c];
+        let mut a = args(d, "6", &common);
+        a.extend(["--zero", first.1, "--checkpoint-every", "6"]);
+        train_saving_weights(&dir, &format!("{name}-first"), first.0, &a);
+        assert_eq!(checkpoint_steps(&ckpt), vec![6]);
+        let mut a = args(d, "12", &common);
+        a.extend(["--zero", resumed.1, "--resume"]);
+        let weights = train_saving_weights(&dir, name, resumed.0, &a);
+        let diff = max_relative_difference(&reference, &weights);
+        assert!(diff < 1e-5, "{name} differs from the uninterrupted run by {diff:e}");
+    }
+
+    // An evaluation through the units: every rank gathers every unit for as many batches as the
+    // largest share of the test set has (60 samples on 7 ranks: shares of 9 and 8).
+    let eval_args = |extra: &[&'static str]| -> Vec<&str> {
+        let mut a = vec!["--model", "tiny", "--data", d, "--scaling", "strong", "--global-batch", "14", "--epochs", "1", "--threads", "1", "--strategy", "ring"];
+        a.extend(extra);
+        a
+    };
+    let results = dir.join("eval");
+    std::fs::create_dir_all(&results).unwrap();
+    for extra in [&["--zero", "0"][..], &["--zero", "3", "--overlap", "on"][..]] {
+        let mut a = eval_args(extra);
+        a.extend(["--results", results.to_str().unwrap()]);
+        mpirun(7, &a).expect_ok();
+    }
+    let runs = read_runs(&results);
+    let (plain, sharded) = (&runs[0], &runs[1]);
+    let (a, b) = (plain["test_loss"].as_f64().unwrap(), sharded["test_loss"].as_f64().unwrap());
+    assert!((a - b).abs() <= 1e-5 * a.abs(), "test loss {a} and {b} at stage 0 and 3");
+    assert_eq!(plain["accuracy"], sharded["accuracy"], "{plain}\n{sharded}");
+}
+
+/// --fsdp-hybrid over two fake nodes of 2 ranks: shards of half the model, the same weights.
+#[test]
+fn hybrid_sharding_keeps_a_copy_of_the_shards_per_node() {
+    let dir = scratch("fsdp-hybrid");
+    let data = dataset(&dir);
+    let d = data.to_str().unwrap();
+    let reference = train_saving_weights(&dir, "allreduce", 4, &args(d, "6", &["--strategy", "allreduce"]));
+    let two_nodes = [("HPC_TRAIN_RANKS_PER_NODE", "2")];
+    for (name, hybrid) in [("sharded-over-4", false), ("hybrid-2x2", true)] {
+        let out = dir.join(format!("{name}.safetensors"));
+        let mut a = args(d, "6", &["--strategy", "ring", "--zero", "3", "--overlap", "on", "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap()]);
+        if hybrid {
+            a.push("--fsdp-hybrid");
+        }
+        let run = mpirun_env(4, &a, &two_nodes, std::time::Duration::from_secs(120)).expect_ok();
+        if hybrid {
+            assert!(run.all_output().contains("--fsdp-hybrid: shards over the 2 ranks of each node, replicated on 2 nodes"), "{}", run.all_output());
+        }
+        let diff = max_relative_difference(&reference, &out);
+        assert!(diff < 1e-5, "{name} differs from MPI_Allreduce by {diff:e}");
+    }
+    let runs = read_runs(&dir);
+    let held = |r: &serde_json::Value| r["extra"]["parameter_bytes_held"].as_u64().unwrap();
+    let params = 4 * (160 + 4640 + 99);
+    let (over_4, hybrid) = (&runs[runs.len() - 2], &runs[runs.len() - 1]);
+    assert_eq!(hybrid["extra"]["fsdp_hybrid"], true, "{hybrid}");
+    assert!(held(over_4).abs_diff(params / 4) <= 16, "{over_4}");
+    assert!(held(hybrid).abs_diff(params / 2) <= 16, "{hybrid}");
+
+    // Nodes of different sizes cannot each hold one copy of the shards.
+    let a = args(d, "2", &["--strategy", "ring", "--zero", "3", "--fsdp-hybrid", "--results", dir.to_str().unwrap()]);
+    let run = mpirun_env(3, &a, &two_nodes, std::time::Duration::from_secs(60));
+    assert!(!run.ok());
+    assert_eq!(run.all_output().matches("--fsdp-hybrid: the 2 nodes run different numbers of ranks").count(), 1, "{}", run.all_output());
+}
+
+/// What stage 3 cannot run with is refused once, naming it, and its options need it.
+#[test]
+fn zero_3_refuses_what_it_cannot_run() {
+    let dir = scratch("fsdp-refused");
+    let data = dataset(&dir);
+    let d = data.to_str().unwrap();
+    let cases: [(&[&str], &str); 6] = [
+        (&["--strategy", "allreduce", "--zero", "3"], "--zero 3 with --strategy allreduce"),
+        (&["--strategy", "horovod", "--zero", "3"], "--zero 3 with --strategy horovod"),
+        (&["--strategy", "rhd", "--zero", "3"], "--zero 3 with --strategy rhd on 3 ranks"),
+        (&["--strategy", "ring", "--fsdp-unit", "stage"], "--fsdp-unit is an option of --zero 3"),
+        (&["--strategy", "ring", "--zero", "3", "--pipeline-stages", "3"], "--zero 3 with --pipeline-stages"),
+        (&["--strategy", "ring", "--zero", "3", "--channels-last"], "--zero 3 with --channels-last"),
+    ];
+    for (extra, reason) in cases {
+        let mut a = args(d, "2", extra);
+        a.extend(["--results", dir.to_str().unwrap()]);
+        let run = mpirun(3, &a);
+        assert!(!run.ok(), "{extra:?} accepted");
+        assert_eq!(run.all_output().matches(reason).count(), 1, "{extra:?}: {}", run.all_output());
+    }
+    let run = hpc_train(&["--data", d, "--zero", "4"]);
+    assert!(!run.ok() && run.all_output().contains("--zero"), "{}", run.all_output());
+}
