@@ -16,7 +16,13 @@ R=results/zero3
 mkdir -p "$R/logs"
 CG=/sys/fs/cgroup/memory/hpc-train-zero3
 [ -d /sys/fs/cgroup/memory ] || { echo "needs the cgroup v1 memory controller at /sys/fs/cgroup/memory" >&2; exit 1; }
-cleanup() { [ -d "$CG" ] && { for p in $(cat "$CG/cgroup.procs" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done; sleep 1; rmdir "$CG" 2>/dev/null || true; }; }
+cleanup() {
+  if [ -d "$CG" ]; then
+    for p in $(cat "$CG/cgroup.procs" 2>/dev/null); do kill -9 "$p" 2>/dev/null || true; done
+    sleep 1
+    rmdir "$CG" 2>/dev/null || true
+  fi
+}
 trap cleanup EXIT
 stamp() { echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), $(nproc) cores, $(git rev-parse --short HEAD): $*"; }
 
