@@ -52,7 +52,7 @@ run zero3-prefetch-off -1 --strategy ring --zero 3 --overlap off
 run zero3-stage-units -1 --strategy ring --zero 3 --overlap on --fsdp-unit stage
 
 # 2: a limit halfway between stage 3's peak and the lowest of stages 0-2.
-limit=$(awk -F'\t' '$1 ~ /^zero[012]-overlap-on$/ {if (min == "" || $4 < min) min = $4} $1 == "zero3-prefetch-on" {z3 = $4} END {printf "%d", (min + z3) / 2}' "$R/limits.tsv")
+limit=$(awk -F'\t' '$1 ~ /^zero[012]-overlap-on$/ {if (min == "" || $4 < min) min = $4} $1 == "zero3-prefetch-on" {z3 = $4} END {printf "%.0f", (min + z3) / 2}' "$R/limits.tsv")
 for zero in 0 1 2 3; do
   run "limited-zero$zero" "$limit" --strategy ring --zero "$zero" --overlap on
 done

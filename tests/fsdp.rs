@@ -72,13 +72,15 @@ fn every_unit_size_trains_to_the_weights_of_allreduce() {
         let units = get("fsdp_units");
         assert!(get("parameter_bytes_held").abs_diff(4 * params / 3) <= 4 * units, "{r}");
         assert!(get("optimizer_state_bytes").abs_diff(4 * params / 3) <= 4 * units, "{r}");
-        assert_eq!(get("gradient_bytes"), 0, "{r}");
-        // One unit at a time, or two with prefetch (conv2 beside conv1 or the pooling block).
-        let gathered = get("peak_gathered_parameter_bytes");
+        // The reduced gradient shards (FSDP's sharded .grad), no whole gradients.
+        assert!(get("gradient_bytes").abs_diff(4 * params / 3) <= 4 * units, "{r}");
+        // One unit gathered at a time, or two with prefetch (conv2 beside conv1 or the pooling
+        // block), in one or two reused buffers of the largest unit's size.
+        let (gathered, buffers) = (get("peak_gathered_parameter_bytes"), get("fsdp_buffer_bytes"));
         match (extra["fsdp_unit"].as_str().unwrap(), extra["overlap"].as_bool().unwrap()) {
-            ("model", _) => assert_eq!((units, gathered), (1, 4 * params), "{r}"),
-            ("block", false) => assert_eq!((units, gathered), (4, 4 * 4640), "{r}"),
-            ("block", true) => assert_eq!((units, gathered), (4, 4 * (160 + 4640)), "{r}"),
+            ("model", _) => assert_eq!((units, gathered, buffers), (1, 4 * params, 4 * params), "{r}"),
+            ("block", false) => assert_eq!((units, gathered, buffers), (4, 4 * 4640, 4 * 4640), "{r}"),
+            ("block", true) => assert_eq!((units, gathered, buffers), (4, 4 * (160 + 4640), 2 * 4 * 4640), "{r}"),
             other => panic!("{other:?}"),
         }
         assert!(extra["fsdp_gather_ms_per_step"].as_f64().unwrap() > 0.0, "{r}");

@@ -14,6 +14,16 @@
 //! them back at nothing, which frees the buffer. After a unit's backward, its gradients are
 //! packed flat, reduce-scattered (averaged), and the shard is kept for the optimizer.
 //!
+//! Buffers are allocated once and reused, as PyTorch's caching allocator does for FSDP on a GPU:
+//! gathers take a buffer of the largest unit's size from a pool; once a unit's backward is done,
+//! its gradients are packed into the buffer its parameters were gathered into (they are not
+//! needed again), which goes back to the pool after the reduce-scatter; the reduced shards land
+//! in one flat buffer of this rank's shards. The step reduces before it gathers, so the pool
+//! holds one buffer without prefetch and two with it. Allocating and freeing unit-sized
+//! buffers at every unit instead made glibc keep the freed memory (its mmap threshold rises
+//! after the first large free), and the resident memory of stage 3 exceeded stage 2's
+//! (results/zero3/). Only the whole model made for a checkpoint is allocated apart, and freed.
+//!
 //! `--fsdp-hybrid` (FSDP's HYBRID_SHARD, ZeRO++'s hpZ): the shards are cut over the ranks of a
 //! node only, and the same shard lives on every node. The all-gathers stay inside the node; a
 //! reduce-scatter inside the node is followed by an all-reduce of the shard among the ranks that
@@ -41,8 +51,10 @@ struct UnitShard {
     shard: Range<usize>,
     /// This rank's elements of the unit's flat parameters: what it holds between steps.
     params: Tensor,
-    /// The averaged gradient of `shard`, from the reduce-scatter until the optimizer step.
-    grads: Option<Tensor>,
+    /// Where this unit's shard starts in the buffer of reduced gradient shards.
+    grads_at: usize,
+    /// Whether the shard's gradient was reduced this step.
+    reduced: bool,
     /// Indices of this unit's pieces in the exchange's piece lists.
     pieces: Vec<usize>,
     /// The unit's parameter tensors in layout order (the same on every rank): LARS's layers.
@@ -86,6 +98,14 @@ pub struct FullyShardedExchange {
     weights: Vec<Tensor>,
     /// The whole optimizer state from a checkpoint, until `shard` cuts it.
     restored: Option<WholeState>,
+    /// Buffers of the largest unit's size: free ones, and per unit the one its parameters were
+    /// gathered into (None for a whole-model gather's own buffer, freed on release) and then
+    /// its gradients packed into, until their reduce-scatter.
+    free: Vec<Tensor>,
+    in_use: Vec<Option<Tensor>>,
+    packed: Vec<Option<Tensor>>,
+    /// This rank's averaged gradient shards of every unit, one after the other.
+    shard_grads: Option<Tensor>,
     figures: Figures,
 }
 
@@ -106,6 +126,10 @@ impl FullyShardedExchange {
             layer_of: Vec::new(),
             weights: Vec::new(),
             restored: None,
+            free: Vec::new(),
+            in_use: Vec::new(),
+            packed: Vec::new(),
+            shard_grads: None,
             figures: Figures::default(),
         }
     }
@@ -117,6 +141,24 @@ impl FullyShardedExchange {
     /// Bytes of parameters this rank holds between steps: its shards.
     pub fn held_parameter_bytes(&self) -> usize {
         self.units.iter().map(|u| u.shard.len()).sum::<usize>() * self.elem_bytes()
+    }
+
+    /// Bytes of the reused buffers (gathers, packed gradients).
+    fn buffer_bytes(&self) -> usize {
+        let pooled = self.free.iter().chain(self.in_use.iter().flatten()).chain(self.packed.iter().flatten());
+        pooled.map(|t| t.numel()).sum::<usize>() * self.elem_bytes()
+    }
+
+    fn largest_unit(&self) -> usize {
+        self.units.iter().map(|u| u.layout.len).max().unwrap_or(0)
+    }
+
+    /// A buffer of the largest unit's size from the pool.
+    fn pooled_buffer(&mut self) -> Result<Tensor> {
+        match self.free.pop() {
+            Some(b) => Ok(b),
+            None => Ok(Tensor::f_empty([self.largest_unit() as i64], (self.kind, self.device))?),
+        }
     }
 
     /// The MPI side of `buffer` (device memory with a CUDA-aware MPI, host memory otherwise),
@@ -193,7 +235,8 @@ impl UnitShards for FullyShardedExchange {
                 }
                 all.extend(mine);
                 let layers = layout.slots.iter().map(|s| s.tensor).collect();
-                unit_shards.push(UnitShard { layout: layout.clone(), algorithm, shard, params: flat, grads: None, pieces: ids, layers });
+                let grads_at = unit_shards.last().map_or(0, |u: &UnitShard| u.grads_at + u.shard.len());
+                unit_shards.push(UnitShard { layout: layout.clone(), algorithm, shard, params: flat, grads_at, reduced: false, pieces: ids, layers });
             }
             Ok(())
         })?;
@@ -211,6 +254,10 @@ impl UnitShards for FullyShardedExchange {
         self.layer_of = all.iter().map(|p| p.tensor).collect();
         self.pieces = all;
         self.weights = weights;
+        let shard_total: usize = unit_shards.iter().map(|u| u.shard.len()).sum();
+        self.shard_grads = Some(Tensor::f_zeros([shard_total as i64], (self.kind, self.device))?);
+        self.in_use = (0..unit_shards.len()).map(|_| None).collect();
+        self.packed = (0..unit_shards.len()).map(|_| None).collect();
         self.units = unit_shards;
         for u in 0..self.units.len() {
             self.release(u, params)?;
@@ -220,14 +267,23 @@ impl UnitShards for FullyShardedExchange {
     }
 
     fn gather(&mut self, u: usize) -> Result<Tensor> {
-        let unit = &self.units[u];
-        let mut full = Tensor::f_empty([unit.layout.len as i64], (self.kind, self.device))?;
-        if unit.layout.len > 0 {
+        let len = self.units[u].layout.len;
+        // A pooled buffer for a step's gathers; the whole model's gathers get their own.
+        let buffer = if self.figures.whole {
+            Tensor::f_empty([len as i64], (self.kind, self.device))?
+        } else {
+            let pooled = self.pooled_buffer()?;
+            self.in_use[u] = Some(pooled.shallow_clone());
+            pooled
+        };
+        let mut full = buffer.f_narrow(0, 0, len as i64)?;
+        if len > 0 {
+            let unit = &self.units[u];
             tch::no_grad(|| full.f_narrow(0, unit.shard.start as i64, unit.shard.len() as i64)?.f_copy_(&unit.params).map(drop))?;
             self.all_gather_unit(u, &mut full)?;
         }
         let f = &mut self.figures;
-        f.gathered_bytes += full.numel() * self.kind.elt_size_in_bytes();
+        f.gathered_bytes += len * self.kind.elt_size_in_bytes();
         if !f.whole {
             f.peak_gathered_bytes = f.peak_gathered_bytes.max(f.gathered_bytes);
         }
@@ -253,44 +309,59 @@ impl UnitShards for FullyShardedExchange {
             }
             Ok(())
         })?;
+        if let Some(buffer) = self.in_use.get_mut(u).and_then(Option::take) {
+            self.free.push(buffer);
+        }
         let bytes = self.units[u].layout.len * self.elem_bytes();
         self.figures.gathered_bytes = self.figures.gathered_bytes.saturating_sub(bytes);
         Ok(())
     }
 
-    fn pack_grads(&mut self, u: usize, params: &[Tensor], finite: &mut FiniteCheck) -> Result<Tensor> {
+    fn pack_grads(&mut self, u: usize, params: &[Tensor], finite: &mut FiniteCheck) -> Result<()> {
+        // Into the buffer the unit's parameters were gathered into: backward is done with them.
+        let buffer = match self.in_use[u].take() {
+            Some(b) => b,
+            None => self.pooled_buffer()?,
+        };
         let layout = &self.units[u].layout;
-        let mut packed = Tensor::f_zeros([layout.len as i64], (self.kind, self.device))?;
+        let mut packed = buffer.f_narrow(0, 0, layout.len as i64)?;
         pack_grads(layout, params, &mut packed)?;
         finite.add(&packed)?;
         for slot in &layout.slots {
             raw::release_grad(&params[slot.tensor])?;
         }
-        Ok(packed)
+        self.packed[u] = Some(buffer);
+        Ok(())
     }
 
-    fn reduce(&mut self, u: usize, packed: Tensor) -> Result<()> {
+    fn reduce(&mut self, u: usize) -> Result<()> {
+        let buffer = self.packed[u].take().ok_or_else(|| Error::exchange("zero 3", "a unit's gradients were reduced before they were packed"))?;
         let (len, shard, algorithm) = (self.units[u].layout.len, self.units[u].shard.clone(), self.units[u].algorithm);
-        if len == 0 {
-            return Ok(());
+        if len > 0 {
+            let packed = buffer.f_narrow(0, 0, len as i64)?;
+            let (mut mpi_buffer, _) = self.for_mpi(&packed)?;
+            self.shards.reduce_scatter(&mut mpi_buffer, self.dtype, ReduceOp::Mean, algorithm)?;
+            let mut mine = self.shard_grads.as_ref().expect("sharded").f_narrow(0, self.units[u].grads_at as i64, shard.len() as i64)?;
+            tch::no_grad(|| mine.f_copy_(&mpi_buffer.f_narrow(0, shard.start as i64, shard.len() as i64)?).map(drop))?;
+            if let Some(replicas) = &mut self.replicas {
+                replicas.all_reduce(std::slice::from_mut(&mut mine), ReduceOp::Mean)?;
+            }
         }
-        let (mut mpi_buffer, _) = self.for_mpi(&packed)?;
-        self.shards.reduce_scatter(&mut mpi_buffer, self.dtype, ReduceOp::Mean, algorithm)?;
-        let mut mine = mpi_buffer.f_narrow(0, shard.start as i64, shard.len() as i64)?.f_to_device(self.device)?.f_detach_copy()?;
-        if let Some(replicas) = &mut self.replicas {
-            replicas.all_reduce(std::slice::from_mut(&mut mine), ReduceOp::Mean)?;
-        }
-        self.units[u].grads = Some(mine);
+        self.units[u].reduced = true;
+        self.free.push(buffer);
         Ok(())
     }
 
     fn step(&mut self, optimizer: &mut Optimizer) -> Result<()> {
         let mut grads: Vec<Tensor> = Vec::with_capacity(self.pieces.len());
+        let shard_grads = self.shard_grads.as_ref().expect("sharded");
         for unit in &self.units {
+            if !unit.reduced && !unit.pieces.is_empty() {
+                return Err(Error::exchange("zero 3", "a unit's gradients were not reduced before the step"));
+            }
             for &i in &unit.pieces {
                 let piece = &self.pieces[i];
-                let grad = unit.grads.as_ref().ok_or_else(|| Error::exchange("zero 3", "a unit's gradients were not reduced before the step"))?;
-                grads.push(grad.f_narrow(0, piece.shard_at as i64, piece.len as i64)?);
+                grads.push(shard_grads.f_narrow(0, (unit.grads_at + piece.shard_at) as i64, piece.len as i64)?);
             }
         }
         let shards = &mut self.shards;
@@ -300,7 +371,7 @@ impl UnitShards for FullyShardedExchange {
             optimizer.step_pieces(&mut self.weights, &mut grads, &unit.pieces, pieces)?;
         }
         for unit in &mut self.units {
-            unit.grads = None;
+            unit.reduced = false;
         }
         optimizer.count_step();
         Ok(())
@@ -378,8 +449,10 @@ impl Exchange for FullyShardedExchange {
         Ok(())
     }
 
+    /// The gradient shards' buffer counts as gradients held (as PyTorch FSDP keeps the sharded
+    /// `.grad`); the gather and packing buffers are reported apart.
     fn held_bytes(&self, _params: &[Tensor], optimizer: &Optimizer) -> HeldBytes {
-        let grads = self.units.iter().filter_map(|u| u.grads.as_ref()).map(|g| g.numel()).sum::<usize>() * self.elem_bytes();
+        let grads = self.shard_grads.as_ref().map_or(0, |g| g.numel()) * self.elem_bytes();
         HeldBytes { optimizer_state: optimizer.state_bytes(), gradients: grads }
     }
 
@@ -395,6 +468,7 @@ impl Exchange for FullyShardedExchange {
         extra.insert("fsdp_hybrid".into(), self.replicas.is_some().into());
         extra.insert("parameter_bytes_held".into(), self.held_parameter_bytes().into());
         extra.insert("peak_gathered_parameter_bytes".into(), f.peak_gathered_bytes.into());
+        extra.insert("fsdp_buffer_bytes".into(), self.buffer_bytes().into());
         extra.insert("fsdp_gathers".into(), f.gathers.into());
         extra.insert("fsdp_gather_ms_per_step".into(), per_step(t.gather).into());
         extra.insert("fsdp_exposed_gather_ms_per_step".into(), per_step(t.exposed_gather).into());

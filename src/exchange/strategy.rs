@@ -215,8 +215,8 @@ pub trait ShardedUpdate {
 }
 
 /// Stage 3's calls (`--zero 3`), in the order a step makes them: `gather` then `install` a
-/// unit before it computes, `release` it after; `pack_grads` after its backward, `reduce` the
-/// packed gradients, and `step` once every unit is reduced. `exchange::fsdp::FullyShardedExchange`
+/// unit before it computes, `release` it after; after its backward `pack_grads` then `release`,
+/// later `reduce`; `step` once every unit is reduced. `exchange::fsdp::FullyShardedExchange`
 /// implements it; the trait lives here so that [`Exchange::fully_sharded`] can name it without
 /// importing that strategy.
 pub trait UnitShards {
@@ -235,12 +235,13 @@ pub trait UnitShards {
     /// Lets go of unit `u`'s parameters (their memory goes once no other handle holds it).
     fn release(&mut self, u: usize, params: &[Tensor]) -> Result<()>;
 
-    /// Unit `u`'s gradients packed flat (added to `finite`); the parameters' own are let go.
-    fn pack_grads(&mut self, u: usize, params: &[Tensor], finite: &mut FiniteCheck) -> Result<Tensor>;
+    /// Packs unit `u`'s gradients flat (added to `finite`) for [`UnitShards::reduce`], into the
+    /// buffer its parameters were gathered into; the parameters' own gradients are let go.
+    fn pack_grads(&mut self, u: usize, params: &[Tensor], finite: &mut FiniteCheck) -> Result<()>;
 
-    /// Averages `packed` over the ranks and keeps this rank's shard for [`UnitShards::step`].
-    /// Collective.
-    fn reduce(&mut self, u: usize, packed: Tensor) -> Result<()>;
+    /// Averages unit `u`'s packed gradients over the ranks and keeps this rank's shard for
+    /// [`UnitShards::step`]. Collective.
+    fn reduce(&mut self, u: usize) -> Result<()>;
 
     /// Steps the optimizer on every unit's shard, from the reduced shards, and counts the step.
     fn step(&mut self, optimizer: &mut Optimizer) -> Result<()>;

@@ -10,8 +10,9 @@
 //!   unit u+1 are reduce-scattered and unit u-1 gathers; then pack u's gradients, let it go;
 //! - the last reduce-scatter, then the optimizer on every shard.
 //!
-//! Without prefetch (`--overlap off`) each gather and reduction runs after the compute it would
-//! hide behind, so the two orders are the same collectives, only timed apart.
+//! Without prefetch (`--overlap off`) each unit is let go, and its gradients reduced, before
+//! the next gather, so that one buffer serves the whole step. Every rank decides prefetch alike
+//! (setup agrees on it): the two orders make their collectives in different orders.
 
 use std::time::{Duration, Instant};
 
@@ -33,10 +34,10 @@ use super::run::Run;
 use super::step::{LoopState, StepDone};
 
 
-/// A unit's collectives for one window: the reduce-scatter of a unit's packed gradients, then
-/// the gather of another unit.
+/// The collectives beside one unit's compute: the reduce-scatter of a unit's packed gradients,
+/// then the gather of another unit (reduced first, so that its buffer serves the gather).
 struct Window {
-    reduce: Option<(usize, Tensor)>,
+    reduce: Option<usize>,
     gather: Option<usize>,
 }
 
@@ -45,8 +46,8 @@ impl Window {
     /// took.
     fn run(self, shards: &mut dyn UnitShards) -> Result<(Option<Tensor>, Duration, Duration)> {
         let started = Instant::now();
-        if let Some((u, packed)) = self.reduce {
-            shards.reduce(u, packed)?;
+        if let Some(u) = self.reduce {
+            shards.reduce(u)?;
         }
         let reduced = started.elapsed();
         let gathered = self.gather.map(|u| shards.gather(u)).transpose()?;
@@ -95,11 +96,10 @@ fn compute_beside<R>(
 }
 
 /// After a unit's backward: its gradients packed (for the reduce-scatter), the unit let go.
-fn pack_and_let_go<'a>(u: usize, params: &'a [Tensor], finite: &'a mut FiniteCheck) -> impl FnOnce(&mut dyn UnitShards) -> Result<Tensor> + 'a {
+fn pack_and_let_go<'a>(u: usize, params: &'a [Tensor], finite: &'a mut FiniteCheck) -> impl FnOnce(&mut dyn UnitShards) -> Result<()> + 'a {
     move |s| {
-        let packed = s.pack_grads(u, params, finite)?;
-        s.release(u, params)?;
-        Ok(packed)
+        s.pack_grads(u, params, finite)?;
+        s.release(u, params)
     }
 }
 
@@ -141,13 +141,16 @@ impl Run<'_> {
             (Some(x), Some(y)) => Some(Job::Last { unit: last, input: x.shallow_clone(), labels: y.shallow_clone(), factor, label_smoothing }),
             _ => None,
         };
-        let window = Window { reduce: None, gather: last.checked_sub(1) };
-        let (done, mut next, packed) = compute_beside(worker, shards, job, window, prefetch, &mut times, pack_and_let_go(last, params, &mut finite))?;
+        // With prefetch a unit's gradients are reduced beside the next backward; without, at
+        // once (one buffer serves its gather, its gradients, and the next gather).
+        let reduce_now = |u: usize| (!prefetch).then_some(u);
+        let window = Window { reduce: reduce_now(last), gather: last.checked_sub(1) };
+        let (done, mut next, ()) = compute_beside(worker, shards, job, window, prefetch, &mut times, pack_and_let_go(last, params, &mut finite))?;
         let (loss, mut grad) = match done {
             Some(d) => (d.loss, d.output),
             None => (None, None),
         };
-        let mut pending = (last, packed);
+        let mut pending = prefetch.then_some(last);
 
         // Backward, unit by unit from the end.
         for u in (0..last).rev() {
@@ -156,16 +159,18 @@ impl Run<'_> {
                 (Some(x), Some(g)) => Some(Job::Backward { unit: u, input: x, grad: g }),
                 _ => None,
             };
-            let window = Window { reduce: Some(pending), gather: u.checked_sub(1) };
-            let (done, gathered, packed) = compute_beside(worker, shards, job, window, prefetch, &mut times, pack_and_let_go(u, params, &mut finite))?;
+            let window = Window { reduce: pending.take().or(reduce_now(u)), gather: u.checked_sub(1) };
+            let (done, gathered, ()) = compute_beside(worker, shards, job, window, prefetch, &mut times, pack_and_let_go(u, params, &mut finite))?;
             next = gathered;
             grad = done.and_then(|d| d.output);
-            pending = (u, packed);
+            pending = prefetch.then_some(u);
         }
-        let started = Instant::now();
-        shards.reduce(pending.0, pending.1)?;
-        times.reduce += started.elapsed();
-        times.exposed_reduce += started.elapsed();
+        if let Some(u) = pending {
+            let started = Instant::now();
+            shards.reduce(u)?;
+            times.reduce += started.elapsed();
+            times.exposed_reduce += started.elapsed();
+        }
         synchronize_device(self.plan.device);
 
         let loss_sum = match loss {

@@ -138,7 +138,8 @@ impl<'a> Run<'a> {
         // --zero 3: the parameters cut to this rank's shards, the units' modules to their thread.
         let fsdp = match fully_sharded {
             Some((block_names, block_of_variable, groups)) => {
-                let prefetch = overlap_choice(world, args, &plan) == OnOff::On;
+                // Agreed: with and without prefetch the collectives come in different orders.
+                let prefetch = world.sum_f64(f64::from(u8::from(overlap_choice(world, args, &plan) == OnOff::On))) as i32 == world.size;
                 Some(world.agree(shard_units(&mut net, exchange.as_mut(), &mut optimizer, &block_names, &block_of_variable, &groups, args, plan.device, prefetch))?)
             }
             None => None,
