@@ -60,6 +60,16 @@ fn gpu_training_matches_the_cpu_and_every_precision_runs() {
             assert!(diff < 1e-4, "{name} differs from the CPU by {diff:e}");
         }
     }
+    // Fully sharded (issue 37): units gathered into device buffers (staged through the host,
+    // or CUDA-aware), the compute thread on the rank's GPU, prefetch on and off; bf16 autocast
+    // on the compute thread.
+    for (aware, overlap) in [("no", "on"), ("no", "off"), ("auto", "on")] {
+        let name = format!("gpu-zero3-{aware}-{overlap}");
+        let gpu = run(&name, 2, &["--device", "cuda", "--precision", "fp32", "--strategy", "ring", "--zero", "3", "--cuda-aware", aware, "--overlap", overlap]);
+        let diff = max_relative_difference(&cpu, &gpu);
+        assert!(diff < 1e-4, "{name} differs from the CPU by {diff:e}");
+    }
+    run("gpu-zero3-bf16", 2, &["--device", "cuda", "--precision", "bf16", "--strategy", "ring", "--zero", "3"]);
     // Pipelines on the GPU (issue 36): activations staged through the host or sent from
     // device memory (CUDA-aware), 2 stages alone and 2 x 2 with the ring; against the CPU
     // accumulating the same micro-batches.

@@ -44,7 +44,7 @@ fn stage_of(block: &str) -> &str {
 pub fn group_blocks(block_names: &[String], size: UnitSize) -> Vec<Range<usize>> {
     let n = block_names.len();
     match size {
-        UnitSize::Model => vec![0..n],
+        UnitSize::Model => std::iter::once(0..n).collect(),
         UnitSize::Block => (0..n).map(|b| b..b + 1).collect(),
         UnitSize::Stage => {
             let mut groups: Vec<Range<usize>> = Vec::new();
@@ -132,7 +132,7 @@ mod tests {
     fn units_group_blocks_by_size() {
         let names = resnet18_blocks();
         assert_eq!(group_blocks(&names, UnitSize::Block).len(), 10);
-        assert_eq!(group_blocks(&names, UnitSize::Model), vec![0..10]);
+        assert_eq!(group_blocks(&names, UnitSize::Model), std::iter::once(0..10).collect::<Vec<_>>());
         assert_eq!(group_blocks(&names, UnitSize::Stage), vec![0..1, 1..3, 3..5, 5..7, 7..9, 9..10]);
         let tiny: Vec<String> = ["conv1", "conv2", "pool", "fc"].iter().map(|s| s.to_string()).collect();
         assert_eq!(group_blocks(&tiny, UnitSize::Stage), vec![0..1, 1..2, 2..3, 3..4]);

@@ -138,6 +138,7 @@ pub fn strategy_label(record: &RunRecord) -> String {
     }
     variant.extend(recipe_label(record));
     variant.extend(pipeline_label(record));
+    variant.extend(zero_label(record));
     if variant.is_empty() {
         record.strategy.clone()
     } else {
@@ -167,6 +168,20 @@ fn pipeline_label(record: &RunRecord) -> Option<String> {
     let virtual_stages = if p.virtual_stages > 1 { format!(" V={}", p.virtual_stages) } else { String::new() };
     let recompute = if p.recompute { ", recompute" } else { "" };
     Some(format!("P={}, M={} {}{virtual_stages}{recompute}", p.pipeline_stages, p.micro_batches, p.schedule))
+}
+
+/// A ZeRO stage as part of a column's name (issue 37), so that a sharded run never takes the
+/// cell of the plain run: `zero 2`, `zero 3 block`, `zero 3 stage hybrid`.
+fn zero_label(record: &RunRecord) -> Option<String> {
+    let stage = record.extra.get("zero").and_then(|v| v.as_u64()).filter(|&z| z > 0)?;
+    let mut label = format!("zero {stage}");
+    if let Some(unit) = record.extra.get("fsdp_unit").and_then(|v| v.as_str()) {
+        label.push_str(&format!(" {unit}"));
+    }
+    if record.extra.get("fsdp_hybrid").and_then(|v| v.as_bool()).unwrap_or(false) {
+        label.push_str(" hybrid");
+    }
+    Some(label)
 }
 
 /// Records of the first issue-35 binaries gave the warm-up in steps ("after a 40-step
@@ -700,6 +715,15 @@ pub(crate) mod tests {
         piped.pipeline = Some(crate::results::PipelineRecord { pipeline_stages: 2, micro_batches: 8, schedule: "1f1b".into(), virtual_stages: 1, ..Default::default() });
         assert_eq!(strategy_label(&piped), "ring (P=2, M=8 1f1b)");
         assert_eq!(strategy_label(&plain), "ring");
+        // ZeRO stages likewise (issue 37).
+        let mut sharded = record("ring", 2, 1200.0);
+        sharded.extra.insert("zero".into(), 3.into());
+        sharded.extra.insert("fsdp_unit".into(), "block".into());
+        sharded.extra.insert("fsdp_hybrid".into(), true.into());
+        assert_eq!(strategy_label(&sharded), "ring (zero 3 block hybrid)");
+        sharded.extra.clear();
+        sharded.extra.insert("zero".into(), 0.into());
+        assert_eq!(strategy_label(&sharded), "ring");
         // The bubble table, for the pipelined column only.
         piped.pipeline.as_mut().unwrap().bubble = vec![0.10, 0.14];
         piped.pipeline.as_mut().unwrap().theoretical_bubble = 1.0 / 9.0;
