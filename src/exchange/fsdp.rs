@@ -278,6 +278,9 @@ impl UnitShards for FullyShardedExchange {
         };
         let mut full = buffer.f_narrow(0, 0, len as i64)?;
         if len > 0 {
+            // Watched as an exchange: a rank that never joins is named after the timeout.
+            let _watched = crate::watchdog::exchange(self.shards.name(), || self.shards.waits_for());
+            crate::watchdog::set_bucket(u);
             let unit = &self.units[u];
             tch::no_grad(|| full.f_narrow(0, unit.shard.start as i64, unit.shard.len() as i64)?.f_copy_(&unit.params).map(drop))?;
             self.all_gather_unit(u, &mut full)?;
@@ -338,6 +341,8 @@ impl UnitShards for FullyShardedExchange {
         let buffer = self.packed[u].take().ok_or_else(|| Error::exchange("zero 3", "a unit's gradients were reduced before they were packed"))?;
         let (len, shard, algorithm) = (self.units[u].layout.len, self.units[u].shard.clone(), self.units[u].algorithm);
         if len > 0 {
+            let _watched = crate::watchdog::exchange(self.shards.name(), || self.shards.waits_for());
+            crate::watchdog::set_bucket(u);
             let packed = buffer.f_narrow(0, 0, len as i64)?;
             let (mut mpi_buffer, _) = self.for_mpi(&packed)?;
             self.shards.reduce_scatter(&mut mpi_buffer, self.dtype, ReduceOp::Mean, algorithm)?;

@@ -23,6 +23,7 @@ use crate::data::Split;
 use crate::error::{Error, Result};
 use crate::exchange::staging::synchronize_device;
 use crate::exchange::strategy::{UnitShards, UnitTimes};
+use crate::faults::Fault;
 use crate::optim::FiniteCheck;
 use crate::plan::shard::ShardInfo;
 
@@ -107,11 +108,21 @@ impl Run<'_> {
     /// One fully sharded step (see the file's comment).
     pub(super) fn fsdp_step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
         let (batch, data_wait) = self.begin_step(step, state)?;
+        // Test hooks (HPC_TRAIN_FAULT), as in the plain step.
+        let fault = self.faults.at(self.world.rank, step).cloned();
+        if fault == Some(Fault::Exit) {
+            eprintln!("rank {}: exiting at step {step} (injected fault)", self.world.rank);
+            std::process::exit(3);
+        }
+        if let Some(Fault::Stall(pause)) = fault {
+            eprintln!("rank {}: stalling {:.1} s at step {step} (injected fault)", self.world.rank, pause.as_secs_f64());
+            std::thread::sleep(pause);
+        }
         let compute_start = Instant::now();
         let n = batch.labels.len();
         let images = if n > 0 { Some(state.norm.images(&batch.images, n)?) } else { None };
         let labels = if n > 0 { Some(state.norm.labels(&batch.labels)?) } else { None };
-        let factor = self.workers as f64 / batch.global_samples.max(1) as f64;
+        let factor = if fault == Some(Fault::NanGrad) { f64::NAN } else { self.workers as f64 / batch.global_samples.max(1) as f64 };
         let label_smoothing = self.args.recipe.label_smoothing;
         let fsdp = self.fsdp.as_ref().expect("a --zero 3 run");
         let (worker, prefetch, last) = (&fsdp.worker, fsdp.prefetch, fsdp.units.len() - 1);
@@ -174,6 +185,7 @@ impl Run<'_> {
         synchronize_device(self.plan.device);
 
         let loss_sum = match loss {
+            Some(_) if fault == Some(Fault::Nan) => f64::NAN,
             Some(l) => l.f_double_value(&[])?,
             None => 0.0,
         };
