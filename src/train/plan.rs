@@ -256,14 +256,19 @@ pub(super) fn check_model_fits(args: &TrainArgs, info: &DatasetInfo, plan: &Plan
     };
     let what = || format!("--model {} on {} ({}x{}x{} images, {} classes)", args.model.name(), args.data.display(), spec.channels, spec.height, spec.width, spec.classes);
     args.model.check_input(spec, plan.batch).map_err(|why| Error::usage(format!("{}: {why}", what())))?;
-    // Weights, gradients, momentum and a bucket buffer: 16 bytes per parameter per rank.
-    const BYTES_PER_PARAMETER: u128 = 16;
     let parameters = args.model.parameters_for(spec);
-    let need = parameters * BYTES_PER_PARAMETER * world.local_size.max(1) as u128;
+    // --zero 3 cuts every rank's share to 1/n (n: the ranks sharing the shards).
+    let sharing = match (args.zero, args.fsdp_hybrid) {
+        (3, true) => world.local_size.max(1) as u128,
+        (3, false) => world.size.max(1) as u128,
+        _ => 1,
+    };
+    let need = bytes_per_rank(parameters, sharing) * world.local_size.max(1) as u128;
     if let Some(available) = memory_available() {
         if need > available as u128 {
+            let share = if sharing > 1 { format!(", 1/{sharing} of them per rank at --zero 3,") } else { String::new() };
             return Err(Error::usage(format!(
-                "{}: the model has {parameters} parameters ({}); at {BYTES_PER_PARAMETER} bytes each (weights, gradients, momentum, exchange buffer) for {} rank(s) that is {:.3e} bytes, more than the {:.1} GB this node has available",
+                "{}: the model has {parameters} parameters ({}); at {BYTES_PER_PARAMETER} bytes each (weights, gradients, momentum, exchange buffer){share} for {} rank(s) that is {:.3e} bytes, more than the {:.1} GB this node has available",
                 what(),
                 args.model.largest_layer(spec),
                 world.local_size,
@@ -273,6 +278,16 @@ pub(super) fn check_model_fits(args: &TrainArgs, info: &DatasetInfo, plan: &Plan
         }
     }
     Ok(())
+}
+
+/// Weights, gradients, momentum and an exchange buffer: 16 bytes per parameter per rank.
+const BYTES_PER_PARAMETER: u128 = 16;
+
+/// What a rank holds of a model of `parameters`, with its parameters, gradients and optimizer
+/// state sharded over `sharing` ranks (1: not sharded), rounded up; the early check's estimate
+/// (stage 3's unit buffers come on top, a few units at most).
+fn bytes_per_rank(parameters: u128, sharing: u128) -> u128 {
+    (parameters * BYTES_PER_PARAMETER).div_ceil(sharing.max(1))
 }
 
 /// Compares the run's configuration across ranks before any training: every rank must run the
@@ -477,6 +492,14 @@ pub(super) fn device_name(device: Device) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fully_sharded_rank_is_counted_for_its_share_only() {
+        assert_eq!(bytes_per_rank(1000, 1), 16_000);
+        assert_eq!(bytes_per_rank(1000, 4), 4_000);
+        assert_eq!(bytes_per_rank(1001, 4), 4_004);
+        assert_eq!(bytes_per_rank(1000, 0), 16_000);
+    }
     use clap::Parser;
 
     /// The training options of a command line, parsed as `hpc-train` parses them.
