@@ -73,6 +73,23 @@ impl Run {
 
 /// Runs `cmd`, killing it after `limit`.
 pub fn run_with_limit(mut cmd: Command, limit: Duration) -> Run {
+    let run = run_once(&mut cmd, limit);
+    if open_mpi_session_directory_race(&run) {
+        // Open MPI 4.1 can fail to start when the job before it is still removing the session
+        // directory both use (/tmp/ompi.<host>.<uid>): mkdir reports "File exists". Nothing
+        // ran; the launch is made again, once.
+        std::thread::sleep(Duration::from_secs(1));
+        return run_once(&mut cmd, limit);
+    }
+    run
+}
+
+/// Whether a launch failed before any rank started, in Open MPI's race on its session directory.
+fn open_mpi_session_directory_race(run: &Run) -> bool {
+    !run.ok() && run.stderr.contains("A call to mkdir was unable to create the desired directory") && run.stderr.contains("File exists")
+}
+
+fn run_once(cmd: &mut Command, limit: Duration) -> Run {
     let start = Instant::now();
     let mut child = spawn(cmd.stdout(Stdio::piped()).stderr(Stdio::piped()));
     // Read the pipes in threads so that a chatty child never blocks on a full pipe.
