@@ -1,5 +1,8 @@
 //! Model builders: ResNet-50 and ResNet-18 (torchvision's architecture and parameter names,
-//! adapted to the data's channels, image size and class count) and a tiny CNN for tests.
+//! adapted to the data's channels, image size and class count), the Vision Transformer
+//! ([`vit`]: torchvision's ViT-B/16 and a small one for tests) and a tiny CNN for tests.
+
+pub mod vit;
 
 use tch::nn::{self, ModuleT};
 use tch::{Kind, Tensor};
@@ -12,6 +15,15 @@ pub enum ModelKind {
     Resnet50,
     /// ResNet-18 (basic blocks, 11.7 M parameters at 1000 classes).
     Resnet18,
+    /// torchvision's ViT-B/16 (86.6 M parameters at 224x224 and 1000 classes); the image
+    /// sides must be multiples of 16.
+    #[value(name = "vit-b16")]
+    #[serde(rename = "vit-b16")]
+    VitB16,
+    /// A small ViT of the same code for tests: 4x4 patches, width 64, 4 layers of 4 heads.
+    #[value(name = "vit-tiny")]
+    #[serde(rename = "vit-tiny")]
+    VitTiny,
     /// Two convolutions and a linear layer, no batch norm: for tests and quick checks.
     Tiny,
     /// The tiny CNN plus a layer that forward never uses (tests unused parameters).
@@ -36,8 +48,20 @@ impl ModelKind {
         fixed + first + last
     }
 
-    /// (parameters that do not depend on the input, the first convolution's, the last layer's).
+    /// The ViT configuration, for the ViTs.
+    pub fn vit_config(self) -> Option<vit::VitConfig> {
+        match self {
+            ModelKind::VitB16 => Some(vit::VIT_B16),
+            ModelKind::VitTiny => Some(vit::VIT_TINY),
+            _ => None,
+        }
+    }
+
+    /// (parameters that do not depend on the input, the first layer's, the last layer's).
     fn layers_for(self, spec: InputSpec) -> (u128, u128, u128) {
+        if let Some(config) = self.vit_config() {
+            return config.layers_for(spec);
+        }
         let (c, k) = (spec.channels.max(0) as u128, spec.classes.max(0) as u128);
         let stem = if spec.height.min(spec.width) < SMALL_IMAGE { 3 * 3 } else { 7 * 7 };
         match self {
@@ -48,6 +72,7 @@ impl ModelKind {
             // conv2 (32 x 16 x 9 + 32); conv1 16 x C x 9 + 16; fc 33 x K.
             ModelKind::Tiny => (4640, 16 * c * 9 + 16, 33 * k),
             ModelKind::TinyUnused => (4640 + 72, 16 * c * 9 + 16, 33 * k),
+            ModelKind::VitB16 | ModelKind::VitTiny => unreachable!("answered above"),
         }
     }
 
@@ -56,6 +81,8 @@ impl ModelKind {
         let (fixed, first, last) = self.layers_for(spec);
         if last >= first && last >= fixed {
             format!("{last} in the last layer, for {} classes", spec.classes)
+        } else if first >= fixed && self.vit_config().is_some() {
+            format!("{first} in the embedding, for {} channels and {}x{} images", spec.channels, spec.height, spec.width)
         } else if first >= fixed {
             format!("{first} in the first convolution, for {} channels", spec.channels)
         } else {
@@ -65,6 +92,9 @@ impl ModelKind {
 
     /// Why the model cannot train on `spec` images in batches of `batch` per rank, if it cannot.
     pub fn check_input(self, spec: InputSpec, batch: usize) -> Result<(), String> {
+        if let Some(config) = self.vit_config() {
+            return config.check_input(self.name(), spec);
+        }
         match self {
             // Its 2x2 max-pool needs an image of at least 2x2.
             ModelKind::Tiny | ModelKind::TinyUnused if spec.height < 2 || spec.width < 2 => {
@@ -91,6 +121,8 @@ impl ModelKind {
         match self {
             ModelKind::Resnet50 => "resnet50",
             ModelKind::Resnet18 => "resnet18",
+            ModelKind::VitB16 => "vit-b16",
+            ModelKind::VitTiny => "vit-tiny",
             ModelKind::Tiny => "tiny",
             ModelKind::TinyUnused => "tiny-unused",
         }
@@ -123,7 +155,7 @@ pub fn build(kind: ModelKind, vs: &nn::Path, spec: InputSpec) -> nn::FuncT<'stat
 }
 
 /// One piece of a model that a pipeline may put on a stage of its own: the stem, a residual
-/// block, the head. Its variables have the names they have in the whole model.
+/// block, the head; a ViT's embedding, an encoder layer, its head. Its variables have the names they have in the whole model.
 pub struct Block {
     /// What it is, for messages and logs: "stem", "layer2.1", "head".
     pub name: String,
@@ -138,6 +170,8 @@ pub fn build_blocks<'a>(kind: ModelKind, spec: InputSpec, path_of: impl Fn(usize
     match kind {
         ModelKind::Resnet50 => resnet_blocks(spec, Residual::Bottleneck, [3, 4, 6, 3], path_of),
         ModelKind::Resnet18 => resnet_blocks(spec, Residual::Basic, [2, 2, 2, 2], path_of),
+        ModelKind::VitB16 => vit::vit_blocks(spec, vit::VIT_B16, path_of),
+        ModelKind::VitTiny => vit::vit_blocks(spec, vit::VIT_TINY, path_of),
         ModelKind::Tiny | ModelKind::TinyUnused => tiny_blocks(spec, path_of),
     }
 }
@@ -147,6 +181,8 @@ pub fn block_count(kind: ModelKind) -> usize {
     match kind {
         ModelKind::Resnet50 => 1 + (3 + 4 + 6 + 3) + 1,
         ModelKind::Resnet18 => 1 + (2 + 2 + 2 + 2) + 1,
+        ModelKind::VitB16 => vit::VIT_B16.layers as usize + 2,
+        ModelKind::VitTiny => vit::VIT_TINY.layers as usize + 2,
         ModelKind::Tiny | ModelKind::TinyUnused => 4,
     }
 }
@@ -372,7 +408,7 @@ mod tests {
     #[test]
     fn blocks_split_over_stores_are_the_whole_model() {
         let spec = InputSpec { channels: 1, height: 28, width: 28, classes: 10 };
-        for kind in [ModelKind::Tiny, ModelKind::Resnet18] {
+        for kind in [ModelKind::Tiny, ModelKind::Resnet18, ModelKind::VitTiny] {
             let whole_vs = nn::VarStore::new(Device::Cpu);
             let whole = build(kind, &whole_vs.root(), spec);
             let (even, odd) = (nn::VarStore::new(Device::Cpu), nn::VarStore::new(Device::Cpu));
