@@ -2,7 +2,10 @@
 //! adapted to the data's channels, image size and class count), the Vision Transformer
 //! ([`vit`]: torchvision's ViT-B/16 and a small one for tests) and a tiny CNN for tests.
 
+mod parts;
 pub mod vit;
+
+pub use parts::{sequence, Block, InputSpec};
 
 use tch::nn::{self, ModuleT};
 use tch::{Kind, Tensor};
@@ -129,15 +132,6 @@ impl ModelKind {
     }
 }
 
-/// What the model must fit: input channels and size, and the number of classes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct InputSpec {
-    pub channels: i64,
-    pub height: i64,
-    pub width: i64,
-    pub classes: i64,
-}
-
 /// Images below this size get the CIFAR-style stem (3x3 convolution, stride 1, no max-pool):
 /// the ImageNet stem divides the image by 4 before the first block, which leaves a 28x28 image
 /// with 1x1 feature maps by the last stage.
@@ -152,14 +146,6 @@ pub fn build(kind: ModelKind, vs: &nn::Path, spec: InputSpec) -> nn::FuncT<'stat
         let _unused = nn::linear(vs / "unused", 8, 8, Default::default());
     }
     sequence(blocks.into_iter().map(|b| b.module).collect())
-}
-
-/// One piece of a model that a pipeline may put on a stage of its own: the stem, a residual
-/// block, the head; a ViT's embedding, an encoder layer, its head. Its variables have the names they have in the whole model.
-pub struct Block {
-    /// What it is, for messages and logs: "stem", "layer2.1", "head".
-    pub name: String,
-    pub module: nn::FuncT<'static>,
 }
 
 /// The blocks of `kind` in forward order; block `i` creates its variables under `path_of(i)`
@@ -185,17 +171,6 @@ pub fn block_count(kind: ModelKind) -> usize {
         ModelKind::VitTiny => vit::VIT_TINY.layers as usize + 2,
         ModelKind::Tiny | ModelKind::TinyUnused => 4,
     }
-}
-
-/// Runs `modules` one after the other.
-pub fn sequence(modules: Vec<nn::FuncT<'static>>) -> nn::FuncT<'static> {
-    nn::func_t(move |xs, train| {
-        let mut ys = xs.shallow_clone();
-        for m in &modules {
-            ys = m.forward_t(&ys, train);
-        }
-        ys
-    })
 }
 
 /// The shape of one sample after each block, from a forward of one zero image in evaluation

@@ -12,7 +12,7 @@
 use tch::nn::{self, Init};
 use tch::{Kind, Tensor};
 
-use super::{Block, InputSpec};
+use super::parts::{Block, InputSpec};
 
 /// A ViT's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,7 +156,7 @@ mod tests {
         let vs = nn::VarStore::new(Device::Cpu);
         let blocks = vit_blocks(spec, config, |_| vs.root());
         let x = Tensor::zeros([2, spec.channels, spec.height, spec.width], (Kind::Float, Device::Cpu));
-        let y = super::super::sequence(blocks.into_iter().map(|b| b.module).collect()).forward_t(&x, true);
+        let y = super::super::parts::sequence(blocks.into_iter().map(|b| b.module).collect()).forward_t(&x, true);
         assert_eq!(y.size(), [2, spec.classes]);
         let mut names: Vec<String> = vs.variables().into_keys().collect();
         names.sort();
