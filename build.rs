@@ -187,6 +187,7 @@ fn record_git_commit() {
 /// libtorch that torch-sys linked, with the same C++ ABI.
 fn build_grad_hooks_shim() {
     println!("cargo:rerun-if-changed=src/shim/grad_hooks.cpp");
+    println!("cargo:rerun-if-changed=src/shim/regions.cpp");
     println!("cargo:rerun-if-env-changed=HPC_TRAIN_CXX11_ABI");
     let lib = std::path::PathBuf::from(env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys exports its libtorch folder"));
     let root = lib.parent().expect("libtorch/lib has a parent").to_path_buf();
@@ -200,6 +201,7 @@ fn build_grad_hooks_shim() {
         .flag("-std=c++17")
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
         .file("src/shim/grad_hooks.cpp")
+        .file("src/shim/regions.cpp")
         .compile("hpc_train_grad_hooks");
 }
 

@@ -84,8 +84,9 @@ impl Cli {
         // A list that does not parse is reported after MPI starts; ask for the most meanwhile.
         let any_threaded = |list: &str, ps: &PsArgs| parse_strategies(list).map_or(true, |all| all.into_iter().any(|s| threaded(s, ps)));
         let needs_thread = match &self.command {
-            None => threaded(self.train.strategy, &self.train.ps),
-            Some(Command::Study(a)) => any_threaded(&a.strategies, &a.train.ps),
+            // A GPU's backward runs the tensor-parallel all-reduce on libtorch's device thread.
+            None => threaded(self.train.strategy, &self.train.ps) || self.train.tensor_parallel > 1,
+            Some(Command::Study(a)) => any_threaded(&a.strategies, &a.train.ps) || a.train.tensor_parallel > 1,
             Some(Command::Bench(a)) => any_threaded(&a.strategies, &a.ps),
             Some(Command::Data(_) | Command::Report(_) | Command::Model(_) | Command::Project(_)) => false,
         };

@@ -148,6 +148,14 @@ pub fn build(kind: ModelKind, vs: &nn::Path, spec: InputSpec) -> nn::FuncT<'stat
     sequence(blocks.into_iter().map(|b| b.module).collect())
 }
 
+/// `kind` (a transformer) as rank `split.rank` of a tensor-parallel group builds it: its part
+/// of every encoder layer (plan/tensor.rs), the rest whole. None for a model without heads.
+pub fn build_tensor_parallel(kind: ModelKind, vs: &nn::Path, spec: InputSpec, split: vit::TensorSplit) -> Option<nn::FuncT<'static>> {
+    let config = kind.vit_config()?;
+    let blocks = vit::vit_blocks(spec, config, |_| vs.clone(), Some(split));
+    Some(sequence(blocks.into_iter().map(|b| b.module).collect()))
+}
+
 /// The blocks of `kind` in forward order; block `i` creates its variables under `path_of(i)`
 /// (the root of a VarStore), so that a pipeline stage keeps its blocks' variables in a store of
 /// its own and the others in a scratch store it drops, while the random initialisation draws
@@ -156,8 +164,8 @@ pub fn build_blocks<'a>(kind: ModelKind, spec: InputSpec, path_of: impl Fn(usize
     match kind {
         ModelKind::Resnet50 => resnet_blocks(spec, Residual::Bottleneck, [3, 4, 6, 3], path_of),
         ModelKind::Resnet18 => resnet_blocks(spec, Residual::Basic, [2, 2, 2, 2], path_of),
-        ModelKind::VitB16 => vit::vit_blocks(spec, vit::VIT_B16, path_of),
-        ModelKind::VitTiny => vit::vit_blocks(spec, vit::VIT_TINY, path_of),
+        ModelKind::VitB16 => vit::vit_blocks(spec, vit::VIT_B16, path_of, None),
+        ModelKind::VitTiny => vit::vit_blocks(spec, vit::VIT_TINY, path_of, None),
         ModelKind::Tiny | ModelKind::TinyUnused => tiny_blocks(spec, path_of),
     }
 }

@@ -12,7 +12,17 @@
 use tch::nn::{self, Init};
 use tch::{Kind, Tensor};
 
+use crate::raw::RegionGroup;
+
 use super::parts::{Block, InputSpec};
+
+/// A rank's part of a tensor-parallel group (`--tensor-parallel`): it holds 1/`size` of the
+/// heads and MLP columns (plan/tensor.rs says which), and sums partial results over `group`.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorSplit {
+    pub size: i64,
+    pub group: RegionGroup,
+}
 
 /// A ViT's shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,8 +78,9 @@ impl VitConfig {
     }
 }
 
-/// The blocks of a ViT of `config` for `spec`: embedding, `config.layers` encoder layers, head.
-pub fn vit_blocks<'a>(spec: InputSpec, config: VitConfig, path_of: impl Fn(usize) -> nn::Path<'a>) -> Vec<Block> {
+/// The blocks of a ViT of `config` for `spec`: embedding, `config.layers` encoder layers, head;
+/// with `split`, the encoder layers hold this rank's part of a tensor-parallel group.
+pub fn vit_blocks<'a>(spec: InputSpec, config: VitConfig, path_of: impl Fn(usize) -> nn::Path<'a>, split: Option<TensorSplit>) -> Vec<Block> {
     let VitConfig { patch, hidden, layers, heads, mlp } = config;
     let mut blocks = Vec::with_capacity(layers as usize + 2);
 
@@ -98,7 +109,7 @@ pub fn vit_blocks<'a>(spec: InputSpec, config: VitConfig, path_of: impl Fn(usize
 
     for i in 0..layers {
         let p = path_of(blocks.len()) / "encoder" / "layers" / format!("encoder_layer_{i}");
-        blocks.push(Block { name: format!("encoder_layer_{i}"), module: encoder_layer(&p, hidden, heads, mlp) });
+        blocks.push(Block { name: format!("encoder_layer_{i}"), module: encoder_layer(&p, hidden, heads, mlp, split) });
     }
 
     let p = path_of(blocks.len());
@@ -115,34 +126,55 @@ fn layer_norm_config() -> nn::LayerNormConfig {
 }
 
 /// One encoder layer: x + attention(ln_1(x)), then + mlp(ln_2(.)), torchvision's
-/// `EncoderBlock` (dropout 0).
-fn encoder_layer(p: &nn::Path, hidden: i64, heads: i64, mlp: i64) -> nn::FuncT<'static> {
+/// `EncoderBlock` (dropout 0). With `split`, Megatron's layer: this rank's heads and MLP columns,
+/// the attention's output projection and the MLP's second layer summed over the group (their
+/// biases added once, after the sum), each sum's gradient the identity; the inputs of the
+/// attention and the MLP copied into the group, their gradients summed in backward.
+fn encoder_layer(p: &nn::Path, hidden: i64, heads: i64, mlp: i64, split: Option<TensorSplit>) -> nn::FuncT<'static> {
+    let parts = split.map_or(1, |s| s.size);
+    let (local_heads, local_mlp) = (heads / parts, mlp / parts);
+    let head_dim = hidden / heads;
+    let local_width = local_heads * head_dim;
     let ln_1 = nn::layer_norm(p / "ln_1", vec![hidden], layer_norm_config());
     let attention = p / "self_attention";
-    // nn.MultiheadAttention's initialisation: Xavier-uniform in-projection, zero biases.
+    // nn.MultiheadAttention's initialisation: Xavier-uniform in-projection (of the whole
+    // weight's shape), zero biases.
     let bound = (6.0 / (hidden + 3 * hidden) as f64).sqrt();
-    let in_proj_weight = attention.var("in_proj_weight", &[3 * hidden, hidden], Init::Uniform { lo: -bound, up: bound });
-    let in_proj_bias = attention.var("in_proj_bias", &[3 * hidden], Init::Const(0.0));
-    let out_proj = nn::linear(&attention / "out_proj", hidden, hidden, nn::LinearConfig { bs_init: Some(Init::Const(0.0)), ..Default::default() });
+    let in_proj_weight = attention.var("in_proj_weight", &[3 * local_width, hidden], Init::Uniform { lo: -bound, up: bound });
+    let in_proj_bias = attention.var("in_proj_bias", &[3 * local_width], Init::Const(0.0));
+    // nn.Linear's default initialisation (Kaiming-uniform of a=sqrt(5), as tch's linear layer).
+    let out_proj_weight = (&attention / "out_proj").var("weight", &[hidden, local_width], nn::init::DEFAULT_KAIMING_UNIFORM);
+    let out_proj_bias = (&attention / "out_proj").var("bias", &[hidden], Init::Const(0.0));
     let ln_2 = nn::layer_norm(p / "ln_2", vec![hidden], layer_norm_config());
-    // MLPBlock: Xavier-uniform weights, biases from a normal of std 1e-6.
-    let linear = |name: &str, i: i64, o: i64| {
-        let bound = (6.0 / (i + o) as f64).sqrt();
-        nn::linear(p / "mlp" / name, i, o, nn::LinearConfig { ws_init: Init::Uniform { lo: -bound, up: bound }, bs_init: Some(Init::Randn { mean: 0.0, stdev: 1e-6 }), bias: true })
+    // MLPBlock: Xavier-uniform weights (of the whole shapes), biases from a normal of std 1e-6.
+    let mlp_bound = (6.0 / (hidden + mlp) as f64).sqrt();
+    let mlp_var = |layer: &str, name: &str, shape: &[i64], init| (p / "mlp" / layer).var(name, shape, init);
+    let weights = Init::Uniform { lo: -mlp_bound, up: mlp_bound };
+    let biases = Init::Randn { mean: 0.0, stdev: 1e-6 };
+    let (mlp_0_weight, mlp_0_bias) = (mlp_var("0", "weight", &[local_mlp, hidden], weights), mlp_var("0", "bias", &[local_mlp], biases));
+    let (mlp_3_weight, mlp_3_bias) = (mlp_var("3", "weight", &[hidden, local_mlp], weights), mlp_var("3", "bias", &[hidden], biases));
+    let failed = |e: crate::error::Error| -> Tensor { panic!("tensor-parallel encoder layer: {e}") };
+    // Into the group (identity; the gradient summed in backward), and a row-parallel layer's
+    // partial products summed (the bias added after the sum). Without a split: a plain linear.
+    let into_group = move |x: Tensor| match split {
+        Some(s) => s.group.copy_to(&x).unwrap_or_else(failed),
+        None => x,
     };
-    let (mlp_0, mlp_3) = (linear("0", hidden, mlp), linear("3", mlp, hidden));
-    let head_dim = hidden / heads;
+    let row_parallel = move |x: &Tensor, weight: &Tensor, bias: &Tensor| match split {
+        Some(s) => s.group.reduce_from(&x.linear::<&Tensor>(weight, None)).unwrap_or_else(failed) + bias,
+        None => x.linear(weight, Some(bias)),
+    };
     nn::func_t(move |xs, _train| {
         let (n, tokens) = (xs.size()[0], xs.size()[1]);
-        let y = xs.apply(&ln_1);
+        let y = into_group(xs.apply(&ln_1));
         // Queries, keys and values in one projection, split by heads: (n, heads, tokens, head_dim).
-        let qkv = y.linear(&in_proj_weight, Some(&in_proj_bias)).view([n, tokens, 3, heads, head_dim]).permute([2, 0, 3, 1, 4]);
+        let qkv = y.linear(&in_proj_weight, Some(&in_proj_bias)).view([n, tokens, 3, local_heads, head_dim]).permute([2, 0, 3, 1, 4]);
         let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
         let weights = (q.matmul(&k.transpose(-2, -1)) / (head_dim as f64).sqrt()).softmax(-1, Kind::Float);
-        let attended = weights.matmul(&v).transpose(1, 2).reshape([n, tokens, hidden]).apply(&out_proj);
+        let attended = row_parallel(&weights.matmul(&v).transpose(1, 2).reshape([n, tokens, local_width]), &out_proj_weight, &out_proj_bias);
         let x = xs + attended;
-        let z = x.apply(&ln_2).apply(&mlp_0).gelu("none").apply(&mlp_3);
-        x + z
+        let hidden_units = into_group(x.apply(&ln_2)).linear(&mlp_0_weight, Some(&mlp_0_bias)).gelu("none");
+        x + row_parallel(&hidden_units, &mlp_3_weight, &mlp_3_bias)
     })
 }
 
@@ -154,7 +186,7 @@ mod tests {
 
     fn built(config: VitConfig, spec: InputSpec) -> (usize, Vec<String>) {
         let vs = nn::VarStore::new(Device::Cpu);
-        let blocks = vit_blocks(spec, config, |_| vs.root());
+        let blocks = vit_blocks(spec, config, |_| vs.root(), None);
         let x = Tensor::zeros([2, spec.channels, spec.height, spec.width], (Kind::Float, Device::Cpu));
         let y = super::super::parts::sequence(blocks.into_iter().map(|b| b.module).collect()).forward_t(&x, true);
         assert_eq!(y.size(), [2, spec.classes]);

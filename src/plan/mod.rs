@@ -6,7 +6,8 @@
 //! - [`rhd`]: recursive halving and doubling's partners and ranges;
 //! - [`buckets`]: which tensors share a bucket, at which offsets;
 //! - [`pipeline`]: pipeline parallelism's rank grid, model cuts and per-stage schedules;
-//! - [`fsdp`]: fully sharded data parallelism's units and their flat layouts.
+//! - [`fsdp`]: fully sharded data parallelism's units and their flat layouts;
+//! - [`tensor`]: tensor parallelism's rank layout and the cut of each transformer parameter.
 //!
 //! Each file is pure arithmetic with its unit tests, which run the schedules on in-memory
 //! buffers. A new collective's schedule (a pipeline's table of micro-batches per stage, a tree)
@@ -18,3 +19,4 @@ pub mod pipeline;
 pub mod rhd;
 pub mod ring;
 pub mod shard;
+pub mod tensor;

@@ -21,6 +21,8 @@
 //! - [`cuda`]: events, streams, the current device, autocast and TF32, loading libtorch_cuda,
 //!   the GPUs' UUIDs;
 //! - [`hooks`]: gradient-ready hooks on parameters, for overlap;
+//! - [`regions`]: tensor parallelism's two conjugate operators (an all-reduce in forward or in
+//!   backward), as autograd functions calling back into the group's all-reduce;
 //! - [`messages`]: whole tensors in flight between two ranks (a pipeline's activations);
 //! - [`process`]: this process and its host: resident memory, the allocator, free disk space,
 //!   the host name.
@@ -34,6 +36,7 @@ pub mod hooks;
 pub mod messages;
 pub mod mpi;
 pub mod process;
+pub mod regions;
 pub mod requests;
 pub mod tensor;
 pub mod window;
@@ -46,6 +49,7 @@ pub use cuda::{
 pub use hooks::{GradReady, GradReadyHooks};
 pub use messages::TensorMessage;
 pub use self::mpi::{abort_world, any_tag, exit_now, mpi_cuda_support, mpix_gpu_query_support_cuda, tag_upper_bound, PeerComm, PointToPoint, SendComm};
+pub use regions::{register_group, RegionAllReduce, RegionGroup, RegisteredGroup};
 pub use process::{current_rss_mb, free_bytes, hostname, keep_freed_memory, peak_rss_mb};
 pub use requests::{completed_requests, with_segments, Backoff, Segments};
 pub use tensor::{

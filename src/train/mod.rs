@@ -5,7 +5,8 @@
 //!   plan, the network (net.rs), the exchange, overlap and the resume point (checkpoints.rs);
 //! - step.rs: one step (data, forward, backward with the exchange, optimizer, timings) and what
 //!   follows a step at some steps; progress.rs: timings, progress lines, the sample trace;
-//!   collective.rs: the collectives besides the exchange;
+//!   collective.rs: the collectives besides the exchange; tensor.rs: tensor parallelism's
+//!   groups, their all-reduce, and the model cut into a rank's part;
 //! - record.rs: the end of the run and its record.
 //!
 //! [`run`] reads top to bottom: set up, then serve (a dedicated parameter server) or train, then
@@ -28,6 +29,7 @@ mod run;
 mod setup;
 pub mod stages;
 mod step;
+mod tensor;
 
 use std::time::Instant;
 

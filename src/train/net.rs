@@ -75,6 +75,11 @@ impl Net {
             }
         };
         vs.set_device(device);
+        Ok((Net::from_store(vs, chunks), spec))
+    }
+
+    /// The network of the variables in `vs` (on their device) and the modules that use them.
+    pub(super) fn from_store(vs: nn::VarStore, chunks: Vec<(usize, nn::FuncT<'static>)>) -> Net {
         let params = vs.trainable_variables();
         let param_addrs: Vec<usize> = params.iter().map(raw::data_address).collect();
         let variables = vs.variables();
@@ -85,7 +90,7 @@ impl Net {
         let mut buffers: Vec<(String, Tensor)> =
             variables.into_iter().filter(|(_, t)| !param_addrs.contains(&raw::data_address(t))).collect();
         buffers.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok((Net { vs, chunks, params, param_names, buffers }, spec))
+        Net { vs, chunks, params, param_names, buffers }
     }
 
     /// The whole model (outside pipelines, where the one chunk is all of it).

@@ -130,6 +130,17 @@ pub struct TrainArgs {
     #[arg(long)]
     pub fsdp_hybrid: bool,
 
+    /// Tensor parallelism (Megatron-LM) over groups of this many consecutive ranks: each
+    /// encoder layer of a transformer (--model vit-b16, vit-tiny) cut by attention heads and
+    /// MLP columns, the ranks of a group computing one replica together; --strategy averages
+    /// the gradients over the groups. 1: off.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub tensor_parallel: u32,
+
+    /// With --tensor-parallel: the all-reduce of the groups' partial sums and gradients.
+    #[arg(long, value_enum, default_value_t = TpAllreduce::Auto)]
+    pub tp_allreduce: TpAllreduce,
+
     /// Let several ranks of a node share one GPU (for testing on a machine with fewer GPUs).
     #[arg(long)]
     pub allow_gpu_sharing: bool,
@@ -249,6 +260,26 @@ pub enum Precision {
     Tf32,
     Bf16,
     Fp16,
+}
+
+/// `--tp-allreduce`: hpc-train's own all-reduces, as `--strategy` names them.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpAllreduce {
+    /// The cost model's choice by size (ring, recursive halving-doubling or doubling).
+    Auto,
+    Ring,
+    /// Recursive halving-doubling.
+    Rhd,
+}
+
+impl TpAllreduce {
+    pub fn strategy(self) -> StrategyKind {
+        match self {
+            TpAllreduce::Auto => StrategyKind::Auto,
+            TpAllreduce::Ring => StrategyKind::Ring,
+            TpAllreduce::Rhd => StrategyKind::Rhd,
+        }
+    }
 }
 
 /// `--overlap`.

@@ -38,9 +38,12 @@ impl Plan {
         // First: choosing the device is collective over the node's ranks (before any early return).
         let device = choose_device(args.device, args.allow_gpu_sharing, world);
         let pipeline = args.pipeline.plan(&args.given, world.size as usize, args.strategy, args.model)?;
-        // A pipelined run's workers are its pipelines (the replicas), each taking a batch.
+        check_tensor_parallel(args, world.size as usize, pipeline.is_some())?;
+        // A pipelined run's workers are its pipelines (the replicas), each taking a batch; a
+        // tensor-parallel run's, its groups.
         let workers = match &pipeline {
             Some(p) => p.grid.replicas,
+            None if args.tensor_parallel > 1 => world.size as usize / args.tensor_parallel as usize,
             None => exchange::worker_count(args.strategy, world.size as usize, &args.ps.roles())?,
         };
         let batch = match args.scaling {
@@ -107,6 +110,39 @@ impl Plan {
         let cuda_aware = args.cuda_aware.resolve();
         Ok(Plan { device, threads, cuda_aware, workers, batch, pipeline })
     }
+}
+
+/// What `--tensor-parallel` needs and cannot do yet, refused with the reason.
+fn check_tensor_parallel(args: &TrainArgs, ranks: usize, pipelined: bool) -> Result<()> {
+    let t = args.tensor_parallel as usize;
+    if t == 1 {
+        if args.given.has("tp_allreduce") {
+            return Err(Error::usage("--tp-allreduce is an option of --tensor-parallel (2 or more); add it or drop --tp-allreduce"));
+        }
+        return Ok(());
+    }
+    let config = args.model.vit_config().ok_or_else(|| {
+        Error::usage(format!(
+            "--tensor-parallel {t} splits a transformer's attention heads and MLP over ranks; --model {} has none: use --model vit-b16 or vit-tiny (or data, pipeline or fully sharded parallelism for CNNs)",
+            args.model.name()
+        ))
+    })?;
+    crate::plan::tensor::check_divides(args.model.name(), config.heads as usize, config.mlp as usize, t).map_err(Error::usage)?;
+    crate::plan::tensor::Layout::new(ranks, 1, t).map_err(Error::usage)?;
+    let refuse = |what: &str, why: &str| Err(Error::usage(format!("--tensor-parallel {t} with {what}: {why}")));
+    if pipelined {
+        return refuse("--pipeline-stages or --micro-batches", "pipeline stages of tensor-parallel groups are not built yet; use one or the other");
+    }
+    if args.zero > 0 {
+        return refuse(&format!("--zero {}", args.zero), "the ZeRO stages shard whole parameters over all ranks, not a group's parts; use --zero 0");
+    }
+    if args.strategy == exchange::StrategyKind::Ps {
+        return refuse("--strategy ps", "parameter servers take ranks out of the groups; use ring, rhd, auto, allreduce or horovod");
+    }
+    if args.checkpoint_dir.is_some() {
+        return refuse("--checkpoint-dir", "checkpoints of a model cut over groups are not written yet; --save-weights writes the whole model at the end");
+    }
+    Ok(())
 }
 
 /// What `--zero 3` cannot do, and its options without it, refused with the reason.

@@ -39,6 +39,10 @@ impl Run<'_> {
                 let saved = world.agree(if world.is_root() { save_weights(&self.net, path) } else { Ok(()) });
                 self.fsdp_let_go()?;
                 saved?;
+            } else if let Some(tp) = &self.tensor_parallel {
+                // The group's parts glued (every group gathers; rank 0 writes its group's).
+                let whole = world.agree(tp.whole_variables(&self.net))?;
+                world.agree(if world.is_root() { save_named(whole, path) } else { Ok(()) })?;
             } else if world.is_root() {
                 save_weights(&self.net, path)?;
             }
@@ -125,10 +129,31 @@ impl Run<'_> {
             let max_of = |key: &str| world.max_f64(report.extra.get(key).and_then(|v| v.as_f64()).unwrap_or(0.0)) as u64;
             (max_of("parameter_bytes_held"), max_of("peak_gathered_parameter_bytes"))
         });
+        // --tensor-parallel: the parameters this rank holds (its part), the largest over the
+        // ranks, and the group's all-reduces per measured step.
+        let tensor_parallel = self.tensor_parallel.as_ref().map(|tp| {
+            let held = world.max_f64((self.net.params.iter().map(|p| p.numel()).sum::<usize>() * 4) as f64) as u64;
+            let steps = tp.measured_steps.max(1) as f64;
+            let ms = mean_over_workers(tp.measured.time.as_secs_f64() * 1e3 / steps);
+            (tp, held, ms)
+        });
+        let parameters = if self.tensor_parallel.is_some() { self.args.model.parameters_for(self.spec) as usize } else { parameters };
         if !world.is_root() {
             return None;
         }
         let mut extra = report.extra.clone();
+        if let Some((tp, held, ms)) = tensor_parallel {
+            let last = tp.last_step;
+            extra.insert("tensor_parallel".into(), tp.layout.tensor.into());
+            extra.insert("layout".into(), serde_json::json!({ "data": tp.layout.data, "pipeline": tp.layout.pipeline, "tensor": tp.layout.tensor }));
+            extra.insert("tp_allreduce".into(), tp.strategy.into());
+            extra.insert("parameter_bytes_held".into(), held.into());
+            extra.insert("tp_allreduce_ms".into(), ms.into());
+            // The last training step's (the figures of a full batch, unless the epoch's last).
+            extra.insert("tp_allreduce_calls".into(), last.calls.into());
+            extra.insert("tp_allreduce_elements".into(), last.elements.into());
+            extra.insert("tp_bytes_sent".into(), ((last.elements * 4) as f64 * tp.bus_factor).round().into());
+        }
         extra.entry("zero").or_insert(0.into());
         extra.insert("optimizer_state_bytes".into(), (optimizer_state_bytes as u64).into());
         extra.insert("gradient_bytes".into(), (gradient_bytes as u64).into());

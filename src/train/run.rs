@@ -24,6 +24,7 @@ use super::fsdp::FullySharded;
 use super::pipeline::Pipeline;
 use super::plan::Plan;
 use super::progress::Timings;
+use super::tensor::TensorParallel;
 
 /// What a caller outside the command line adds to a run (a study tags its runs).
 #[derive(Clone, Debug, Default)]
@@ -49,6 +50,8 @@ pub(super) struct Run<'a> {
     pub(super) pipeline: Option<Pipeline>,
     /// `--zero 3`: the units and the thread that computes them.
     pub(super) fsdp: Option<FullySharded>,
+    /// `--tensor-parallel`: the groups, their all-reduce and its counts.
+    pub(super) tensor_parallel: Option<TensorParallel>,
     pub(super) faults: Faults,
     pub(super) stop: StopSignal,
     /// Workers only: dedicated parameter servers take no part in evaluation or the loss.

@@ -23,6 +23,7 @@ use super::fsdp::{FullySharded, UnitWorker};
 use super::net::{input_spec, variable_blocks, Net, NetLayout};
 use super::pipeline::{restore_pipeline, Pipeline};
 use super::stages::choose_cut;
+use super::tensor::TensorParallel;
 use super::options::{OnOff, Precision, TrainArgs};
 use super::plan::{check_model_fits, check_same_config, device_name, make_current, num_cpus_online, watchdog_timeout, Plan};
 use super::run::{Run, StopSignal};
@@ -70,8 +71,21 @@ impl<'a> Run<'a> {
             }
             None => (None, None),
         };
-        // The ranks that hold the same variables: all of them, or a stage's replicas.
-        let replicas: &World = pipeline.as_ref().map_or(world, |p| &p.stage_world);
+        // --tensor-parallel: the groups, and their all-reduce behind the model's layers.
+        let tensor_parallel = match args.tensor_parallel {
+            1 => None,
+            _ => {
+                let config = exchange_config(world, args, &plan, args.recipe.config(), args.recipe.schedule(global_batch, steps_per_epoch, total_steps), 0)?;
+                Some(world.agree(TensorParallel::new(world, args, &config))?)
+            }
+        };
+        // The ranks that hold the same variables: all of them, a stage's replicas, or the ranks
+        // of the other groups that hold the same part.
+        let replicas: &World = match (&pipeline, &tensor_parallel) {
+            (Some(p), _) => &p.stage_world,
+            (None, Some(tp)) => &tp.replicas,
+            (None, None) => world,
+        };
         // --zero 3: which blocks make each unit (learnt before the seed draws the weights).
         let fully_sharded = (args.zero == 3).then(|| {
             let (block_names, block_of_variable) = variable_blocks(args.model, input_spec(&info));
@@ -90,6 +104,10 @@ impl<'a> Run<'a> {
         // Same seed on every rank gives the same weights; rank 0's are sent anyway, so that a
         // mismatch (another libtorch, another seed) cannot start, and --init-weights is read once.
         broadcast_from_root(&replicas.comm, &net.named_variables().into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
+        // --tensor-parallel: this rank's part cut from the whole model, which goes.
+        if let Some(tp) = &tensor_parallel {
+            net = world.agree(tp.cut(net, args.model, spec, plan.device))?;
+        }
         if args.channels_last {
             world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;
         }
@@ -146,6 +164,11 @@ impl<'a> Run<'a> {
         };
         let overlap = if fsdp.is_some() {
             None
+        } else if tensor_parallel.is_some() {
+            if args.overlap == OnOff::On && world.is_root() {
+                log::info!("--overlap on: with --tensor-parallel the data-parallel exchange runs after backward (backward's own all-reduces run on the run's thread)");
+            }
+            None
         } else if pipeline.is_some() {
             if args.overlap == OnOff::On && world.is_root() {
                 log::info!("--overlap on: a pipeline exchanges each stage's gradients after its last backward");
@@ -170,7 +193,7 @@ impl<'a> Run<'a> {
             Role::Server => (0, plan.workers),
         };
         let run = Run {
-            world, args, plan, info, labels, cache_data, spec, net, exchange, optimizer, overlap, pipeline, fsdp, faults, stop, workers_comm, worker, workers,
+            world, args, plan, info, labels, cache_data, spec, net, exchange, optimizer, overlap, pipeline, fsdp, tensor_parallel, faults, stop, workers_comm, worker, workers,
             global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),
             dataset_fingerprint, checkpoints: CheckpointLog { newest_good: resume_from.as_ref().map(|c| c.meta.step), failed: Vec::new() },
             _checkpoint_lock: checkpoint_lock,
@@ -190,6 +213,14 @@ impl<'a> Run<'a> {
             info.train.len, info.test.len, plan.batch, if self.pipeline.is_some() { "pipeline" } else { "rank" }, self.global_batch, self.first_step, self.total_steps, self.total_steps as f64 / self.steps_per_epoch as f64,
             device_name(plan.device), plan.threads
         );
+        if let Some(tp) = &self.tensor_parallel {
+            log::info!(
+                "tensor parallel: {}; each encoder layer's heads and MLP columns cut over {} ranks, their partial sums all-reduced by {}",
+                tp.layout.describe(),
+                tp.layout.tensor,
+                tp.strategy
+            );
+        }
         if let Some(f) = &self.fsdp {
             let sharing = if self.args.fsdp_hybrid { self.world.local_size } else { self.world.size };
             log::info!("{}", f.describe(sharing as usize));

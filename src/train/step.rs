@@ -101,6 +101,7 @@ impl Run<'_> {
         if self.fsdp.is_some() {
             return self.fsdp_step(step, state);
         }
+        let tensor_parallel_before = self.tensor_parallel.as_ref().map(|tp| tp.counts());
         let (batch, data_wait) = self.begin_step(step, state)?;
         let fault = self.faults.at(self.world.rank, step).cloned();
         if fault == Some(Fault::Exit) {
@@ -150,6 +151,9 @@ impl Run<'_> {
         }
         let optimizer = self.optimizer.take_busy();
         let comm = comm.saturating_sub(optimizer);
+        if let (Some(tp), Some(before)) = (&mut self.tensor_parallel, tensor_parallel_before) {
+            tp.note_step(&before, step >= state.warmup);
+        }
         let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total, exchange_exposed };
         Ok(StepDone { timings, loss_sum, samples: n, epoch: batch.epoch })
     }
@@ -253,7 +257,9 @@ impl Run<'_> {
             self.fsdp_evaluate(&state.norm)?
         } else {
             average_over(&self.workers_comm, &buffers, true, self.workers)?;
-            evaluate(&self.net, &state.norm, &self.args.data, &self.info, &self.labels, &self.workers_comm, self.worker, self.workers, self.plan.batch)?
+            // A tensor-parallel group's ranks evaluate the same samples; the first counts them.
+            let counted = self.tensor_parallel.as_ref().is_none_or(|tp| tp.rank == 0);
+            evaluate(&self.net, &state.norm, &self.args.data, &self.info, &self.labels, &self.workers_comm, self.worker, self.workers, self.plan.batch, counted)?
         };
         if self.world.is_root() {
             state.progress.suspend(|| log::info!("epoch {} done at step {}: test loss {test_loss:.4}, accuracy {:.2}%", epoch + 1, step + 1, accuracy * 100.0));
@@ -353,6 +359,7 @@ pub(super) fn evaluate(
     worker: usize,
     workers: usize,
     batch: usize,
+    counted: bool,
 ) -> Result<(f64, f64)> {
     let shard = ShardInfo::split(info.test.len, workers, worker);
     let mut reader = SplitReader::open(path, Split::Test)?;
@@ -373,6 +380,7 @@ pub(super) fn evaluate(
         }
         Ok(())
     })?;
+    let (loss_sum, correct) = if counted { (loss_sum, correct) } else { (0.0, 0.0) };
     let (loss_sum, correct) = sum_pair(workers_comm, loss_sum, correct);
     let n = info.test.len as f64;
     Ok((loss_sum / n, correct / n))

@@ -1,0 +1,247 @@
+//! Tensor parallelism (`--tensor-parallel T`) in a run: the rank's groups (its tensor-parallel
+//! group of T consecutive ranks, and the data-parallel ranks that hold the same part of the
+//! model), the group's all-reduce (hpc-train's own ring, rhd or auto, on the group's
+//! communicator) behind the model's conjugate operators, and the cutting of the whole model
+//! into this rank's part and its gluing back for `--save-weights`.
+//!
+//! Every rank draws the whole model from the seed (so T = 1 and T = 4 start from the same
+//! weights), keeps its part (plan/tensor.rs says which) and lets the whole go. Layer norms,
+//! the embedding and the head stay whole on every rank of a group, and their gradients equal
+//! without any exchange in the group: the group's ranks compute them from the same input (the
+//! all-reduce after each row-parallel layer gives every rank the same sum, bit for bit) and the
+//! same incoming gradient (summed likewise by the copy operator's backward). The data-parallel
+//! exchange (`--strategy`) then averages every parameter over the D ranks that hold the same
+//! part.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use mpi::topology::{Color, Communicator};
+use mpi::traits::*;
+use tch::nn;
+use tch::{Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::exchange::{self, Exchange, ExchangeConfig, ReduceOp};
+use crate::model::{self, InputSpec};
+use crate::model::vit::TensorSplit;
+use crate::plan::tensor::{held, vit_split, Layout, Split};
+use crate::raw::{self, RegionAllReduce, RegisteredGroup};
+use crate::topology::World;
+
+use super::net::Net;
+use super::options::TrainArgs;
+
+/// What the group's all-reduces have cost so far (forward and backward, training and
+/// evaluation alike; a step reads the difference).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(super) struct RegionCounts {
+    pub(super) calls: u64,
+    pub(super) elements: u64,
+    pub(super) time: Duration,
+}
+
+impl RegionCounts {
+    pub(super) fn since(&self, before: &RegionCounts) -> RegionCounts {
+        RegionCounts { calls: self.calls - before.calls, elements: self.elements - before.elements, time: self.time.saturating_sub(before.time) }
+    }
+}
+
+/// The group's all-reduce: a strategy instance on the group's communicator, watched by the
+/// watchdog, counted.
+struct GroupAllReduce {
+    exchange: Box<dyn Exchange>,
+    size: i32,
+    counts: Arc<Mutex<RegionCounts>>,
+}
+
+impl RegionAllReduce for GroupAllReduce {
+    fn all_reduce(&mut self, tensor: &mut Tensor) -> Result<()> {
+        let started = Instant::now();
+        let size = self.size;
+        let _watched = crate::watchdog::exchange("the tensor-parallel all-reduce", || format!("the {size} ranks of its tensor-parallel group"));
+        self.exchange.all_reduce(std::slice::from_mut(tensor), ReduceOp::Sum)?;
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        counts.calls += 1;
+        counts.elements += tensor.numel() as u64;
+        counts.time += started.elapsed();
+        Ok(())
+    }
+}
+
+/// This rank's place in the N = D x T layout, its two communicators' worlds, and its group's
+/// all-reduce, registered for the model's layers.
+pub(super) struct TensorParallel {
+    pub(super) layout: Layout,
+    pub(super) rank: usize,
+    /// The T ranks that compute one replica's layers together.
+    pub(super) group: World,
+    /// The D ranks that hold this rank's part: the data-parallel exchange runs on them.
+    pub(super) replicas: World,
+    /// The group's all-reduce as `--tp-allreduce` names it, and its bus factor (bytes each rank
+    /// sends per byte reduced).
+    pub(super) strategy: &'static str,
+    pub(super) bus_factor: f64,
+    counts: Arc<Mutex<RegionCounts>>,
+    /// The training steps' share of the counts: the measured steps' (after warm-up) and the
+    /// last step's.
+    pub(super) measured: RegionCounts,
+    pub(super) measured_steps: u64,
+    pub(super) last_step: RegionCounts,
+    registered: RegisteredGroup,
+}
+
+impl TensorParallel {
+    /// Collective over `world`: splits it into groups and replicas, and builds the group's
+    /// all-reduce.
+    pub(super) fn new(world: &World, args: &TrainArgs, config: &ExchangeConfig) -> Result<TensorParallel> {
+        let layout = Layout::new(world.size as usize, 1, args.tensor_parallel as usize).map_err(Error::usage)?;
+        let rank = world.rank as usize;
+        let split = |color: usize| world.comm.split_by_color_with_key(Color::with_value(color as i32), world.rank).expect("every rank has a colour");
+        let group = World::new(split(layout.tensor_group(rank)))?;
+        let replicas = World::new(split(layout.data_group(rank)))?;
+        if group.nodes() > 1 && world.is_root() {
+            log::warn!(
+                "--tensor-parallel {}: a tensor-parallel group spans {} nodes; its all-reduces (4 per encoder layer and step, of batch x tokens x width each) cross the network, where they are slowest. Put whole groups on a node (T at most the ranks per node, and a multiple of nodes' ranks)",
+                layout.tensor,
+                group.nodes()
+            );
+        }
+        let exchange = exchange::build(args.tp_allreduce.strategy(), &group, config)?;
+        let (strategy, bus_factor) = (exchange.name(), exchange.bus_factor());
+        let counts = Arc::new(Mutex::new(RegionCounts::default()));
+        let reducer = GroupAllReduce { exchange, size: group.size, counts: counts.clone() };
+        let registered = raw::register_group(Box::new(reducer), mpi::environment::threading_support());
+        Ok(TensorParallel {
+            layout,
+            rank: layout.tensor_rank(rank),
+            group,
+            replicas,
+            strategy,
+            bus_factor,
+            counts,
+            measured: RegionCounts::default(),
+            measured_steps: 0,
+            last_step: RegionCounts::default(),
+            registered,
+        })
+    }
+
+    pub(super) fn split(&self) -> TensorSplit {
+        TensorSplit { size: self.layout.tensor as i64, group: self.registered.group() }
+    }
+
+    pub(super) fn counts(&self) -> RegionCounts {
+        *self.counts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A training step has ended that began when the counts were `before`.
+    pub(super) fn note_step(&mut self, before: &RegionCounts, measured: bool) {
+        self.last_step = self.counts().since(before);
+        if measured {
+            self.measured.calls += self.last_step.calls;
+            self.measured.elements += self.last_step.elements;
+            self.measured.time += self.last_step.time;
+            self.measured_steps += 1;
+        }
+    }
+
+    /// This rank's part of the whole model `net` (every rank holds the same whole model): the
+    /// tensor-parallel model with every variable cut from the whole one of its name.
+    pub(super) fn cut(&self, net: Net, kind: model::ModelKind, spec: InputSpec, device: Device) -> Result<Net> {
+        let whole: BTreeMap<String, Tensor> = net.named_variables().into_iter().collect();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let model = model::build_tensor_parallel(kind, &vs.root(), spec, self.split())
+            .ok_or_else(|| Error::usage(format!("--tensor-parallel: --model {} has no attention heads to split", kind.name())))?;
+        tch::no_grad(|| -> Result<()> {
+            for (name, variable) in vs.variables() {
+                let w = whole.get(&name).ok_or_else(|| Error::usage(format!("--tensor-parallel: the whole model has no {name}")))?;
+                let part = cut_tensor(&w.f_to_device(Device::Cpu)?, vit_split(&name), self.rank, self.layout.tensor)?;
+                variable.shallow_clone().f_copy_(&part)?;
+            }
+            Ok(())
+        })?;
+        drop(whole);
+        drop(net);
+        let mut vs = vs;
+        vs.set_device(device);
+        Ok(Net::from_store(vs, vec![(0, model)]))
+    }
+
+    /// The whole model's variables by name, glued from every rank's part (collective over the
+    /// group): what `--save-weights` writes.
+    pub(super) fn whole_variables(&self, net: &Net) -> Result<Vec<(String, Tensor)>> {
+        let named = net.named_variables();
+        let cut: Vec<&(String, Tensor)> = named.iter().filter(|(n, _)| vit_split(n) != Split::Whole).collect();
+        let mine: Vec<Tensor> = cut.iter().map(|(_, t)| t.f_to_device(Device::Cpu)?.f_contiguous()?.f_view([-1])).collect::<std::result::Result<_, _>>()?;
+        let mine = if mine.is_empty() { Vec::new() } else { Vec::<f32>::try_from(&Tensor::f_cat(&mine, 0)?)? };
+        let size = self.layout.tensor;
+        let mut everyone = vec![0f32; mine.len() * size];
+        crate::watchdog::collective("gathering the tensor-parallel parts", &self.group.comm, || self.group.comm.all_gather_into(&mine[..], &mut everyone[..]));
+        let mut offset = 0;
+        let mut glued = BTreeMap::new();
+        for (name, t) in &cut {
+            let (len, shape) = (t.numel(), t.size());
+            let parts: Vec<Tensor> = (0..size)
+                .map(|r| Tensor::f_from_slice(&everyone[r * mine.len() + offset..r * mine.len() + offset + len])?.f_view(shape.as_slice()))
+                .collect::<std::result::Result<_, _>>()?;
+            offset += len;
+            glued.insert(name.clone(), glue(&parts, vit_split(name))?);
+        }
+        Ok(named.into_iter().map(|(n, t)| match glued.remove(&n) { Some(whole) => (n, whole), None => (n, t) }).collect())
+    }
+}
+
+/// Rank `rank` of `size`'s part of the whole tensor `w`.
+fn cut_tensor(w: &Tensor, split: Split, rank: usize, size: usize) -> Result<Tensor> {
+    let dim = match split {
+        Split::Whole => return Ok(w.shallow_clone()),
+        Split::Rows { .. } => 0,
+        Split::Columns => 1,
+    };
+    let ranges = held(split, w.size()[dim] as usize, rank, size);
+    let pieces: Vec<Tensor> = ranges.iter().map(|r| w.f_narrow(dim as i64, r.start as i64, r.len() as i64)).collect::<std::result::Result<_, _>>()?;
+    Ok(Tensor::f_cat(&pieces, dim as i64)?)
+}
+
+/// The whole tensor from every rank's part, in rank order (the inverse of [`cut_tensor`]).
+fn glue(parts: &[Tensor], split: Split) -> Result<Tensor> {
+    Ok(match split {
+        Split::Whole => parts[0].shallow_clone(),
+        Split::Columns => Tensor::f_cat(parts, 1)?,
+        Split::Rows { parts: blocks } => {
+            // Each part is `blocks` blocks (q, k, v) of its rows; the whole is block by block,
+            // each block's rows in rank order.
+            let rows = parts[0].size()[0] / blocks as i64;
+            let mut pieces = Vec::with_capacity(blocks * parts.len());
+            for b in 0..blocks as i64 {
+                for p in parts {
+                    pieces.push(p.f_narrow(0, b * rows, rows)?);
+                }
+            }
+            Tensor::f_cat(&pieces, 0)?
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Kind;
+
+    #[test]
+    fn cutting_then_gluing_gives_the_whole_back() {
+        let w = Tensor::arange(12 * 4, (Kind::Float, Device::Cpu)).view([12, 4]);
+        for split in [Split::Rows { parts: 3 }, Split::Rows { parts: 1 }, Split::Columns, Split::Whole] {
+            for size in [1, 2, 4] {
+                let parts: Vec<Tensor> = (0..size).map(|r| cut_tensor(&w, split, r, size).unwrap()).collect();
+                assert!(glue(&parts, split).unwrap().equal(&w), "{split:?} {size}");
+            }
+        }
+        // q, k, v rows of rank 1 of 2: rows 2-3, 6-7, 10-11.
+        let part = cut_tensor(&w, Split::Rows { parts: 3 }, 1, 2).unwrap();
+        let first_column: Vec<f32> = Vec::try_from(&part.select(1, 0)).unwrap();
+        assert_eq!(first_column, vec![8.0, 12.0, 24.0, 28.0, 40.0, 44.0]);
+    }
+}
