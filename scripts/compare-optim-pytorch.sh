@@ -11,8 +11,8 @@
 # DIR/pytorch-equality.md (the table, the machine, the commands) and DIR/pytorch-equality.jsonl
 # (one JSON line per row) beside it.
 #
-#   scripts/compare-optim-pytorch.sh           the whole matrix (25 rows, about 7 minutes on 2 cores)
-#   scripts/compare-optim-pytorch.sh --quick   4 rows (about a minute), table in a scratch folder
+#   scripts/compare-optim-pytorch.sh           the whole matrix (27 rows, about 8 minutes on 2 cores)
+#   scripts/compare-optim-pytorch.sh --quick   5 rows (about a minute), table in a scratch folder
 #   options: --out DIR (default results/large-batch; with --quick a scratch folder),
 #            --rows 1,5,13 (rows of the whole matrix by number), --factor F (default 2),
 #            --nudges K (default 3), --keep-scratch, -h
@@ -24,7 +24,9 @@
 #
 # The rows: the tiny CNN (8 steps, batch 32) and ResNet-18 (4 steps, batch 16; CIFAR-style stem
 # at 28x28), each with sgd, lars and adamw under constant, step, cosine and poly decay after a
-# linear warm-up, some with --scale-lr linear, --label-smoothing 0.1 or a non-zero --end-lr.
+# linear warm-up, some with --scale-lr linear, --label-smoothing 0.1 or a non-zero --end-lr; and
+# vit-tiny (6 steps, batch 16) against torchvision's VisionTransformer of the same configuration
+# (issue 38), with sgd and with adamw under cosine decay.
 # Each model trains on the first B training images of Fashion-MNIST, B its batch: every step
 # then reads the whole subset, so one epoch is one step (E = ceil(samples / batch) = 1) and
 # --warmup-epochs and --lr-steps count steps. PyTorch reads the samples in hpc-train's order
@@ -46,6 +48,8 @@ export HPC_TRAIN_BIN="$BIN_SOURCE"   # hpc_train_mpirun picks the launcher of th
 VENV="${PYTORCH_VENV:-$ROOT/.venv-pytorch}"
 FASHION="${FASHION_H5:-$ROOT/datasets/fashion-mnist.h5}"
 TORCH_VERSION=2.11.0
+# The torchvision of torch 2.11 (the vit-tiny rows build its VisionTransformer).
+TORCHVISION_VERSION=0.26.0
 REF="$ROOT/scripts/optim_reference.py"
 SKIP=77
 
@@ -101,14 +105,14 @@ bin_info="$BIN_SOURCE (built $(date -u -r "$BIN_SOURCE" +%Y-%m-%dT%H:%M:%SZ))"
 # ---- 2. PyTorch: the venv compare-pytorch.sh makes, made here on first use. ----
 PY="$VENV/bin/python"
 venv_ok() {
-    [ -x "$PY" ] && "$PY" -c "import sys, h5py, numpy, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null
+    [ -x "$PY" ] && "$PY" -c "import sys, h5py, numpy, torch, torchvision; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION' or torchvision.__version__.split('+')[0] != '$TORCHVISION_VERSION')" 2>/dev/null
 }
 if ! venv_ok; then
-    say "installing torch $TORCH_VERSION, h5py and numpy into $VENV (about 4.6 GB from PyPI, a minute or two)"
+    say "installing torch $TORCH_VERSION, torchvision $TORCHVISION_VERSION, h5py and numpy into $VENV (about 4.6 GB from PyPI, a minute or two)"
     if ! { { [ -x "$PY" ] || python3 -m venv "$VENV"; } \
         && printf '*\n' > "$VENV/.gitignore" \
-        && "$VENV/bin/pip" install --no-cache-dir -q "torch==$TORCH_VERSION" h5py numpy && venv_ok; }; then
-        echo "compare-optim-pytorch.sh: skipped: PyTorch $TORCH_VERSION with h5py and numpy could not be installed into $VENV" >&2
+        && "$VENV/bin/pip" install --no-cache-dir -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" h5py numpy && venv_ok; }; then
+        echo "compare-optim-pytorch.sh: skipped: PyTorch $TORCH_VERSION with torchvision $TORCHVISION_VERSION, h5py and numpy could not be installed into $VENV" >&2
         exit $SKIP
     fi
 fi
@@ -147,8 +151,10 @@ MATRIX=(
     "23|resnet18|adamw|cosine|$R18_LR_ADAMW --warmup-epochs 2 --end-lr 0.00001"
     "24|resnet18|adamw|poly|--lr 0.0048 --scale-lr linear --base-batch 256 --warmup-epochs 1 --label-smoothing 0.1"
     "25|tiny|sgd|step|$TINY_LR_SGD --warmup-epochs 1.5 --lr-steps 2.25,5.5|fractional epochs: the spec's rule (k counts the milestones m with m E <= s) drops the rate after warm-up 2 (1.5 rounded) at steps 3 (2.25 epochs) and 6 (5.5), not at the nearest steps 2 and 6"
+    "26|vit-tiny|sgd|constant|--lr 0.05 --warmup-epochs 1|torchvision's VisionTransformer (its patch convolution for 1 channel) from the same weights"
+    "27|vit-tiny|adamw|cosine|--lr 0.001 --warmup-epochs 1 --end-lr 0.0001|torchvision's VisionTransformer (its patch convolution for 1 channel) from the same weights"
 )
-QUICK_ROWS="2,8,11,19"
+QUICK_ROWS="2,8,11,19,27"
 [ -n "$rows_wanted" ] || rows_wanted=$([ $quick -eq 1 ] && echo "$QUICK_ROWS" || echo "")
 
 selected=()
@@ -158,7 +164,7 @@ for row in "${MATRIX[@]}"; do
 done
 [ ${#selected[@]} -gt 0 ] || die "--rows $rows_wanted: no such rows (1 to ${#MATRIX[@]})"
 
-steps_of() { [ "$1" = tiny ] && echo 8 || echo 4; }
+steps_of() { case "$1" in tiny) echo 8 ;; vit-tiny) echo 6 ;; *) echo 4 ;; esac; }
 batch_of() { [ "$1" = tiny ] && echo 32 || echo 16; }
 
 declare -A prepared=()

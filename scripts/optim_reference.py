@@ -726,7 +726,7 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
 
     i = sub.add_parser("init", help="the model's initial weights (seeded) as float32 safetensors")
-    i.add_argument("--model", choices=["tiny", "resnet18", "resnet50"], required=True)
+    i.add_argument("--model", choices=["tiny", "resnet18", "resnet50", "vit-tiny"], required=True)
     i.add_argument("--data", required=True, help="the dataset (its image shape and classes)")
     i.add_argument("--seed", type=int, default=42)
     i.add_argument("--out", required=True)
@@ -738,7 +738,7 @@ def main(argv=None):
     s.add_argument("--out", required=True)
 
     t = sub.add_parser("train", help="a few steps in float64 or float32; the final weights as safetensors")
-    t.add_argument("--model", choices=["tiny", "resnet18", "resnet50"], required=True)
+    t.add_argument("--model", choices=["tiny", "resnet18", "resnet50", "vit-tiny"], required=True)
     t.add_argument("--data", required=True)
     t.add_argument("--batch-size", type=int, required=True)
     t.add_argument("--steps", type=int, required=True)

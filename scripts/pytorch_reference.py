@@ -131,6 +131,17 @@ def build_model(kind, channels, height, width, classes):
             x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
             return self.fc(nn.functional.adaptive_avg_pool2d(x, 1).flatten(1))
 
+    if kind == "vit-tiny":
+        # torchvision's own VisionTransformer in hpc-train's vit-tiny configuration
+        # (src/model/vit.rs: 4x4 patches, width 64, 4 layers of 4 heads, an MLP of 128).
+        from torchvision.models.vision_transformer import VisionTransformer
+        if height != width:
+            raise SystemExit(f"pytorch_reference.py: torchvision's VisionTransformer takes square images, not {height}x{width}")
+        vit = VisionTransformer(image_size=height, patch_size=4, num_layers=4, num_heads=4, hidden_dim=64, mlp_dim=128, num_classes=classes)
+        if channels != 3:
+            # torchvision's patch convolution takes RGB; the same layer for the dataset's channels.
+            vit.conv_proj = nn.Conv2d(channels, 64, kernel_size=4, stride=4)
+        return vit
     if kind == "tiny":
         return Tiny()
     if kind == "resnet18":
@@ -500,7 +511,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train as hpc-train does and append a JSON record")
-    t.add_argument("--model", choices=["tiny", "resnet18", "resnet50"], required=True)
+    t.add_argument("--model", choices=["tiny", "resnet18", "resnet50", "vit-tiny"], required=True)
     t.add_argument("--data", required=True)
     t.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
     t.add_argument("--ranks", type=int, default=1, help="1: plain eager; more: DDP over gloo on 127.0.0.1")

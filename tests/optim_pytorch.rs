@@ -4,7 +4,8 @@
 //! the run from those weights and of three from them nudged by an ulp; see
 //! scripts/compare-optim-pytorch.sh). --quick's rows: sgd with step decay and label smoothing,
 //! lars with poly decay and --scale-lr linear, adamw with cosine decay to a non-zero rate,
-//! ResNet-18 with lars and cosine decay; every row after a linear warm-up.
+//! ResNet-18 with lars and cosine decay, vit-tiny against torchvision's VisionTransformer with
+//! adamw and cosine decay; every row after a linear warm-up.
 
 mod common;
 
@@ -43,7 +44,9 @@ fn optimizers_and_schedules_end_with_the_weights_of_torch_optim() {
     let raw = std::fs::read_to_string(out.join("pytorch-equality.jsonl")).unwrap_or_default();
     let rows: Vec<serde_json::Value> = raw.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).unwrap()).collect();
     assert!(run.ok(), "compare-optim-pytorch.sh failed ({:?}, timed out: {}):\n{}\nrows:\n{raw}", run.status, run.timed_out, run.all_output());
-    assert_eq!(rows.len(), 4, "one record per row of --quick:\n{raw}");
+    assert_eq!(rows.len(), 5, "one record per row of --quick:\n{raw}");
+    // Issue 38's model against torchvision's own VisionTransformer.
+    assert!(rows.iter().any(|r| r["model"] == "vit-tiny"), "{raw}");
     for row in &rows {
         let what = format!("{} {} {}", row["model"], row["optimizer"], row["schedule"]);
         assert_eq!(row["pass"], true, "{what}: hpc-train's weights are more than twice as far from PyTorch's float64 run as PyTorch's float32 run:\n{row}");
@@ -57,5 +60,5 @@ fn optimizers_and_schedules_end_with_the_weights_of_torch_optim() {
         }
     }
     let table = std::fs::read_to_string(out.join("pytorch-equality.md")).unwrap();
-    assert!(table.contains("**4 of 4 rows pass.**"), "{table}");
+    assert!(table.contains("**5 of 5 rows pass.**"), "{table}");
 }
