@@ -1,5 +1,6 @@
 //! Tensor parallelism (`--tensor-parallel T`, Megatron's split of a transformer's heads and MLP):
-//! vit-tiny trained with T = 2 and 4, and D x T = 2 x 2, ends with the weights of one rank;
+//! vit-tiny trained with T = 2 and 4, D x T = 2 x 2, P x T = 2 x 2 and D x P x T = 2 x 2 x 2
+//! ends with the weights of one rank;
 //! the evaluation gives one rank's test loss; the record's all-reduce counts match the formula
 //! (4 per encoder layer and step, of batch x tokens x width); a group spanning nodes warns and
 //! still trains alike; what it cannot do is refused by name.
@@ -29,7 +30,8 @@ fn args<'a>(data: &'a str, steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     a
 }
 
-/// T = 2 and 4 (each all-reduce), D x T = 2 x 2, and AdamW at T = 2, against one rank; the
+/// T = 2 and 4 (each all-reduce), D x T = 2 x 2, pipelines of groups (P x T = 2 x 2 with
+/// 1F1B, D x P x T = 2 x 2 x 2 with GPipe), and AdamW at T = 2, against one rank; the
 /// record's figures of the group's all-reduces and of the part each rank holds.
 #[test]
 fn tensor_parallel_trains_to_the_weights_of_one_rank() {
@@ -41,12 +43,17 @@ fn tensor_parallel_trains_to_the_weights_of_one_rank() {
     // 2.8e-5, T = 2 by 3.9e-5 (results/tensor-parallel/README.md).
     let reference = train_saving_weights(&dir, "one-rank", 1, &args(d, "6", &[]));
     let reference_adamw = train_saving_weights(&dir, "one-rank-adamw", 1, &args(d, "6", &["--optimizer", "adamw", "--lr", "0.001", "--no-eval"]));
-    let cases: [(&str, usize, Vec<&str>, &PathBuf); 6] = [
+    let pipelined = ["--pipeline-stages", "2", "--micro-batches", "4", "--partition", "params"];
+    let p2t2: Vec<&str> = ["--tensor-parallel", "2"].iter().chain(&pipelined).copied().collect();
+    let d2p2t2: Vec<&str> = ["--tensor-parallel", "2", "--strategy", "ring", "--schedule", "gpipe"].iter().chain(&pipelined).copied().collect();
+    let cases: [(&str, usize, Vec<&str>, &PathBuf); 8] = [
         ("t2", 2, vec!["--tensor-parallel", "2"], &reference),
         ("t2-ring", 2, vec!["--tensor-parallel", "2", "--tp-allreduce", "ring"], &reference),
         ("t4-rhd", 4, vec!["--tensor-parallel", "4", "--tp-allreduce", "rhd"], &reference),
         ("t4", 4, vec!["--tensor-parallel", "4"], &reference),
         ("d2-t2", 4, vec!["--tensor-parallel", "2", "--strategy", "ring"], &reference),
+        ("p2-t2", 4, p2t2, &reference),
+        ("d2-p2-t2", 8, d2p2t2, &reference),
         ("t2-adamw", 2, vec!["--tensor-parallel", "2", "--optimizer", "adamw", "--lr", "0.001", "--no-eval"], &reference_adamw),
     ];
     for (name, ranks, extra, against) in &cases {
@@ -75,15 +82,18 @@ fn tensor_parallel_trains_to_the_weights_of_one_rank() {
         let extra = &r["extra"];
         let get = |key: &str| extra[key].as_u64().unwrap_or_else(|| panic!("{key} in {r}"));
         let (t, ranks) = (get("tensor_parallel"), r["ranks"].as_u64().unwrap());
-        assert_eq!(extra["layout"], serde_json::json!({ "data": ranks / t, "pipeline": 1, "tensor": t }), "{r}");
-        assert_eq!(r["workers"].as_u64().unwrap(), ranks / t, "a group is one worker: {r}");
+        let p = r["pipeline"]["pipeline_stages"].as_u64().unwrap_or(1);
+        assert_eq!(extra["layout"], serde_json::json!({ "data": ranks / t / p, "pipeline": p, "tensor": t }), "{r}");
+        assert_eq!(r["workers"].as_u64().unwrap(), ranks / t / p, "a pipeline of groups is one worker: {r}");
         assert_eq!(get("parameters"), params, "the whole model's count: {r}");
-        // Each group's batch: the global batch over the D groups (the last step is full: 96 = 6 x 16).
-        let batch = 16 / (ranks / t);
+        // Each group's batch: the global batch over the D replicas (the last step is full: 96 = 6 x 16).
+        let batch = 16 / (ranks / t / p);
         assert_eq!(r["batch_per_rank"].as_u64().unwrap(), batch, "{r}");
-        // Two all-reduces in forward and two in backward per encoder layer.
-        assert_eq!(get("tp_allreduce_calls"), 4 * LAYERS, "{r}");
-        assert_eq!(get("tp_allreduce_elements"), 4 * LAYERS * batch * TOKENS * WIDTH, "{r}");
+        // Two all-reduces in forward and two in backward per encoder layer (rank 0's: those of
+        // its stage, 2 of the 4 layers cut by parameters, each micro-batch apart).
+        let (layers, micro_batches) = if p == 1 { (LAYERS, 1) } else { (2, 4) };
+        assert_eq!(get("tp_allreduce_calls"), 4 * layers * micro_batches, "{r}");
+        assert_eq!(get("tp_allreduce_elements"), 4 * layers * batch * TOKENS * WIDTH, "{r}");
         // Each rank sends 2(T-1)/T of every buffer (ring and recursive halving alike).
         let sent = extra["tp_bytes_sent"].as_f64().unwrap();
         let expected = (4 * get("tp_allreduce_elements")) as f64 * 2.0 * (t - 1) as f64 / t as f64;
@@ -94,14 +104,20 @@ fn tensor_parallel_trains_to_the_weights_of_one_rank() {
         // + 128 x 64 = 37,056) cut in T.
         let whole_per_layer = 4 * 64 + 64 + 64;
         let cut_per_layer = 3 * 64 * 64 + 3 * 64 + 64 * 64 + 64 * 128 + 128 + 128 * 64;
-        let held = params - LAYERS * cut_per_layer * (t - 1) / t;
-        assert_eq!(get("parameter_bytes_held"), 4 * held, "{r}");
         assert!(whole_per_layer + cut_per_layer < params, "{r}");
-        assert_eq!(get("optimizer_state_bytes"), if r["optimizer"] == "adamw" { 8 * held } else { 4 * held }, "{r}");
+        if p == 1 {
+            let held = params - LAYERS * cut_per_layer * (t - 1) / t;
+            assert_eq!(get("parameter_bytes_held"), 4 * held, "{r}");
+            assert_eq!(get("optimizer_state_bytes"), if r["optimizer"] == "adamw" { 8 * held } else { 4 * held }, "{r}");
+        } else {
+            // A stage: the embedding or the head with 2 layers, each layer's part.
+            let held = get("parameter_bytes_held") / 4;
+            assert!(held < params / 2 && held > 2 * (whole_per_layer + cut_per_layer / t), "{r}");
+        }
     }
     // The evaluation: every group's ranks see the same samples, counted once.
     let evaluated: Vec<&serde_json::Value> = runs.iter().filter(|r| r["test_loss"].as_f64().is_some()).collect();
-    assert_eq!(evaluated.len(), 6, "{evaluated:#?}");
+    assert_eq!(evaluated.len(), 8, "{evaluated:#?}");
     for r in &evaluated {
         let (loss, reference) = (r["test_loss"].as_f64().unwrap(), one["test_loss"].as_f64().unwrap());
         assert!((loss - reference).abs() < 1e-4 * reference.abs(), "test loss {loss} against {reference}: {r}");
@@ -137,7 +153,7 @@ fn tensor_parallel_refuses_what_it_cannot_run() {
         (3, vec!["--tensor-parallel", "2"], "--tensor-parallel 2 x --pipeline-stages 1 = 2 does not divide the 3 ranks"),
         (2, vec!["--tensor-parallel", "2", "--model", "tiny"], "--tensor-parallel 2 splits a transformer's attention heads and MLP over ranks; --model tiny has none"),
         (2, vec!["--tensor-parallel", "2", "--zero", "1"], "--tensor-parallel 2 with --zero 1"),
-        (4, vec!["--tensor-parallel", "2", "--pipeline-stages", "2"], "--tensor-parallel 2 with --pipeline-stages"),
+        (4, vec!["--tensor-parallel", "2", "--pipeline-stages", "3"], "--tensor-parallel 2 x --pipeline-stages 3 = 6 does not divide the 4 ranks"),
         (2, vec!["--tensor-parallel", "2", "--strategy", "ps"], "--tensor-parallel 2 with --strategy ps"),
         (2, vec!["--tensor-parallel", "2", "--checkpoint-dir", checkpoints.to_str().unwrap()], "--tensor-parallel 2 with --checkpoint-dir"),
         (2, vec!["--tp-allreduce", "ring"], "--tp-allreduce is an option of --tensor-parallel"),

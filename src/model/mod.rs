@@ -148,12 +148,11 @@ pub fn build(kind: ModelKind, vs: &nn::Path, spec: InputSpec) -> nn::FuncT<'stat
     sequence(blocks.into_iter().map(|b| b.module).collect())
 }
 
-/// `kind` (a transformer) as rank `split.rank` of a tensor-parallel group builds it: its part
-/// of every encoder layer (plan/tensor.rs), the rest whole. None for a model without heads.
-pub fn build_tensor_parallel(kind: ModelKind, vs: &nn::Path, spec: InputSpec, split: vit::TensorSplit) -> Option<nn::FuncT<'static>> {
-    let config = kind.vit_config()?;
-    let blocks = vit::vit_blocks(spec, config, |_| vs.clone(), Some(split));
-    Some(sequence(blocks.into_iter().map(|b| b.module).collect()))
+/// The blocks of `kind` (a transformer) as a rank of a tensor-parallel group builds them, as
+/// [`build_blocks`] does: its part of every encoder layer (plan/tensor.rs), the rest whole.
+/// None for a model without attention heads.
+pub fn build_blocks_tensor_parallel<'a>(kind: ModelKind, spec: InputSpec, path_of: impl Fn(usize) -> nn::Path<'a>, split: vit::TensorSplit) -> Option<Vec<Block>> {
+    Some(vit::vit_blocks(spec, kind.vit_config()?, path_of, Some(split)))
 }
 
 /// The blocks of `kind` in forward order; block `i` creates its variables under `path_of(i)`

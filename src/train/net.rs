@@ -66,12 +66,7 @@ impl Net {
             }
             NetLayout::Stage(cut) => {
                 let scratch = nn::VarStore::new(Device::Cpu);
-                let mut blocks: Vec<Option<model::Block>> =
-                    model::build_blocks(args.model, spec, |b| if cut.holds(b) { vs.root() } else { scratch.root() }).into_iter().map(Some).collect();
-                cut.chunks
-                    .iter()
-                    .map(|(index, range)| (*index, model::sequence(range.clone().map(|b| blocks[b].take().expect("a block is in one chunk").module).collect())))
-                    .collect()
+                stage_chunks(model::build_blocks(args.model, spec, |b| if cut.holds(b) { vs.root() } else { scratch.root() }), cut)
             }
         };
         vs.set_device(device);
@@ -130,6 +125,15 @@ impl Net {
     pub(super) fn grads(&self) -> Vec<Tensor> {
         self.params.iter().map(|p| p.grad()).collect()
     }
+}
+
+/// A pipeline stage's chunks, each its blocks in sequence, from the whole model's `blocks`.
+pub(super) fn stage_chunks(blocks: Vec<model::Block>, cut: &StageCut) -> Vec<(usize, nn::FuncT<'static>)> {
+    let mut blocks: Vec<Option<model::Block>> = blocks.into_iter().map(Some).collect();
+    cut.chunks
+        .iter()
+        .map(|(index, range)| (*index, model::sequence(range.clone().map(|b| blocks[b].take().expect("a block is in one chunk").module).collect())))
+        .collect()
 }
 
 /// The names of `kind`'s blocks, and the block that creates each variable (by name): a build

@@ -27,6 +27,7 @@ impl Run<'_> {
     /// One pipelined step: the stage's schedule over the micro-batches, then the exchange of
     /// the accumulated gradients among the stage's replicas and the optimizer step.
     pub(super) fn pipeline_step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
+        let tensor_parallel_before = self.tensor_parallel.as_ref().map(|tp| tp.counts());
         let (batch, data_wait) = self.begin_step(step, state)?;
         let compute_start = Instant::now();
         let mut grads = self.net.grads();
@@ -58,6 +59,9 @@ impl Run<'_> {
         let comm = comm_start.elapsed();
         let optimizer = self.optimizer.take_busy();
         let comm = comm.saturating_sub(optimizer);
+        if let (Some(tp), Some(before)) = (&mut self.tensor_parallel, tensor_parallel_before) {
+            tp.note_step(&before, measured);
+        }
         let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total: comm, exchange_exposed: comm };
         // The loss and its samples count once, on the stage that computes them.
         Ok(StepDone { timings, loss_sum, samples: if last_stage { n } else { 0 }, epoch: batch.epoch })
@@ -110,16 +114,26 @@ impl Run<'_> {
             }
             Ok(())
         })?;
+        // A tensor-parallel group's ranks score the same samples; the first counts them.
+        let counted = self.tensor_parallel.as_ref().is_none_or(|tp| tp.rank == 0);
+        let (loss_sum, correct) = if counted { (loss_sum, correct) } else { (0.0, 0.0) };
         let (loss_sum, correct) = sum_pair(&self.world.comm, loss_sum, correct);
         let n = info.test.len as f64;
         Ok((loss_sum / n, correct / n))
     }
 
-    /// The whole model's variables on rank 0 (None elsewhere), sent by the first pipeline's
-    /// stages: for --save-weights. Collective over the first pipeline.
-    pub(super) fn gather_whole_model(&self) -> Result<Option<Vec<(String, Tensor)>>> {
+    /// The ranks the pipelines run over: the world, or with tensor parallelism the ranks of
+    /// this rank's place in the groups.
+    pub(super) fn pipeline_world(&self) -> &crate::topology::World {
+        self.tensor_parallel.as_ref().map_or(self.world, |tp| &tp.plane)
+    }
+
+    /// The whole model's variables on the first rank of the pipelines' world (None elsewhere),
+    /// from `mine`, each stage's variables, sent by the first pipeline's stages: for
+    /// --save-weights. Collective over the first pipeline.
+    pub(super) fn gather_whole_model(&self, mine: Vec<(String, Tensor)>) -> Result<Option<Vec<(String, Tensor)>>> {
         let pipeline = self.pipeline.as_ref().expect("a pipelined run");
-        let all = pipeline.gather_named(self.net.named_variables())?;
+        let all = pipeline.gather_named(mine)?;
         if let Some(all) = &all {
             let whole = nn::VarStore::new(Device::Cpu);
             let _model = crate::model::build(self.args.model, &whole.root(), self.spec);

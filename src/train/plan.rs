@@ -37,8 +37,10 @@ impl Plan {
     pub(super) fn resolve(args: &TrainArgs, world: &World) -> Result<Plan> {
         // First: choosing the device is collective over the node's ranks (before any early return).
         let device = choose_device(args.device, args.allow_gpu_sharing, world);
-        let pipeline = args.pipeline.plan(&args.given, world.size as usize, args.strategy, args.model)?;
-        check_tensor_parallel(args, world.size as usize, pipeline.is_some())?;
+        check_tensor_parallel(args, world.size as usize)?;
+        // With tensor parallelism a pipeline's stages are groups: the grid lays out the ranks of
+        // one place in the groups (N / T of them).
+        let pipeline = args.pipeline.plan(&args.given, world.size as usize / args.tensor_parallel as usize, args.strategy, args.model)?;
         // A pipelined run's workers are its pipelines (the replicas), each taking a batch; a
         // tensor-parallel run's, its groups.
         let workers = match &pipeline {
@@ -113,7 +115,7 @@ impl Plan {
 }
 
 /// What `--tensor-parallel` needs and cannot do yet, refused with the reason.
-fn check_tensor_parallel(args: &TrainArgs, ranks: usize, pipelined: bool) -> Result<()> {
+fn check_tensor_parallel(args: &TrainArgs, ranks: usize) -> Result<()> {
     let t = args.tensor_parallel as usize;
     if t == 1 {
         if args.given.has("tp_allreduce") {
@@ -128,11 +130,8 @@ fn check_tensor_parallel(args: &TrainArgs, ranks: usize, pipelined: bool) -> Res
         ))
     })?;
     crate::plan::tensor::check_divides(args.model.name(), config.heads as usize, config.mlp as usize, t).map_err(Error::usage)?;
-    crate::plan::tensor::Layout::new(ranks, 1, t).map_err(Error::usage)?;
+    crate::plan::tensor::Layout::new(ranks, args.pipeline.pipeline_stages as usize, t).map_err(Error::usage)?;
     let refuse = |what: &str, why: &str| Err(Error::usage(format!("--tensor-parallel {t} with {what}: {why}")));
-    if pipelined {
-        return refuse("--pipeline-stages or --micro-batches", "pipeline stages of tensor-parallel groups are not built yet; use one or the other");
-    }
     if args.zero > 0 {
         return refuse(&format!("--zero {}", args.zero), "the ZeRO stages shard whole parameters over all ranks, not a group's parts; use --zero 0");
     }

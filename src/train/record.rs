@@ -29,9 +29,17 @@ impl Run<'_> {
         }
         if let Some(path) = &args.save_weights {
             if self.pipeline.is_some() {
-                // The stages of the first pipeline send their variables to rank 0.
-                if let Some(whole) = world.agree(self.gather_whole_model())? {
-                    save_named(whole, path)?;
+                // The stages of the first pipeline send their variables to rank 0 (with tensor
+                // parallelism, each stage's glued from its group's parts first; every place in
+                // the groups gathers, its first rank holds the whole, rank 0 writes).
+                let mine = match &self.tensor_parallel {
+                    Some(tp) => world.agree(tp.whole_variables(&self.net))?,
+                    None => self.net.named_variables(),
+                };
+                if let Some(whole) = world.agree(self.gather_whole_model(mine))? {
+                    if world.is_root() {
+                        save_named(whole, path)?;
+                    }
                 }
             } else if self.fsdp.is_some() {
                 // Every unit gathered for rank 0's write, let go after it.
@@ -48,7 +56,10 @@ impl Run<'_> {
             }
         }
         if let (Some(pipeline), Some(path)) = (&self.pipeline, &args.pipeline.pipeline_timeline) {
-            world.agree(pipeline.write_timeline(world, path))?;
+            // With tensor parallelism, the timeline of the groups' first ranks (the others run
+            // the same schedule).
+            let first_place = self.tensor_parallel.as_ref().is_none_or(|tp| tp.rank == 0);
+            world.agree(if first_place { pipeline.write_timeline(self.pipeline_world(), path) } else { Ok(()) })?;
         }
         let last_step = broadcast_step(&world.comm, Some(out.last_step)).unwrap_or(out.last_step);
         let checkpointed = broadcast_step(&world.comm, self.checkpoints.newest_good) == Some(last_step);
@@ -114,7 +125,7 @@ impl Run<'_> {
         // Memory held between steps (after the last one), the largest over the ranks.
         let held = self.exchange.held_bytes(&self.net.params, &self.optimizer);
         let (optimizer_state_bytes, gradient_bytes) = (world.max_f64(held.optimizer_state as f64), world.max_f64(held.gradients as f64));
-        let pipeline = self.pipeline.as_ref().map(|p| p.record(world, args));
+        let pipeline = self.pipeline.as_ref().map(|p| p.record(self.pipeline_world(), args));
         let parameters = match &self.pipeline {
             // Each stage's parameters once (from the first pipeline).
             Some(p) => world.sum_f64(if p.replica == 0 { self.net.params.iter().map(|t| t.numel()).sum::<usize>() as f64 } else { 0.0 }) as usize,

@@ -60,17 +60,6 @@ impl<'a> Run<'a> {
         let steps_per_epoch = info.train.len.div_ceil(global_batch) as u64;
         let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
         world.agree(check_model_fits(args, &info, &plan, world))?;
-        // A pipeline: the cut of the model, then this rank's stage of it.
-        let (pipeline, stage_cut) = match plan.pipeline {
-            Some(pp) => {
-                let micro_batch = plan.batch.div_ceil(pp.shape.micro_batches);
-                let cut = world.agree(choose_cut(world, args.model, input_spec(&info), &args.pipeline.partition, pp.shape.chunks(), micro_batch, plan.device))?;
-                let stage_cut = cut.stage(&pp.shape, pp.grid.stage_of(world.rank as usize));
-                let pipeline = world.agree(Pipeline::new(world, pp, cut, plan.device, plan.cuda_aware, args.pipeline.recompute, args.pipeline.pipeline_timeline.is_some()))?;
-                (Some(pipeline), Some(stage_cut))
-            }
-            None => (None, None),
-        };
         // --tensor-parallel: the groups, and their all-reduce behind the model's layers.
         let tensor_parallel = match args.tensor_parallel {
             1 => None,
@@ -78,6 +67,19 @@ impl<'a> Run<'a> {
                 let config = exchange_config(world, args, &plan, args.recipe.config(), args.recipe.schedule(global_batch, steps_per_epoch, total_steps), 0)?;
                 Some(world.agree(TensorParallel::new(world, args, &config))?)
             }
+        };
+        // A pipeline: the cut of the model, then this rank's stage of it. With tensor
+        // parallelism, the pipelines run over the ranks of one place in the groups.
+        let pipeline_world = tensor_parallel.as_ref().map_or(world, |tp| &tp.plane);
+        let (pipeline, stage_cut) = match plan.pipeline {
+            Some(pp) => {
+                let micro_batch = plan.batch.div_ceil(pp.shape.micro_batches);
+                let cut = world.agree(choose_cut(world, args.model, input_spec(&info), &args.pipeline.partition, pp.shape.chunks(), micro_batch, plan.device))?;
+                let stage_cut = cut.stage(&pp.shape, pp.grid.stage_of(pipeline_world.rank as usize));
+                let pipeline = world.agree(Pipeline::new(pipeline_world, pp, cut, plan.device, plan.cuda_aware, args.pipeline.recompute, args.pipeline.pipeline_timeline.is_some()))?;
+                (Some(pipeline), Some(stage_cut))
+            }
+            None => (None, None),
         };
         // The ranks that hold the same variables: all of them, a stage's replicas, or the ranks
         // of the other groups that hold the same part.
@@ -106,7 +108,7 @@ impl<'a> Run<'a> {
         broadcast_from_root(&replicas.comm, &net.named_variables().into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
         // --tensor-parallel: this rank's part cut from the whole model, which goes.
         if let Some(tp) = &tensor_parallel {
-            net = world.agree(tp.cut(net, args.model, spec, plan.device))?;
+            net = world.agree(tp.cut(net, args.model, spec, plan.device, stage_cut.as_ref()))?;
         }
         if args.channels_last {
             world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;

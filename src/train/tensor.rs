@@ -30,7 +30,8 @@ use crate::plan::tensor::{held, vit_split, Layout, Split};
 use crate::raw::{self, RegionAllReduce, RegisteredGroup};
 use crate::topology::World;
 
-use super::net::Net;
+use super::net::{stage_chunks, Net};
+use super::stages::StageCut;
 use super::options::TrainArgs;
 
 /// What the group's all-reduces have cost so far (forward and backward, training and
@@ -77,8 +78,12 @@ pub(super) struct TensorParallel {
     pub(super) rank: usize,
     /// The T ranks that compute one replica's layers together.
     pub(super) group: World,
-    /// The D ranks that hold this rank's part: the data-parallel exchange runs on them.
+    /// The D ranks that hold this rank's part: the data-parallel exchange runs on them (with a
+    /// pipeline, the stage's replicas among `plane` do).
     pub(super) replicas: World,
+    /// The N / T ranks with this rank's place in their groups: with a pipeline, its stages
+    /// and replicas (a stage's activations go to the same place in the next stage's group).
+    pub(super) plane: World,
     /// The group's all-reduce as `--tp-allreduce` names it, and its bus factor (bytes each rank
     /// sends per byte reduced).
     pub(super) strategy: &'static str,
@@ -96,11 +101,12 @@ impl TensorParallel {
     /// Collective over `world`: splits it into groups and replicas, and builds the group's
     /// all-reduce.
     pub(super) fn new(world: &World, args: &TrainArgs, config: &ExchangeConfig) -> Result<TensorParallel> {
-        let layout = Layout::new(world.size as usize, 1, args.tensor_parallel as usize).map_err(Error::usage)?;
+        let layout = Layout::new(world.size as usize, args.pipeline.pipeline_stages as usize, args.tensor_parallel as usize).map_err(Error::usage)?;
         let rank = world.rank as usize;
         let split = |color: usize| world.comm.split_by_color_with_key(Color::with_value(color as i32), world.rank).expect("every rank has a colour");
         let group = World::new(split(layout.tensor_group(rank)))?;
         let replicas = World::new(split(layout.data_group(rank)))?;
+        let plane = World::new(split(layout.tensor_rank(rank)))?;
         if group.nodes() > 1 && world.is_root() {
             log::warn!(
                 "--tensor-parallel {}: a tensor-parallel group spans {} nodes; its all-reduces (4 per encoder layer and step, of batch x tokens x width each) cross the network, where they are slowest. Put whole groups on a node (T at most the ranks per node, and a multiple of nodes' ranks)",
@@ -118,6 +124,7 @@ impl TensorParallel {
             rank: layout.tensor_rank(rank),
             group,
             replicas,
+            plane,
             strategy,
             bus_factor,
             counts,
@@ -147,13 +154,19 @@ impl TensorParallel {
         }
     }
 
-    /// This rank's part of the whole model `net` (every rank holds the same whole model): the
-    /// tensor-parallel model with every variable cut from the whole one of its name.
-    pub(super) fn cut(&self, net: Net, kind: model::ModelKind, spec: InputSpec, device: Device) -> Result<Net> {
+    /// This rank's part of `net`, the whole model or a pipeline stage's whole blocks (`stage`;
+    /// every rank of a group holds the same): its blocks built for the group, every variable cut
+    /// from the whole one of its name.
+    pub(super) fn cut(&self, net: Net, kind: model::ModelKind, spec: InputSpec, device: Device, stage: Option<&StageCut>) -> Result<Net> {
         let whole: BTreeMap<String, Tensor> = net.named_variables().into_iter().collect();
-        let vs = nn::VarStore::new(Device::Cpu);
-        let model = model::build_tensor_parallel(kind, &vs.root(), spec, self.split())
+        let (vs, scratch) = (nn::VarStore::new(Device::Cpu), nn::VarStore::new(Device::Cpu));
+        let held = |b: usize| stage.is_none_or(|cut| cut.holds(b));
+        let blocks = model::build_blocks_tensor_parallel(kind, spec, |b| if held(b) { vs.root() } else { scratch.root() }, self.split())
             .ok_or_else(|| Error::usage(format!("--tensor-parallel: --model {} has no attention heads to split", kind.name())))?;
+        let chunks = match stage {
+            Some(cut) => stage_chunks(blocks, cut),
+            None => vec![(0, model::sequence(blocks.into_iter().map(|b| b.module).collect()))],
+        };
         tch::no_grad(|| -> Result<()> {
             for (name, variable) in vs.variables() {
                 let w = whole.get(&name).ok_or_else(|| Error::usage(format!("--tensor-parallel: the whole model has no {name}")))?;
@@ -166,7 +179,7 @@ impl TensorParallel {
         drop(net);
         let mut vs = vs;
         vs.set_device(device);
-        Ok(Net::from_store(vs, vec![(0, model)]))
+        Ok(Net::from_store(vs, chunks))
     }
 
     /// The whole model's variables by name, glued from every rank's part (collective over the
