@@ -14,6 +14,7 @@ mod element;
 mod error;
 mod exchange;
 mod faults;
+mod layouts;
 mod model;
 mod mpi_library;
 mod optim;

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cost::{coefficients, fit_network, fit_two, Algorithm, Coefficients, CostModel, Layout, LinkCost, MeasuredCurve, MeasuredPoint};
 use crate::error::{Error, Result, WithPath};
+use crate::layouts::{self, Setting, Transformer};
 use crate::model::ModelKind;
 use crate::report::ReportArgs;
 use crate::results::{self, RunRecord};
@@ -94,6 +95,60 @@ pub struct ProjectArgs {
     /// Micro-batches per step of the projected pipelines (each pipeline takes --batch).
     #[arg(long, default_value_t = 16)]
     pub micro_batches: usize,
+    /// Instead of scaling tables: the 3D layouts (data x pipeline x tensor, micro-batch size) of
+    /// --transformer on --gpus GPUs of the profile that fit --gpu-memory-gb, each with its
+    /// projected step split into compute, bubble and the three kinds of communication (issue 38).
+    #[arg(long)]
+    pub plan: bool,
+    /// With --plan: the transformer (its shape; --layers, --hidden, --heads, --tokens, --vocab
+    /// change it).
+    #[arg(long, value_enum, default_value_t = TransformerKind::Gpt3)]
+    pub transformer: TransformerKind,
+    #[arg(long)]
+    pub layers: Option<usize>,
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// Sequence length, or a ViT's tokens.
+    #[arg(long)]
+    pub tokens: Option<usize>,
+    /// Vocabulary, or a ViT's classes.
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// With --plan: GPUs (ranks) in all.
+    #[arg(long, default_value_t = 1024)]
+    pub gpus: usize,
+    /// With --plan: sequences (or images) per step over all replicas.
+    #[arg(long, default_value_t = 1536)]
+    pub global_batch: usize,
+    /// With --plan: memory per GPU, GB (10^9 bytes).
+    #[arg(long, default_value_t = 80.0)]
+    pub gpu_memory_gb: f64,
+    /// With --plan: what one GPU sustains on the model's layers, TFLOP/s [default: 156, half the
+    /// A100's 312 dense fp16/bf16 peak].
+    #[arg(long, default_value_t = 156.0)]
+    pub gpu_tflops: f64,
+    /// With --plan: layouts shown in the table (all of them go to the JSON lines).
+    #[arg(long, default_value_t = 12)]
+    pub show: usize,
+}
+
+/// `--transformer`: shapes with published parameter counts (layouts.rs).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransformerKind {
+    /// GPT-3 175B: 96 layers, width 12288, 96 heads, sequence 2048.
+    #[value(name = "gpt3-175b")]
+    Gpt3,
+    /// Narayanan et al.'s 145.6B row of table 1: 80 layers, width 12288, 96 heads.
+    #[value(name = "megatron-145b")]
+    Megatron145b,
+    /// ViT-H/14 at 224x224: 32 layers, width 1280, 16 heads, 257 tokens.
+    #[value(name = "vit-h14")]
+    VitH14,
+    /// ViT-B/16 at 224x224 (hpc-train's vit-b16).
+    #[value(name = "vit-b16")]
+    VitB16,
 }
 
 /// The bench.jsonl fields the fit reads.
@@ -529,6 +584,9 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
     let base = args.profile.parent().unwrap_or(Path::new("."));
     let (model, mpi_allreduce) = profile.model(base).or_else(|_| profile.model(Path::new(".")))?;
     let per_node = args.ranks_per_node.unwrap_or(profile.ranks_per_node).max(1);
+    if args.plan {
+        return plan_layouts(args, &profile, &model, per_node);
+    }
     let ranks = crate::study::parse_ranks(&args.ranks, usize::MAX)?;
     let compute_s = match (args.compute_ms, &args.from_runs) {
         (Some(ms), _) => ms * 1e-3,
@@ -610,6 +668,87 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
     if args.validate_bench.is_some() || args.validate_runs.is_some() {
         validate(predictor, args)?;
     }
+    Ok(())
+}
+
+/// `project --plan`: the layouts that fit, fastest first, as a table (the first --show) and
+/// JSON lines (all).
+fn plan_layouts(args: &ProjectArgs, profile: &Profile, model: &CostModel, per_node: usize) -> Result<()> {
+    let preset = match args.transformer {
+        TransformerKind::Gpt3 => Transformer::GPT3_175B,
+        TransformerKind::Megatron145b => Transformer::MEGATRON_145B,
+        TransformerKind::VitH14 => Transformer::VIT_H14,
+        TransformerKind::VitB16 => Transformer::VIT_B16,
+    };
+    let hidden = args.hidden.unwrap_or(preset.hidden);
+    // A changed width keeps the preset's MLP ratio.
+    let shape = Transformer {
+        layers: args.layers.unwrap_or(preset.layers),
+        hidden,
+        heads: args.heads.unwrap_or(preset.heads),
+        mlp: preset.mlp * hidden / preset.hidden,
+        tokens: args.tokens.unwrap_or(preset.tokens),
+        vocab: args.vocab.unwrap_or(preset.vocab),
+    };
+    let positive = |v: f64, flag: &str| if v.is_finite() && v > 0.0 { Ok(v) } else { Err(Error::usage(format!("--{flag} {v}: expected a positive number"))) };
+    if [shape.layers, shape.hidden, shape.heads, shape.tokens, args.gpus, args.global_batch].contains(&0) {
+        return Err(Error::usage("--plan: --layers, --hidden, --heads, --tokens, --gpus and --global-batch must be at least 1"));
+    }
+    if shape.hidden % shape.heads != 0 {
+        return Err(Error::usage(format!("--plan: width {} is not a multiple of the {} heads", shape.hidden, shape.heads)));
+    }
+    let setting = Setting {
+        model,
+        gpus: args.gpus,
+        per_node,
+        global_batch: args.global_batch,
+        memory_bytes: positive(args.gpu_memory_gb, "gpu-memory-gb")? * 1e9,
+        flops_per_gpu: positive(args.gpu_tflops, "gpu-tflops")? * 1e12,
+    };
+    let all = layouts::plan(&shape, &setting);
+    let name = match (args.transformer, args.layers.or(args.hidden).or(args.heads).or(args.tokens).or(args.vocab)) {
+        (kind, None) => format!("{kind:?}").to_lowercase(),
+        (kind, Some(_)) => format!("{}-l{}-h{}", format!("{kind:?}").to_lowercase(), shape.layers, shape.hidden),
+    };
+    let slug = format!("{}-{name}-{}gpus", args.profile.file_stem().and_then(|s| s.to_str()).unwrap_or("profile"), args.gpus);
+    let mut text = format!(
+        "# Layouts of {name} on {} GPUs of {} ({per_node} per node)
+
+Projected, not measured: {:.1} billion parameters ({} layers, width {}, {} heads, MLP {}, {} tokens, vocabulary {}); global batch {}; {} GB per GPU; {} TFLOP/s sustained per GPU on the layers; cost model {}.
+
+",
+        args.gpus, profile.name, shape.parameters() / 1e9, shape.layers, shape.hidden, shape.heads, shape.mlp, shape.tokens, shape.vocab, args.global_batch,
+        args.gpu_memory_gb, args.gpu_tflops, serde_json::to_string(model).unwrap_or_default()
+    );
+    if all.is_empty() {
+        text.push_str("No layout fits: every (D, P, T, b) needs more memory per GPU than given.
+");
+    } else {
+        text.push_str(&format!("{} layouts fit; the {} fastest:
+
+", all.len(), args.show.min(all.len())));
+        text.push_str("| D | P | T | micro-batch | micro-batches | recompute | memory GB | compute s | bubble s | TP comm s | PP comm s | DP comm s | step s | TFLOP/s per GPU |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+");
+        for (i, p) in all.iter().take(args.show).enumerate() {
+            text.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} | {:.1} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3}{} | {:.0} |
+",
+                p.data, p.pipeline, p.tensor, p.micro_batch, p.micro_batches, if p.recompute { "yes" } else { "no" }, p.memory_bytes() / 1e9,
+                p.compute_s, p.bubble_s, p.tensor_s, p.pipeline_s, p.data_s, p.step_s, if i == 0 { " (fastest)" } else { "" }, p.achieved_flops_per_gpu / 1e12
+            ));
+        }
+    }
+    std::fs::create_dir_all(&args.out).at(&args.out)?;
+    let md = args.out.join(format!("{slug}-plan.md"));
+    std::fs::write(&md, &text).at(&md)?;
+    let lines = args.out.join(format!("{slug}-plan.jsonl"));
+    let _ = std::fs::remove_file(&lines);
+    for (rank, p) in all.iter().enumerate() {
+        results::append_json_line(&lines, &serde_json::json!({ "rank": rank + 1, "transformer": name, "gpus": args.gpus, "layout": p }))?;
+    }
+    print!("{text}");
+    println!("wrote {} and {}", md.display(), lines.display());
     Ok(())
 }
 

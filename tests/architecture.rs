@@ -39,6 +39,7 @@ const FLOORS: &[(&str, u32)] = &[
     // Planning, without MPI: schedules, shard arithmetic, bucket plans, the cost model.
     ("plan", 2),
     ("cost", 2),
+    ("layouts", 2),
     // MPI, tensor memory and what everything shares. `raw` covers every file of src/raw/.
     ("raw", 1),
     ("mpi_library", 1),

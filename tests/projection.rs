@@ -107,3 +107,54 @@ fn the_fit_knows_ranks_that_share_a_nodes_link() {
     let run = hpc_train(&["model", "fit", "--bench", bench.to_str().unwrap(), "--out", model.to_str().unwrap(), "--nics-per-node", "0"]);
     assert!(!run.ok() && run.all_output().contains("--nics-per-node"), "{}", run.all_output());
 }
+
+/// `project --plan` (issue 38): GPT-3 175B on 1,024 GPUs of the DGX A100 profile. Every layout
+/// listed fits the memory given and multiplies out to the GPUs and the batch; the fastest is
+/// marked and first; GPT-3 needs model parallelism (no layout without it fits 80 GB); halving the
+/// memory leaves fewer layouts; bad input is refused by name.
+#[test]
+fn the_plan_lists_the_layouts_that_fit_fastest_first() {
+    let out = scratch("plan");
+    let profile = root().join("jobs/clusters/dgx-a100-hdr.toml");
+    let plan = |extra: &[&str]| {
+        let mut a = vec!["project", "--plan", "--profile", profile.to_str().unwrap(), "--transformer", "gpt3-175b", "--gpus", "1024", "--global-batch", "1536", "--out", out.to_str().unwrap()];
+        a.extend(extra);
+        hpc_train(&a)
+    };
+    let run = plan(&[]).expect_ok();
+    assert!(run.stdout.contains("(fastest)") && run.stdout.contains("| D | P | T |"), "{}", run.stdout);
+    let rows = |path: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(out.join(path)).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let all = rows("dgx-a100-hdr-gpt3-1024gpus-plan.jsonl");
+    assert!(all.len() > 10, "{}", all.len());
+    let mut last = 0.0;
+    for r in &all {
+        let l = &r["layout"];
+        let get = |k: &str| l[k].as_u64().unwrap();
+        assert_eq!(get("data") * get("pipeline") * get("tensor"), 1024, "{r}");
+        assert_eq!(get("data") * get("micro_batch") * get("micro_batches"), 1536, "{r}");
+        assert_eq!(96 % get("tensor"), 0, "{r}");
+        assert_eq!(96 % get("pipeline"), 0, "{r}");
+        assert!(get("tensor") * get("pipeline") > 1, "GPT-3 fits no GPU whole: {r}");
+        let memory = l["state_bytes"].as_f64().unwrap() + l["activation_bytes"].as_f64().unwrap();
+        assert!(memory <= 80e9, "{r}");
+        let step = l["step_s"].as_f64().unwrap();
+        assert!(step >= last, "fastest first: {r}");
+        last = step;
+    }
+    plan(&["--gpu-memory-gb", "40"]).expect_ok();
+    let tighter = rows("dgx-a100-hdr-gpt3-1024gpus-plan.jsonl");
+    assert!(tighter.len() < all.len(), "{} against {}", tighter.len(), all.len());
+
+    let run = plan(&["--gpu-memory-gb", "1"]).expect_ok();
+    assert!(run.stdout.contains("No layout fits"), "{}", run.stdout);
+    for (extra, message) in [
+        (vec!["--gpu-tflops", "0"], "--gpu-tflops 0: expected a positive number"),
+        (vec!["--heads", "7"], "width 12288 is not a multiple of the 7 heads"),
+        (vec!["--tokens", "0"], "must be at least 1"),
+    ] {
+        let run = plan(&extra);
+        assert!(!run.ok() && run.all_output().contains(message), "{extra:?}: {}", run.all_output());
+    }
+}
