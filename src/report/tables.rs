@@ -139,6 +139,7 @@ pub fn strategy_label(record: &RunRecord) -> String {
     variant.extend(recipe_label(record));
     variant.extend(pipeline_label(record));
     variant.extend(zero_label(record));
+    variant.extend(record.extra.get("tensor_parallel").and_then(|v| v.as_u64()).filter(|&t| t > 1).map(|t| format!("T={t}")));
     if variant.is_empty() {
         record.strategy.clone()
     } else {
@@ -724,6 +725,12 @@ pub(crate) mod tests {
         sharded.extra.clear();
         sharded.extra.insert("zero".into(), 0.into());
         assert_eq!(strategy_label(&sharded), "ring");
+        // Tensor parallelism likewise (issue 38), beside a pipeline.
+        let mut tensor = piped.clone();
+        tensor.extra.insert("tensor_parallel".into(), 4.into());
+        assert_eq!(strategy_label(&tensor), "ring (P=2, M=8 1f1b, T=4)");
+        tensor.extra.insert("tensor_parallel".into(), 1.into());
+        assert_eq!(strategy_label(&tensor), "ring (P=2, M=8 1f1b)");
         // The bubble table, for the pipelined column only.
         piped.pipeline.as_mut().unwrap().bubble = vec![0.10, 0.14];
         piped.pipeline.as_mut().unwrap().theoretical_bubble = 1.0 / 9.0;

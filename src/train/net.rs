@@ -53,16 +53,12 @@ impl Net {
                 vec![(0, model)]
             }
             NetLayout::Units(groups) => {
-                let mut blocks: Vec<Option<model::Block>> = model::build_blocks(args.model, spec, |_| vs.root()).into_iter().map(Some).collect();
+                let blocks = model::build_blocks(args.model, spec, |_| vs.root());
                 if args.model == model::ModelKind::TinyUnused {
                     // As model::build: created after the used layers, never given a gradient.
                     let _unused = nn::linear(vs.root() / "unused", 8, 8, Default::default());
                 }
-                groups
-                    .iter()
-                    .enumerate()
-                    .map(|(u, range)| (u, model::sequence(range.clone().map(|b| blocks[b].take().expect("a block is in one unit").module).collect())))
-                    .collect()
+                sequences(blocks, groups.iter().cloned().enumerate())
             }
             NetLayout::Stage(cut) => {
                 let scratch = nn::VarStore::new(Device::Cpu);
@@ -129,10 +125,15 @@ impl Net {
 
 /// A pipeline stage's chunks, each its blocks in sequence, from the whole model's `blocks`.
 pub(super) fn stage_chunks(blocks: Vec<model::Block>, cut: &StageCut) -> Vec<(usize, nn::FuncT<'static>)> {
+    sequences(blocks, cut.chunks.iter().cloned())
+}
+
+/// Modules of consecutive blocks, by index: each range of `blocks` (taken once) run in sequence.
+fn sequences(blocks: Vec<model::Block>, ranges: impl IntoIterator<Item = (usize, std::ops::Range<usize>)>) -> Vec<(usize, nn::FuncT<'static>)> {
     let mut blocks: Vec<Option<model::Block>> = blocks.into_iter().map(Some).collect();
-    cut.chunks
-        .iter()
-        .map(|(index, range)| (*index, model::sequence(range.clone().map(|b| blocks[b].take().expect("a block is in one chunk").module).collect())))
+    ranges
+        .into_iter()
+        .map(|(index, range)| (index, model::sequence(range.map(|b| blocks[b].take().expect("a block is in one module").module).collect())))
         .collect()
 }
 
