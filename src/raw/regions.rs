@@ -157,7 +157,7 @@ mod tests {
     impl RegionAllReduce for Copies {
         fn all_reduce(&mut self, tensor: &mut Tensor) -> Result<()> {
             self.1.fetch_add(tensor.numel(), std::sync::atomic::Ordering::Relaxed);
-            tch::no_grad(|| tensor.f_mul_scalar_(self.0))?;
+            let _ = tch::no_grad(|| tensor.f_mul_scalar_(self.0))?;
             Ok(())
         }
     }
