@@ -721,6 +721,19 @@ def cmd_table(args):
 
 # ---------------------------------------------------------------------------------------------
 
+def cmd_strict_load(args):
+    """A --save-weights file of hpc-train (issue 38: vit-b16, whole or glued from tensor-parallel
+    parts) into torchvision's own constructor, with strict names and shapes; one forward."""
+    import torch
+    import torchvision
+    model = getattr(torchvision.models, args.torchvision)(weights=None, num_classes=args.classes)
+    load_init(model, args.weights)
+    with torch.no_grad():
+        y = model.eval()(torch.zeros(1, 3, 224, 224))
+    print(f"strict-load: {args.weights} loads into torchvision.models.{args.torchvision}(num_classes={args.classes}) "
+          f"with strict=True ({sum(p.numel() for p in model.parameters())} parameters; logits {tuple(y.shape)})")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -784,6 +797,11 @@ def main(argv=None):
 
     sub.add_parser("check-schedules", help="the schedulers' rates against the spec's formulas (within 1e-12)")
 
+    k = sub.add_parser("strict-load", help="load a weights file into torchvision's own model with strict=True")
+    k.add_argument("--torchvision", required=True, choices=["vit_b_16"], help="the torchvision.models constructor")
+    k.add_argument("--classes", type=int, required=True)
+    k.add_argument("--weights", required=True)
+
     r = sub.add_parser("table", help="the Markdown table of compare's records")
     r.add_argument("--rows", required=True)
     r.add_argument("--meta", required=True)
@@ -796,7 +814,7 @@ def main(argv=None):
         if not 0 <= args.label_smoothing <= 1:
             die("--label-smoothing must lie in [0, 1]")
     {"init": cmd_init, "subset": cmd_subset, "train": cmd_train, "compare": cmd_compare,
-     "check-schedules": cmd_check_schedules, "table": cmd_table}[args.command](args)
+     "check-schedules": cmd_check_schedules, "table": cmd_table, "strict-load": cmd_strict_load}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 //! vit-tiny trained with T = 2 and 4, D x T = 2 x 2, P x T = 2 x 2 and D x P x T = 2 x 2 x 2
 //! ends with the weights of one rank;
 //! the evaluation gives one rank's test loss; the record's all-reduce counts match the formula
-//! (4 per encoder layer and step, of batch x tokens x width); a group spanning nodes warns and
-//! still trains alike; what it cannot do is refused by name.
+//! (4 per encoder layer and step, of batch x tokens x width); checkpoints resume in another
+//! layout; a group spanning nodes warns and still trains alike; what it cannot do is refused by
+//! name.
 
 mod common;
 
@@ -125,6 +126,34 @@ fn tensor_parallel_trains_to_the_weights_of_one_rank() {
     }
 }
 
+/// A tensor-parallel run's checkpoints are the usual whole ones (each group glues its parts):
+/// stopped after 3 of 6 steps at T = 2, it resumes at T = 2, on one rank and at T = 4, and a
+/// one-rank checkpoint resumes at T = 2 (the momentum cut like the weights); each ends within
+/// 1e-5 of the uninterrupted one-rank run.
+#[test]
+fn tensor_parallel_checkpoints_are_whole_and_resume_in_any_layout() {
+    let dir = scratch("tensor-checkpoints");
+    let data = dataset(&dir);
+    let d = data.to_str().unwrap();
+    let r = dir.to_str().unwrap();
+    let reference = train_saving_weights(&dir, "one-rank", 1, &args(d, "6", &["--no-eval"]));
+    for (name, first_ranks, first_t, then_ranks, then_t) in [("t2-t2", 2, "2", 2, "2"), ("t2-one", 2, "2", 1, "1"), ("t2-t4", 2, "2", 4, "4"), ("one-t2", 1, "1", 2, "2")] {
+        let checkpoints = dir.join(name);
+        let c = checkpoints.to_str().unwrap();
+        let mut first = args(d, "3", &["--no-eval", "--tensor-parallel", first_t, "--checkpoint-dir", c]);
+        first.extend(["--results", r]);
+        mpirun(first_ranks, &first).expect_ok();
+        assert_eq!(checkpoint_steps(&checkpoints), vec![3], "{name}");
+        let weights = train_saving_weights(&dir, name, then_ranks, &args(d, "6", &["--no-eval", "--tensor-parallel", then_t, "--checkpoint-dir", c, "--resume"]));
+        let diff = max_relative_difference(&reference, &weights);
+        assert!(diff < 1e-5, "{name}: resumed, differs from the uninterrupted run by {diff:e}");
+        // It did resume (3 steps run, from step 3), not train the 6 steps again.
+        let runs = read_runs(&dir);
+        let last = runs.last().unwrap();
+        assert_eq!((last["steps"].as_u64(), last["extra"]["resumed_from_step"].as_u64()), (Some(3), Some(3)), "{name}: {last}");
+    }
+}
+
 /// A group split over two (fake) nodes is allowed, with a warning naming the cost, and trains to
 /// the same weights.
 #[test]
@@ -155,7 +184,7 @@ fn tensor_parallel_refuses_what_it_cannot_run() {
         (2, vec!["--tensor-parallel", "2", "--zero", "1"], "--tensor-parallel 2 with --zero 1"),
         (4, vec!["--tensor-parallel", "2", "--pipeline-stages", "3"], "--tensor-parallel 2 x --pipeline-stages 3 = 6 does not divide the 4 ranks"),
         (2, vec!["--tensor-parallel", "2", "--strategy", "ps"], "--tensor-parallel 2 with --strategy ps"),
-        (2, vec!["--tensor-parallel", "2", "--checkpoint-dir", checkpoints.to_str().unwrap()], "--tensor-parallel 2 with --checkpoint-dir"),
+        (4, vec!["--tensor-parallel", "2", "--pipeline-stages", "2", "--checkpoint-dir", checkpoints.to_str().unwrap()], "--tensor-parallel 2 with --checkpoint-dir and --pipeline-stages"),
         (2, vec!["--tp-allreduce", "ring"], "--tp-allreduce is an option of --tensor-parallel"),
     ];
     for (ranks, extra, reason) in cases {

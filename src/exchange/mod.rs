@@ -40,7 +40,7 @@ pub mod strategy;
 pub mod zero;
 
 pub use config::{worker_count, ExchangeConfig, PsMode, StrategyKind};
-pub use strategy::{Exchange, ReduceOp, Role};
+pub use strategy::{Exchange, ReduceOp, Role, WholeState};
 
 use crate::error::{Error, Result};
 use mpi::topology::{Color, Communicator};

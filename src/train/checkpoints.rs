@@ -10,7 +10,7 @@ use tch::{Device, Tensor};
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
 use crate::data::DatasetInfo;
 use crate::error::{Error, Result};
-use crate::exchange::{self, Exchange};
+use crate::exchange::{self, Exchange, WholeState};
 use crate::optim::{self, Optimizer};
 use crate::results;
 use crate::topology::World;
@@ -19,6 +19,7 @@ use super::collective::broadcast_from_root;
 use super::net::Net;
 use super::options::TrainArgs;
 use super::plan::Plan;
+use super::tensor::TensorParallel;
 
 /// Rank 0's account of the run's checkpoints.
 #[derive(Debug, Default)]
@@ -149,12 +150,18 @@ pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &Checkpoin
 
 /// Loads the checkpoint on rank 0 and sends the weights and the optimizer's state to every rank.
 pub(super) fn restore(world: &World, found: Option<&Checkpoint>, net: &mut Net, exchange: &mut dyn Exchange, optimizer: &mut Optimizer) -> Result<()> {
+    let (state, steps) = load_checkpoint(world, found, net, optimizer.kind().slots())?;
+    exchange.restore_optimizer(&net.params, state, steps, optimizer)
+}
+
+/// Loads the checkpoint on rank 0 into every rank's `net` (the weights) and returns the
+/// optimizer's state buffers of `net`'s parameters (`[slot][parameter]`) and its step count.
+pub(super) fn load_checkpoint(world: &World, found: Option<&Checkpoint>, net: &Net, slots: &[&str]) -> Result<(WholeState, u64)> {
     let loaded = world.agree(match found {
         Some(c) if world.is_root() => checkpoint::load(c).map(Some),
         _ => Ok(None),
     })?;
     let variables = net.named_variables();
-    let slots = optimizer.kind().slots();
     let state: Vec<Vec<Tensor>> = slots.iter().map(|_| net.params.iter().map(|p| p.f_zeros_like()).collect::<std::result::Result<_, _>>()).collect::<std::result::Result<_, _>>()?;
     let mut optimizer_steps = 0.0;
     world.agree((|| -> Result<()> {
@@ -185,11 +192,14 @@ pub(super) fn restore(world: &World, found: Option<&Checkpoint>, net: &mut Net, 
     }
     let mut steps = optimizer_steps;
     world.comm.process_at_rank(0).broadcast_into(&mut steps);
-    exchange.restore_optimizer(&net.params, state, steps as u64, optimizer)
+    Ok((state, steps as u64))
 }
 
 /// Collects the optimizer state (every worker takes part) and has rank 0 write the checkpoint:
-/// rank 0 returns how its write went (the folder written, or why not), the others None.
+/// rank 0 returns how its write went (the folder written, or why not), the others None. With
+/// tensor parallelism the weights and the state are glued whole first (each group gathers its
+/// parts), so that the checkpoint is the usual one.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn save_checkpoint(
     world: &World,
     dir: &Path,
@@ -198,9 +208,17 @@ pub(super) fn save_checkpoint(
     exchange: &mut dyn Exchange,
     optimizer: &Optimizer,
     meta: CheckpointMeta,
+    tensor_parallel: Option<&TensorParallel>,
 ) -> Result<Option<Result<std::path::PathBuf>>> {
     // Collective where the state is sharded (ZeRO) or held by servers.
     let state = crate::watchdog::collective("gathering the optimizer state", &world.comm, || exchange.optimizer_state(&net.params, optimizer))?;
+    let (weights, state) = match tensor_parallel {
+        Some(tp) => {
+            let state = state.ok_or_else(|| Error::exchange("checkpoint", "no optimizer state to glue"))?;
+            (world.agree(tp.whole_variables(net))?, Some(world.agree(tp.whole_state(&net.param_names, state))?))
+        }
+        None => (net.named_variables(), state),
+    };
     if !world.is_root() {
         return Ok(None);
     }
@@ -211,7 +229,7 @@ pub(super) fn save_checkpoint(
     if !optim::all_finite(&net.params)? || !state.iter().try_fold(true, |ok, slot| Ok::<bool, Error>(ok && optim::all_finite(slot)?))? {
         return Err(Error::NonFinite { what: "weights (no checkpoint written)", step: meta.step, epoch: meta.epoch() });
     }
-    Ok(Some(checkpoint::save(dir, meta, &net.named_variables(), &named_state(net, optimizer, state), keep)))
+    Ok(Some(checkpoint::save(dir, meta, &weights, &named_state(net, optimizer, state), keep)))
 }
 
 /// The optimizer's state buffers (`[slot][parameter]`) by their checkpoint names.

@@ -138,8 +138,8 @@ fn check_tensor_parallel(args: &TrainArgs, ranks: usize) -> Result<()> {
     if args.strategy == exchange::StrategyKind::Ps {
         return refuse("--strategy ps", "parameter servers take ranks out of the groups; use ring, rhd, auto, allreduce or horovod");
     }
-    if args.checkpoint_dir.is_some() {
-        return refuse("--checkpoint-dir", "checkpoints of a model cut over groups are not written yet; --save-weights writes the whole model at the end");
+    if args.checkpoint_dir.is_some() && args.pipeline.pipelined() {
+        return refuse("--checkpoint-dir and --pipeline-stages", "checkpoints of pipelines of groups are not written yet; checkpoint a run without pipelines, or use --save-weights at the end");
     }
     Ok(())
 }

@@ -17,7 +17,7 @@ use crate::raw;
 use crate::results::{self};
 use crate::topology::World;
 
-use super::checkpoints::{checkpoint_meta, find_resume_point, lock_checkpoint_dir, restore, save_checkpoint_weights, CheckpointLog};
+use super::checkpoints::{checkpoint_meta, find_resume_point, load_checkpoint, lock_checkpoint_dir, restore, save_checkpoint_weights, CheckpointLog};
 use super::collective::{broadcast_from_root, broadcast_step};
 use super::fsdp::{FullySharded, UnitWorker};
 use super::net::{input_spec, variable_blocks, Net, NetLayout};
@@ -106,19 +106,6 @@ impl<'a> Run<'a> {
         // Same seed on every rank gives the same weights; rank 0's are sent anyway, so that a
         // mismatch (another libtorch, another seed) cannot start, and --init-weights is read once.
         broadcast_from_root(&replicas.comm, &net.named_variables().into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
-        // --tensor-parallel: this rank's part cut from the whole model, which goes.
-        if let Some(tp) = &tensor_parallel {
-            net = world.agree(tp.cut(net, args.model, spec, plan.device, stage_cut.as_ref()))?;
-        }
-        if args.channels_last {
-            world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;
-        }
-        // Every parameter gets a gradient, so that every rank exchanges the same set (stage 3
-        // packs a missing gradient as zeros, and holds no whole gradients between steps).
-        if fully_sharded.is_none() {
-            optim::define_grads(&net.params)?;
-        }
-
         // The checkpoint folder, held for this run alone; the checkpoint to continue from, and
         // whether anything is left to do.
         let checkpoint_lock = world.agree(lock_checkpoint_dir(world, args))?;
@@ -142,6 +129,27 @@ impl<'a> Run<'a> {
             return Ok(None);
         }
 
+        // --tensor-parallel: this rank's part cut from the whole model, which goes; resuming,
+        // the whole weights and optimizer state are restored first, and cut alike.
+        let mut cut_state = None;
+        if let Some(tp) = &tensor_parallel {
+            let whole_state = match resume_from.is_some() || first_step > 0 {
+                true => Some(load_checkpoint(world, resume_from.as_ref(), &net, args.recipe.config().kind.slots())?),
+                false => None,
+            };
+            let whole_names = net.param_names.clone();
+            net = world.agree(tp.cut(net, args.model, spec, plan.device, stage_cut.as_ref()))?;
+            cut_state = whole_state.map(|(state, steps)| Ok::<_, Error>((tp.cut_state(&whole_names, state, &net.param_names)?, steps))).transpose()?;
+        }
+        if args.channels_last {
+            world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;
+        }
+        // Every parameter gets a gradient, so that every rank exchanges the same set (stage 3
+        // packs a missing gradient as zeros, and holds no whole gradients between steps).
+        if fully_sharded.is_none() {
+            optim::define_grads(&net.params)?;
+        }
+
         let optimizer_config = args.recipe.config();
         let schedule = args.recipe.schedule(global_batch, steps_per_epoch, total_steps);
         let config = exchange_config(world, args, &plan, optimizer_config, schedule.clone(), first_step)?;
@@ -150,9 +158,10 @@ impl<'a> Run<'a> {
         exchange.name_tensors(&net.param_names);
         let mut optimizer = Optimizer::new(optimizer_config, schedule, optim::exempt_from_lars(&net.params));
         if resume_from.is_some() || first_step > 0 {
-            match &pipeline {
-                Some(p) => restore_pipeline(world, p, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?,
-                None => restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?,
+            match (&pipeline, cut_state) {
+                (Some(p), _) => restore_pipeline(world, p, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?,
+                (None, Some((state, steps))) => exchange.restore_optimizer(&net.params, state, steps, &mut optimizer)?,
+                (None, None) => restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?,
             }
         }
         // --zero 3: the parameters cut to this rank's shards, the units' modules to their thread.

@@ -295,7 +295,7 @@ impl Run<'_> {
         }
         let saved = match &self.pipeline {
             Some(p) => save_pipeline_checkpoint(p, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta),
-            None => save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta),
+            None => save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta, self.tensor_parallel.as_ref()),
         };
         if self.fsdp.is_some() {
             self.fsdp_let_go()?;

@@ -23,7 +23,7 @@ use tch::nn;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::{self, Exchange, ExchangeConfig, ReduceOp};
+use crate::exchange::{self, Exchange, ExchangeConfig, ReduceOp, WholeState};
 use crate::model::{self, InputSpec};
 use crate::model::vit::TensorSplit;
 use crate::plan::tensor::{held, vit_split, Layout, Split};
@@ -183,9 +183,38 @@ impl TensorParallel {
     }
 
     /// The whole model's variables by name, glued from every rank's part (collective over the
-    /// group): what `--save-weights` writes.
+    /// group): what `--save-weights` and checkpoints write.
     pub(super) fn whole_variables(&self, net: &Net) -> Result<Vec<(String, Tensor)>> {
-        let named = net.named_variables();
+        self.glue_named(net.named_variables())
+    }
+
+    /// The optimizer's state buffers (`[slot][parameter]`, the parameters named by `names`)
+    /// glued whole (collective over the group).
+    pub(super) fn whole_state(&self, names: &[String], state: WholeState) -> Result<WholeState> {
+        state.into_iter().map(|slot| Ok(self.glue_named(names.iter().cloned().zip(slot).collect())?.into_iter().map(|(_, t)| t).collect())).collect()
+    }
+
+    /// This rank's part of whole state buffers (`[slot][parameter]`, of the parameters named by
+    /// `whole_names`), in the order of `part_names`: what a checkpoint's state comes to on resume.
+    pub(super) fn cut_state(&self, whole_names: &[String], state: WholeState, part_names: &[String]) -> Result<WholeState> {
+        state
+            .into_iter()
+            .map(|slot| {
+                let mut by_name: BTreeMap<&String, Tensor> = whole_names.iter().zip(slot).collect();
+                part_names
+                    .iter()
+                    .map(|name| {
+                        let whole = by_name.remove(name).ok_or_else(|| Error::usage(format!("--tensor-parallel: no optimizer state for {name}")))?;
+                        cut_tensor(&whole, vit_split(name), self.rank, self.layout.tensor)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Named tensors (variables or state buffers of parameters, by the parameter's name) glued
+    /// whole from every rank's part, in the order given (collective over the group).
+    fn glue_named(&self, named: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
         let cut: Vec<&(String, Tensor)> = named.iter().filter(|(n, _)| vit_split(n) != Split::Whole).collect();
         let mine: Vec<Tensor> = cut.iter().map(|(_, t)| t.f_to_device(Device::Cpu)?.f_contiguous()?.f_view([-1])).collect::<std::result::Result<_, _>>()?;
         let mine = if mine.is_empty() { Vec::new() } else { Vec::<f32>::try_from(&Tensor::f_cat(&mine, 0)?)? };
