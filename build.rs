@@ -188,6 +188,7 @@ fn record_git_commit() {
 fn build_grad_hooks_shim() {
     println!("cargo:rerun-if-changed=src/shim/grad_hooks.cpp");
     println!("cargo:rerun-if-changed=src/shim/regions.cpp");
+    println!("cargo:rerun-if-changed=src/shim/write_error.h");
     println!("cargo:rerun-if-env-changed=HPC_TRAIN_CXX11_ABI");
     let lib = std::path::PathBuf::from(env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys exports its libtorch folder"));
     let root = lib.parent().expect("libtorch/lib has a parent").to_path_buf();

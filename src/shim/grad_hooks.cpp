@@ -17,6 +17,8 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/_fused_sgd.h>
 
+#include "write_error.h"
+
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -53,12 +55,7 @@ struct GradReadyHook : torch::autograd::PostAccumulateGradHook {
   }
 };
 
-void write_error(char *buffer, size_t length, const char *message) {
-  if (buffer != nullptr && length > 0) {
-    std::strncpy(buffer, message, length - 1);
-    buffer[length - 1] = '\0';
-  }
-}
+using hpc_shim::write_error;
 
 }  // namespace
 

@@ -15,6 +15,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <ATen/core/Tensor.h>
 
+#include "write_error.h"
+
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -71,12 +73,7 @@ struct ReduceFromRegion : public torch::autograd::Function<ReduceFromRegion> {
   }
 };
 
-void write_message(char *buffer, size_t length, const char *message) {
-  if (buffer != nullptr && length > 0) {
-    std::strncpy(buffer, message, length - 1);
-    buffer[length - 1] = '\0';
-  }
-}
+using hpc_shim::write_error;
 
 }  // namespace
 
@@ -89,7 +86,7 @@ void *hpc_region_copy_to(void *tensor, int64_t group, char *error, size_t error_
   try {
     return new at::Tensor(CopyToRegion::apply(*static_cast<at::Tensor *>(tensor), group));
   } catch (const std::exception &e) {
-    write_message(error, error_length, e.what());
+    write_error(error, error_length, e.what());
     return nullptr;
   }
 }
@@ -99,7 +96,7 @@ void *hpc_region_reduce_from(void *tensor, int64_t group, char *error, size_t er
   try {
     return new at::Tensor(ReduceFromRegion::apply(*static_cast<at::Tensor *>(tensor), group));
   } catch (const std::exception &e) {
-    write_message(error, error_length, e.what());
+    write_error(error, error_length, e.what());
     return nullptr;
   }
 }
