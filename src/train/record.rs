@@ -126,14 +126,14 @@ impl Run<'_> {
         let held = self.exchange.held_bytes(&self.net.params, &self.optimizer);
         let (optimizer_state_bytes, gradient_bytes) = (world.max_f64(held.optimizer_state as f64), world.max_f64(held.gradients as f64));
         let pipeline = self.pipeline.as_ref().map(|p| p.record(self.pipeline_world(), args));
-        let parameters = match &self.pipeline {
+        let parameters = match (&self.tensor_parallel, &self.pipeline, &self.fsdp) {
+            // A rank holds its part of each cut parameter: the whole model's count.
+            (Some(_), _, _) => self.args.model.parameters_for(self.spec) as usize,
             // Each stage's parameters once (from the first pipeline).
-            Some(p) => world.sum_f64(if p.replica == 0 { self.net.params.iter().map(|t| t.numel()).sum::<usize>() as f64 } else { 0.0 }) as usize,
-            None => match &self.fsdp {
-                // Stage 3's parameters are empty between steps; the units know their sizes.
-                Some(f) => f.units.iter().map(|u| u.layout.len).sum::<usize>(),
-                None => self.net.params.iter().map(|p| p.numel()).sum::<usize>(),
-            },
+            (None, Some(p), _) => world.sum_f64(if p.replica == 0 { self.net.params.iter().map(|t| t.numel()).sum::<usize>() as f64 } else { 0.0 }) as usize,
+            // Stage 3's parameters are empty between steps; the units know their sizes.
+            (None, None, Some(f)) => f.units.iter().map(|u| u.layout.len).sum::<usize>(),
+            (None, None, None) => self.net.params.iter().map(|p| p.numel()).sum::<usize>(),
         };
         // Stage 3: the largest over the ranks of what each holds and gathers.
         let fsdp_bytes = self.fsdp.as_ref().map(|_| {
@@ -148,7 +148,6 @@ impl Run<'_> {
             let ms = mean_over_workers(tp.measured.time.as_secs_f64() * 1e3 / steps);
             (tp, held, ms)
         });
-        let parameters = if self.tensor_parallel.is_some() { self.args.model.parameters_for(self.spec) as usize } else { parameters };
         if !world.is_root() {
             return None;
         }
