@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # A cluster of N nodes on this one machine, made of Linux namespaces, for testing multi-node runs.
-#   scripts/local-cluster.sh up DIR --nodes N [--link-mbit M]
+#   scripts/local-cluster.sh up DIR --nodes N [--link-mbit M] [--cpus-per-node C]
 #       N nodes: each a network namespace and a UTS namespace (hostname nodeK) held by a `sleep`
 #       process, with a link (veth pair) to a bridge in the root namespace and the address
 #       10.213.X.K on a private /24 chosen from DIR (the bridge has .254). --link-mbit M limits
-#       every node's link to M Mbit/s each way (tbf on both ends). Writes into DIR: nodes (name,
-#       address, holder PID, namespace per line), hostfile (Open MPI's) and hosts (Hydra's),
+#       every node's link to M Mbit/s each way (tbf on both ends). --cpus-per-node C gives node K
+#       cores (K-1)C..KC-1 of its own: everything started on it is pinned there (taskset) and it
+#       has C slots; otherwise every node shares every core. Writes into DIR: nodes (name,
+#       address, holder PID, namespace, cores or - per line), hostfile (Open MPI's) and hosts (Hydra's),
 #       rsh-agent, env (the settings of both launchers). Fails when DIR is already up: run `down`
 #       first.
 #   scripts/local-cluster.sh run DIR -- COMMAND...
@@ -113,10 +115,11 @@ cmd_down() {
 # --- up ----------------------------------------------------------------------------------------
 
 cmd_up() {
-    local nodes="" mbit=""
+    local nodes="" mbit="" cpus_per_node=""
     while [ $# -gt 0 ]; do
         case "$1" in
             --nodes) nodes=${2:-}; shift 2 ;;
+            --cpus-per-node) cpus_per_node=${2:-}; shift 2 ;;
             --link-mbit) mbit=${2:-}; shift 2 ;;
             *) usage ;;
         esac
@@ -125,6 +128,12 @@ cmd_up() {
         || { echo "$0 up: --nodes 1..64 expected" >&2; exit 2; }
     if [ -n "$mbit" ]; then
         [[ "$mbit" =~ ^[0-9]+$ ]] && [ "$mbit" -ge 1 ] || { echo "$0 up: --link-mbit expects Mbit/s" >&2; exit 2; }
+    fi
+    if [ -n "$cpus_per_node" ]; then
+        [[ "$cpus_per_node" =~ ^[0-9]+$ ]] && [ "$cpus_per_node" -ge 1 ] \
+            || { echo "$0 up: --cpus-per-node expects a number of cores" >&2; exit 2; }
+        [ $((nodes * cpus_per_node)) -le "$(nproc)" ] \
+            || { echo "$0 up: $nodes nodes x $cpus_per_node cores need $((nodes * cpus_per_node)) cores; this machine has $(nproc)" >&2; exit 2; }
     fi
     if [ -f "$dir/cluster.conf" ]; then
         echo "$0 up: $dir is already up (or was not taken down): run '$0 down $dir' first" >&2
@@ -195,7 +204,9 @@ CONF
             sleep 0.05
         done
         [ "$(nsenter -t "$pid" -u hostname 2>/dev/null)" = "node$k" ] || { echo "$0 up: node$k's holder did not start" >&2; false; }
-        echo "node$k $NET.$k $pid $ns" >> "$dir/nodes.tmp"
+        local cores=-
+        [ -n "$cpus_per_node" ] && cores="$(( (k - 1) * cpus_per_node ))-$(( k * cpus_per_node - 1 ))"
+        echo "node$k $NET.$k $pid $ns $cores" >> "$dir/nodes.tmp"
     done
     mv "$dir/nodes.tmp" "$dir/nodes"
 
@@ -206,7 +217,7 @@ CONF
         [[ "$answer" == *refused* ]] || { echo "$0 up: node1 cannot reach node$k: $answer" >&2; false; }
     done
 
-    local slots; slots=$(nproc)
+    local slots; slots=${cpus_per_node:-$(nproc)}
     awk -v s="$slots" '{print $2, "slots=" s}' "$dir/nodes" > "$dir/hostfile"
     awk -v s="$slots" '{print $2 ":" s}' "$dir/nodes" > "$dir/hosts"
 
@@ -219,6 +230,10 @@ while [ \$# -gt 0 ]; do case "\$1" in -*) shift ;; *) break ;; esac; done
 host=\$1; shift
 pid=\$(awk -v h="\$host" '\$1 == h || \$2 == h { print \$3 }' "$dir/nodes")
 [ -n "\$pid" ] || { echo "rsh-agent: no node \$host in $dir/nodes" >&2; exit 255; }
+cores=\$(awk -v h="\$host" '\$1 == h || \$2 == h { print \$5 }' "$dir/nodes")
+if [ -n "\$cores" ] && [ "\$cores" != - ]; then
+    exec taskset -c "\$cores" nsenter -t "\$pid" -n -u -- /bin/sh -c "\$*"
+fi
 exec nsenter -t "\$pid" -n -u -- /bin/sh -c "\$*"
 AGENT
     chmod +x "$dir/rsh-agent"
@@ -269,6 +284,10 @@ cmd_run() {
     load_conf && [ -f "$dir/env" ] || { echo "$0 run: $dir is not up" >&2; exit 1; }
     # shellcheck source=/dev/null
     source "$dir/env"
+    local cores; cores=$(awk '$1 == "node1" { print $5 }' "$dir/nodes")
+    if [ -n "$cores" ] && [ "$cores" != - ]; then
+        exec taskset -c "$cores" nsenter -t "$(holder_pid 1)" -n -u -- "$@"
+    fi
     exec nsenter -t "$(holder_pid 1)" -n -u -- "$@"
 }
 

@@ -10,55 +10,113 @@ fn gpu_present() -> bool {
     Path::new("/dev/nvidia0").exists() || Path::new("/dev/nvidiactl").exists()
 }
 
-#[test]
-fn gpu_training_matches_the_cpu_and_every_precision_runs() {
-    if !gpu_present() {
-        eprintln!("skipped: no GPU on this machine (device selection, staging, precision and channels-last on CUDA need one)");
-        return;
+/// One test's runs on the GPU: a scratch folder, a small synthetic dataset, and every run's
+/// stderr (checked for per-step warnings when the test ends). The tests below are independent, so
+/// that the harness runs them side by side (ranks of several tests share the GPU, which is what
+/// `--allow-gpu-sharing` allows).
+struct GpuRuns {
+    dir: std::path::PathBuf,
+    data: std::path::PathBuf,
+    logs: std::cell::RefCell<String>,
+}
+
+impl GpuRuns {
+    fn new(name: &str) -> GpuRuns {
+        let dir = scratch(name);
+        let data = synth(&dir, name, 96, 24, "3x32x32", 5);
+        GpuRuns { dir, data, logs: Default::default() }
     }
-    let dir = scratch("gpu");
-    let data = synth(&dir, "gpu", 96, 24, "3x32x32", 5);
-    let d = data.to_str().unwrap();
-    let r = dir.to_str().unwrap();
-    // Every run's stderr, for the log-spam check below.
-    let logs = std::cell::RefCell::new(String::new());
-    let run_model = |name: &str, ranks: usize, model: &str, extra: &[&str]| {
-        let out = dir.join(format!("{name}.safetensors"));
+
+    /// Trains `model` on `ranks` ranks for 6 steps of a global batch of 12 and returns the path of
+    /// its final weights.
+    fn run_model(&self, name: &str, ranks: usize, model: &str, extra: &[&str]) -> std::path::PathBuf {
+        let out = self.dir.join(format!("{name}.safetensors"));
+        let (d, r) = (self.data.to_str().unwrap(), self.dir.to_str().unwrap());
         let mut args = vec!["--model", model, "--data", d, "--scaling", "strong", "--global-batch", "12", "--steps", "6", "--results", r, "--save-weights", out.to_str().unwrap(), "--allow-gpu-sharing"];
         args.extend(extra);
         let done = mpirun(ranks, &args).expect_ok();
-        logs.borrow_mut().push_str(&done.stderr);
+        self.logs.borrow_mut().push_str(&done.stderr);
         out
+    }
+
+    fn run(&self, name: &str, ranks: usize, extra: &[&str]) -> std::path::PathBuf {
+        self.run_model(name, ranks, "tiny", extra)
+    }
+
+    /// Two ranks' data-parallel run on the CPU with MPI_Allreduce: the weights GPU runs match.
+    fn cpu_reference(&self) -> std::path::PathBuf {
+        self.run("cpu", 2, &["--device", "cpu", "--strategy", "allreduce"])
+    }
+
+    fn assert_matches(&self, reference: &Path, name: &str, got: &Path) {
+        let diff = max_relative_difference(reference, got);
+        assert!(diff < 1e-4, "{name} on the GPU differs from the CPU by {diff:e}");
+    }
+}
+
+impl Drop for GpuRuns {
+    /// No warning per step: deprecated autocast or pin_memory calls warn on every call.
+    fn drop(&mut self) {
+        let logs = self.logs.borrow();
+        if !std::thread::panicking() {
+            assert!(!logs.contains("deprecated"), "deprecation warnings in the runs' logs:\n{logs}");
+        }
+    }
+}
+
+macro_rules! needs_gpu {
+    ($what:expr) => {
+        if !gpu_present() {
+            eprintln!("skipped: no GPU on this machine ({} on CUDA needs one)", $what);
+            return;
+        }
     };
-    let run = |name: &str, ranks: usize, extra: &[&str]| run_model(name, ranks, "tiny", extra);
-    let cpu = run("cpu", 2, &["--device", "cpu", "--strategy", "allreduce"]);
+}
+
+#[test]
+fn every_strategy_on_the_gpu_matches_the_cpu() {
+    needs_gpu!("every strategy's device code");
+    let gpu = GpuRuns::new("gpu-strategies");
+    let cpu = gpu.cpu_reference();
     // Every strategy's device code (rhd and auto included), staged and, where MPI is
     // CUDA-aware, direct; the weights start from the CPU's (initialised there, then moved).
     for strategy in ["allreduce", "ring", "rhd", "auto", "horovod", "ps"] {
         for aware in ["no", "auto"] {
-            let gpu = run(&format!("gpu-{strategy}-{aware}"), 2, &["--device", "cuda", "--precision", "fp32", "--strategy", strategy, "--cuda-aware", aware]);
-            let diff = max_relative_difference(&cpu, &gpu);
-            assert!(diff < 1e-4, "{strategy} (cuda-aware {aware}) on the GPU differs from the CPU by {diff:e}");
+            let name = format!("gpu-{strategy}-{aware}");
+            let got = gpu.run(&name, 2, &["--device", "cuda", "--precision", "fp32", "--strategy", strategy, "--cuda-aware", aware]);
+            gpu.assert_matches(&cpu, &name, &got);
         }
     }
+}
+
+#[test]
+fn overlap_on_the_gpu_matches_the_cpu() {
+    needs_gpu!("overlap with backward");
+    let gpu = GpuRuns::new("gpu-overlap");
+    let cpu = gpu.cpu_reference();
     // Plain overlap with several buckets: the communication stream waits on each bucket's
     // hook event, the finiteness check is read once per step.
     for strategy in ["allreduce", "ring", "rhd", "auto", "horovod"] {
         for aware in ["no", "auto"] {
             let name = format!("gpu-overlap-{strategy}-{aware}");
-            let gpu = run(&name, 2, &["--device", "cuda", "--precision", "fp32", "--strategy", strategy, "--cuda-aware", aware, "--overlap", "on", "--bucket-mb", "0.01"]);
-            let diff = max_relative_difference(&cpu, &gpu);
-            assert!(diff < 1e-4, "{name} differs from the CPU by {diff:e}");
+            let got = gpu.run(&name, 2, &["--device", "cuda", "--precision", "fp32", "--strategy", strategy, "--cuda-aware", aware, "--overlap", "on", "--bucket-mb", "0.01"]);
+            gpu.assert_matches(&cpu, &name, &got);
         }
     }
+}
+
+#[test]
+fn zero_on_the_gpu_matches_the_cpu() {
+    needs_gpu!("ZeRO's device buffers");
+    let gpu = GpuRuns::new("gpu-zero");
+    let cpu = gpu.cpu_reference();
     // ZeRO on the GPU: the bucket buffer on the device with a pinned host mirror (staged), or
     // on the device alone (CUDA-aware); overlap on and off.
     for zero in ["1", "2"] {
         for (aware, overlap) in [("no", "on"), ("no", "off"), ("auto", "on")] {
             let name = format!("gpu-zero{zero}-{aware}-{overlap}");
-            let gpu = run(&name, 2, &["--device", "cuda", "--precision", "fp32", "--strategy", "ring", "--zero", zero, "--cuda-aware", aware, "--overlap", overlap, "--bucket-mb", "0.01"]);
-            let diff = max_relative_difference(&cpu, &gpu);
-            assert!(diff < 1e-4, "{name} differs from the CPU by {diff:e}");
+            let got = gpu.run(&name, 2, &["--device", "cuda", "--precision", "fp32", "--strategy", "ring", "--zero", zero, "--cuda-aware", aware, "--overlap", overlap, "--bucket-mb", "0.01"]);
+            gpu.assert_matches(&cpu, &name, &got);
         }
     }
     // Fully sharded (issue 37): units gathered into device buffers (staged through the host,
@@ -66,30 +124,40 @@ fn gpu_training_matches_the_cpu_and_every_precision_runs() {
     // on the compute thread.
     for (aware, overlap) in [("no", "on"), ("no", "off"), ("auto", "on")] {
         let name = format!("gpu-zero3-{aware}-{overlap}");
-        let gpu = run(&name, 2, &["--device", "cuda", "--precision", "fp32", "--strategy", "ring", "--zero", "3", "--cuda-aware", aware, "--overlap", overlap]);
-        let diff = max_relative_difference(&cpu, &gpu);
-        assert!(diff < 1e-4, "{name} differs from the CPU by {diff:e}");
+        let got = gpu.run(&name, 2, &["--device", "cuda", "--precision", "fp32", "--strategy", "ring", "--zero", "3", "--cuda-aware", aware, "--overlap", overlap]);
+        gpu.assert_matches(&cpu, &name, &got);
     }
-    run("gpu-zero3-bf16", 2, &["--device", "cuda", "--precision", "bf16", "--strategy", "ring", "--zero", "3"]);
+    gpu.run("gpu-zero3-bf16", 2, &["--device", "cuda", "--precision", "bf16", "--strategy", "ring", "--zero", "3"]);
+}
+
+#[test]
+fn pipelines_on_the_gpu_match_the_cpu() {
+    needs_gpu!("pipeline stages' activations");
+    let gpu = GpuRuns::new("gpu-pipeline");
     // Pipelines on the GPU (issue 36): activations staged through the host or sent from
     // device memory (CUDA-aware), 2 stages alone and 2 x 2 with the ring; against the CPU
     // accumulating the same micro-batches.
-    let cpu_micro = run("cpu-micro", 1, &["--device", "cpu", "--micro-batches", "3"]);
+    let cpu_micro = gpu.run("cpu-micro", 1, &["--device", "cpu", "--micro-batches", "3"]);
     for aware in ["no", "auto"] {
         for (ranks, layout) in [(2, &["--pipeline-stages", "2", "--micro-batches", "3", "--schedule", "1f1b"][..]), (4, &["--pipeline-stages", "2", "--micro-batches", "3", "--schedule", "gpipe", "--strategy", "ring"][..])] {
             let mut extra = vec!["--device", "cuda", "--precision", "fp32", "--cuda-aware", aware, "--partition", "params"];
             extra.extend(layout);
             let name = format!("gpu-pipeline-{ranks}-{aware}");
-            let gpu = run(&name, ranks, &extra);
-            let diff = max_relative_difference(&cpu_micro, &gpu);
-            assert!(diff < 1e-4, "{name} differs from the CPU by {diff:e}");
+            let got = gpu.run(&name, ranks, &extra);
+            gpu.assert_matches(&cpu_micro, &name, &got);
         }
     }
+}
+
+#[test]
+fn tensor_parallelism_on_the_gpu_matches_the_cpu() {
+    needs_gpu!("tensor parallelism's operators");
+    let gpu = GpuRuns::new("gpu-tensor");
     // Tensor parallelism (issue 38): vit-tiny's encoder layers over 2 ranks sharing the GPU,
     // the groups' all-reduce staged or CUDA-aware and called from libtorch's device thread in
     // backward (MPI_THREAD_MULTIPLE); alone, beside data parallelism and in 2 pipeline stages,
     // against one CPU rank; bf16 autocast through the operators.
-    let cpu_vit = run_model("cpu-vit", 1, "vit-tiny", &["--device", "cpu"]);
+    let cpu_vit = gpu.run_model("cpu-vit", 1, "vit-tiny", &["--device", "cpu"]);
     for aware in ["no", "auto"] {
         for (ranks, layout) in [
             (2, &["--tensor-parallel", "2"][..]),
@@ -99,29 +167,32 @@ fn gpu_training_matches_the_cpu_and_every_precision_runs() {
             let mut extra = vec!["--device", "cuda", "--precision", "fp32", "--cuda-aware", aware];
             extra.extend(layout);
             let name = format!("gpu-tensor-{ranks}-{}-{aware}", layout.len());
-            let gpu = run_model(&name, ranks, "vit-tiny", &extra);
-            let diff = max_relative_difference(&cpu_vit, &gpu);
-            assert!(diff < 1e-4, "{name} differs from the CPU by {diff:e}");
+            let got = gpu.run_model(&name, ranks, "vit-tiny", &extra);
+            gpu.assert_matches(&cpu_vit, &name, &got);
         }
     }
-    run_model("gpu-tensor-bf16", 2, "vit-tiny", &["--device", "cuda", "--precision", "bf16", "--tensor-parallel", "2"]);
+    gpu.run_model("gpu-tensor-bf16", 2, "vit-tiny", &["--device", "cuda", "--precision", "bf16", "--tensor-parallel", "2"]);
+}
+
+#[test]
+fn every_precision_runs_and_ranks_share_a_gpu_only_when_allowed() {
+    needs_gpu!("device selection, precision and channels-last");
+    let gpu = GpuRuns::new("gpu-precision");
     // Each precision trains to weights near fp32's; bf16 and fp16 really ran in 16 bits (their
     // weights are not fp32's).
-    let fp32 = run("p-fp32", 2, &["--device", "cuda", "--precision", "fp32", "--channels-last", "--strategy", "ring"]);
+    let fp32 = gpu.run("p-fp32", 2, &["--device", "cuda", "--precision", "fp32", "--channels-last", "--strategy", "ring"]);
     for (precision, tolerance) in [("tf32", 1e-2), ("bf16", 5e-2), ("fp16", 5e-2)] {
-        let got = run(&format!("p-{precision}"), 2, &["--device", "cuda", "--precision", precision, "--channels-last", "--strategy", "ring"]);
+        let got = gpu.run(&format!("p-{precision}"), 2, &["--device", "cuda", "--precision", precision, "--channels-last", "--strategy", "ring"]);
         let diff = max_relative_difference(&fp32, &got);
         assert!(diff < tolerance, "{precision} differs from fp32 by {diff:e}");
         if precision != "tf32" {
             assert!(diff > 0.0, "{precision} gave fp32's weights bit for bit: autocast did not run");
         }
     }
-    // No warning per step: deprecated autocast or pin_memory calls warn on every call.
-    let logs = logs.into_inner();
-    assert!(!logs.contains("deprecated"), "deprecation warnings in the runs' logs:\n{logs}");
     // Without --allow-gpu-sharing, more ranks than GPUs on a node is a clear error.
     let gpus = std::process::Command::new("nvidia-smi").args(["-L"]).output().map(|o| String::from_utf8_lossy(&o.stdout).lines().count()).unwrap_or(1);
     let ranks = gpus + 1;
+    let (d, r) = (gpu.data.to_str().unwrap(), gpu.dir.to_str().unwrap());
     let refused = mpirun(ranks, &["--model", "tiny", "--data", d, "--steps", "1", "--batch-size", "2", "--device", "cuda", "--results", r]);
     assert!(!refused.ok());
     assert!(refused.all_output().contains("--allow-gpu-sharing"), "{}", refused.all_output());

@@ -30,13 +30,22 @@ fn spawn(cmd: &mut Command) -> std::process::Child {
     cmd.spawn().unwrap_or_else(|e| panic!("starting {:?}: {e}", cmd.get_program()))
 }
 
+/// The hpc-train under test: cargo's build of it, or `HPC_TRAIN_TEST_BINARY` where a test binary
+/// runs away from the tree it was built in (scripts/device-check.sh runs tests/gpu.rs from the
+/// bundle of scripts/pack.sh on a machine without Rust).
 pub fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_hpc-train")
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| relocated("HPC_TRAIN_TEST_BINARY").unwrap_or_else(|| env!("CARGO_BIN_EXE_hpc-train").into()))
 }
 
-/// Repository root (datasets/, results/ are relative to it).
+/// Repository root (datasets/, results/ are relative to it): the one built in, or
+/// `HPC_TRAIN_TEST_ROOT` (see `bin`).
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    PathBuf::from(relocated("HPC_TRAIN_TEST_ROOT").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()))
+}
+
+fn relocated(variable: &str) -> Option<String> {
+    std::env::var(variable).ok().filter(|path| !path.is_empty())
 }
 
 /// A fresh folder for one test.

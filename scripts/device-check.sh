@@ -1,0 +1,279 @@
+#!/usr/bin/env bash
+# The measurements of issue 39 on the GPU machine (one GPU, 16 cores, 128 GiB; no Rust, no
+# network), from the bundle of scripts/pack.sh, in two calls of at most 10 minutes each:
+#
+#   scripts/device-check.sh --part gpu --out DIR [--budget S] [--archive FILE.tar.gz] [--bundle B]
+#   scripts/device-check.sh --part cpu --out DIR [...]
+#
+# --part gpu: the machine (GPU, driver, CUDA, libtorch, its MPI and whether it is CUDA-aware);
+#   a smoke run on the GPU, then single-GPU ResNet-50 (3x224x224 synthetic, batch 128 and 256;
+#   fp32, tf32, bf16 with channels-last) against PyTorch eager with the same settings
+#   (scripts/gpu_reference.py with the machine's torch), back to back; tests/gpu.rs (every
+#   strategy, ZeRO 1-3, pipelines, tensor parallelism, each precision, 1, 2 and 4 ranks sharing the
+#   GPU, against the CPU); 2 ranks sharing the GPU: each strategy's exchange (bench) and ResNet-50
+#   steps with each strategy, the staged path's copy share, overlap on against off.
+# --part cpu: `mpirun -n 16 hpc-train bench` (every strategy, 1 KiB-256 MiB, against
+#   MPI_Allreduce and the memory bound measured in the same run); ResNet-50 on 2 ranks with 4
+#   cores each, overlap on against off; weak and strong ResNet-18 studies over 1-16 ranks and
+#   every strategy; 4 namespaced nodes x 4 cores (scripts/local-cluster.sh --cpus-per-node 4) at
+#   10, 1 and 25 Gbit/s: the cost model fitted on half the sizes and checked on the other half.
+#
+# Every step runs under the time left (--budget, default 540 s, minus a reserve for the summary):
+# a step that no longer fits is skipped and says so; a failed step is recorded and the next one
+# runs. DIR gets environment.txt, steps.tsv (step, status, seconds), logs/, the runs.jsonl and
+# bench.jsonl rows, and summary.md (scripts/device_summary.py); --archive packs DIR into one file
+# (the device tool returns at most 8 files). --quick: the same steps, tiny, on the CPU, to check
+# the script where there is no GPU (its figures mean nothing).
+#
+# Environment: PYTHON (default /opt/torch/.venv/bin/python3, else .venv-pytorch/bin/python, else
+# python3), for scripts/gpu_reference.py and the summary.
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+start=$(date +%s)
+
+part="" out="" budget=540 archive="" bundle="$root/dist/hpc-train" quick=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --part) part=$2; shift 2 ;;
+        --out) out=$2; shift 2 ;;
+        --budget) budget=$2; shift 2 ;;
+        --archive) archive=$2; shift 2 ;;
+        --bundle) bundle=$2; shift 2 ;;
+        --quick) quick=1; shift ;;
+        -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "device-check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$part" in gpu|cpu) ;; *) echo "device-check.sh: --part gpu or --part cpu" >&2; exit 2 ;; esac
+[ -n "$out" ] || { echo "device-check.sh: --out DIR" >&2; exit 2; }
+[[ "$budget" =~ ^[0-9]+$ ]] || { echo "device-check.sh: --budget takes seconds" >&2; exit 2; }
+deadline=$((start + budget))
+reserve=15
+mkdir -p "$out/logs" || exit 1
+out=$(cd "$out" && pwd)
+steps="$out/steps.tsv"
+printf 'step\tstatus\tseconds\n' > "$steps"
+
+# The summary and the archive, however the script ends.
+finish() {
+    [ "$part" = cpu ] && "$root/scripts/local-cluster.sh" down /tmp/hpc-device-cluster > /dev/null 2>&1
+    "$PYTHON" "$root/scripts/device_summary.py" --part "$part" --dir "$out" > "$out/summary.md" 2> "$out/logs/summary.log" \
+        || echo "(the summary failed: logs/summary.log)" >> "$out/summary.md"
+    if [ -n "$archive" ]; then
+        tar -C "$(dirname "$out")" -czf "$archive" "$(basename "$out")"
+        cp "$out/summary.md" "$(dirname "$archive")/summary-$part.md"
+    fi
+    echo "device-check.sh --part $part: $(( $(date +%s) - start )) s; summary in $out/summary.md"
+}
+trap finish EXIT
+
+left() { echo $(( deadline - $(date +%s) )); }
+
+# step NAME SECONDS COMMAND...: runs COMMAND (its output in logs/NAME.log) when SECONDS, its
+# expected time, still fit; stops it when the budget ends.
+step() {
+    local name=$1 need=$2; shift 2
+    local remaining=$(( $(left) - reserve ))
+    if [ "$remaining" -lt "$need" ]; then
+        printf '%s\tskipped: %s s left, about %s s needed\t0\n' "$name" "$remaining" "$need" >> "$steps"
+        echo "== $name: skipped ($remaining s left, about $need s needed)"
+        return 1
+    fi
+    echo "== $name ($remaining s left)"
+    local t0=$SECONDS status
+    timeout --kill-after=5 "$remaining" "$@" > "$out/logs/$name.log" 2>&1
+    status=$?
+    local took=$((SECONDS - t0)) word=ok
+    [ "$status" -eq 124 ] || [ "$status" -eq 137 ] && word="stopped at the budget"
+    [ "$status" -ne 0 ] && [ "$word" = ok ] && word="failed ($status)"
+    printf '%s\t%s\t%s\n' "$name" "$word" "$took" >> "$steps"
+    echo "   $word in $took s"
+    [ "$status" -eq 0 ]
+}
+
+# --- the machine, before the bundle's PATH hides its own MPI ----------------------------------
+PYTHON=${PYTHON:-}
+for candidate in /opt/torch/.venv/bin/python3 "$root/.venv-pytorch/bin/python" python3; do
+    [ -n "$PYTHON" ] && break
+    command -v "$candidate" >/dev/null 2>&1 && PYTHON=$candidate
+done
+
+describe_machine() {
+    local t="timeout 20"
+    echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ), host $(hostname), hpc-train commit $(cat "$bundle/COMMIT" 2>/dev/null || echo unknown)"
+    echo "## system"; uname -srm; grep -E '^(PRETTY_NAME)=' /etc/os-release
+    echo "cores: $(nproc)"; lscpu | grep -E '^(Model name|Socket|Core|Thread|NUMA node)' ; free -g | head -2
+    grep -iE '^(HugePages_Total|HugePages_Free|Hugepagesize)' /proc/meminfo
+    cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null | sed 's/^/transparent hugepages: /'
+    echo "## GPU"
+    $t nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv 2>&1
+    $t nvidia-smi 2>&1 | grep -E 'CUDA Version' || true
+    $t nvidia-smi topo -m 2>&1 | head -5
+    echo "## torch ($PYTHON)"
+    $t "$PYTHON" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "cuDNN", torch.backends.cudnn.version(), "GPU", torch.cuda.get_device_name() if torch.cuda.is_available() else None, "NCCL", torch.cuda.nccl.version() if torch.cuda.is_available() else None)' 2>&1
+    echo "## the machine's own MPI"
+    for tool in mpirun mpiexec ompi_info ucx_info fi_info; do
+        type -a "$tool" 2>/dev/null || echo "$tool: not on PATH"
+    done
+    command -v mpirun >/dev/null && $t mpirun --version 2>&1 | head -3
+    command -v ompi_info >/dev/null && $t ompi_info --parsable --all 2>/dev/null | grep -iE 'cuda_support|built_with_cuda|mpi_built_with' | head
+    command -v ucx_info >/dev/null && $t ucx_info -v 2>&1 | head -3
+    $t "$PYTHON" -c 'import mpi4py; print("mpi4py", mpi4py.__version__, mpi4py.get_config()); from mpi4py import MPI; print(MPI.Get_library_version().strip())' 2>&1 | head -5
+    ls -d /dev/infiniband 2>/dev/null || echo "no /dev/infiniband"
+    ls /usr/lib/x86_64-linux-gnu 2>/dev/null | grep -iE '^lib(mpi|mpich|ucp|fabric)\.' | head
+    echo "## network namespaces (scripts/local-cluster.sh)"
+    for tool in ip tc nsenter unshare taskset; do command -v "$tool" >/dev/null && echo "$tool: $(command -v "$tool")" || echo "$tool: missing"; done
+    if command -v ip >/dev/null; then
+        ip netns add hpcprobe 2>&1 && echo "ip netns: works" && ip netns del hpcprobe
+        ip link add hpcprobe0 type veth peer name hpcprobe1 2>&1 && echo "veth: works" && ip link del hpcprobe0
+        ip link add hpcprobebr type bridge 2>&1 && echo "bridge: works" && ip link del hpcprobebr
+    fi
+}
+
+# --- the bundle --------------------------------------------------------------------------------
+if [ ! -x "$bundle/bin/hpc-train" ] && [ -f "$bundle.tar.gz" ]; then
+    unpacked=/tmp/hpc-train-bundle
+    rm -rf "$unpacked" && mkdir -p "$unpacked" && tar -C "$unpacked" -xzf "$bundle.tar.gz"
+    bundle="$unpacked/$(basename "$bundle")"
+fi
+[ -x "$bundle/bin/hpc-train" ] || { echo "device-check.sh: no bundle at $bundle (scripts/pack.sh --tests gpu)" >&2; exit 1; }
+describe_machine > "$out/environment.txt" 2>&1
+# shellcheck source=/dev/null
+source "$bundle/env.sh"
+B="$bundle/bin/hpc-train"
+{ echo "## hpc-train"; "$B" --version 2>&1; echo "bundled Open MPI: $(ompi_info --parsable --all 2>/dev/null | grep -E 'ompi:version:full|built_with_cuda_support' | tr '\n' ' ')"; } >> "$out/environment.txt" 2>&1
+cat "$out/environment.txt"
+data="$out/data"
+mkdir -p "$data"
+synth() { [ -f "$data/$1.h5" ] || "$B" data synth --samples "$2" --test-samples 0 --shape "$3" --classes "$4" --out "$data/$1.h5" > /dev/null; }
+
+if [ "$quick" = 1 ]; then
+    device=cpu; big=3x32x32; batches="4"; steps=4; warmup=2; images=16; classes=10; py_device=cpu
+    share_batch=2; cpu_ranks="1,2"; min_bytes=1K; max_bytes=64K; cpu_shape=3x16x16; shared_precision=fp32
+else
+    device=cuda; big=3x224x224; batches="128 256"; steps=25; warmup=8; images=512; classes=1000; py_device=cuda
+    share_batch=64; cpu_ranks="1,2,4,8,16"; min_bytes=1M; max_bytes=256M; cpu_shape=3x128x128; shared_precision=bf16
+fi
+# `step` runs programs (under timeout), so launches are spelled out: "${mpi[@]}" RANKS ...
+mpi=(mpirun --oversubscribe -n)
+
+# --- GPU ---------------------------------------------------------------------------------------
+gpu_part() {
+    synth small 96 3x32x32 5 && synth big "$images" "$big" "$classes" || { echo "device-check.sh: data synth failed" >&2; return 1; }
+    if ! step smoke 40 "${mpi[@]}" 1 "$B" --model tiny --data "$data/small.h5" --batch-size 8 --steps 3 --no-eval --device "$device" --results "$out/smoke"; then
+        printf 'gpu\tnot run: the smoke run on the GPU failed (logs/smoke.log)\t0\n' >> "$steps"
+        return 1
+    fi
+    # tests/gpu.rs against the CPU, its tests side by side (they share the GPU).
+    step gpu-tests 150 env HPC_TRAIN_TEST_BINARY="$B" HPC_TRAIN_TEST_ROOT="$root" "$bundle/tests/gpu" --test-threads 8
+    # Single GPU: hpc-train then PyTorch for each batch, the same three settings.
+    local batch setting
+    for batch in $batches; do
+        for setting in fp32 tf32 bf16-cl; do
+            local precision=${setting%-cl} layout=()
+            [ "$setting" = bf16-cl ] && layout=(--channels-last)
+            [ "$quick" = 1 ] && precision=fp32  # 16 bits and TF32 are for CUDA only
+            step "single-hpc-train-$setting-$batch" 45 "${mpi[@]}" 1 "$B" --model resnet50 --data "$data/big.h5" --batch-size "$batch" \
+                --steps "$steps" --warmup-steps "$warmup" --no-eval --device "$device" --precision "$precision" "${layout[@]}" \
+                --results "$out/single" --study-tag "single-$setting-$batch"
+        done
+        step "single-pytorch-$batch" 100 "$PYTHON" "$root/scripts/gpu_reference.py" --device "$py_device" --model resnet50 --shape "$big" \
+            --classes "$classes" --images "$images" --configs "fp32:$batch,tf32:$batch,bf16-cl:$batch" --steps "$steps" \
+            --warmup-steps "$warmup" --out "$out/single/pytorch.jsonl"
+    done
+    # Two ranks sharing the GPU: the exchange alone, then ResNet-50 steps.
+    step shared-bench 60 "${mpi[@]}" 2 "$B" bench --device "$device" --strategies ring,rhd,auto,allreduce,horovod,ps --min-bytes "$min_bytes" \
+        --max-bytes "$max_bytes" --factor 4 --iters 5 --warmup 2 --results "$out/shared"
+    local strategy overlap
+    for strategy in ring allreduce rhd auto horovod ps; do
+        for overlap in off on; do
+            [ "$overlap" = on ] && [[ "$strategy" != ring && "$strategy" != allreduce ]] && continue
+            step "shared-$strategy-overlap-$overlap" 30 "${mpi[@]}" 2 "$B" --model resnet50 --data "$data/big.h5" --batch-size "$share_batch" \
+                --steps 10 --warmup-steps 3 --no-eval --device "$device" --precision "$shared_precision" --channels-last --allow-gpu-sharing \
+                --strategy "$strategy" --overlap "$overlap" --results "$out/shared" --study-tag "shared-$strategy-$overlap"
+        done
+    done
+}
+
+# --- CPU ---------------------------------------------------------------------------------------
+cpu_part() {
+    synth resnet 256 "$cpu_shape" 10 && synth cifar 2048 3x32x32 10 || { echo "device-check.sh: data synth failed" >&2; return 1; }
+    local ranks=16; [ "$quick" = 1 ] && ranks=2
+    local bind=(--bind-to core); [ "$quick" = 1 ] && bind=(--bind-to none)
+    step bench-16 100 "${mpi[@]}" "$ranks" "${bind[@]}" "$B" bench --strategies ring,rhd,auto,allreduce,horovod --min-bytes 1K \
+        --max-bytes "$max_bytes" --factor 4 --iters 5 --warmup 2 --results "$out/bench"
+    # Overlap needs a core beside each rank's compute threads: 4 cores per rank, 3 threads.
+    local pe=(--map-by slot:PE=4 --bind-to core) threads=3
+    [ "$quick" = 1 ] && { pe=(--bind-to none); threads=1; }
+    overlap_pair() {
+        local overlap
+        for overlap in off on; do
+            step "overlap-$overlap-$1" 30 "${mpi[@]}" 2 "${pe[@]}" "$B" --model resnet50 --data "$data/resnet.h5" --batch-size 16 --steps 12 \
+                --warmup-steps 4 --threads "$threads" --no-eval --strategy ring --overlap "$overlap" --results "$out/overlap" \
+                --study-tag "overlap-$overlap"
+        done
+    }
+    overlap_pair 1
+    # The cost model on 4 namespaced nodes of 4 cores each, 10 Gbit/s first (the goal's rate).
+    local nodes=4 per=4; [ "$quick" = 1 ] && { nodes=2; per=1; }
+    step cluster-10000mbit 50 bash -c 'cluster_rate "$@"' cluster_rate 10000 "$nodes" "$per"
+    local scaling
+    for scaling in weak strong; do
+        local size=(--batch-size 8); [ "$scaling" = strong ] && size=(--global-batch 32)
+        step "study-$scaling" 90 "${mpi[@]}" "$ranks" "${bind[@]}" "$B" study --ranks "$cpu_ranks" --strategies ring,rhd,auto,allreduce,horovod,ps \
+            --scaling "$scaling" "${size[@]}" --model resnet18 --data "$data/cifar.h5" --steps 6 --warmup-steps 2 --threads 1 \
+            --no-eval --results "$out/studies" --study-id "device-$scaling"
+    done
+    [ -f "$out/studies/runs.jsonl" ] && step studies-report 20 "$B" report --input "$out/studies/runs.jsonl" --out "$out/studies/report"
+    overlap_pair 2
+    step bench-16-ps 40 "${mpi[@]}" "$ranks" "${bind[@]}" "$B" bench --strategies ps --min-bytes 1K --max-bytes 64M --factor 4 --iters 3 \
+        --warmup 1 --results "$out/bench"
+    for mbit in 1000 25000; do
+        step "cluster-${mbit}mbit" 50 bash -c 'cluster_rate "$@"' cluster_rate "$mbit" "$nodes" "$per"
+    done
+}
+
+# cluster_rate MBIT NODES CORES: bench ring, rhd and MPI_Allreduce over NODES nodes (one rank
+# each) at MBIT Mbit/s, sizes 64 KiB-64 MiB by factors of 2; the model fitted on the sizes 4^k,
+# auto benched with it; every row of the other sizes (ring, rhd, auto) checked against the model.
+cluster_rate() {
+    local mbit=$1 nodes=$2 per=$3 c=/tmp/hpc-device-cluster
+    local dir="$out/cluster/${mbit}mbit"
+    local top=64M; [ "$mbit" -le 1000 ] && top=16M; [ "$quick" = 1 ] && top=1M
+    mkdir -p "$dir"
+    "$root/scripts/local-cluster.sh" down "$c" > /dev/null 2>&1
+    trap '"$root/scripts/local-cluster.sh" down "$c" > /dev/null 2>&1' EXIT
+    "$root/scripts/local-cluster.sh" up "$c" --nodes "$nodes" --link-mbit "$mbit" --cpus-per-node "$per" || return 1
+    on_nodes() { "$root/scripts/local-cluster.sh" run "$c" -- mpirun -n "$nodes" --map-by ppr:1:node "$@"; }
+    on_nodes "$B" bench --strategies ring,rhd,allreduce --min-bytes 64K --max-bytes "$top" --factor 2 --iters 8 --warmup 2 \
+        --link-mbit "$mbit" --results "$dir" || return 1
+    "$PYTHON" - "$dir/bench.jsonl" "$dir/fit.jsonl" "$dir/held-out.jsonl" <<'SPLIT' || return 1
+import json, math, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+with open(sys.argv[2], "w") as fit, open(sys.argv[3], "w") as held:
+    for row in rows:
+        # sizes 4^k to the fit, the others (2 x 4^k) held out
+        (fit if int(math.log2(row["size"])) % 2 == 0 else held).write(json.dumps(row) + "\n")
+SPLIT
+    # Rows within one node (the node's own links): the 16-rank bench of this part.
+    cat "$dir/fit.jsonl" "$out/bench/bench.jsonl" 2>/dev/null > "$dir/fit-and-node.jsonl"
+    "$B" model fit --bench "$dir/fit-and-node.jsonl" --link-mbit "$mbit" --nics-per-node 1 --out "$dir/cost-model.json" || return 1
+    on_nodes "$B" bench --strategies auto --cost-model "$dir/cost-model.json" --min-bytes 64K --max-bytes "$top" --factor 2 \
+        --iters 8 --warmup 2 --link-mbit "$mbit" --results "$dir/auto" || return 1
+    "$PYTHON" - "$dir/auto/bench.jsonl" >> "$dir/held-out.jsonl" <<'SPLIT'
+import json, math, sys
+for line in open(sys.argv[1]):
+    if int(math.log2(json.loads(line)["size"])) % 2 == 1:
+        print(line.strip())
+SPLIT
+    printf 'name = "namespaced nodes, %s Mbit/s (fitted)"\nranks_per_node = 1\nfitted = "%s"\n' "$mbit" "$dir/cost-model.json" > "$dir/profile.toml"
+    "$B" project --profile "$dir/profile.toml" --model resnet18 --batch 16 --ranks "1,$nodes" --compute-ms 10 \
+        --validate-bench "$dir/held-out.jsonl" --out "$dir/projection"
+}
+
+# cluster_rate runs in a shell of its own (under timeout): what it reads goes with it.
+export -f cluster_rate
+export out root B PYTHON quick
+
+echo "device-check.sh --part $part: budget $budget s, bundle $bundle, python $PYTHON, quick $quick"
+"${part}_part"

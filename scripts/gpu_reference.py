@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""PyTorch eager on one GPU, trained the way hpc-train trains on it, for the single-GPU
+throughput comparison of scripts/device-check.sh (run with the GPU machine's own torch):
+
+    gpu_reference.py --model resnet50 --shape 3x224x224 --classes 1000 \
+        --configs fp32:128,tf32:128,bf16-cl:256 --steps 30 --warmup-steps 10 --out runs.jsonl
+
+Each config is PRECISION[-cl]:BATCH and appends one JSON line (images_per_sec, step_ms, ...).
+
+What is matched with hpc-train's GPU step (src/train/net.rs, setup.rs, the SGD of src/optim):
+
+* model: torchvision's resnet50 / resnet18 (v1.5, the ImageNet stem at 224 px), num_classes
+  --classes, in float32 parameters;
+* data: uint8 images held in host memory; each step's batch gathered by a shuffled index, pinned,
+  copied to the GPU without blocking, normalised there (mean 127.5, std 64: the values do not
+  matter for speed), labels int64;
+* precision: fp32 = no TF32 anywhere (cuBLAS and cuDNN; PyTorch's own default leaves cuDNN's TF32
+  on, hpc-train's fp32 does not), tf32 = TF32 in both, bf16 = CUDA autocast to bfloat16 around
+  forward and loss; "-cl" puts the model and each batch in channels-last;
+* cuDNN's autotuner on (hpc-train sets cudnn benchmark on a GPU);
+* optimizer: torch.optim.SGD(lr 0.05, momentum 0.9, weight_decay 1e-4), its default (foreach)
+  implementation;
+* timing: each step from gathering its batch to the loss read back on the host (hpc-train reads
+  the loss every step); the first --warmup-steps steps left out; images/s = measured images /
+  measured time.
+"""
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+import torchvision
+
+
+def parse_configs(text):
+    configs = []
+    for item in text.split(","):
+        precision, batch = item.split(":")
+        channels_last = precision.endswith("-cl")
+        precision = precision.removesuffix("-cl")
+        if precision not in ("fp32", "tf32", "bf16"):
+            raise SystemExit(f"gpu_reference.py: unknown precision {precision!r} in {item!r} (fp32, tf32, bf16)")
+        configs.append((precision, channels_last, int(batch)))
+    return configs
+
+
+def train(args, precision, channels_last, batch, images, labels):
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    model = getattr(torchvision.models, args.model)(num_classes=args.classes).to(device)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(memory_format=memory_format)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    generator = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(images.shape[0], generator=generator)
+    position = 0
+    measured_time = 0.0
+    measured_images = 0
+    for step in range(args.steps):
+        start = time.perf_counter()
+        if position + batch > order.numel():
+            order = torch.randperm(images.shape[0], generator=generator)
+            position = 0
+        index = order[position:position + batch]
+        position += batch
+        x, y = images.index_select(0, index), labels.index_select(0, index)
+        if device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x = ((x.float() - 127.5) / 64.0).contiguous(memory_format=memory_format)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = loss_fn(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        final_loss = loss.item()
+        elapsed = time.perf_counter() - start
+        if step >= args.warmup_steps:
+            measured_time += elapsed
+            measured_images += batch
+    measured_steps = args.steps - args.warmup_steps
+    return {
+        "implementation": "pytorch-eager",
+        "model": args.model,
+        "image_shape": list(images.shape[1:]),
+        "classes": args.classes,
+        "precision": precision,
+        "channels_last": channels_last,
+        "batch": batch,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "images_per_sec": measured_images / measured_time,
+        "step_ms": measured_time / measured_steps * 1e3,
+        "final_loss": final_loss,
+        "device": device.type,
+        "peak_gpu_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "host": platform.node(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="resnet50", choices=["resnet50", "resnet18"])
+    parser.add_argument("--shape", default="3x224x224")
+    parser.add_argument("--classes", type=int, default=1000)
+    parser.add_argument("--images", type=int, default=512, help="synthetic images held in host memory")
+    parser.add_argument("--configs", default="fp32:128,tf32:128,bf16-cl:128")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", required=True, help="JSON lines file to append to")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script only")
+    args = parser.parse_args()
+    if args.warmup_steps >= args.steps:
+        raise SystemExit("gpu_reference.py: --warmup-steps must be below --steps")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_reference.py: torch sees no GPU")
+    shape = [int(side) for side in args.shape.split("x")]
+    generator = torch.Generator().manual_seed(args.seed)
+    images = torch.randint(0, 256, [args.images, *shape], dtype=torch.uint8, generator=generator)
+    labels = torch.randint(0, args.classes, [args.images], dtype=torch.int64, generator=generator)
+    for precision, channels_last, batch in parse_configs(args.configs):
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        record = train(args, precision, channels_last, batch, images, labels)
+        line = json.dumps(record)
+        print(line, flush=True)
+        with open(args.out, "a") as out:
+            out.write(line + "\n")
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
