@@ -51,8 +51,8 @@ deadline=$((start + budget))
 reserve=15
 mkdir -p "$out/logs" || exit 1
 out=$(cd "$out" && pwd)
-steps="$out/steps.tsv"
-printf 'step\tstatus\tseconds\n' > "$steps"
+steps_file="$out/steps.tsv"
+printf 'step\tstatus\tseconds\n' > "$steps_file"
 
 # The summary and the archive, however the script ends.
 finish() {
@@ -75,7 +75,7 @@ step() {
     local name=$1 need=$2; shift 2
     local remaining=$(( $(left) - reserve ))
     if [ "$remaining" -lt "$need" ]; then
-        printf '%s\tskipped: %s s left, about %s s needed\t0\n' "$name" "$remaining" "$need" >> "$steps"
+        printf '%s\tskipped: %s s left, about %s s needed\t0\n' "$name" "$remaining" "$need" >> "$steps_file"
         echo "== $name: skipped ($remaining s left, about $need s needed)"
         return 1
     fi
@@ -86,7 +86,7 @@ step() {
     local took=$((SECONDS - t0)) word=ok
     [ "$status" -eq 124 ] || [ "$status" -eq 137 ] && word="stopped at the budget"
     [ "$status" -ne 0 ] && [ "$word" = ok ] && word="failed ($status)"
-    printf '%s\t%s\t%s\n' "$name" "$word" "$took" >> "$steps"
+    printf '%s\t%s\t%s\n' "$name" "$word" "$took" >> "$steps_file"
     echo "   $word in $took s"
     [ "$status" -eq 0 ]
 }
@@ -148,10 +148,10 @@ mkdir -p "$data"
 synth() { [ -f "$data/$1.h5" ] || "$B" data synth --samples "$2" --test-samples 0 --shape "$3" --classes "$4" --out "$data/$1.h5" > /dev/null; }
 
 if [ "$quick" = 1 ]; then
-    device=cpu; big=3x32x32; batches="4"; steps=4; warmup=2; images=16; classes=10; py_device=cpu
+    device=cpu; big=3x32x32; batches="4"; train_steps=4; warmup=2; images=16; classes=10; py_device=cpu
     share_batch=2; cpu_ranks="1,2"; min_bytes=1K; max_bytes=64K; cpu_shape=3x16x16; shared_precision=fp32
 else
-    device=cuda; big=3x224x224; batches="128 256"; steps=25; warmup=8; images=512; classes=1000; py_device=cuda
+    device=cuda; big=3x224x224; batches="128 256"; train_steps=25; warmup=8; images=512; classes=1000; py_device=cuda
     share_batch=64; cpu_ranks="1,2,4,8,16"; min_bytes=1M; max_bytes=256M; cpu_shape=3x128x128; shared_precision=bf16
 fi
 # `step` runs programs (under timeout), so launches are spelled out: "${mpi[@]}" RANKS ...
@@ -161,11 +161,11 @@ mpi=(mpirun --oversubscribe -n)
 gpu_part() {
     synth small 96 3x32x32 5 && synth big "$images" "$big" "$classes" || { echo "device-check.sh: data synth failed" >&2; return 1; }
     if ! step smoke 40 "${mpi[@]}" 1 "$B" --model tiny --data "$data/small.h5" --batch-size 8 --steps 3 --no-eval --device "$device" --results "$out/smoke"; then
-        printf 'gpu\tnot run: the smoke run on the GPU failed (logs/smoke.log)\t0\n' >> "$steps"
+        printf 'gpu\tnot run: the smoke run on the GPU failed (logs/smoke.log)\t0\n' >> "$steps_file"
         return 1
     fi
     # tests/gpu.rs against the CPU, its tests side by side (they share the GPU).
-    step gpu-tests 150 env HPC_TRAIN_TEST_BINARY="$B" HPC_TRAIN_TEST_ROOT="$root" "$bundle/tests/gpu" --test-threads 8
+    step gpu-tests 90 env HPC_TRAIN_TEST_BINARY="$B" HPC_TRAIN_TEST_ROOT="$root" "$bundle/tests/gpu" --test-threads 8
     # Single GPU: hpc-train then PyTorch for each batch, the same three settings.
     local batch setting
     for batch in $batches; do
@@ -173,12 +173,12 @@ gpu_part() {
             local precision=${setting%-cl} layout=()
             [ "$setting" = bf16-cl ] && layout=(--channels-last)
             [ "$quick" = 1 ] && precision=fp32  # 16 bits and TF32 are for CUDA only
-            step "single-hpc-train-$setting-$batch" 45 "${mpi[@]}" 1 "$B" --model resnet50 --data "$data/big.h5" --batch-size "$batch" \
-                --steps "$steps" --warmup-steps "$warmup" --no-eval --device "$device" --precision "$precision" "${layout[@]}" \
+            step "single-hpc-train-$setting-$batch" 30 "${mpi[@]}" 1 "$B" --model resnet50 --data "$data/big.h5" --batch-size "$batch" \
+                --steps "$train_steps" --warmup-steps "$warmup" --no-eval --device "$device" --precision "$precision" "${layout[@]}" \
                 --results "$out/single" --study-tag "single-$setting-$batch"
         done
-        step "single-pytorch-$batch" 100 "$PYTHON" "$root/scripts/gpu_reference.py" --device "$py_device" --model resnet50 --shape "$big" \
-            --classes "$classes" --images "$images" --configs "fp32:$batch,tf32:$batch,bf16-cl:$batch" --steps "$steps" \
+        step "single-pytorch-$batch" 60 "$PYTHON" "$root/scripts/gpu_reference.py" --device "$py_device" --model resnet50 --shape "$big" \
+            --classes "$classes" --images "$images" --configs "fp32:$batch,tf32:$batch,bf16-cl:$batch" --steps "$train_steps" \
             --warmup-steps "$warmup" --out "$out/single/pytorch.jsonl"
     done
     # Two ranks sharing the GPU: the exchange alone, then ResNet-50 steps.
@@ -188,7 +188,7 @@ gpu_part() {
     for strategy in ring allreduce rhd auto horovod ps; do
         for overlap in off on; do
             [ "$overlap" = on ] && [[ "$strategy" != ring && "$strategy" != allreduce ]] && continue
-            step "shared-$strategy-overlap-$overlap" 30 "${mpi[@]}" 2 "$B" --model resnet50 --data "$data/big.h5" --batch-size "$share_batch" \
+            step "shared-$strategy-overlap-$overlap" 25 "${mpi[@]}" 2 "$B" --model resnet50 --data "$data/big.h5" --batch-size "$share_batch" \
                 --steps 10 --warmup-steps 3 --no-eval --device "$device" --precision "$shared_precision" --channels-last --allow-gpu-sharing \
                 --strategy "$strategy" --overlap "$overlap" --results "$out/shared" --study-tag "shared-$strategy-$overlap"
         done
