@@ -22,7 +22,9 @@
 # a step that no longer fits is skipped and says so; a failed step is recorded and the next one
 # runs. DIR gets environment.txt, steps.tsv (step, status, seconds), logs/, the runs.jsonl and
 # bench.jsonl rows, and summary.md (scripts/device_summary.py); --archive packs DIR into one file
-# (the device tool returns at most 8 files). --quick: the same steps, tiny, on the CPU, to check
+# (the device tool returns at most 8 files). --skip REGEX: skip the steps whose names match
+# (measured by an earlier call); GPU_TESTS: names of tests/gpu.rs's tests to run (default all).
+# --quick: the same steps, tiny, on the CPU, to check
 # the script where there is no GPU (its figures mean nothing).
 #
 # Environment: PYTHON (default /opt/torch/.venv/bin/python3, else .venv-pytorch/bin/python, else
@@ -31,7 +33,7 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 start=$(date +%s)
 
-part="" out="" budget=540 archive="" bundle="$root/dist/hpc-train" quick=0
+part="" out="" budget=540 archive="" bundle="$root/dist/hpc-train" quick=0 skip=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --part) part=$2; shift 2 ;;
@@ -40,6 +42,7 @@ while [ $# -gt 0 ]; do
         --archive) archive=$2; shift 2 ;;
         --bundle) bundle=$2; shift 2 ;;
         --quick) quick=1; shift ;;
+        --skip) skip=$2; shift 2 ;;
         -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "device-check.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -60,7 +63,7 @@ finish() {
     "$PYTHON" "$root/scripts/device_summary.py" --part "$part" --dir "$out" > "$out/summary.md" 2> "$out/logs/summary.log" \
         || echo "(the summary failed: logs/summary.log)" >> "$out/summary.md"
     if [ -n "$archive" ]; then
-        tar -C "$(dirname "$out")" -czf "$archive" "$(basename "$out")"
+        tar -C "$(dirname "$out")" --exclude="$(basename "$out")/data" -czf "$archive" "$(basename "$out")"
         cp "$out/summary.md" "$(dirname "$archive")/summary-$part.md"
     fi
     echo "device-check.sh --part $part: $(( $(date +%s) - start )) s; summary in $out/summary.md"
@@ -73,6 +76,10 @@ left() { echo $(( deadline - $(date +%s) )); }
 # expected time, still fit; stops it when the budget ends.
 step() {
     local name=$1 need=$2; shift 2
+    if [ -n "$skip" ] && [[ "$name" =~ $skip ]]; then
+        printf '%s\tskipped: --skip\t0\n' "$name" >> "$steps_file"
+        return 1
+    fi
     local remaining=$(( $(left) - reserve ))
     if [ "$remaining" -lt "$need" ]; then
         printf '%s\tskipped: %s s left, about %s s needed\t0\n' "$name" "$remaining" "$need" >> "$steps_file"
@@ -165,7 +172,8 @@ gpu_part() {
         return 1
     fi
     # tests/gpu.rs against the CPU, its tests side by side (they share the GPU).
-    step gpu-tests 90 env HPC_TRAIN_TEST_BINARY="$B" HPC_TRAIN_TEST_ROOT="$root" "$bundle/tests/gpu" --test-threads 8
+    # shellcheck disable=SC2086 # GPU_TESTS: test names (filters) for the test binary, or none
+    step gpu-tests 90 env HPC_TRAIN_TEST_BINARY="$B" HPC_TRAIN_TEST_ROOT="$root" "$bundle/tests/gpu" --test-threads 8 ${GPU_TESTS:-}
     # Single GPU: hpc-train then PyTorch for each batch, the same three settings.
     local batch setting
     for batch in $batches; do
@@ -181,6 +189,12 @@ gpu_part() {
             --classes "$classes" --images "$images" --configs "fp32:$batch,tf32:$batch,bf16-cl:$batch" --steps "$train_steps" \
             --warmup-steps "$warmup" --out "$out/single/pytorch.jsonl"
     done
+    # Where hpc-train's step goes beside PyTorch's: the same bf16 run without the gradient hooks
+    # of overlap (one rank has nothing to exchange, but --overlap auto turns them on).
+    local largest=${batches##* }
+    step "diag-hpc-train-bf16-cl-$largest-overlap-off" 30 "${mpi[@]}" 1 "$B" --model resnet50 --data "$data/big.h5" --batch-size "$largest" \
+        --steps "$train_steps" --warmup-steps "$warmup" --no-eval --device "$device" --precision "$([ "$quick" = 1 ] && echo fp32 || echo bf16)" \
+        --channels-last --overlap off --results "$out/diag" --study-tag "diag-bf16-cl-$largest-overlap-off"
     # Two ranks sharing the GPU: the exchange alone, then ResNet-50 steps.
     step shared-bench 60 "${mpi[@]}" 2 "$B" bench --device "$device" --strategies ring,rhd,auto,allreduce,horovod,ps --min-bytes "$min_bytes" \
         --max-bytes "$max_bytes" --factor 4 --iters 5 --warmup 2 --results "$out/shared"
@@ -208,7 +222,7 @@ cpu_part() {
     overlap_pair() {
         local overlap
         for overlap in off on; do
-            step "overlap-$overlap-$1" 30 "${mpi[@]}" 2 "${pe[@]}" "$B" --model resnet50 --data "$data/resnet.h5" --batch-size 16 --steps 12 \
+            step "overlap-$overlap-$1" 30 "${mpi[@]}" 2 "${pe[@]}" "$B" --device cpu --model resnet50 --data "$data/resnet.h5" --batch-size 16 --steps 12 \
                 --warmup-steps 4 --threads "$threads" --no-eval --strategy ring --overlap "$overlap" --results "$out/overlap" \
                 --study-tag "overlap-$overlap"
         done
@@ -221,7 +235,7 @@ cpu_part() {
     for scaling in weak strong; do
         local size=(--batch-size 8); [ "$scaling" = strong ] && size=(--global-batch 32)
         step "study-$scaling" 90 "${mpi[@]}" "$ranks" "${bind[@]}" "$B" study --ranks "$cpu_ranks" --strategies ring,rhd,auto,allreduce,horovod,ps \
-            --scaling "$scaling" "${size[@]}" --model resnet18 --data "$data/cifar.h5" --steps 6 --warmup-steps 2 --threads 1 \
+            --scaling "$scaling" "${size[@]}" --device cpu --model resnet18 --data "$data/cifar.h5" --steps 6 --warmup-steps 2 --threads 1 \
             --no-eval --results "$out/studies" --study-id "device-$scaling"
     done
     [ -f "$out/studies/runs.jsonl" ] && step studies-report 20 "$B" report --input "$out/studies/runs.jsonl" --out "$out/studies/report"

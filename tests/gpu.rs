@@ -30,13 +30,18 @@ impl GpuRuns {
     /// Trains `model` on `ranks` ranks for 6 steps of a global batch of 12 and returns the path of
     /// its final weights.
     fn run_model(&self, name: &str, ranks: usize, model: &str, extra: &[&str]) -> std::path::PathBuf {
+        self.run_model_logged(name, ranks, model, extra).0
+    }
+
+    /// As `run_model`, with the run's stderr.
+    fn run_model_logged(&self, name: &str, ranks: usize, model: &str, extra: &[&str]) -> (std::path::PathBuf, String) {
         let out = self.dir.join(format!("{name}.safetensors"));
         let (d, r) = (self.data.to_str().unwrap(), self.dir.to_str().unwrap());
         let mut args = vec!["--model", model, "--data", d, "--scaling", "strong", "--global-batch", "12", "--steps", "6", "--results", r, "--save-weights", out.to_str().unwrap(), "--allow-gpu-sharing"];
         args.extend(extra);
         let done = mpirun(ranks, &args).expect_ok();
         self.logs.borrow_mut().push_str(&done.stderr);
-        out
+        (out, done.stderr)
     }
 
     fn run(&self, name: &str, ranks: usize, extra: &[&str]) -> std::path::PathBuf {
@@ -182,12 +187,24 @@ fn every_precision_runs_and_ranks_share_a_gpu_only_when_allowed() {
     // weights are not fp32's).
     let fp32 = gpu.run("p-fp32", 2, &["--device", "cuda", "--precision", "fp32", "--channels-last", "--strategy", "ring"]);
     for (precision, tolerance) in [("tf32", 1e-2), ("bf16", 5e-2), ("fp16", 5e-2)] {
-        let got = gpu.run(&format!("p-{precision}"), 2, &["--device", "cuda", "--precision", precision, "--channels-last", "--strategy", "ring"]);
+        let (got, log) = gpu.run_model_logged(&format!("p-{precision}"), 2, "tiny", &["--device", "cuda", "--precision", precision, "--channels-last", "--strategy", "ring"]);
         let diff = max_relative_difference(&fp32, &got);
-        assert!(diff < tolerance, "{precision} differs from fp32 by {diff:e}");
         if precision != "tf32" {
             assert!(diff > 0.0, "{precision} gave fp32's weights bit for bit: autocast did not run");
         }
+        // fp16's loss scaler starts at 2^16, as torch.amp.GradScaler does: where the scaled
+        // gradients overflow, the step is skipped and the scale halves (on the H200, 2026-11-26,
+        // the tiny CNN's first steps overflowed and the weights ended 0.15 from fp32's). Skipped
+        // steps are steps fp32 took, so the weights are compared only when none was skipped.
+        let skipped = log.matches("gradients overflowed").count();
+        if precision == "fp16" && skipped > 0 {
+            assert!(skipped <= 4, "fp16 skipped {skipped} of 6 steps:\n{log}");
+            let scale = 65536.0 / 2f64.powi(skipped as i32);
+            assert!(log.contains(&format!("loss scale now {scale}")), "fp16 skipped {skipped} steps, but the scale did not halve as often:\n{log}");
+            eprintln!("fp16: {skipped} step(s) skipped on overflow (scale now {scale}); weights {diff:e} from fp32's, not compared");
+            continue;
+        }
+        assert!(diff < tolerance, "{precision} differs from fp32 by {diff:e} ({skipped} steps skipped on overflow)");
     }
     // Without --allow-gpu-sharing, more ranks than GPUs on a node is a clear error.
     let gpus = std::process::Command::new("nvidia-smi").args(["-L"]).output().map(|o| String::from_utf8_lossy(&o.stdout).lines().count()).unwrap_or(1);
@@ -209,7 +226,10 @@ fn staged_copies_current_device_and_sixteen_bit_sums_on_the_gpu() {
     let dir = scratch("gpu-review");
     let r = dir.to_str().unwrap();
     let bench = |extra: &[&str]| {
-        let mut args = vec!["bench", "--device", "cuda", "--counts", "0,1,3,1001,262147", "--iters", "2", "--warmup", "1", "--verify", "allreduce", "--results", r];
+        let mut args = vec!["bench", "--device", "cuda", "--counts", "0,1,3,1001,262147", "--iters", "2", "--warmup", "1", "--results", r];
+        if !extra.contains(&"--verify") {
+            args.extend(["--verify", "allreduce"]);
+        }
         args.extend(extra);
         let run = mpirun_env(2, &args, &[("RUST_LOG", "debug")], std::time::Duration::from_secs(300));
         assert!(run.ok(), "{extra:?}:\n{}", run.all_output());
