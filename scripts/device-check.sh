@@ -196,7 +196,7 @@ gpu_part() {
         --steps "$train_steps" --warmup-steps "$warmup" --no-eval --device "$device" --precision "$([ "$quick" = 1 ] && echo fp32 || echo bf16)" \
         --channels-last --overlap off --results "$out/diag" --study-tag "diag-bf16-cl-$largest-overlap-off"
     # Two ranks sharing the GPU: the exchange alone, then ResNet-50 steps.
-    step shared-bench 60 "${mpi[@]}" 2 "$B" bench --device "$device" --strategies ring,rhd,auto,allreduce,horovod,ps --min-bytes "$min_bytes" \
+    step shared-bench 40 "${mpi[@]}" 2 "$B" bench --device "$device" --strategies ring,rhd,auto,allreduce,horovod,ps --min-bytes "$min_bytes" \
         --max-bytes "$max_bytes" --factor 4 --iters 5 --warmup 2 --results "$out/shared"
     local strategy overlap
     for strategy in ring allreduce rhd auto horovod ps; do
