@@ -75,69 +75,125 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
     if world.is_root() {
         log::info!("study {id}: {} scaling, ranks {ranks:?}, strategies {:?}", match args.train.scaling { Scaling::Weak => "weak", Scaling::Strong => "strong" }, strategies.iter().map(|s| s.name()).collect::<Vec<_>>());
     }
+    let (points, left_out) = world.agree(plan_points(&ranks, &strategies, &stage_counts, &args.train))?;
+    if world.is_root() {
+        for (level, note) in &left_out {
+            log::log!(*level, "study {id}: {note}");
+        }
+    }
     let context = RunContext { study: Some(id.clone()) };
     let mut done = 0usize;
-    for &n in &ranks {
-        for (&strategy, &stages) in strategies.iter().flat_map(|s| stage_counts.iter().map(move |p| (s, p))) {
-            let mut point = args.train.clone();
-            point.strategy = strategy;
-            if stage_counts != [1] {
-                if n % stages != 0 {
-                    if world.is_root() {
-                        log::info!("study {id}: skipping {stages} pipeline stage(s) at {n} rank(s): they do not divide the ranks");
-                    }
-                    continue;
-                }
-                point.pipeline.pipeline_stages = stages as u64;
-                if stages == 1 {
-                    // The plain point of a pipeline study: the pipeline's own options do not apply.
-                    point.pipeline.micro_batches = 1;
-                    point.given = point.given.without(&["schedule", "virtual_stages", "partition", "recompute", "pipeline_timeline", "micro_batches"]);
-                }
+    for &Point { ranks: n, strategy, stages } in &points {
+        let mut point = args.train.clone();
+        point.strategy = strategy;
+        if stage_counts != [1] {
+            point.pipeline.pipeline_stages = stages as u64;
+            if stages == 1 {
+                // The plain point of a pipeline study: the pipeline's own options do not apply.
+                point.pipeline.micro_batches = 1;
+                point.given = point.given.without(&["schedule", "virtual_stages", "partition", "recompute", "pipeline_timeline", "micro_batches"]);
             }
-            if strategy == StrategyKind::Ps && !point.ps.ps_colocate && n <= point.ps.servers {
-                if world.is_root() {
-                    log::warn!("study {id}: skipping ps at {n} rank(s): {} dedicated server(s) would leave no worker (use --ps-colocate to include it)", point.ps.servers);
-                }
-                continue;
-            }
-            let inside = (world.rank as usize) < n;
-            let sub = world.comm.split_by_color(if inside { Color::with_value(0) } else { Color::undefined() });
-            let outcome = match sub {
-                Some(comm) => {
-                    let result = World::new(comm).and_then(|sub_world| train::run(&sub_world, &point, &context).map(|_| ()));
-                    // An error the point's ranks agreed on was printed by one of them; the
-                    // whole study stops with it.
-                    match result {
-                        Err(Error::Agreed(e)) => {
-                            eprintln!("error: study {id}, {strategy} at {n} rank(s): {e}");
-                            Err(Error::Reported(world.rank))
-                        }
-                        other => other,
-                    }
-                }
-                None => Ok(()),
-            };
-            // A signal stopped the point (its ranks all say so): the study stops with it.
-            let stopped = match &outcome {
-                Err(Error::Stopped { checkpointed }) => 1.0 + f64::from(u8::from(*checkpointed)),
-                _ => 0.0,
-            };
-            let stopped = world.max_f64(stopped);
-            if stopped > 0.0 {
-                if world.is_root() {
-                    println!("study {id}: stopped by a signal during {strategy} at {n} rank(s); {done} run(s) appended to {}", crate::results::runs_path(&args.train.results).display());
-                }
-                return Err(Error::Stopped { checkpointed: stopped > 1.0 });
-            }
-            world.agree(outcome)?;
-            done += 1;
         }
+        let inside = (world.rank as usize) < n;
+        let sub = world.comm.split_by_color(if inside { Color::with_value(0) } else { Color::undefined() });
+        let outcome = match sub {
+            Some(comm) => {
+                let result = World::new(comm).and_then(|sub_world| train::run(&sub_world, &point, &context).map(|_| ()));
+                // An error the point's ranks agreed on was printed by one of them; the
+                // whole study stops with it.
+                match result {
+                    Err(Error::Agreed(e)) => {
+                        eprintln!("error: study {id}, {strategy} at {n} rank(s): {e}");
+                        Err(Error::Reported(world.rank))
+                    }
+                    other => other,
+                }
+            }
+            None => Ok(()),
+        };
+        // A signal stopped the point (its ranks all say so): the study stops with it.
+        let stopped = match &outcome {
+            Err(Error::Stopped { checkpointed }) => 1.0 + f64::from(u8::from(*checkpointed)),
+            _ => 0.0,
+        };
+        let stopped = world.max_f64(stopped);
+        if stopped > 0.0 {
+            if world.is_root() {
+                println!("study {id}: stopped by a signal during {strategy} at {n} rank(s); {done} run(s) appended to {}", crate::results::runs_path(&args.train.results).display());
+            }
+            return Err(Error::Stopped { checkpointed: stopped > 1.0 });
+        }
+        world.agree(outcome)?;
+        done += 1;
     }
     if world.is_root() {
         println!("study {id}: {done} run(s) appended to {}; tables and plots: hpc-train report --study {id}", crate::results::runs_path(&args.train.results).display());
     }
     Ok(())
+}
+
+/// One run of the sweep: a rank count, a strategy and a number of pipeline stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Point {
+    ranks: usize,
+    strategy: StrategyKind,
+    stages: usize,
+}
+
+/// The sweep as data, in the order it runs: rank counts outermost, then strategies, then stage
+/// counts; with the points left out and why (stages that do not divide the ranks, ps without a
+/// worker). Strong scaling's global batch is checked against every point here, before any
+/// runs: a sweep that would stop at its twentieth point (ps's workers are the ranks less its
+/// servers) stops before its first, naming every point it does not divide.
+fn plan_points(ranks: &[usize], strategies: &[StrategyKind], stage_counts: &[usize], train: &TrainArgs) -> Result<(Vec<Point>, Vec<(log::Level, String)>)> {
+    let mut points = Vec::new();
+    let mut left_out = Vec::new();
+    let mut indivisible = Vec::new();
+    for &n in ranks {
+        for &strategy in strategies {
+            for &stages in stage_counts {
+                if n % stages != 0 {
+                    left_out.push((log::Level::Info, format!("skipping {stages} pipeline stage(s) at {n} rank(s): they do not divide the ranks")));
+                    continue;
+                }
+                if strategy == StrategyKind::Ps && !train.ps.ps_colocate && n <= train.ps.servers {
+                    left_out.push((log::Level::Warn, format!("skipping ps at {n} rank(s): {} dedicated server(s) would leave no worker (use --ps-colocate to include it)", train.ps.servers)));
+                    continue;
+                }
+                let point = Point { ranks: n, strategy, stages };
+                if let (Scaling::Strong, Some(global), Some(workers)) = (train.scaling, train.global_batch, training_ranks(&point, train)) {
+                    if workers > 0 && global as usize % workers != 0 {
+                        let layout = if stages > 1 { format!("{strategy} in {stages} stages") } else { strategy.to_string() };
+                        indivisible.push(format!("{layout} at {n} rank(s) has {workers}"));
+                    }
+                }
+                points.push(point);
+            }
+        }
+    }
+    if let (false, Some(global)) = (indivisible.is_empty(), train.global_batch) {
+        return Err(Error::usage(format!(
+            "--global-batch {global} does not divide evenly among the training ranks of every point of the study (strong scaling splits it evenly): {}; choose a global batch that every point's training ranks divide, or leave those points out",
+            indivisible.join(", ")
+        )));
+    }
+    Ok((points, left_out))
+}
+
+/// The ranks that take a share of the global batch at `point`, as training counts them (its
+/// own check stays the authority): the pipelines' replicas, tensor-parallel groups, or the
+/// strategy's workers (ps's dedicated servers take none). None where the strategy's options
+/// are themselves wrong (training says how).
+fn training_ranks(point: &Point, train: &TrainArgs) -> Option<usize> {
+    let tensor = (train.tensor_parallel as usize).max(1);
+    let plane = point.ranks / tensor;
+    if point.stages > 1 {
+        return Some(plane / point.stages);
+    }
+    if tensor > 1 {
+        return Some(plane);
+    }
+    crate::exchange::config::worker_count(point.strategy, point.ranks, &train.ps.roles()).ok()
 }
 
 /// Rank 0's string on every rank.
@@ -181,5 +237,53 @@ mod tests {
         assert!(parse_ranks("0", 4).is_err());
         assert!(parse_ranks("x", 4).is_err());
         assert!(parse_ranks("", 4).is_err());
+    }
+
+    fn train_args(extra: &[&str]) -> TrainArgs {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Command {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let mut argv = vec!["hpc-train"];
+        argv.extend(extra);
+        Command::try_parse_from(argv).unwrap().train
+    }
+
+    #[test]
+    fn a_strong_study_checks_its_global_batch_at_every_point_before_the_first() {
+        let all = parse_strategies("ring,ps").unwrap();
+        // ps with one dedicated server trains on n - 1 ranks: 32 splits over 1 (at 2) but not 3 or 7.
+        let strong = train_args(&["--scaling", "strong", "--global-batch", "32"]);
+        let err = plan_points(&[1, 2, 4, 8], &all, &[1], &strong).unwrap_err().to_string();
+        assert!(err.contains("--global-batch 32") && err.contains("ps at 4 rank(s) has 3, ps at 8 rank(s) has 7"), "{err}");
+        assert!(!err.contains("ring at"), "{err}");
+        // Colocated servers: every rank trains, and 32 splits at every point.
+        let colocated = train_args(&["--scaling", "strong", "--global-batch", "32", "--ps-colocate"]);
+        let (points, _) = plan_points(&[1, 2, 4, 8], &all, &[1], &colocated).unwrap();
+        assert_eq!(points.len(), 8);
+        // 24 splits over ps's 3 workers at 4 ranks, not its 7 at 8.
+        let err = plan_points(&[1, 2, 4, 8], &all, &[1], &train_args(&["--scaling", "strong", "--global-batch", "24"])).unwrap_err().to_string();
+        assert!(err.contains("ps at 8 rank(s) has 7") && !err.contains("ps at 4"), "{err}");
+        // Weak scaling has nothing to divide; ps at one rank is left out with a warning.
+        let (points, left_out) = plan_points(&[1, 2], &all, &[1], &train_args(&[])).unwrap();
+        assert_eq!(points, vec![
+            Point { ranks: 1, strategy: StrategyKind::Ring, stages: 1 },
+            Point { ranks: 2, strategy: StrategyKind::Ring, stages: 1 },
+            Point { ranks: 2, strategy: StrategyKind::Ps, stages: 1 },
+        ]);
+        assert!(matches!(left_out.as_slice(), [(log::Level::Warn, note)] if note.contains("ps at 1 rank(s)")), "{left_out:?}");
+        // Pipelines: the replicas share the batch (8 ranks in 4 stages: 2 replicas).
+        let piped = train_args(&["--scaling", "strong", "--global-batch", "6"]);
+        let err = plan_points(&[2, 8], &parse_strategies("ring").unwrap(), &[1, 4], &piped).unwrap_err().to_string();
+        assert!(err.contains("ring at 8 rank(s) has 8") && !err.contains("4 stages"), "{err}");
+        let piped = train_args(&["--scaling", "strong", "--global-batch", "8"]);
+        let (points, left_out) = plan_points(&[2, 8], &parse_strategies("ring").unwrap(), &[1, 4], &piped).unwrap();
+        assert_eq!(points.len(), 3, "{points:?}");
+        assert!(matches!(left_out.as_slice(), [(log::Level::Info, note)] if note.contains("4 pipeline stage(s) at 2 rank(s)")), "{left_out:?}");
+        let piped = train_args(&["--scaling", "strong", "--global-batch", "4"]);
+        let err = plan_points(&[2, 8], &parse_strategies("ring").unwrap(), &[1, 4], &piped).unwrap_err().to_string();
+        assert!(err.contains("ring at 8 rank(s) has 8") && !err.contains("4 stages at 8 rank(s)"), "{err}");
     }
 }

@@ -242,6 +242,27 @@ fn options_the_strategy_does_not_read_are_refused() {
     assert!(timeline.exists());
 }
 
+/// A strong study of ring and ps at 1, 2 and 4 ranks with a global batch of 8 ran its four
+/// first points and stopped at ps on 4 ranks (3 workers): seen on the GPU machine's 16 cores,
+/// where the sweep had run a minute before it failed. Now it stops before its first point,
+/// naming every point the batch does not split over, and appends nothing.
+#[test]
+fn a_strong_study_whose_batch_does_not_split_at_a_point_stops_before_it_starts() {
+    let dir = scratch("bad-study-batch");
+    let data = synth(&dir, "study", 20, 2, "1x8x8", 2);
+    let (d, r) = (data.to_str().unwrap(), dir.join("r"));
+    let r = r.to_str().unwrap();
+    let args = [
+        "study", "--ranks", "1,2,4", "--strategies", "ring,ps", "--scaling", "strong", "--global-batch", "8",
+        "--model", "tiny", "--data", d, "--results", r, "--steps", "1", "--no-eval",
+    ];
+    let run = mpirun_env(4, &args, &[], Duration::from_secs(120));
+    assert!(!run.ok() && !run.timed_out, "{}", run.all_output());
+    let message = "--global-batch 8 does not divide evenly among the training ranks of every point of the study (strong scaling splits it evenly): ps at 4 rank(s) has 3;";
+    assert_eq!(run.all_output().matches(message).count(), 1, "{}", run.all_output());
+    assert!(!dir.join("r").join("runs.jsonl").exists(), "a point ran before the study stopped:\n{}", run.all_output());
+}
+
 /// `--save-weights` pointing at the `--data` file overwrote the dataset.
 #[test]
 fn an_output_that_is_an_input_is_refused() {
