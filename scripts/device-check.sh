@@ -147,6 +147,16 @@ fi
 describe_machine > "$out/environment.txt" 2>&1
 # shellcheck source=/dev/null
 source "$bundle/env.sh"
+# iproute2 from the bundle where the machine has none (the namespaced cluster needs ip and tc).
+if ! command -v ip > /dev/null || ! command -v tc > /dev/null; then
+    export PATH="$PATH:$bundle/net-tools"
+    { echo "## iproute2 from the bundle ($bundle/net-tools)"; ip -V
+      ip netns add hpcprobe && echo "ip netns: works" && ip netns del hpcprobe
+      ip link add hpcprobe0 type veth peer name hpcprobe1 && echo "veth: works" \
+          && tc qdisc add dev hpcprobe0 root tbf rate 10gbit burst 1mb latency 10ms && echo "tc tbf: works"
+      ip link del hpcprobe0
+      ip link add hpcprobebr type bridge && echo "bridge: works" && ip link del hpcprobebr; } >> "$out/environment.txt" 2>&1
+fi
 B="$bundle/bin/hpc-train"
 { echo "## hpc-train"; "$B" --version 2>&1; echo "bundled Open MPI: $(ompi_info --parsable --all 2>/dev/null | grep -E 'ompi:version:full|built_with_cuda_support' | tr '\n' ' ')"; } >> "$out/environment.txt" 2>&1
 cat "$out/environment.txt"

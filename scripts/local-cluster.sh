@@ -139,7 +139,9 @@ cmd_up() {
         echo "$0 up: $dir is already up (or was not taken down): run '$0 down $dir' first" >&2
         exit 1
     fi
-    need_packages iproute2 util-linux
+    # The commands, wherever they come from (a machine without a package mirror may have them
+    # from the bundle of scripts/pack.sh); the packages where they are missing.
+    command -v ip > /dev/null && command -v tc > /dev/null && command -v nsenter > /dev/null || need_packages iproute2 util-linux
 
     # Names and subnet from DIR, so that two clusters (two test runs) never meet. Interface names
     # have at most 15 characters: hpcc + 6 hex digits + v|p|n + node number.

@@ -61,6 +61,28 @@ done | sort -u | while read -r name path; do
     [ -e "$out/lib/$name" ] || cp -L "$path" "$out/lib/$name"
 done
 
+# iproute2's ip and tc for scripts/local-cluster.sh on a machine without them and without a
+# package mirror (the GPU machine): in net-tools/, each a wrapper that finds the libraries packed
+# beside it (not in lib/, whose LD_LIBRARY_PATH reaches every program: libelf and libbpf of this
+# machine must not shadow the target's own). scripts/device-check.sh puts net-tools/ on PATH
+# only where the machine has no ip or tc.
+mkdir -p "$out/net-tools/bin" "$out/net-tools/lib"
+for tool in ip tc; do
+    path=$(command -v "$tool" || true)
+    [ -n "$path" ] || { echo "pack.sh: no $tool here to pack (apt-get install iproute2)" >&2; exit 1; }
+    cp -L "$path" "$out/net-tools/bin/$tool"
+    ldd "$path" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' | while read -r name lib; do
+        [[ "$name" =~ $skip ]] || cp -L "$lib" "$out/net-tools/lib/$name"
+    done
+    cat > "$out/net-tools/$tool" <<WRAPPER
+#!/bin/sh
+# iproute2's $tool from the machine that packed this bundle, with its own libraries.
+here=\$(cd "\$(dirname "\$0")" && pwd)
+LD_LIBRARY_PATH="\$here/lib" exec "\$here/bin/$tool" "\$@"
+WRAPPER
+    chmod +x "$out/net-tools/$tool"
+done
+
 # What was packed: the commit (and whether the tree had changes), for the figures made with it.
 git describe --always --dirty --abbrev=12 > "$out/COMMIT" 2>/dev/null || echo unknown > "$out/COMMIT"
 
