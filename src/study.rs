@@ -239,17 +239,7 @@ mod tests {
         assert!(parse_ranks("", 4).is_err());
     }
 
-    fn train_args(extra: &[&str]) -> TrainArgs {
-        use clap::Parser;
-        #[derive(Parser)]
-        struct Command {
-            #[command(flatten)]
-            train: TrainArgs,
-        }
-        let mut argv = vec!["hpc-train"];
-        argv.extend(extra);
-        Command::try_parse_from(argv).unwrap().train
-    }
+    use crate::train::options::parse_train_args as train_args;
 
     #[test]
     fn a_strong_study_checks_its_global_batch_at_every_point_before_the_first() {

@@ -302,3 +302,17 @@ pub enum DeviceChoice {
     Cpu,
     Cuda,
 }
+
+/// The training options of a command line, parsed as `hpc-train` parses them (for unit tests).
+#[cfg(test)]
+pub(crate) fn parse_train_args(extra: &[&str]) -> TrainArgs {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Command {
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+    let mut argv = vec!["hpc-train"];
+    argv.extend(extra);
+    Command::try_parse_from(argv).unwrap().train
+}

@@ -535,19 +535,7 @@ mod tests {
         assert_eq!(bytes_per_rank(1001, 4), 4_004);
         assert_eq!(bytes_per_rank(1000, 0), 16_000);
     }
-    use clap::Parser;
-
-    /// The training options of a command line, parsed as `hpc-train` parses them.
-    fn train_args(extra: &[&str]) -> TrainArgs {
-        #[derive(Parser)]
-        struct Command {
-            #[command(flatten)]
-            train: TrainArgs,
-        }
-        let mut argv = vec!["hpc-train"];
-        argv.extend(extra);
-        Command::try_parse_from(argv).unwrap().train
-    }
+    use crate::train::options::parse_train_args as train_args;
 
     #[test]
     fn threads_far_beyond_the_cores_are_refused() {
