@@ -243,7 +243,9 @@ cpu_part() {
     step cluster-10000mbit 50 bash -c 'cluster_rate "$@"' cluster_rate 10000 "$nodes" "$per"
     local scaling
     for scaling in weak strong; do
-        local size=(--batch-size 8); [ "$scaling" = strong ] && size=(--global-batch 32)
+        # Strong scaling splits 32 images over each point's training ranks: ps's servers sit
+        # beside its workers (--ps-colocate), or its 1, 3, 7 and 15 workers would not divide it.
+        local size=(--batch-size 8); [ "$scaling" = strong ] && size=(--global-batch 32 --ps-colocate)
         step "study-$scaling" 90 "${mpi[@]}" "$ranks" "${bind[@]}" "$B" study --ranks "$cpu_ranks" --strategies ring,rhd,auto,allreduce,horovod,ps \
             --scaling "$scaling" "${size[@]}" --device cpu --model resnet18 --data "$data/cifar.h5" --steps 6 --warmup-steps 2 --threads 1 \
             --no-eval --results "$out/studies" --study-id "device-$scaling"
