@@ -161,7 +161,8 @@ fn plan_points(ranks: &[usize], strategies: &[StrategyKind], stage_counts: &[usi
                     continue;
                 }
                 let point = Point { ranks: n, strategy, stages };
-                if let (Scaling::Strong, Some(global), Some(workers)) = (train.scaling, train.global_batch, training_ranks(&point, train)) {
+                // Strategy options that are themselves wrong are left for training to name.
+                if let (Scaling::Strong, Some(global), Ok(workers)) = (train.scaling, train.global_batch, train::training_ranks(train, strategy, n, stages)) {
                     if workers > 0 && global as usize % workers != 0 {
                         let layout = if stages > 1 { format!("{strategy} in {stages} stages") } else { strategy.to_string() };
                         indivisible.push(format!("{layout} at {n} rank(s) has {workers}"));
@@ -178,22 +179,6 @@ fn plan_points(ranks: &[usize], strategies: &[StrategyKind], stage_counts: &[usi
         )));
     }
     Ok((points, left_out))
-}
-
-/// The ranks that take a share of the global batch at `point`, as training counts them (its
-/// own check stays the authority): the pipelines' replicas, tensor-parallel groups, or the
-/// strategy's workers (ps's dedicated servers take none). None where the strategy's options
-/// are themselves wrong (training says how).
-fn training_ranks(point: &Point, train: &TrainArgs) -> Option<usize> {
-    let tensor = (train.tensor_parallel as usize).max(1);
-    let plane = point.ranks / tensor;
-    if point.stages > 1 {
-        return Some(plane / point.stages);
-    }
-    if tensor > 1 {
-        return Some(plane);
-    }
-    crate::exchange::config::worker_count(point.strategy, point.ranks, &train.ps.roles()).ok()
 }
 
 /// Rank 0's string on every rank.

@@ -33,6 +33,21 @@ pub(super) struct Plan {
     pub(super) pipeline: Option<PipelinePlan>,
 }
 
+/// The ranks that take a share of each step's batch when `args` train with `strategy` on `ranks`
+/// ranks in `stages` pipeline stages: a pipelined run's pipelines (the replicas, as its grid
+/// counts them), a tensor-parallel run's groups, else the strategy's workers (ps's dedicated
+/// servers take none). `hpc-train study` asks it of every point before the first runs.
+pub fn training_ranks(args: &TrainArgs, strategy: exchange::StrategyKind, ranks: usize, stages: usize) -> Result<usize> {
+    let plane = ranks / (args.tensor_parallel as usize).max(1);
+    if stages > 1 {
+        return Ok(plane / stages);
+    }
+    if args.tensor_parallel > 1 {
+        return Ok(plane);
+    }
+    exchange::worker_count(strategy, ranks, &args.ps.roles())
+}
+
 impl Plan {
     pub(super) fn resolve(args: &TrainArgs, world: &World) -> Result<Plan> {
         // First: choosing the device is collective over the node's ranks (before any early return).
@@ -41,12 +56,9 @@ impl Plan {
         // With tensor parallelism a pipeline's stages are groups: the grid lays out the ranks of
         // one place in the groups (N / T of them).
         let pipeline = args.pipeline.plan(&args.given, world.size as usize / args.tensor_parallel as usize, args.strategy, args.model)?;
-        // A pipelined run's workers are its pipelines (the replicas), each taking a batch; a
-        // tensor-parallel run's, its groups.
         let workers = match &pipeline {
             Some(p) => p.grid.replicas,
-            None if args.tensor_parallel > 1 => world.size as usize / args.tensor_parallel as usize,
-            None => exchange::worker_count(args.strategy, world.size as usize, &args.ps.roles())?,
+            None => training_ranks(args, args.strategy, world.size as usize, 1)?,
         };
         let batch = match args.scaling {
             Scaling::Weak => {
