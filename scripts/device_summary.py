@@ -17,6 +17,8 @@ from collections import defaultdict
 # NVIDIA's published ResNet-50 v1.5 training throughput on one A100 80GB with AMP (PyTorch,
 # DeepLearningExamples, batch 256): the goal the bf16 figure is held against.
 A100_AMP_IMAGES_PER_SEC = 2470
+# The strategies' order in the tables: the from-scratch ones, then the baselines.
+STRATEGY_ORDER = ["ring", "rhd", "auto", "allreduce", "horovod", "ps"]
 
 
 def rows(path):
@@ -117,7 +119,7 @@ def bench_table(bench, title, note):
         times[(r["size"], r["strategy"])].append(r["time_us"])
         if r.get("memory_bound_busbw"):
             bound[r["size"]] = r["memory_bound_busbw"]
-    strategies = sorted({s for _, s in times}, key=lambda s: ["ring", "rhd", "auto", "allreduce", "horovod", "ps"].index(s) if s in ["ring", "rhd", "auto", "allreduce", "horovod", "ps"] else 9)
+    strategies = sorted({s for _, s in times}, key=lambda s: STRATEGY_ORDER.index(s) if s in STRATEGY_ORDER else len(STRATEGY_ORDER))
     sizes = sorted({size for size, _ in times})
     ranks = bench[0].get("ranks")
     header = ["size"] + [f"{s} us" for s in strategies] + [f"{s} / allreduce" for s in strategies if s != "allreduce" and "allreduce" in strategies]
