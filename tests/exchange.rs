@@ -369,6 +369,39 @@ fn training_through_the_staged_path_matches_the_host_path() {
     }
 }
 
+/// One rank's mean is its own gradients: ring, rhd and auto train on one rank through the
+/// staged path to the weights of MPI_Allreduce's run, without packing or staging a byte (no
+/// copy waited for, no bucket sent to any algorithm).
+#[test]
+fn one_rank_exchanges_nothing() {
+    let dir = scratch("one-rank");
+    let data = synth(&dir, "one", 48, 0, "1x12x12", 5);
+    let train = |strategy: &str| {
+        let out = dir.join(format!("{strategy}.safetensors"));
+        let args = [
+            "--model", "tiny", "--data", data.to_str().unwrap(), "--batch-size", "8", "--steps", "5", "--no-eval", "--threads", "1",
+            "--bucket-mb", "0.001", "--strategy", strategy, "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
+        ];
+        mpirun_env(1, &args, &[("HPC_TRAIN_STAGE_HOST", "1")], Duration::from_secs(120)).expect_ok();
+        out
+    };
+    let reference = train("allreduce");
+    for strategy in ["ring", "rhd", "auto"] {
+        let diff = max_relative_difference(&reference, &train(strategy));
+        assert!(diff < 1e-6, "{strategy} on one rank differs from MPI_Allreduce's run by {diff:e}");
+    }
+    let runs = read_runs(&dir);
+    assert_eq!(runs.len(), 4, "{runs:#?}");
+    for run in runs.iter().filter(|r| r["strategy"] != "allreduce") {
+        assert_eq!(run["data_path"], "staged", "{run}");
+        assert_eq!(run["extra"]["staging_copy_ms"].as_f64(), Some(0.0), "one rank copies nothing to the host: {run}");
+    }
+    let auto = runs.iter().find(|r| r["strategy"] == "auto").expect("auto's run");
+    for algorithm in ["ring", "rhd", "doubling"] {
+        assert_eq!(auto["extra"][format!("auto_{algorithm}_buckets")], 0, "one rank sends no bucket to {algorithm}: {auto}");
+    }
+}
+
 /// Recursive halving-doubling and the per-bucket choice equal MPI_Allreduce for every rank
 /// count (powers of two and the others, with their pre- and post-steps), every element count
 /// and every element type.

@@ -16,7 +16,7 @@ use crate::exchange::config::ExchangeConfig;
 use crate::exchange::rhd::RhdAllreduce;
 use crate::exchange::ring::RingAllreduce;
 use crate::exchange::staging::Staging;
-use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
+use crate::exchange::strategy::{all_reduce_is_identity, allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
 use crate::exchange::zero::{ShardAlgorithm, ShardedCollectives};
 use crate::topology::World;
 
@@ -112,6 +112,9 @@ impl Exchange for Auto {
     }
 
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        if all_reduce_is_identity(self.layout.ranks) {
+            return Ok(());
+        }
         let dtype = common_dtype(tensors)?;
         let (ring, rhd, model, layout, chosen) = (&mut self.ring, &mut self.rhd, &self.model, self.layout, &mut self.chosen);
         self.staging.reduce_fused(&mut self.fusion, self.path, tensors, |_, bucket| {

@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::config::ExchangeConfig;
 use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
-use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
+use crate::exchange::strategy::{all_reduce_is_identity, allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
 use crate::exchange::zero::{expect_algorithm, Phases, ShardAlgorithm, ShardedCollectives};
 use crate::plan::rhd::{Extra, RhdSchedule};
 use crate::raw;
@@ -365,6 +365,9 @@ impl Exchange for RhdAllreduce {
     }
 
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        if all_reduce_is_identity(self.halving.n) {
+            return Ok(());
+        }
         let dtype = common_dtype(tensors)?;
         let halving = &mut self.halving;
         self.staging.reduce_fused(&mut self.fusion, self.path, tensors, |_, bucket| halving.all_reduce(bucket, dtype, op))

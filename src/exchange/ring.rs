@@ -29,7 +29,7 @@ use mpi::Tag;
 use crate::exchange::config::{ExchangeConfig, RingTransport};
 use crate::exchange::shared_ring::{Room, SharedRing};
 use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
-use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
+use crate::exchange::strategy::{all_reduce_is_identity, allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
 use crate::exchange::zero::{expect_algorithm, Phases, ShardAlgorithm, ShardedCollectives};
 use crate::plan::ring::RingSchedule;
 use crate::plan::shard::ShardInfo;
@@ -342,6 +342,9 @@ impl Exchange for RingAllreduce {
     }
 
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        if all_reduce_is_identity(self.ring.n) {
+            return Ok(());
+        }
         let dtype = common_dtype(tensors)?;
         let ring = &mut self.ring;
         // Buckets go back to back; on the staged path the next one is copied to the host while

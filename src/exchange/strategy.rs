@@ -305,6 +305,15 @@ pub fn state_or_zeros(params: &[Tensor], optimizer: &Optimizer) -> Result<WholeS
         .collect()
 }
 
+/// Whether an all-reduce over `ranks` ranks is the identity: the sum and the mean over one rank
+/// are its own tensors. The from-scratch strategies (ring, rhd, auto) then return at once,
+/// without packing, staging or a message: on the H200 (2026-11-26) one rank's ring still packed
+/// and staged ResNet-50's gradients through the host, 5 ms of an 87 ms bf16 step. The baselines
+/// keep what their libraries do at one rank.
+pub fn all_reduce_is_identity(ranks: usize) -> bool {
+    ranks == 1
+}
+
 /// All-reduce bus factor for `n` ranks: 2(n-1)/n.
 pub fn allreduce_bus_factor(n: usize) -> f64 {
     if n <= 1 {
