@@ -8,9 +8,9 @@
 //! w = w - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //! ```
 //!
-//! Element-wise, so a shard or a flat buffer steps as the whole tensors would. On the host the
-//! update is libtorch's fused AdamW kernel (that of `torch.optim.AdamW(fused=True)`): one pass
-//! over the four tensors where separate kernels take seven.
+//! Element-wise, so a shard or a flat buffer steps as the whole tensors would. The update is
+//! libtorch's fused AdamW kernel (that of `torch.optim.AdamW(fused=True)`, on the CPU and on
+//! CUDA): one pass over the four tensors where separate kernels take seven.
 
 use tch::Tensor;
 

@@ -312,16 +312,23 @@ int hpc_fused_adamw(void **params, void **grads, void **exp_avgs, void **exp_avg
                     double beta1, double beta2, double weight_decay, double eps, int64_t step, char *error,
                     size_t error_length) {
   try {
-    std::vector<at::Tensor> p, g, m, v, steps;
+    std::vector<at::Tensor> p, g, m, v;
     for (int64_t i = 0; i < count; ++i) {
       p.push_back(*static_cast<at::Tensor *>(params[i]));
       g.push_back(*static_cast<at::Tensor *>(grads[i]));
       m.push_back(*static_cast<at::Tensor *>(exp_avgs[i]));
       v.push_back(*static_cast<at::Tensor *>(exp_avg_sqs[i]));
-      // torch.optim.AdamW counts its steps in a float tensor per parameter, incremented
-      // before the kernel runs: the kernel reads the count of the step it makes.
-      steps.push_back(at::full({}, static_cast<double>(step), at::TensorOptions().dtype(at::kFloat)));
     }
+    if (count == 0) {
+      return 0;
+    }
+    // torch.optim.AdamW counts its steps in a float tensor per parameter, incremented before
+    // the kernel runs: the kernel reads the count of the step it makes. The counts live where
+    // the parameters do (the CUDA kernel reads them on the device), made in one fill and
+    // handed over as views of it.
+    std::vector<at::Tensor> steps =
+        at::full({count}, static_cast<double>(step), at::TensorOptions().dtype(at::kFloat).device(p[0].device()))
+            .unbind(0);
     at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2, weight_decay, eps,
                       /*amsgrad=*/false, /*maximize=*/false);
     return 0;
