@@ -127,7 +127,7 @@ pub fn run(world: &World, args: &DataBenchArgs) -> Result<()> {
     // Start together, and only then read: batches read ahead while the others start up would
     // make the first timed steps look free.
     world.comm.barrier();
-    let mut loader = Loader::spawn(args.file.clone(), Arc::new(labels.train), schedule, 0, steps, args.prefetch, false); // the file's reads are what it measures
+    let mut loader = Loader::spawn(args.file.clone(), Arc::new(labels.train), schedule, 0, steps, args.prefetch, false, tch::Device::Cpu); // the file's reads are what it measures
     let measured = (|| -> Result<(u64, f64)> {
         for _ in 0..warmup {
             loader.next()?;

@@ -17,9 +17,12 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use tch::{Device, Tensor};
+
 use crate::data::layout::Split;
 use crate::data::reader::{SplitCache, SplitReader};
 use crate::error::{Error, Result};
+use crate::raw;
 
 /// `--cache-data`: whether the training split is held in memory, read once ([`cache_decision`]).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,13 +110,15 @@ pub fn memory_available() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// One worker's batch, as raw bytes and labels.
+/// One worker's batch: its images' bytes and their labels.
 pub struct Batch {
     pub epoch: u64,
     /// Step within the epoch.
     pub step: u64,
     pub indices: Vec<usize>,
-    pub images: Vec<u8>,
+    /// The samples' bytes one after another, a flat uint8 host tensor: in pinned memory when
+    /// training runs on a GPU, so that the copy there neither blocks nor needs a copy first.
+    pub images: Tensor,
     pub labels: Vec<i64>,
     /// Samples in the global batch this step (for scaling the loss).
     pub global_samples: usize,
@@ -128,7 +133,10 @@ pub struct Loader {
 impl Loader {
     /// Starts reading at global step `first_step` (epoch * steps_per_epoch + step) and stops
     /// after `end_step`, keeping up to `depth` batches ready; `cache`: read the whole split
-    /// into memory first and serve the batches from there.
+    /// into memory first and serve the batches from there. For a GPU `device` the batches are
+    /// read into pinned memory, as PyTorch's DataLoader(pin_memory=True) makes them, in this
+    /// thread: pinning and copying a batch on the training thread left the GPU idle meanwhile.
+    #[allow(clippy::too_many_arguments)]
     pub fn spawn(
         path: PathBuf,
         labels: Arc<Vec<i64>>,
@@ -137,11 +145,18 @@ impl Loader {
         end_step: u64,
         depth: usize,
         cache: bool,
+        device: Device,
     ) -> Loader {
         let (tx, rx) = sync_channel(depth.max(1));
         let handle = std::thread::Builder::new()
             .name("loader".into())
             .spawn(move || {
+                // Pinned memory belongs to the context of the thread's current device: this
+                // rank's GPU, not GPU 0.
+                if let Err(e) = raw::set_cuda_device(device) {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
                 let mut reader = match SplitReader::open(&path, Split::Train) {
                     Ok(r) => r,
                     Err(e) => {
@@ -168,12 +183,11 @@ impl Loader {
                         order = Some((epoch, schedule.epoch_order(epoch)));
                     }
                     let indices = schedule.local_indices(&order.as_ref().unwrap().1, step);
-                    let mut images = vec![0u8; indices.len() * reader.sample_bytes()];
-                    let read = match &cached {
-                        Some(c) => c.read(&indices, &mut images),
-                        None => reader.read(&indices, &mut images),
-                    };
-                    let batch = read.map(|()| Batch {
+                    let images = raw::host_bytes(indices.len() * reader.sample_bytes(), device.is_cuda(), |bytes| match &cached {
+                        Some(c) => c.read(&indices, bytes),
+                        None => reader.read(&indices, bytes),
+                    });
+                    let batch = images.map(|images| Batch {
                         epoch,
                         step,
                         labels: indices.iter().map(|&i| labels[i]).collect(),
@@ -227,6 +241,39 @@ mod tests {
         let err = cache_decision(CacheData::On, (gb / 2) as usize, 4, Some(gb)).unwrap_err().to_string();
         assert!(err.contains("--cache-data on") && err.contains("4 rank(s)"), "{err}");
         assert!(memory_available().is_some_and(|b| b > 0));
+    }
+
+    /// Every batch, from the file or from the cache, holds the bytes the reader gives for its
+    /// samples, in their order, as a flat uint8 host tensor; a worker's empty last batch too.
+    #[test]
+    fn batches_hold_the_bytes_of_their_samples() {
+        use crate::data::synth::{generate, SynthSpec};
+        let dir = std::env::temp_dir().join(format!("hpc-train-loader-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("loader.h5");
+        generate(&SynthSpec { train: 8, test: 2, shape: [2, 3, 4], classes: 3, seed: 5 }, &path, crate::data::writer::Compression::None, true).unwrap();
+        let mut reader = SplitReader::open(&path, Split::Train).unwrap();
+        let row = reader.sample_bytes();
+        let labels: Arc<Vec<i64>> = Arc::new((0..8).map(|i| i * 10).collect());
+        // Worker 2 of 3 with 2 per step: 8 samples make 2 steps, the second one empty for it.
+        let schedule = schedule(8, 3, 2, 2);
+        for cache in [false, true] {
+            let mut loader = Loader::spawn(path.clone(), labels.clone(), schedule, 0, 4, 2, cache, Device::Cpu);
+            for global in 0..4u64 {
+                let batch = loader.next().unwrap();
+                assert_eq!((batch.epoch, batch.step), (global / 2, global % 2));
+                let expected_indices = schedule.local_indices(&schedule.epoch_order(batch.epoch), batch.step);
+                assert_eq!(batch.indices, expected_indices);
+                assert_eq!(batch.labels, expected_indices.iter().map(|&i| i as i64 * 10).collect::<Vec<_>>());
+                let mut expected = vec![0u8; expected_indices.len() * row];
+                reader.read(&expected_indices, &mut expected).unwrap();
+                assert_eq!((batch.images.kind(), batch.images.device(), batch.images.size()), (tch::Kind::Uint8, Device::Cpu, vec![expected.len() as i64]));
+                assert_eq!(Vec::<u8>::try_from(&batch.images).unwrap(), expected, "cache {cache}, step {global}");
+                assert_eq!(batch.indices.is_empty(), global % 2 == 1, "the second step of an epoch leaves worker 2 nothing");
+            }
+            assert!(loader.next().is_err(), "nothing after the last step");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     fn schedule(samples: usize, workers: usize, worker: usize, batch: usize) -> Schedule {

@@ -26,6 +26,7 @@ extern "C" {
     fn hpc_copy(dst: *mut c_void, src: *mut c_void, non_blocking: bool, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
     fn hpc_pin_memory(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_empty_pinned_bytes(sizes: *const i64, dims: usize, error: *mut c_char, error_length: usize) -> *mut c_void;
     fn hpc_param_to_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_release_grad(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
     #[allow(clippy::too_many_arguments)]
@@ -216,6 +217,35 @@ pub fn pin_memory(t: &Tensor) -> Result<Tensor> {
     }
     // SAFETY: a fresh at::Tensor* from the shim, owned by nobody else.
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
+}
+
+/// A uint8 host tensor of `len` bytes written by `fill`, in pinned (page-locked) memory when
+/// `pinned`: bytes read straight into pinned memory cross to a GPU without blocking and without
+/// the extra copy that [`pin_memory`] makes.
+pub fn host_bytes(len: usize, pinned: bool, fill: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<Tensor> {
+    let t = if pinned && len > 0 {
+        let shape = [len as i64];
+        let mut err = [0 as c_char; 256];
+        // SAFETY: `shape` is read for its one value during the call; the shim returns a new heap
+        // at::Tensor (or null), whose ownership passes to the tch Tensor made from it.
+        let out = unsafe { hpc_empty_pinned_bytes(shape.as_ptr(), shape.len(), err.as_mut_ptr(), err.len()) };
+        if out.is_null() {
+            return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+        }
+        // SAFETY: a fresh at::Tensor* from the shim, owned by nobody else.
+        unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) }
+    } else {
+        Tensor::f_empty([len as i64], (tch::Kind::Uint8, Device::Cpu))?
+    };
+    if len > 0 {
+        // SAFETY: `t` was made above as `len` contiguous uint8 elements in host memory, and no
+        // other handle to it exists; the slice is gone when `fill` returns.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(t.data_ptr() as *mut u8, len) };
+        fill(bytes)?;
+    } else {
+        fill(&mut [])?;
+    }
+    Ok(t)
 }
 
 /// A copy of a 4-d tensor in channels-last (NHWC) memory order.

@@ -241,6 +241,19 @@ void *hpc_pin_memory(void *tensor, char *error, size_t error_length) {
   }
 }
 
+// An uninitialised uint8 host tensor of `dims` sizes in pinned (page-locked) memory, from
+// libtorch's caching host allocator (as DataLoader's pin_memory): memory already pinned is
+// reused once the copies that read it have run. Null on error.
+void *hpc_empty_pinned_bytes(const int64_t *sizes, size_t dims, char *error, size_t error_length) {
+  try {
+    auto options = at::TensorOptions().dtype(at::kByte).pinned_memory(true);
+    return new at::Tensor(at::empty(at::IntArrayRef(sizes, dims), options));
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return nullptr;
+  }
+}
+
 // A new tensor with `tensor`'s values in channels-last (NHWC) memory order; null on error.
 void *hpc_channels_last(void *tensor, char *error, size_t error_length) {
   try {

@@ -240,7 +240,7 @@ impl Run<'_> {
                 let indices: Vec<usize> = (start..end).collect();
                 images.resize(indices.len() * info.sample_bytes(), 0);
                 reader.read(&indices, &mut images)?;
-                Some(norm.images(&images, indices.len())?)
+                Some(norm.images_from_bytes(&images, indices.len())?)
             } else {
                 None
             };

@@ -178,18 +178,22 @@ impl Normalizer {
         })
     }
 
-    pub(super) fn images(&self, bytes: &[u8], n: usize) -> Result<Tensor> {
+    /// `n` samples' bytes (a flat uint8 host tensor, pinned for a GPU by the loader) as the
+    /// model's normalised input on the training device.
+    pub(super) fn images(&self, bytes: &Tensor, n: usize) -> Result<Tensor> {
         let [c, h, w] = self.shape;
-        let host = Tensor::f_from_slice(bytes)?.f_view([n as i64, c, h, w])?;
-        // To a GPU through pinned memory, without waiting for the copy (the stream orders it
-        // before the kernels that read it); the bytes travel as uint8, a quarter of the floats.
-        let x = if self.device.is_cuda() {
-            raw::pin_memory(&host)?.f_to_device_(self.device, Kind::Uint8, true, false)?
-        } else {
-            host
-        };
+        let host = bytes.f_view([n as i64, c, h, w])?;
+        // To a GPU without waiting for the copy (the stream orders it before the kernels that
+        // read it; from pinned memory it does not block the host); the bytes travel as uint8, a
+        // quarter of the floats.
+        let x = if self.device.is_cuda() { host.f_to_device_(self.device, Kind::Uint8, true, false)? } else { host };
         let x = x.f_to_kind(Kind::Float)?.f_sub(&self.mean)?.f_mul(&self.inv_std)?;
         if self.channels_last { raw::channels_last(&x) } else { Ok(x) }
+    }
+
+    /// As [`Normalizer::images`], from bytes in a plain buffer (evaluation's reads).
+    pub(super) fn images_from_bytes(&self, bytes: &[u8], n: usize) -> Result<Tensor> {
+        self.images(&Tensor::f_from_slice(bytes)?, n)
     }
 
     pub(super) fn labels(&self, labels: &[i64]) -> Result<Tensor> {

@@ -92,7 +92,7 @@ impl Run<'_> {
                         let indices: Vec<usize> = (start..end).collect();
                         images.resize(indices.len() * info.sample_bytes(), 0);
                         reader.as_mut().expect("stage 0 reads").read(&indices, &mut images)?;
-                        norm.images(&images, indices.len())?
+                        norm.images_from_bytes(&images, indices.len())?
                     } else {
                         let size: Vec<i64> = std::iter::once(len).chain(pipeline.cut.input_shape(c).iter().copied()).collect();
                         let buffer = Tensor::f_empty(size.as_slice(), (Kind::Float, on))?;

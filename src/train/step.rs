@@ -43,7 +43,7 @@ impl LoopState {
         let schedule = Schedule { samples: run.info.train.len, workers: run.workers, worker: run.worker, batch: run.plan.batch, seed: args.seed };
         Ok(LoopState {
             norm: Normalizer::new(&run.info, run.plan.device, args.channels_last)?,
-            loader: Loader::spawn(args.data.clone(), Arc::new(run.labels.train.clone()), schedule, first, total, args.prefetch, run.cache_data),
+            loader: Loader::spawn(args.data.clone(), Arc::new(run.labels.train.clone()), schedule, first, total, args.prefetch, run.cache_data, run.plan.device),
             trace: SampleTrace::open(args.trace_samples.as_deref(), run.world.rank)?,
             progress: Progress::new(run.world.is_root(), total, args.log_every),
             warmup: first + args.warmup_steps.min(total.saturating_sub(first + 1)),
@@ -372,7 +372,7 @@ pub(super) fn evaluate(
             let indices: Vec<usize> = (start..end).collect();
             images.resize(indices.len() * info.sample_bytes(), 0);
             reader.read(&indices, &mut images)?;
-            let x = norm.images(&images, indices.len())?;
+            let x = norm.images_from_bytes(&images, indices.len())?;
             let y = norm.labels(&labels.test[start..end])?;
             let logits = net.model().forward_t(&x, false);
             loss_sum += logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;
