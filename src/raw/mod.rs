@@ -54,6 +54,6 @@ pub use process::{current_rss_mb, free_bytes, hostname, keep_freed_memory, peak_
 pub use requests::{completed_requests, with_segments, Backoff, Segments};
 pub use tensor::{
     channels_last, copy_host_elements, copy_into, data_address, device_buffer_mut, flat_dense_view, fused_adamw, fused_sgd, host_bytes, host_slice, host_slice_mut,
-    mpi_buffer_mut, param_to_channels_last, pin_memory, release_grad,
+    mpi_buffer_mut, param_to_channels_last, pin_memory, release_grad, unscale_and_check, zero_all,
 };
 pub use window::SharedWindow;

@@ -26,6 +26,8 @@ extern "C" {
     fn hpc_copy(dst: *mut c_void, src: *mut c_void, non_blocking: bool, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
     fn hpc_pin_memory(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_zero_all(tensors: *const *mut c_void, count: i64, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_unscale_and_check(tensors: *const *mut c_void, count: i64, found_inf: *mut c_void, inv_scale: f64, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_empty_pinned_bytes(sizes: *const i64, dims: usize, error: *mut c_char, error_length: usize) -> *mut c_void;
     fn hpc_param_to_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_release_grad(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
@@ -316,6 +318,48 @@ pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: &[&Ten
         return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
     }
     Ok(())
+}
+
+/// Zeroes every tensor in place (libtorch's `_foreach_zero_`): on CUDA a few multi-tensor
+/// launches where a `zero_` per tensor is one launch each.
+pub fn zero_all(tensors: &[&Tensor]) -> Result<()> {
+    if tensors.is_empty() {
+        return Ok(());
+    }
+    let handles: Vec<*mut c_void> = tensors.iter().map(|t| t.as_ptr() as *mut c_void).collect();
+    let mut err = [0 as c_char; 256];
+    // SAFETY: each pointer is a tch at::Tensor borrowed for the call and `handles` holds
+    // `count` of them; the shim copies the handles (a reference count) and writes the tensors'
+    // data in place, as any in-place libtorch op on a shared handle does.
+    let rc = unsafe { hpc_zero_all(handles.as_ptr(), handles.len() as i64, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    Ok(())
+}
+
+/// GradScaler's unscale (libtorch's `_amp_foreach_non_finite_check_and_unscale_`): multiplies
+/// every tensor by `inv_scale` in place and returns a one-element float tensor on their device,
+/// queued and not read, that holds 1 where any element was not finite (before the multiply)
+/// and 0 otherwise. On CUDA one multi-tensor pass over all of them. The tensors share a device
+/// and are of floating kinds.
+pub fn unscale_and_check(tensors: &[&Tensor], inv_scale: f64) -> Result<Tensor> {
+    let device = tensors.first().map_or(Device::Cpu, |t| t.device());
+    let mut found = Tensor::f_zeros([1], (tch::Kind::Float, device))?;
+    if tensors.is_empty() {
+        return Ok(found);
+    }
+    let handles: Vec<*mut c_void> = tensors.iter().map(|t| t.as_ptr() as *mut c_void).collect();
+    let mut err = [0 as c_char; 256];
+    // SAFETY: each pointer is a tch at::Tensor borrowed for the call, `handles` holds `count` of
+    // them, and `found` is a live at::Tensor; the shim copies the handles (a reference count) and
+    // writes the tensors' data and `found` in place, as libtorch's in-place ops on shared
+    // handles do.
+    let rc = unsafe { hpc_unscale_and_check(handles.as_ptr(), handles.len() as i64, found.as_mut_ptr() as *mut c_void, inv_scale, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+    }
+    Ok(found)
 }
 
 /// The AdamW update of `params` in one pass per tensor (libtorch's fused AdamW kernel, that of

@@ -15,6 +15,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+#include <ATen/ops/_foreach_zero.h>
 #include <ATen/ops/_fused_sgd.h>
 
 #include "write_error.h"
@@ -314,6 +316,45 @@ int hpc_fused_sgd(void **params, void **grads, void **momentum_buffers, int64_t 
     }
     at::_fused_sgd_(p, g, v, weight_decay, momentum, lr, /*dampening=*/0.0, /*nesterov=*/false,
                     /*maximize=*/false, is_first_step);
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
+// Zeroes `count` tensors in place (at::_foreach_zero_, what optimizer.zero_grad(set_to_none=
+// False) calls): on CUDA a few multi-tensor launches instead of one per tensor. Every pointer is
+// a tch at::Tensor*.
+int hpc_zero_all(void **tensors, int64_t count, char *error, size_t error_length) {
+  try {
+    std::vector<at::Tensor> t;
+    t.reserve(count);
+    for (int64_t i = 0; i < count; ++i) {
+      t.push_back(*static_cast<at::Tensor *>(tensors[i]));
+    }
+    at::_foreach_zero_(t);
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
+// GradScaler's unscale_ (at::_amp_foreach_non_finite_check_and_unscale_): every tensor
+// multiplied by `inv_scale` in place, and `found_inf` (one float element on the tensors' device)
+// set to 1 where any element was not finite; on CUDA one multi-tensor pass over all of them.
+// Every pointer is a tch at::Tensor*.
+int hpc_unscale_and_check(void **tensors, int64_t count, void *found_inf, double inv_scale, char *error,
+                          size_t error_length) {
+  try {
+    std::vector<at::Tensor> t;
+    t.reserve(count);
+    for (int64_t i = 0; i < count; ++i) {
+      t.push_back(*static_cast<at::Tensor *>(tensors[i]));
+    }
+    auto *found = static_cast<at::Tensor *>(found_inf);
+    at::_amp_foreach_non_finite_check_and_unscale_(t, *found, at::full({}, inv_scale, found->options()));
     return 0;
   } catch (const std::exception &e) {
     write_error(error, error_length, e.what());

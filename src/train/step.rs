@@ -329,14 +329,11 @@ impl Default for LossScaler {
 impl LossScaler {
     /// Unscales `grads` and returns true, or returns false (skip this step) on an overflow.
     pub(super) fn unscale_or_skip(&mut self, grads: &mut [Tensor]) -> Result<bool> {
-        if !optim::all_finite(grads)? {
+        if !optim::unscale_if_finite(grads, 1.0 / self.scale)? {
             self.scale = (self.scale / 2.0).max(1.0);
             self.good_steps = 0;
             self.skipped += 1;
             return Ok(false);
-        }
-        for g in grads.iter_mut() {
-            let _ = g.f_mul_scalar_(1.0 / self.scale)?;
         }
         self.good_steps += 1;
         if self.good_steps == self.growth_interval {
