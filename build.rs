@@ -12,7 +12,7 @@ use std::env;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     build_mpi_shim();
-    build_grad_hooks_shim();
+    build_torch_shims();
     record_git_commit();
     println!("cargo:rerun-if-env-changed=HPC_TRAIN_EXTRA_RPATH");
 
@@ -183,11 +183,12 @@ fn record_git_commit() {
     }
 }
 
-/// Compiles the gradient-ready hook shim (src/shim/grad_hooks.cpp) against the headers of the
-/// libtorch that torch-sys linked, with the same C++ ABI.
-fn build_grad_hooks_shim() {
+/// Compiles the C++ shims (src/shim: gradient-ready hooks and other libtorch calls, regions,
+/// the profiler) against the headers of the libtorch that torch-sys linked, with the same C++ ABI.
+fn build_torch_shims() {
     println!("cargo:rerun-if-changed=src/shim/grad_hooks.cpp");
     println!("cargo:rerun-if-changed=src/shim/regions.cpp");
+    println!("cargo:rerun-if-changed=src/shim/profiler.cpp");
     println!("cargo:rerun-if-changed=src/shim/write_error.h");
     println!("cargo:rerun-if-env-changed=HPC_TRAIN_CXX11_ABI");
     let lib = std::path::PathBuf::from(env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys exports its libtorch folder"));
@@ -203,6 +204,7 @@ fn build_grad_hooks_shim() {
         .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
         .file("src/shim/grad_hooks.cpp")
         .file("src/shim/regions.cpp")
+        .file("src/shim/profiler.cpp")
         .compile("hpc_train_grad_hooks");
 }
 

@@ -27,6 +27,7 @@ What is matched with hpc-train's GPU step (src/train/net.rs, setup.rs, the SGD o
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -62,6 +63,7 @@ def train(args, precision, channels_last, batch, images, labels):
     position = 0
     measured_time = 0.0
     measured_images = 0
+    profiler = start_profiler(args, precision, channels_last, batch, device)
     for step in range(args.steps):
         start = time.perf_counter()
         if position + batch > order.numel():
@@ -84,6 +86,10 @@ def train(args, precision, channels_last, batch, images, labels):
         if step >= args.warmup_steps:
             measured_time += elapsed
             measured_images += batch
+        if profiler is not None:
+            profiler.step()
+    if profiler is not None:
+        profiler.stop()
     measured_steps = args.steps - args.warmup_steps
     return {
         "implementation": "pytorch-eager",
@@ -109,6 +115,29 @@ def train(args, precision, channels_last, batch, images, labels):
     }
 
 
+def start_profiler(args, precision, channels_last, batch, device):
+    """--profile-dir: torch.profiler over --profile-steps steps from the first measured one,
+    as hpc-train's --profile-dir profiles (its steps "ProfilerStep#N" alike), written as a
+    Chrome trace for scripts/trace_summary.py."""
+    if not args.profile_dir:
+        return None
+    os.makedirs(args.profile_dir, exist_ok=True)
+    name = f"pytorch-{precision}{'-cl' if channels_last else ''}-{batch}.json"
+    path = os.path.join(args.profile_dir, name)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(
+        activities=activities,
+        # Collecting from the first measured step: one step of the profiler's own warm-up
+        # before it, as torch.profiler recommends.
+        schedule=torch.profiler.schedule(wait=max(args.warmup_steps - 1, 0), warmup=min(args.warmup_steps, 1), active=args.profile_steps, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(path),
+    )
+    profiler.start()
+    return profiler
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="resnet50", choices=["resnet50", "resnet18"])
@@ -120,6 +149,8 @@ def main():
     parser.add_argument("--warmup-steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", required=True, help="JSON lines file to append to")
+    parser.add_argument("--profile-dir", help="write a torch.profiler trace of --profile-steps measured steps per config here")
+    parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script only")
     args = parser.parse_args()
     if args.warmup_steps >= args.steps:

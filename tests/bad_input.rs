@@ -150,6 +150,10 @@ fn bad_options() {
     std::fs::write(&blocker, b"").unwrap();
     let results = blocker.join("results");
     expect_failure(&base(d, results.to_str().unwrap()), "cannot create it");
+    // So is a profile folder that cannot be made, and --profile-steps 0.
+    let profiles = blocker.join("profiles");
+    expect_failure(&with(d, r, &[("--profile-dir", profiles.to_str().unwrap())]), &format!("--profile-dir {}: Not a directory", profiles.display()));
+    expect_failure(&with(d, r, &[("--profile-steps", "0")]), "invalid value '0' for '--profile-steps");
 }
 
 /// `data info FILE` alone: its status and output.

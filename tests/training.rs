@@ -145,3 +145,59 @@ fn the_final_loss_does_not_depend_on_the_log_interval() {
     assert!(every_step.is_finite() && every_step > 0.0, "{every_step}");
     assert_eq!(every_step, rarely, "final_loss with --log-every 1 and 5");
 }
+
+/// `--profile-dir`: each rank writes a Chrome trace of the profiled steps only, marked as
+/// torch.profiler marks its steps, with the host ops of forward and backward in them (the
+/// autograd engine's too), which scripts/trace_summary.py reads and sums per step.
+#[test]
+fn profile_dir_traces_the_profiled_steps_of_every_rank() {
+    let dir = scratch("profile");
+    let data = synth(&dir, "p", 64, 0, "1x12x12", 5);
+    let profiles = dir.join("profiles");
+    mpirun(2, &[
+        "--model", "tiny", "--data", data.to_str().unwrap(), "--batch-size", "4", "--steps", "7", "--warmup-steps", "2",
+        "--profile-dir", profiles.to_str().unwrap(), "--profile-steps", "3", "--no-eval", "--threads", "1",
+        "--results", dir.join("results").to_str().unwrap(),
+    ])
+    .expect_ok();
+    for rank in 0..2 {
+        let path = profiles.join(format!("rank-{rank}.json"));
+        let trace: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let events = trace["traceEvents"].as_array().unwrap();
+        let mut steps: Vec<&str> = events.iter().filter(|e| e["cat"] == "user_annotation").filter_map(|e| e["name"].as_str()).filter(|n| n.starts_with("ProfilerStep#")).collect();
+        steps.sort();
+        assert_eq!(steps, ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"], "rank {rank}: the measured steps 2-4 only");
+        for op in ["aten::conv2d", "autograd::engine::evaluate_function: ConvolutionBackward0"] {
+            assert!(events.iter().any(|e| e["name"] == op), "rank {rank}: {op} in the trace");
+        }
+        let summary = std::process::Command::new("python3").arg(root().join("scripts/trace_summary.py")).arg(format!("hpc={}", path.display())).output().unwrap();
+        let text = String::from_utf8_lossy(&summary.stdout);
+        assert!(summary.status.success(), "{}", String::from_utf8_lossy(&summary.stderr));
+        assert!(text.contains("| hpc | 2, 3, 4 |") && text.contains("ConvolutionBackward0"), "{text}");
+    }
+}
+
+/// scripts/trace_summary.py on a GPU trace (made up here: CI has no GPU): per step, the union of
+/// kernels and copies in the step's window (from its start to the next step's) is the GPU's
+/// busy time, the rest of the window its idle time.
+#[test]
+fn trace_summary_splits_gpu_time_into_busy_and_idle_per_step() {
+    let dir = scratch("trace-summary");
+    let x = |cat: &str, name: &str, ts: f64, dur: f64| serde_json::json!({ "ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1 });
+    let trace = serde_json::json!({ "traceEvents": [
+        x("user_annotation", "ProfilerStep#5", 0.0, 10_000.0),
+        x("kernel", "k1", 1_000.0, 2_000.0),
+        x("kernel", "k2", 2_000.0, 3_000.0),
+        x("gpu_memcpy", "Memcpy HtoD", 6_000.0, 1_000.0),
+        x("user_annotation", "ProfilerStep#6", 10_000.0, 10_000.0),
+        x("kernel", "k1", 11_000.0, 8_000.0),
+    ]});
+    let path = dir.join("gpu.json");
+    std::fs::write(&path, trace.to_string()).unwrap();
+    let out = std::process::Command::new("python3").arg(root().join("scripts/trace_summary.py")).arg(format!("gpu={}", path.display())).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Step 5: busy 1-5 ms and 6-7 ms (5 ms), idle 5; step 6: busy 8, idle 2.
+    assert!(text.contains("| gpu | 5, 6 | 10.00 | 6.50 | 3.50 | 1.50 | 6.50 | 0.50 |"), "{text}");
+    assert!(text.contains("| `k1` | 5.000 |") && text.contains("| `k2` | 1.500 |"), "{text}");
+}

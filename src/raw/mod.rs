@@ -25,7 +25,8 @@
 //!   backward), as autograd functions calling back into the group's all-reduce;
 //! - [`messages`]: whole tensors in flight between two ranks (a pipeline's activations);
 //! - [`process`]: this process and its host: resident memory, the allocator, free disk space,
-//!   the host name.
+//!   the host name;
+//! - [`profiler`]: libtorch's profiler (Kineto) and its step marks, for `--profile-dir`.
 //!
 //! The rest of the crate names all of it as `crate::raw::X`, through the re-exports below; the
 //! files here import one another directly, never through this one.
@@ -36,6 +37,7 @@ pub mod hooks;
 pub mod messages;
 pub mod mpi;
 pub mod process;
+pub mod profiler;
 pub mod regions;
 pub mod requests;
 pub mod tensor;
@@ -51,6 +53,7 @@ pub use messages::TensorMessage;
 pub use self::mpi::{abort_world, any_tag, exit_now, mpi_cuda_support, mpix_gpu_query_support_cuda, tag_upper_bound, PeerComm, PointToPoint, SendComm};
 pub use regions::{register_group, RegionAllReduce, RegionGroup, RegisteredGroup};
 pub use process::{current_rss_mb, free_bytes, hostname, keep_freed_memory, peak_rss_mb};
+pub use profiler::{profiler_start, profiler_stop, StepMark};
 pub use requests::{completed_requests, with_segments, Backoff, Segments};
 pub use tensor::{
     channels_last, copy_host_elements, copy_into, data_address, device_buffer_mut, flat_dense_view, fused_adamw, fused_sgd, host_bytes, host_slice, host_slice_mut,

@@ -22,6 +22,7 @@ pub mod options;
 mod pipeline;
 mod pipeline_step;
 mod plan;
+mod profile;
 mod progress;
 pub mod recipe;
 mod record;
@@ -103,9 +104,12 @@ impl Run<'_> {
             if step == state.warmup {
                 out.rss_warmup = raw::current_rss_mb();
             }
+            let mark = state.profile.before_step(step)?;
             let started = Instant::now();
             let done = self.step(step, &mut state)?;
             let t = Timings { step: started.elapsed(), ..done.timings };
+            drop(mark);
+            state.profile.after_step(step)?;
             out.totals.add(&t);
             if step >= state.warmup {
                 out.measured.add(&t);
@@ -145,6 +149,7 @@ impl Run<'_> {
             }
         }
         state.progress.finish();
+        state.profile.finish()?;
         // The last step's mean loss over every worker's samples: the same figure whatever
         // --log-every is (the progress lines' means run over the steps since the last line).
         let (sum, samples) = sum_pair(&self.workers_comm, last_loss.0, last_loss.1);

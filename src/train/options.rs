@@ -206,6 +206,17 @@ pub struct TrainArgs {
     #[arg(long)]
     pub study_tag: Option<String>,
 
+    /// Profile --profile-steps steps from the first measured one (after --warmup-steps) with
+    /// libtorch's profiler, as torch.profiler does: host ops and, on a GPU, CUDA kernels and
+    /// copies; one Chrome trace per rank in this folder (rank-R.json: Perfetto, TensorBoard,
+    /// scripts/trace_summary.py).
+    #[arg(long)]
+    pub profile_dir: Option<PathBuf>,
+
+    /// Steps profiled with --profile-dir.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    pub profile_steps: u64,
+
     /// Record the sample indices each rank trains on, one file per rank in this folder (checks).
     #[arg(long, hide = true)]
     pub trace_samples: Option<PathBuf>,

@@ -231,6 +231,7 @@ fn check_outputs_against_inputs(args: &TrainArgs, horovod_timeline_variable: Opt
     }
     outputs.extend(args.checkpoint_dir.as_deref().map(|p| ("--checkpoint-dir", p)));
     outputs.extend(args.trace_samples.as_deref().map(|p| ("--trace-samples", p)));
+    outputs.extend(args.profile_dir.as_deref().map(|p| ("--profile-dir", p)));
     for (input_flag, input) in inputs {
         // An input that does not exist or is no file is reported where it is read.
         let Ok(input_real) = input.canonicalize() else { continue };

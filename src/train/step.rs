@@ -23,6 +23,7 @@ use super::pipeline::save_pipeline_checkpoint;
 use super::collective::{average_over, sum_pair};
 use super::net::{Net, Normalizer};
 use super::options::Precision;
+use super::profile::StepProfile;
 use super::progress::{LossWindow, Progress, SampleTrace, Timings};
 use super::run::Run;
 
@@ -34,6 +35,7 @@ pub(super) struct LoopState {
     pub(super) progress: Progress,
     /// The first step whose time counts in throughput figures.
     pub(super) warmup: u64,
+    pub(super) profile: StepProfile,
     scaler: Option<LossScaler>,
 }
 
@@ -41,12 +43,14 @@ impl LoopState {
     pub(super) fn new(run: &Run) -> Result<LoopState> {
         let (args, first, total) = (run.args, run.first_step, run.total_steps);
         let schedule = Schedule { samples: run.info.train.len, workers: run.workers, worker: run.worker, batch: run.plan.batch, seed: args.seed };
+        let warmup = first + args.warmup_steps.min(total.saturating_sub(first + 1));
         Ok(LoopState {
             norm: Normalizer::new(&run.info, run.plan.device, args.channels_last)?,
             loader: Loader::spawn(args.data.clone(), Arc::new(run.labels.train.clone()), schedule, first, total, args.prefetch, run.cache_data, run.plan.device),
             trace: SampleTrace::open(args.trace_samples.as_deref(), run.world.rank)?,
             progress: Progress::new(run.world.is_root(), total, args.log_every),
-            warmup: first + args.warmup_steps.min(total.saturating_sub(first + 1)),
+            warmup,
+            profile: StepProfile::new(args.profile_dir.as_deref(), run.world.rank, warmup, args.profile_steps, total, run.plan.device.is_cuda()),
             scaler: (args.precision == Precision::Fp16).then(LossScaler::default),
         })
     }
