@@ -8,7 +8,9 @@
 # --part gpu: the machine (GPU, driver, CUDA, libtorch, its MPI and whether it is CUDA-aware);
 #   a smoke run on the GPU, then single-GPU ResNet-50 (3x224x224 synthetic, batch 128 and 256;
 #   fp32, tf32, bf16 with channels-last) against PyTorch eager with the same settings
-#   (scripts/gpu_reference.py with the machine's torch), back to back; tests/gpu.rs (every
+#   (scripts/gpu_reference.py with the machine's torch), back to back, and the bf16 step of both
+#   profiled (--profile-dir, torch.profiler) and set side by side (scripts/trace_summary.py);
+#   tests/gpu.rs (every
 #   strategy, ZeRO 1-3, pipelines, tensor parallelism, each precision, 1, 2 and 4 ranks sharing the
 #   GPU, against the CPU); 2 ranks sharing the GPU: each strategy's exchange (bench) and ResNet-50
 #   steps with each strategy, the staged path's copy share, overlap on against off.
@@ -199,12 +201,21 @@ gpu_part() {
             --classes "$classes" --images "$images" --configs "fp32:$batch,tf32:$batch,bf16-cl:$batch" --steps "$train_steps" \
             --warmup-steps "$warmup" --out "$out/single/pytorch.jsonl"
     done
-    # Where hpc-train's step goes beside PyTorch's: the same bf16 run without the gradient hooks
-    # of overlap (one rank has nothing to exchange, but --overlap auto turns them on).
-    local largest=${batches##* }
-    step "diag-hpc-train-bf16-cl-$largest-overlap-off" 30 "${mpi[@]}" 1 "$B" --model resnet50 --data "$data/big.h5" --batch-size "$largest" \
-        --steps "$train_steps" --warmup-steps "$warmup" --no-eval --device "$device" --precision "$([ "$quick" = 1 ] && echo fp32 || echo bf16)" \
-        --channels-last --overlap off --results "$out/diag" --study-tag "diag-bf16-cl-$largest-overlap-off"
+    # Where hpc-train's bf16 step goes beside PyTorch's: both profiled over the same measured
+    # steps (hpc-train --profile-dir, torch.profiler), side by side in profile/summary.md.
+    local largest=${batches##* } bf16=bf16
+    [ "$quick" = 1 ] && bf16=fp32
+    local profiled=(--steps $((warmup + 4)) --warmup-steps "$warmup" --profile-dir "$out/profile" --profile-steps 3)
+    step "profile-hpc-train-$bf16-cl-$largest" 30 "${mpi[@]}" 1 "$B" --model resnet50 --data "$data/big.h5" --batch-size "$largest" \
+        "${profiled[@]}" --no-eval --device "$device" --precision "$bf16" --channels-last --results "$out/profile" \
+        --study-tag "profile-$bf16-cl-$largest"
+    step "profile-pytorch-$bf16-cl-$largest" 40 "$PYTHON" "$root/scripts/gpu_reference.py" --device "$py_device" --model resnet50 \
+        --shape "$big" --classes "$classes" --images "$images" --configs "$bf16-cl:$largest" "${profiled[@]}" --out "$out/profile/pytorch.jsonl"
+    local theirs="$out/profile/pytorch-$bf16-cl-$largest.json"
+    if [ -f "$out/profile/rank-0.json" ] && [ -f "$theirs" ]; then
+        step profile-summary 15 "$PYTHON" "$root/scripts/trace_summary.py" hpc-train="$out/profile/rank-0.json" pytorch="$theirs" --top 25 \
+            --out "$out/profile/summary.md"
+    fi
     # Two ranks sharing the GPU: the exchange alone, then ResNet-50 steps.
     step shared-bench 40 "${mpi[@]}" 2 "$B" bench --device "$device" --strategies ring,rhd,auto,allreduce,horovod,ps --min-bytes "$min_bytes" \
         --max-bytes "$max_bytes" --factor 4 --iters 5 --warmup 2 --results "$out/shared"

@@ -91,6 +91,16 @@ def single_gpu(d):
     return out + [""]
 
 
+def profile(d):
+    """The bf16 step of hpc-train and PyTorch profiled side by side (scripts/trace_summary.py)."""
+    path = os.path.join(d, "profile", "summary.md")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        text = f.read()
+    return ["## One GPU: where the bf16 step goes, hpc-train beside PyTorch (profiled steps)", "", text, ""]
+
+
 def test_results(d):
     log = os.path.join(d, "logs", "gpu-tests.log")
     if not os.path.exists(log):
@@ -232,7 +242,7 @@ def main():
     out = [f"# device-check.sh --part {args.part}", ""]
     out += environment_and_steps(d) + [""]
     if args.part == "gpu":
-        out += single_gpu(d) + test_results(d) + shared_gpu(d)
+        out += single_gpu(d) + profile(d) + test_results(d) + shared_gpu(d)
     else:
         out += cpu_bench(d) + overlap(d) + studies(d) + cluster(d)
     print("\n".join(out))
