@@ -215,6 +215,34 @@ fn every_precision_runs_and_ranks_share_a_gpu_only_when_allowed() {
     assert!(refused.all_output().contains("--allow-gpu-sharing"), "{}", refused.all_output());
 }
 
+/// What a GPU step does apart from the exchange, each against the same run on the CPU: one
+/// rank alone (its exchange returns at once), AdamW (libtorch's fused kernel on CUDA, as SGD's),
+/// and a run stopped at a checkpoint and resumed (the weights' finite check before the write
+/// reads parameters that autograd tracks; the loader's pinned batches resume at the step after).
+#[test]
+fn one_rank_adamw_and_a_resumed_run_on_the_gpu_match_the_cpu() {
+    needs_gpu!("one rank, AdamW and checkpoints");
+    let gpu = GpuRuns::new("gpu-step");
+    for ranks in [1, 2] {
+        let cpu = gpu.run(&format!("one-cpu-{ranks}"), ranks, &["--device", "cpu", "--strategy", "ring"]);
+        let cuda = gpu.run(&format!("one-gpu-{ranks}"), ranks, &["--device", "cuda", "--strategy", "ring"]);
+        gpu.assert_matches(&cpu, &format!("ring on {ranks} rank(s)"), &cuda);
+    }
+    let adamw = ["--optimizer", "adamw", "--lr", "0.001", "--strategy", "ring"];
+    let cpu = gpu.run("adamw-cpu", 2, &[&adamw[..], &["--device", "cpu"]].concat());
+    let cuda = gpu.run("adamw-gpu", 2, &[&adamw[..], &["--device", "cuda"]].concat());
+    gpu.assert_matches(&cpu, "AdamW", &cuda);
+    // 6 steps with checkpoints at 3 and 6; without the one at 6 the resumed run takes steps 4-6
+    // again, from the checkpoint at 3, and ends with the whole run's weights.
+    let checkpoints = gpu.dir.join("checkpoints");
+    let every = ["--device", "cuda", "--strategy", "ring", "--checkpoint-dir", checkpoints.to_str().unwrap(), "--checkpoint-every", "3"];
+    let whole = gpu.run("resume-whole", 2, &every);
+    assert_eq!(checkpoint_steps(&checkpoints), vec![3, 6]);
+    std::fs::remove_dir_all(checkpoints.join("ckpt-000000000006")).unwrap();
+    let resumed = gpu.run("resume-rest", 2, &[&every[..], &["--resume"]].concat());
+    gpu.assert_matches(&whole, "a run resumed from its step-3 checkpoint", &resumed);
+}
+
 /// The review's GPU defects (issue 13): the staged copies (1), the rank's GPU made current (2)
 /// and 16-bit reductions, which MPI runs as host functions, on a CUDA-aware MPI (3).
 #[test]

@@ -44,7 +44,7 @@ impl Run<'_> {
             return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });
         }
         grads = self.net.grads();
-        if !optim::all_finite(&grads)? {
+        if !optim::grads_finite(&mut grads)? {
             return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
         }
         let compute = compute_start.elapsed();

@@ -224,7 +224,7 @@ impl Run<'_> {
         let loss_sum = losses.as_ref().map_or(Ok(0.0), Losses::read)?;
         // Backward made the gradients that were let go (ZeRO stage 2) anew.
         *grads = self.net.grads();
-        if optimize && !optim::all_finite(grads)? {
+        if optimize && !optim::grads_finite(grads)? {
             return Err(Error::NonFinite { what: "gradient", step, epoch });
         }
         exchange::staging::synchronize_device(device);
