@@ -213,7 +213,8 @@ def cluster(d):
     if not os.path.isdir(base):
         return []
     out = ["## The cost model on 4 namespaced nodes of 4 cores", "",
-           "Fitted on the sizes 4^k (64 KiB-64 MiB; 16 MiB at 1 Gbit/s), checked on the sizes in between (auto benched with the fitted model).", ""]
+           "Fitted on the sizes 4^k (64 KiB-64 MiB; 16 MiB at 1 Gbit/s), checked on the sizes in between (auto benched with the fitted model). "
+           "`unshaped`: links left at the veth pairs' own rate, where the kernel has no tbf qdisc to shape them.", ""]
     body = []
     for rate in sorted(os.listdir(base), key=lambda name: int(re.sub(r"\D", "", name) or 0)):
         validation = os.path.join(base, rate, "projection", "validation.csv")
