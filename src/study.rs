@@ -86,6 +86,12 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
     for &Point { ranks: n, strategy, stages } in &points {
         let mut point = args.train.clone();
         point.strategy = strategy;
+        // Each point's traces in a folder of their own: the next point's rank-R.json would
+        // overwrite them.
+        point.profile_dir = args.train.profile_dir.as_ref().map(|dir| {
+            let pipeline = if stages > 1 { format!("-{stages}stages") } else { String::new() };
+            dir.join(format!("{}-{n}ranks{pipeline}", strategy.name()))
+        });
         if stage_counts != [1] {
             point.pipeline.pipeline_stages = stages as u64;
             if stages == 1 {

@@ -177,6 +177,28 @@ fn profile_dir_traces_the_profiled_steps_of_every_rank() {
     }
 }
 
+/// A study profiles each of its points into a folder of its own (strategy and ranks).
+#[test]
+fn a_study_profiles_each_point_apart() {
+    let dir = scratch("profile-study");
+    let data = synth(&dir, "ps", 64, 0, "1x12x12", 5);
+    let profiles = dir.join("profiles");
+    mpirun(2, &[
+        "study", "--ranks", "1,2", "--strategies", "ring,allreduce", "--model", "tiny", "--data", data.to_str().unwrap(),
+        "--batch-size", "4", "--steps", "4", "--warmup-steps", "1", "--profile-dir", profiles.to_str().unwrap(), "--profile-steps", "2",
+        "--no-eval", "--threads", "1", "--results", dir.join("results").to_str().unwrap(),
+    ])
+    .expect_ok();
+    for point in ["ring-1ranks", "ring-2ranks", "allreduce-1ranks", "allreduce-2ranks"] {
+        let ranks: usize = point.split('-').nth(1).unwrap().trim_end_matches("ranks").parse().unwrap();
+        for rank in 0..ranks {
+            let path = profiles.join(point).join(format!("rank-{rank}.json"));
+            assert!(path.is_file(), "{} missing", path.display());
+        }
+        assert!(!profiles.join(point).join(format!("rank-{ranks}.json")).exists());
+    }
+}
+
 /// scripts/trace_summary.py on a GPU trace (made up here: CI has no GPU): per step, the union of
 /// kernels and copies in the step's window (from its start to the next step's) is the GPU's
 /// busy time, the rest of the window its idle time.
