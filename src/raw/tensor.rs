@@ -200,7 +200,7 @@ pub fn copy_into(dst: &mut Tensor, src: &Tensor, non_blocking: bool) -> Result<(
     // mutably, `src_handle` owned here); the buffer is writable.
     let rc = unsafe { hpc_copy(dst.as_mut_ptr() as *mut c_void, src_handle.as_mut_ptr() as *mut c_void, non_blocking, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
-        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+        return Err(shim_failure(&err));
     }
     Ok(())
 }
@@ -215,7 +215,7 @@ pub fn pin_memory(t: &Tensor) -> Result<Tensor> {
     // heap at::Tensor (or null), whose ownership passes to the tch Tensor made from it.
     let out = unsafe { hpc_pin_memory(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
     if out.is_null() {
-        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+        return Err(shim_failure(&err));
     }
     // SAFETY: a fresh at::Tensor* from the shim, owned by nobody else.
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
@@ -232,7 +232,7 @@ pub fn host_bytes(len: usize, pinned: bool, fill: impl FnOnce(&mut [u8]) -> Resu
         // at::Tensor (or null), whose ownership passes to the tch Tensor made from it.
         let out = unsafe { hpc_empty_pinned_bytes(shape.as_ptr(), shape.len(), err.as_mut_ptr(), err.len()) };
         if out.is_null() {
-            return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+            return Err(shim_failure(&err));
         }
         // SAFETY: a fresh at::Tensor* from the shim, owned by nobody else.
         unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) }
@@ -258,7 +258,7 @@ pub fn channels_last(t: &Tensor) -> Result<Tensor> {
     // heap at::Tensor (or null), whose ownership passes to the tch Tensor made from it.
     let out = unsafe { hpc_channels_last(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
     if out.is_null() {
-        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+        return Err(shim_failure(&err));
     }
     // SAFETY: a fresh at::Tensor* from the shim, owned by nobody else.
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
@@ -272,7 +272,7 @@ pub fn param_to_channels_last(p: &Tensor) -> Result<()> {
     // identity, so other handles of it see the new storage.
     let rc = unsafe { hpc_param_to_channels_last(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
-        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+        return Err(shim_failure(&err));
     }
     Ok(())
 }
@@ -286,9 +286,20 @@ pub fn release_grad(p: &Tensor) -> Result<()> {
     // parameter's autograd meta, so the parameter itself loses its gradient.
     let rc = unsafe { hpc_release_grad(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
-        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+        return Err(shim_failure(&err));
     }
     Ok(())
+}
+
+/// The at::Tensor handles of `tensors`, as the shim's tensor-list calls take them (borrowed for
+/// the call: the shim copies each handle, a reference count).
+fn handles(tensors: &[&Tensor]) -> Vec<*mut c_void> {
+    tensors.iter().map(|t| t.as_ptr() as *mut c_void).collect()
+}
+
+/// The error of a failed call into the shim, from the message it wrote into `err`.
+fn shim_failure(err: &[c_char]) -> Error {
+    Error::Torch(tch::TchError::Torch(shim_error(err)))
 }
 
 /// The SGD update of `params` in one pass per tensor (libtorch's fused SGD kernel): with
@@ -306,8 +317,7 @@ pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: &[&Ten
             momentum_buffers.len()
         ))));
     }
-    let pointers = |tensors: &[&Tensor]| -> Vec<*mut c_void> { tensors.iter().map(|t| t.as_ptr() as *mut c_void).collect() };
-    let (p, g, v) = (pointers(params), pointers(grads), pointers(momentum_buffers));
+    let (p, g, v) = (handles(params), handles(grads), handles(momentum_buffers));
     let mut err = [0 as c_char; 256];
     // SAFETY: each pointer is a tch at::Tensor borrowed for the call; the arrays hold `count`
     // entries each (the buffers' array is read only when momentum is non-zero, and then holds
@@ -315,7 +325,7 @@ pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: &[&Ten
     // the tensors' data in place, as any in-place libtorch op on a shared handle does.
     let rc = unsafe { hpc_fused_sgd(p.as_ptr(), g.as_ptr(), v.as_ptr(), p.len() as i64, weight_decay, momentum, lr, is_first_step, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
-        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+        return Err(shim_failure(&err));
     }
     Ok(())
 }
@@ -326,14 +336,14 @@ pub fn zero_all(tensors: &[&Tensor]) -> Result<()> {
     if tensors.is_empty() {
         return Ok(());
     }
-    let handles: Vec<*mut c_void> = tensors.iter().map(|t| t.as_ptr() as *mut c_void).collect();
+    let list = handles(tensors);
     let mut err = [0 as c_char; 256];
-    // SAFETY: each pointer is a tch at::Tensor borrowed for the call and `handles` holds
-    // `count` of them; the shim copies the handles (a reference count) and writes the tensors'
+    // SAFETY: each pointer is a tch at::Tensor borrowed for the call and `list` holds `count`
+    // of them; the shim copies the handles (a reference count) and writes the tensors'
     // data in place, as any in-place libtorch op on a shared handle does.
-    let rc = unsafe { hpc_zero_all(handles.as_ptr(), handles.len() as i64, err.as_mut_ptr(), err.len()) };
+    let rc = unsafe { hpc_zero_all(list.as_ptr(), list.len() as i64, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
-        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+        return Err(shim_failure(&err));
     }
     Ok(())
 }
@@ -349,15 +359,15 @@ pub fn unscale_and_check(tensors: &[&Tensor], inv_scale: f64) -> Result<Tensor> 
     if tensors.is_empty() {
         return Ok(found);
     }
-    let handles: Vec<*mut c_void> = tensors.iter().map(|t| t.as_ptr() as *mut c_void).collect();
+    let list = handles(tensors);
     let mut err = [0 as c_char; 256];
-    // SAFETY: each pointer is a tch at::Tensor borrowed for the call, `handles` holds `count` of
+    // SAFETY: each pointer is a tch at::Tensor borrowed for the call, `list` holds `count` of
     // them, and `found` is a live at::Tensor; the shim copies the handles (a reference count) and
     // writes the tensors' data and `found` in place, as libtorch's in-place ops on shared
     // handles do.
-    let rc = unsafe { hpc_unscale_and_check(handles.as_ptr(), handles.len() as i64, found.as_mut_ptr() as *mut c_void, inv_scale, err.as_mut_ptr(), err.len()) };
+    let rc = unsafe { hpc_unscale_and_check(list.as_ptr(), list.len() as i64, found.as_mut_ptr() as *mut c_void, inv_scale, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
-        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+        return Err(shim_failure(&err));
     }
     Ok(found)
 }
@@ -377,15 +387,14 @@ pub fn fused_adamw(params: &[&Tensor], grads: &[&Tensor], exp_avgs: &[&Tensor], 
             exp_avg_sqs.len()
         ))));
     }
-    let pointers = |tensors: &[&Tensor]| -> Vec<*mut c_void> { tensors.iter().map(|t| t.as_ptr() as *mut c_void).collect() };
-    let (p, g, m, v) = (pointers(params), pointers(grads), pointers(exp_avgs), pointers(exp_avg_sqs));
+    let (p, g, m, v) = (handles(params), handles(grads), handles(exp_avgs), handles(exp_avg_sqs));
     let mut err = [0 as c_char; 256];
     // SAFETY: each pointer is a tch at::Tensor borrowed for the call; the four arrays hold `n`
     // entries each (checked above). The shim copies the handles (a reference count) and updates
     // the tensors' data in place, as any in-place libtorch op on a shared handle does.
     let rc = unsafe { hpc_fused_adamw(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), n as i64, lr, beta1, beta2, weight_decay, eps, step as i64, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
-        return Err(Error::Torch(tch::TchError::Torch(shim_error(&err))));
+        return Err(shim_failure(&err));
     }
     Ok(())
 }
