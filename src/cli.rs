@@ -50,6 +50,10 @@ pub enum Command {
     /// Scaling tables projected for a cluster profile (up to thousands of ranks) from the cost
     /// model, checked against the measurements given.
     Project(ProjectArgs),
+    /// What combines: every option that changes a step against every layout kind (strategies,
+    /// ZeRO stages, pipeline schedules, tensor parallelism), supported or refused with the
+    /// reason, as Markdown (README's compatibility table is this output).
+    Compat,
 }
 
 #[derive(Subcommand, Debug)]
@@ -88,7 +92,7 @@ impl Cli {
             None => threaded(self.train.strategy, &self.train.ps) || self.train.tensor_parallel > 1,
             Some(Command::Study(a)) => any_threaded(&a.strategies, &a.train.ps) || a.train.tensor_parallel > 1,
             Some(Command::Bench(a)) => any_threaded(&a.strategies, &a.ps),
-            Some(Command::Data(_) | Command::Report(_) | Command::Model(_) | Command::Project(_)) => false,
+            Some(Command::Data(_) | Command::Report(_) | Command::Model(_) | Command::Project(_) | Command::Compat) => false,
         };
         if needs_thread { mpi::Threading::Multiple } else { mpi::Threading::Funneled }
     }

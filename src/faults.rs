@@ -18,6 +18,11 @@ use crate::error::{Error, Result};
 
 pub const FAULT_ENV: &str = "HPC_TRAIN_FAULT";
 
+/// Whether `HPC_TRAIN_FAULT` names any fault (a row of plan/compat.rs's table).
+pub fn injected() -> bool {
+    std::env::var_os(FAULT_ENV).is_some_and(|v| !v.to_string_lossy().trim().is_empty())
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Fault {
     Nan,

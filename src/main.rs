@@ -97,6 +97,12 @@ fn main() {
             let local = if world.is_root() { project::project(args) } else { Ok(()) };
             world.agree(local)
         }
+        Some(Command::Compat) => {
+            if world.is_root() {
+                print!("{}", plan::compat::markdown());
+            }
+            Ok(())
+        }
         Some(Command::Report(args)) => {
             // Serial like the data commands: rank 0 writes the report, the others wait for its verdict.
             let local = if world.is_root() { report::run(args) } else { Ok(()) };

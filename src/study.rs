@@ -75,7 +75,7 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
     if world.is_root() {
         log::info!("study {id}: {} scaling, ranks {ranks:?}, strategies {:?}", match args.train.scaling { Scaling::Weak => "weak", Scaling::Strong => "strong" }, strategies.iter().map(|s| s.name()).collect::<Vec<_>>());
     }
-    let (points, left_out) = world.agree(plan_points(&ranks, &strategies, &stage_counts, &args.train))?;
+    let (points, left_out) = world.agree(plan_points(&ranks, &strategies, &stage_counts, &args.train, crate::faults::injected()))?;
     if world.is_root() {
         for (level, note) in &left_out {
             log::log!(*level, "study {id}: {note}");
@@ -84,22 +84,13 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
     let context = RunContext { study: Some(id.clone()) };
     let mut done = 0usize;
     for &Point { ranks: n, strategy, stages } in &points {
-        let mut point = args.train.clone();
-        point.strategy = strategy;
+        let mut point = point_args(&args.train, strategy, stages, &stage_counts);
         // Each point's traces in a folder of their own: the next point's rank-R.json would
         // overwrite them.
         point.profile_dir = args.train.profile_dir.as_ref().map(|dir| {
             let pipeline = if stages > 1 { format!("-{stages}stages") } else { String::new() };
             dir.join(format!("{}-{n}ranks{pipeline}", strategy.name()))
         });
-        if stage_counts != [1] {
-            point.pipeline.pipeline_stages = stages as u64;
-            if stages == 1 {
-                // The plain point of a pipeline study: the pipeline's own options do not apply.
-                point.pipeline.micro_batches = 1;
-                point.given = point.given.without(&["schedule", "virtual_stages", "partition", "recompute", "pipeline_timeline", "micro_batches"]);
-            }
-        }
         let inside = (world.rank as usize) < n;
         let sub = world.comm.split_by_color(if inside { Color::with_value(0) } else { Color::undefined() });
         let outcome = match sub {
@@ -138,6 +129,23 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
     Ok(())
 }
 
+/// The training options of one point: the study's, with the point's strategy and stages.
+fn point_args(train: &TrainArgs, strategy: StrategyKind, stages: usize, stage_counts: &[usize]) -> TrainArgs {
+    let mut point = train.clone();
+    point.strategy = strategy;
+    if stage_counts != [1] {
+        point.pipeline.pipeline_stages = stages as u64;
+        if stages == 1 {
+            // The plain point of a pipeline study: the pipeline's own options do not apply.
+            point.pipeline.micro_batches = 1;
+            point.pipeline.recompute = false;
+            point.pipeline.pipeline_timeline = None;
+            point.given = point.given.without(&["schedule", "virtual_stages", "partition", "recompute", "pipeline_timeline", "micro_batches"]);
+        }
+    }
+    point
+}
+
 /// One run of the sweep: a rank count, a strategy and a number of pipeline stages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Point {
@@ -151,7 +159,7 @@ struct Point {
 /// worker). Strong scaling's global batch is checked against every point here, before any
 /// runs: a sweep that would stop at its twentieth point (ps's workers are the ranks less its
 /// servers) stops before its first, naming every point it does not divide.
-fn plan_points(ranks: &[usize], strategies: &[StrategyKind], stage_counts: &[usize], train: &TrainArgs) -> Result<(Vec<Point>, Vec<(log::Level, String)>)> {
+fn plan_points(ranks: &[usize], strategies: &[StrategyKind], stage_counts: &[usize], train: &TrainArgs, faults: bool) -> Result<(Vec<Point>, Vec<(log::Level, String)>)> {
     let mut points = Vec::new();
     let mut left_out = Vec::new();
     let mut indivisible = Vec::new();
@@ -167,6 +175,12 @@ fn plan_points(ranks: &[usize], strategies: &[StrategyKind], stage_counts: &[usi
                     continue;
                 }
                 let point = Point { ranks: n, strategy, stages };
+                // What combines is known before the first point runs (plan/compat.rs).
+                let (features, kinds) = train::features_and_kinds(&point_args(train, strategy, stages, stage_counts), faults);
+                if let Err(why) = crate::plan::compat::check(&features, &kinds) {
+                    let layout = if stages > 1 { format!("{strategy} in {stages} stages") } else { strategy.to_string() };
+                    return Err(Error::usage(format!("the study's point {layout} at {n} rank(s): {why}; leave that strategy or stage count out")));
+                }
                 // Strategy options that are themselves wrong are left for training to name.
                 if let (Scaling::Strong, Some(global), Ok(workers)) = (train.scaling, train.global_batch, train::training_ranks(train, strategy, n, stages)) {
                     if workers > 0 && global as usize % workers != 0 {
@@ -237,18 +251,18 @@ mod tests {
         let all = parse_strategies("ring,ps").unwrap();
         // ps with one dedicated server trains on n - 1 ranks: 32 splits over 1 (at 2) but not 3 or 7.
         let strong = train_args(&["--scaling", "strong", "--global-batch", "32"]);
-        let err = plan_points(&[1, 2, 4, 8], &all, &[1], &strong).unwrap_err().to_string();
+        let err = plan_points(&[1, 2, 4, 8], &all, &[1], &strong, false).unwrap_err().to_string();
         assert!(err.contains("--global-batch 32") && err.contains("ps at 4 rank(s) has 3, ps at 8 rank(s) has 7"), "{err}");
         assert!(!err.contains("ring at"), "{err}");
         // Colocated servers: every rank trains, and 32 splits at every point.
         let colocated = train_args(&["--scaling", "strong", "--global-batch", "32", "--ps-colocate"]);
-        let (points, _) = plan_points(&[1, 2, 4, 8], &all, &[1], &colocated).unwrap();
+        let (points, _) = plan_points(&[1, 2, 4, 8], &all, &[1], &colocated, false).unwrap();
         assert_eq!(points.len(), 8);
         // 24 splits over ps's 3 workers at 4 ranks, not its 7 at 8.
-        let err = plan_points(&[1, 2, 4, 8], &all, &[1], &train_args(&["--scaling", "strong", "--global-batch", "24"])).unwrap_err().to_string();
+        let err = plan_points(&[1, 2, 4, 8], &all, &[1], &train_args(&["--scaling", "strong", "--global-batch", "24"]), false).unwrap_err().to_string();
         assert!(err.contains("ps at 8 rank(s) has 7") && !err.contains("ps at 4"), "{err}");
         // Weak scaling has nothing to divide; ps at one rank is left out with a warning.
-        let (points, left_out) = plan_points(&[1, 2], &all, &[1], &train_args(&[])).unwrap();
+        let (points, left_out) = plan_points(&[1, 2], &all, &[1], &train_args(&[]), false).unwrap();
         assert_eq!(points, vec![
             Point { ranks: 1, strategy: StrategyKind::Ring, stages: 1 },
             Point { ranks: 2, strategy: StrategyKind::Ring, stages: 1 },
@@ -257,14 +271,25 @@ mod tests {
         assert!(matches!(left_out.as_slice(), [(log::Level::Warn, note)] if note.contains("ps at 1 rank(s)")), "{left_out:?}");
         // Pipelines: the replicas share the batch (8 ranks in 4 stages: 2 replicas).
         let piped = train_args(&["--scaling", "strong", "--global-batch", "6"]);
-        let err = plan_points(&[2, 8], &parse_strategies("ring").unwrap(), &[1, 4], &piped).unwrap_err().to_string();
+        let err = plan_points(&[2, 8], &parse_strategies("ring").unwrap(), &[1, 4], &piped, false).unwrap_err().to_string();
         assert!(err.contains("ring at 8 rank(s) has 8") && !err.contains("4 stages"), "{err}");
         let piped = train_args(&["--scaling", "strong", "--global-batch", "8"]);
-        let (points, left_out) = plan_points(&[2, 8], &parse_strategies("ring").unwrap(), &[1, 4], &piped).unwrap();
+        let (points, left_out) = plan_points(&[2, 8], &parse_strategies("ring").unwrap(), &[1, 4], &piped, false).unwrap();
         assert_eq!(points.len(), 3, "{points:?}");
         assert!(matches!(left_out.as_slice(), [(log::Level::Info, note)] if note.contains("4 pipeline stage(s) at 2 rank(s)")), "{left_out:?}");
         let piped = train_args(&["--scaling", "strong", "--global-batch", "4"]);
-        let err = plan_points(&[2, 8], &parse_strategies("ring").unwrap(), &[1, 4], &piped).unwrap_err().to_string();
+        let err = plan_points(&[2, 8], &parse_strategies("ring").unwrap(), &[1, 4], &piped, false).unwrap_err().to_string();
         assert!(err.contains("ring at 8 rank(s) has 8") && !err.contains("4 stages at 8 rank(s)"), "{err}");
+    }
+
+    #[test]
+    fn a_point_that_does_not_combine_is_refused_before_the_first_runs() {
+        let err = plan_points(&[2, 4], &parse_strategies("ring,ps").unwrap(), &[1, 2], &train_args(&[]), false).unwrap_err().to_string();
+        assert!(err.contains("point ps in 2 stages at 2 rank(s): --strategy ps with --pipeline-stages"), "{err}");
+        // The plain point of a pipeline study drops the pipeline's own options.
+        let (points, _) = plan_points(&[2], &parse_strategies("ring").unwrap(), &[1, 2], &train_args(&["--recompute"]), false).unwrap();
+        assert_eq!(points.len(), 2);
+        let err = plan_points(&[2], &parse_strategies("ring,ps").unwrap(), &[1], &train_args(&["--overlap", "on"]), false).unwrap_err().to_string();
+        assert!(err.contains("--overlap on with --strategy ps"), "{err}");
     }
 }

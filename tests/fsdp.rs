@@ -207,12 +207,12 @@ fn zero_3_refuses_what_it_cannot_run() {
     let data = dataset(&dir);
     let d = data.to_str().unwrap();
     let cases: [(&[&str], &str); 6] = [
-        (&["--strategy", "allreduce", "--zero", "3"], "--zero 3 with --strategy allreduce"),
-        (&["--strategy", "horovod", "--zero", "3"], "--zero 3 with --strategy horovod"),
+        (&["--strategy", "allreduce", "--zero", "3"], "--strategy allreduce with --zero 3"),
+        (&["--strategy", "horovod", "--zero", "3"], "--strategy horovod with --zero 3"),
         (&["--strategy", "rhd", "--zero", "3"], "--zero 3 with --strategy rhd on 3 ranks"),
         (&["--strategy", "ring", "--fsdp-unit", "stage"], "--fsdp-unit is an option of --zero 3"),
         (&["--strategy", "ring", "--zero", "3", "--pipeline-stages", "3"], "--zero 3 with --pipeline-stages"),
-        (&["--strategy", "ring", "--zero", "3", "--channels-last"], "--zero 3 with --channels-last"),
+        (&["--strategy", "ring", "--zero", "3", "--channels-last"], "--channels-last with --zero 3"),
     ];
     for (extra, reason) in cases {
         let mut a = args(d, "2", extra);

@@ -181,10 +181,10 @@ fn tensor_parallel_refuses_what_it_cannot_run() {
         (3, vec!["--tensor-parallel", "3"], "--tensor-parallel 3 does not divide the 4 attention heads of --model vit-tiny"),
         (3, vec!["--tensor-parallel", "2"], "--tensor-parallel 2 x --pipeline-stages 1 = 2 does not divide the 3 ranks"),
         (2, vec!["--tensor-parallel", "2", "--model", "tiny"], "--tensor-parallel 2 splits a transformer's attention heads and MLP over ranks; --model tiny has none"),
-        (2, vec!["--tensor-parallel", "2", "--zero", "1"], "--tensor-parallel 2 with --zero 1"),
+        (2, vec!["--tensor-parallel", "2", "--zero", "1"], "--zero 1 with --tensor-parallel"),
         (4, vec!["--tensor-parallel", "2", "--pipeline-stages", "3"], "--tensor-parallel 2 x --pipeline-stages 3 = 6 does not divide the 4 ranks"),
-        (2, vec!["--tensor-parallel", "2", "--strategy", "ps"], "--tensor-parallel 2 with --strategy ps"),
-        (4, vec!["--tensor-parallel", "2", "--pipeline-stages", "2", "--checkpoint-dir", checkpoints.to_str().unwrap()], "--tensor-parallel 2 with --checkpoint-dir and --pipeline-stages"),
+        (2, vec!["--tensor-parallel", "2", "--strategy", "ps"], "--strategy ps with --tensor-parallel"),
+        (4, vec!["--tensor-parallel", "2", "--pipeline-stages", "2", "--checkpoint-dir", checkpoints.to_str().unwrap()], "--checkpoint-dir with --tensor-parallel and --pipeline-stages"),
         (2, vec!["--tp-allreduce", "ring"], "--tp-allreduce is an option of --tensor-parallel"),
     ];
     for (ranks, extra, reason) in cases {

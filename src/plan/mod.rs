@@ -8,12 +8,14 @@
 //! - [`pipeline`]: pipeline parallelism's rank grid, model cuts and per-stage schedules;
 //! - [`fsdp`]: fully sharded data parallelism's units and their flat layouts;
 //! - [`tensor`]: tensor parallelism's rank layout and the cut of each transformer parameter.
+//! - [`compat`]: what combines: every option against every layout kind, supported or refused.
 //!
 //! Each file is pure arithmetic with its unit tests, which run the schedules on in-memory
 //! buffers. A new collective's schedule (a pipeline's table of micro-batches per stage, a tree)
 //! goes here, beside these, before the strategy that sends its messages.
 
 pub mod buckets;
+pub mod compat;
 pub mod fsdp;
 pub mod pipeline;
 pub mod rhd;

@@ -246,9 +246,7 @@ impl TrainArgs {
                 }
             }
         }
-        for &strategy in strategies {
-            self.recipe.check(&self.given, strategy, self.ps.ps_mode)?;
-        }
+        self.recipe.check(&self.given)?;
         check_strategy_options(&self.given, strategies, &self.ps)
     }
 }

@@ -21,6 +21,7 @@ use crate::topology::{assign_gpus, World};
 use super::collective::gather_strings;
 use super::options::{DeviceChoice, Precision, Scaling, TrainArgs};
 use super::stages::PipelinePlan;
+use crate::plan::compat::{self, Feature, Kind};
 
 /// Options resolved against the world: what every rank agrees to run.
 pub(super) struct Plan {
@@ -52,10 +53,13 @@ impl Plan {
     pub(super) fn resolve(args: &TrainArgs, world: &World) -> Result<Plan> {
         // First: choosing the device is collective over the node's ranks (before any early return).
         let device = choose_device(args.device, args.allow_gpu_sharing, world);
+        // What combines, from the one table (plan/compat.rs), before any size is looked at.
+        let (features, kinds) = features_and_kinds(args, crate::faults::injected());
+        compat::check(&features, &kinds).map_err(Error::usage)?;
         check_tensor_parallel(args, world.size as usize)?;
         // With tensor parallelism a pipeline's stages are groups: the grid lays out the ranks of
         // one place in the groups (N / T of them).
-        let pipeline = args.pipeline.plan(&args.given, world.size as usize / args.tensor_parallel as usize, args.strategy, args.model)?;
+        let pipeline = args.pipeline.plan(&args.given, world.size as usize / args.tensor_parallel as usize, args.model)?;
         let workers = match &pipeline {
             Some(p) => p.grid.replicas,
             None => training_ranks(args, args.strategy, world.size as usize, 1)?,
@@ -80,7 +84,7 @@ impl Plan {
             }
         };
         if let Some(p) = &pipeline {
-            check_pipeline(args, p, batch)?;
+            check_pipeline(p, batch)?;
         }
         if args.steps == Some(0) || (args.steps.is_none() && args.epochs == 0) {
             return Err(Error::usage("nothing to train: --steps and --epochs must be at least 1"));
@@ -88,7 +92,7 @@ impl Plan {
         if args.bucket_mb < 0.0 || !args.bucket_mb.is_finite() {
             return Err(Error::usage(format!("--bucket-mb {}: expected 0 or more", args.bucket_mb)));
         }
-        args.recipe.check(&args.given, args.strategy, args.ps.ps_mode)?;
+        args.recipe.check(&args.given)?;
         if args.recipe.target_accuracy.is_some() && args.no_eval {
             return Err(Error::usage("--target-accuracy with --no-eval: the accuracy is measured by the evaluation at each epoch's end; drop --no-eval"));
         }
@@ -101,13 +105,7 @@ impl Plan {
             )));
         }
         exchange::check_zero(args.strategy, args.zero, world.size as usize)?;
-        check_fully_sharded(args, pipeline.is_some())?;
-        if args.precision == Precision::Fp16 && args.zero > 0 {
-            return Err(Error::usage(format!("--precision fp16 with --zero {}: the loss scaler checks and unscales whole gradients before the optimizer step, which ZeRO shards; use bf16", args.zero)));
-        }
-        if args.precision == Precision::Fp16 && args.strategy == exchange::StrategyKind::Ps {
-            return Err(Error::usage("--precision fp16 with --strategy ps: the loss scaler unscales gradients before the optimizer step, which the servers own; use bf16"));
-        }
+        check_fully_sharded_options(args)?;
         let threads = if args.threads > 0 {
             check_threads(args.threads, num_cpus_online())?;
             let mine = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -143,46 +141,92 @@ fn check_tensor_parallel(args: &TrainArgs, ranks: usize) -> Result<()> {
     })?;
     crate::plan::tensor::check_divides(args.model.name(), config.heads as usize, config.mlp as usize, t).map_err(Error::usage)?;
     crate::plan::tensor::Layout::new(ranks, args.pipeline.pipeline_stages as usize, t).map_err(Error::usage)?;
-    let refuse = |what: &str, why: &str| Err(Error::usage(format!("--tensor-parallel {t} with {what}: {why}")));
-    if args.zero > 0 {
-        return refuse(&format!("--zero {}", args.zero), "the ZeRO stages shard whole parameters over all ranks, not a group's parts; use --zero 0");
-    }
-    if args.strategy == exchange::StrategyKind::Ps {
-        return refuse("--strategy ps", "parameter servers take ranks out of the groups; use ring, rhd, auto, allreduce or horovod");
-    }
-    if args.checkpoint_dir.is_some() && args.pipeline.pipelined() {
-        return refuse("--checkpoint-dir and --pipeline-stages", "checkpoints of pipelines of groups are not written yet; checkpoint a run without pipelines, or use --save-weights at the end");
-    }
     Ok(())
 }
 
-/// What `--zero 3` cannot do, and its options without it, refused with the reason.
-fn check_fully_sharded(args: &TrainArgs, pipelined: bool) -> Result<()> {
+/// The options of `args` that change what a step computes or how it fails, and the layout
+/// kinds the run is in: the rows and columns of plan/compat.rs's table that the run touches.
+/// `faults`: whether `HPC_TRAIN_FAULT` injects any.
+pub fn features_and_kinds(args: &TrainArgs, faults: bool) -> (Vec<Feature>, Vec<Kind>) {
+    use crate::exchange::config::PsMode;
+    use crate::optim::{DecayKind, OptimizerKind, ScaleLr};
+    use crate::plan::pipeline::ScheduleKind;
+    use exchange::StrategyKind as S;
+    let mut kinds = vec![match args.strategy {
+        S::Ring => Kind::Ring,
+        S::Rhd => Kind::Rhd,
+        S::Auto => Kind::Auto,
+        S::Ps if args.ps.ps_mode == PsMode::Async => Kind::PsAsync,
+        S::Ps => Kind::Ps,
+        S::Allreduce => Kind::Allreduce,
+        S::Horovod => Kind::Horovod,
+    }];
+    kinds.extend(match args.zero {
+        1 => vec![Kind::Zero1],
+        2 => vec![Kind::Zero2],
+        3 if args.fsdp_hybrid => vec![Kind::Zero3, Kind::Zero3Hybrid],
+        3 => vec![Kind::Zero3],
+        _ => vec![],
+    });
+    if args.pipeline.pipelined() {
+        kinds.push(match args.pipeline.schedule {
+            ScheduleKind::Gpipe => Kind::Gpipe,
+            ScheduleKind::OneFOneB => Kind::OneFOneB,
+            ScheduleKind::Interleaved => Kind::Interleaved,
+        });
+    }
+    if args.tensor_parallel > 1 {
+        kinds.push(Kind::TensorParallel);
+        if args.pipeline.pipelined() {
+            kinds.push(Kind::TensorPipeline);
+        }
+    }
+    let recipe = &args.recipe;
+    let uses = [
+        (Feature::Tf32, args.precision == Precision::Tf32),
+        (Feature::Bf16, args.precision == Precision::Bf16),
+        (Feature::Fp16, args.precision == Precision::Fp16),
+        (Feature::Lars, recipe.optimizer == OptimizerKind::Lars),
+        (Feature::Adamw, recipe.optimizer == OptimizerKind::Adamw),
+        (Feature::LrSchedule, recipe.lr_schedule != DecayKind::Constant || recipe.warmup_epochs > 0.0 || recipe.scale_lr != ScaleLr::None),
+        (Feature::LabelSmoothing, recipe.label_smoothing > 0.0),
+        (Feature::Overlap, args.overlap == super::options::OnOff::On),
+        (Feature::ChannelsLast, args.channels_last),
+        (Feature::Recompute, args.pipeline.recompute),
+        (Feature::Checkpoint, args.checkpoint_dir.is_some()),
+        (Feature::Resume, args.resume),
+        (Feature::SaveWeights, args.save_weights.is_some()),
+        (Feature::InitWeights, args.init_weights.is_some()),
+        (Feature::Eval, !args.no_eval),
+        (Feature::Faults, faults),
+        (Feature::Profile, args.profile_dir.is_some()),
+        (Feature::PipelineTimeline, args.pipeline.pipeline_timeline.is_some()),
+        (Feature::HorovodTimeline, args.horovod.timeline.is_some()),
+        (Feature::Compression, args.horovod.compression != crate::exchange::config::Compression::None),
+        (Feature::Hierarchical, args.horovod.hierarchical == Some(true)),
+        (Feature::CacheData, args.cache_data == crate::data::loader::CacheData::On),
+        (Feature::StrongScaling, args.scaling == Scaling::Strong),
+    ];
+    (uses.into_iter().filter(|(_, used)| *used).map(|(f, _)| f).collect(), kinds)
+}
+
+/// `--zero 3`'s own options without it (what stage 3 combines with is plan/compat.rs's).
+fn check_fully_sharded_options(args: &TrainArgs) -> Result<()> {
     if args.zero != 3 {
         if let Some(flag) = [("fsdp_unit", "--fsdp-unit"), ("fsdp_hybrid", "--fsdp-hybrid")].iter().find(|(id, _)| args.given.has(id)).map(|(_, f)| f) {
             return Err(Error::usage(format!("{flag} is an option of --zero 3 (fully sharded data parallelism); add --zero 3 or drop it")));
         }
-        return Ok(());
-    }
-    if pipelined {
-        return Err(Error::usage("--zero 3 with --pipeline-stages or --micro-batches: a pipeline stage holds its own blocks whole; use --zero 1 or 2 with pipelines"));
-    }
-    if args.channels_last {
-        return Err(Error::usage("--zero 3 with --channels-last: stage 3 points parameters at their unit's flat, contiguous buffer, which has no channels-last layout; drop --channels-last"));
     }
     Ok(())
 }
 
-/// What a pipelined run cannot do, refused with the reason.
-fn check_pipeline(args: &TrainArgs, plan: &PipelinePlan, batch: usize) -> Result<()> {
+/// What a pipeline's sizes cannot do, refused with the reason.
+fn check_pipeline(plan: &PipelinePlan, batch: usize) -> Result<()> {
     let m = plan.shape.micro_batches;
     if batch < m {
         return Err(Error::usage(format!(
             "--micro-batches {m} with a batch of {batch} per pipeline: some micro-batches would be empty; use at most {batch} micro-batches or a larger batch"
         )));
-    }
-    if args.precision == Precision::Fp16 {
-        return Err(Error::usage("--precision fp16 with a pipeline: the loss scaler's skip decision would have to be agreed by every stage; use bf16"));
     }
     Ok(())
 }

@@ -6,7 +6,7 @@ use clap::Args;
 
 use crate::error::{Error, Result};
 use crate::exchange::options::Given;
-use crate::exchange::{PsMode, StrategyKind};
+
 use crate::optim::{DecayKind, LrSchedule, OptimizerConfig, OptimizerKind, ScaleLr};
 
 /// How training optimizes: the optimizer, its rate per step, the loss's label smoothing, and
@@ -143,7 +143,7 @@ impl RecipeArgs {
     }
 
     /// The values each option may take, and the combinations that mean nothing.
-    pub fn check(&self, given: &Given, strategy: StrategyKind, ps_mode: PsMode) -> Result<()> {
+    pub fn check(&self, given: &Given) -> Result<()> {
         let positive = |flag: &str, v: f64| -> Result<()> {
             match v.is_finite() && v > 0.0 {
                 true => Ok(()),
@@ -196,12 +196,6 @@ impl RecipeArgs {
         }
         if given.has("base_batch") && self.scale_lr == ScaleLr::None {
             return Err(Error::usage("--base-batch is read with --scale-lr linear or sqrt only (the batch --lr is given for)"));
-        }
-        if strategy == StrategyKind::Ps && ps_mode == PsMode::Async && self.optimizer != OptimizerKind::Sgd {
-            return Err(Error::usage(format!(
-                "--optimizer {} with --ps-mode async: asynchronous servers split SGD's update over the gradients as they arrive, which only SGD's linear update allows; use --ps-mode sync",
-                self.optimizer.name()
-            )));
         }
         Ok(())
     }
@@ -271,7 +265,7 @@ mod tests {
 
     fn check(extra: &[&str]) -> Result<()> {
         let (recipe, given) = parse(extra);
-        recipe.check(&given, StrategyKind::Ring, PsMode::Sync)
+        recipe.check(&given)
     }
 
     #[test]
@@ -329,8 +323,5 @@ mod tests {
             let err = check(args).unwrap_err().to_string();
             assert!(err.contains(wanted), "{args:?}: {err}");
         }
-        let (lars, given) = parse(&["--optimizer", "lars"]);
-        let err = lars.check(&given, StrategyKind::Ps, PsMode::Async).unwrap_err().to_string();
-        assert!(err.contains("--optimizer lars with --ps-mode async"), "{err}");
     }
 }

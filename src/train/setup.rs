@@ -175,17 +175,9 @@ impl<'a> Run<'a> {
             }
             None => None,
         };
-        let overlap = if fsdp.is_some() {
-            None
-        } else if tensor_parallel.is_some() {
-            if args.overlap == OnOff::On && world.is_root() {
-                log::info!("--overlap on: with --tensor-parallel the data-parallel exchange runs after backward (backward's own all-reduces run on the run's thread)");
-            }
-            None
-        } else if pipeline.is_some() {
-            if args.overlap == OnOff::On && world.is_root() {
-                log::info!("--overlap on: a pipeline exchanges each stage's gradients after its last backward");
-            }
+        // Stage 3 overlaps through its units' prefetch; tensor parallelism and pipelines
+        // exchange after backward (an explicit --overlap on is refused there: plan/compat.rs).
+        let overlap = if fsdp.is_some() || tensor_parallel.is_some() || pipeline.is_some() {
             None
         } else {
             make_overlap(world, args, &plan, &net, config.bucket_bytes)?
@@ -372,12 +364,8 @@ fn overlap_choice(world: &World, args: &TrainArgs, plan: &Plan) -> OnOff {
 fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &Net, bucket_bytes: usize) -> Result<Option<Overlap>> {
     let choice = overlap_choice(world, args, plan);
     Ok(match (choice, args.strategy) {
-        (OnOff::On, exchange::StrategyKind::Ps) => {
-            if world.is_root() {
-                log::info!("--overlap on: the parameter server exchanges after backward (its servers take whole shares)");
-            }
-            None
-        }
+        // Refused when asked for (plan/compat.rs): the servers take whole shares after backward.
+        (OnOff::On, exchange::StrategyKind::Ps) => None,
         // One rank exchanges nothing: backward on a thread of its own would only cost a hand-over.
         (OnOff::On, _) if world.size == 1 => {
             log::info!("--overlap on: one rank has nothing to exchange; backward runs on the MPI thread");

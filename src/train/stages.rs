@@ -13,7 +13,6 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 use crate::exchange::options::Given;
-use crate::exchange::StrategyKind;
 use crate::model::{self, InputSpec, ModelKind};
 use crate::plan::pipeline::{self, Grid, ScheduleKind, Shape};
 use crate::topology::World;
@@ -106,7 +105,7 @@ impl PipelineArgs {
 
     /// The grid and shape for `ranks`, or None for a plain run; refuses what cannot run, naming
     /// the flag.
-    pub fn plan(&self, given: &Given, ranks: usize, strategy: StrategyKind, model: ModelKind) -> Result<Option<PipelinePlan>> {
+    pub fn plan(&self, given: &Given, ranks: usize, model: ModelKind) -> Result<Option<PipelinePlan>> {
         if self.pipeline_stages == 1 {
             if let Some((_, flag)) = PIPELINE_ONLY.iter().find(|(id, _)| given.has(id)) {
                 return Err(Error::usage(format!("{flag} is an option of pipelines; with --pipeline-stages 1 there is none: drop it, or add --pipeline-stages")));
@@ -117,9 +116,6 @@ impl PipelineArgs {
         }
         let grid = Grid::new(ranks, self.pipeline_stages as usize).map_err(Error::usage)?;
         let shape = Shape::new(self.schedule, grid.stages, self.micro_batches as usize, self.virtual_stages as usize).map_err(Error::usage)?;
-        if strategy == StrategyKind::Ps {
-            return Err(Error::usage("--strategy ps with --pipeline-stages or --micro-batches: a pipeline's stages average their gradients among themselves; use ring, rhd, auto, allreduce or horovod"));
-        }
         if model == ModelKind::TinyUnused {
             return Err(Error::usage("--model tiny-unused has a layer outside its blocks, which no pipeline stage would hold"));
         }
