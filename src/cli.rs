@@ -53,7 +53,19 @@ pub enum Command {
     /// What combines: every option that changes a step against every layout kind (strategies,
     /// ZeRO stages, pipeline schedules, tensor parallelism), supported or refused with the
     /// reason, as Markdown (README's compatibility table is this output).
-    Compat,
+    Compat(CompatArgs),
+    /// Many short training runs in one launch (tests/conformance.rs's walk of the table).
+    #[command(hide = true)]
+    Conform(crate::conform::ConformArgs),
+}
+
+/// Options of `hpc-train compat`.
+#[derive(clap::Args, Debug)]
+pub struct CompatArgs {
+    /// One pair per line, tab-separated, for scripts: row, its flag, column, its flag, yes / no
+    /// / n/a, the reason.
+    #[arg(long)]
+    pub tsv: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -92,7 +104,9 @@ impl Cli {
             None => threaded(self.train.strategy, &self.train.ps) || self.train.tensor_parallel > 1,
             Some(Command::Study(a)) => any_threaded(&a.strategies, &a.train.ps) || a.train.tensor_parallel > 1,
             Some(Command::Bench(a)) => any_threaded(&a.strategies, &a.ps),
-            Some(Command::Data(_) | Command::Report(_) | Command::Model(_) | Command::Project(_) | Command::Compat) => false,
+            // Its cases may be of any strategy.
+            Some(Command::Conform(_)) => true,
+            Some(Command::Data(_) | Command::Report(_) | Command::Model(_) | Command::Project(_) | Command::Compat(_)) => false,
         };
         if needs_thread { mpi::Threading::Multiple } else { mpi::Threading::Funneled }
     }

@@ -8,6 +8,7 @@ use std::io::Write;
 mod bench;
 mod checkpoint;
 mod cli;
+mod conform;
 mod cost;
 mod data;
 mod element;
@@ -97,9 +98,10 @@ fn main() {
             let local = if world.is_root() { project::project(args) } else { Ok(()) };
             world.agree(local)
         }
-        Some(Command::Compat) => {
+        Some(Command::Conform(args)) => conform::run(&world, args),
+        Some(Command::Compat(args)) => {
             if world.is_root() {
-                print!("{}", plan::compat::markdown());
+                print!("{}", if args.tsv { plan::compat::tsv() } else { plan::compat::markdown() });
             }
             Ok(())
         }

@@ -39,7 +39,7 @@ pub mod staging;
 pub mod strategy;
 pub mod zero;
 
-pub use config::{worker_count, ExchangeConfig, PsMode, StrategyKind};
+pub use config::{worker_count, ExchangeConfig, StrategyKind};
 pub use strategy::{Exchange, ReduceOp, Role, WholeState};
 
 use crate::error::{Error, Result};

@@ -251,6 +251,7 @@ const ZERO3_PIPELINE: &str = "a pipeline stage holds its own blocks whole; use -
 const PS_PIPELINE: &str = "a pipeline's stages average their gradients among themselves; use ring, rhd, auto, allreduce or horovod";
 const PS_TENSOR: &str = "parameter servers take ranks out of the groups; use ring, rhd, auto, allreduce or horovod";
 const ZERO_TENSOR: &str = "the ZeRO stages shard whole parameters over all ranks, not a group's parts; use --zero 0";
+const CHECKPOINT_ASYNC: &str = "asynchronous servers hold no state consistent across ranks at any step; checkpoint a synchronous run";
 const CHECKPOINT_TENSOR_PIPELINE: &str =
     "checkpoints of pipelines of groups are not written yet; checkpoint a run without pipelines, or use --save-weights at the end";
 
@@ -273,6 +274,7 @@ pub fn verdict(feature: Feature, kind: Kind) -> Verdict {
         (Feature::Overlap, Kind::TensorParallel) => Refused(OVERLAP_TENSOR),
         (Feature::ChannelsLast, Kind::Zero3 | Kind::Zero3Hybrid) => Refused(ZERO3_CHANNELS_LAST),
         (Feature::Checkpoint | Feature::Resume, Kind::TensorPipeline) => Refused(CHECKPOINT_TENSOR_PIPELINE),
+        (Feature::Checkpoint | Feature::Resume, Kind::PsAsync) => Refused(CHECKPOINT_ASYNC),
         (Feature::Layout(a), b) => pair(a, b),
         _ => Supported,
     }
@@ -383,6 +385,28 @@ pub fn markdown() -> String {
     let _ = writeln!(out);
     for (i, why) in reasons.iter().enumerate() {
         let _ = writeln!(out, "{}. {why}", i + 1);
+    }
+    out
+}
+
+/// Every pair, one per line, tab-separated: the row (an option's flag, or `layout:` and a
+/// kind's name), the row's flag, the column (a kind's name), the column's flag, `yes`, `no` or
+/// `n/a`, and the reason of a refusal. tests/conformance.rs builds its runs from it.
+pub fn tsv() -> String {
+    let mut out = String::new();
+    for feature in Feature::rows() {
+        let row = match feature {
+            Feature::Layout(k) => format!("layout:{}", k.name()),
+            other => other.flag().to_string(),
+        };
+        for kind in Kind::ALL {
+            let (verdict, why) = match verdict(feature, kind) {
+                Verdict::Supported => ("yes", ""),
+                Verdict::Refused(why) => ("no", why),
+                Verdict::NotApplicable => ("n/a", ""),
+            };
+            let _ = writeln!(out, "{row}\t{}\t{}\t{}\t{verdict}\t{why}", feature.flag(), kind.name(), kind.flag());
+        }
     }
     out
 }

@@ -10,7 +10,7 @@ use tch::{Device, Tensor};
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
 use crate::data::DatasetInfo;
 use crate::error::{Error, Result};
-use crate::exchange::{self, Exchange, WholeState};
+use crate::exchange::{Exchange, WholeState};
 use crate::optim::{self, Optimizer};
 use crate::results;
 use crate::topology::World;
@@ -113,11 +113,6 @@ pub(super) fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info
 /// run may continue from it.
 pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &CheckpointMeta) -> Result<Option<Checkpoint>> {
     if args.checkpoint_dir.is_some() {
-        if args.ps.ps_mode == crate::exchange::PsMode::Async && args.strategy == exchange::StrategyKind::Ps {
-            return Err(Error::usage(
-                "--checkpoint-dir with --ps-mode async: asynchronous servers hold no state consistent across ranks at any step; checkpoint a synchronous run",
-            ));
-        }
         if args.checkpoint_every == 0 {
             return Err(Error::usage("--checkpoint-every 0: expected a number of steps, at least 1"));
         }

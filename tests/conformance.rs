@@ -1,0 +1,470 @@
+//! The conformance matrix, generated from the compatibility table (src/plan/compat.rs, as
+//! `hpc-train compat --tsv` prints it): every supported pair of an option and a layout kind
+//! trains a few steps of a tiny model and must equal the plain run (one process with the same
+//! option) within f32 summation tolerance, weights and the record's loss alike; every refused
+//! pair must be refused before anything starts with the table's reason, naming both options.
+//!
+//! The runs go through `hpc-train conform`, which runs them one after another inside one launch
+//! (one MPI start-up for a few hundred runs). A row or a column this test does not know fails
+//! it: a new option or layout kind in the table must say here how it is exercised.
+//! A few refused pairs are also launched as runs of their own, to see one line and every rank
+//! exit non-zero as a user does.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+
+/// One pair of the table.
+struct Cell {
+    row: String,
+    row_flag: String,
+    column: String,
+    column_flag: String,
+    verdict: String,
+    why: String,
+}
+
+fn table() -> Vec<Cell> {
+    let out = hpc_train(&["compat", "--tsv"]).expect_ok().stdout;
+    out.lines()
+        .map(|line| {
+            let f: Vec<&str> = line.split('\t').collect();
+            assert_eq!(f.len(), 6, "{line:?}");
+            Cell { row: f[0].into(), row_flag: f[1].into(), column: f[2].into(), column_flag: f[3].into(), verdict: f[4].into(), why: f[5].into() }
+        })
+        .collect()
+}
+
+/// A run's layout, built up from the table's kinds.
+#[derive(Clone, Default, Debug)]
+struct Layout {
+    strategy: Option<&'static str>,
+    ps_async: bool,
+    zero: Option<&'static str>,
+    hybrid: bool,
+    schedule: Option<&'static str>,
+    tensor: bool,
+}
+
+impl Layout {
+    fn with(mut self, kind: &str) -> Layout {
+        match kind {
+            "ring" | "rhd" | "auto" | "allreduce" | "horovod" | "ps" => self.strategy = Some(leak(kind)),
+            "ps async" => {
+                self.strategy = Some("ps");
+                self.ps_async = true;
+            }
+            "zero 1" => self.zero = Some("1"),
+            "zero 2" => self.zero = Some("2"),
+            "zero 3" => self.zero = Some("3"),
+            "fsdp-hybrid" => {
+                self.zero = Some("3");
+                self.hybrid = true;
+            }
+            "gpipe" | "1f1b" | "interleaved" => self.schedule = Some(leak(kind)),
+            "tensor-parallel" => self.tensor = true,
+            "tp+pipeline" => {
+                self.tensor = true;
+                self.schedule.get_or_insert("1f1b");
+            }
+            other => panic!("the table has a layout kind {other:?} that tests/conformance.rs does not know: say here how to lay a run out so"),
+        }
+        self
+    }
+
+    /// Replicas: two where the run names a data-parallel kind, else one (a pipeline or a
+    /// tensor-parallel group alone).
+    fn replicas(&self) -> usize {
+        if self.strategy.is_some() || self.zero.is_some() { 2 } else { 1 }
+    }
+
+    fn ranks(&self) -> usize {
+        match (self.strategy, self.ps_async) {
+            // Synchronous servers: one server and two workers. Asynchronous ones with a single
+            // worker, whose updates then come in the plain run's order.
+            (Some("ps"), false) => 3,
+            (Some("ps"), true) => 2,
+            _ => self.replicas() * if self.schedule.is_some() { 2 } else { 1 } * if self.tensor { 2 } else { 1 },
+        }
+    }
+
+    fn model(&self) -> &'static str {
+        if self.tensor { "vit-tiny" } else { "tiny" }
+    }
+
+    fn args(&self) -> Vec<String> {
+        let mut a: Vec<&str> = vec!["--strategy", self.strategy.unwrap_or("ring")];
+        if self.ps_async {
+            a.extend(["--ps-mode", "async"]);
+        }
+        if let Some(z) = self.zero {
+            a.extend(["--zero", z]);
+        }
+        if self.hybrid {
+            a.push("--fsdp-hybrid");
+        }
+        if let Some(s) = self.schedule {
+            a.extend(["--pipeline-stages", "2", "--micro-batches", "2", "--schedule", s, "--partition", "params"]);
+            if s == "interleaved" {
+                a.extend(["--virtual-stages", "2"]);
+            }
+        }
+        if self.tensor {
+            a.extend(["--tensor-parallel", "2"]);
+        }
+        a.into_iter().map(String::from).collect()
+    }
+}
+
+fn leak(s: &str) -> &'static str {
+    Box::leak(s.to_string().into_boxed_str())
+}
+
+/// How a row of the table is exercised.
+enum Row {
+    /// Options added to the run (and to its plain reference unless `plain_reference`).
+    Options { args: Vec<String>, plain_reference: bool, tolerance: f64 },
+    /// Another layout kind combined with the column's.
+    Layout(String),
+    /// Trained in two runs, the second resuming from the first's checkpoint.
+    Resume,
+    /// Needs what this machine lacks.
+    Skip(&'static str),
+    /// Tested by its own test (`faults_end_every_layout_kind`).
+    Elsewhere,
+}
+
+const F32_TOLERANCE: f64 = 2e-5;
+/// bf16 and fp16 runs against a one-process run at the same precision: autocast's 16-bit
+/// products summed in another order (the batch split over ranks and micro-batches).
+const HALF_TOLERANCE: f64 = 1e-2;
+
+fn row(row: &str, scratch: &Path) -> Row {
+    let opts = |args: &[&str]| Row::Options { args: args.iter().map(|s| s.to_string()).collect(), plain_reference: false, tolerance: F32_TOLERANCE };
+    let same_as_plain = |args: Vec<String>| Row::Options { args, plain_reference: true, tolerance: F32_TOLERANCE };
+    let path = |name: &str| scratch.join(name).to_str().unwrap().to_string();
+    if let Some(kind) = row.strip_prefix("layout:") {
+        return Row::Layout(kind.to_string());
+    }
+    match row {
+        "--precision tf32" => Row::Skip("TF32 needs a GPU (tests/gpu.rs)"),
+        "--precision bf16" => Row::Options { args: vec!["--precision".into(), "bf16".into()], plain_reference: false, tolerance: HALF_TOLERANCE },
+        "--precision fp16" => Row::Options { args: vec!["--precision".into(), "fp16".into()], plain_reference: false, tolerance: HALF_TOLERANCE },
+        "--optimizer lars" => opts(&["--optimizer", "lars", "--lr", "1"]),
+        // Adam's first steps move every weight by about lr times the sign of its gradient, and
+        // the ViT's attention key bias has a gradient of zero in exact arithmetic (softmax does
+        // not see it): f32 noise, whose sign any other summation order flips (6e-4 apart with
+        // the ring on 2 ranks). An eps above that noise keeps the comparison one of the update.
+        "--optimizer adamw" => opts(&["--optimizer", "adamw", "--lr", "0.001", "--adam-eps", "1e-4"]),
+        "--lr-schedule/--warmup-epochs/--scale-lr" => opts(&["--lr-schedule", "cosine", "--warmup-epochs", "0.25", "--scale-lr", "linear", "--base-batch", "4"]),
+        "--label-smoothing" => opts(&["--label-smoothing", "0.1"]),
+        "--overlap on" => same_as_plain(vec!["--overlap".into(), "on".into(), "--bucket-mb".into(), "0.001".into()]),
+        "--channels-last" => opts(&["--channels-last"]),
+        "--recompute" => same_as_plain(vec!["--recompute".into()]),
+        "--checkpoint-dir" => same_as_plain(vec!["--checkpoint-dir".into(), path("checkpoints-{case}"), "--checkpoint-every".into(), "1".into()]),
+        "--resume" => Row::Resume,
+        // Every run here writes its weights: the row is the column's plain case.
+        "--save-weights" => same_as_plain(Vec::new()),
+        "--init-weights" => Row::Options { args: vec!["--init-weights".into(), "{init}".into()], plain_reference: false, tolerance: F32_TOLERANCE },
+        "evaluation (without --no-eval)" => Row::Options { args: vec!["{eval}".into()], plain_reference: false, tolerance: F32_TOLERANCE },
+        "HPC_TRAIN_FAULT" => Row::Elsewhere,
+        "--profile-dir" => same_as_plain(vec!["--profile-dir".into(), path("profile-{case}"), "--profile-steps".into(), "1".into()]),
+        "--pipeline-timeline" => same_as_plain(vec!["--pipeline-timeline".into(), path("timeline-{case}.json")]),
+        "--timeline" => Row::Options { args: vec!["--timeline".into(), path("horovod-{case}.json")], plain_reference: false, tolerance: F32_TOLERANCE },
+        "--compression" => Row::Options { args: vec!["--compression".into(), "fp16".into()], plain_reference: false, tolerance: HALF_TOLERANCE },
+        "--hierarchical" => opts(&["--hierarchical"]),
+        "--cache-data on" => opts(&["--cache-data", "on"]),
+        // Every run here is strong scaling (the same global batch whatever the ranks).
+        "--scaling strong" => same_as_plain(Vec::new()),
+        other => panic!("the table has a row {other:?} that tests/conformance.rs does not know: say here how a run exercises it"),
+    }
+}
+
+/// One line of `hpc-train conform --cases`, and what its outcome must be.
+struct Case {
+    ranks: usize,
+    args: Vec<String>,
+    expect: Expect,
+    what: String,
+}
+
+enum Expect {
+    /// Runs to completion (a reference, or the first half of a resume).
+    Runs,
+    /// The weights and final loss of case `reference` (test loss too when `eval`).
+    Equals { reference: usize, tolerance: f64, eval: bool },
+    /// Refused with this reason, naming these options.
+    Refused { why: String, naming: Vec<String> },
+}
+
+struct Matrix {
+    dir: PathBuf,
+    data: String,
+    cases: Vec<Case>,
+    references: HashMap<String, usize>,
+}
+
+impl Matrix {
+    fn common(&self, model: &str, index: usize, steps: &str) -> Vec<String> {
+        let d = self.dir.display();
+        [
+            "--model", model, "--data", &self.data, "--scaling", "strong", "--global-batch", "8", "--steps", steps, "--seed", "7",
+            "--threads", "1", "--log-every", "1000", "--warmup-steps", "1", "--lr", "0.05",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([format!("--results={d}/results/{index}"), format!("--save-weights={d}/weights/{index}.safetensors")])
+        .collect()
+    }
+
+    /// Options with the placeholders filled in for case `index`.
+    fn fill(&self, args: &[String], model: &str, index: usize) -> (Vec<String>, bool) {
+        let mut eval = false;
+        let mut out = Vec::new();
+        for a in args {
+            match a.as_str() {
+                "{eval}" => eval = true,
+                "{init}" => out.push(format!("{}/init-{model}.safetensors", self.dir.display())),
+                other => out.push(other.replace("{case}", &index.to_string())),
+            }
+        }
+        // Options given twice are an error: a row's own --lr wins over the common one.
+        (out, eval)
+    }
+
+    fn push(&mut self, ranks: usize, model: &str, steps: &str, extra: &[String], expect: Expect, what: String) -> usize {
+        let index = self.cases.len();
+        let (extra, eval) = self.fill(extra, model, index);
+        let mut args = self.common(model, index, steps);
+        // A row's own value of a common option replaces it.
+        for flag in ["--lr"] {
+            if extra.iter().any(|a| a == flag) {
+                let at = args.iter().position(|a| a == flag).unwrap();
+                args.drain(at..at + 2);
+            }
+        }
+        if !eval {
+            args.push("--no-eval".into());
+        }
+        args.extend(extra);
+        self.cases.push(Case { ranks, args, expect, what });
+        index
+    }
+
+    /// The plain run with `extra` (one process), made once.
+    fn reference(&mut self, model: &str, extra: &[String]) -> usize {
+        let key = format!("{model} {}", extra.join(" "));
+        if let Some(&i) = self.references.get(&key) {
+            return i;
+        }
+        let i = self.push(1, model, "3", extra, Expect::Runs, format!("plain {key}"));
+        self.references.insert(key, i);
+        i
+    }
+}
+
+/// The options a one-process reference of `args` keeps: those of the horovod-only rows need
+/// Horovod's strategy, whose one-rank exchange is the identity.
+fn reference_options(row: &str, args: &[String]) -> Vec<String> {
+    match row {
+        "--timeline" | "--compression" | "--hierarchical" => [vec!["--strategy".to_string(), "horovod".into()], args.to_vec()].concat(),
+        _ => args.to_vec(),
+    }
+}
+
+/// The runs the table asks for, and what it holds.
+struct Planned {
+    matrix: Matrix,
+    supported: usize,
+    refused: usize,
+    skipped: Vec<String>,
+    elsewhere: usize,
+    reasons: Vec<String>,
+}
+
+fn plan(dir: &Path) -> Planned {
+    let data = synth(dir, "data", 64, 16, "1x16x16", 4);
+    let mut m = Matrix { dir: dir.to_path_buf(), data: data.to_str().unwrap().into(), cases: Vec::new(), references: HashMap::new() };
+    // Initial weights for --init-weights: one step of each model, written by the first cases.
+    for model in ["tiny", "vit-tiny"] {
+        let out = format!("--save-weights={}/init-{model}.safetensors", dir.display());
+        let i = m.push(1, model, "1", &[], Expect::Runs, format!("initial weights of {model}"));
+        let at = m.cases[i].args.iter().position(|a| a.starts_with("--save-weights=")).unwrap();
+        m.cases[i].args[at] = out;
+    }
+    let (mut supported, mut refused, mut skipped, mut elsewhere) = (0, 0, Vec::new(), 0);
+    let table = table();
+    let mut reasons: Vec<String> = table.iter().filter(|c| c.verdict == "no").map(|c| c.why.clone()).collect();
+    reasons.dedup();
+    for cell in table {
+        if cell.verdict == "n/a" {
+            continue;
+        }
+        let layout = Layout::default().with(&cell.column);
+        let row = row(&cell.row, &dir);
+        let (layout, extra, reference_extra, tolerance, naming) = match &row {
+            Row::Skip(why) => {
+                skipped.push(format!("{} x {}: {why}", cell.row, cell.column));
+                continue;
+            }
+            Row::Elsewhere => {
+                elsewhere += 1;
+                continue;
+            }
+            Row::Layout(kind) => {
+                let both = layout.clone().with(kind);
+                let naming = vec![cell.row_flag.clone(), cell.column_flag.clone()];
+                (both, Vec::new(), Vec::new(), F32_TOLERANCE, naming)
+            }
+            Row::Options { args, plain_reference, tolerance } => {
+                let reference = if *plain_reference { Vec::new() } else { reference_options(&cell.row, args) };
+                (layout.clone(), args.clone(), reference, *tolerance, vec![cell.row_flag.clone(), cell.column_flag.clone()])
+            }
+            Row::Resume => (layout.clone(), Vec::new(), Vec::new(), F32_TOLERANCE, vec!["--resume".into(), cell.column_flag.clone()]),
+        };
+        let (model, ranks) = (layout.model(), layout.ranks());
+        let mut run_args = layout.args();
+        run_args.extend(extra.iter().cloned());
+        let what = format!("{} x {}", cell.row, cell.column);
+        if cell.verdict == "no" {
+            if matches!(row, Row::Resume) {
+                // Alone, so that the refusal names it (with --checkpoint-dir that option's
+                // refusal would come first).
+                run_args.push("--resume".into());
+            }
+            m.push(ranks, model, "3", &run_args, Expect::Refused { why: cell.why.clone(), naming }, what);
+            refused += 1;
+            continue;
+        }
+        assert_eq!(cell.verdict, "yes", "{what}");
+        let reference = m.reference(model, &reference_extra);
+        let eval = extra.iter().any(|a| a == "{eval}");
+        if let Row::Resume = row {
+            let checkpoints = format!("--checkpoint-dir={}/checkpoints-{}", dir.display(), m.cases.len());
+            let first: Vec<String> = run_args.iter().cloned().chain([checkpoints.clone()]).collect();
+            m.push(ranks, model, "2", &first, Expect::Runs, format!("{what}, first 2 steps"));
+            run_args.extend([checkpoints, "--resume".into()]);
+        }
+        m.push(ranks, model, "3", &run_args, Expect::Equals { reference, tolerance, eval }, what);
+        supported += 1;
+    }
+
+    Planned { matrix: m, supported, refused, skipped, elsewhere, reasons }
+}
+
+#[test]
+fn every_supported_pair_equals_the_plain_run_and_every_refused_pair_is_refused() {
+    let dir = scratch("conformance");
+    let Planned { matrix: m, supported, refused, skipped, elsewhere, reasons } = plan(&dir);
+    let cases_file = dir.join("cases.txt");
+    let text: String = m.cases.iter().map(|c| format!("{} {}\n", c.ranks, c.args.join(" "))).collect();
+    std::fs::write(&cases_file, text).unwrap();
+    let world = m.cases.iter().map(|c| c.ranks).max().unwrap();
+    let report = dir.join("report.tsv");
+    let run = mpirun_env(world, &["conform", "--cases", cases_file.to_str().unwrap(), "--report", report.to_str().unwrap()], &[], Duration::from_secs(900));
+    assert!(run.ok(), "the conformance launch failed ({:?}, timed out: {}):\n{}", run.status, run.timed_out, tail(&run.all_output(), 4000));
+    let outcomes: Vec<(String, String)> = std::fs::read_to_string(&report)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut f = l.splitn(3, '\t');
+            let _index = f.next();
+            (f.next().unwrap_or("").to_string(), f.next().unwrap_or("").to_string())
+        })
+        .collect();
+    assert_eq!(outcomes.len(), m.cases.len(), "one outcome per case");
+
+    let mut failures = Vec::new();
+    let mut worst = 0.0f64;
+    for (index, case) in m.cases.iter().enumerate() {
+        let (status, message) = &outcomes[index];
+        match &case.expect {
+            Expect::Runs | Expect::Equals { .. } if status != "ok" => failures.push(format!("{}: {status} {message}", case.what)),
+            Expect::Runs => {}
+            Expect::Equals { reference, tolerance, eval } => {
+                let weights = |i: usize| dir.join(format!("weights/{i}.safetensors"));
+                let diff = max_relative_difference(&weights(*reference), &weights(index));
+                worst = worst.max(if *tolerance == F32_TOLERANCE { diff } else { 0.0 });
+                if diff.is_nan() || diff > *tolerance {
+                    failures.push(format!("{}: weights {diff:e} from the plain run's (tolerance {tolerance:e})", case.what));
+                }
+                let record = |i: usize| read_runs(&dir.join(format!("results/{i}"))).pop().unwrap();
+                let (mine, plain) = (record(index), record(*reference));
+                let mut fields = vec!["final_loss"];
+                if *eval {
+                    fields.push("test_loss");
+                }
+                for field in fields {
+                    let (a, b) = (mine[field].as_f64().unwrap_or(f64::NAN), plain[field].as_f64().unwrap_or(f64::NAN));
+                    if !((a - b).abs() <= tolerance.max(1e-5) * b.abs().max(1.0)) {
+                        failures.push(format!("{}: {field} {a} against the plain run's {b}", case.what));
+                    }
+                }
+            }
+            Expect::Refused { why, naming } => {
+                // A run of a kind that implies others (fsdp-hybrid is stage 3's; tp+pipeline a
+                // schedule's and tensor parallelism's) may meet another refused pair of the
+                // table first: any of the table's reasons, naming an option of each side.
+                let named = naming.iter().all(|n| implied(n).iter().any(|f| message.contains(f.as_str())));
+                let reason = message.contains(why.as_str()) || reasons.iter().any(|r| message.contains(r.as_str()));
+                if status != "refused" || !reason || !named {
+                    failures.push(format!("{}: expected a refusal naming {naming:?} because {why:?}; got {status} {message}", case.what));
+                }
+            }
+        }
+    }
+    eprintln!(
+        "conformance: {supported} supported pairs equal to the plain run (largest fp32 difference {worst:e}), {refused} refused pairs refused, {elsewhere} fault pairs in faults_end_every_layout_kind, {} skipped: {skipped:?}; {} runs in one launch of {world} ranks in {:.1} s",
+        skipped.len(),
+        m.cases.len(),
+        run.elapsed.as_secs_f64()
+    );
+    assert!(failures.is_empty(), "{} of {} pairs do not conform:\n{}", failures.len(), supported + refused, failures.join("\n"));
+}
+
+/// One refused pair per reason of the table, launched as a user launches it: one line names
+/// both options, every rank exits non-zero, at once (before any step: nothing is appended to
+/// runs.jsonl and no weights are written).
+#[test]
+fn a_refused_pair_ends_the_launch_at_once_with_one_line() {
+    let dir = scratch("conformance-launches");
+    let Planned { matrix: m, .. } = plan(&dir);
+    let mut seen = Vec::new();
+    for (index, case) in m.cases.iter().enumerate() {
+        let Expect::Refused { why, naming } = &case.expect else { continue };
+        if seen.contains(why) {
+            continue;
+        }
+        seen.push(why.clone());
+        let args: Vec<&str> = case.args.iter().map(String::as_str).collect();
+        let run = mpirun_env(case.ranks, &args, &[], Duration::from_secs(60));
+        let output = run.all_output();
+        assert!(!run.ok() && !run.timed_out, "{}: {:?}\n{output}", case.what, run.status);
+        assert_eq!(output.matches(why.as_str()).count(), 1, "{}: the reason once\n{output}", case.what);
+        let line = output.lines().find(|l| l.contains(why.as_str())).unwrap();
+        assert!(naming.iter().all(|n| implied(n).iter().any(|f| line.contains(f.as_str()))), "{}: {line}", case.what);
+        assert!(run.elapsed < Duration::from_secs(20), "{}: {:?}", case.what, run.elapsed);
+        assert!(!dir.join(format!("results/{index}/runs.jsonl")).exists() && !dir.join(format!("weights/{index}.safetensors")).exists(), "{}", case.what);
+    }
+    assert!(seen.len() >= 10, "{seen:?}");
+}
+
+/// The flags a refusal may name for an option or kind of the table: its own, or those of the
+/// kinds it implies.
+fn implied(flag: &str) -> Vec<String> {
+    let mut flags = vec![flag.to_string()];
+    match flag {
+        "--fsdp-hybrid" => flags.push("--zero 3".into()),
+        "--tensor-parallel and --pipeline-stages" => flags.extend(["--tensor-parallel".into(), "--pipeline-stages (--schedule 1f1b)".into()]),
+        _ => {}
+    }
+    flags
+}
+
+fn tail(s: &str, n: usize) -> &str {
+    &s[s.len().saturating_sub(n)..]
+}
