@@ -133,6 +133,14 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
 fn point_args(train: &TrainArgs, strategy: StrategyKind, stages: usize, stage_counts: &[usize]) -> TrainArgs {
     let mut point = train.clone();
     point.strategy = strategy;
+    if strategy != StrategyKind::Horovod {
+        // A study's Horovod options are its Horovod points' (README: an option read by one of
+        // its strategies is fine); the other points do not read them.
+        point.horovod.timeline = None;
+        point.horovod.compression = crate::exchange::config::Compression::None;
+        point.horovod.hierarchical = None;
+        point.given = point.given.without(&["timeline", "compression", "hierarchical"]);
+    }
     if stage_counts != [1] {
         point.pipeline.pipeline_stages = stages as u64;
         if stages == 1 {
@@ -291,5 +299,8 @@ mod tests {
         assert_eq!(points.len(), 2);
         let err = plan_points(&[2], &parse_strategies("ring,ps").unwrap(), &[1], &train_args(&["--overlap", "on"]), false).unwrap_err().to_string();
         assert!(err.contains("--overlap on with --strategy ps"), "{err}");
+        // Horovod's options are its points' only.
+        let (points, _) = plan_points(&[2], &parse_strategies("ring,horovod").unwrap(), &[1], &train_args(&["--compression", "fp16", "--timeline", "t.json"]), false).unwrap();
+        assert_eq!(points.len(), 2);
     }
 }

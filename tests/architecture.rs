@@ -20,6 +20,7 @@ const FLOORS: &[(&str, u32)] = &[
     ("cli", 6),
     // The commands.
     ("study", 5),
+    ("conform", 5),
     ("bench", 5),
     ("report", 5),
     ("project", 5),
