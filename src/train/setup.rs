@@ -41,9 +41,6 @@ impl<'a> Run<'a> {
             tch::Cuda::cudnn_set_benchmark(true);
             // PyTorch lets cuDNN use TF32 by default: fp32 means fp32.
             raw::set_allow_tf32(args.precision == Precision::Tf32);
-            if matches!(args.precision, Precision::Bf16 | Precision::Fp16) {
-                world.agree(raw::set_cuda_autocast_bf16(args.precision == Precision::Bf16))?;
-            }
         }
         world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
         // Each node's ranks write their traces into their own node's folder.
@@ -342,8 +339,7 @@ fn shard_units(
         buffers[unit_of_block(block_of(name))].push(t.shallow_clone());
     }
     let modules = std::mem::take(&mut net.chunks).into_iter().map(|(_, m)| m).collect();
-    let autocast = args.precision == Precision::Bf16;
-    Ok(FullySharded { units, size: args.fsdp_unit, prefetch, worker: UnitWorker::spawn(modules, buffers, device, autocast)? })
+    Ok(FullySharded { units, size: args.fsdp_unit, prefetch, worker: UnitWorker::spawn(modules, buffers, device, args.precision)? })
 }
 
 /// What `--overlap` comes to on this rank: auto is on where backward leaves cores free (or on

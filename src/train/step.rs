@@ -174,21 +174,15 @@ impl Run<'_> {
         Ok((batch, data_wait))
     }
 
-    /// The summed loss of the rank's samples (with --label-smoothing), in f32 (autocast for bf16
-    /// and fp16).
+    /// The summed loss of the rank's samples (with --label-smoothing), in f32 (the forward under
+    /// autocast for bf16 and fp16).
     fn forward(&self, norm: &Normalizer, batch: &Batch) -> Result<Tensor> {
         let x = norm.images(&batch.images, batch.labels.len())?;
         let y = norm.labels(&batch.labels)?;
-        let loss = || -> Result<Tensor> {
+        self.args.precision.training_forward(self.plan.device, || {
             let logits = self.net.model().forward_t(&x, true);
             Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, self.args.recipe.label_smoothing)?.f_to_kind(Kind::Float)?)
-        };
-        // Autocast only where the precision asks for it (bf16 and fp16 run on CUDA only: see
-        // Plan::resolve); fp32 and tf32 steps make no autocast call at all.
-        match self.args.precision {
-            Precision::Bf16 | Precision::Fp16 => crate::raw::with_cuda_autocast(loss),
-            Precision::Fp32 | Precision::Tf32 => loss(),
-        }
+        })
     }
 
     /// Backward overlapped with the exchange and the optimizer bucket by bucket, or backward
