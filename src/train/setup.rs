@@ -156,6 +156,10 @@ impl<'a> Run<'a> {
         world.agree(exchange.prepare(&net.params))?;
         exchange.name_tensors(&net.param_names);
         let mut optimizer = Optimizer::new(optimizer_config, schedule, optim::exempt_from_lars(&net.params));
+        if let Some(tp) = &tensor_parallel {
+            // LARS's trust ratio over whole layers, not over this rank's parts of them.
+            optimizer.set_layer_parts(tp.layer_parts(&net.param_names));
+        }
         if resume_from.is_some() || first_step > 0 {
             match (&pipeline, cut_state) {
                 (Some(p), _) => restore_pipeline(world, p, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?,
