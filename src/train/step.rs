@@ -263,7 +263,13 @@ impl Run<'_> {
             average_over(&self.workers_comm, &buffers, true, self.workers)?;
             self.fsdp_evaluate(&state.norm)?
         } else {
-            average_over(&self.workers_comm, &buffers, true, self.workers)?;
+            // Averaged among the ranks that hold the same buffers: all workers, or with tensor
+            // parallelism the D replicas of this rank's part (a group's other ranks hold other
+            // parts, whose buffers need not even have this part's sizes).
+            match &self.tensor_parallel {
+                Some(tp) => average_over(&tp.replicas.comm, &buffers, true, tp.replicas.size as usize)?,
+                None => average_over(&self.workers_comm, &buffers, true, self.workers)?,
+            }
             // A tensor-parallel group's ranks evaluate the same samples; the first counts them.
             let counted = self.tensor_parallel.as_ref().is_none_or(|tp| tp.rank == 0);
             evaluate(&self.net, &state.norm, &self.args.data, &self.info, &self.labels, &self.workers_comm, self.worker, self.workers, self.plan.batch, counted)?
