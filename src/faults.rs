@@ -3,6 +3,9 @@
 //! - `nan`: that rank's loss becomes NaN at that step (a diverging run),
 //! - `nangrad`: that rank's gradients become NaN at that step while its loss stays finite (the
 //!   gradient check during an overlapped backward),
+//! - `infgrad`: one element of that rank's gradients becomes +inf after the exchange at that
+//!   step of an fp16 run (its own slice overflowing, which the ranks that share its parameters
+//!   must skip with it),
 //! - `exit`: that rank exits abruptly at that step, without MPI_Finalize (a crash),
 //! - `stall`: that rank sleeps SECONDS before its exchange at that step (a hung node),
 //! - `stall-after`: that rank sleeps SECONDS after its exchange at that step (a node lost
@@ -27,6 +30,7 @@ pub fn injected() -> bool {
 pub enum Fault {
     Nan,
     NanGrad,
+    InfGrad,
     Setup,
     Exit,
     Stall(Duration),
@@ -45,7 +49,7 @@ impl Faults {
     }
 
     pub fn parse(spec: &str) -> Result<Faults> {
-        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, exit, stall, stall-after or setup)"));
+        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, stall, stall-after or setup)"));
         let mut out = Vec::new();
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (kind, at) = item.split_once('@').ok_or_else(|| bad(item))?;
@@ -55,6 +59,7 @@ impl Faults {
             let fault = match (kind, parts.get(2)) {
                 ("nan", None) => Fault::Nan,
                 ("nangrad", None) => Fault::NanGrad,
+                ("infgrad", None) => Fault::InfGrad,
                 ("setup", None) => Fault::Setup,
                 ("exit", None) => Fault::Exit,
                 ("stall", Some(secs)) => Fault::Stall(Duration::from_secs_f64(secs.parse().map_err(|_| bad(item))?)),
@@ -83,7 +88,7 @@ mod tests {
 
     #[test]
     fn parses_and_rejects() {
-        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0,stall-after@1:9:2").unwrap();
+        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0,stall-after@1:9:2,infgrad@3:5").unwrap();
         assert_eq!(f.at(0, 4), Some(&Fault::NanGrad));
         assert!(f.setup_fails(1) && !f.setup_fails(0));
         assert_eq!(f.at(1, 0), None);
@@ -92,6 +97,7 @@ mod tests {
         assert_eq!(f.at(2, 7), Some(&Fault::Exit));
         assert_eq!(f.at(2, 6), None);
         assert_eq!(f.at(1, 9), Some(&Fault::StallAfter(Duration::from_secs(2))));
+        assert_eq!(f.at(3, 5), Some(&Fault::InfGrad));
         for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "stall-after@1:1", "nan@1:2:3"] {
             assert!(Faults::parse(bad).is_err(), "{bad}");
         }

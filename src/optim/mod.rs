@@ -46,6 +46,21 @@ pub struct Optimizer {
     steps: u64,
     /// Time spent in `step` since the last `take_busy`.
     busy: Duration,
+    /// Tensor parallelism: which tensors are parts of layers cut over a group.
+    layer_parts: Option<LayerParts>,
+}
+
+/// Tensor parallelism's parameter tensors, for LARS: some are this rank's part of a layer whose
+/// other parts the group's other ranks hold (its ratio of norms must be the whole layer's), the
+/// others whole copies that every rank of the group holds alike (counted once).
+pub struct LayerParts {
+    /// Per parameter tensor: a part of a layer cut over the group.
+    pub cut: Vec<bool>,
+    /// This rank's copies of whole tensors count in the group's sums (its first rank); the
+    /// other ranks add zeros for them, so that the sum is the copy's own figure, exactly.
+    pub counts_whole: bool,
+    /// Sums per-layer figures over the group, in place (collective over the group).
+    pub sum_over_group: Box<dyn FnMut(&mut Tensor) -> Result<()> + Send>,
 }
 
 impl Optimizer {
@@ -53,7 +68,14 @@ impl Optimizer {
     pub fn new(config: OptimizerConfig, schedule: LrSchedule, exempt: Vec<bool>) -> Optimizer {
         let lr = schedule.lr_at(0);
         let slots = config.kind.slots().len();
-        Optimizer { config, schedule, lr, exempt, state: (0..slots).map(|_| Vec::new()).collect(), steps: 0, busy: Duration::ZERO }
+        Optimizer { config, schedule, lr, exempt, state: (0..slots).map(|_| Vec::new()).collect(), steps: 0, busy: Duration::ZERO, layer_parts: None }
+    }
+
+    /// Makes LARS's norms those of whole layers where this rank holds parts of them (tensor
+    /// parallelism; see [`LayerParts`]). Whole steps only: tensor parallelism refuses ZeRO and
+    /// parameter servers, which step pieces of their own.
+    pub fn set_layer_parts(&mut self, parts: LayerParts) {
+        self.layer_parts = Some(parts);
     }
 
     pub fn kind(&self) -> OptimizerKind {
@@ -117,7 +139,29 @@ impl Optimizer {
                     let (first, second) = self.state.split_at_mut(1);
                     adamw::update(&step, params, grads, &mut first[0], &mut second[0], which)
                 }
-                OptimizerKind::Lars => lars::update(&step, params, grads, &mut self.state[0], which, &self.exempt, pieces),
+                OptimizerKind::Lars => match (&mut self.layer_parts, pieces) {
+                    (Some(parts), Pieces::Whole) => {
+                        // Each rank's squared norms of its parts, summed over the group; the
+                        // rows of whole copies (lars.rs lists the adapted layers of `which`
+                        // in order) zeroed first on all but one rank.
+                        let exempt = &self.exempt;
+                        let adapted: Vec<usize> = which.iter().copied().filter(|&l| !exempt.get(l).copied().unwrap_or(false)).collect();
+                        let copies: Vec<i64> = adapted.iter().enumerate().filter(|&(_, &l)| !parts.cut[l]).map(|(row, _)| row as i64).collect();
+                        let counts_whole = parts.counts_whole;
+                        let sum_over_group = &mut parts.sum_over_group;
+                        let mut sum_over_ranks = |sums: &mut Tensor| -> Result<()> {
+                            if !counts_whole && !copies.is_empty() {
+                                let rows = Tensor::f_from_slice(&copies)?.f_to_device(sums.device())?;
+                                let _ = sums.f_index_fill_(0, &rows, 0.0)?;
+                            }
+                            sum_over_group(sums)
+                        };
+                        let layer_of: Vec<usize> = (0..params.len()).collect();
+                        let pieces = Pieces::Parts { layer_of: &layer_of, layers: which, sum_over_ranks: &mut sum_over_ranks };
+                        lars::update(&step, params, grads, &mut self.state[0], which, exempt, pieces)
+                    }
+                    (_, pieces) => lars::update(&step, params, grads, &mut self.state[0], which, &self.exempt, pieces),
+                },
             }
         })?;
         self.busy += started.elapsed();

@@ -1,5 +1,5 @@
 //! CUDA through libtorch and the CUDA driver: events and streams ([`CudaEvent`],
-//! [`CudaStream`], [`CurrentStream`]), the calling thread's current device, autocast and TF32,
+//! [`CudaStream`], [`CurrentStream`]), the calling thread's current device, TF32,
 //! loading libtorch_cuda at run time, and the GPUs' UUIDs from the driver. Also [`shim_error`],
 //! the message of a failed call into the shim (src/shim/grad_hooks.cpp), for every file here.
 //!
@@ -26,9 +26,6 @@ extern "C" {
     fn hpc_event_block_current(event: *mut c_void, device_index: i64, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_current_cuda_device(error: *mut c_char, error_length: usize) -> i64;
     fn hpc_set_allow_tf32(allow: bool);
-    fn hpc_set_cuda_autocast_dtype(which: c_int, error: *mut c_char, error_length: usize) -> c_int;
-    fn hpc_cuda_autocast_enter() -> bool;
-    fn hpc_cuda_autocast_exit(was_enabled: bool);
 }
 
 /// Loads libtorch_cuda (found beside the libtorch already loaded) so that CUDA is registered
@@ -310,35 +307,6 @@ impl Drop for CudaEvent {
 pub fn set_allow_tf32(allow: bool) {
     // SAFETY: sets two flags of libtorch's global context; no pointers involved.
     unsafe { hpc_set_allow_tf32(allow) }
-}
-
-/// Makes CUDA autocast cast to bfloat16 (`true`) or float16.
-pub fn set_cuda_autocast_bf16(bf16: bool) -> Result<()> {
-    let mut err = [0 as c_char; 256];
-    // SAFETY: plain values and a writable buffer.
-    let rc = unsafe { hpc_set_cuda_autocast_dtype(c_int::from(bf16), err.as_mut_ptr(), err.len()) };
-    if rc != 0 {
-        return Err(Error::usage(format!("setting the autocast type: {}", shim_error(&err))));
-    }
-    Ok(())
-}
-
-/// Runs `f` with CUDA autocast on (the type set by [`set_cuda_autocast_bf16`]), through
-/// libtorch's device-type API: tch's `autocast` calls the deprecated one, which warns on every
-/// call. Call it only where a precision asks for autocast.
-pub fn with_cuda_autocast<T>(f: impl FnOnce() -> T) -> T {
-    // SAFETY: flips libtorch's thread-local autocast state; no pointers involved.
-    let was = unsafe { hpc_cuda_autocast_enter() };
-    // Left on every path, a panic included, so that no later code runs under autocast.
-    struct Exit(bool);
-    impl Drop for Exit {
-        fn drop(&mut self) {
-            // SAFETY: as above; pairs with the enter call.
-            unsafe { hpc_cuda_autocast_exit(self.0) }
-        }
-    }
-    let _exit = Exit(was);
-    f()
 }
 
 #[cfg(test)]

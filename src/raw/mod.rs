@@ -18,7 +18,8 @@
 //! - [`window`]: MPI-3 shared-memory windows between the ranks of a node;
 //! - [`tensor`]: tensor memory as slices and MPI buffers, plain copies, and what the shim does
 //!   to tensors that tch does not (pinned memory, channels-last, fused SGD, ...);
-//! - [`cuda`]: events, streams, the current device, autocast and TF32, loading libtorch_cuda,
+//! - [`autocast`]: mixed-precision regions on the CPU or a CUDA device;
+//! - [`cuda`]: events, streams, the current device, TF32, loading libtorch_cuda,
 //!   the GPUs' UUIDs;
 //! - [`hooks`]: gradient-ready hooks on parameters, for overlap;
 //! - [`regions`]: tensor parallelism's two conjugate operators (an all-reduce in forward or in
@@ -31,6 +32,7 @@
 //! The rest of the crate names all of it as `crate::raw::X`, through the re-exports below; the
 //! files here import one another directly, never through this one.
 
+pub mod autocast;
 pub mod collective;
 pub mod cuda;
 pub mod hooks;
@@ -43,9 +45,10 @@ pub mod requests;
 pub mod tensor;
 pub mod window;
 
+pub use autocast::{with_autocast, HalfType};
 pub use collective::{all_reduce_in_place, all_reduce_in_place_device, reduce_in_place};
 pub use cuda::{
-    cuda_device_uuids, current_cuda_device, load_torch_cuda, set_allow_tf32, set_cuda_autocast_bf16, set_cuda_device, with_cuda_autocast, CudaEvent,
+    cuda_device_uuids, current_cuda_device, load_torch_cuda, set_allow_tf32, set_cuda_device, CudaEvent,
     CudaStream,
 };
 pub use hooks::{GradReady, GradReadyHooks};

@@ -53,6 +53,14 @@ static CALLBACK: Once = Once::new();
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RegionGroup(i64);
 
+impl RegionGroup {
+    /// The group's all-reduce (a sum, in place) called from Rust rather than from a layer's
+    /// operator: the same reducer (watched, counted), the same thread rule.
+    pub fn all_reduce(self, tensor: &mut Tensor) -> Result<()> {
+        reduce(self.0, tensor)
+    }
+}
+
 /// The registration of a group: removed from the registry (and its reducer dropped) on drop.
 pub struct RegisteredGroup(RegionGroup);
 

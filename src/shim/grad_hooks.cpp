@@ -203,10 +203,20 @@ void hpc_set_allow_tf32(bool allow) {
   at::globalContext().setAllowTF32CuDNN(allow);
 }
 
-// The type CUDA autocast casts to: 0 float16, 1 bfloat16.
-int hpc_set_cuda_autocast_dtype(int which, char *error, size_t error_length) {
+// Autocast on a device type (0 the CPU, 1 CUDA), casting to `which` (0 float16, 1 bfloat16),
+// through the device-type API: at::autocast::set_enabled, which tch calls, is deprecated and
+// warns on every call. Both the switch and the type are the calling thread's (libtorch keeps
+// them thread-local), so the region sets both and a thread of our own (--zero 3's compute
+// thread) gets the run's type, not libtorch's default (float16 on CUDA). Writes the previous
+// switch and type to `was` for the matching exit. Returns 0, or -1 with the reason in `error`.
+int hpc_autocast_enter(int device_type, int which, int *was, char *error, size_t error_length) {
   try {
-    at::autocast::set_autocast_dtype(at::kCUDA, which == 1 ? at::kBFloat16 : at::kHalf);
+    const at::DeviceType device = device_type == 1 ? at::kCUDA : at::kCPU;
+    was[0] = at::autocast::is_autocast_enabled(device) ? 1 : 0;
+    was[1] = static_cast<int>(at::autocast::get_autocast_dtype(device));
+    at::autocast::set_autocast_dtype(device, which == 1 ? at::kBFloat16 : at::kHalf);
+    at::autocast::set_autocast_enabled(device, true);
+    at::autocast::increment_nesting();
     return 0;
   } catch (const std::exception &e) {
     write_error(error, error_length, e.what());
@@ -214,22 +224,15 @@ int hpc_set_cuda_autocast_dtype(int which, char *error, size_t error_length) {
   }
 }
 
-// CUDA autocast on (entering a region) through the device-type API: at::autocast::set_enabled,
-// which tch calls, is deprecated and warns on every call. Returns whether it was on before.
-bool hpc_cuda_autocast_enter() {
-  bool was = at::autocast::is_autocast_enabled(at::kCUDA);
-  at::autocast::set_autocast_enabled(at::kCUDA, true);
-  at::autocast::increment_nesting();
-  return was;
-}
-
 // Leaving an autocast region: the cast cache is cleared when the outermost region ends, as
-// torch.autocast's __exit__ does, and the previous setting comes back.
-void hpc_cuda_autocast_exit(bool was_enabled) {
+// torch.autocast's __exit__ does, and the previous switch and type come back.
+void hpc_autocast_exit(int device_type, const int *was) {
+  const at::DeviceType device = device_type == 1 ? at::kCUDA : at::kCPU;
   if (at::autocast::decrement_nesting() == 0) {
     at::autocast::clear_cache();
   }
-  at::autocast::set_autocast_enabled(at::kCUDA, was_enabled);
+  at::autocast::set_autocast_enabled(device, was[0] != 0);
+  at::autocast::set_autocast_dtype(device, static_cast<at::ScalarType>(was[1]));
 }
 
 // A pinned copy of a host tensor: Tensor.pin_memory() without the device argument, which is

@@ -23,6 +23,8 @@ use crate::error::{Error, Result};
 use crate::plan::fsdp::{self, Unit, UnitSize};
 use crate::plan::shard::ShardInfo;
 
+use super::options::Precision;
+
 /// One unit's work.
 pub(super) enum Job {
     /// The unit's forward without a graph (`train`: batch statistics, running statistics
@@ -52,9 +54,10 @@ pub(super) struct UnitWorker {
 }
 
 impl UnitWorker {
-    /// Takes the units' modules (in unit order) and their batch-norm buffers. `autocast`: bf16
-    /// steps run under CUDA autocast, which is a per-thread setting.
-    pub(super) fn spawn(modules: Vec<nn::FuncT<'static>>, buffers: Vec<Vec<Tensor>>, device: Device, autocast: bool) -> Result<UnitWorker> {
+    /// Takes the units' modules (in unit order) and their batch-norm buffers. The training jobs
+    /// run under the precision's autocast, which is a per-thread setting: set here, on the
+    /// thread that computes them; evaluation's forwards run in fp32, as every layout's do.
+    pub(super) fn spawn(modules: Vec<nn::FuncT<'static>>, buffers: Vec<Vec<Tensor>>, device: Device, precision: Precision) -> Result<UnitWorker> {
         let (jobs, inbox) = channel::<Job>();
         let (outbox, done) = channel();
         let threads = tch::get_num_threads();
@@ -70,7 +73,10 @@ impl UnitWorker {
                 }
                 for job in inbox {
                     let started = Instant::now();
-                    let result = if autocast { crate::raw::with_cuda_autocast(|| run(&modules, &buffers, job)) } else { run(&modules, &buffers, job) };
+                    let result = match job {
+                        Job::Forward { train: false, .. } => run(&modules, &buffers, job),
+                        _ => precision.training_forward(device, || run(&modules, &buffers, job)),
+                    };
                     if outbox.send(result.map(|(output, loss)| Done { output, loss, took: started.elapsed() })).is_err() {
                         return;
                     }

@@ -104,8 +104,8 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
     pub cuda_aware: CudaAware,
 
-    /// Arithmetic: fp32, tf32 (TF32 matrix units), bf16 or fp16 (autocast; fp16 with a dynamic
-    /// loss scaler). Other than fp32 needs CUDA.
+    /// Arithmetic: fp32, tf32 (TF32 matrix units, CUDA only), bf16 or fp16 (training forwards
+    /// under autocast, on CUDA or the CPU; fp16 with a dynamic loss scaler). Evaluation is fp32.
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub precision: Precision,
 
@@ -269,6 +269,21 @@ pub enum Precision {
     Tf32,
     Bf16,
     Fp16,
+}
+
+impl Precision {
+    /// Runs a training forward (and its loss) as the precision says: under autocast to bf16 or
+    /// fp16 on `device`'s type, or as it is (fp32 and tf32 make no autocast call at all). Every
+    /// layout's training forwards go through here (the plain step, the pipeline's forwards and
+    /// recomputed forwards, --zero 3's units, tensor-parallel parts), so that none computes in
+    /// another precision than its record says; evaluation does not (it is fp32 everywhere).
+    pub(crate) fn training_forward<T>(self, device: tch::Device, forward: impl FnOnce() -> Result<T>) -> Result<T> {
+        match self {
+            Precision::Bf16 => crate::raw::with_autocast(device, crate::raw::HalfType::Bf16, forward),
+            Precision::Fp16 => crate::raw::with_autocast(device, crate::raw::HalfType::Fp16, forward),
+            Precision::Fp32 | Precision::Tf32 => forward(),
+        }
+    }
 }
 
 /// `--tp-allreduce`: hpc-train's own all-reduces, as `--strategy` names them.

@@ -30,6 +30,7 @@ use crate::topology::World;
 use super::checkpoints::named_state;
 use super::collective::gather_strings;
 use super::net::Net;
+use super::options::Precision;
 use super::stages::{Cut, PipelinePlan};
 
 /// How many steps the timeline keeps (from the first measured step): enough to see the
@@ -164,7 +165,18 @@ impl Pipeline {
     /// Runs one step's schedule over `n` samples (split into the micro-batches); returns the
     /// summed loss of the samples (on the last stage; 0 elsewhere).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn run_schedule(&mut self, chunks: &[(usize, nn::FuncT<'static>)], n: usize, images: Option<&Tensor>, labels: Option<&Tensor>, factor: f64, smoothing: f64, step: u64, measured: bool) -> Result<f64> {
+    pub(super) fn run_schedule(
+        &mut self,
+        chunks: &[(usize, nn::FuncT<'static>)],
+        n: usize,
+        images: Option<&Tensor>,
+        labels: Option<&Tensor>,
+        factor: f64,
+        smoothing: f64,
+        precision: Precision,
+        step: u64,
+        measured: bool,
+    ) -> Result<f64> {
         let shape = *self.shape();
         let micro = ShardInfo::all(n, shape.micro_batches);
         let last = shape.chunks() - 1;
@@ -213,14 +225,17 @@ impl Pipeline {
                         x
                     };
                     let (began, t) = (Instant::now(), self.now_us());
-                    let out = if self.recompute { tch::no_grad(|| module(c).forward_t(&x, true)) } else { module(c).forward_t(&x, true) };
-                    let out = if c == last {
+                    // The chunk's forward and (on the last) the loss under the precision's
+                    // autocast, as a plain step computes them.
+                    let out = precision.training_forward(self.device, || {
+                        let out = if self.recompute { tch::no_grad(|| module(c).forward_t(&x, true)) } else { module(c).forward_t(&x, true) };
+                        if c != last {
+                            return Ok(out);
+                        }
                         let loss = loss_of(&out, m)?;
                         losses.push(loss.f_detach()?);
-                        loss.f_mul_scalar(factor)?
-                    } else {
-                        out
-                    };
+                        Ok(loss.f_mul_scalar(factor)?)
+                    })?;
                     synchronize_device(self.device);
                     compute += began.elapsed();
                     self.event(step, format!("forward {m} (chunk {c})"), "forward", t);
@@ -241,7 +256,10 @@ impl Pipeline {
                     if self.recompute {
                         held_bytes -= bytes(&out);
                     }
-                    let payload = out.f_detach()?.f_to_device(on)?.f_contiguous()?;
+                    // In f32 whatever autocast made the output (the receiver's buffer is f32):
+                    // a 16-bit output goes over and back exactly, and the next chunk's first
+                    // autocast op casts it down again as one process would not need to.
+                    let payload = out.f_detach()?.f_to_kind(Kind::Float)?.f_to_device(on)?.f_contiguous()?;
                     synchronize_device(self.device);
                     let payload = if raw_shares_storage(&payload, &out) { payload.copy() } else { payload };
                     // SAFETY: `payload` is a fresh copy (cloned when detach and contiguous kept
@@ -264,8 +282,10 @@ impl Pipeline {
                     let (began, t) = (Instant::now(), self.now_us());
                     let x = inputs.get(&(m, c)).expect("backward after forward");
                     let out = if self.recompute {
-                        let out = module(c).forward_t(x, true);
-                        if c == last { loss_of(&out, m)?.f_mul_scalar(factor)? } else { out }
+                        precision.training_forward(self.device, || {
+                            let out = module(c).forward_t(x, true);
+                            Ok(if c == last { loss_of(&out, m)?.f_mul_scalar(factor)? } else { out })
+                        })?
                     } else {
                         outputs.remove(&(m, c)).expect("backward after forward")
                     };

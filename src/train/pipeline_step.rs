@@ -38,7 +38,7 @@ impl Run<'_> {
         let labels = if pipeline.last_stage() && n > 0 { Some(state.norm.labels(&batch.labels)?) } else { None };
         let factor = self.workers as f64 / batch.global_samples.max(1) as f64;
         let measured = step >= state.warmup;
-        let loss_sum = pipeline.run_schedule(&self.net.chunks, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, step, measured)?;
+        let loss_sum = pipeline.run_schedule(&self.net.chunks, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, self.args.precision, step, measured)?;
         let last_stage = pipeline.last_stage();
         if !loss_sum.is_finite() {
             return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });

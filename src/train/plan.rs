@@ -98,11 +98,10 @@ impl Plan {
         }
         check_outputs_are_not_inputs(args)?;
         let device = device?;
-        if device == Device::Cpu && args.precision != Precision::Fp32 {
-            return Err(Error::usage(format!(
-                "--precision {}: mixed precision and TF32 run on CUDA devices; this rank trains on the CPU (use fp32)",
-                format!("{:?}", args.precision).to_lowercase()
-            )));
+        // bf16 and fp16 autocast on the CPU as on CUDA; TF32 is a mode of NVIDIA's matrix units,
+        // which a CPU rank would silently compute without (in fp32) while its record said tf32.
+        if device == Device::Cpu && args.precision == Precision::Tf32 {
+            return Err(Error::usage("--precision tf32: TF32 is a mode of NVIDIA GPUs' matrix units; this rank trains on the CPU, where it would compute in fp32 (use fp32, or bf16 / fp16 autocast)"));
         }
         exchange::check_zero(args.strategy, args.zero, world.size as usize)?;
         check_fully_sharded_options(args)?;

@@ -41,9 +41,6 @@ impl<'a> Run<'a> {
             tch::Cuda::cudnn_set_benchmark(true);
             // PyTorch lets cuDNN use TF32 by default: fp32 means fp32.
             raw::set_allow_tf32(args.precision == Precision::Tf32);
-            if matches!(args.precision, Precision::Bf16 | Precision::Fp16) {
-                world.agree(raw::set_cuda_autocast_bf16(args.precision == Precision::Bf16))?;
-            }
         }
         world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
         // Each node's ranks write their traces into their own node's folder.
@@ -159,6 +156,10 @@ impl<'a> Run<'a> {
         world.agree(exchange.prepare(&net.params))?;
         exchange.name_tensors(&net.param_names);
         let mut optimizer = Optimizer::new(optimizer_config, schedule, optim::exempt_from_lars(&net.params));
+        if let Some(tp) = &tensor_parallel {
+            // LARS's trust ratio over whole layers, not over this rank's parts of them.
+            optimizer.set_layer_parts(tp.layer_parts(&net.param_names));
+        }
         if resume_from.is_some() || first_step > 0 {
             match (&pipeline, cut_state) {
                 (Some(p), _) => restore_pipeline(world, p, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?,
@@ -334,8 +335,7 @@ fn shard_units(
         buffers[unit_of_block(block_of(name))].push(t.shallow_clone());
     }
     let modules = std::mem::take(&mut net.chunks).into_iter().map(|(_, m)| m).collect();
-    let autocast = args.precision == Precision::Bf16;
-    Ok(FullySharded { units, size: args.fsdp_unit, prefetch, worker: UnitWorker::spawn(modules, buffers, device, autocast)? })
+    Ok(FullySharded { units, size: args.fsdp_unit, prefetch, worker: UnitWorker::spawn(modules, buffers, device, args.precision)? })
 }
 
 /// What `--overlap` comes to on this rank: auto is on where backward leaves cores free (or on

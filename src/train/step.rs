@@ -5,7 +5,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
 use tch::nn::ModuleT;
 use tch::{Kind, Reduction, Tensor};
 
@@ -17,6 +19,7 @@ use crate::exchange::{self, ReduceOp};
 use crate::faults::Fault;
 use crate::optim::{self};
 use crate::plan::shard::ShardInfo;
+use crate::topology::World;
 
 use super::checkpoints::{checkpoint_meta, save_checkpoint};
 use super::pipeline::save_pipeline_checkpoint;
@@ -143,7 +146,13 @@ impl Run<'_> {
         let Exchanged { compute, comm, exchange_total, exchange_exposed, loss_sum } =
             self.backward_and_exchange(losses, &mut grads, compute_start, step, batch.epoch, optimize_in_exchange)?;
         if let Some(scaler) = &mut state.scaler {
-            if scaler.unscale_or_skip(&mut grads)? {
+            if fault == Some(Fault::InfGrad) {
+                inject_inf(&grads)?;
+            }
+            // A tensor-parallel group's ranks hold different slices of its parameters, each of
+            // which may overflow alone: they skip or step together.
+            let sharing = self.tensor_parallel.as_ref().map(|tp| &tp.group);
+            if scaler.unscale_or_skip(&mut grads, sharing)? {
                 self.optimizer.step(&mut self.net.params, &mut grads)?;
             } else if self.world.is_root() {
                 state.progress.suspend(|| log::info!("fp16: gradients overflowed at step {step}; step skipped, loss scale now {}", scaler.scale));
@@ -174,21 +183,15 @@ impl Run<'_> {
         Ok((batch, data_wait))
     }
 
-    /// The summed loss of the rank's samples (with --label-smoothing), in f32 (autocast for bf16
-    /// and fp16).
+    /// The summed loss of the rank's samples (with --label-smoothing), in f32 (the forward under
+    /// autocast for bf16 and fp16).
     fn forward(&self, norm: &Normalizer, batch: &Batch) -> Result<Tensor> {
         let x = norm.images(&batch.images, batch.labels.len())?;
         let y = norm.labels(&batch.labels)?;
-        let loss = || -> Result<Tensor> {
+        self.args.precision.training_forward(self.plan.device, || {
             let logits = self.net.model().forward_t(&x, true);
             Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, self.args.recipe.label_smoothing)?.f_to_kind(Kind::Float)?)
-        };
-        // Autocast only where the precision asks for it (bf16 and fp16 run on CUDA only: see
-        // Plan::resolve); fp32 and tf32 steps make no autocast call at all.
-        match self.args.precision {
-            Precision::Bf16 | Precision::Fp16 => crate::raw::with_cuda_autocast(loss),
-            Precision::Fp32 | Precision::Tf32 => loss(),
-        }
+        })
     }
 
     /// Backward overlapped with the exchange and the optimizer bucket by bucket, or backward
@@ -260,7 +263,13 @@ impl Run<'_> {
             average_over(&self.workers_comm, &buffers, true, self.workers)?;
             self.fsdp_evaluate(&state.norm)?
         } else {
-            average_over(&self.workers_comm, &buffers, true, self.workers)?;
+            // Averaged among the ranks that hold the same buffers: all workers, or with tensor
+            // parallelism the D replicas of this rank's part (a group's other ranks hold other
+            // parts, whose buffers need not even have this part's sizes).
+            match &self.tensor_parallel {
+                Some(tp) => average_over(&tp.replicas.comm, &buffers, true, tp.replicas.size as usize)?,
+                None => average_over(&self.workers_comm, &buffers, true, self.workers)?,
+            }
             // A tensor-parallel group's ranks evaluate the same samples; the first counts them.
             let counted = self.tensor_parallel.as_ref().is_none_or(|tp| tp.rank == 0);
             evaluate(&self.net, &state.norm, &self.args.data, &self.info, &self.labels, &self.workers_comm, self.worker, self.workers, self.plan.batch, counted)?
@@ -313,10 +322,12 @@ impl Run<'_> {
 }
 
 /// Dynamic loss scaling for fp16, as torch.cuda.amp.GradScaler: the loss is multiplied by
-/// `scale` so that small gradients survive fp16; after the exchange the averaged gradients
-/// (identical on every rank, so every rank decides alike) are checked: finite, they are
-/// unscaled for the optimizer, and the scale doubles after `growth_interval` good steps;
-/// not finite, the step is skipped and the scale halves.
+/// `scale` so that small gradients survive fp16; after the exchange the averaged gradients are
+/// checked: finite, they are unscaled for the optimizer, and the scale doubles after
+/// `growth_interval` good steps; not finite, the step is skipped and the scale halves. Every
+/// rank must decide alike: the exchange gives the replicas of a part the same gradients, and
+/// the ranks that hold other parts of the same parameters (a tensor-parallel group) agree on
+/// one verdict, as Megatron's found-inf all-reduce over its model-parallel group does.
 pub(super) struct LossScaler {
     pub(super) scale: f64,
     pub(super) good_steps: u32,
@@ -331,9 +342,21 @@ impl Default for LossScaler {
 }
 
 impl LossScaler {
-    /// Unscales `grads` and returns true, or returns false (skip this step) on an overflow.
-    pub(super) fn unscale_or_skip(&mut self, grads: &mut [Tensor]) -> Result<bool> {
-        if !optim::unscale_if_finite(grads, 1.0 / self.scale)? {
+    /// Unscales `grads` and returns true, or returns false (skip this step) on an overflow here
+    /// or, given `sharing`, on any of its ranks (collective over it).
+    pub(super) fn unscale_or_skip(&mut self, grads: &mut [Tensor], sharing: Option<&World>) -> Result<bool> {
+        let finite = match sharing {
+            None => optim::unscale_if_finite(grads, 1.0 / self.scale)?,
+            Some(group) => {
+                let here = i32::from(optim::grads_finite(grads)?);
+                let mut everywhere = 0;
+                let comm = &group.comm;
+                crate::watchdog::collective("the loss scaler's overflow agreement", comm, || comm.all_reduce_into(&here, &mut everywhere, SystemOperation::min()));
+                // Finite everywhere, so finite here: the unscaling always applies.
+                everywhere == 1 && optim::unscale_if_finite(grads, 1.0 / self.scale)?
+            }
+        };
+        if !finite {
             self.scale = (self.scale / 2.0).max(1.0);
             self.good_steps = 0;
             self.skipped += 1;
@@ -346,6 +369,14 @@ impl LossScaler {
         }
         Ok(true)
     }
+}
+
+/// Test hook (`infgrad` fault): one element of the first gradient that has any becomes +inf.
+fn inject_inf(grads: &[Tensor]) -> Result<()> {
+    if let Some(g) = grads.iter().find(|g| g.defined() && g.numel() > 0) {
+        tch::no_grad(|| g.f_view([-1])?.f_get(0)?.f_fill_(f64::INFINITY).map(drop))?;
+    }
+    Ok(())
 }
 
 /// Test loss and accuracy over all workers' shards of the test set.

@@ -26,6 +26,7 @@ use crate::error::{Error, Result};
 use crate::exchange::{self, Exchange, ExchangeConfig, ReduceOp, WholeState};
 use crate::model::{self, InputSpec};
 use crate::model::vit::TensorSplit;
+use crate::optim::LayerParts;
 use crate::plan::tensor::{held, vit_split, Layout, Split};
 use crate::raw::{self, RegionAllReduce, RegisteredGroup};
 use crate::topology::World;
@@ -133,6 +134,19 @@ impl TensorParallel {
             last_step: RegionCounts::default(),
             registered,
         })
+    }
+
+    /// LARS's view of this rank's parameters (named `names`, in the optimizer's order): which
+    /// are its parts of layers cut over the group, and the group's sum of per-layer figures:
+    /// the group's own all-reduce (under the watchdog, and counted with the layers' ones),
+    /// which gives every rank the same sums, so that the group's whole copies step alike.
+    pub(super) fn layer_parts(&self, names: &[String]) -> LayerParts {
+        let group = self.registered.group();
+        LayerParts {
+            cut: names.iter().map(|n| vit_split(n) != Split::Whole).collect(),
+            counts_whole: self.rank == 0,
+            sum_over_group: Box::new(move |sums: &mut Tensor| group.all_reduce(sums)),
+        }
     }
 
     pub(super) fn split(&self) -> TensorSplit {
