@@ -155,9 +155,9 @@ fn zero_with_another_strategy_is_refused() {
     let data = dataset(&dir);
     let d = data.to_str().unwrap();
     for (strategy, reason) in [
-        ("allreduce", "--zero 1 with --strategy allreduce"),
-        ("ps", "--zero 1 with --strategy ps"),
-        ("horovod", "--zero 1 with --strategy horovod"),
+        ("allreduce", "--strategy allreduce with --zero 1"),
+        ("ps", "--strategy ps with --zero 1"),
+        ("horovod", "--strategy horovod with --zero 1"),
         ("rhd", "--zero 1 with --strategy rhd on 3 ranks"),
     ] {
         let mut a = args(d, "2", &["--strategy", strategy, "--zero", "1"]);
