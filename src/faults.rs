@@ -11,9 +11,15 @@
 //! - `stall-after`: that rank sleeps SECONDS after its exchange at that step (a node lost
 //!   between two exchanges: the others wait for it in the small collectives that follow),
 //! - `setup`: that rank's set-up fails after the exchange strategy is built (STEP is ignored;
-//!   an error every rank agrees on while communication threads run).
+//!   an error every rank agrees on while communication threads run),
+//! - `error`: that rank's forward fails at that step, as an out-of-memory would: in a pipeline,
+//!   at the last forward of the stage's schedule, with messages to and from its neighbours in
+//!   flight (an error only this rank sees, in the middle of the step).
 //!
-//! Nothing happens when the variable is unset; a malformed value is an error.
+//! Every step kind (plain, pipelined, `--zero 3`) honours every kind at the same points, through
+//! `train::step::StepFaults`. Nothing happens when the variable is unset; a malformed value, a
+//! rank the job does not have, or SECONDS that are not a finite number from 0 to
+//! [`MAX_STALL_S`] are refused at set-up.
 
 use std::time::Duration;
 
@@ -26,6 +32,10 @@ pub fn injected() -> bool {
     std::env::var_os(FAULT_ENV).is_some_and(|v| !v.to_string_lossy().trim().is_empty())
 }
 
+/// The longest stall a fault may ask for (a day): longer than any test needs, and far inside
+/// what `Duration::from_secs_f64` accepts (it panics on a negative, infinite or NaN value).
+pub const MAX_STALL_S: f64 = 86_400.0;
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Fault {
     Nan,
@@ -33,6 +43,7 @@ pub enum Fault {
     InfGrad,
     Setup,
     Exit,
+    Error,
     Stall(Duration),
     StallAfter(Duration),
 }
@@ -41,31 +52,45 @@ pub enum Fault {
 pub struct Faults(Vec<(Fault, i32, u64)>);
 
 impl Faults {
-    pub fn from_env() -> Result<Faults> {
+    /// The faults `HPC_TRAIN_FAULT` asks for in a job of `ranks` ranks.
+    pub fn from_env(ranks: i32) -> Result<Faults> {
         match std::env::var(FAULT_ENV) {
-            Ok(spec) if !spec.trim().is_empty() => Faults::parse(&spec),
+            Ok(spec) if !spec.trim().is_empty() => Faults::parse(&spec, ranks),
             _ => Ok(Faults::default()),
         }
     }
 
-    pub fn parse(spec: &str) -> Result<Faults> {
-        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, stall, stall-after or setup)"));
+    /// Parses `spec` for a job of `ranks` ranks: a fault on a rank the job lacks would silently
+    /// never happen, and a test relying on it would pass for the wrong reason.
+    pub fn parse(spec: &str, ranks: i32) -> Result<Faults> {
+        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, error, stall, stall-after or setup)"));
+        let pause = |item: &str, secs: &str| -> Result<Duration> {
+            let secs: f64 = secs.parse().map_err(|_| bad(item))?;
+            if !(0.0..=MAX_STALL_S).contains(&secs) {
+                return Err(Error::usage(format!("{FAULT_ENV}: {item:?}: SECONDS must be a number from 0 to {MAX_STALL_S}")));
+            }
+            Ok(Duration::from_secs_f64(secs))
+        };
         let mut out = Vec::new();
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (kind, at) = item.split_once('@').ok_or_else(|| bad(item))?;
             let parts: Vec<&str> = at.split(':').collect();
             let rank: i32 = parts.first().and_then(|r| r.parse().ok()).ok_or_else(|| bad(item))?;
             let step: u64 = parts.get(1).and_then(|s| s.parse().ok()).ok_or_else(|| bad(item))?;
-            let fault = match (kind, parts.get(2)) {
-                ("nan", None) => Fault::Nan,
-                ("nangrad", None) => Fault::NanGrad,
-                ("infgrad", None) => Fault::InfGrad,
-                ("setup", None) => Fault::Setup,
-                ("exit", None) => Fault::Exit,
-                ("stall", Some(secs)) => Fault::Stall(Duration::from_secs_f64(secs.parse().map_err(|_| bad(item))?)),
-                ("stall-after", Some(secs)) => Fault::StallAfter(Duration::from_secs_f64(secs.parse().map_err(|_| bad(item))?)),
+            let fault = match (kind, parts.get(2), parts.len()) {
+                ("nan", None, _) => Fault::Nan,
+                ("nangrad", None, _) => Fault::NanGrad,
+                ("infgrad", None, _) => Fault::InfGrad,
+                ("setup", None, _) => Fault::Setup,
+                ("exit", None, _) => Fault::Exit,
+                ("error", None, _) => Fault::Error,
+                ("stall", Some(secs), 3) => Fault::Stall(pause(item, secs)?),
+                ("stall-after", Some(secs), 3) => Fault::StallAfter(pause(item, secs)?),
                 _ => return Err(bad(item)),
             };
+            if !(0..ranks).contains(&rank) {
+                return Err(Error::usage(format!("{FAULT_ENV}: {item:?} names rank {rank}, but the job has ranks 0 to {}", ranks - 1)));
+            }
             out.push((fault, rank, step));
         }
         Ok(Faults(out))
@@ -88,7 +113,7 @@ mod tests {
 
     #[test]
     fn parses_and_rejects() {
-        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0,stall-after@1:9:2,infgrad@3:5").unwrap();
+        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0,stall-after@1:9:2,error@2:1,infgrad@2:5", 3).unwrap();
         assert_eq!(f.at(0, 4), Some(&Fault::NanGrad));
         assert!(f.setup_fails(1) && !f.setup_fails(0));
         assert_eq!(f.at(1, 0), None);
@@ -97,9 +122,25 @@ mod tests {
         assert_eq!(f.at(2, 7), Some(&Fault::Exit));
         assert_eq!(f.at(2, 6), None);
         assert_eq!(f.at(1, 9), Some(&Fault::StallAfter(Duration::from_secs(2))));
-        assert_eq!(f.at(3, 5), Some(&Fault::InfGrad));
-        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "stall-after@1:1", "nan@1:2:3"] {
-            assert!(Faults::parse(bad).is_err(), "{bad}");
+        assert_eq!(f.at(2, 1), Some(&Fault::Error));
+        assert_eq!(f.at(2, 5), Some(&Fault::InfGrad));
+        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "stall-after@1:1", "nan@1:2:3", "stall@1:1:2:3", "error@1:1:2"] {
+            assert!(Faults::parse(bad, 3).is_err(), "{bad}");
         }
+    }
+
+    /// A fault on a rank the job lacks never happens: refused, not ignored. Seconds that
+    /// `Duration::from_secs_f64` would panic on (negative, NaN, infinite, huge) are refused.
+    #[test]
+    fn refuses_missing_ranks_and_impossible_pauses() {
+        let message = |spec: &str| Faults::parse(spec, 2).unwrap_err().to_string();
+        assert!(message("nan@7:1").contains("names rank 7, but the job has ranks 0 to 1"), "{}", message("nan@7:1"));
+        assert!(message("exit@-1:1").contains("names rank -1"));
+        for secs in ["-1", "nan", "NaN", "inf", "1e30", "86401"] {
+            let m = message(&format!("stall@0:2:{secs}"));
+            assert!(m.contains("SECONDS must be a number from 0 to 86400"), "{secs}: {m}");
+            assert!(Faults::parse(&format!("stall-after@0:2:{secs}"), 2).is_err(), "{secs}");
+        }
+        assert!(Faults::parse("stall@1:2:0,stall@0:1:86400", 2).is_ok());
     }
 }

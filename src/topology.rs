@@ -112,6 +112,15 @@ impl World {
 
 }
 
+/// The MPI_COMM_WORLD rank of each rank of `comm` (a local group translation, no
+/// communication): how logs name a peer, since a rank in a stage's or a tensor-parallel group's
+/// communicator says nothing about which process it is. -1 for a rank outside the world (a
+/// spawned process; hpc-train spawns none).
+pub fn world_ranks_of(comm: &impl Communicator) -> Vec<i32> {
+    let ranks: Vec<i32> = (0..comm.size()).collect();
+    comm.group().translate_ranks(&ranks, &SimpleCommunicator::world().group()).into_iter().map(|r| r.unwrap_or(-1)).collect()
+}
+
 fn fake_ranks_per_node() -> Result<Option<i32>> {
     match std::env::var(FAKE_RANKS_PER_NODE_ENV) {
         Err(_) => Ok(None),

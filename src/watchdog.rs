@@ -17,7 +17,18 @@
 //! checkpoint write in the stop agreement, so `--exchange-timeout-s` must exceed the longest
 //! write. Dedicated parameter servers, which wait for workers by design, have their own
 //! `--ps-timeout-s`.
+//!
+//! Waits that are not an exchange strategy's are watched the same way through [`waiting`]: a
+//! pipeline stage's messages to and from its neighbours (each named by stage, micro-batch and
+//! world rank), the pipelined evaluation, the gathers of a pipelined checkpoint. Peers are
+//! named by their rank in MPI_COMM_WORLD ([`crate::topology::world_ranks_of`]): a rank in a
+//! stage's or a tensor-parallel group's communicator says nothing about which process hangs.
+//!
+//! Each rank also keeps its last few communication events (what began or ended, with whom, at
+//! which step, how long ago), as PyTorch's NCCL flight recorder does, and prints them when its
+//! watchdog fires: one log then shows which rank stopped at which step.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -25,7 +36,8 @@ use std::time::{Duration, Instant};
 /// What the running exchange is.
 #[derive(Clone, Debug)]
 struct Activity {
-    strategy: &'static str,
+    /// The exchange strategy, the collective, or who waits ("pipeline stage 1").
+    strategy: String,
     bucket: Option<usize>,
     /// Who this rank waits for, in words ("rank 3 (left)", "all 8 ranks").
     peers: String,
@@ -41,6 +53,41 @@ struct State {
     /// (`raw::completed_requests`), which counts without knowing of the watchdog.
     progress: AtomicU64,
     current: Mutex<Option<Activity>>,
+    /// The last [`RECENT_EVENTS`] communication events, oldest first.
+    recent: Mutex<VecDeque<Event>>,
+}
+
+/// A communication that began or ended, for the flight recorder.
+struct Event {
+    at: Instant,
+    step: u64,
+    began: bool,
+    what: String,
+    peers: String,
+}
+
+/// How many events the flight recorder keeps: enough to see the last step's pattern.
+const RECENT_EVENTS: usize = 8;
+
+impl State {
+    fn record(&self, began: bool, activity: &Activity) {
+        let event = Event { at: Instant::now(), step: self.step.load(Ordering::Relaxed), began, what: activity.strategy.clone(), peers: activity.peers.clone() };
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        if recent.len() == RECENT_EVENTS {
+            recent.pop_front();
+        }
+        recent.push_back(event);
+    }
+
+    /// The recorded events, oldest first, as one line.
+    fn recent_events(&self) -> String {
+        let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        let events: Vec<String> = recent
+            .iter()
+            .map(|e| format!("[step {}, {:.1} s ago: {} {} with {}]", e.step, e.at.elapsed().as_secs_f64(), if e.began { "began" } else { "ended" }, e.what, e.peers))
+            .collect();
+        if events.is_empty() { "none".into() } else { events.join(" ") }
+    }
 }
 
 static STATE: OnceLock<State> = OnceLock::new();
@@ -54,7 +101,14 @@ pub fn start(rank: i32, timeout: Duration) {
     if timeout.is_zero() || STATE.get().is_some() {
         return;
     }
-    let state = State { timeout, rank, step: AtomicU64::new(0), progress: AtomicU64::new(0), current: Mutex::new(None) };
+    let state = State {
+        timeout,
+        rank,
+        step: AtomicU64::new(0),
+        progress: AtomicU64::new(0),
+        current: Mutex::new(None),
+        recent: Mutex::new(VecDeque::with_capacity(RECENT_EVENTS)),
+    };
     if STATE.set(state).is_err() {
         return;
     }
@@ -80,8 +134,16 @@ pub fn progress() {
 
 /// Marks an exchange as running until the guard is dropped.
 pub fn exchange(strategy: &'static str, peers: impl FnOnce() -> String) -> ExchangeGuard {
+    waiting(|| strategy.to_string(), peers)
+}
+
+/// Marks a wait for peers that is not an exchange (a pipeline stage's message, a checkpoint's
+/// gather) as running until the guard is dropped: `who` says who waits ("pipeline stage 1"),
+/// `peers` what for, naming peers by world rank. Neither is computed without a watchdog.
+pub fn waiting(who: impl FnOnce() -> String, peers: impl FnOnce() -> String) -> ExchangeGuard {
     if let Some(s) = STATE.get() {
-        let activity = Activity { strategy, bucket: None, peers: peers(), entered: Instant::now() };
+        let activity = Activity { strategy: who(), bucket: None, peers: peers(), entered: Instant::now() };
+        s.record(true, &activity);
         *s.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(activity);
         s.progress.fetch_add(1, Ordering::Relaxed);
     }
@@ -110,7 +172,10 @@ pub struct ExchangeGuard(());
 impl Drop for ExchangeGuard {
     fn drop(&mut self) {
         if let Some(s) = STATE.get() {
-            *s.current.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            let ended = s.current.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(activity) = ended {
+                s.record(false, &activity);
+            }
             s.progress.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -141,13 +206,15 @@ fn watch() {
         }
         let bucket = activity.bucket.map_or(String::new(), |b| format!(" (bucket {b})"));
         let line = format!(
-            "error: rank {}: exchange watchdog: {} at step {}{bucket} has made no progress for {:.0} s (in it for {:.0} s), waiting for {}; aborting the job (--exchange-timeout-s)\n",
+            "error: rank {}: exchange watchdog: {} at step {}{bucket} has made no progress for {:.0} s (in it for {:.0} s), waiting for {}; aborting the job (--exchange-timeout-s)\nrank {}: its last communication events, oldest first: {}\n",
             s.rank,
             activity.strategy,
             s.step.load(Ordering::Relaxed),
             quiet_since.elapsed().as_secs_f64(),
             activity.entered.elapsed().as_secs_f64(),
-            activity.peers
+            activity.peers,
+            s.rank,
+            s.recent_events()
         );
         // MPI_Abort asks the launcher to end every rank; across a cut link it may wait for a
         // daemon it cannot reach. This rank ends either way: the timer starts first, because

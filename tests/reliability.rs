@@ -610,3 +610,129 @@ fn a_diverged_step_writes_no_checkpoint() {
     assert!(run.all_output().contains("non-finite gradient at step 3"), "{}", run.all_output());
     assert_eq!(checkpoint_steps(&ckpt), vec![2], "{}", run.all_output());
 }
+
+/// A pipelined run under `HPC_TRAIN_FAULT`: the options of a cheap two-stage pipeline
+/// (P = 2, `ranks` / 2 replicas) with a short watchdog, over `steps` steps.
+fn pipelined<'a>(d: &'a str, r: &'a str, steps: &'a str, extra: &'a [&'a str]) -> Vec<&'a str> {
+    let mut args = base(d, r, &["--pipeline-stages", "2", "--micro-batches", "2", "--strategy", "ring", "--exchange-timeout-s", "5"]);
+    args.extend(["--steps", steps]);
+    args.extend(extra);
+    args
+}
+
+/// A stalled pipeline stage hung the job for ever with one pipeline (its waits were outside
+/// the watchdog) and was blamed on the wrong rank with two. Now the stage waiting for it ends
+/// the job within the timeout, naming itself, the message, and its peer by world rank.
+#[test]
+fn a_stalled_pipeline_stage_ends_the_job_naming_stage_and_world_rank() {
+    let dir = scratch("pipeline-stall");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    // Rank 1 holds stage 1 of the first pipeline with D = 1 and with D = 2 alike.
+    for ranks in [2, 4] {
+        let args = pipelined(&d, &r, "100000", &[]);
+        let run = mpirun_env(ranks, &args, &[("HPC_TRAIN_FAULT", "stall@1:2:120")], Duration::from_secs(90));
+        let out = run.all_output();
+        assert!(!run.timed_out && !run.ok(), "{ranks} ranks: {out}");
+        // Timeout (5 s) + 5 s, after a start-up of a few seconds.
+        assert!(run.elapsed < Duration::from_secs(25), "{ranks} ranks: {:?}\n{out}", run.elapsed);
+        assert!(out.contains("error: rank 0: exchange watchdog: pipeline stage 0 at step 2 has made no progress for 5 s"), "{ranks} ranks: {out}");
+        assert!(out.contains("waiting for the gradient of micro-batch 0 from stage 1 (world rank 1)"), "{ranks} ranks: {out}");
+        // The flight recorder: what rank 0 did last, so that one log shows where it stopped.
+        assert!(out.contains("rank 0: its last communication events, oldest first: [step"), "{ranks} ranks: {out}");
+    }
+    // The stage itself stopped (SIGSTOP), as a hung node: its neighbour's watchdog ends the job.
+    let args = pipelined(&d, &r, "100000", &[]);
+    let log = dir.join("stopped.log");
+    let mut child = spawn_mpirun(2, &args, &[], &log);
+    let rank0 = pid_of_rank(&mut child, 2, 0);
+    // Well into training (start-up takes a second or two; the steps take milliseconds).
+    std::thread::sleep(Duration::from_secs(4));
+    signal(rank0, "STOP");
+    let ended = wait_limited(&mut child, Duration::from_secs(30));
+    signal(rank0, "CONT");
+    let (code, took) = ended.expect("the job ended within 30 s of the stop");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_ne!(code, Some(0), "{text}");
+    assert!(took < Duration::from_secs(15), "{took:?}: {text}");
+    // Stage 1 waits for stage 0 in the schedule or in the stop agreement after a step; either
+    // way its flight recorder names what it last waited for from stage 0 by world rank.
+    assert!(text.contains("error: rank 1: exchange watchdog:"), "{text}");
+    assert!(text.contains("from stage 0 (world rank 0)"), "{text}");
+}
+
+/// The process id of `rank` of a job of `ranks` ranks, once they all run (start-up takes a
+/// moment), from the rank its launcher gave it.
+fn pid_of_rank(child: &mut std::process::Child, ranks: usize, rank: usize) -> u32 {
+    let mut pids = Vec::new();
+    wait_until(Duration::from_secs(60), "the ranks to start", || {
+        pids = rank_pids(child.id());
+        pids.len() == ranks
+    });
+    let rank_of = |pid: u32| -> Option<usize> {
+        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        env.split(|b| *b == 0).filter_map(|v| std::str::from_utf8(v).ok()).find_map(|v| {
+            v.strip_prefix("OMPI_COMM_WORLD_RANK=").or_else(|| v.strip_prefix("PMI_RANK=")).and_then(|r| r.parse().ok())
+        })
+    };
+    *pids.iter().find(|&&p| rank_of(p) == Some(rank)).unwrap_or_else(|| panic!("no process of rank {rank} among {pids:?}"))
+}
+
+/// `exit`, `nan` and `nangrad` were ignored by pipelined runs (they ended 0), and `stall-after`
+/// by `--zero 3` runs: every step kind now honours every fault at the same points.
+#[test]
+fn every_step_kind_honours_the_injected_faults() {
+    let dir = scratch("pipeline-faults");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let args = pipelined(&d, &r, "4", &[]);
+    for (fault, says) in [
+        ("nan@0:2", "rank 0 of 2: non-finite loss at step 2"),
+        ("nan@1:2", "rank 1 of 2: non-finite loss at step 2"),
+        ("nangrad@0:1", "rank 0 of 2: non-finite gradient at step 1"),
+        ("exit@1:2", "rank 1: exiting at step 2 (injected fault)"),
+    ] {
+        let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", fault)], Duration::from_secs(60));
+        let out = run.all_output();
+        assert!(!run.timed_out && !run.ok(), "{fault}: {out}");
+        assert!(out.contains(says), "{fault}: {out}");
+    }
+    let mut args = base(&d, &r, &["--strategy", "ring", "--zero", "3", "--exchange-timeout-s", "5"]);
+    args.extend(["--steps", "4"]);
+    let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "stall-after@1:2:120")], Duration::from_secs(60));
+    let out = run.all_output();
+    assert!(!run.timed_out && !run.ok(), "{out}");
+    assert!(out.contains("rank 1: stalling 120.0 s after the exchange of step 2"), "{out}");
+    assert!(out.contains("exchange watchdog: the stop agreement at step 2 has made no progress for 5 s"), "{out}");
+    // A fault on a rank the job lacks would never happen: refused at set-up, once.
+    let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "nan@7:1")], Duration::from_secs(60));
+    assert!(!run.ok() && !run.timed_out);
+    assert_eq!(run.stderr.matches("HPC_TRAIN_FAULT: \"nan@7:1\" names rank 7, but the job has ranks 0 to 1").count(), 1, "{}", run.stderr);
+    let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "stall@0:2:-1")], Duration::from_secs(60));
+    assert!(!run.ok() && !run.timed_out && !run.stderr.contains("panicked"), "{}", run.stderr);
+    assert!(run.stderr.contains("SECONDS must be a number from 0 to 86400"), "{}", run.stderr);
+}
+
+/// An error inside a stage's schedule (an out-of-memory at the last forward, injected by
+/// `error`) dropped messages in flight whose drop waited for ever for neighbours that wait for
+/// this stage: no error line, no abort. Now the messages are abandoned and the error ends the
+/// job at once, on every rank.
+#[test]
+fn an_error_inside_a_pipeline_schedule_ends_the_job() {
+    let dir = scratch("pipeline-error");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    for (stages, fault, rank) in [("2", "error@0:1", 0), ("3", "error@1:1", 1)] {
+        // GPipe: the first backward's gradient is awaited (its receive posted) during the last forward.
+        let options = ["--pipeline-stages", stages, "--micro-batches", "4", "--schedule", "gpipe", "--exchange-timeout-s", "60"];
+        let mut args = base(&d, &r, &options);
+        args.extend(["--steps", "4"]);
+        let ranks: usize = stages.parse().unwrap();
+        let run = mpirun_env(ranks, &args, &[("HPC_TRAIN_FAULT", fault)], Duration::from_secs(60));
+        let out = run.all_output();
+        assert!(!run.timed_out && !run.ok(), "{fault}: {out}");
+        // Well before the watchdog's 60 s: the error itself ends the job.
+        assert!(run.elapsed < Duration::from_secs(30), "{fault}: {:?}\n{out}", run.elapsed);
+        assert!(out.contains(&format!("rank {rank} of {ranks}: libtorch: Internal torch error: the forward failed at step 1 (injected by HPC_TRAIN_FAULT)")), "{fault}: {out}");
+    }
+}

@@ -370,7 +370,12 @@ impl UnitShards for FullyShardedExchange {
             }
         }
         let shards = &mut self.shards;
-        let mut sum_over_ranks = |sums: &mut Tensor| shards.all_reduce(std::slice::from_mut(sums), ReduceOp::Sum);
+        // LARS sums its per-layer norms over the ranks here, between the unit collectives: a
+        // peer lost now would otherwise leave this all-reduce waiting unwatched for ever.
+        let mut sum_over_ranks = |sums: &mut Tensor| {
+            let _watched = crate::watchdog::exchange("the zero 3 optimizer's norm all-reduce", || shards.waits_for());
+            shards.all_reduce(std::slice::from_mut(sums), ReduceOp::Sum)
+        };
         for unit in &self.units {
             let pieces = Pieces::Parts { layer_of: &self.layer_of, layers: &unit.layers, sum_over_ranks: &mut sum_over_ranks };
             optimizer.step_pieces(&mut self.weights, &mut grads, &unit.pieces, pieces)?;

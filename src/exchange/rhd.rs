@@ -361,7 +361,10 @@ impl Exchange for RhdAllreduce {
         if let Extra::SitsOut { partner } | Extra::Absorbs { partner } = s.extra {
             peers.push(partner);
         }
-        format!("its partner ranks {peers:?}")
+        // Named by world rank (see the ring's).
+        let world = crate::topology::world_ranks_of(&self.halving.comm);
+        let peers: Vec<i32> = peers.iter().map(|&p| world.get(p).copied().unwrap_or(-1)).collect();
+        format!("its partners, world ranks {peers:?}")
     }
 
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {

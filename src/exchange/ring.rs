@@ -338,7 +338,11 @@ impl Exchange for RingAllreduce {
     }
 
     fn waits_for(&self) -> String {
-        format!("rank {} (its left neighbour, sending) and rank {} (its right, receiving)", self.ring.left, self.ring.right)
+        // Named by world rank: with pipelines or tensor parallelism the ring runs over a
+        // sub-communicator whose numbers name no process in the job's log.
+        let world = crate::topology::world_ranks_of(&self.ring.comm);
+        let of = |r: i32| world.get(r as usize).copied().unwrap_or(-1);
+        format!("world rank {} (its left neighbour, sending) and world rank {} (its right, receiving)", of(self.ring.left), of(self.ring.right))
     }
 
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {

@@ -7,7 +7,9 @@
 //! host or (CUDA-aware MPI) on a device, with its device work finished (the caller's contract);
 //! the message owns the handle for as long as the request is active, and the program gets the
 //! tensor back only from [`TensorMessage::wait`], after completion; a message dropped while
-//! still active waits for its request first, so MPI never writes or reads freed memory. The
+//! still active (an error path) never frees the tensor: it cancels a receive, hands the request
+//! back to MPI (MPI_Request_free) and leaks the tensor, so MPI never writes or reads freed
+//! memory and the error path never waits for a peer that may never come. The
 //! tensors are fresh ones that no other handle writes (a new empty tensor for a receive, a
 //! detached contiguous copy for a send), so nothing else touches the memory meanwhile.
 
@@ -27,6 +29,9 @@ pub struct TensorMessage {
     tensor: Option<Tensor>,
     request: mpi::ffi::MPI_Request,
     active: bool,
+    /// A receive (MPI writes the tensor), which can be cancelled; a send cannot (MPI-4
+    /// deprecates cancelling sends).
+    receiving: bool,
 }
 
 fn checked(t: &Tensor) -> Result<c_int> {
@@ -55,7 +60,7 @@ impl TensorMessage {
             return Err(Error::exchange("MPI_Isend", format!("returned error code {rc}")));
         }
         // SAFETY: initialised by the successful MPI_Isend.
-        Ok(TensorMessage { tensor: Some(tensor), request: unsafe { request.assume_init() }, active: true })
+        Ok(TensorMessage { tensor: Some(tensor), request: unsafe { request.assume_init() }, active: true, receiving: false })
     }
 
     /// Starts receiving into `tensor` (its size is the message's) from `source`.
@@ -73,7 +78,7 @@ impl TensorMessage {
             return Err(Error::exchange("MPI_Irecv", format!("returned error code {rc}")));
         }
         // SAFETY: initialised by the successful MPI_Irecv.
-        Ok(TensorMessage { tensor: Some(tensor), request: unsafe { request.assume_init() }, active: true })
+        Ok(TensorMessage { tensor: Some(tensor), request: unsafe { request.assume_init() }, active: true, receiving: true })
     }
 
     /// Whether the transfer is done (drives MPI's progress too); never blocks.
@@ -108,10 +113,33 @@ impl TensorMessage {
 }
 
 impl Drop for TensorMessage {
+    /// A message still in flight when dropped is an error path: the schedule failed midway (an
+    /// out-of-memory in a forward), and its neighbours may never send what this rank waits for,
+    /// since they wait for what this rank never sent. Waiting here would hang the job before the
+    /// error reaches the abort that ends it (issue 48), so the message is abandoned instead: a
+    /// receive is cancelled, the request is handed back to MPI, and the tensor is leaked on
+    /// purpose, since MPI may still read or write it until the request ends, which after an
+    /// error is when the job ends. A few activations' memory, once, on the way out.
     fn drop(&mut self) {
-        // MPI may still read or write the tensor: it must not be freed before the request ends.
-        if let Err(e) = self.finish() {
-            log::error!("a pipeline message could not be completed: {e}");
+        if !self.active {
+            return;
         }
+        if self.receiving {
+            // SAFETY: an active receive request of this process; cancelling is local and marks
+            // it for cancellation (a receive already matched completes normally instead).
+            let rc = unsafe { mpi::ffi::MPI_Cancel(&mut self.request) };
+            if rc != 0 {
+                log::error!("a pipeline receive could not be cancelled (MPI_Cancel returned {rc})");
+            }
+        }
+        // SAFETY: an active request of this process: MPI_Request_free lets MPI complete it in the
+        // background and sets the handle to MPI_REQUEST_NULL; the memory it uses is leaked below,
+        // so it stays valid for as long as MPI may touch it.
+        let rc = unsafe { mpi::ffi::MPI_Request_free(&mut self.request) };
+        if rc != 0 {
+            log::error!("a pipeline message could not be abandoned (MPI_Request_free returned {rc})");
+        }
+        self.active = false;
+        std::mem::forget(self.tensor.take());
     }
 }

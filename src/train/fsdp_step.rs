@@ -23,7 +23,6 @@ use crate::data::Split;
 use crate::error::{Error, Result};
 use crate::exchange::staging::synchronize_device;
 use crate::exchange::strategy::{UnitShards, UnitTimes};
-use crate::faults::Fault;
 use crate::optim::FiniteCheck;
 use crate::plan::shard::ShardInfo;
 
@@ -32,7 +31,7 @@ use super::fsdp::{Done, Job, UnitWorker};
 use super::net::Normalizer;
 use super::progress::Timings;
 use super::run::Run;
-use super::step::{LoopState, StepDone};
+use super::step::{LoopState, StepDone, StepFaults};
 
 
 /// The collectives beside one unit's compute: the reduce-scatter of a unit's packed gradients,
@@ -108,21 +107,16 @@ impl Run<'_> {
     /// One fully sharded step (see the file's comment).
     pub(super) fn fsdp_step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
         let (batch, data_wait) = self.begin_step(step, state)?;
-        // Test hooks (HPC_TRAIN_FAULT), as in the plain step.
-        let fault = self.faults.at(self.world.rank, step).cloned();
-        if fault == Some(Fault::Exit) {
-            eprintln!("rank {}: exiting at step {step} (injected fault)", self.world.rank);
-            std::process::exit(3);
-        }
-        if let Some(Fault::Stall(pause)) = fault {
-            eprintln!("rank {}: stalling {:.1} s at step {step} (injected fault)", self.world.rank, pause.as_secs_f64());
-            std::thread::sleep(pause);
-        }
+        // Test hooks (HPC_TRAIN_FAULT), as in the plain step: every unit's gathers are the
+        // step's communication, so a stall comes before the first and a forward failure too.
+        let faults = StepFaults::begin(&self.faults, self.world.rank, step);
+        faults.before_exchange();
+        faults.forward()?;
         let compute_start = Instant::now();
         let n = batch.labels.len();
         let images = if n > 0 { Some(state.norm.images(&batch.images, n)?) } else { None };
         let labels = if n > 0 { Some(state.norm.labels(&batch.labels)?) } else { None };
-        let factor = if fault == Some(Fault::NanGrad) { f64::NAN } else { self.workers as f64 / batch.global_samples.max(1) as f64 };
+        let factor = if faults.nan_gradients() { f64::NAN } else { self.workers as f64 / batch.global_samples.max(1) as f64 };
         let label_smoothing = self.args.recipe.label_smoothing;
         let fsdp = self.fsdp.as_ref().expect("a --zero 3 run");
         let (worker, prefetch, last) = (&fsdp.worker, fsdp.prefetch, fsdp.units.len() - 1);
@@ -185,7 +179,7 @@ impl Run<'_> {
         synchronize_device(self.plan.device);
 
         let loss_sum = match loss {
-            Some(_) if fault == Some(Fault::Nan) => f64::NAN,
+            Some(_) if faults.nan_loss() => f64::NAN,
             Some(l) => l.f_double_value(&[])?,
             None => 0.0,
         };
@@ -200,6 +194,7 @@ impl Run<'_> {
         shards.step(&mut self.optimizer)?;
         synchronize_device(self.plan.device);
         let optimizer_time = started.elapsed();
+        faults.after_exchange();
         let _ = self.optimizer.take_busy();
         shards.note_step(times);
         let comm = times.exposed_gather + times.exposed_reduce;

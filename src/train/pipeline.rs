@@ -45,6 +45,8 @@ pub(super) struct Pipeline {
     pub(super) cut: Cut,
     /// This rank's pipeline: P ranks, ranked by stage.
     pub(super) comm: SimpleCommunicator,
+    /// The MPI_COMM_WORLD rank of each stage of this pipeline, for the watchdog's messages.
+    stage_world_ranks: Vec<i32>,
     /// The D ranks that hold this stage: the exchange's world.
     pub(super) stage_world: World,
     actions: Vec<Action>,
@@ -109,10 +111,11 @@ impl Pipeline {
             )));
         }
         let actions = pipeline::schedule(&plan.shape, stage);
+        let stage_world_ranks = crate::topology::world_ranks_of(&comm);
         let mut origin_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e6);
         world.comm.process_at_rank(0).broadcast_into(&mut origin_us);
         let timeline = timeline.then(|| Timeline { origin_us, events: Vec::new(), until_step: 0 });
-        Ok(Pipeline { plan, stage, replica, cut, comm, stage_world, actions, device, cuda_aware, recompute, figures: PipelineFigures::default(), timeline })
+        Ok(Pipeline { plan, stage, replica, cut, comm, stage_world_ranks, stage_world, actions, device, cuda_aware, recompute, figures: PipelineFigures::default(), timeline })
     }
 
     pub(super) fn shape(&self) -> &Shape {
@@ -135,6 +138,18 @@ impl Pipeline {
 
     pub(super) fn peer(&self, chunk: usize) -> i32 {
         self.shape().stage_of(chunk) as i32
+    }
+
+    /// `stage` of this pipeline as the watchdog names it: "stage 0 (world rank 4)".
+    pub(super) fn stage_name(&self, stage: i32) -> String {
+        format!("stage {stage} (world rank {})", self.stage_world_ranks.get(stage as usize).copied().unwrap_or(-1))
+    }
+
+    /// Watches a wait of this stage for `what` (a message, naming its peer with
+    /// [`Pipeline::stage_name`]) until the guard is dropped: a stalled neighbour or a cut link
+    /// then ends the job within --exchange-timeout-s, saying which stage waited for what.
+    pub(super) fn waiting(&self, what: impl FnOnce() -> String) -> crate::watchdog::ExchangeGuard {
+        crate::watchdog::waiting(|| format!("pipeline stage {}", self.stage), what)
     }
 
     fn event(&mut self, step: u64, name: String, category: &str, start_us: f64) {
@@ -163,7 +178,11 @@ impl Pipeline {
     }
 
     /// Runs one step's schedule over `n` samples (split into the micro-batches); returns the
-    /// summed loss of the samples (on the last stage; 0 elsewhere).
+    /// summed loss of the samples (on the last stage; 0 elsewhere). An injected forward
+    /// failure (`faults`) fails the stage's last forward, with messages in flight.
+    ///
+    /// On an error the messages still in flight are abandoned, not waited for (see
+    /// `TensorMessage`'s drop): the error reaches the job's abort at once.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run_schedule(
         &mut self,
@@ -176,6 +195,7 @@ impl Pipeline {
         precision: Precision,
         step: u64,
         measured: bool,
+        faults: &super::step::StepFaults,
     ) -> Result<f64> {
         let shape = *self.shape();
         let micro = ShardInfo::all(n, shape.micro_batches);
@@ -185,7 +205,9 @@ impl Pipeline {
         let mut inputs: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut outputs: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut receives: HashMap<(Message, usize, usize), TensorMessage> = HashMap::new();
-        let mut sends: Vec<TensorMessage> = Vec::new();
+        // Each send with the stage it goes to (for the watchdog's message).
+        let mut sends: Vec<(TensorMessage, i32)> = Vec::new();
+        let last_forward = self.actions.iter().rposition(|a| matches!(a, Action::Forward { .. }));
         let mut losses: Vec<Tensor> = Vec::new();
         let (mut compute, mut alive, mut held_bytes) = (Duration::ZERO, 0usize, 0usize);
         let bytes = |t: &Tensor| t.numel() * 4;
@@ -212,6 +234,9 @@ impl Pipeline {
                     receives.insert((kind, m, c), message);
                 }
                 Action::Forward { micro: m, chunk: c } => {
+                    if faults.forward_fails() && Some(index) == last_forward {
+                        return Err(faults.forward_error());
+                    }
                     if micro[m].len == 0 {
                         continue;
                     }
@@ -220,7 +245,10 @@ impl Pipeline {
                     } else {
                         let waited = self.now_us();
                         let message = receives.remove(&(Message::Activation, m, c)).expect("the schedule posts every receive before its use");
+                        let from = self.peer(c - 1);
+                        let watched = self.waiting(|| format!("the activation of micro-batch {m} from {}", self.stage_name(from)));
                         let x = message.wait()?.f_to_device(self.device)?.f_requires_grad_(true)?;
+                        drop(watched);
                         self.event(step, format!("wait activation {m}"), "wait", waited);
                         x
                     };
@@ -264,7 +292,8 @@ impl Pipeline {
                     let payload = if raw_shares_storage(&payload, &out) { payload.copy() } else { payload };
                     // SAFETY: `payload` is a fresh copy (cloned when detach and contiguous kept
                     // the output's storage, which autograd may hold), written by nothing else.
-                    sends.push(unsafe { TensorMessage::send(payload, &self.comm, self.peer(c + 1), shape.tag(Message::Activation, m, c + 1))? });
+                    let to = self.peer(c + 1);
+                    sends.push((unsafe { TensorMessage::send(payload, &self.comm, to, shape.tag(Message::Activation, m, c + 1))? }, to));
                 }
                 Action::Backward { micro: m, chunk: c } => {
                     if micro[m].len == 0 {
@@ -273,7 +302,10 @@ impl Pipeline {
                     let gradient = if c < last {
                         let waited = self.now_us();
                         let message = receives.remove(&(Message::Gradient, m, c)).expect("the schedule posts every receive before its use");
+                        let from = self.peer(c + 1);
+                        let watched = self.waiting(|| format!("the gradient of micro-batch {m} from {}", self.stage_name(from)));
                         let g = message.wait()?.f_to_device(self.device)?;
+                        drop(watched);
                         self.event(step, format!("wait gradient {m}"), "wait", waited);
                         Some(g)
                     } else {
@@ -316,21 +348,27 @@ impl Pipeline {
                     let payload = x.grad().f_to_device(on)?.f_contiguous()?;
                     let payload = if raw_shares_storage(&payload, &x.grad()) { payload.copy() } else { payload };
                     // SAFETY: a fresh copy of the input's gradient, which nothing else writes.
-                    sends.push(unsafe { TensorMessage::send(payload, &self.comm, self.peer(c - 1), shape.tag(Message::Gradient, m, c))? });
+                    let to = self.peer(c - 1);
+                    sends.push((unsafe { TensorMessage::send(payload, &self.comm, to, shape.tag(Message::Gradient, m, c))? }, to));
                 }
             }
             // Completed sends let go of their buffers; testing also drives MPI's progress.
             let mut still = Vec::with_capacity(sends.len());
-            for mut s in sends.drain(..) {
+            for (mut s, to) in sends.drain(..) {
                 if !s.test()? {
-                    still.push(s);
+                    still.push((s, to));
                 }
             }
             sends = still;
         }
         let waited = self.now_us();
-        for s in sends {
-            let _sent = s.wait()?;
+        if !sends.is_empty() {
+            let mut peers: Vec<i32> = sends.iter().map(|(_, to)| *to).collect();
+            peers.dedup();
+            let _watched = self.waiting(|| format!("its sends of step {step} to {} to complete", peers.iter().map(|&p| self.stage_name(p)).collect::<Vec<_>>().join(" and ")));
+            for (s, _) in sends {
+                let _sent = s.wait()?;
+            }
         }
         self.event(step, "wait sends".into(), "wait", waited);
         if measured {
@@ -373,7 +411,7 @@ impl Pipeline {
         let mut mine = vec![0.0; self.plan.grid.stages];
         mine[self.stage] = value;
         let mut sums = vec![0.0; mine.len()];
-        world.comm.all_reduce_into(&mine[..], &mut sums[..], mpi::collective::SystemOperation::sum());
+        crate::watchdog::collective("the pipeline figures' sum", &world.comm, || world.comm.all_reduce_into(&mine[..], &mut sums[..], mpi::collective::SystemOperation::sum()));
         sums.iter().map(|s| s / self.plan.grid.replicas as f64).collect()
     }
 
@@ -409,6 +447,17 @@ fn raw_shares_storage(a: &Tensor, b: &Tensor) -> bool {
 }
 
 impl Pipeline {
+    /// Whom the first pipeline's stages wait for while rank 0 gathers or scatters tensors by
+    /// name: stage 0 for every other stage, the others for stage 0.
+    fn gathering_from(&self) -> String {
+        if self.stage == 0 {
+            let others: Vec<String> = (1..self.plan.grid.stages as i32).map(|p| self.stage_name(p)).collect();
+            format!("the named tensors (a checkpoint's or the whole model's) of {}", others.join(", "))
+        } else {
+            format!("{} to take or give the named tensors (a checkpoint's or the whole model's)", self.stage_name(0))
+        }
+    }
+
     /// `mine`, named tensors of this stage, gathered from the first pipeline's stages on rank 0
     /// (sorted by name; None elsewhere). f32 on the wire, each tensor's element type kept.
     /// Collective over the first pipeline (the other replicas return at once).
@@ -416,6 +465,7 @@ impl Pipeline {
         if self.replica != 0 {
             return Ok(None);
         }
+        let _watched = self.waiting(|| self.gathering_from());
         if self.stage != 0 {
             let root = self.comm.process_at_rank(0);
             root.send(&(mine.len() as u64));
@@ -443,6 +493,7 @@ impl Pipeline {
     pub(super) fn scatter_named(&self, all: Option<&std::collections::BTreeMap<String, Tensor>>, wanted: &[String], like: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
         let mut mine: Vec<Option<Tensor>> = wanted.iter().map(|_| None).collect();
         if self.replica == 0 {
+            let _watched = self.waiting(|| self.gathering_from());
             if self.stage == 0 {
                 let all = all.expect("rank 0 holds the checkpoint");
                 for (i, name) in wanted.iter().enumerate() {
@@ -571,6 +622,7 @@ fn send_named(to: &mpi::topology::Process<'_>, name: &str, t: &Tensor) -> Result
     to.send(&t.size()[..]);
     let values: Vec<f32> = Vec::<f32>::try_from(t.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)?.f_reshape([-1])?)?;
     to.send(&values[..]);
+    crate::watchdog::progress();
     Ok(())
 }
 
@@ -578,6 +630,7 @@ fn receive_named(from: &mpi::topology::Process<'_>) -> Result<(String, Tensor)> 
     let (name, _) = from.receive_vec::<u8>();
     let (shape, _) = from.receive_vec::<i64>();
     let (values, _) = from.receive_vec::<f32>();
+    crate::watchdog::progress();
     let name = String::from_utf8(name).map_err(|_| Error::exchange("gathering tensors", "a name is not UTF-8"))?;
     Ok((name, Tensor::f_from_slice(&values)?.f_reshape(shape.as_slice())?))
 }

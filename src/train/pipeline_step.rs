@@ -21,7 +21,7 @@ use super::collective::{average_over, sum_pair};
 use super::net::Normalizer;
 use super::progress::Timings;
 use super::run::Run;
-use super::step::{LoopState, StepDone};
+use super::step::{LoopState, StepDone, StepFaults};
 
 impl Run<'_> {
     /// One pipelined step: the stage's schedule over the micro-batches, then the exchange of
@@ -29,6 +29,10 @@ impl Run<'_> {
     pub(super) fn pipeline_step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
         let tensor_parallel_before = self.tensor_parallel.as_ref().map(|tp| tp.counts());
         let (batch, data_wait) = self.begin_step(step, state)?;
+        // Test hooks (HPC_TRAIN_FAULT), as in the plain step: the schedule's messages are the
+        // step's first communication, so a stall comes before it.
+        let faults = StepFaults::begin(&self.faults, self.world.rank, step);
+        faults.before_exchange();
         let compute_start = Instant::now();
         let mut grads = self.net.grads();
         optim::zero_grads(&mut grads)?;
@@ -38,12 +42,18 @@ impl Run<'_> {
         let labels = if pipeline.last_stage() && n > 0 { Some(state.norm.labels(&batch.labels)?) } else { None };
         let factor = self.workers as f64 / batch.global_samples.max(1) as f64;
         let measured = step >= state.warmup;
-        let loss_sum = pipeline.run_schedule(&self.net.chunks, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, self.args.precision, step, measured)?;
+        let loss_sum = pipeline.run_schedule(&self.net.chunks, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, self.args.precision, step, measured, &faults)?;
         let last_stage = pipeline.last_stage();
-        if !loss_sum.is_finite() {
+        // `nan` on any stage: this rank reads its loss as NaN (only the last stage has one to read).
+        if !loss_sum.is_finite() || faults.nan_loss() {
             return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });
         }
         grads = self.net.grads();
+        if faults.nan_gradients() {
+            // `nangrad`: this stage's own gradients, whichever stage it is (the loss factor
+            // reaches only the last stage's). A stage without parameters has none to spoil.
+            tch::no_grad(|| grads.iter().filter(|g| g.defined()).try_for_each(|g| g.shallow_clone().f_fill_(f64::NAN).map(drop)))?;
+        }
         if !optim::grads_finite(&mut grads)? {
             return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
         }
@@ -55,6 +65,7 @@ impl Run<'_> {
             let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
             exchange.update(&mut self.net.params, &mut grads, &mut self.optimizer)?;
         }
+        faults.after_exchange();
         synchronize_device(self.plan.device);
         let comm = comm_start.elapsed();
         let optimizer = self.optimizer.take_busy();
@@ -96,8 +107,10 @@ impl Run<'_> {
                     } else {
                         let size: Vec<i64> = std::iter::once(len).chain(pipeline.cut.input_shape(c).iter().copied()).collect();
                         let buffer = Tensor::f_empty(size.as_slice(), (Kind::Float, on))?;
+                        let from = pipeline.peer(c - 1);
+                        let _watched = pipeline.waiting(|| format!("the evaluation's activations of test samples {start}..{end} from {}", pipeline.stage_name(from)));
                         // SAFETY: a new tensor with no other handle, waited for at once.
-                        unsafe { TensorMessage::receive(buffer, &pipeline.comm, pipeline.peer(c - 1), shape.tag(Message::Activation, 0, c))? }.wait()?.f_to_device(pipeline.device)?
+                        unsafe { TensorMessage::receive(buffer, &pipeline.comm, from, shape.tag(Message::Activation, 0, c))? }.wait()?.f_to_device(pipeline.device)?
                     };
                     let y = module.forward_t(&x, false);
                     if c == last {
@@ -107,8 +120,10 @@ impl Run<'_> {
                     } else {
                         let payload = y.f_to_device(on)?.f_contiguous()?;
                         synchronize_device(pipeline.device);
+                        let to = pipeline.peer(c + 1);
+                        let _watched = pipeline.waiting(|| format!("its evaluation's activations of test samples {start}..{end} to reach {}", pipeline.stage_name(to)));
                         // SAFETY: the forward's fresh output (no graph under no_grad), waited for at once.
-                        unsafe { TensorMessage::send(payload, &pipeline.comm, pipeline.peer(c + 1), shape.tag(Message::Activation, 0, c + 1))? }.wait().map(drop)?;
+                        unsafe { TensorMessage::send(payload, &pipeline.comm, to, shape.tag(Message::Activation, 0, c + 1))? }.wait().map(drop)?;
                     }
                 }
             }

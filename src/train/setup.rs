@@ -45,7 +45,7 @@ impl<'a> Run<'a> {
         world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
         // Each node's ranks write their traces into their own node's folder.
         world.agree(args.profile_dir.as_deref().map_or(Ok(()), |dir| std::fs::create_dir_all(dir).map_err(|e| Error::usage(format!("--profile-dir {}: {e}", dir.display())))))?;
-        let faults = world.agree(Faults::from_env())?;
+        let faults = world.agree(Faults::from_env(world.size))?;
         let stop = StopSignal::install()?;
         let (info, labels) = world.agree(data::open(&args.data))?;
         let global_batch = plan.batch * plan.workers;

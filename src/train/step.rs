@@ -16,7 +16,7 @@ use crate::data::loader::{Batch, Loader, Schedule};
 use crate::data::reader::SplitReader;
 use crate::error::{Error, Result};
 use crate::exchange::{self, ReduceOp};
-use crate::faults::Fault;
+use crate::faults::{Fault, Faults, FAULT_ENV};
 use crate::optim::{self};
 use crate::plan::shard::ShardInfo;
 use crate::topology::World;
@@ -56,6 +56,79 @@ impl LoopState {
             profile: StepProfile::new(args.profile_dir.as_deref(), run.world.rank, warmup, args.profile_steps, total, run.plan.device.is_cuda()),
             scaler: (args.precision == Precision::Fp16).then(LossScaler::default),
         })
+    }
+}
+
+/// The test hooks of `HPC_TRAIN_FAULT` (faults.rs) for one step, called at the same points by
+/// every step kind (plain, pipelined, `--zero 3`), so that a fault cannot reach one kind and
+/// silently miss another: `exit` at the step's start, `error` at the forward, `nan` and
+/// `nangrad` on the loss and the gradients, `stall` before the step's communication and
+/// `stall-after` after it.
+pub(super) struct StepFaults {
+    fault: Option<Fault>,
+    rank: i32,
+    step: u64,
+}
+
+impl StepFaults {
+    /// This rank's fault at `step`; `exit` ends the process here, without MPI_Finalize.
+    pub(super) fn begin(faults: &Faults, rank: i32, step: u64) -> StepFaults {
+        let fault = faults.at(rank, step).cloned();
+        if fault == Some(Fault::Exit) {
+            eprintln!("rank {rank}: exiting at step {step} (injected fault)");
+            std::process::exit(3);
+        }
+        StepFaults { fault, rank, step }
+    }
+
+    /// Whether the forward is to fail (`error`).
+    pub(super) fn forward_fails(&self) -> bool {
+        self.fault == Some(Fault::Error)
+    }
+
+    /// `error`: the forward fails, as an out-of-memory in libtorch would.
+    pub(super) fn forward(&self) -> Result<()> {
+        if self.forward_fails() {
+            return Err(self.forward_error());
+        }
+        Ok(())
+    }
+
+    /// The error an injected forward failure raises.
+    pub(super) fn forward_error(&self) -> Error {
+        Error::Torch(tch::TchError::Torch(format!("the forward failed at step {} (injected by {FAULT_ENV})", self.step)))
+    }
+
+    /// `nan`: the loss reads as NaN.
+    pub(super) fn nan_loss(&self) -> bool {
+        self.fault == Some(Fault::Nan)
+    }
+
+    /// `infgrad`: one element of the exchanged gradients becomes +inf (an fp16 overflow of
+    /// this rank's own slice).
+    pub(super) fn inf_gradient(&self) -> bool {
+        self.fault == Some(Fault::InfGrad)
+    }
+
+    /// `nangrad`: the gradients become NaN while the loss stays finite.
+    pub(super) fn nan_gradients(&self) -> bool {
+        self.fault == Some(Fault::NanGrad)
+    }
+
+    /// `stall`: a hung node, before the step's communication.
+    pub(super) fn before_exchange(&self) {
+        if let Some(Fault::Stall(pause)) = self.fault {
+            eprintln!("rank {}: stalling {:.1} s at step {} (injected fault)", self.rank, pause.as_secs_f64(), self.step);
+            std::thread::sleep(pause);
+        }
+    }
+
+    /// `stall-after`: a node lost after the step's exchange, before the collectives that follow.
+    pub(super) fn after_exchange(&self) {
+        if let Some(Fault::StallAfter(pause)) = self.fault {
+            eprintln!("rank {}: stalling {:.1} s after the exchange of step {} (injected fault)", self.rank, pause.as_secs_f64(), self.step);
+            std::thread::sleep(pause);
+        }
     }
 }
 
@@ -110,11 +183,7 @@ impl Run<'_> {
         }
         let tensor_parallel_before = self.tensor_parallel.as_ref().map(|tp| tp.counts());
         let (batch, data_wait) = self.begin_step(step, state)?;
-        let fault = self.faults.at(self.world.rank, step).cloned();
-        if fault == Some(Fault::Exit) {
-            eprintln!("rank {}: exiting at step {step} (injected fault)", self.world.rank);
-            std::process::exit(3);
-        }
+        let faults = StepFaults::begin(&self.faults, self.world.rank, step);
 
         // Forward on this rank's share of the global batch. The loss is the sum over the rank's
         // samples scaled by workers / global samples, so that the mean over workers of the
@@ -130,15 +199,13 @@ impl Run<'_> {
         let losses = if n == 0 {
             None
         } else {
+            faults.forward()?;
             let loss = self.forward(&state.norm, &batch)?;
-            let factor = if fault == Some(Fault::NanGrad) { f64::NAN } else { loss_factor };
+            let factor = if faults.nan_gradients() { f64::NAN } else { loss_factor };
             let scaled = loss.f_mul_scalar(factor)?;
-            Some(Losses { loss: loss.f_detach()?, scaled, injected_nan: fault == Some(Fault::Nan), step, epoch: batch.epoch })
+            Some(Losses { loss: loss.f_detach()?, scaled, injected_nan: faults.nan_loss(), step, epoch: batch.epoch })
         };
-        if let Some(Fault::Stall(pause)) = fault {
-            eprintln!("rank {}: stalling {:.1} s at step {step} (injected fault)", self.world.rank, pause.as_secs_f64());
-            std::thread::sleep(pause);
-        }
+        faults.before_exchange();
 
         // Backward and the exchange. With the fp16 loss scaler the optimizer steps after the
         // exchange, once the averaged gradients (the same on every rank) are known to be finite.
@@ -146,7 +213,7 @@ impl Run<'_> {
         let Exchanged { compute, comm, exchange_total, exchange_exposed, loss_sum } =
             self.backward_and_exchange(losses, &mut grads, compute_start, step, batch.epoch, optimize_in_exchange)?;
         if let Some(scaler) = &mut state.scaler {
-            if fault == Some(Fault::InfGrad) {
+            if faults.inf_gradient() {
                 inject_inf(&grads)?;
             }
             // A tensor-parallel group's ranks hold different slices of its parameters, each of
@@ -158,10 +225,7 @@ impl Run<'_> {
                 state.progress.suspend(|| log::info!("fp16: gradients overflowed at step {step}; step skipped, loss scale now {}", scaler.scale));
             }
         }
-        if let Some(Fault::StallAfter(pause)) = fault {
-            eprintln!("rank {}: stalling {:.1} s after the exchange of step {step} (injected fault)", self.world.rank, pause.as_secs_f64());
-            std::thread::sleep(pause);
-        }
+        faults.after_exchange();
         let optimizer = self.optimizer.take_busy();
         let comm = comm.saturating_sub(optimizer);
         if let (Some(tp), Some(before)) = (&mut self.tensor_parallel, tensor_parallel_before) {
