@@ -212,6 +212,9 @@ fn sgd_settings_out_of_range_are_refused() {
     expect_failure(&with(d, r, &[("--momentum", "NaN")]), "--momentum NaN: expected 0 <= momentum < 1");
     let negative_decay = [&base(d, r)[..], &["--weight-decay=-100"]].concat();
     expect_failure(&negative_decay, "--weight-decay -100: expected a finite weight decay of 0 or more");
+    // Beyond f32 (the parameters' type): these ended in "non-finite loss" naming no flag (issue 48).
+    expect_failure(&with(d, r, &[("--lr", "1e39")]), "--lr 1e39: beyond the largest f32");
+    expect_failure(&with(d, r, &[("--weight-decay", "1e300")]), "--weight-decay 1e300: beyond the largest f32");
 }
 
 /// Options that the chosen strategy never reads were silently ignored (`--timeline` with ring
