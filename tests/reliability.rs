@@ -593,6 +593,28 @@ fn outputs_on_a_full_disk_leave_no_temporary_file() {
     }
 }
 
+/// `--profile-dir` on a full disk printed "profile written" and exited 0 with a truncated
+/// rank-R.json.tmp left (issue 48): the run fails with one line naming --profile-dir, every rank
+/// non-zero, nothing left behind and no run recorded.
+#[test]
+fn a_profile_on_a_full_disk_fails_the_run_and_leaves_nothing() {
+    let dir = scratch("full-profile");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.join("r").to_str().unwrap().to_string());
+    let disk = dir.join("disk");
+    let profiles = disk.join("p");
+    let mut args = base(&d, &r, &["--strategy", "ring"]);
+    args.extend(["--steps", "4", "--profile-dir", profiles.to_str().unwrap()]);
+    let (run, left) = mpirun_with_tmpfs_listing(2, &args, &disk, "8k", Duration::from_secs(60));
+    let out = run.all_output();
+    assert!(!run.ok() && !run.timed_out, "{out}");
+    let message = format!("--profile-dir {}: the profiler could not write rank-", profiles.display());
+    assert_eq!(out.matches(&message).count(), 1, "{out}");
+    assert!(!out.contains("written to") && !out.contains("panicked"), "{out}");
+    assert_eq!(left, vec!["p".to_string()], "{out}");
+    assert!(!dir.join("r").join("runs.jsonl").exists(), "{out}");
+}
+
 /// With overlap, a non-finite gradient is found at the end of the step, after the exchange has
 /// spread it to every rank: rank 0 must not write those weights over the good checkpoints
 /// (issue 31, item 7's deferred check). The checkpoint before the fault stays the newest.

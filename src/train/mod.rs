@@ -34,7 +34,7 @@ mod tensor;
 
 use std::time::Instant;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::exchange::Role;
 use crate::raw;
 use crate::results::RunRecord;
@@ -65,10 +65,26 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
         Role::Worker { .. } => run.train()?,
     };
     run.exchange.finish(&mut run.net.params)?;
+    run.agree_on_profile(&outcome)?;
     run.record(outcome, context)
 }
 
 impl Run<'_> {
+    /// Every rank's trace written, or the run fails (one line, from the lowest rank whose write
+    /// failed) before its record: a profile asked for and lost is not a success. Collective, on
+    /// every rank of the run (servers have no trace).
+    fn agree_on_profile(&self, outcome: &Outcome) -> Result<()> {
+        let local = match &outcome.profile {
+            Some(Err(reason)) => Err(Error::Results(reason.clone())),
+            _ => Ok(()),
+        };
+        self.world.agree(local)?;
+        if let (true, Some(Ok(line))) = (self.world.is_root(), &outcome.profile) {
+            log::info!("{line}");
+        }
+        Ok(())
+    }
+
     fn outcome(&self) -> Outcome {
         Outcome {
             totals: Timings::default(),
@@ -81,6 +97,7 @@ impl Run<'_> {
             last_step: self.first_step,
             saved_at: self.resumed_at,
             stopped: false,
+            profile: None,
         }
     }
 
@@ -150,6 +167,7 @@ impl Run<'_> {
         }
         state.progress.finish();
         state.profile.finish()?;
+        out.profile = state.profile.written();
         // The last step's mean loss over every worker's samples: the same figure whatever
         // --log-every is (the progress lines' means run over the steps since the last line).
         let (sum, samples) = sum_pair(&self.workers_comm, last_loss.0, last_loss.1);

@@ -88,6 +88,9 @@ pub(super) struct Outcome {
     pub(super) saved_at: Option<u64>,
     /// A signal ended training before its last step.
     pub(super) stopped: bool,
+    /// This rank's --profile-dir trace: where it went, or why it could not be written (None:
+    /// no trace, as on a parameter server).
+    pub(super) profile: Option<std::result::Result<String, String>>,
 }
 
 /// SIGTERM (what Slurm sends before the time limit) and SIGUSR1 (what `--signal` jobs often
