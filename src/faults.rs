@@ -8,7 +8,9 @@
 //! - `stall-after`: that rank sleeps SECONDS after its exchange at that step (a node lost
 //!   between two exchanges: the others wait for it in the small collectives that follow),
 //! - `setup`: that rank's set-up fails after the exchange strategy is built (STEP is ignored;
-//!   an error every rank agrees on while communication threads run).
+//!   an error every rank agrees on while communication threads run),
+//! - `term`: that rank sends itself SIGTERM during set-up, before the data is opened (STEP is
+//!   ignored; a stop requested while the job starts).
 //!
 //! Nothing happens when the variable is unset; a malformed value is an error.
 
@@ -23,6 +25,7 @@ pub enum Fault {
     Nan,
     NanGrad,
     Setup,
+    Term,
     Exit,
     Stall(Duration),
     StallAfter(Duration),
@@ -40,7 +43,7 @@ impl Faults {
     }
 
     pub fn parse(spec: &str) -> Result<Faults> {
-        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, exit, stall, stall-after or setup)"));
+        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, exit, stall, stall-after, setup or term)"));
         let mut out = Vec::new();
         for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let (kind, at) = item.split_once('@').ok_or_else(|| bad(item))?;
@@ -51,6 +54,7 @@ impl Faults {
                 ("nan", None) => Fault::Nan,
                 ("nangrad", None) => Fault::NanGrad,
                 ("setup", None) => Fault::Setup,
+                ("term", None) => Fault::Term,
                 ("exit", None) => Fault::Exit,
                 ("stall", Some(secs)) => Fault::Stall(Duration::from_secs_f64(secs.parse().map_err(|_| bad(item))?)),
                 ("stall-after", Some(secs)) => Fault::StallAfter(Duration::from_secs_f64(secs.parse().map_err(|_| bad(item))?)),
@@ -63,7 +67,12 @@ impl Faults {
 
     /// The fault planned for `rank` at `step`, if any.
     pub fn at(&self, rank: i32, step: u64) -> Option<&Fault> {
-        self.0.iter().find(|(f, r, s)| *r == rank && *s == step && *f != Fault::Setup).map(|(f, _, _)| f)
+        self.0.iter().find(|(f, r, s)| *r == rank && *s == step && !matches!(f, Fault::Setup | Fault::Term)).map(|(f, _, _)| f)
+    }
+
+    /// Whether `rank` is to send itself SIGTERM during set-up.
+    pub fn terminates_in_setup(&self, rank: i32) -> bool {
+        self.0.iter().any(|(f, r, _)| *f == Fault::Term && *r == rank)
     }
 
     /// Whether `rank`'s set-up is to fail.
@@ -81,6 +90,9 @@ mod tests {
         let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0,stall-after@1:9:2").unwrap();
         assert_eq!(f.at(0, 4), Some(&Fault::NanGrad));
         assert!(f.setup_fails(1) && !f.setup_fails(0));
+        let term = Faults::parse("term@1:0").unwrap();
+        assert!(term.terminates_in_setup(1) && !term.terminates_in_setup(0) && !f.terminates_in_setup(1));
+        assert_eq!(term.at(1, 0), None);
         assert_eq!(f.at(1, 0), None);
         assert_eq!(f.at(1, 3), Some(&Fault::Nan));
         assert_eq!(f.at(0, 2), Some(&Fault::Stall(Duration::from_millis(1500))));

@@ -593,6 +593,31 @@ fn outputs_on_a_full_disk_leave_no_temporary_file() {
     }
 }
 
+/// A SIGTERM while the job starts (before the run's set-up had installed its handler) killed
+/// the rank, and the job exited 143, the status that says a checkpoint holds the step, with
+/// nothing saved (issue 48). Now it is a stop request: without --checkpoint-dir the run exits
+/// 1 saying nothing was saved; with one, it writes a checkpoint where it stopped and exits 143.
+#[test]
+fn a_sigterm_during_start_up_is_a_stop_that_says_what_was_saved() {
+    let dir = scratch("sigterm-start-up");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.join("r").to_str().unwrap().to_string());
+    let mut args = base(&d, &r, &["--strategy", "ring"]);
+    args.extend(["--steps", "20"]);
+    let fault = [("HPC_TRAIN_FAULT", "term@1:0")];
+    let run = mpirun_env(2, &args, &fault, Duration::from_secs(60));
+    let out = run.all_output();
+    assert_eq!(run.status, Some(1), "{out}");
+    assert_eq!(out.matches("hpc-train: stopped by a signal after step 1 of 20; nothing was saved (no --checkpoint-dir)").count(), 1, "{out}");
+    let ckpt = dir.join("ckpt");
+    args.extend(["--checkpoint-dir", ckpt.to_str().unwrap()]);
+    let run = mpirun_env(2, &args, &fault, Duration::from_secs(60));
+    let out = run.all_output();
+    assert_eq!(run.status, Some(143), "{out}");
+    assert!(out.contains("checkpoint at step 1 in"), "{out}");
+    assert_eq!(checkpoint_steps(&ckpt), vec![1], "{out}");
+}
+
 /// `--profile-dir` on a full disk printed "profile written" and exited 0 with a truncated
 /// rank-R.json.tmp left (issue 48): the run fails with one line naming --profile-dir, every rank
 /// non-zero, nothing left behind and no run recorded.

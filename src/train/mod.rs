@@ -55,6 +55,12 @@ pub use run::RunContext;
 /// with --resume" from success (0) and from failure (1, also for a stop with nothing saved).
 pub const EXIT_STOPPED: i32 = 143;
 
+/// Makes SIGTERM and SIGUSR1 requests to stop from now on, for the commands that train (main
+/// calls it first thing): a failure to install the handlers is reported by the run's set-up.
+pub fn catch_stop_signals() {
+    let _ = run::StopSignal::install();
+}
+
 /// Trains as `args` says on the ranks of `world`; rank 0 returns the run's record (None on the
 /// other ranks, and when nothing was left to train). A run stopped by a signal before its last
 /// step ends in [`Error::Stopped`](crate::error::Error::Stopped) on every rank.
