@@ -162,13 +162,16 @@ fn checkpoints_of_another_run_are_refused_or_accepted_with_reason() {
         assert!(!run.ok(), "resumed despite {reason}");
         assert_eq!(run.all_output().matches(reason).count(), 1, "{}", run.all_output());
     };
-    refused(&["--strategy", "ring", "--model", "resnet18"], &d, "refused: it was made with model \"tiny\"");
+    refused(&["--strategy", "ring", "--model", "resnet18"], &d, "refused: it was made with model tiny, this run uses resnet18");
     refused(&["--strategy", "ring"], other.to_str().unwrap(), "refused: it was made with dataset");
     // Another synchronous strategy and rank count with the same global batch: accepted, logged.
     let mut a = base(&d, &r, &["--strategy", "allreduce"]);
     a.extend(["--steps", "20", "--checkpoint-dir", c, "--resume"]);
     let run = mpirun(3, &a).expect_ok();
     assert!(run.stderr.contains("strategy ring -> allreduce") && run.stderr.contains("ranks 2 -> 3"), "{}", run.stderr);
+    // The longer run's schedule, said in words (it printed `Some(LrSchedule { .. })`, issue 48).
+    assert!(run.stderr.contains("learning-rate schedule peak rate 0.05, constant, 10 steps -> peak rate 0.05, constant, 20 steps"), "{}", run.stderr);
+    assert!(!run.stderr.contains("LrSchedule") && !run.stderr.contains("Some("), "{}", run.stderr);
 }
 
 #[test]
