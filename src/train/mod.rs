@@ -45,7 +45,7 @@ use options::TrainArgs;
 use progress::{LossWindow, Timings};
 use run::{Outcome, Run};
 
-pub use plan::{choose_device, make_current, training_ranks, watchdog_timeout};
+pub use plan::{choose_device, make_current, training_ranks, watchdog_timeout, SIMULATED_GPUS_ENV};
 pub use record::mpi_library;
 pub use run::RunContext;
 
