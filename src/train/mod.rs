@@ -71,6 +71,9 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
         Role::Worker { .. } => run.train()?,
     };
     run.exchange.finish(&mut run.net.params)?;
+    if let Some(tensor_parallel) = &run.tensor_parallel {
+        tensor_parallel.finish()?;
+    }
     run.agree_on_profile(&outcome)?;
     run.record(outcome, context)
 }

@@ -90,6 +90,10 @@ impl RegionAllReduce for GroupAllReduce {
         self.counts.lock().unwrap_or_else(|e| e.into_inner()).add(tensor, started.elapsed());
         Ok(())
     }
+
+    fn finish(&mut self) -> Result<()> {
+        self.exchange.finish(&mut [])
+    }
 }
 
 /// This rank's place in the N = D x T layout, its two communicators' worlds, and its group's
@@ -154,6 +158,12 @@ impl TensorParallel {
             last_step: RegionCounts::default(),
             registered,
         })
+    }
+
+    /// At the run's end, on every rank together: the group's exchange frees its shared
+    /// window, which nothing freed before (issue 48).
+    pub(super) fn finish(&self) -> Result<()> {
+        self.registered.finish()
     }
 
     pub(super) fn split(&self) -> TensorSplit {
