@@ -100,7 +100,10 @@ impl Plan {
                 format!("{:?}", args.precision).to_lowercase()
             )));
         }
-        exchange::check_zero(args.strategy, args.zero, world.size as usize)?;
+        // The ranks the data-parallel exchange runs on: with pipelines or tensor parallelism a
+        // stage's (or place's) D replicas, not the world (12 ranks in 3 stages are D = 4, a power
+        // of two for rhd; issue 48).
+        exchange::check_zero(args.strategy, args.zero, workers)?;
         check_fully_sharded(args, pipeline.is_some())?;
         if args.precision == Precision::Fp16 && args.zero > 0 {
             return Err(Error::usage(format!("--precision fp16 with --zero {}: the loss scaler checks and unscales whole gradients before the optimizer step, which ZeRO shards; use bf16", args.zero)));
