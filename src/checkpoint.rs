@@ -316,16 +316,17 @@ pub fn load(ckpt: &Checkpoint) -> Result<(BTreeMap<String, Tensor>, BTreeMap<Str
 /// computation are refused with the reason; a different rank count or averaging strategy with
 /// the same global batch is the same computation, accepted and returned for the log.
 pub fn check_compatible(saved: &CheckpointMeta, now: &CheckpointMeta) -> std::result::Result<Vec<String>, String> {
-    let refuse = |what: &str, a: &dyn std::fmt::Debug, b: &dyn std::fmt::Debug| Err(format!("it was made with {what} {a:?}, this run uses {b:?}"));
+    // In words and flags, as the user gave them: not Rust's Debug (quoted strings, structs).
+    let refuse = |what: &str, a: &dyn std::fmt::Display, b: &dyn std::fmt::Display| Err(format!("it was made with {what} {a}, this run uses {b}"));
+    let dataset = |m: &CheckpointMeta| {
+        let shape: Vec<String> = m.image_shape.iter().map(|d| d.to_string()).collect();
+        format!("{} ({} training samples of {})", m.dataset, m.train_samples, shape.join("x"))
+    };
     if saved.model != now.model {
         return refuse("model", &saved.model, &now.model);
     }
     if saved.dataset != now.dataset || saved.train_samples != now.train_samples || saved.image_shape != now.image_shape || saved.classes != now.classes {
-        return refuse(
-            "dataset",
-            &(&saved.dataset, saved.train_samples, &saved.image_shape),
-            &(&now.dataset, now.train_samples, &now.image_shape),
-        );
+        return refuse("dataset", &dataset(saved), &dataset(now));
     }
     let mut accepted = Vec::new();
     match (saved.dataset_fingerprint.as_str(), now.dataset_fingerprint.as_str()) {
@@ -369,10 +370,15 @@ pub fn check_compatible(saved: &CheckpointMeta, now: &CheckpointMeta) -> std::re
         ));
     }
     if saved.optimizer != now.optimizer {
-        accepted.push(format!("optimizer settings {:?} -> {:?}", saved.optimizer, now.optimizer));
+        let words = |c: &OptimizerConfig| format!("--lr {} {}", c.lr, c.describe());
+        accepted.push(format!("optimizer settings {} -> {}", words(&saved.optimizer), words(&now.optimizer)));
     }
     if saved.schedule.is_some() && saved.schedule != now.schedule {
-        accepted.push(format!("learning-rate schedule {:?} -> {:?} (the rate of each step follows this run's)", saved.schedule, now.schedule));
+        let words = |m: &CheckpointMeta| match &m.schedule {
+            Some(s) => format!("peak rate {}, {}, {} steps", s.peak, s.describe(m.steps_per_epoch), s.total_steps),
+            None => "none recorded".to_string(),
+        };
+        accepted.push(format!("learning-rate schedule {} -> {} (the rate of each step follows this run's)", words(saved), words(now)));
     }
     if saved.git_commit != now.git_commit {
         accepted.push(format!("binary {} -> {}", saved.git_commit, now.git_commit));
@@ -496,7 +502,17 @@ mod tests {
         assert!(err.contains("--optimizer adamw, this run uses sgd") && err.contains("exp_avg, exp_avg_sq against momentum"), "{err}");
         let scheduled = CheckpointMeta { schedule: Some(LrSchedule::constant(0.1)), ..meta(10) };
         let longer = CheckpointMeta { schedule: Some(LrSchedule { total_steps: 20, ..LrSchedule::constant(0.1) }), ..meta(0) };
-        assert!(check_compatible(&scheduled, &longer).unwrap()[0].contains("learning-rate schedule"));
+        // Said in words and flags, not as Rust's Debug structs (issue 48).
+        let said = check_compatible(&scheduled, &longer).unwrap();
+        assert_eq!(said[0], "learning-rate schedule peak rate 0.1, constant, 1 steps -> peak rate 0.1, constant, 20 steps (the rate of each step follows this run's)");
+        let faster = CheckpointMeta { optimizer: OptimizerConfig { lr: 0.2, ..meta(0).optimizer }, ..meta(0) };
+        let said = check_compatible(&meta(10), &faster).unwrap();
+        assert!(said.iter().any(|s| s.starts_with("optimizer settings --lr 0.1 SGD (momentum") && s.contains("-> --lr 0.2 SGD (momentum")), "{said:?}");
+        assert!(said.iter().all(|s| !s.contains('{') && !s.contains("Some(")), "{said:?}");
+        let other_model = CheckpointMeta { model: "resnet18".into(), ..meta(0) };
+        assert_eq!(check_compatible(&meta(10), &other_model).unwrap_err(), "it was made with model tiny, this run uses resnet18");
+        let other_data = CheckpointMeta { train_samples: 50, ..meta(0) };
+        assert_eq!(check_compatible(&meta(10), &other_data).unwrap_err(), "it was made with dataset d (100 training samples of 1x8x8), this run uses d (50 training samples of 1x8x8)");
         let mut json = serde_json::to_value(meta(10)).unwrap();
         let settings = json.as_object_mut().unwrap().remove("optimizer").unwrap();
         json["sgd"] = serde_json::json!({"lr": settings["lr"], "momentum": settings["momentum"], "weight_decay": settings["weight_decay"]});

@@ -14,7 +14,7 @@ use crate::exchange::options::{Given, PsArgs};
 use crate::project::{FitArgs, ProjectArgs};
 use crate::report::ReportArgs;
 use crate::study::StudyArgs;
-use crate::train::options::TrainArgs;
+use crate::train::options::{DeviceChoice, TrainArgs};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -99,15 +99,46 @@ impl Cli {
         };
         // A list that does not parse is reported after MPI starts; ask for the most meanwhile.
         let any_threaded = |list: &str, ps: &PsArgs| parse_strategies(list).map_or(true, |all| all.into_iter().any(|s| threaded(s, ps)));
+        // A GPU's backward runs the tensor-parallel all-reduce on libtorch's device thread; a
+        // CPU's runs it on the run's own thread, and needs no more than FUNNELED.
+        let tensor_parallel_thread = |train: &TrainArgs| train.tensor_parallel > 1 && may_train_on_a_gpu(train.device);
         let needs_thread = match &self.command {
-            // A GPU's backward runs the tensor-parallel all-reduce on libtorch's device thread.
-            None => threaded(self.train.strategy, &self.train.ps) || self.train.tensor_parallel > 1,
-            Some(Command::Study(a)) => any_threaded(&a.strategies, &a.train.ps) || a.train.tensor_parallel > 1,
+            None => threaded(self.train.strategy, &self.train.ps) || tensor_parallel_thread(&self.train),
+            Some(Command::Study(a)) => any_threaded(&a.strategies, &a.train.ps) || tensor_parallel_thread(&a.train),
             Some(Command::Bench(a)) => any_threaded(&a.strategies, &a.ps),
             // Its cases may be of any strategy.
             Some(Command::Conform(_)) => true,
             Some(Command::Data(_) | Command::Report(_) | Command::Model(_) | Command::Project(_) | Command::Compat(_)) => false,
         };
         if needs_thread { mpi::Threading::Multiple } else { mpi::Threading::Funneled }
+    }
+}
+
+/// Whether `--device` may put the run on a GPU, asked before MPI starts: not with `cpu` or
+/// simulated GPUs (which train on the CPU), else where libtorch sees CUDA. A GPU run that got
+/// less than MULTIPLE all the same is refused by name when its backward calls the exchange
+/// from the device thread (raw/regions.rs).
+fn may_train_on_a_gpu(device: DeviceChoice) -> bool {
+    if device == DeviceChoice::Cpu || std::env::var_os(crate::train::SIMULATED_GPUS_ENV).is_some() {
+        return false;
+    }
+    let _ = crate::raw::load_torch_cuda();
+    tch::Cuda::is_available()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A CPU tensor-parallel run asked for MPI_THREAD_MULTIPLE, which only a GPU's backward
+    /// needs (issue 48): every call then takes a lock in some libraries.
+    #[test]
+    fn only_a_gpu_tensor_parallel_run_asks_for_thread_multiple() {
+        let level = |args: &[&str]| Cli::try_parse_from([&["hpc-train"], args].concat()).unwrap().mpi_threading();
+        assert_eq!(level(&["--model", "vit-tiny", "--tensor-parallel", "2", "--device", "cpu"]), mpi::Threading::Funneled);
+        assert_eq!(level(&["study", "--model", "vit-tiny", "--tensor-parallel", "2", "--device", "cpu", "--strategies", "ring"]), mpi::Threading::Funneled);
+        assert_eq!(level(&["--model", "vit-tiny", "--tensor-parallel", "2", "--device", "cpu", "--strategy", "horovod"]), mpi::Threading::Multiple);
+        let on_a_gpu = if tch::Cuda::is_available() { mpi::Threading::Multiple } else { mpi::Threading::Funneled };
+        assert_eq!(level(&["--model", "vit-tiny", "--tensor-parallel", "2"]), on_a_gpu);
     }
 }

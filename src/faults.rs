@@ -15,6 +15,8 @@
 //! - `error`: that rank's forward fails at that step, as an out-of-memory would: in a pipeline,
 //!   at the last forward of the stage's schedule, with messages to and from its neighbours in
 //!   flight (an error only this rank sees, in the middle of the step).
+//! - `term`: that rank sends itself SIGTERM during set-up, before the data is opened (STEP is
+//!   ignored; a stop requested while the job starts).
 //!
 //! Every step kind (plain, pipelined, `--zero 3`) honours every kind at the same points, through
 //! `train::step::StepFaults`. Nothing happens when the variable is unset; a malformed value, a
@@ -42,6 +44,7 @@ pub enum Fault {
     NanGrad,
     InfGrad,
     Setup,
+    Term,
     Exit,
     Error,
     Stall(Duration),
@@ -63,7 +66,7 @@ impl Faults {
     /// Parses `spec` for a job of `ranks` ranks: a fault on a rank the job lacks would silently
     /// never happen, and a test relying on it would pass for the wrong reason.
     pub fn parse(spec: &str, ranks: i32) -> Result<Faults> {
-        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, error, stall, stall-after or setup)"));
+        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, error, stall, stall-after, setup or term)"));
         let pause = |item: &str, secs: &str| -> Result<Duration> {
             let secs: f64 = secs.parse().map_err(|_| bad(item))?;
             if !(0.0..=MAX_STALL_S).contains(&secs) {
@@ -82,6 +85,7 @@ impl Faults {
                 ("nangrad", None, _) => Fault::NanGrad,
                 ("infgrad", None, _) => Fault::InfGrad,
                 ("setup", None, _) => Fault::Setup,
+                ("term", None, _) => Fault::Term,
                 ("exit", None, _) => Fault::Exit,
                 ("error", None, _) => Fault::Error,
                 ("stall", Some(secs), 3) => Fault::Stall(pause(item, secs)?),
@@ -98,7 +102,12 @@ impl Faults {
 
     /// The fault planned for `rank` at `step`, if any.
     pub fn at(&self, rank: i32, step: u64) -> Option<&Fault> {
-        self.0.iter().find(|(f, r, s)| *r == rank && *s == step && *f != Fault::Setup).map(|(f, _, _)| f)
+        self.0.iter().find(|(f, r, s)| *r == rank && *s == step && !matches!(f, Fault::Setup | Fault::Term)).map(|(f, _, _)| f)
+    }
+
+    /// Whether `rank` is to send itself SIGTERM during set-up.
+    pub fn terminates_in_setup(&self, rank: i32) -> bool {
+        self.0.iter().any(|(f, r, _)| *f == Fault::Term && *r == rank)
     }
 
     /// Whether `rank`'s set-up is to fail.
@@ -116,6 +125,9 @@ mod tests {
         let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0,stall-after@1:9:2,error@2:1,infgrad@2:5", 3).unwrap();
         assert_eq!(f.at(0, 4), Some(&Fault::NanGrad));
         assert!(f.setup_fails(1) && !f.setup_fails(0));
+        let term = Faults::parse("term@1:0", 2).unwrap();
+        assert!(term.terminates_in_setup(1) && !term.terminates_in_setup(0) && !f.terminates_in_setup(1));
+        assert_eq!(term.at(1, 0), None);
         assert_eq!(f.at(1, 0), None);
         assert_eq!(f.at(1, 3), Some(&Fault::Nan));
         assert_eq!(f.at(0, 2), Some(&Fault::Stall(Duration::from_millis(1500))));

@@ -62,7 +62,8 @@ impl Transformer {
 
     /// Parameters outside the layers: the embedding (tied with the logits) and positions.
     pub fn embedding_parameters(&self) -> f64 {
-        ((self.vocab + self.tokens) * self.hidden) as f64
+        // In f64: the sizes are the user's, and their product may not fit a usize.
+        (self.vocab as f64 + self.tokens as f64) * self.hidden as f64
     }
 
     pub fn parameters(&self) -> f64 {
@@ -132,13 +133,15 @@ pub fn plan(shape: &Transformer, setting: &Setting) -> Vec<Planned> {
                 continue;
             }
             let replica_batch = setting.global_batch / data;
-            let mut micro_batch = 1;
-            while micro_batch <= replica_batch {
-                if replica_batch % micro_batch == 0 {
-                    let fits = [false, true].into_iter().map(|recompute| evaluate(shape, setting, data, pipeline, tensor, micro_batch, recompute)).find(|p| p.memory_bytes() <= setting.memory_bytes);
+            // The powers of two up to the replica's batch; the doubling stops where it would
+            // overflow (a batch of 2^64 - 1 would otherwise wrap it to 0).
+            let mut micro_batch = Some(1usize);
+            while let Some(b) = micro_batch.filter(|&b| b <= replica_batch) {
+                if replica_batch % b == 0 {
+                    let fits = [false, true].into_iter().map(|recompute| evaluate(shape, setting, data, pipeline, tensor, b, recompute)).find(|p| p.memory_bytes() <= setting.memory_bytes);
                     out.extend(fits);
                 }
-                micro_batch *= 2;
+                micro_batch = b.checked_mul(2);
             }
         }
     }
@@ -212,8 +215,24 @@ pub fn evaluate(shape: &Transformer, setting: &Setting, data: usize, pipeline: u
     }
 }
 
+/// The divisors of `n` in increasing order, by trial division up to its square root (each
+/// divisor d below it pairs with n / d above it): 2^32 steps at most, where walking 1..=n took
+/// 22 s at n = 2^32 and for ever at 2^64.
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    let (mut low, mut high) = (Vec::new(), Vec::new());
+    let mut d = 1usize;
+    // d <= n / d is d * d <= n without the overflow.
+    while d <= n / d {
+        if n % d == 0 {
+            low.push(d);
+            if d != n / d {
+                high.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    low.extend(high.into_iter().rev());
+    low
 }
 
 #[cfg(test)]
@@ -275,6 +294,32 @@ mod tests {
         let key = |p: &Planned| (p.data, p.pipeline, p.tensor, p.micro_batch);
         assert!(tight.len() < all.len() && tight.iter().all(|p| p.memory_bytes() <= 30e9 && all.iter().any(|q| key(q) == key(p))));
         assert!(tight.iter().any(|p| p.recompute && all.iter().any(|q| key(q) == key(p) && !q.recompute)));
+    }
+
+    #[test]
+    fn divisors_come_in_order_without_walking_to_n() {
+        assert_eq!(divisors(1), vec![1]);
+        assert_eq!(divisors(12), vec![1, 2, 3, 4, 6, 12]);
+        assert_eq!(divisors(36), vec![1, 2, 3, 4, 6, 9, 12, 18, 36]);
+        assert_eq!(divisors(97), vec![1, 97]);
+        for n in 1..500usize {
+            assert_eq!(divisors(n), (1..=n).filter(|d| n % d == 0).collect::<Vec<_>>(), "{n}");
+        }
+        // 2^40 would take minutes walked one by one; 2^20 steps here.
+        assert_eq!(divisors(1 << 40), (0..=40).map(|k| 1usize << k).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_batch_near_the_largest_usize_does_not_wrap_the_micro_batch() {
+        // The doubling of the micro-batch wrapped to 0 and took a remainder by it.
+        let model = a100_cluster();
+        let setting = Setting { model: &model, gpus: 4, per_node: 8, global_batch: usize::MAX, memory_bytes: 1e30, flops_per_gpu: 156e12 };
+        let shape = Transformer { layers: 2, hidden: 64, heads: 2, mlp: 256, tokens: 16, vocab: 100 };
+        let all = plan(&shape, &setting);
+        // 2^64 - 1 is odd: only micro-batches of 1, on one replica (D = 1: T = P = 2).
+        assert!(!all.is_empty() && all.iter().all(|p| p.micro_batch == 1 && p.data == 1), "{all:?}");
+        let wide = Transformer { hidden: usize::MAX / 2, vocab: usize::MAX / 2, ..shape };
+        assert!(wide.embedding_parameters() > 1e37);
     }
 
     #[test]

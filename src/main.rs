@@ -52,6 +52,11 @@ fn main() {
             std::process::exit(e.exit_code());
         }
     };
+    // A stop signal during start-up (MPI's, the run's set-up) is a stop request like one during
+    // training, not the death of the rank.
+    if matches!(cli.command, None | Some(Command::Study(_))) {
+        train::catch_stop_signals();
+    }
     // Each command asks for the thread level it needs: MPI_THREAD_MULTIPLE makes every call take
     // a lock in some libraries (MPICH's global lock, UCX's multi-thread mode), so only the
     // strategies that run a communication thread ask for it (and check what they got).

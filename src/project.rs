@@ -569,17 +569,91 @@ fn boundary_bytes(kind: ModelKind, stages: usize) -> Result<f64> {
     Ok(ranges(&starts, blocks.len())[..stages - 1].iter().map(|r| shapes[r.end - 1].iter().product::<i64>() as f64 * 4.0).fold(0.0, f64::max))
 }
 
-/// `--pipeline-stages` of `project`: stage counts of at least 2.
-fn parse_pipeline_stages(list: &str) -> Result<Vec<usize>> {
-    let stages = if list.trim().is_empty() { Vec::new() } else { crate::study::parse_stages(list)? };
-    match stages.iter().find(|&&p| p < 2) {
-        Some(p) => Err(Error::usage(format!("--pipeline-stages {p}: a projected pipeline has at least 2 stages (data parallelism is projected anyway)"))),
-        None => Ok(stages),
+/// `--pipeline-stages` of `project`: stage counts of at least 2, each dividing at least one of
+/// the rank counts (a pipeline is projected only at the counts it divides).
+fn parse_pipeline_stages(list: &str, ranks: &[usize]) -> Result<Vec<usize>> {
+    let stages = if list.trim().is_empty() { Vec::new() } else { crate::study::parse_counts(list, "--pipeline-stages", "number of pipeline stages")? };
+    if let Some(p) = stages.iter().find(|&&p| p < 2) {
+        return Err(Error::usage(format!("--pipeline-stages {p}: a projected pipeline has at least 2 stages (data parallelism is projected anyway)")));
+    }
+    let dividing_nothing: Vec<String> = stages.iter().filter(|&&p| !ranks.iter().any(|&n| n % p == 0)).map(|p| p.to_string()).collect();
+    if !dividing_nothing.is_empty() {
+        let ranks: Vec<String> = ranks.iter().map(|n| n.to_string()).collect();
+        return Err(Error::usage(format!(
+            "--pipeline-stages {}: divides none of the rank counts of --ranks {} (a pipeline of P stages is projected at the rank counts that P divides)",
+            dividing_nothing.join(","),
+            ranks.join(",")
+        )));
+    }
+    Ok(stages)
+}
+
+/// The most GPUs `--plan` lays out: 2^24, a hundred times the largest machines built; its
+/// divisors are found in 2^12 steps (2^64 - 1 would take 2^32).
+const MOST_GPUS: usize = 1 << 24;
+
+/// `project`'s own flags, named as project names them: values that would write tables of NaN
+/// (a compute time of 0), wrap (sizes near 2^64) or project nothing are refused here.
+/// Returns the rank counts of the scaling tables.
+fn check_flags(args: &ProjectArgs) -> Result<Vec<usize>> {
+    let at_least_one = |value: usize, flag: &str| if value >= 1 { Ok(()) } else { Err(Error::usage(format!("--{flag} 0: expected at least 1"))) };
+    if let Some(per_node) = args.ranks_per_node {
+        at_least_one(per_node, "ranks-per-node")?;
+    }
+    if args.plan {
+        let preset = preset_of(args.transformer);
+        for (value, flag) in [(args.layers, "layers"), (args.hidden, "hidden"), (args.heads, "heads"), (args.tokens, "tokens"), (args.vocab, "vocab")] {
+            if let Some(v) = value {
+                at_least_one(v, flag)?;
+            }
+        }
+        at_least_one(args.gpus, "gpus")?;
+        at_least_one(args.global_batch, "global-batch")?;
+        if args.gpus > MOST_GPUS {
+            return Err(Error::usage(format!("--gpus {}: at most {MOST_GPUS} (2^24) GPUs are laid out", args.gpus)));
+        }
+        if let Some(hidden) = args.hidden {
+            if hidden.checked_mul(preset.mlp / preset.hidden).is_none() {
+                return Err(Error::usage(format!("--hidden {hidden}: too wide (its MLP of {} x {hidden} does not fit in 64 bits)", preset.mlp / preset.hidden)));
+            }
+        }
+        return Ok(Vec::new());
+    }
+    if let Some(ms) = args.compute_ms {
+        if !(ms.is_finite() && ms > 0.0) {
+            return Err(Error::usage(format!("--compute-ms {ms}: expected a positive number of milliseconds")));
+        }
+    }
+    if !(0.0..=1.0).contains(&args.backward_share) {
+        return Err(Error::usage(format!("--backward-share {}: expected a share of compute from 0 to 1", args.backward_share)));
+    }
+    if !(args.bucket_mb.is_finite() && args.bucket_mb > 0.0) {
+        return Err(Error::usage(format!("--bucket-mb {}: expected a positive number of MiB", args.bucket_mb)));
+    }
+    at_least_one(args.batch, "batch")?;
+    at_least_one(args.micro_batches, "micro-batches")?;
+    at_least_one(args.servers, "servers")?;
+    let ranks = crate::study::parse_counts(&args.ranks, "--ranks", "rank count")?;
+    // The tables count the samples of every rank: N x --batch must be a count.
+    if let Some(&n) = ranks.iter().find(|&&n| n.checked_mul(args.batch).is_none()) {
+        return Err(Error::usage(format!("--ranks {n}: {n} ranks of --batch {} samples each do not fit in 64 bits", args.batch)));
+    }
+    parse_pipeline_stages(&args.pipeline_stages, &ranks)?;
+    Ok(ranks)
+}
+
+fn preset_of(kind: TransformerKind) -> Transformer {
+    match kind {
+        TransformerKind::Gpt3 => Transformer::GPT3_175B,
+        TransformerKind::Megatron145b => Transformer::MEGATRON_145B,
+        TransformerKind::VitH14 => Transformer::VIT_H14,
+        TransformerKind::VitB16 => Transformer::VIT_B16,
     }
 }
 
 /// `hpc-train project`.
 pub fn project(args: &ProjectArgs) -> Result<()> {
+    let ranks = check_flags(args)?;
     let profile = Profile::load(&args.profile)?;
     let base = args.profile.parent().unwrap_or(Path::new("."));
     let (model, mpi_allreduce) = profile.model(base).or_else(|_| profile.model(Path::new(".")))?;
@@ -587,7 +661,6 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
     if args.plan {
         return plan_layouts(args, &profile, &model, per_node);
     }
-    let ranks = crate::study::parse_ranks(&args.ranks, usize::MAX)?;
     let compute_s = match (args.compute_ms, &args.from_runs) {
         (Some(ms), _) => ms * 1e-3,
         (None, Some(runs)) => compute_from_runs(runs, args)?,
@@ -624,8 +697,8 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
         }
     }
     // Pipelined layouts (issue 36), beside the data-parallel ones.
-    let micro = args.micro_batches.max(1);
-    for stages in parse_pipeline_stages(&args.pipeline_stages)? {
+    let micro = args.micro_batches;
+    for stages in parse_pipeline_stages(&args.pipeline_stages, &ranks)? {
         let bytes = boundary_bytes(args.model, stages)?;
         for &n in ranks.iter().filter(|&&n| n % stages == 0) {
             let layout = Layout { ranks: n, per_node: per_node.min(n) };
@@ -674,28 +747,20 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
 /// `project --plan`: the layouts that fit, fastest first, as a table (the first --show) and
 /// JSON lines (all).
 fn plan_layouts(args: &ProjectArgs, profile: &Profile, model: &CostModel, per_node: usize) -> Result<()> {
-    let preset = match args.transformer {
-        TransformerKind::Gpt3 => Transformer::GPT3_175B,
-        TransformerKind::Megatron145b => Transformer::MEGATRON_145B,
-        TransformerKind::VitH14 => Transformer::VIT_H14,
-        TransformerKind::VitB16 => Transformer::VIT_B16,
-    };
+    let preset = preset_of(args.transformer);
     let hidden = args.hidden.unwrap_or(preset.hidden);
     // A changed width keeps the preset's MLP ratio.
     let shape = Transformer {
         layers: args.layers.unwrap_or(preset.layers),
         hidden,
         heads: args.heads.unwrap_or(preset.heads),
-        mlp: preset.mlp * hidden / preset.hidden,
+        mlp: preset.mlp / preset.hidden * hidden,
         tokens: args.tokens.unwrap_or(preset.tokens),
         vocab: args.vocab.unwrap_or(preset.vocab),
     };
     let positive = |v: f64, flag: &str| if v.is_finite() && v > 0.0 { Ok(v) } else { Err(Error::usage(format!("--{flag} {v}: expected a positive number"))) };
-    if [shape.layers, shape.hidden, shape.heads, shape.tokens, args.gpus, args.global_batch].contains(&0) {
-        return Err(Error::usage("--plan: --layers, --hidden, --heads, --tokens, --gpus and --global-batch must be at least 1"));
-    }
     if shape.hidden % shape.heads != 0 {
-        return Err(Error::usage(format!("--plan: width {} is not a multiple of the {} heads", shape.hidden, shape.heads)));
+        return Err(Error::usage(format!("--hidden {}: not a multiple of the {} heads (--heads)", shape.hidden, shape.heads)));
     }
     let setting = Setting {
         model,
@@ -980,7 +1045,55 @@ mod tests {
         assert_eq!(more.exchange_s, 0.0);
         assert!(more.step_s < fewer.step_s);
         assert!(boundary_bytes(ModelKind::Resnet18, 2).unwrap() > 0.0);
-        assert!(parse_pipeline_stages("1,2").unwrap_err().to_string().contains("at least 2 stages"));
-        assert!(parse_pipeline_stages("").unwrap().is_empty());
+        assert!(parse_pipeline_stages("1,2", &[2]).unwrap_err().to_string().contains("at least 2 stages"));
+        assert!(parse_pipeline_stages("", &[2]).unwrap().is_empty());
+    }
+
+    fn project_args(extra: &[&str]) -> ProjectArgs {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Command {
+            #[command(flatten)]
+            project: ProjectArgs,
+        }
+        let mut argv = vec!["project", "--profile", "p.toml"];
+        argv.extend(extra);
+        Command::try_parse_from(argv).unwrap().project
+    }
+
+    /// Each of project's flags is checked under its own name (issue 48): no table of NaN from a
+    /// compute time of 0, no wrapped widths, no stage count that projects nothing, and no word
+    /// of study's --stages or of "this launch".
+    #[test]
+    fn project_refuses_its_own_flags_by_their_own_names() {
+        let refused = |extra: &[&str]| check_flags(&project_args(extra)).unwrap_err().to_string();
+        assert_eq!(check_flags(&project_args(&["--compute-ms", "5", "--ranks", "1,4", "--pipeline-stages", "2"])).unwrap(), vec![1, 4]);
+        for (extra, message) in [
+            (&["--compute-ms", "0"][..], "--compute-ms 0: expected a positive number of milliseconds"),
+            (&["--compute-ms", "NaN"], "--compute-ms NaN: expected a positive number of milliseconds"),
+            (&["--compute-ms", "inf"], "--compute-ms inf: expected"),
+            (&["--backward-share", "2"], "--backward-share 2: expected a share of compute from 0 to 1"),
+            (&["--backward-share", "NaN"], "--backward-share NaN:"),
+            (&["--bucket-mb", "0"], "--bucket-mb 0: expected a positive number of MiB"),
+            (&["--micro-batches", "0"], "--micro-batches 0: expected at least 1"),
+            (&["--batch", "0"], "--batch 0: expected at least 1"),
+            (&["--servers", "0"], "--servers 0: expected at least 1"),
+            (&["--ranks-per-node", "0"], "--ranks-per-node 0: expected at least 1"),
+            (&["--ranks", "0"], "--ranks: \"0\" is not a rank count (1 or more)"),
+            (&["--ranks", "18446744073709551615"], "--ranks 18446744073709551615: 18446744073709551615 ranks of --batch 256 samples each do not fit in 64 bits"),
+            (&["--pipeline-stages", "x"], "--pipeline-stages: \"x\" is not a number of pipeline stages"),
+            (&["--ranks", "1,2,4", "--pipeline-stages", "2,3"], "--pipeline-stages 3: divides none of the rank counts of --ranks 1,2,4"),
+            (&["--plan", "--vocab", "0"], "--vocab 0: expected at least 1"),
+            (&["--plan", "--layers", "0"], "--layers 0: expected at least 1"),
+            (&["--plan", "--global-batch", "0"], "--global-batch 0: expected at least 1"),
+            (&["--plan", "--gpus", "18446744073709551615"], "--gpus 18446744073709551615: at most 16777216 (2^24) GPUs are laid out"),
+            (&["--plan", "--hidden", "18446744073709551615"], "--hidden 18446744073709551615: too wide"),
+        ] {
+            let message_got = refused(extra);
+            assert!(message_got.starts_with(message), "{extra:?}: {message_got}");
+            assert!(!message_got.contains("--stages") && !message_got.contains("launch"), "{message_got}");
+        }
+        // The largest plan allowed and a batch near 2^64 pass the check (and plan quickly: layouts.rs).
+        assert!(check_flags(&project_args(&["--plan", "--gpus", "16777216", "--global-batch", "18446744073709551615"])).is_ok());
     }
 }

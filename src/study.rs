@@ -168,6 +168,17 @@ struct Point {
 /// runs: a sweep that would stop at its twentieth point (ps's workers are the ranks less its
 /// servers) stops before its first, naming every point it does not divide.
 fn plan_points(ranks: &[usize], strategies: &[StrategyKind], stage_counts: &[usize], train: &TrainArgs, faults: bool) -> Result<(Vec<Point>, Vec<(log::Level, String)>)> {
+    // A stage count that divides no rank count would run no point at all, and a study of only
+    // such counts ran nothing and exited 0.
+    let dividing_nothing: Vec<String> = stage_counts.iter().filter(|&&p| !ranks.iter().any(|&n| n % p == 0)).map(|p| p.to_string()).collect();
+    if !dividing_nothing.is_empty() {
+        let ranks: Vec<String> = ranks.iter().map(|n| n.to_string()).collect();
+        return Err(Error::usage(format!(
+            "--stages {}: divides none of the rank counts of --ranks {} (a pipeline of P stages runs at the rank counts that P divides)",
+            dividing_nothing.join(","),
+            ranks.join(",")
+        )));
+    }
     let mut points = Vec::new();
     let mut left_out = Vec::new();
     let mut indivisible = Vec::new();
@@ -206,28 +217,38 @@ fn plan_points(ranks: &[usize], strategies: &[StrategyKind], stage_counts: &[usi
             indivisible.join(", ")
         )));
     }
+    if points.is_empty() {
+        let notes: Vec<&str> = left_out.iter().map(|(_, note)| note.as_str()).collect();
+        return Err(Error::usage(format!("the study has no point to run: {}", notes.join("; "))));
+    }
     Ok((points, left_out))
 }
 
 /// Rank 0's string on every rank.
 /// `--stages 1,2,4`: pipeline stage counts, each at least 1.
 pub fn parse_stages(list: &str) -> Result<Vec<usize>> {
-    let mut stages = Vec::new();
+    parse_counts(list, "--stages", "number of pipeline stages")
+}
+
+/// A comma-separated list of counts of 1 or more, sorted without repeats; errors name `flag`
+/// (study's --stages and project's --ranks and --pipeline-stages share it).
+pub fn parse_counts(list: &str, flag: &str, what: &str) -> Result<Vec<usize>> {
+    let mut counts = Vec::new();
     for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         match item.parse::<usize>() {
-            Ok(p) if p >= 1 => {
-                if !stages.contains(&p) {
-                    stages.push(p);
+            Ok(n) if n >= 1 => {
+                if !counts.contains(&n) {
+                    counts.push(n);
                 }
             }
-            _ => return Err(Error::usage(format!("--stages: {item:?} is not a number of pipeline stages (1 or more)"))),
+            _ => return Err(Error::usage(format!("{flag}: {item:?} is not a {what} (1 or more)"))),
         }
     }
-    if stages.is_empty() {
-        return Err(Error::usage("--stages: name at least one stage count"));
+    if counts.is_empty() {
+        return Err(Error::usage(format!("{flag}: name at least one {what}")));
     }
-    stages.sort_unstable();
-    Ok(stages)
+    counts.sort_unstable();
+    Ok(counts)
 }
 
 fn broadcast_string(world: &World, value: String) -> String {
@@ -285,6 +306,16 @@ mod tests {
         let (points, left_out) = plan_points(&[2, 8], &parse_strategies("ring").unwrap(), &[1, 4], &piped, false).unwrap();
         assert_eq!(points.len(), 3, "{points:?}");
         assert!(matches!(left_out.as_slice(), [(log::Level::Info, note)] if note.contains("4 pipeline stage(s) at 2 rank(s)")), "{left_out:?}");
+        // A stage count that divides no rank count is refused by name, before any runs.
+        let ring = parse_strategies("ring").unwrap();
+        let err = plan_points(&[1, 2, 4], &ring, &[3], &train_args(&[]), false).unwrap_err().to_string();
+        assert_eq!(err, "--stages 3: divides none of the rank counts of --ranks 1,2,4 (a pipeline of P stages runs at the rank counts that P divides)");
+        let err = plan_points(&[2, 4], &ring, &[1, 2, 3, 5], &train_args(&[]), false).unwrap_err().to_string();
+        assert!(err.starts_with("--stages 3,5: divides none"), "{err}");
+        assert_eq!(plan_points(&[2, 3], &ring, &[2, 3], &train_args(&[]), false).unwrap().0.len(), 2);
+        // A study whose every point is left out is refused too, saying why.
+        let err = plan_points(&[1], &parse_strategies("ps").unwrap(), &[1], &train_args(&[]), false).unwrap_err().to_string();
+        assert!(err.starts_with("the study has no point to run: skipping ps at 1 rank(s)"), "{err}");
         let piped = train_args(&["--scaling", "strong", "--global-batch", "4"]);
         let err = plan_points(&[2, 8], &parse_strategies("ring").unwrap(), &[1, 4], &piped, false).unwrap_err().to_string();
         assert!(err.contains("ring at 8 rank(s) has 8") && !err.contains("4 stages at 8 rank(s)"), "{err}");

@@ -212,6 +212,9 @@ fn sgd_settings_out_of_range_are_refused() {
     expect_failure(&with(d, r, &[("--momentum", "NaN")]), "--momentum NaN: expected 0 <= momentum < 1");
     let negative_decay = [&base(d, r)[..], &["--weight-decay=-100"]].concat();
     expect_failure(&negative_decay, "--weight-decay -100: expected a finite weight decay of 0 or more");
+    // Beyond f32 (the parameters' type): these ended in "non-finite loss" naming no flag (issue 48).
+    expect_failure(&with(d, r, &[("--lr", "1e39")]), "--lr 1e39: beyond the largest f32");
+    expect_failure(&with(d, r, &[("--weight-decay", "1e300")]), "--weight-decay 1e300: beyond the largest f32");
 }
 
 /// Options that the chosen strategy never reads were silently ignored (`--timeline` with ring
@@ -265,6 +268,10 @@ fn a_strong_study_whose_batch_does_not_split_at_a_point_stops_before_it_starts()
     let message = "--global-batch 8 does not divide evenly among the training ranks of every point of the study (strong scaling splits it evenly): ps at 4 rank(s) has 3;";
     assert_eq!(run.all_output().matches(message).count(), 1, "{}", run.all_output());
     assert!(!dir.join("r").join("runs.jsonl").exists(), "a point ran before the study stopped:\n{}", run.all_output());
+    // A stage count that divides no rank count ran nothing and exited 0 (issue 48).
+    let args = ["study", "--ranks", "1,2", "--strategies", "ring", "--stages", "3", "--model", "tiny", "--data", d, "--results", r, "--steps", "1", "--no-eval"];
+    let run = expect_failure(&args, "--stages 3: divides none of the rank counts of --ranks 1,2");
+    assert!(!dir.join("r").join("runs.jsonl").exists(), "{}", run.all_output());
 }
 
 /// `--save-weights` pointing at the `--data` file overwrote the dataset.
@@ -349,4 +356,32 @@ fn a_bench_of_no_iterations_and_rows_of_no_time_are_refused() {
     let message = format!("{}:2: the ring row of 8192 bytes on 2 rank(s) has time_us 0, not a positive measurement", bench.display());
     assert_eq!(run.all_output().matches(&message).count(), 1, "{}", run.all_output());
     assert!(!out.exists());
+}
+
+/// Issue 48's probes of `project`: a global batch near 2^64 plans (its micro-batch doubled and
+/// wrapped to 0, a remainder by zero), 2^64 - 1 GPUs is refused at once (its divisors took for
+/// ever), and project's flags are refused under their own names, exit 1.
+#[test]
+fn project_probes_end_in_a_plan_or_one_line_naming_the_flag() {
+    let out = scratch("project-probes");
+    let profile = root().join("jobs/clusters/dgx-a100-hdr.toml");
+    let project = |extra: &[&str]| {
+        let mut args = vec!["project", "--profile", profile.to_str().unwrap(), "--out", out.to_str().unwrap()];
+        args.extend(extra);
+        hpc_train(&args)
+    };
+    let run = project(&["--plan", "--global-batch", "18446744073709551615"]);
+    assert!(run.ok() && run.stdout.contains("(fastest)") && !run.all_output().contains("panicked"), "{}", run.all_output());
+    for (extra, message) in [
+        (&["--plan", "--gpus", "18446744073709551615"][..], "--gpus 18446744073709551615: at most 16777216 (2^24) GPUs"),
+        (&["--plan", "--vocab", "0"], "--vocab 0: expected at least 1"),
+        (&["--compute-ms", "NaN"], "--compute-ms NaN: expected a positive number of milliseconds"),
+        (&["--compute-ms", "1", "--ranks", "1,2,4", "--pipeline-stages", "3"], "--pipeline-stages 3: divides none of the rank counts of --ranks 1,2,4"),
+    ] {
+        let run = project(extra);
+        let all = run.all_output();
+        assert!(!run.ok() && run.elapsed < Duration::from_secs(20), "{extra:?}: {all}");
+        assert_eq!(all.matches(message).count(), 1, "{extra:?}: {all}");
+        assert_eq!(all.lines().count(), 1, "{extra:?}: {all}");
+    }
 }

@@ -151,8 +151,8 @@ fn the_plan_lists_the_layouts_that_fit_fastest_first() {
     assert!(run.stdout.contains("No layout fits"), "{}", run.stdout);
     for (extra, message) in [
         (vec!["--gpu-tflops", "0"], "--gpu-tflops 0: expected a positive number"),
-        (vec!["--heads", "7"], "width 12288 is not a multiple of the 7 heads"),
-        (vec!["--tokens", "0"], "must be at least 1"),
+        (vec!["--heads", "7"], "--hidden 12288: not a multiple of the 7 heads (--heads)"),
+        (vec!["--tokens", "0"], "--tokens 0: expected at least 1"),
     ] {
         let run = plan(&extra);
         assert!(!run.ok() && run.all_output().contains(message), "{extra:?}: {}", run.all_output());

@@ -162,13 +162,16 @@ fn checkpoints_of_another_run_are_refused_or_accepted_with_reason() {
         assert!(!run.ok(), "resumed despite {reason}");
         assert_eq!(run.all_output().matches(reason).count(), 1, "{}", run.all_output());
     };
-    refused(&["--strategy", "ring", "--model", "resnet18"], &d, "refused: it was made with model \"tiny\"");
+    refused(&["--strategy", "ring", "--model", "resnet18"], &d, "refused: it was made with model tiny, this run uses resnet18");
     refused(&["--strategy", "ring"], other.to_str().unwrap(), "refused: it was made with dataset");
     // Another synchronous strategy and rank count with the same global batch: accepted, logged.
     let mut a = base(&d, &r, &["--strategy", "allreduce"]);
     a.extend(["--steps", "20", "--checkpoint-dir", c, "--resume"]);
     let run = mpirun(3, &a).expect_ok();
     assert!(run.stderr.contains("strategy ring -> allreduce") && run.stderr.contains("ranks 2 -> 3"), "{}", run.stderr);
+    // The longer run's schedule, said in words (it printed `Some(LrSchedule { .. })`, issue 48).
+    assert!(run.stderr.contains("learning-rate schedule peak rate 0.05, constant, 10 steps -> peak rate 0.05, constant, 20 steps"), "{}", run.stderr);
+    assert!(!run.stderr.contains("LrSchedule") && !run.stderr.contains("Some("), "{}", run.stderr);
 }
 
 #[test]
@@ -591,6 +594,53 @@ fn outputs_on_a_full_disk_leave_no_temporary_file() {
             _ => assert!(left.is_empty(), "{strategy} left {left:?}:\n{out}"),
         }
     }
+}
+
+/// A SIGTERM while the job starts (before the run's set-up had installed its handler) killed
+/// the rank, and the job exited 143, the status that says a checkpoint holds the step, with
+/// nothing saved (issue 48). Now it is a stop request: without --checkpoint-dir the run exits
+/// 1 saying nothing was saved; with one, it writes a checkpoint where it stopped and exits 143.
+#[test]
+fn a_sigterm_during_start_up_is_a_stop_that_says_what_was_saved() {
+    let dir = scratch("sigterm-start-up");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.join("r").to_str().unwrap().to_string());
+    let mut args = base(&d, &r, &["--strategy", "ring"]);
+    args.extend(["--steps", "20"]);
+    let fault = [("HPC_TRAIN_FAULT", "term@1:0")];
+    let run = mpirun_env(2, &args, &fault, Duration::from_secs(60));
+    let out = run.all_output();
+    assert_eq!(run.status, Some(1), "{out}");
+    assert_eq!(out.matches("hpc-train: stopped by a signal after step 1 of 20; nothing was saved (no --checkpoint-dir)").count(), 1, "{out}");
+    let ckpt = dir.join("ckpt");
+    args.extend(["--checkpoint-dir", ckpt.to_str().unwrap()]);
+    let run = mpirun_env(2, &args, &fault, Duration::from_secs(60));
+    let out = run.all_output();
+    assert_eq!(run.status, Some(143), "{out}");
+    assert!(out.contains("checkpoint at step 1 in"), "{out}");
+    assert_eq!(checkpoint_steps(&ckpt), vec![1], "{out}");
+}
+
+/// `--profile-dir` on a full disk printed "profile written" and exited 0 with a truncated
+/// rank-R.json.tmp left (issue 48): the run fails with one line naming --profile-dir, every rank
+/// non-zero, nothing left behind and no run recorded.
+#[test]
+fn a_profile_on_a_full_disk_fails_the_run_and_leaves_nothing() {
+    let dir = scratch("full-profile");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.join("r").to_str().unwrap().to_string());
+    let disk = dir.join("disk");
+    let profiles = disk.join("p");
+    let mut args = base(&d, &r, &["--strategy", "ring"]);
+    args.extend(["--steps", "4", "--profile-dir", profiles.to_str().unwrap()]);
+    let (run, left) = mpirun_with_tmpfs_listing(2, &args, &disk, "8k", Duration::from_secs(60));
+    let out = run.all_output();
+    assert!(!run.ok() && !run.timed_out, "{out}");
+    let message = format!("--profile-dir {}: the profiler could not write rank-", profiles.display());
+    assert_eq!(out.matches(&message).count(), 1, "{out}");
+    assert!(!out.contains("written to") && !out.contains("panicked"), "{out}");
+    assert_eq!(left, vec!["p".to_string()], "{out}");
+    assert!(!dir.join("r").join("runs.jsonl").exists(), "{out}");
 }
 
 /// With overlap, a non-finite gradient is found at the end of the step, after the exchange has

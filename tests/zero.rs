@@ -169,3 +169,23 @@ fn zero_with_another_strategy_is_refused() {
     let run = hpc_train(&["--data", d, "--zero", "4"]);
     assert!(!run.ok() && run.all_output().contains("--zero"), "{}", run.all_output());
 }
+
+/// `--zero` with rhd and pipelines was checked against the world, not the D replicas the
+/// exchange runs on (issue 48): 6 ranks in 3 stages are D = 2, a power of two, and train; in 2
+/// stages they are D = 3, refused naming the 3 ranks.
+#[test]
+fn zero_with_rhd_is_checked_against_the_stages_replicas() {
+    let dir = scratch("zero-rhd-stages");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap(), dir.join("r"));
+    let r = r.to_str().unwrap();
+    let run = |stages: &str| {
+        let a = args(d, "2", &["--results", r, "--pipeline-stages", stages, "--micro-batches", "2", "--strategy", "rhd", "--zero", "1"]);
+        mpirun_env(6, &a, &[], std::time::Duration::from_secs(120))
+    };
+    run("3").expect_ok();
+    let refused = run("2");
+    let out = refused.all_output();
+    assert!(!refused.ok(), "{out}");
+    assert_eq!(out.matches("--zero 1 with --strategy rhd on 3 ranks").count(), 1, "{out}");
+}

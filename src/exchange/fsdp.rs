@@ -423,6 +423,17 @@ impl Exchange for FullyShardedExchange {
         self.role
     }
 
+    /// Every rank is here together: the shard group's exchange and (hybrid) the replicas' free
+    /// what they hold, such as the ring's node-shared window, which the default (nothing)
+    /// left to a drop (issue 48).
+    fn finish(&mut self, params: &mut [Tensor]) -> Result<()> {
+        self.shards.finish(params)?;
+        match &mut self.replicas {
+            Some(replicas) => replicas.finish(params),
+            None => Ok(()),
+        }
+    }
+
     fn waits_for(&self) -> String {
         self.shards.waits_for()
     }

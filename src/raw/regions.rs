@@ -30,6 +30,12 @@ extern "C" {
 /// Sums a tensor over a tensor-parallel group, in place.
 pub trait RegionAllReduce {
     fn all_reduce(&mut self, tensor: &mut Tensor) -> Result<()>;
+
+    /// Called by every rank of the group together once the run ends: frees what the reducer
+    /// holds (a ring's node-shared window).
+    fn finish(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 struct Registered {
@@ -67,6 +73,17 @@ pub struct RegisteredGroup(RegionGroup);
 impl RegisteredGroup {
     pub fn group(&self) -> RegionGroup {
         self.0
+    }
+}
+
+impl RegisteredGroup {
+    /// The group's reducer's `finish`, on every rank of the group together.
+    pub fn finish(&self) -> Result<()> {
+        let registered = GROUPS.lock().unwrap_or_else(|e| e.into_inner()).get(self.0 .0 as usize).cloned().flatten();
+        match registered {
+            Some(registered) => registered.reducer.lock().unwrap_or_else(|e| e.into_inner()).finish(),
+            None => Ok(()),
+        }
     }
 }
 
@@ -198,5 +215,29 @@ mod tests {
         drop(registered);
         let err = group.reduce_from(&Tensor::ones([2], (Kind::Float, Device::Cpu))).unwrap_err().to_string();
         assert!(err.contains("not registered"), "{err}");
+    }
+
+    /// A reducer whose `finish` frees what it holds: counted here.
+    struct Finishing(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+    impl RegionAllReduce for Finishing {
+        fn all_reduce(&mut self, _tensor: &mut Tensor) -> Result<()> {
+            Ok(())
+        }
+
+        fn finish(&mut self) -> Result<()> {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(())
+        }
+    }
+
+    /// The group's exchange was never finished, its shared window never freed (issue 48): the
+    /// registered group hands `finish` to its reducer.
+    #[test]
+    fn finishing_a_group_finishes_its_reducer() {
+        let finished = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let registered = register_group(Box::new(Finishing(finished.clone())), mpi::Threading::Single);
+        registered.finish().unwrap();
+        assert_eq!(finished.load(std::sync::atomic::Ordering::Relaxed), 1);
     }
 }

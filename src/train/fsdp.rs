@@ -87,12 +87,21 @@ impl UnitWorker {
     }
 
     pub(super) fn send(&self, job: Job) -> Result<()> {
-        self.jobs.as_ref().expect("open until dropped").send(job).map_err(|_| Error::exchange("zero 3", "the compute thread has ended"))
+        self.jobs.as_ref().expect("open until dropped").send(job).map_err(|_| self.ended())
     }
 
     /// The result of the job sent last.
     pub(super) fn wait(&self) -> Result<Done> {
-        self.done.recv().map_err(|_| Error::exchange("zero 3", "the compute thread has ended"))?
+        self.done.recv().map_err(|_| self.ended())?
+    }
+
+    /// Why the thread has ended: the error it left behind (a device it could not make current
+    /// at its start), which a closed channel alone lost (issue 48).
+    fn ended(&self) -> Error {
+        match self.done.try_recv() {
+            Ok(Err(cause)) => Error::exchange("zero 3", format!("the compute thread has ended: {cause}")),
+            _ => Error::exchange("zero 3", "the compute thread has ended"),
+        }
     }
 }
 
@@ -166,5 +175,26 @@ impl FullySharded {
             fsdp::peak_gathered_elements(&self.units, self.prefetch),
             if self.prefetch { "on (the next unit gathers while one computes)" } else { "off" }
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A compute thread that cannot start (no such GPU) says why, on the first job sent or
+    /// waited for, whichever meets its end first.
+    #[test]
+    fn a_compute_thread_that_cannot_start_says_why() {
+        let worker = UnitWorker::spawn(Vec::new(), Vec::new(), Device::Cuda(99), Precision::Fp32).unwrap();
+        // Its end first, so that the send meets the closed channel (where the cause was lost).
+        let started = Instant::now();
+        while !worker.thread.as_ref().unwrap().is_finished() {
+            assert!(started.elapsed() < Duration::from_secs(30), "the thread started on cuda:99");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let job = Job::Forward { unit: 0, input: Tensor::zeros([1], (Kind::Float, Device::Cpu)), train: false };
+        let err = worker.send(job).unwrap_err().to_string();
+        assert!(err.starts_with("zero 3: the compute thread has ended: making cuda:99 the current device"), "{err}");
     }
 }

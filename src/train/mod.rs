@@ -34,7 +34,7 @@ mod tensor;
 
 use std::time::Instant;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::exchange::Role;
 use crate::raw;
 use crate::results::RunRecord;
@@ -45,7 +45,7 @@ use options::TrainArgs;
 use progress::{LossWindow, Timings};
 use run::{Outcome, Run};
 
-pub use plan::{choose_device, features_and_kinds, make_current, training_ranks, watchdog_timeout};
+pub use plan::{choose_device, features_and_kinds, make_current, training_ranks, watchdog_timeout, SIMULATED_GPUS_ENV};
 pub use record::mpi_library;
 pub use run::RunContext;
 
@@ -54,6 +54,12 @@ pub use run::RunContext;
 /// killed by SIGTERM reports (Horovod's does), so that a job script can tell "stopped, continue
 /// with --resume" from success (0) and from failure (1, also for a stop with nothing saved).
 pub const EXIT_STOPPED: i32 = 143;
+
+/// Makes SIGTERM and SIGUSR1 requests to stop from now on, for the commands that train (main
+/// calls it first thing): a failure to install the handlers is reported by the run's set-up.
+pub fn catch_stop_signals() {
+    let _ = run::StopSignal::install();
+}
 
 /// Trains as `args` says on the ranks of `world`; rank 0 returns the run's record (None on the
 /// other ranks, and when nothing was left to train). A run stopped by a signal before its last
@@ -65,10 +71,29 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
         Role::Worker { .. } => run.train()?,
     };
     run.exchange.finish(&mut run.net.params)?;
+    if let Some(tensor_parallel) = &run.tensor_parallel {
+        tensor_parallel.finish()?;
+    }
+    run.agree_on_profile(&outcome)?;
     run.record(outcome, context)
 }
 
 impl Run<'_> {
+    /// Every rank's trace written, or the run fails (one line, from the lowest rank whose write
+    /// failed) before its record: a profile asked for and lost is not a success. Collective, on
+    /// every rank of the run (servers have no trace).
+    fn agree_on_profile(&self, outcome: &Outcome) -> Result<()> {
+        let local = match &outcome.profile {
+            Some(Err(reason)) => Err(Error::Results(reason.clone())),
+            _ => Ok(()),
+        };
+        self.world.agree(local)?;
+        if let (true, Some(Ok(line))) = (self.world.is_root(), &outcome.profile) {
+            log::info!("{line}");
+        }
+        Ok(())
+    }
+
     fn outcome(&self) -> Outcome {
         Outcome {
             totals: Timings::default(),
@@ -81,6 +106,7 @@ impl Run<'_> {
             last_step: self.first_step,
             saved_at: self.resumed_at,
             stopped: false,
+            profile: None,
         }
     }
 
@@ -150,6 +176,7 @@ impl Run<'_> {
         }
         state.progress.finish();
         state.profile.finish()?;
+        out.profile = state.profile.written();
         // The last step's mean loss over every worker's samples: the same figure whatever
         // --log-every is (the progress lines' means run over the steps since the last line).
         let (sum, samples) = sum_pair(&self.workers_comm, last_loss.0, last_loss.1);

@@ -103,7 +103,10 @@ impl Plan {
         if device == Device::Cpu && args.precision == Precision::Tf32 {
             return Err(Error::usage("--precision tf32: TF32 is a mode of NVIDIA GPUs' matrix units; this rank trains on the CPU, where it would compute in fp32 (use fp32, or bf16 / fp16 autocast)"));
         }
-        exchange::check_zero(args.strategy, args.zero, world.size as usize)?;
+        // The ranks the data-parallel exchange runs on: with pipelines or tensor parallelism a
+        // stage's (or place's) D replicas, not the world (12 ranks in 3 stages are D = 4, a power
+        // of two for rhd; issue 48).
+        exchange::check_zero(args.strategy, args.zero, workers)?;
         check_fully_sharded_options(args)?;
         let threads = if args.threads > 0 {
             check_threads(args.threads, num_cpus_online())?;

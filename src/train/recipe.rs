@@ -156,6 +156,7 @@ impl RecipeArgs {
         positive("--adam-eps", self.adam_eps)?;
         positive("--poly-power", self.poly_power)?;
         positive("--lr-gamma", self.lr_gamma)?;
+        self.check_f32_range()?;
         for (flag, beta) in [("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)] {
             if !(0.0..1.0).contains(&beta) {
                 return Err(Error::usage(format!("{flag} {beta}: expected 0 <= beta < 1 (as torch.optim.AdamW)")));
@@ -174,8 +175,9 @@ impl RecipeArgs {
         if self.lr_schedule == DecayKind::Step && self.lr_steps.is_empty() {
             return Err(Error::usage("--lr-schedule step needs --lr-steps (the epochs at which the rate drops, e.g. 30,60,80)"));
         }
-        if !(0.0..1.0).contains(&self.label_smoothing) {
-            return Err(Error::usage(format!("--label-smoothing {}: expected 0 <= S < 1 (as torch.nn.CrossEntropyLoss)", self.label_smoothing)));
+        // torch.nn.CrossEntropyLoss takes 0 <= S <= 1: at 1 the targets are uniform.
+        if !(0.0..=1.0).contains(&self.label_smoothing) {
+            return Err(Error::usage(format!("--label-smoothing {}: expected 0 <= S <= 1 (as torch.nn.CrossEntropyLoss)", self.label_smoothing)));
         }
         if let Some(a) = self.target_accuracy {
             if !(a > 0.0 && a <= 1.0) {
@@ -196,6 +198,33 @@ impl RecipeArgs {
         }
         if given.has("base_batch") && self.scale_lr == ScaleLr::None {
             return Err(Error::usage("--base-batch is read with --scale-lr linear or sqrt only (the batch --lr is given for)"));
+        }
+        Ok(())
+    }
+
+    /// The parameters are f32, and the optimizers take their settings as f32: a value beyond
+    /// f32's range becomes infinite there, and so does an update whose factors multiply beyond
+    /// it (the rate times the decay, or LARS's coefficient, of a weight of 1). Such runs ended
+    /// in "non-finite loss" at the first step without naming the flag (issue 48).
+    fn check_f32_range(&self) -> Result<()> {
+        const MOST: f64 = f32::MAX as f64;
+        for (flag, v) in [("--lr", self.lr), ("--weight-decay", self.weight_decay()), ("--lars-eta", self.lars_eta), ("--adam-eps", self.adam_eps), ("--end-lr", self.end_lr)] {
+            if v.abs() > MOST {
+                return Err(Error::usage(format!("{flag} {v:e}: beyond the largest f32 ({MOST:e}); the parameters are f32, and the first update would be infinite")));
+            }
+        }
+        let mut products = vec![("--weight-decay", self.weight_decay())];
+        if self.optimizer == OptimizerKind::Lars {
+            products.push(("--lars-eta", self.lars_eta));
+        }
+        for (flag, v) in products {
+            if self.lr * v > MOST {
+                return Err(Error::usage(format!(
+                    "--lr {:e} with {flag} {v:e}: their product ({:e}, a weight of 1's share of one update) is beyond the largest f32 ({MOST:e}); the parameters are f32, and the first update would be infinite",
+                    self.lr,
+                    self.lr * v
+                )));
+            }
         }
         Ok(())
     }
@@ -294,6 +323,20 @@ mod tests {
         assert!((sqrt.schedule(2048, 10, 900).peak - 0.2).abs() < 1e-15);
     }
 
+    /// libtorch's cross-entropy takes a smoothing of 1 (uniform targets), as torch.nn's does:
+    /// a finite loss, log(classes) above the mean log-probability, and a finite gradient.
+    #[test]
+    fn libtorch_takes_a_label_smoothing_of_one() {
+        use tch::{Kind, Reduction, Tensor};
+        let logits = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 0.5, -1.0, 0.0]).view([2, 3]).set_requires_grad(true);
+        let labels = Tensor::from_slice(&[2i64, 0]);
+        let loss = logits.f_cross_entropy_loss::<Tensor>(&labels, None, Reduction::Mean, -100, 1.0).unwrap();
+        let uniform = -logits.log_softmax(-1, Kind::Float).mean_dim(-1, false, Kind::Float).mean(Kind::Float);
+        assert!((loss.double_value(&[]) - uniform.double_value(&[])).abs() < 1e-6, "{loss} {uniform}");
+        loss.backward();
+        assert!(logits.grad().isfinite().all().int64_value(&[]) == 1);
+    }
+
     #[test]
     fn weight_decay_defaults_follow_the_optimizer() {
         assert_eq!(parse(&[]).0.config().weight_decay, 1e-4);
@@ -315,13 +358,21 @@ mod tests {
             (&["--base-batch", "512"][..], "--base-batch is read with --scale-lr linear or sqrt only"),
             (&["--lr-schedule", "step", "--lr-steps", "20,10"][..], "--lr-steps 20,10: expected increasing epochs"),
             (&["--warmup-epochs=-1"][..], "--warmup-epochs -1: expected 0 or more"),
-            (&["--label-smoothing", "1"][..], "--label-smoothing 1: expected 0 <= S < 1"),
+            (&["--label-smoothing", "1.01"][..], "--label-smoothing 1.01: expected 0 <= S <= 1 (as torch.nn.CrossEntropyLoss)"),
+            (&["--label-smoothing=-0.1"][..], "--label-smoothing -0.1: expected 0 <= S <= 1"),
+            (&["--label-smoothing", "NaN"][..], "--label-smoothing NaN: expected 0 <= S <= 1"),
             (&["--target-accuracy", "90"][..], "--target-accuracy 90: expected a fraction"),
             (&["--optimizer", "adamw", "--adam-beta1", "1"][..], "--adam-beta1 1: expected 0 <= beta < 1"),
             (&["--lr", "0"][..], "--lr 0: expected a positive number"),
+            (&["--lr", "1e39"][..], "--lr 1e39: beyond the largest f32 (3.4028234663852886e38)"),
+            (&["--weight-decay", "1e300"][..], "--weight-decay 1e300: beyond the largest f32"),
+            (&["--optimizer", "lars", "--lars-eta", "1e300"][..], "--lars-eta 1e300: beyond the largest f32"),
+            (&["--lr", "1e20", "--weight-decay", "1e20"][..], "--lr 1e20 with --weight-decay 1e20: their product (1e40, a weight of 1's share of one update) is beyond the largest f32"),
+            (&["--optimizer", "lars", "--lr", "1e30", "--lars-eta", "1e10"][..], "--lr 1e30 with --lars-eta 1e10: their product (1e40,"),
         ] {
             let err = check(args).unwrap_err().to_string();
             assert!(err.contains(wanted), "{args:?}: {err}");
         }
+        assert!(check(&["--label-smoothing", "1"]).is_ok());
     }
 }

@@ -162,7 +162,7 @@ impl Run<'_> {
             // The last training step's (the figures of a full batch, unless the epoch's last).
             extra.insert("tp_allreduce_calls".into(), last.calls.into());
             extra.insert("tp_allreduce_elements".into(), last.elements.into());
-            extra.insert("tp_bytes_sent".into(), ((last.elements * 4) as f64 * tp.bus_factor).round().into());
+            extra.insert("tp_bytes_sent".into(), (last.bytes as f64 * tp.bus_factor).round().into());
         }
         extra.entry("zero").or_insert(0.into());
         extra.insert("optimizer_state_bytes".into(), (optimizer_state_bytes as u64).into());

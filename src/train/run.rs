@@ -88,20 +88,31 @@ pub(super) struct Outcome {
     pub(super) saved_at: Option<u64>,
     /// A signal ended training before its last step.
     pub(super) stopped: bool,
+    /// This rank's --profile-dir trace: where it went, or why it could not be written (None:
+    /// no trace, as on a parameter server).
+    pub(super) profile: Option<std::result::Result<String, String>>,
 }
 
 /// SIGTERM (what Slurm sends before the time limit) and SIGUSR1 (what `--signal` jobs often
 /// ask for) set a flag; the workers agree on it after every step, so that all stop together.
 pub(super) struct StopSignal(Arc<std::sync::atomic::AtomicBool>);
 
+/// The process's one stop flag and its handlers, registered once: as the training commands
+/// start (main.rs, before MPI's start-up and the run's set-up), so that a signal during
+/// start-up is a stop request too. Before, it killed the rank by the signal's default action,
+/// which the job saw as 143, the status that says a checkpoint holds the step (issue 48).
+static STOP_FLAG: std::sync::OnceLock<std::result::Result<Arc<std::sync::atomic::AtomicBool>, String>> = std::sync::OnceLock::new();
+
 impl StopSignal {
     pub(super) fn install() -> Result<StopSignal> {
-        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGUSR1] {
-            signal_hook::flag::register(signal, flag.clone())
-                .map_err(|e| Error::usage(format!("cannot install the handler of signal {signal}: {e}")))?;
-        }
-        Ok(StopSignal(flag))
+        let installed = STOP_FLAG.get_or_init(|| {
+            let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGUSR1] {
+                signal_hook::flag::register(signal, flag.clone()).map_err(|e| format!("cannot install the handler of signal {signal}: {e}"))?;
+            }
+            Ok(flag)
+        });
+        installed.clone().map(StopSignal).map_err(Error::usage)
     }
 
     /// Whether any rank of `comm` has been asked to stop (collective over `comm`).

@@ -46,6 +46,9 @@ impl<'a> Run<'a> {
         // Each node's ranks write their traces into their own node's folder.
         world.agree(args.profile_dir.as_deref().map_or(Ok(()), |dir| std::fs::create_dir_all(dir).map_err(|e| Error::usage(format!("--profile-dir {}: {e}", dir.display())))))?;
         let faults = world.agree(Faults::from_env(world.size))?;
+        if faults.terminates_in_setup(world.rank) {
+            let _ = signal_hook::low_level::raise(signal_hook::consts::SIGTERM);
+        }
         let stop = StopSignal::install()?;
         let (info, labels) = world.agree(data::open(&args.data))?;
         let global_batch = plan.batch * plan.workers;

@@ -41,12 +41,36 @@ use super::options::TrainArgs;
 pub(super) struct RegionCounts {
     pub(super) calls: u64,
     pub(super) elements: u64,
+    /// The bytes of the tensors reduced, each at its own element size: under bf16 autocast the
+    /// activations' all-reduces move 2 bytes an element, not the 4 that were counted (issue 48).
+    pub(super) bytes: u64,
     pub(super) time: Duration,
 }
 
 impl RegionCounts {
     pub(super) fn since(&self, before: &RegionCounts) -> RegionCounts {
-        RegionCounts { calls: self.calls - before.calls, elements: self.elements - before.elements, time: self.time.saturating_sub(before.time) }
+        RegionCounts {
+            calls: self.calls - before.calls,
+            elements: self.elements - before.elements,
+            bytes: self.bytes - before.bytes,
+            time: self.time.saturating_sub(before.time),
+        }
+    }
+
+    /// One all-reduce of `tensor` that took `time`.
+    fn add(&mut self, tensor: &Tensor, time: Duration) {
+        let elements = tensor.numel() as u64;
+        self.calls += 1;
+        self.elements += elements;
+        self.bytes += elements * tensor.kind().elt_size_in_bytes() as u64;
+        self.time += time;
+    }
+
+    fn add_counts(&mut self, other: &RegionCounts) {
+        self.calls += other.calls;
+        self.elements += other.elements;
+        self.bytes += other.bytes;
+        self.time += other.time;
     }
 }
 
@@ -64,11 +88,12 @@ impl RegionAllReduce for GroupAllReduce {
         let size = self.size;
         let _watched = crate::watchdog::exchange("the tensor-parallel all-reduce", || format!("the {size} ranks of its tensor-parallel group"));
         self.exchange.all_reduce(std::slice::from_mut(tensor), ReduceOp::Sum)?;
-        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
-        counts.calls += 1;
-        counts.elements += tensor.numel() as u64;
-        counts.time += started.elapsed();
+        self.counts.lock().unwrap_or_else(|e| e.into_inner()).add(tensor, started.elapsed());
         Ok(())
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        self.exchange.finish(&mut [])
     }
 }
 
@@ -149,6 +174,12 @@ impl TensorParallel {
         }
     }
 
+    /// At the run's end, on every rank together: the group's exchange frees its shared
+    /// window, which nothing freed before (issue 48).
+    pub(super) fn finish(&self) -> Result<()> {
+        self.registered.finish()
+    }
+
     pub(super) fn split(&self) -> TensorSplit {
         TensorSplit { size: self.layout.tensor as i64, group: self.registered.group() }
     }
@@ -161,9 +192,7 @@ impl TensorParallel {
     pub(super) fn note_step(&mut self, before: &RegionCounts, measured: bool) {
         self.last_step = self.counts().since(before);
         if measured {
-            self.measured.calls += self.last_step.calls;
-            self.measured.elements += self.last_step.elements;
-            self.measured.time += self.last_step.time;
+            self.measured.add_counts(&self.last_step);
             self.measured_steps += 1;
         }
     }
@@ -285,6 +314,23 @@ fn glue(parts: &[Tensor], split: Split) -> Result<Tensor> {
 mod tests {
     use super::*;
     use tch::Kind;
+
+    /// tp_bytes_sent counted 4 bytes an element whatever was sent: bf16 activations are 2.
+    #[test]
+    fn the_counts_take_each_tensors_element_size() {
+        let mut counts = RegionCounts::default();
+        counts.add(&Tensor::zeros([10], (Kind::BFloat16, Device::Cpu)), Duration::from_millis(1));
+        counts.add(&Tensor::zeros([5], (Kind::Float, Device::Cpu)), Duration::from_millis(2));
+        assert_eq!((counts.calls, counts.elements, counts.bytes), (2, 15, 10 * 2 + 5 * 4));
+        let before = counts;
+        counts.add(&Tensor::zeros([3], (Kind::Half, Device::Cpu)), Duration::from_millis(1));
+        let step = counts.since(&before);
+        assert_eq!((step.calls, step.elements, step.bytes, step.time), (1, 3, 6, Duration::from_millis(1)));
+        let mut measured = RegionCounts::default();
+        measured.add_counts(&step);
+        measured.add_counts(&step);
+        assert_eq!((measured.calls, measured.bytes), (2, 12));
+    }
 
     #[test]
     fn cutting_then_gluing_gives_the_whole_back() {
