@@ -109,6 +109,11 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = Precision::Fp32)]
     pub precision: Precision,
 
+    /// With --precision fp16: the loss scaler's first scale (torch.amp.GradScaler's
+    /// init_scale); it halves on every overflow and doubles after 2000 steps without one.
+    #[arg(long, default_value_t = 65536.0)]
+    pub loss_scale: f64,
+
     /// Keep activations and convolution weights in channels-last (NHWC) memory order.
     #[arg(long)]
     pub channels_last: bool,

@@ -86,6 +86,12 @@ impl Plan {
         if let Some(p) = &pipeline {
             check_pipeline(p, batch)?;
         }
+        if args.given.has("loss_scale") && args.precision != Precision::Fp16 {
+            return Err(Error::usage("--loss-scale is an option of --precision fp16 (the loss scaler); drop it, or add --precision fp16"));
+        }
+        if !(args.loss_scale.is_finite() && args.loss_scale >= 1.0 && args.loss_scale <= f32::MAX as f64) {
+            return Err(Error::usage(format!("--loss-scale {}: expected a scale from 1 to the largest f32", args.loss_scale)));
+        }
         if args.steps == Some(0) || (args.steps.is_none() && args.epochs == 0) {
             return Err(Error::usage("nothing to train: --steps and --epochs must be at least 1"));
         }

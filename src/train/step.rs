@@ -54,7 +54,7 @@ impl LoopState {
             progress: Progress::new(run.world.is_root(), total, args.log_every),
             warmup,
             profile: StepProfile::new(args.profile_dir.as_deref(), run.world.rank, warmup, args.profile_steps, total, run.plan.device.is_cuda()),
-            scaler: (args.precision == Precision::Fp16).then(LossScaler::default),
+            scaler: (args.precision == Precision::Fp16).then(|| LossScaler { scale: args.loss_scale, ..LossScaler::default() }),
         })
     }
 }
