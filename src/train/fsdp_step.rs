@@ -31,7 +31,8 @@ use super::fsdp::{Done, Job, UnitWorker};
 use super::net::Normalizer;
 use super::progress::Timings;
 use super::run::Run;
-use super::step::{LoopState, StepDone, StepFaults};
+use super::step::{LoopState, StepDone};
+use super::step_faults::StepFaults;
 
 
 /// The collectives beside one unit's compute: the reduce-scatter of a unit's packed gradients,

@@ -4,7 +4,8 @@
 //!   device; setup.rs: set-up checked on every rank, which builds the [`Run`] (run.rs) from the
 //!   plan, the network (net.rs), the exchange, overlap and the resume point (checkpoints.rs);
 //! - step.rs: one step (data, forward, backward with the exchange, optimizer, timings) and what
-//!   follows a step at some steps; progress.rs: timings, progress lines, the sample trace;
+//!   follows a step at some steps; step_faults.rs: the injected faults every step kind calls;
+//!   progress.rs: timings, progress lines, the sample trace;
 //!   collective.rs: the collectives besides the exchange; tensor.rs: tensor parallelism's
 //!   groups, their all-reduce, and the model cut into a rank's part;
 //! - record.rs: the end of the run and its record.
@@ -30,6 +31,7 @@ mod run;
 mod setup;
 pub mod stages;
 mod step;
+mod step_faults;
 mod tensor;
 
 use std::time::Instant;

@@ -195,7 +195,7 @@ impl Pipeline {
         precision: Precision,
         step: u64,
         measured: bool,
-        faults: &super::step::StepFaults,
+        faults: &super::step_faults::StepFaults,
     ) -> Result<f64> {
         let shape = *self.shape();
         let micro = ShardInfo::all(n, shape.micro_batches);

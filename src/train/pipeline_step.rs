@@ -21,7 +21,8 @@ use super::collective::{average_over, sum_pair};
 use super::net::Normalizer;
 use super::progress::Timings;
 use super::run::Run;
-use super::step::{LoopState, StepDone, StepFaults};
+use super::step::{LoopState, StepDone};
+use super::step_faults::StepFaults;
 
 impl Run<'_> {
     /// One pipelined step: the stage's schedule over the micro-batches, then the exchange of

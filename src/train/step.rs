@@ -16,7 +16,6 @@ use crate::data::loader::{Batch, Loader, Schedule};
 use crate::data::reader::SplitReader;
 use crate::error::{Error, Result};
 use crate::exchange::{self, ReduceOp};
-use crate::faults::{Fault, Faults, FAULT_ENV};
 use crate::optim::{self};
 use crate::plan::shard::ShardInfo;
 use crate::topology::World;
@@ -29,6 +28,7 @@ use super::options::Precision;
 use super::profile::StepProfile;
 use super::progress::{LossWindow, Progress, SampleTrace, Timings};
 use super::run::Run;
+use super::step_faults::StepFaults;
 
 /// What the loop keeps from step to step.
 pub(super) struct LoopState {
@@ -56,79 +56,6 @@ impl LoopState {
             profile: StepProfile::new(args.profile_dir.as_deref(), run.world.rank, warmup, args.profile_steps, total, run.plan.device.is_cuda()),
             scaler: (args.precision == Precision::Fp16).then(|| LossScaler { scale: args.loss_scale, ..LossScaler::default() }),
         })
-    }
-}
-
-/// The test hooks of `HPC_TRAIN_FAULT` (faults.rs) for one step, called at the same points by
-/// every step kind (plain, pipelined, `--zero 3`), so that a fault cannot reach one kind and
-/// silently miss another: `exit` at the step's start, `error` at the forward, `nan` and
-/// `nangrad` on the loss and the gradients, `stall` before the step's communication and
-/// `stall-after` after it.
-pub(super) struct StepFaults {
-    fault: Option<Fault>,
-    rank: i32,
-    step: u64,
-}
-
-impl StepFaults {
-    /// This rank's fault at `step`; `exit` ends the process here, without MPI_Finalize.
-    pub(super) fn begin(faults: &Faults, rank: i32, step: u64) -> StepFaults {
-        let fault = faults.at(rank, step).cloned();
-        if fault == Some(Fault::Exit) {
-            eprintln!("rank {rank}: exiting at step {step} (injected fault)");
-            std::process::exit(3);
-        }
-        StepFaults { fault, rank, step }
-    }
-
-    /// Whether the forward is to fail (`error`).
-    pub(super) fn forward_fails(&self) -> bool {
-        self.fault == Some(Fault::Error)
-    }
-
-    /// `error`: the forward fails, as an out-of-memory in libtorch would.
-    pub(super) fn forward(&self) -> Result<()> {
-        if self.forward_fails() {
-            return Err(self.forward_error());
-        }
-        Ok(())
-    }
-
-    /// The error an injected forward failure raises.
-    pub(super) fn forward_error(&self) -> Error {
-        Error::Torch(tch::TchError::Torch(format!("the forward failed at step {} (injected by {FAULT_ENV})", self.step)))
-    }
-
-    /// `nan`: the loss reads as NaN.
-    pub(super) fn nan_loss(&self) -> bool {
-        self.fault == Some(Fault::Nan)
-    }
-
-    /// `infgrad`: one element of the exchanged gradients becomes +inf (an fp16 overflow of
-    /// this rank's own slice).
-    pub(super) fn inf_gradient(&self) -> bool {
-        self.fault == Some(Fault::InfGrad)
-    }
-
-    /// `nangrad`: the gradients become NaN while the loss stays finite.
-    pub(super) fn nan_gradients(&self) -> bool {
-        self.fault == Some(Fault::NanGrad)
-    }
-
-    /// `stall`: a hung node, before the step's communication.
-    pub(super) fn before_exchange(&self) {
-        if let Some(Fault::Stall(pause)) = self.fault {
-            eprintln!("rank {}: stalling {:.1} s at step {} (injected fault)", self.rank, pause.as_secs_f64(), self.step);
-            std::thread::sleep(pause);
-        }
-    }
-
-    /// `stall-after`: a node lost after the step's exchange, before the collectives that follow.
-    pub(super) fn after_exchange(&self) {
-        if let Some(Fault::StallAfter(pause)) = self.fault {
-            eprintln!("rank {}: stalling {:.1} s after the exchange of step {} (injected fault)", self.rank, pause.as_secs_f64(), self.step);
-            std::thread::sleep(pause);
-        }
     }
 }
 
