@@ -576,15 +576,7 @@ fn parse_pipeline_stages(list: &str, ranks: &[usize]) -> Result<Vec<usize>> {
     if let Some(p) = stages.iter().find(|&&p| p < 2) {
         return Err(Error::usage(format!("--pipeline-stages {p}: a projected pipeline has at least 2 stages (data parallelism is projected anyway)")));
     }
-    let dividing_nothing: Vec<String> = stages.iter().filter(|&&p| !ranks.iter().any(|&n| n % p == 0)).map(|p| p.to_string()).collect();
-    if !dividing_nothing.is_empty() {
-        let ranks: Vec<String> = ranks.iter().map(|n| n.to_string()).collect();
-        return Err(Error::usage(format!(
-            "--pipeline-stages {}: divides none of the rank counts of --ranks {} (a pipeline of P stages is projected at the rank counts that P divides)",
-            dividing_nothing.join(","),
-            ranks.join(",")
-        )));
-    }
+    crate::study::check_stages_divide("--pipeline-stages", &stages, ranks, "is projected")?;
     Ok(stages)
 }
 

@@ -129,6 +129,22 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
     Ok(())
 }
 
+/// Refuses stage counts (given by `flag`) that divide none of `ranks`: a pipeline of P stages
+/// `runs` (or is projected) only at the rank counts that P divides, so such a count would
+/// silently give nothing. Shared by `study --stages` and `project --pipeline-stages`.
+pub fn check_stages_divide(flag: &str, stage_counts: &[usize], ranks: &[usize], runs: &str) -> Result<()> {
+    let dividing_nothing: Vec<String> = stage_counts.iter().filter(|&&p| !ranks.iter().any(|&n| n % p == 0)).map(|p| p.to_string()).collect();
+    if dividing_nothing.is_empty() {
+        return Ok(());
+    }
+    let ranks: Vec<String> = ranks.iter().map(|n| n.to_string()).collect();
+    Err(Error::usage(format!(
+        "{flag} {}: divides none of the rank counts of --ranks {} (a pipeline of P stages {runs} at the rank counts that P divides)",
+        dividing_nothing.join(","),
+        ranks.join(",")
+    )))
+}
+
 /// The training options of one point: the study's, with the point's strategy and stages.
 fn point_args(train: &TrainArgs, strategy: StrategyKind, stages: usize, stage_counts: &[usize]) -> TrainArgs {
     let mut point = train.clone();
@@ -170,15 +186,7 @@ struct Point {
 fn plan_points(ranks: &[usize], strategies: &[StrategyKind], stage_counts: &[usize], train: &TrainArgs, faults: bool) -> Result<(Vec<Point>, Vec<(log::Level, String)>)> {
     // A stage count that divides no rank count would run no point at all, and a study of only
     // such counts ran nothing and exited 0.
-    let dividing_nothing: Vec<String> = stage_counts.iter().filter(|&&p| !ranks.iter().any(|&n| n % p == 0)).map(|p| p.to_string()).collect();
-    if !dividing_nothing.is_empty() {
-        let ranks: Vec<String> = ranks.iter().map(|n| n.to_string()).collect();
-        return Err(Error::usage(format!(
-            "--stages {}: divides none of the rank counts of --ranks {} (a pipeline of P stages runs at the rank counts that P divides)",
-            dividing_nothing.join(","),
-            ranks.join(",")
-        )));
-    }
+    check_stages_divide("--stages", stage_counts, ranks, "runs")?;
     let mut points = Vec::new();
     let mut left_out = Vec::new();
     let mut indivisible = Vec::new();
