@@ -120,6 +120,9 @@ fn a_crash_resumes_the_optimizer_and_schedule_on_another_rank_count() {
 /// each epoch, and the epoch and time at which the target accuracy was first reached.
 #[test]
 fn the_record_says_what_ran_and_when_the_target_was_reached() {
+    if covered_by_the_first_mpi("the record of a run") {
+        return;
+    }
     let dir = scratch("recipe-record");
     let data = dataset(&dir);
     let d = data.to_str().unwrap();

@@ -123,6 +123,9 @@ fn a_killed_rank_ends_the_job_and_resume_loses_at_most_one_interval() {
 
 #[test]
 fn a_damaged_checkpoint_is_skipped_for_the_previous_one() {
+    if covered_by_the_first_mpi("which checkpoint a resume takes when one is damaged") {
+        return;
+    }
     let dir = scratch("damaged");
     let data = dataset(&dir);
     let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
@@ -145,6 +148,9 @@ fn a_damaged_checkpoint_is_skipped_for_the_previous_one() {
 
 #[test]
 fn checkpoints_of_another_run_are_refused_or_accepted_with_reason() {
+    if covered_by_the_first_mpi("the checks of a checkpoint's settings") {
+        return;
+    }
     let dir = scratch("compat");
     let data = dataset(&dir);
     let other = synth(&dir, "other", 600, 30, "1x16x16", 5);
@@ -248,6 +254,9 @@ fn a_silent_async_worker_is_reported_by_its_server() {
 
 #[test]
 fn resume_without_a_checkpoint_starts_from_the_beginning() {
+    if covered_by_the_first_mpi("a resume with no checkpoint") {
+        return;
+    }
     let dir = scratch("fresh");
     let data = dataset(&dir);
     let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
@@ -347,6 +356,9 @@ fn an_agreed_error_joins_communication_threads_before_finalize() {
 /// --ps-timeout-s and ring appended a record of 0 steps).
 #[test]
 fn resuming_a_finished_run_ends_at_once_without_a_record() {
+    if covered_by_the_first_mpi("a resume of a finished run") {
+        return;
+    }
     let dir = scratch("resume-done");
     let data = dataset(&dir);
     let d = data.to_str().unwrap().to_string();
@@ -502,6 +514,9 @@ fn checkpoints_that_cannot_be_written_end_the_run_non_zero() {
 /// auto were refused. Both continue a ring checkpoint to the uninterrupted run's weights.
 #[test]
 fn rhd_and_auto_continue_a_ring_checkpoint() {
+    if covered_by_the_first_mpi("a checkpoint's content across strategies") {
+        return;
+    }
     let dir = scratch("resume-rhd-auto");
     let data = dataset(&dir);
     let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
@@ -538,6 +553,9 @@ fn rhd_and_auto_continue_a_ring_checkpoint() {
 /// content fingerprint, and meta.json has a CRC-32 of its own.
 #[test]
 fn resume_refuses_another_dataset_of_the_same_size_and_an_edited_meta_json() {
+    if covered_by_the_first_mpi("the dataset fingerprint and meta.json's checksum") {
+        return;
+    }
     let dir = scratch("resume-content");
     let data = dataset(&dir);
     let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());

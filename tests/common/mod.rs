@@ -40,6 +40,19 @@ pub fn bin() -> &'static str {
 
 /// Repository root (datasets/, results/ are relative to it): the one built in, or
 /// `HPC_TRAIN_TEST_ROOT` (see `bin`).
+/// True, after saying so, where the test's subject does not depend on the MPI library and the
+/// first MPI's run (Open MPI's) has covered it: the file logic of checkpoints, the arithmetic
+/// of optimizers. scripts/test.sh runs the suite under both; this keeps the second run to what
+/// MPICH can change (CI's time limit, README "MPI libraries").
+#[allow(dead_code)]
+pub fn covered_by_the_first_mpi(what: &str) -> bool {
+    let second = launcher::mpi() == launcher::Mpi::Mpich;
+    if second {
+        eprintln!("skipped under MPICH: {what} does not depend on the MPI library, and Open MPI's run covers it");
+    }
+    second
+}
+
 pub fn root() -> PathBuf {
     PathBuf::from(relocated("HPC_TRAIN_TEST_ROOT").unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into()))
 }
