@@ -157,8 +157,8 @@ pub const BENCH_FILE: &str = "bench.jsonl";
 pub fn resnet50_sizes() -> Vec<usize> {
     let vs = tch::nn::VarStore::new(Device::Cpu);
     let spec = crate::model::InputSpec { channels: 3, height: 224, width: 224, classes: 1000 };
-    let _model = crate::model::build(crate::model::ModelKind::Resnet50, &vs.root(), spec);
-    vs.trainable_variables().iter().map(|t| t.numel()).collect()
+    let (_model, variables) = crate::model::declare(crate::model::ModelKind::Resnet50, &vs.root(), spec);
+    variables.iter().filter(|v| v.trainable).map(crate::model::Variable::numel).collect()
 }
 
 /// Splits `count` elements into tensors in the proportions of `weights` (at least one element

@@ -95,6 +95,11 @@ pub struct Checkpoint {
     pub meta: CheckpointMeta,
 }
 
+/// The folder of the checkpoint at `step` under `root`.
+pub fn folder(root: &Path, step: u64) -> PathBuf {
+    root.join(folder_name(step))
+}
+
 fn folder_name(step: u64) -> String {
     format!("ckpt-{step:012}")
 }

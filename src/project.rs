@@ -561,10 +561,10 @@ fn project_pipeline(predictor: Predictor, layout: Layout, stages: usize, micro: 
 fn boundary_bytes(kind: ModelKind, stages: usize) -> Result<f64> {
     use crate::plan::pipeline::{balance, ranges};
     let spec = crate::model::InputSpec { channels: 3, height: 224, width: 224, classes: 1000 };
-    let stores: Vec<tch::nn::VarStore> = (0..64).map(|_| tch::nn::VarStore::new(tch::Device::Cpu)).collect();
-    let blocks = crate::model::build_blocks(kind, spec, |b| stores[b.min(63)].root());
-    let params: Vec<f64> = stores[..blocks.len()].iter().map(|vs| vs.trainable_variables().iter().map(|t| t.numel() as f64).sum()).collect();
-    let shapes = crate::model::block_output_shapes(&blocks, spec);
+    let scratch = tch::nn::VarStore::new(tch::Device::Cpu);
+    let blocks = crate::model::build_blocks(kind, spec, |_| scratch.root());
+    let params: Vec<f64> = blocks.iter().map(|b| b.parameters() as f64).collect();
+    let shapes = crate::model::block_output_shapes(&blocks, spec)?;
     let starts = balance(&params, stages).map_err(|e| Error::usage(format!("--pipeline-stages {stages}: {e}")))?;
     Ok(ranges(&starts, blocks.len())[..stages - 1].iter().map(|r| shapes[r.end - 1].iter().product::<i64>() as f64 * 4.0).fold(0.0, f64::max))
 }

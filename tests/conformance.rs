@@ -150,6 +150,10 @@ const MPICH_OPTION_COLUMNS: [&str; 6] = ["ring", "allreduce", "ps", "zero 3", "1
 /// bf16 and fp16 runs against a one-process run at the same precision: autocast's 16-bit
 /// products summed in another order (the batch split over ranks and micro-batches).
 const HALF_TOLERANCE: f64 = 1e-2;
+/// bf16 (8 bits of mantissa): tensor parallelism rounds each rank's partial product to bf16
+/// before the group sums it, where one process rounds the whole product once (Megatron's sums
+/// are bf16 too). Measured 1.5e-2 and 1.7e-2 after 3 steps (tensor-parallel, tp+pipeline).
+const BF16_TOLERANCE: f64 = 3e-2;
 
 fn row(row: &str, scratch: &Path) -> Row {
     let opts = |args: &[&str]| Row::Options { args: args.iter().map(|s| s.to_string()).collect(), plain_reference: false, tolerance: F32_TOLERANCE };
@@ -160,7 +164,7 @@ fn row(row: &str, scratch: &Path) -> Row {
     }
     match row {
         "--precision tf32" => Row::Skip("TF32 needs a GPU (tests/gpu.rs)"),
-        "--precision bf16" => Row::Options { args: vec!["--precision".into(), "bf16".into()], plain_reference: false, tolerance: HALF_TOLERANCE },
+        "--precision bf16" => Row::Options { args: vec!["--precision".into(), "bf16".into()], plain_reference: false, tolerance: BF16_TOLERANCE },
         // The loss scaler's first scale low enough that no run skips a step: a rank's loss is
         // its samples' sum times D / global (DDP's mean over its own samples), so with D ranks
         // each sample's fp16 gradient is D times one process's and overflows at another scale

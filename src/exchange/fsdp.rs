@@ -211,13 +211,14 @@ impl FullyShardedExchange {
 }
 
 impl UnitShards for FullyShardedExchange {
-    fn shard(&mut self, units: &[Bucket], params: &[Tensor], optimizer: &mut Optimizer) -> Result<()> {
+    fn shard(&mut self, units: &[Bucket], params: &[Tensor], shapes: &[Vec<i64>], whole: &mut dyn FnMut(usize) -> Result<Tensor>, optimizer: &mut Optimizer) -> Result<()> {
         self.dtype = common_dtype(params)?;
         (self.kind, self.device) = params.first().map_or((Kind::Float, Device::Cpu), |p| (p.kind(), p.device()));
-        self.shapes = params.iter().map(|p| p.size()).collect();
+        self.shapes = shapes.to_vec();
+        let elements: usize = shapes.iter().map(|s| s.iter().product::<i64>() as usize).sum();
         let covered: usize = units.iter().flat_map(|u| &u.slots).map(|s| s.len).sum();
-        if covered != params.iter().map(|p| p.numel()).sum::<usize>() {
-            return Err(Error::exchange("zero 3", format!("the units cover {covered} elements, the parameters have {}", params.iter().map(|p| p.numel()).sum::<usize>())));
+        if covered != elements {
+            return Err(Error::exchange("zero 3", format!("the units cover {covered} elements, the parameters have {elements}")));
         }
         let (mut all, mut unit_shards) = (Vec::new(), Vec::new());
         let mut weights = Vec::new();
@@ -229,8 +230,10 @@ impl UnitShards for FullyShardedExchange {
                 let flat = Tensor::f_zeros([shard.len() as i64], (self.kind, self.device))?;
                 let ids: Vec<usize> = (all.len()..all.len() + mine.len()).collect();
                 for piece in &mine {
+                    // A shard meets a parameter in one piece at most: each is drawn once.
+                    let value = whole(piece.tensor)?.f_reshape([-1])?;
                     let mut dst = flat.f_narrow(0, piece.shard_at as i64, piece.len as i64)?;
-                    dst.f_copy_(&raw::flat_dense_view(&params[piece.tensor])?.f_narrow(0, piece.at as i64, piece.len as i64)?)?;
+                    dst.f_copy_(&value.f_narrow(0, piece.at as i64, piece.len as i64)?)?;
                     weights.push(dst);
                 }
                 all.extend(mine);

@@ -221,9 +221,12 @@ pub trait ShardedUpdate {
 /// importing that strategy.
 pub trait UnitShards {
     /// Cuts every unit's parameters (`units`: their flat layouts) and optimizer state (whole
-    /// from a checkpoint, or none yet) to this rank's shard, and lets go of the whole
-    /// parameters. Once, before the first step; not collective.
-    fn shard(&mut self, units: &[Bucket], params: &[Tensor], optimizer: &mut Optimizer) -> Result<()>;
+    /// from a checkpoint, or none yet) to this rank's shard. The parameters hold no memory
+    /// (empty tensors on their device); `whole(t)` gives parameter t's whole value (of
+    /// `shapes[t]`), which is asked once at most and let go at once, so that the rank never
+    /// holds more than its shards and one whole parameter. Once, before the first step; not
+    /// collective.
+    fn shard(&mut self, units: &[Bucket], params: &[Tensor], shapes: &[Vec<i64>], whole: &mut dyn FnMut(usize) -> Result<Tensor>, optimizer: &mut Optimizer) -> Result<()>;
 
     /// Unit `u`'s parameters from every rank's shard, flat on the parameters' device.
     /// Collective over the ranks that share the shards.

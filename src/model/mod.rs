@@ -2,10 +2,14 @@
 //! adapted to the data's channels, image size and class count), the Vision Transformer
 //! ([`vit`]: torchvision's ViT-B/16 and a small one for tests) and a tiny CNN for tests.
 
+pub mod layers;
 mod parts;
+pub mod vars;
 pub mod vit;
 
+use layers::ConvOptions;
 pub use parts::{sequence, Block, InputSpec};
+pub use vars::{Variable, Vars};
 
 use tch::nn::{self, ModuleT};
 use tch::{Kind, Tensor};
@@ -18,6 +22,11 @@ pub enum ModelKind {
     Resnet50,
     /// ResNet-18 (basic blocks, 11.7 M parameters at 1000 classes).
     Resnet18,
+    /// torchvision's ViT-L/16 (304.3 M parameters at 224x224 and 1000 classes; with AdamW
+    /// about 4.9 GB of training state); the image sides must be multiples of 16.
+    #[value(name = "vit-l16")]
+    #[serde(rename = "vit-l16")]
+    VitL16,
     /// torchvision's ViT-B/16 (86.6 M parameters at 224x224 and 1000 classes); the image
     /// sides must be multiples of 16.
     #[value(name = "vit-b16")]
@@ -38,9 +47,10 @@ impl ModelKind {
     /// Trainable parameters at torchvision's ImageNet shape (3x224x224, 1,000 classes), for
     /// projections: what every step's exchange carries.
     pub fn parameter_count(self) -> usize {
+        // Declared, not drawn: a count needs the shapes only.
         let vs = nn::VarStore::new(tch::Device::Cpu);
-        let _model = build(self, &vs.root(), InputSpec { channels: 3, height: 224, width: 224, classes: 1000 });
-        vs.trainable_variables().iter().map(|t| t.numel()).sum()
+        let (_model, variables) = declare(self, &vs.root(), InputSpec { channels: 3, height: 224, width: 224, classes: 1000 });
+        variables.iter().filter(|v| v.trainable).map(Variable::numel).sum()
     }
 
     /// Trainable parameters of the model built for `spec`, from the architecture's closed form
@@ -54,6 +64,7 @@ impl ModelKind {
     /// The ViT configuration, for the ViTs.
     pub fn vit_config(self) -> Option<vit::VitConfig> {
         match self {
+            ModelKind::VitL16 => Some(vit::VIT_L16),
             ModelKind::VitB16 => Some(vit::VIT_B16),
             ModelKind::VitTiny => Some(vit::VIT_TINY),
             _ => None,
@@ -75,7 +86,7 @@ impl ModelKind {
             // conv2 (32 x 16 x 9 + 32); conv1 16 x C x 9 + 16; fc 33 x K.
             ModelKind::Tiny => (4640, 16 * c * 9 + 16, 33 * k),
             ModelKind::TinyUnused => (4640 + 72, 16 * c * 9 + 16, 33 * k),
-            ModelKind::VitB16 | ModelKind::VitTiny => unreachable!("answered above"),
+            ModelKind::VitL16 | ModelKind::VitB16 | ModelKind::VitTiny => unreachable!("answered above"),
         }
     }
 
@@ -124,6 +135,7 @@ impl ModelKind {
         match self {
             ModelKind::Resnet50 => "resnet50",
             ModelKind::Resnet18 => "resnet18",
+            ModelKind::VitL16 => "vit-l16",
             ModelKind::VitB16 => "vit-b16",
             ModelKind::VitTiny => "vit-tiny",
             ModelKind::Tiny => "tiny",
@@ -137,67 +149,79 @@ impl ModelKind {
 /// with 1x1 feature maps by the last stage.
 const SMALL_IMAGE: i64 = 64;
 
-/// Builds `kind` under `vs`. Parameters are created in forward order, so that reverse creation
-/// order is the order in which backward produces their gradients.
-pub fn build(kind: ModelKind, vs: &nn::Path, spec: InputSpec) -> nn::FuncT<'static> {
+/// Declares `kind` under `vs` (no variable holds memory yet: see [`vars`]), and gives back
+/// the model and its variables in declaration order. Parameters are declared in forward order,
+/// so that reverse declaration order is the order in which backward produces their gradients.
+pub fn declare(kind: ModelKind, vs: &nn::Path, spec: InputSpec) -> (nn::FuncT<'static>, Vec<Variable>) {
     let blocks = build_blocks(kind, spec, |_| vs.clone());
-    if kind == ModelKind::TinyUnused {
-        // Created after the used layers: its gradient is never produced by backward.
-        let _unused = nn::linear(vs / "unused", 8, 8, Default::default());
+    let variables = blocks.iter().flat_map(|b| b.variables.iter().map(Variable::shallow_clone)).collect();
+    (sequence(blocks.into_iter().map(|b| b.module).collect()), variables)
+}
+
+/// Builds `kind` under `vs` whole, every variable drawn from `seed` (as every layout draws it):
+/// one process's model, for tests.
+#[cfg(test)]
+pub fn build(kind: ModelKind, vs: &nn::Path, spec: InputSpec, seed: u64) -> Result<nn::FuncT<'static>, tch::TchError> {
+    let (model, variables) = declare(kind, vs, spec);
+    for v in &variables {
+        v.set(&v.draw(seed)?.f_to_device(vs.device())?)?;
     }
-    sequence(blocks.into_iter().map(|b| b.module).collect())
+    Ok(model)
 }
 
 /// The blocks of `kind` (a transformer) as a rank of a tensor-parallel group builds them, as
 /// [`build_blocks`] does: its part of every encoder layer (plan/tensor.rs), the rest whole.
+/// The variables are declared with their whole shapes; the rank gives each its part.
 /// None for a model without attention heads.
 pub fn build_blocks_tensor_parallel<'a>(kind: ModelKind, spec: InputSpec, path_of: impl Fn(usize) -> nn::Path<'a>, split: vit::TensorSplit) -> Option<Vec<Block>> {
     Some(vit::vit_blocks(spec, kind.vit_config()?, path_of, Some(split)))
 }
 
-/// The blocks of `kind` in forward order; block `i` creates its variables under `path_of(i)`
+/// The blocks of `kind` in forward order; block `i` declares its variables under `path_of(i)`
 /// (the root of a VarStore), so that a pipeline stage keeps its blocks' variables in a store of
-/// its own and the others in a scratch store it drops, while the random initialisation draws
-/// in the same order as for the whole model: a stage's weights are the whole model's.
+/// its own and the others in a scratch store it drops. Nothing is allocated: each variable is
+/// drawn from its own name ([`vars`]), so a stage's weights are the whole model's.
 pub fn build_blocks<'a>(kind: ModelKind, spec: InputSpec, path_of: impl Fn(usize) -> nn::Path<'a>) -> Vec<Block> {
     match kind {
         ModelKind::Resnet50 => resnet_blocks(spec, Residual::Bottleneck, [3, 4, 6, 3], path_of),
         ModelKind::Resnet18 => resnet_blocks(spec, Residual::Basic, [2, 2, 2, 2], path_of),
+        ModelKind::VitL16 => vit::vit_blocks(spec, vit::VIT_L16, path_of, None),
         ModelKind::VitB16 => vit::vit_blocks(spec, vit::VIT_B16, path_of, None),
         ModelKind::VitTiny => vit::vit_blocks(spec, vit::VIT_TINY, path_of, None),
-        ModelKind::Tiny | ModelKind::TinyUnused => tiny_blocks(spec, path_of),
+        ModelKind::Tiny => tiny_blocks(spec, path_of, false),
+        ModelKind::TinyUnused => tiny_blocks(spec, path_of, true),
     }
 }
 
 /// How many blocks [`build_blocks`] makes.
+#[cfg(test)]
 pub fn block_count(kind: ModelKind) -> usize {
     match kind {
         ModelKind::Resnet50 => 1 + (3 + 4 + 6 + 3) + 1,
         ModelKind::Resnet18 => 1 + (2 + 2 + 2 + 2) + 1,
-        ModelKind::VitB16 => vit::VIT_B16.layers as usize + 2,
-        ModelKind::VitTiny => vit::VIT_TINY.layers as usize + 2,
+        ModelKind::VitL16 | ModelKind::VitB16 | ModelKind::VitTiny => kind.vit_config().expect("a ViT").layers as usize + 2,
         ModelKind::Tiny | ModelKind::TinyUnused => 4,
     }
 }
 
 /// The shape of one sample after each block, from a forward of one zero image in evaluation
 /// mode: what a pipeline's activation messages carry per sample (agreed without a message).
-pub fn block_output_shapes(blocks: &[Block], spec: InputSpec) -> Vec<Vec<i64>> {
-    let mut x = Tensor::zeros([1, spec.channels, spec.height, spec.width], (Kind::Float, tch::Device::Cpu));
-    tch::no_grad(|| {
-        blocks
-            .iter()
-            .map(|b| {
-                x = b.module.forward_t(&x, false);
-                x.size()[1..].to_vec()
-            })
-            .collect()
-    })
+/// One block at a time holds values (zeros: the shapes do not depend on them), and lets them
+/// go before the next: the survey never holds the model.
+pub fn block_output_shapes(blocks: &[Block], spec: InputSpec) -> Result<Vec<Vec<i64>>, tch::TchError> {
+    let mut x = Tensor::f_zeros([1, spec.channels, spec.height, spec.width], (Kind::Float, tch::Device::Cpu))?;
+    let mut shapes = Vec::with_capacity(blocks.len());
+    for b in blocks {
+        b.fill_zeros()?;
+        x = tch::no_grad(|| b.module.forward_t(&x, false));
+        b.release()?;
+        shapes.push(x.size()[1..].to_vec());
+    }
+    Ok(shapes)
 }
 
-fn conv2d(p: nn::Path, c_in: i64, c_out: i64, ksize: i64, padding: i64, stride: i64) -> nn::Conv2D {
-    let config = nn::ConvConfig { stride, padding, bias: false, ..Default::default() };
-    nn::conv2d(p, c_in, c_out, ksize, config)
+fn conv2d(v: Vars, c_in: i64, c_out: i64, kernel: i64, padding: i64, stride: i64) -> layers::Conv2d {
+    layers::conv2d(&v, c_in, c_out, kernel, ConvOptions { stride, padding, bias: false, ..Default::default() })
 }
 
 #[derive(Clone, Copy)]
@@ -215,41 +239,40 @@ impl Residual {
     }
 }
 
-
-fn downsample(p: nn::Path, c_in: i64, c_out: i64, stride: i64) -> Option<nn::SequentialT> {
-    (stride != 1 || c_in != c_out).then(|| {
-        nn::seq_t()
-            .add(conv2d(&p / "0", c_in, c_out, 1, 0, stride))
-            .add(nn::batch_norm2d(&p / "1", c_out, Default::default()))
-    })
+/// The shortcut's 1x1 convolution and batch norm, where the block changes width or size.
+fn downsample(v: Vars, c_in: i64, c_out: i64, stride: i64) -> Option<(layers::Conv2d, layers::BatchNorm2d)> {
+    (stride != 1 || c_in != c_out).then(|| (conv2d(&v / "0", c_in, c_out, 1, 0, stride), layers::batch_norm2d(&(&v / "1"), c_out)))
 }
 
-fn basic_block(p: nn::Path, c_in: i64, planes: i64, stride: i64) -> nn::FuncT<'static> {
-    let conv1 = conv2d(&p / "conv1", c_in, planes, 3, 1, stride);
-    let bn1 = nn::batch_norm2d(&p / "bn1", planes, Default::default());
-    let conv2 = conv2d(&p / "conv2", planes, planes, 3, 1, 1);
-    let bn2 = nn::batch_norm2d(&p / "bn2", planes, Default::default());
-    let down = downsample(&p / "downsample", c_in, planes, stride);
+fn shortcut(xs: &Tensor, down: &Option<(layers::Conv2d, layers::BatchNorm2d)>, train: bool) -> Tensor {
+    match down {
+        Some((conv, bn)) => xs.apply(conv).apply_t(bn, train),
+        None => xs.shallow_clone(),
+    }
+}
+
+fn basic_block(v: Vars, c_in: i64, planes: i64, stride: i64) -> nn::FuncT<'static> {
+    let conv1 = conv2d(&v / "conv1", c_in, planes, 3, 1, stride);
+    let bn1 = layers::batch_norm2d(&(&v / "bn1"), planes);
+    let conv2 = conv2d(&v / "conv2", planes, planes, 3, 1, 1);
+    let bn2 = layers::batch_norm2d(&(&v / "bn2"), planes);
+    let down = downsample(&v / "downsample", c_in, planes, stride);
     nn::func_t(move |xs, train| {
         let ys = xs.apply(&conv1).apply_t(&bn1, train).relu().apply(&conv2).apply_t(&bn2, train);
-        let shortcut = match &down {
-            Some(d) => xs.apply_t(d, train),
-            None => xs.shallow_clone(),
-        };
-        (shortcut + ys).relu()
+        (shortcut(xs, &down, train) + ys).relu()
     })
 }
 
-fn bottleneck_block(p: nn::Path, c_in: i64, planes: i64, stride: i64) -> nn::FuncT<'static> {
+fn bottleneck_block(v: Vars, c_in: i64, planes: i64, stride: i64) -> nn::FuncT<'static> {
     let out = planes * Residual::Bottleneck.expansion();
-    let conv1 = conv2d(&p / "conv1", c_in, planes, 1, 0, 1);
-    let bn1 = nn::batch_norm2d(&p / "bn1", planes, Default::default());
+    let conv1 = conv2d(&v / "conv1", c_in, planes, 1, 0, 1);
+    let bn1 = layers::batch_norm2d(&(&v / "bn1"), planes);
     // torchvision's ResNet v1.5: the stride sits on the 3x3 convolution.
-    let conv2 = conv2d(&p / "conv2", planes, planes, 3, 1, stride);
-    let bn2 = nn::batch_norm2d(&p / "bn2", planes, Default::default());
-    let conv3 = conv2d(&p / "conv3", planes, out, 1, 0, 1);
-    let bn3 = nn::batch_norm2d(&p / "bn3", out, Default::default());
-    let down = downsample(&p / "downsample", c_in, out, stride);
+    let conv2 = conv2d(&v / "conv2", planes, planes, 3, 1, stride);
+    let bn2 = layers::batch_norm2d(&(&v / "bn2"), planes);
+    let conv3 = conv2d(&v / "conv3", planes, out, 1, 0, 1);
+    let bn3 = layers::batch_norm2d(&(&v / "bn3"), out);
+    let down = downsample(&v / "downsample", c_in, out, stride);
     nn::func_t(move |xs, train| {
         let ys = xs
             .apply(&conv1)
@@ -260,62 +283,60 @@ fn bottleneck_block(p: nn::Path, c_in: i64, planes: i64, stride: i64) -> nn::Fun
             .relu()
             .apply(&conv3)
             .apply_t(&bn3, train);
-        let shortcut = match &down {
-            Some(d) => xs.apply_t(d, train),
-            None => xs.shallow_clone(),
-        };
-        (shortcut + ys).relu()
+        (shortcut(xs, &down, train) + ys).relu()
     })
 }
 
 fn resnet_blocks<'a>(spec: InputSpec, residual: Residual, counts: [i64; 4], path_of: impl Fn(usize) -> nn::Path<'a>) -> Vec<Block> {
     let small = spec.height.min(spec.width) < SMALL_IMAGE;
     let mut blocks = Vec::new();
-    let p = path_of(0);
-    let conv1 = if small {
-        conv2d(&p / "conv1", spec.channels, 64, 3, 1, 1)
-    } else {
-        conv2d(&p / "conv1", spec.channels, 64, 7, 3, 2)
-    };
-    let bn1 = nn::batch_norm2d(&p / "bn1", 64, Default::default());
-    blocks.push(Block {
-        name: "stem".into(),
-        module: nn::func_t(move |xs, train| {
-            let ys = xs.apply(&conv1).apply_t(&bn1, train).relu();
-            if small { ys } else { ys.max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false) }
-        }),
+    let v = Vars::new(path_of(0));
+    let conv1 = if small { conv2d(&v / "conv1", spec.channels, 64, 3, 1, 1) } else { conv2d(&v / "conv1", spec.channels, 64, 7, 3, 2) };
+    let bn1 = layers::batch_norm2d(&(&v / "bn1"), 64);
+    let stem = nn::func_t(move |xs, train| {
+        let ys = xs.apply(&conv1).apply_t(&bn1, train).relu();
+        if small { ys } else { ys.max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false) }
     });
+    blocks.push(Block::new("stem", stem, v));
     let e = residual.expansion();
     let mut c_in = 64;
     for (layer, (&count, planes)) in counts.iter().zip([64, 128, 256, 512]).enumerate() {
         for i in 0..count {
-            let p = path_of(blocks.len()) / format!("layer{}", layer + 1) / i;
+            let v = Vars::new(path_of(blocks.len()));
             let stride = if i == 0 && layer > 0 { 2 } else { 1 };
+            let at = &v / format!("layer{}", layer + 1) / i;
             let module = match residual {
-                Residual::Basic => basic_block(p, c_in, planes, stride),
-                Residual::Bottleneck => bottleneck_block(p, c_in, planes, stride),
+                Residual::Basic => basic_block(at, c_in, planes, stride),
+                Residual::Bottleneck => bottleneck_block(at, c_in, planes, stride),
             };
-            blocks.push(Block { name: format!("layer{}.{i}", layer + 1), module });
+            blocks.push(Block::new(format!("layer{}.{i}", layer + 1), module, v));
             c_in = planes * e;
         }
     }
-    let fc = nn::linear(path_of(blocks.len()) / "fc", 512 * e, spec.classes, Default::default());
-    blocks.push(Block { name: "head".into(), module: nn::func_t(move |xs, _train| xs.adaptive_avg_pool2d([1, 1]).flat_view().apply(&fc)) });
+    let v = Vars::new(path_of(blocks.len()));
+    let fc = layers::linear(&(&v / "fc"), 512 * e, spec.classes, None, None);
+    blocks.push(Block::new("head", nn::func_t(move |xs, _train| xs.adaptive_avg_pool2d([1, 1]).flat_view().apply(&fc)), v));
     blocks
 }
 
 /// The tiny CNN in four blocks, so that it makes pipelines of up to four stages for tests (the
-/// pooling block has no parameters: a stage may hold none).
-fn tiny_blocks<'a>(spec: InputSpec, path_of: impl Fn(usize) -> nn::Path<'a>) -> Vec<Block> {
-    let conv = |p: nn::Path<'a>, name: &str, c_in, c_out| nn::conv2d(p / name, c_in, c_out, 3, nn::ConvConfig { padding: 1, ..Default::default() });
-    let conv1 = conv(path_of(0), "conv1", spec.channels, 16);
-    let conv2 = conv(path_of(1), "conv2", 16, 32);
-    let fc = nn::linear(path_of(3) / "fc", 32, spec.classes, Default::default());
+/// pooling block has no parameters: a stage may hold none). `unused`: the last block also
+/// declares a layer that forward never uses, after the used ones, so that backward never
+/// produces its gradient (tests of unused parameters).
+fn tiny_blocks<'a>(spec: InputSpec, path_of: impl Fn(usize) -> nn::Path<'a>, unused: bool) -> Vec<Block> {
+    let conv = |v: &Vars, name: &str, c_in, c_out| layers::conv2d(&(v / name), c_in, c_out, 3, ConvOptions { padding: 1, ..Default::default() });
+    let (v0, v1, v2, v3) = (Vars::new(path_of(0)), Vars::new(path_of(1)), Vars::new(path_of(2)), Vars::new(path_of(3)));
+    let conv1 = conv(&v0, "conv1", spec.channels, 16);
+    let conv2 = conv(&v1, "conv2", 16, 32);
+    let fc = layers::linear(&(&v3 / "fc"), 32, spec.classes, None, None);
+    if unused {
+        let _unused = layers::linear(&(&v3 / "unused"), 8, 8, None, None);
+    }
     vec![
-        Block { name: "conv1".into(), module: nn::func_t(move |xs, _| xs.apply(&conv1).relu().max_pool2d_default(2)) },
-        Block { name: "conv2".into(), module: nn::func_t(move |xs, _| xs.apply(&conv2).relu()) },
-        Block { name: "pool".into(), module: nn::func_t(|xs, _| xs.adaptive_avg_pool2d([1, 1]).flat_view()) },
-        Block { name: "fc".into(), module: nn::func_t(move |xs, _| xs.apply(&fc)) },
+        Block::new("conv1", nn::func_t(move |xs, _| xs.apply(&conv1).relu().max_pool2d_default(2)), v0),
+        Block::new("conv2", nn::func_t(move |xs, _| xs.apply(&conv2).relu()), v1),
+        Block::new("pool", nn::func_t(|xs, _| xs.adaptive_avg_pool2d([1, 1]).flat_view()), v2),
+        Block::new("fc", nn::func_t(move |xs, _| xs.apply(&fc)), v3),
     ]
 }
 
@@ -342,7 +363,7 @@ mod tests {
 
     fn param_count(kind: ModelKind, spec: InputSpec) -> (usize, usize) {
         let vs = nn::VarStore::new(Device::Cpu);
-        let model = build(kind, &vs.root(), spec);
+        let model = build(kind, &vs.root(), spec, 0).unwrap();
         check_forward(&model, spec, Device::Cpu).unwrap();
         let params = vs.trainable_variables();
         (params.len(), numel(&params))
@@ -384,24 +405,27 @@ mod tests {
     }
 
     /// A pipeline's stages together hold the whole model: the same variables under the same
-    /// names, and the blocks in turn compute what it computes. (That one seed initialises them
-    /// alike is shown by the pipeline's equality tests, tests/pipeline.rs: libtorch's generator
-    /// is global, and the unit tests run in parallel threads.)
+    /// names and with the same values (each drawn from its name), and the blocks in turn
+    /// compute what it computes.
     #[test]
     fn blocks_split_over_stores_are_the_whole_model() {
         let spec = InputSpec { channels: 1, height: 28, width: 28, classes: 10 };
         for kind in [ModelKind::Tiny, ModelKind::Resnet18, ModelKind::VitTiny] {
             let whole_vs = nn::VarStore::new(Device::Cpu);
-            let whole = build(kind, &whole_vs.root(), spec);
+            let whole = build(kind, &whole_vs.root(), spec, 5).unwrap();
             let (even, odd) = (nn::VarStore::new(Device::Cpu), nn::VarStore::new(Device::Cpu));
             let blocks = build_blocks(kind, spec, |i| if i % 2 == 0 { even.root() } else { odd.root() });
             assert_eq!(blocks.len(), block_count(kind));
+            // Drawn last block first: the order does not matter.
+            blocks.iter().rev().for_each(|b| b.draw(5, Device::Cpu).unwrap());
             let mut split: Vec<(String, Tensor)> = even.variables().into_iter().chain(odd.variables()).collect();
             split.sort_by(|a, b| a.0.cmp(&b.0));
             let mut all: Vec<(String, Tensor)> = whole_vs.variables().into_iter().collect();
             all.sort_by(|a, b| a.0.cmp(&b.0));
             assert_eq!(split.iter().map(|v| &v.0).collect::<Vec<_>>(), all.iter().map(|v| &v.0).collect::<Vec<_>>());
-            tch::no_grad(|| split.iter().zip(&all).for_each(|(a, b)| a.1.shallow_clone().copy_(&b.1)));
+            for (a, b) in split.iter().zip(&all) {
+                assert!(a.1.equal(&b.1), "{} drawn alike", a.0);
+            }
             let x = Tensor::randn([2, 1, 28, 28], (Kind::Float, Device::Cpu));
             let y = sequence(blocks.into_iter().map(|b| b.module).collect()).forward_t(&x, false);
             assert!(y.equal(&whole.forward_t(&x, false)));
@@ -410,7 +434,18 @@ mod tests {
         let blocks = build_blocks(ModelKind::Resnet50, spec, |_| scratch.root());
         assert_eq!(blocks.len(), 18);
         assert_eq!(block_count(ModelKind::Resnet50), 18);
-        assert_eq!(block_output_shapes(&blocks, spec).last().unwrap(), &vec![10]);
+        assert_eq!(block_output_shapes(&blocks, spec).unwrap().last().unwrap(), &vec![10]);
+        assert!(blocks.iter().all(|b| b.variables.iter().all(|v| v.tensor.numel() == 0)), "the survey lets every block go");
+    }
+
+    /// Declaring a model allocates nothing: ViT-L/16 (304 M parameters) is declared whole here.
+    #[test]
+    fn declaring_holds_no_memory() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let (_model, variables) = declare(ModelKind::VitL16, &vs.root(), InputSpec { channels: 3, height: 224, width: 224, classes: 1000 });
+        assert_eq!(variables.iter().filter(|v| v.trainable).map(Variable::numel).sum::<usize>(), 304_326_632);
+        assert_eq!(vs.variables().values().map(Tensor::numel).sum::<usize>(), 0);
+        assert_eq!(ModelKind::VitL16.parameter_count(), 304_326_632);
     }
 
     #[test]

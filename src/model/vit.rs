@@ -14,7 +14,9 @@ use tch::{Kind, Tensor};
 
 use crate::raw::RegionGroup;
 
+use super::layers::{self, ConvOptions};
 use super::parts::{Block, InputSpec};
+use super::vars::Vars;
 
 /// A rank's part of a tensor-parallel group (`--tensor-parallel`): it holds 1/`size` of the
 /// heads and MLP columns (plan/tensor.rs says which), and sums partial results over `group`.
@@ -33,6 +35,9 @@ pub struct VitConfig {
     pub heads: i64,
     pub mlp: i64,
 }
+
+/// torchvision's `vit_l_16`: 304,326,632 parameters at 3x224x224 and 1,000 classes.
+pub const VIT_L16: VitConfig = VitConfig { patch: 16, hidden: 1024, layers: 24, heads: 16, mlp: 4096 };
 
 /// torchvision's `vit_b_16`: 86,567,656 parameters at 3x224x224 and 1,000 classes.
 pub const VIT_B16: VitConfig = VitConfig { patch: 16, hidden: 768, layers: 12, heads: 12, mlp: 3072 };
@@ -84,75 +89,75 @@ pub fn vit_blocks<'a>(spec: InputSpec, config: VitConfig, path_of: impl Fn(usize
     let VitConfig { patch, hidden, layers, heads, mlp } = config;
     let mut blocks = Vec::with_capacity(layers as usize + 2);
 
-    let p = path_of(0);
+    let v = Vars::new(path_of(0));
     // torchvision: the patches' convolution drawn from a (truncated) normal of std sqrt(1/fan_in),
     // the class token zeros, the position embedding from a normal of std 0.02.
     let fan_in = (spec.channels * patch * patch) as f64;
-    let conv_proj = nn::conv2d(
-        &p / "conv_proj",
+    let conv_proj = layers::conv2d(
+        &(&v / "conv_proj"),
         spec.channels,
         hidden,
         patch,
-        nn::ConvConfig { stride: patch, ws_init: Init::Randn { mean: 0.0, stdev: (1.0 / fan_in).sqrt() }, bs_init: Init::Const(0.0), ..Default::default() },
+        ConvOptions { stride: patch, ws_init: Init::Randn { mean: 0.0, stdev: (1.0 / fan_in).sqrt() }, bs_init: Init::Const(0.0), ..Default::default() },
     );
-    let class_token = p.var("class_token", &[1, 1, hidden], Init::Const(0.0));
-    let pos_embedding = (&p / "encoder").var("pos_embedding", &[1, config.tokens(spec), hidden], Init::Randn { mean: 0.0, stdev: 0.02 });
-    blocks.push(Block {
-        name: "embedding".into(),
-        module: nn::func_t(move |xs, _train| {
-            let n = xs.size()[0];
-            // (n, hidden, h/p, w/p) -> (n, patches, hidden), the class token first.
-            let patches = xs.apply(&conv_proj).flatten(2, 3).transpose(1, 2);
-            Tensor::cat(&[class_token.expand([n, 1, hidden], false), patches], 1) + &pos_embedding
-        }),
+    let class_token = v.var("class_token", &[1, 1, hidden], Init::Const(0.0));
+    let pos_embedding = (&v / "encoder").var("pos_embedding", &[1, config.tokens(spec), hidden], Init::Randn { mean: 0.0, stdev: 0.02 });
+    let embedding = nn::func_t(move |xs, _train| {
+        let n = xs.size()[0];
+        // (n, hidden, h/p, w/p) -> (n, patches, hidden), the class token first.
+        let patches = xs.apply(&conv_proj).flatten(2, 3).transpose(1, 2);
+        Tensor::cat(&[class_token.expand([n, 1, hidden], false), patches], 1) + &pos_embedding
     });
+    blocks.push(Block::new("embedding", embedding, v));
 
     for i in 0..layers {
-        let p = path_of(blocks.len()) / "encoder" / "layers" / format!("encoder_layer_{i}");
-        blocks.push(Block { name: format!("encoder_layer_{i}"), module: encoder_layer(&p, hidden, heads, mlp, split) });
+        let v = Vars::new(path_of(blocks.len()));
+        let layer = encoder_layer(&v / "encoder" / "layers" / format!("encoder_layer_{i}"), hidden, heads, mlp, split);
+        blocks.push(Block::new(format!("encoder_layer_{i}"), layer, v));
     }
 
-    let p = path_of(blocks.len());
-    let ln = nn::layer_norm(&p / "encoder" / "ln", vec![hidden], layer_norm_config());
+    let v = Vars::new(path_of(blocks.len()));
+    let ln = layers::layer_norm(&(&v / "encoder" / "ln"), hidden, LAYER_NORM_EPS);
     // torchvision zeroes the head (without a representation layer).
-    let head = nn::linear(&p / "heads" / "head", hidden, spec.classes, nn::LinearConfig { ws_init: Init::Const(0.0), bs_init: Some(Init::Const(0.0)), bias: true });
-    blocks.push(Block { name: "head".into(), module: nn::func_t(move |xs, _train| xs.apply(&ln).select(1, 0).apply(&head)) });
+    let head = layers::linear(&(&v / "heads" / "head"), hidden, spec.classes, Some(Init::Const(0.0)), Some(Init::Const(0.0)));
+    blocks.push(Block::new("head", nn::func_t(move |xs, _train| xs.apply(&ln).select(1, 0).apply(&head)), v));
     blocks
 }
 
 /// torchvision's layer norms: eps 1e-6.
-fn layer_norm_config() -> nn::LayerNormConfig {
-    nn::LayerNormConfig { eps: 1e-6, ..Default::default() }
-}
+const LAYER_NORM_EPS: f64 = 1e-6;
 
 /// One encoder layer: x + attention(ln_1(x)), then + mlp(ln_2(.)), torchvision's
 /// `EncoderBlock` (dropout 0). With `split`, Megatron's layer: this rank's heads and MLP columns,
 /// the attention's output projection and the MLP's second layer summed over the group (their
 /// biases added once, after the sum), each sum's gradient the identity; the inputs of the
 /// attention and the MLP copied into the group, their gradients summed in backward.
-fn encoder_layer(p: &nn::Path, hidden: i64, heads: i64, mlp: i64, split: Option<TensorSplit>) -> nn::FuncT<'static> {
+///
+/// The variables are declared with their whole shapes (a rank of a group is given its part of
+/// each: train/net.rs), so that every layout draws the same whole values and cuts them.
+fn encoder_layer(p: Vars, hidden: i64, heads: i64, mlp: i64, split: Option<TensorSplit>) -> nn::FuncT<'static> {
     let parts = split.map_or(1, |s| s.size);
-    let (local_heads, local_mlp) = (heads / parts, mlp / parts);
+    let local_heads = heads / parts;
     let head_dim = hidden / heads;
     let local_width = local_heads * head_dim;
-    let ln_1 = nn::layer_norm(p / "ln_1", vec![hidden], layer_norm_config());
-    let attention = p / "self_attention";
+    let ln_1 = layers::layer_norm(&(&p / "ln_1"), hidden, LAYER_NORM_EPS);
+    let attention = &p / "self_attention";
     // nn.MultiheadAttention's initialisation: Xavier-uniform in-projection (of the whole
     // weight's shape), zero biases.
     let bound = (6.0 / (hidden + 3 * hidden) as f64).sqrt();
-    let in_proj_weight = attention.var("in_proj_weight", &[3 * local_width, hidden], Init::Uniform { lo: -bound, up: bound });
-    let in_proj_bias = attention.var("in_proj_bias", &[3 * local_width], Init::Const(0.0));
+    let in_proj_weight = attention.var("in_proj_weight", &[3 * hidden, hidden], Init::Uniform { lo: -bound, up: bound });
+    let in_proj_bias = attention.var("in_proj_bias", &[3 * hidden], Init::Const(0.0));
     // nn.Linear's default initialisation (Kaiming-uniform of a=sqrt(5), as tch's linear layer).
-    let out_proj_weight = (&attention / "out_proj").var("weight", &[hidden, local_width], nn::init::DEFAULT_KAIMING_UNIFORM);
+    let out_proj_weight = (&attention / "out_proj").var("weight", &[hidden, hidden], nn::init::DEFAULT_KAIMING_UNIFORM);
     let out_proj_bias = (&attention / "out_proj").var("bias", &[hidden], Init::Const(0.0));
-    let ln_2 = nn::layer_norm(p / "ln_2", vec![hidden], layer_norm_config());
+    let ln_2 = layers::layer_norm(&(&p / "ln_2"), hidden, LAYER_NORM_EPS);
     // MLPBlock: Xavier-uniform weights (of the whole shapes), biases from a normal of std 1e-6.
     let mlp_bound = (6.0 / (hidden + mlp) as f64).sqrt();
-    let mlp_var = |layer: &str, name: &str, shape: &[i64], init| (p / "mlp" / layer).var(name, shape, init);
+    let mlp_var = |layer: &str, name: &str, shape: &[i64], init| (&p / "mlp" / layer).var(name, shape, init);
     let weights = Init::Uniform { lo: -mlp_bound, up: mlp_bound };
     let biases = Init::Randn { mean: 0.0, stdev: 1e-6 };
-    let (mlp_0_weight, mlp_0_bias) = (mlp_var("0", "weight", &[local_mlp, hidden], weights), mlp_var("0", "bias", &[local_mlp], biases));
-    let (mlp_3_weight, mlp_3_bias) = (mlp_var("3", "weight", &[hidden, local_mlp], weights), mlp_var("3", "bias", &[hidden], biases));
+    let (mlp_0_weight, mlp_0_bias) = (mlp_var("0", "weight", &[mlp, hidden], weights), mlp_var("0", "bias", &[mlp], biases));
+    let (mlp_3_weight, mlp_3_bias) = (mlp_var("3", "weight", &[hidden, mlp], weights), mlp_var("3", "bias", &[hidden], biases));
     let failed = |e: crate::error::Error| -> Tensor { panic!("tensor-parallel encoder layer: {e}") };
     // Into the group (identity; the gradient summed in backward), and a row-parallel layer's
     // partial products summed (the bias added after the sum). Without a split: a plain linear.
@@ -187,6 +192,7 @@ mod tests {
     fn built(config: VitConfig, spec: InputSpec) -> (usize, Vec<String>) {
         let vs = nn::VarStore::new(Device::Cpu);
         let blocks = vit_blocks(spec, config, |_| vs.root(), None);
+        blocks.iter().for_each(|b| b.draw(0, Device::Cpu).unwrap());
         let x = Tensor::zeros([2, spec.channels, spec.height, spec.width], (Kind::Float, Device::Cpu));
         let y = super::super::parts::sequence(blocks.into_iter().map(|b| b.module).collect()).forward_t(&x, true);
         assert_eq!(y.size(), [2, spec.classes]);
@@ -205,6 +211,8 @@ mod tests {
         let imagenet = InputSpec { channels: 3, height: 224, width: 224, classes: 1000 };
         let (fixed, embedding, head) = VIT_B16.layers_for(imagenet);
         assert_eq!(fixed + embedding + head, 86_567_656, "torchvision's vit_b_16");
+        let (fixed, embedding, head) = VIT_L16.layers_for(imagenet);
+        assert_eq!(fixed + embedding + head, 304_326_632, "torchvision's vit_l_16");
     }
 
     #[test]

@@ -198,7 +198,13 @@ impl Optimizer {
 /// ResNet and the tiny CNN are exactly the batch-norm weights and biases and every bias (MLPerf's
 /// reference and NVIDIA's DeepLearningExamples skip the same ones, by name).
 pub fn exempt_from_lars(params: &[Tensor]) -> Vec<bool> {
-    params.iter().map(|p| p.dim() <= 1).collect()
+    exempt_by_dims(params.iter().map(Tensor::dim))
+}
+
+/// [`exempt_from_lars`] from the parameters' numbers of dimensions (`--zero 3` knows its
+/// parameters by their declared shapes: they hold no memory between its steps).
+pub fn exempt_by_dims(dims: impl IntoIterator<Item = usize>) -> Vec<bool> {
+    dims.into_iter().map(|d| d <= 1).collect()
 }
 
 #[cfg(test)]

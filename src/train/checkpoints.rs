@@ -143,30 +143,28 @@ pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &Checkpoin
     }
 }
 
-/// Loads the checkpoint on rank 0 and sends the weights and the optimizer's state to every rank.
+/// Loads the optimizer's state from the checkpoint on rank 0 and sends it to every rank (the
+/// weights were read when the model was built).
 pub(super) fn restore(world: &World, found: Option<&Checkpoint>, net: &mut Net, exchange: &mut dyn Exchange, optimizer: &mut Optimizer) -> Result<()> {
     let (state, steps) = load_checkpoint(world, found, net, optimizer.kind().slots())?;
     exchange.restore_optimizer(&net.params, state, steps, optimizer)
 }
 
-/// Loads the checkpoint on rank 0 into every rank's `net` (the weights) and returns the
-/// optimizer's state buffers of `net`'s parameters (`[slot][parameter]`) and its step count.
+/// The optimizer's state buffers of `net`'s parameters (`[slot][parameter]`, each of the
+/// parameter's whole shape) from the checkpoint rank 0 found, on every rank, and its step
+/// count. The weights are not here: every rank reads its own from the checkpoint's weights
+/// file when it builds its part of the model (net.rs, `InitialValues`).
 pub(super) fn load_checkpoint(world: &World, found: Option<&Checkpoint>, net: &Net, slots: &[&str]) -> Result<(WholeState, u64)> {
     let loaded = world.agree(match found {
         Some(c) if world.is_root() => checkpoint::load(c).map(Some),
         _ => Ok(None),
     })?;
-    let variables = net.named_variables();
-    let state: Vec<Vec<Tensor>> = slots.iter().map(|_| net.params.iter().map(|p| p.f_zeros_like()).collect::<std::result::Result<_, _>>()).collect::<std::result::Result<_, _>>()?;
+    let zeros = |v: &crate::model::Variable| Tensor::f_zeros(v.shape.as_slice(), (tch::Kind::Float, net.vs.device()));
+    let state: Vec<Vec<Tensor>> = slots.iter().map(|_| net.declared.iter().map(zeros).collect::<std::result::Result<_, _>>()).collect::<std::result::Result<_, _>>()?;
     let mut optimizer_steps = 0.0;
     world.agree((|| -> Result<()> {
-        if let Some((weights, saved_state)) = &loaded {
-            let dir = &found.unwrap().dir;
+        if let Some((_, saved_state)) = &loaded {
             tch::no_grad(|| -> Result<()> {
-                for (name, t) in &variables {
-                    let w = weights.get(name).ok_or_else(|| Error::Checkpoint { path: dir.clone(), reason: format!("no tensor {name}") })?;
-                    t.shallow_clone().f_copy_(w)?;
-                }
                 // A buffer the checkpoint lacks stays zero: a parameter never stepped.
                 for (slot, buffers) in slots.iter().zip(&state) {
                     for (name, b) in net.param_names.iter().zip(buffers) {
@@ -181,7 +179,6 @@ pub(super) fn load_checkpoint(world: &World, found: Option<&Checkpoint>, net: &N
         }
         Ok(())
     })())?;
-    broadcast_from_root(&world.comm, &variables.into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
     for buffers in &state {
         broadcast_from_root(&world.comm, buffers)?;
     }
@@ -239,21 +236,10 @@ pub(super) fn named_state(net: &Net, optimizer: &Optimizer, state: Vec<Vec<Tenso
 }
 
 /// `--save-weights` for a run that had nothing left to train: the checkpoint's weights.
-pub(super) fn save_checkpoint_weights(found: Option<&Checkpoint>, net: &Net, path: &Path, whole: bool) -> Result<()> {
+pub(super) fn save_checkpoint_weights(found: Option<&Checkpoint>, path: &Path) -> Result<()> {
     let found = found.ok_or_else(|| Error::exchange("checkpoint", "rank 0 has no checkpoint to take the weights from"))?;
     let (weights, _) = checkpoint::load(found)?;
-    if whole {
-        // A pipeline stage holds part of the model: the checkpoint's weights are all of it.
-        return save_named(weights.into_iter().collect(), path);
-    }
-    tch::no_grad(|| -> Result<()> {
-        for (name, t) in net.named_variables() {
-            let w = weights.get(&name).ok_or_else(|| Error::Checkpoint { path: found.dir.clone(), reason: format!("no tensor {name}") })?;
-            t.shallow_clone().f_copy_(w)?;
-        }
-        Ok(())
-    })?;
-    save_weights(net, path)
+    save_named(weights.into_iter().collect(), path)
 }
 
 /// Writes the weights (parameters and batch-norm statistics) as safetensors, under a temporary

@@ -33,6 +33,7 @@ pub mod stages;
 mod step;
 mod step_faults;
 mod tensor;
+mod weights_file;
 
 use std::time::Instant;
 

@@ -6,18 +6,56 @@ use tch::{Device, Kind, Tensor};
 
 use crate::data::DatasetInfo;
 use crate::error::Result;
-use crate::model::{self, InputSpec};
+use crate::model::{self, InputSpec, Variable};
+use crate::plan::tensor::{held, vit_split, Split};
 use crate::raw;
 
 use super::options::TrainArgs;
 use super::stages::StageCut;
+use super::weights_file::WeightsFile;
 
 /// How the model is held: whole, as one pipeline stage's chunks, or as `--zero 3`'s units.
 pub(super) enum NetLayout<'a> {
     Whole,
     Stage(&'a StageCut),
-    /// The blocks of each unit, consecutive and in model order.
+    /// The blocks of each unit, consecutive and in model order. The parameters stay empty:
+    /// the exchange keeps this rank's shards of them ([`Net::initial_value`]).
     Units(&'a [std::ops::Range<usize>]),
+}
+
+/// A tensor-parallel rank's part of the model: it builds the group's layers and holds its part
+/// of each cut variable.
+#[derive(Clone, Copy)]
+pub(super) struct TensorPart {
+    pub(super) split: crate::model::vit::TensorSplit,
+    pub(super) rank: usize,
+    pub(super) size: usize,
+}
+
+/// Where the initial values come from: drawn from the seed, or read from `--init-weights`.
+pub(super) enum InitialValues {
+    Seeded(u64),
+    File(WeightsFile),
+}
+
+impl InitialValues {
+    /// The checkpoint's weights when the run resumes (from `--checkpoint-dir` at the step all
+    /// ranks agreed on), else `--init-weights`, else the seed.
+    pub(super) fn of(args: &TrainArgs, resumed_at: Option<(&std::path::Path, u64)>) -> Result<InitialValues> {
+        Ok(match (resumed_at, &args.init_weights) {
+            (Some((dir, step)), _) => InitialValues::File(WeightsFile::open("the checkpoint's weights", &crate::checkpoint::folder(dir, step).join(crate::checkpoint::WEIGHTS_FILE))?),
+            (None, Some(path)) => InitialValues::File(WeightsFile::open("--init-weights", path)?),
+            (None, None) => InitialValues::Seeded(args.seed),
+        })
+    }
+
+    /// `variable`'s whole initial value, on the CPU.
+    pub(super) fn value(&self, variable: &Variable) -> Result<Tensor> {
+        match self {
+            InitialValues::Seeded(seed) => Ok(variable.draw(*seed)?),
+            InitialValues::File(file) => file.read(&variable.name, &variable.shape),
+        }
+    }
 }
 
 /// The network and its parameters: the whole model, or a pipeline stage's chunks of it.
@@ -32,56 +70,78 @@ pub(super) struct Net {
     pub(super) param_names: Vec<String>,
     /// Non-trainable state (batch-norm running statistics), by name.
     pub(super) buffers: Vec<(String, Tensor)>,
+    /// Every parameter as declared (its whole shape and initialisation), in `params` order.
+    pub(super) declared: Vec<Variable>,
 }
 
 impl Net {
-    /// The whole model, or with `stage` the chunks of one pipeline stage (its blocks'
-    /// variables only; the others are drawn in a scratch store and dropped, so that the seed
-    /// gives every variable the value it has in the whole model).
-    pub(super) fn new(args: &TrainArgs, info: &DatasetInfo, device: Device, layout: NetLayout) -> Result<(Net, InputSpec)> {
+    /// The model this rank holds: whole, a pipeline stage's chunks, or `--zero 3`'s units (with
+    /// `part`, a tensor-parallel rank's part of each). Each variable this rank holds is given
+    /// its initial value one at a time, whole from `values` and then cut to this rank's part,
+    /// so that no rank ever holds more than its part and one whole variable; the blocks of
+    /// other stages are declared (they hold no memory) and dropped. Every layout draws every
+    /// variable from its name, so every layout starts from the same weights.
+    pub(super) fn new(args: &TrainArgs, info: &DatasetInfo, device: Device, layout: NetLayout, part: Option<TensorPart>, values: &InitialValues) -> Result<(Net, InputSpec)> {
         let spec = input_spec(info);
-        // The same initial weights on every rank and every device: initialised on the CPU from
-        // the seed, then moved. CUDA's random stream differs from the CPU's, so weights drawn on
-        // the GPU would differ from a CPU run's with the same seed. Moving keeps each variable's
-        // identity (set_data), so the model's layers see the moved tensors.
-        tch::manual_seed(args.seed as i64);
-        let mut vs = nn::VarStore::new(Device::Cpu);
+        let vs = nn::VarStore::new(device);
+        let scratch = nn::VarStore::new(Device::Cpu);
+        let holds = |b: usize| match &layout {
+            NetLayout::Stage(cut) => cut.holds(b),
+            NetLayout::Whole | NetLayout::Units(_) => true,
+        };
+        let path_of = |b: usize| if holds(b) { vs.root() } else { scratch.root() };
+        let blocks = match part {
+            Some(p) => model::build_blocks_tensor_parallel(args.model, spec, path_of, p.split)
+                .ok_or_else(|| crate::error::Error::usage(format!("--tensor-parallel cuts attention heads, and --model {} has none", args.model.name())))?,
+            None => model::build_blocks(args.model, spec, path_of),
+        };
+        let held: Vec<Variable> = blocks.iter().enumerate().filter(|(b, _)| holds(*b)).flat_map(|(_, block)| block.variables.iter().map(Variable::shallow_clone)).collect();
+        // Under --zero 3 the parameters stay empty until the exchange cuts its shards from
+        // their values; the buffers (batch norm's statistics) are held whole by every rank.
+        for variable in &held {
+            if matches!(layout, NetLayout::Units(_)) && variable.trainable {
+                // Empty, on the device the shards will be gathered to.
+                variable.set(&Tensor::f_empty([0], (Kind::Float, device))?)?;
+                continue;
+            }
+            let whole = values.value(variable)?;
+            let mine = match part {
+                Some(p) => cut_tensor(&whole, vit_split(&variable.name), p.rank, p.size)?,
+                None => whole,
+            };
+            variable.set(&mine.f_to_device(device)?)?;
+        }
         let chunks = match layout {
             NetLayout::Whole => {
-                let model = model::build(args.model, &vs.root(), spec);
-                model::check_forward(&model, spec, Device::Cpu)?;
+                let model = model::sequence(blocks.into_iter().map(|b| b.module).collect());
+                if part.is_none() {
+                    model::check_forward(&model, spec, device)?;
+                }
                 vec![(0, model)]
             }
-            NetLayout::Units(groups) => {
-                let blocks = model::build_blocks(args.model, spec, |_| vs.root());
-                if args.model == model::ModelKind::TinyUnused {
-                    // As model::build: created after the used layers, never given a gradient.
-                    let _unused = nn::linear(vs.root() / "unused", 8, 8, Default::default());
-                }
-                sequences(blocks, groups.iter().cloned().enumerate())
-            }
-            NetLayout::Stage(cut) => {
-                let scratch = nn::VarStore::new(Device::Cpu);
-                stage_chunks(model::build_blocks(args.model, spec, |b| if cut.holds(b) { vs.root() } else { scratch.root() }), cut)
-            }
+            NetLayout::Units(groups) => sequences(blocks, groups.iter().cloned().enumerate()),
+            NetLayout::Stage(cut) => stage_chunks(blocks, cut),
         };
-        vs.set_device(device);
-        Ok((Net::from_store(vs, chunks), spec))
+        // The parameters in declaration order (the store's order, and the order backward
+        // produces their gradients in, reversed); named from the declarations, since under
+        // --zero 3 they are all empty and their data cannot tell them apart.
+        let (declared, buffers): (Vec<Variable>, Vec<Variable>) = held.into_iter().partition(|v| v.trainable);
+        let mut buffers: Vec<(String, Tensor)> = buffers.into_iter().map(|v| (v.name, v.tensor)).collect();
+        buffers.sort_by(|a, b| a.0.cmp(&b.0));
+        let net = Net {
+            vs,
+            chunks,
+            params: declared.iter().map(|v| v.tensor.shallow_clone()).collect(),
+            param_names: declared.iter().map(|v| v.name.clone()).collect(),
+            buffers,
+            declared,
+        };
+        Ok((net, spec))
     }
 
-    /// The network of the variables in `vs` (on their device) and the modules that use them.
-    pub(super) fn from_store(vs: nn::VarStore, chunks: Vec<(usize, nn::FuncT<'static>)>) -> Net {
-        let params = vs.trainable_variables();
-        let param_addrs: Vec<usize> = params.iter().map(raw::data_address).collect();
-        let variables = vs.variables();
-        let param_names: Vec<String> = param_addrs
-            .iter()
-            .map(|a| variables.iter().find(|(_, t)| raw::data_address(t) == *a).map(|(n, _)| n.clone()).expect("every parameter is a variable"))
-            .collect();
-        let mut buffers: Vec<(String, Tensor)> =
-            variables.into_iter().filter(|(_, t)| !param_addrs.contains(&raw::data_address(t))).collect();
-        buffers.sort_by(|a, b| a.0.cmp(&b.0));
-        Net { vs, chunks, params, param_names, buffers }
+    /// Parameter `index`'s whole initial value, on the CPU (for `--zero 3`'s shards).
+    pub(super) fn initial_value(&self, index: usize, values: &InitialValues) -> Result<Tensor> {
+        values.value(&self.declared[index])
     }
 
     /// The whole model (outside pipelines, where the one chunk is all of it).
@@ -97,30 +157,22 @@ impl Net {
         all
     }
 
-    /// Copies every variable from a safetensors file of the model's variables by name
-    /// (`--init-weights`: what --save-weights and checkpoints write, or a torchvision
-    /// state_dict saved with safetensors). Every variable must be there with its shape.
-    pub(super) fn load_weights(&self, path: &std::path::Path) -> Result<()> {
-        let refuse = |reason: String| crate::error::Error::usage(format!("--init-weights {}: {reason}", path.display()));
-        let file: std::collections::BTreeMap<String, Tensor> = Tensor::read_safetensors(path)
-            .map_err(|e| refuse(format!("not a readable safetensors file ({e})")))?
-            .into_iter()
-            .collect();
-        tch::no_grad(|| -> Result<()> {
-            for (name, variable) in self.named_variables() {
-                let saved = file.get(&name).ok_or_else(|| refuse(format!("no tensor {name} among its {} (weights of another model?)", file.len())))?;
-                if saved.size() != variable.size() {
-                    return Err(refuse(format!("{name} has shape {:?}, the model's is {:?}", saved.size(), variable.size())));
-                }
-                variable.shallow_clone().f_copy_(saved)?;
-            }
-            Ok(())
-        })
-    }
-
     pub(super) fn grads(&self) -> Vec<Tensor> {
         self.params.iter().map(|p| p.grad()).collect()
     }
+}
+
+/// Rank `rank` of `size`'s part of the whole tensor `w` (tensor parallelism: plan/tensor.rs
+/// says which rows or columns).
+pub(super) fn cut_tensor(w: &Tensor, split: Split, rank: usize, size: usize) -> Result<Tensor> {
+    let dim = match split {
+        Split::Whole => return Ok(w.shallow_clone()),
+        Split::Rows { .. } => 0,
+        Split::Columns => 1,
+    };
+    let ranges = held(split, w.size()[dim] as usize, rank, size);
+    let pieces: Vec<Tensor> = ranges.iter().map(|r| w.f_narrow(dim as i64, r.start as i64, r.len() as i64)).collect::<std::result::Result<_, _>>()?;
+    Ok(Tensor::f_cat(&pieces, dim as i64)?)
 }
 
 /// A pipeline stage's chunks, each its blocks in sequence, from the whole model's `blocks`.
@@ -137,15 +189,13 @@ fn sequences(blocks: Vec<model::Block>, ranges: impl IntoIterator<Item = (usize,
         .collect()
 }
 
-/// The names of `kind`'s blocks, and the block that creates each variable (by name): a build
-/// into one store per block. It draws from libtorch's random stream, so it comes before the
-/// seed is set for the real build.
+/// The names of `kind`'s blocks, and the block that declares each variable (by name).
+/// Declared only: nothing is allocated.
 pub(super) fn variable_blocks(kind: model::ModelKind, spec: InputSpec) -> (Vec<String>, std::collections::HashMap<String, usize>) {
-    let count = model::block_count(kind);
-    let stores: Vec<nn::VarStore> = (0..count).map(|_| nn::VarStore::new(Device::Cpu)).collect();
-    let blocks = model::build_blocks(kind, spec, |b| stores[b].root());
+    let scratch = nn::VarStore::new(Device::Cpu);
+    let blocks = model::build_blocks(kind, spec, |_| scratch.root());
     let names = blocks.iter().map(|b| b.name.clone()).collect();
-    let of = stores.iter().enumerate().flat_map(|(b, vs)| vs.variables().into_keys().map(move |name| (name, b))).collect();
+    let of = blocks.iter().enumerate().flat_map(|(b, block)| block.variables.iter().map(move |v| (v.name.clone(), b))).collect();
     (names, of)
 }
 

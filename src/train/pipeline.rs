@@ -575,32 +575,16 @@ pub(super) fn save_pipeline_checkpoint(
     Ok(Some(crate::checkpoint::save(dir, meta, &weights, &state, keep)))
 }
 
-/// Restores a pipelined run from a checkpoint of any layout: rank 0 loads it, each stage gets
-/// its variables and optimizer state by name, and its replicas take them from the first one.
+/// Restores a pipelined run's optimizer state from a checkpoint of any layout: rank 0 loads it,
+/// each stage gets its parameters' state by name, and its replicas take it from the first one.
+/// (Each stage read its weights from the checkpoint when it was built.)
 pub(super) fn restore_pipeline(world: &World, pipeline: &Pipeline, found: Option<&Checkpoint>, net: &mut Net, exchange: &mut dyn Exchange, optimizer: &mut Optimizer) -> Result<()> {
     let loaded = world.agree(match found {
         Some(c) if world.is_root() => crate::checkpoint::load(c).map(Some),
         _ => Ok(None),
     })?;
-    let (weights, saved_state) = match &loaded {
-        Some((w, s)) => (Some(w), Some(s)),
-        None => (None, None),
-    };
-    let variables = net.named_variables();
-    let names: Vec<String> = variables.iter().map(|(n, _)| n.clone()).collect();
-    let tensors: Vec<Tensor> = variables.iter().map(|(_, t)| t.shallow_clone()).collect();
-    let values = world.agree(pipeline.scatter_named(weights, &names, &tensors))?;
-    let missing: Vec<&String> = names.iter().zip(&values).filter(|(_, v)| v.is_none()).map(|(n, _)| n).collect();
-    world.agree(match missing.first() {
-        Some(name) => Err(Error::Checkpoint { path: found.map(|c| c.dir.clone()).unwrap_or_default(), reason: format!("no tensor {name}") }),
-        None => Ok(()),
-    })?;
-    tch::no_grad(|| -> Result<()> {
-        for (t, v) in tensors.iter().zip(values.into_iter().flatten()) {
-            t.shallow_clone().f_copy_(&v)?;
-        }
-        Ok(())
-    })?;
+    // The weights were read from the checkpoint's weights file when the stage was built.
+    let saved_state = loaded.as_ref().map(|(_, s)| s);
     let mut state = Vec::new();
     for slot in optimizer.kind().slots() {
         let wanted: Vec<String> = net.param_names.iter().map(|n| crate::checkpoint::state_name(slot, n)).collect();

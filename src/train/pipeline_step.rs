@@ -151,10 +151,11 @@ impl Run<'_> {
         let pipeline = self.pipeline.as_ref().expect("a pipelined run");
         let all = pipeline.gather_named(mine)?;
         if let Some(all) = &all {
+            // Declared only, to count its variables.
             let whole = nn::VarStore::new(Device::Cpu);
-            let _model = crate::model::build(self.args.model, &whole.root(), self.spec);
-            if all.len() != whole.variables().len() {
-                return Err(Error::exchange("gathering the weights", format!("{} variables gathered, the model has {}", all.len(), whole.variables().len())));
+            let (_model, variables) = crate::model::declare(self.args.model, &whole.root(), self.spec);
+            if all.len() != variables.len() {
+                return Err(Error::exchange("gathering the weights", format!("{} variables gathered, the model has {}", all.len(), variables.len())));
             }
         }
         Ok(all)

@@ -18,9 +18,9 @@ use crate::results::{self};
 use crate::topology::World;
 
 use super::checkpoints::{checkpoint_meta, find_resume_point, load_checkpoint, lock_checkpoint_dir, restore, save_checkpoint_weights, CheckpointLog};
-use super::collective::{broadcast_from_root, broadcast_step};
+use super::collective::broadcast_step;
 use super::fsdp::{FullySharded, UnitWorker};
-use super::net::{input_spec, variable_blocks, Net, NetLayout};
+use super::net::{input_spec, variable_blocks, InitialValues, Net, NetLayout, TensorPart};
 use super::pipeline::{restore_pipeline, Pipeline};
 use super::stages::choose_cut;
 use super::tensor::TensorParallel;
@@ -101,13 +101,6 @@ impl<'a> Run<'a> {
             (None, Some((_, _, groups))) => NetLayout::Units(groups),
             (None, None) => NetLayout::Whole,
         };
-        let (mut net, spec) = world.agree(Net::new(args, &info, plan.device, layout))?;
-        if let Some(path) = &args.init_weights {
-            world.agree(if replicas.is_root() { net.load_weights(path) } else { Ok(()) })?;
-        }
-        // Same seed on every rank gives the same weights; rank 0's are sent anyway, so that a
-        // mismatch (another libtorch, another seed) cannot start, and --init-weights is read once.
-        broadcast_from_root(&replicas.comm, &net.named_variables().into_iter().map(|(_, t)| t).collect::<Vec<_>>())?;
         // The checkpoint folder, held for this run alone; the checkpoint to continue from, and
         // whether anything is left to do.
         let checkpoint_lock = world.agree(lock_checkpoint_dir(world, args))?;
@@ -126,22 +119,24 @@ impl<'a> Run<'a> {
                 println!("hpc-train: the checkpoint at step {first_step} in {dir} already covers the {total_steps} steps asked for; nothing to train, no record appended");
             }
             if let Some(path) = &args.save_weights {
-                world.agree(if world.is_root() { save_checkpoint_weights(resume_from.as_ref(), &net, path, pipeline.is_some()) } else { Ok(()) })?;
+                world.agree(if world.is_root() { save_checkpoint_weights(resume_from.as_ref(), path) } else { Ok(()) })?;
             }
             return Ok(None);
         }
+        // Every rank gives memory to what it holds only, each variable drawn from its name, read
+        // from --init-weights, or read from the checkpoint it resumes from: no rank holds the
+        // whole model, nothing is broadcast.
+        let resumed_at = args.checkpoint_dir.as_deref().filter(|_| first_step > 0).map(|dir| (dir, first_step));
+        let initial_values = world.agree(InitialValues::of(args, resumed_at))?;
+        let part = tensor_parallel.as_ref().map(|tp| TensorPart { split: tp.split(), rank: tp.rank, size: tp.layout.tensor });
+        let (mut net, spec) = world.agree(Net::new(args, &info, plan.device, layout, part, &initial_values))?;
 
-        // --tensor-parallel: this rank's part cut from the whole model, which goes; resuming,
-        // the whole weights and optimizer state are restored first, and cut alike.
+        // --tensor-parallel, resuming: the whole optimizer state is read, and cut to this
+        // rank's part.
         let mut cut_state = None;
-        if let Some(tp) = &tensor_parallel {
-            let whole_state = match resume_from.is_some() || first_step > 0 {
-                true => Some(load_checkpoint(world, resume_from.as_ref(), &net, args.recipe.config().kind.slots())?),
-                false => None,
-            };
-            let whole_names = net.param_names.clone();
-            net = world.agree(tp.cut(net, args.model, spec, plan.device, stage_cut.as_ref()))?;
-            cut_state = whole_state.map(|(state, steps)| Ok::<_, Error>((tp.cut_state(&whole_names, state, &net.param_names)?, steps))).transpose()?;
+        if let (Some(tp), true) = (&tensor_parallel, first_step > 0) {
+            let (state, steps) = load_checkpoint(world, resume_from.as_ref(), &net, args.recipe.config().kind.slots())?;
+            cut_state = Some((tp.cut_state(&net.param_names, state, &net.param_names)?, steps));
         }
         if args.channels_last {
             world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;
@@ -158,7 +153,7 @@ impl<'a> Run<'a> {
         let mut exchange = world.agree(exchange::build(args.strategy, replicas, &config))?;
         world.agree(exchange.prepare(&net.params))?;
         exchange.name_tensors(&net.param_names);
-        let mut optimizer = Optimizer::new(optimizer_config, schedule, optim::exempt_from_lars(&net.params));
+        let mut optimizer = Optimizer::new(optimizer_config, schedule, optim::exempt_by_dims(net.declared.iter().map(|v| v.shape.len())));
         if let Some(tp) = &tensor_parallel {
             // LARS's trust ratio over whole layers, not over this rank's parts of them.
             optimizer.set_layer_parts(tp.layer_parts(&net.param_names));
@@ -175,7 +170,7 @@ impl<'a> Run<'a> {
             Some((block_names, block_of_variable, groups)) => {
                 // Agreed: with and without prefetch the collectives come in different orders.
                 let prefetch = world.sum_f64(f64::from(u8::from(overlap_choice(world, args, &plan) == OnOff::On))) as i32 == world.size;
-                Some(world.agree(shard_units(&mut net, exchange.as_mut(), &mut optimizer, &block_names, &block_of_variable, &groups, args, plan.device, prefetch))?)
+                Some(world.agree(shard_units(&mut net, &initial_values, exchange.as_mut(), &mut optimizer, &block_names, &block_of_variable, &groups, args, plan.device, prefetch))?)
             }
             None => None,
         };
@@ -314,6 +309,7 @@ fn exchange_config(world: &World, args: &TrainArgs, plan: &Plan, optimizer: Opti
 #[allow(clippy::too_many_arguments)]
 fn shard_units(
     net: &mut Net,
+    values: &InitialValues,
     exchange: &mut dyn exchange::Exchange,
     optimizer: &mut Optimizer,
     block_names: &[String],
@@ -327,11 +323,13 @@ fn shard_units(
     let last_block = block_names.len() - 1;
     let block_of = |name: &str| block_of_variable.get(name).copied().unwrap_or(last_block);
     let param_blocks: Vec<usize> = net.param_names.iter().map(|n| block_of(n)).collect();
-    let sizes: Vec<usize> = net.params.iter().map(|p| p.numel()).collect();
+    let sizes: Vec<usize> = net.declared.iter().map(|v| v.numel()).collect();
     let units = fsdp_plan::lay_out(block_names, groups, &param_blocks, &sizes);
     let layouts: Vec<_> = units.iter().map(|u| u.layout.clone()).collect();
     let shards = exchange.fully_sharded().ok_or_else(|| Error::usage("--zero 3 needs a fully sharded exchange"))?;
-    shards.shard(&layouts, &net.params, optimizer)?;
+    let shapes: Vec<Vec<i64>> = net.declared.iter().map(|v| v.shape.clone()).collect();
+    // Each parameter drawn (or read) whole, one at a time, and cut to this rank's shard.
+    shards.shard(&layouts, &net.params, &shapes, &mut |index| net.initial_value(index, values), optimizer)?;
     let unit_of_block = |b: usize| groups.iter().position(|g| g.contains(&b)).expect("every block is in a unit");
     let mut buffers: Vec<Vec<tch::Tensor>> = (0..units.len()).map(|_| Vec::new()).collect();
     for (name, t) in &net.buffers {

@@ -196,12 +196,9 @@ impl Cut {
 /// Chooses the cut (collective over `world` for `--partition time`: every rank profiles, the
 /// times are averaged, and every rank cuts the same way).
 pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partition: &Partition, chunks: usize, micro_batch: usize, device: Device) -> Result<Cut> {
-    // Every block in a store of its own, to count and time it alone.
-    let stores: Vec<nn::VarStore> = (0..64).map(|_| nn::VarStore::new(Device::Cpu)).collect();
-    let blocks = model::build_blocks(kind, spec, |b| stores[b.min(stores.len() - 1)].root());
-    if blocks.len() > stores.len() {
-        return Err(Error::usage(format!("{} has {} blocks, more than the {} the survey provides", kind.name(), blocks.len(), stores.len())));
-    }
+    // Declared only: the survey gives one block at a time memory, and lets it go.
+    let scratch = nn::VarStore::new(Device::Cpu);
+    let blocks = model::build_blocks(kind, spec, |_| scratch.root());
     if chunks > blocks.len() {
         return Err(Error::usage(format!(
             "--pipeline-stages x --virtual-stages = {chunks} chunks, but --model {} has {} blocks to cut (each chunk needs one): use fewer stages or virtual stages",
@@ -210,8 +207,8 @@ pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partit
         )));
     }
     let names = blocks.iter().map(|b| b.name.clone()).collect();
-    let params = stores[..blocks.len()].iter().map(|vs| vs.trainable_variables().iter().map(Tensor::numel).sum()).collect();
-    let output_shapes = model::block_output_shapes(&blocks, spec);
+    let params = blocks.iter().map(model::Block::parameters).collect();
+    let output_shapes = model::block_output_shapes(&blocks, spec)?;
     let mut survey = BlockSurvey { names, params, ms: None, output_shapes };
     let starts = match partition {
         Partition::Cuts(list) => pipeline::cuts_from_list(list, blocks.len(), chunks).map_err(Error::usage)?,
@@ -220,7 +217,7 @@ pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partit
             pipeline::balance(&costs, chunks).map_err(|e| Error::usage(format!("--partition params: {e}")))?
         }
         Partition::Time => {
-            let mine = world.agree(profile_blocks(&blocks, &stores[..blocks.len()], spec, micro_batch, device))?;
+            let mine = world.agree(profile_blocks(&blocks, spec, micro_batch, device))?;
             let ms: Vec<f64> = mine.iter().map(|&t| world.sum_f64(t) / world.size as f64).collect();
             let starts = pipeline::balance(&ms, chunks).map_err(|e| Error::usage(format!("--partition time: {e}")))?;
             survey.ms = Some(ms);
@@ -231,23 +228,17 @@ pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partit
 }
 
 /// Milliseconds of forward + backward of every block on a micro-batch of random images: the
-/// median of 3 passes after one warm-up pass.
-fn profile_blocks(blocks: &[model::Block], stores: &[nn::VarStore], spec: InputSpec, micro_batch: usize, device: Device) -> Result<Vec<f64>> {
-    if device != Device::Cpu {
-        // The survey's variables were made on the CPU; a GPU run profiles on its device (the
-        // stores are dropped after the survey). set_data keeps each variable's identity, so
-        // the blocks see the moved tensors.
-        for vs in stores {
-            for (_, t) in vs.variables() {
-                tch::no_grad(|| t.shallow_clone().set_data(&t.to_device(device)));
-            }
-        }
-    }
-    let input = Tensor::f_randn([micro_batch.max(1) as i64, spec.channels, spec.height, spec.width], (Kind::Float, device))?;
-    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); blocks.len()];
-    for pass in 0..4 {
-        let mut x = input.shallow_clone();
-        for (b, block) in blocks.iter().enumerate() {
+/// median of 3 passes after one warm-up pass. One block at a time holds its variables (drawn on
+/// the device) and their gradients, and lets them go before the next: the survey never holds
+/// more of the model than its largest block.
+fn profile_blocks(blocks: &[model::Block], spec: InputSpec, micro_batch: usize, device: Device) -> Result<Vec<f64>> {
+    let mut x = Tensor::f_randn([micro_batch.max(1) as i64, spec.channels, spec.height, spec.width], (Kind::Float, device))?;
+    let mut medians = Vec::with_capacity(blocks.len());
+    for (b, block) in blocks.iter().enumerate() {
+        block.draw(PROFILE_SEED, device)?;
+        let mut samples = Vec::new();
+        let mut output = None;
+        for pass in 0..4 {
             let inp = x.f_detach()?.f_requires_grad_(b > 0)?;
             let started = Instant::now();
             let y = block.module.forward_t(&inp, true);
@@ -255,16 +246,20 @@ fn profile_blocks(blocks: &[model::Block], stores: &[nn::VarStore], spec: InputS
             y.f_mul(&gradient)?.f_sum(Kind::Float)?.f_backward()?;
             crate::exchange::staging::synchronize_device(device);
             if pass > 0 {
-                samples[b].push(started.elapsed().as_secs_f64() * 1e3);
+                samples.push(started.elapsed().as_secs_f64() * 1e3);
             }
-            x = y.f_detach()?;
+            output = Some(y.f_detach()?);
         }
+        for v in &block.variables {
+            crate::raw::release_grad(&v.tensor)?;
+        }
+        block.release()?;
+        x = output.expect("four passes");
+        samples.sort_by(f64::total_cmp);
+        medians.push(samples[samples.len() / 2]);
     }
-    Ok(samples
-        .into_iter()
-        .map(|mut s| {
-            s.sort_by(f64::total_cmp);
-            s[s.len() / 2]
-        })
-        .collect())
+    Ok(medians)
 }
+
+/// The seed of the survey's values (its times do not depend on them).
+const PROFILE_SEED: u64 = 0;

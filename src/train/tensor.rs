@@ -4,8 +4,9 @@
 //! communicator) behind the model's conjugate operators, and the cutting of the whole model
 //! into this rank's part and its gluing back for `--save-weights`.
 //!
-//! Every rank draws the whole model from the seed (so T = 1 and T = 4 start from the same
-//! weights), keeps its part (plan/tensor.rs says which) and lets the whole go. Layer norms,
+//! Every rank draws each variable whole from its name (so T = 1 and T = 4 start from the same
+//! weights), keeps its part (plan/tensor.rs says which, [`cut_tensor`] cuts it; train/net.rs)
+//! and lets the whole go before it draws the next. Layer norms,
 //! the embedding and the head stay whole on every rank of a group, and their gradients equal
 //! without any exchange in the group: the group's ranks compute them from the same input (the
 //! all-reduce after each row-parallel layer gives every rank the same sum, bit for bit) and the
@@ -19,20 +20,17 @@ use std::time::{Duration, Instant};
 
 use mpi::topology::{Color, Communicator};
 use mpi::traits::*;
-use tch::nn;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::exchange::{self, Exchange, ExchangeConfig, ReduceOp, WholeState};
-use crate::model::{self, InputSpec};
 use crate::model::vit::TensorSplit;
 use crate::optim::LayerParts;
-use crate::plan::tensor::{held, vit_split, Layout, Split};
+use crate::plan::tensor::{vit_split, Layout, Split};
 use crate::raw::{self, RegionAllReduce, RegisteredGroup};
 use crate::topology::World;
 
-use super::net::{stage_chunks, Net};
-use super::stages::StageCut;
+use super::net::{cut_tensor, Net};
 use super::options::TrainArgs;
 
 /// What the group's all-reduces have cost so far (forward and backward, training and
@@ -197,34 +195,6 @@ impl TensorParallel {
         }
     }
 
-    /// This rank's part of `net`, the whole model or a pipeline stage's whole blocks (`stage`;
-    /// every rank of a group holds the same): its blocks built for the group, every variable cut
-    /// from the whole one of its name.
-    pub(super) fn cut(&self, net: Net, kind: model::ModelKind, spec: InputSpec, device: Device, stage: Option<&StageCut>) -> Result<Net> {
-        let whole: BTreeMap<String, Tensor> = net.named_variables().into_iter().collect();
-        let (vs, scratch) = (nn::VarStore::new(Device::Cpu), nn::VarStore::new(Device::Cpu));
-        let held = |b: usize| stage.is_none_or(|cut| cut.holds(b));
-        let blocks = model::build_blocks_tensor_parallel(kind, spec, |b| if held(b) { vs.root() } else { scratch.root() }, self.split())
-            .ok_or_else(|| Error::usage(format!("--tensor-parallel: --model {} has no attention heads to split", kind.name())))?;
-        let chunks = match stage {
-            Some(cut) => stage_chunks(blocks, cut),
-            None => vec![(0, model::sequence(blocks.into_iter().map(|b| b.module).collect()))],
-        };
-        tch::no_grad(|| -> Result<()> {
-            for (name, variable) in vs.variables() {
-                let w = whole.get(&name).ok_or_else(|| Error::usage(format!("--tensor-parallel: the whole model has no {name}")))?;
-                let part = cut_tensor(&w.f_to_device(Device::Cpu)?, vit_split(&name), self.rank, self.layout.tensor)?;
-                variable.shallow_clone().f_copy_(&part)?;
-            }
-            Ok(())
-        })?;
-        drop(whole);
-        drop(net);
-        let mut vs = vs;
-        vs.set_device(device);
-        Ok(Net::from_store(vs, chunks))
-    }
-
     /// The whole model's variables by name, glued from every rank's part (collective over the
     /// group): what `--save-weights` and checkpoints write.
     pub(super) fn whole_variables(&self, net: &Net) -> Result<Vec<(String, Tensor)>> {
@@ -276,18 +246,6 @@ impl TensorParallel {
         }
         Ok(named.into_iter().map(|(n, t)| match glued.remove(&n) { Some(whole) => (n, whole), None => (n, t) }).collect())
     }
-}
-
-/// Rank `rank` of `size`'s part of the whole tensor `w`.
-fn cut_tensor(w: &Tensor, split: Split, rank: usize, size: usize) -> Result<Tensor> {
-    let dim = match split {
-        Split::Whole => return Ok(w.shallow_clone()),
-        Split::Rows { .. } => 0,
-        Split::Columns => 1,
-    };
-    let ranges = held(split, w.size()[dim] as usize, rank, size);
-    let pieces: Vec<Tensor> = ranges.iter().map(|r| w.f_narrow(dim as i64, r.start as i64, r.len() as i64)).collect::<std::result::Result<_, _>>()?;
-    Ok(Tensor::f_cat(&pieces, dim as i64)?)
 }
 
 /// The whole tensor from every rank's part, in rank order (the inverse of [`cut_tensor`]).
