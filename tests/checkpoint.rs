@@ -4,7 +4,8 @@
 //! shards (ZeRO style: each rank reads only the slices it writes, across the first layout's
 //! cuts), then `hpc-train checkpoint consolidate`d: the weights and the optimizer state come back
 //! equal to the training run's whole files, and the weights load into torchvision's resnet18
-//! with strict=True. A damaged part file is refused by name.
+//! with strict=True. A write that cannot complete leaves no partial folder; a damaged part file
+//! is refused by name.
 
 mod common;
 
@@ -46,6 +47,16 @@ fn a_resharded_checkpoint_consolidates_into_weights_torchvision_loads_strictly()
     mpirun(2, &["checkpoint", "reshard", &s(&newest(&rows)), &s(&flat), "--layout", "flat"]).expect_ok();
     let sharded = newest(&flat);
     assert_eq!(files_of(&sharded), vec!["index.json", "meta.crc32", "meta.json", "part-00000.safetensors", "part-00001.safetensors"]);
+
+    // A write that cannot complete (a file where its folder must go): every rank fails, no
+    // partial folder is left, and what was there stays.
+    let blocked = dir.join("blocked");
+    std::fs::create_dir_all(&blocked).unwrap();
+    let in_the_way = blocked.join(sharded.file_name().unwrap());
+    std::fs::write(&in_the_way, b"in the way").unwrap();
+    let run = mpirun(2, &["checkpoint", "reshard", &s(&sharded), &s(&blocked)]);
+    assert!(!run.ok() && run.stderr.contains(&format!("error: {}", in_the_way.display())), "{}", run.all_output());
+    assert_eq!(files_of(&blocked), vec![".lock".to_string(), sharded.file_name().unwrap().to_string_lossy().into_owned()]);
 
     let (out, optimizer) = (dir.join("consolidated.safetensors"), dir.join("consolidated-optimizer.safetensors"));
     let run = hpc_train(&["checkpoint", "consolidate", &s(&sharded), &s(&out), "--optimizer", &s(&optimizer)]).expect_ok();
