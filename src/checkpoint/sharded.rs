@@ -74,8 +74,7 @@ pub struct Written {
     pub files: usize,
     /// Bytes of every rank's part file together (index and meta not counted).
     pub bytes: u64,
-    /// From the start of the write on the first rank to start to its completion (the slowest
-    /// rank's time).
+    /// Seconds from the start of the write to the complete folder, on the slowest rank.
     pub seconds: f64,
 }
 

@@ -114,8 +114,11 @@ fn save_simulated(root: &Path, step: u64, parts: &[Vec<Piece>], keep: usize) -> 
     saved
 }
 
+/// Tensors by name, as the writers take them.
+type Named = Vec<(String, Tensor)>;
+
 /// A small model's variables and one optimizer slot, by name.
-fn model(seed: i64) -> (Vec<(String, Tensor)>, Vec<(String, Tensor)>) {
+fn model(seed: i64) -> (Named, Named) {
     tch::manual_seed(seed);
     let weights = vec![
         ("fc1.weight".to_string(), Tensor::randn([6, 4], (Kind::Float, tch::Device::Cpu))),
