@@ -1,13 +1,14 @@
 //! Command-line interface. `hpc-train [OPTIONS]` trains; subcommands do the other jobs.
 //!
 //! Argument parsing only: each command's options are declared beside the code that reads them
-//! (`train::options`, `study`, `bench`, `report`, `project`, `data::command`, `data::bench`;
-//! the strategies' groups in `exchange::options`), and this file composes them into the
-//! command line.
+//! (`train::options`, `study`, `bench`, `report`, `project`, `data::command`, `data::bench`,
+//! `checkpoint::command`; the strategies' groups in `exchange::options`), and this file
+//! composes them into the command line.
 
 use clap::{Parser, Subcommand};
 
 use crate::bench::BenchArgs;
+use crate::checkpoint::command::CheckpointCommand;
 use crate::data::command::DataCommand;
 use crate::exchange::config::{parse_strategies, PsMode, StrategyKind};
 use crate::exchange::options::{Given, PsArgs};
@@ -40,6 +41,10 @@ pub enum Command {
     Data(DataCommand),
     /// Measure the gradient exchange alone over a sweep of sizes (nccl-tests style).
     Bench(BenchArgs),
+    /// Checkpoints: `checkpoint consolidate` writes one (sharded or whole) as a single weights
+    /// file of whole tensors.
+    #[command(subcommand)]
+    Checkpoint(CheckpointCommand),
     /// Write scaling tables (Markdown, CSV) and plots (SVG, PNG) from runs.jsonl and bench.jsonl.
     Report(ReportArgs),
     /// Run a whole scaling sweep (rank counts x strategies) inside this one launch.
@@ -108,7 +113,7 @@ impl Cli {
             Some(Command::Bench(a)) => any_threaded(&a.strategies, &a.ps),
             // Its cases may be of any strategy.
             Some(Command::Conform(_)) => true,
-            Some(Command::Data(_) | Command::Report(_) | Command::Model(_) | Command::Project(_) | Command::Compat(_)) => false,
+            Some(Command::Data(_) | Command::Checkpoint(_) | Command::Report(_) | Command::Model(_) | Command::Project(_) | Command::Compat(_)) => false,
         };
         if needs_thread { mpi::Threading::Multiple } else { mpi::Threading::Funneled }
     }

@@ -98,6 +98,7 @@ fn main() {
             let local = if world.is_root() { data::command::run(cmd) } else { Ok(()) };
             world.agree(local)
         }
+        Some(Command::Checkpoint(cmd)) => checkpoint::command::run(&world, cmd),
         Some(Command::Model(cli::ModelCommand::Fit(args))) => {
             let local = if world.is_root() { project::fit(args) } else { Ok(()) };
             world.agree(local)

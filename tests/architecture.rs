@@ -26,6 +26,7 @@ const FLOORS: &[(&str, u32)] = &[
     ("project", 5),
     ("data::command", 5),
     ("data::bench", 5),
+    ("checkpoint::command", 5),
     // The training run and what it is made of.
     ("train", 4),
     ("overlap", 4),

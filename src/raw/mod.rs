@@ -27,7 +27,8 @@
 //! - [`messages`]: whole tensors in flight between two ranks (a pipeline's activations);
 //! - [`process`]: this process and its host: resident memory, the allocator, free disk space,
 //!   the host name;
-//! - [`profiler`]: libtorch's profiler (Kineto) and its step marks, for `--profile-dir`.
+//! - [`profiler`]: libtorch's profiler (Kineto) and its step marks, for `--profile-dir`;
+//! - [`mapped`]: files mapped read-only (checkpoint part files read a slice at a time).
 //!
 //! The rest of the crate names all of it as `crate::raw::X`, through the re-exports below; the
 //! files here import one another directly, never through this one.
@@ -36,6 +37,7 @@ pub mod autocast;
 pub mod collective;
 pub mod cuda;
 pub mod hooks;
+pub mod mapped;
 pub mod messages;
 pub mod mpi;
 pub mod process;
@@ -52,6 +54,7 @@ pub use cuda::{
     CudaStream,
 };
 pub use hooks::{GradReady, GradReadyHooks};
+pub use mapped::map_read_only;
 pub use messages::TensorMessage;
 pub use self::mpi::{abort_world, any_tag, exit_now, mpi_cuda_support, mpix_gpu_query_support_cuda, tag_upper_bound, PeerComm, PointToPoint, SendComm};
 pub use regions::{register_group, RegionAllReduce, RegionGroup, RegisteredGroup};

@@ -4,11 +4,13 @@
 use tch::nn::{self};
 use tch::{Device, Kind, Tensor};
 
+use crate::checkpoint::{self, index::Section, reader::CheckpointReader};
 use crate::data::DatasetInfo;
 use crate::error::Result;
 use crate::model::{self, InputSpec, Variable};
 use crate::plan::tensor::{held, vit_split, Split};
 use crate::raw;
+use crate::topology::World;
 
 use super::options::TrainArgs;
 use super::stages::StageCut;
@@ -32,18 +34,33 @@ pub(super) struct TensorPart {
     pub(super) size: usize,
 }
 
-/// Where the initial values come from: drawn from the seed, or read from `--init-weights`.
+/// Where the initial values come from: drawn from the seed, read from `--init-weights` or from
+/// the checkpoint a run resumes from.
 pub(super) enum InitialValues {
     Seeded(u64),
     File(WeightsFile),
+    /// A sharded checkpoint (one file per rank and an index): each variable assembled from the
+    /// pieces that hold it.
+    Sharded(CheckpointReader),
 }
 
 impl InitialValues {
     /// The checkpoint's weights when the run resumes (from `--checkpoint-dir` at the step all
-    /// ranks agreed on), else `--init-weights`, else the seed.
-    pub(super) fn of(args: &TrainArgs, resumed_at: Option<(&std::path::Path, u64)>) -> Result<InitialValues> {
+    /// ranks agreed on), else `--init-weights`, else the seed. Collective (a sharded
+    /// checkpoint's part files are verified by the ranks together).
+    pub(super) fn of(world: &World, args: &TrainArgs, resumed_at: Option<(&std::path::Path, u64)>) -> Result<InitialValues> {
         Ok(match (resumed_at, &args.init_weights) {
-            (Some((dir, step)), _) => InitialValues::File(WeightsFile::open("the checkpoint's weights", &crate::checkpoint::folder(dir, step).join(crate::checkpoint::WEIGHTS_FILE))?),
+            (Some((dir, step)), _) => {
+                let folder = checkpoint::folder(dir, step);
+                let whole = folder.join(checkpoint::meta::WEIGHTS_FILE);
+                // A whole checkpoint was verified by rank 0 (find_resume_point); every rank
+                // reads its own variables from its weights file.
+                if whole.exists() {
+                    InitialValues::File(WeightsFile::open("the checkpoint's weights", &whole)?)
+                } else {
+                    InitialValues::Sharded(CheckpointReader::open(&checkpoint::reader::verify_together(world, &folder)?)?)
+                }
+            }
             (None, Some(path)) => InitialValues::File(WeightsFile::open("--init-weights", path)?),
             (None, None) => InitialValues::Seeded(args.seed),
         })
@@ -54,6 +71,13 @@ impl InitialValues {
         match self {
             InitialValues::Seeded(seed) => Ok(variable.draw(*seed)?),
             InitialValues::File(file) => file.read(&variable.name, &variable.shape),
+            InitialValues::Sharded(reader) => {
+                let value = reader.read_whole(Section::Weights, &variable.name)?;
+                if value.size() != variable.shape {
+                    return Err(crate::error::Error::usage(format!("the checkpoint's {} has shape {:?}, the model's is {:?}", variable.name, value.size(), variable.shape)));
+                }
+                Ok(value.f_to_kind(Kind::Float)?)
+            }
         }
     }
 }

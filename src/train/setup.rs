@@ -127,7 +127,7 @@ impl<'a> Run<'a> {
         // from --init-weights, or read from the checkpoint it resumes from: no rank holds the
         // whole model, nothing is broadcast.
         let resumed_at = args.checkpoint_dir.as_deref().filter(|_| first_step > 0).map(|dir| (dir, first_step));
-        let initial_values = world.agree(InitialValues::of(args, resumed_at))?;
+        let initial_values = world.agree(InitialValues::of(world, args, resumed_at))?;
         let part = tensor_parallel.as_ref().map(|tp| TensorPart { split: tp.split(), rank: tp.rank, size: tp.layout.tensor });
         let (mut net, spec) = world.agree(Net::new(args, &info, plan.device, layout, part, &initial_values))?;
 

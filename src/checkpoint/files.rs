@@ -1,0 +1,192 @@
+//! The checkpoint folders on disk: their names, the partial folder a write goes into and the
+//! rename that completes it, syncing, pruning, and the lock a run holds on the folder.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result, WithPath};
+
+use super::meta::{CheckpointMeta, FileCheck, LOCK_FILE, META_CHECK_FILE, META_FILE};
+
+/// The folder of the checkpoint after `step`.
+/// The folder of the checkpoint at `step` under `root`.
+pub fn folder(root: &Path, step: u64) -> PathBuf {
+    root.join(folder_name(step))
+}
+
+pub fn folder_name(step: u64) -> String {
+    format!("ckpt-{step:012}")
+}
+
+/// The hidden folder a checkpoint is written into before it is renamed into place.
+pub fn partial_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!(".{}.partial", folder_name(step)))
+}
+
+/// The size and CRC-32 of a file, read in blocks (a part file may be larger than memory).
+pub fn crc32_of(path: &Path) -> Result<FileCheck> {
+    let mut file = std::fs::File::open(path).at(path)?;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut block = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = file.read(&mut block).at(path)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&block[..n]);
+        bytes += n as u64;
+    }
+    Ok(FileCheck { bytes, crc32: hasher.finalize() })
+}
+
+pub fn sync_dir(dir: &Path) {
+    // Makes the rename durable; not every file system supports syncing a folder.
+    if let Ok(f) = std::fs::File::open(dir) {
+        let _ = f.sync_all();
+    }
+}
+
+pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = std::fs::File::create(path).at(path)?;
+    f.write_all(bytes).and_then(|_| f.sync_all()).at(path)
+}
+
+
+/// Checks that `dir/file` has the size and CRC-32 it was written with; the reason names the file.
+pub fn check_file(dir: &Path, file: &str, expected: &FileCheck) -> std::result::Result<(), String> {
+    let found = crc32_of(&dir.join(file)).map_err(|e| format!("{file}: {e}"))?;
+    if found.bytes != expected.bytes {
+        return Err(format!("{file} holds {} bytes, {} were written (truncated or replaced)", found.bytes, expected.bytes));
+    }
+    if found.crc32 != expected.crc32 {
+        return Err(format!("{file} fails its CRC-32 check (damaged)"));
+    }
+    Ok(())
+}
+
+/// Writes `meta` (its format set to `format`) as meta.json and its check as meta.crc32 into the
+/// partial folder, each synced.
+pub fn write_meta(partial: &Path, mut meta: CheckpointMeta, format: u32) -> Result<()> {
+    meta.format = format;
+    let meta_path = partial.join(META_FILE);
+    let text = serde_json::to_string_pretty(&meta).map_err(|e| Error::Checkpoint { path: meta_path.clone(), reason: e.to_string() })?;
+    write_synced(&meta_path, text.as_bytes())?;
+    let check = FileCheck { bytes: text.len() as u64, crc32: crc32fast::hash(text.as_bytes()) };
+    let check_path = partial.join(META_CHECK_FILE);
+    let check_text = serde_json::to_string(&check).map_err(|e| Error::Checkpoint { path: check_path.clone(), reason: e.to_string() })?;
+    write_synced(&check_path, check_text.as_bytes())
+}
+
+/// Moves the complete `partial` folder to `final_dir` (replacing the same step saved before,
+/// now that the new one is complete) and makes the rename durable.
+pub fn place(root: &Path, partial: &Path, final_dir: &Path) -> Result<()> {
+    sync_dir(partial);
+    if final_dir.exists() {
+        // The same step saved again (a resumed run reaching it): replace it only now that the
+        // new one is complete.
+        std::fs::remove_dir_all(final_dir).at(final_dir)?;
+    }
+    std::fs::rename(partial, final_dir).at(final_dir)?;
+    sync_dir(root);
+    Ok(())
+}
+
+/// Creates `root` if needed and checks that a checkpoint can be written there.
+pub fn check_writable(root: &Path) -> Result<()> {
+    std::fs::create_dir_all(root)
+        .map_err(|e| Error::Checkpoint { path: root.to_path_buf(), reason: format!("cannot create the folder: {e}") })?;
+    let probe = root.join(format!(".write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| Error::Checkpoint { path: root.to_path_buf(), reason: format!("not writable: {e}") })?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// Removes complete checkpoints beyond the newest `keep` (never the only good one).
+pub fn prune(root: &Path, keep: usize) {
+    let mut steps = list_steps(root);
+    steps.sort_unstable_by(|a, b| b.cmp(a));
+    for step in steps.into_iter().skip(keep.max(1)) {
+        let dir = root.join(folder_name(step));
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            log::warn!("could not remove old checkpoint {}: {e}", dir.display());
+        }
+    }
+}
+
+pub fn list_steps(root: &Path) -> Vec<u64> {
+    let Ok(entries) = std::fs::read_dir(root) else { return Vec::new() };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_prefix("ckpt-")).and_then(|s| s.parse().ok()))
+        .collect()
+}
+
+/// The lock a run holds on its checkpoint folder for as long as it runs (released when dropped,
+/// or by the kernel when the process ends, however it ends). Where the file system refuses
+/// flock, the run goes on without it, with a warning.
+#[derive(Debug)]
+pub struct FolderLock {
+    _file: std::fs::File,
+}
+
+impl FolderLock {
+    /// Takes the lock on `root` (created if needed), or says which run holds it.
+    pub fn take(root: &Path) -> Result<FolderLock> {
+        let refuse = |reason: String| Error::Checkpoint { path: root.to_path_buf(), reason };
+        std::fs::create_dir_all(root).map_err(|e| refuse(format!("cannot create the folder: {e}")))?;
+        let path = root.join(LOCK_FILE);
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| refuse(format!("cannot open {LOCK_FILE}: {e}")))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                let holder = if holder.trim().is_empty() { "which did not say who it is".to_string() } else { holder.trim().to_string() };
+                return Err(refuse(format!(
+                    "in use by another run ({holder}): two runs writing one folder remove and replace each other's checkpoints; give each run its own --checkpoint-dir"
+                )));
+            }
+            // Some parallel file systems refuse flock (Lustre mounted without `flock`: ENOSYS).
+            // The lock guards against a mistake; without it the run goes on, unguarded, and says so.
+            Err(std::fs::TryLockError::Error(e)) => {
+                log::warn!("{}: cannot lock {LOCK_FILE} ({e}); a second run sharing this folder would not be detected", root.display());
+                return Ok(FolderLock { _file: file });
+            }
+        }
+        // Who holds it, for the message the next run gets; the lock, not this text, decides.
+        let me = format!("pid {} on {}, since {}\n", std::process::id(), crate::raw::hostname(), crate::results::timestamp());
+        file.set_len(0).and_then(|()| file.write_all(me.as_bytes())).map_err(|e| refuse(format!("cannot write {LOCK_FILE}: {e}")))?;
+        Ok(FolderLock { _file: file })
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+
+    /// A fresh folder for one test (absent until written).
+    pub(crate) fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("hpc-train-ckpt-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn one_run_at_a_time_holds_a_folder() {
+        let root = scratch("lock");
+        let held = FolderLock::take(&root).unwrap();
+        // flock locks belong to the open file: a second open conflicts, in this process too.
+        let err = FolderLock::take(&root).unwrap_err().to_string();
+        assert!(err.contains(&format!("in use by another run (pid {} on ", std::process::id())), "{err}");
+        drop(held);
+        let _again = FolderLock::take(&root).unwrap();
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

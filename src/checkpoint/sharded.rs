@@ -1,0 +1,198 @@
+//! Writing a sharded checkpoint: every rank writes the pieces it holds into its own part file,
+//! in parallel, and rank 0 writes index.json and meta.json beside them, then renames the folder
+//! into place, as a whole checkpoint is (issue 49; the layout is torch.distributed.checkpoint's,
+//! README says why).
+//!
+//! The steps, each agreed by every rank (an error on any rank is an error on all, and rank 0
+//! removes the partial folder, so the previous checkpoint stays the newest):
+//! 1. rank 0 makes `.ckpt-<step>.partial`;
+//! 2. every rank writes `part-<rank>.safetensors` ([`write_part`]), one piece at a time, and
+//!    syncs it;
+//! 3. rank 0 gathers what each wrote and completes the folder ([`finish`]): the index (refused
+//!    unless every tensor is covered exactly once), meta.json, meta.crc32, the rename, pruning.
+//!
+//! [`write_part`] and [`finish`] make no MPI call: [`save_sharded`] is them with the agreements
+//! and the gather, and tests call them for several simulated ranks in one process.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use mpi::traits::*;
+use tch::Tensor;
+
+use crate::error::{Error, Result, WithPath};
+use crate::topology::World;
+
+use super::files::{folder_name, partial_dir, place, prune, write_meta, write_synced};
+use super::index::{build_index, PartWritten, PieceWritten, Section, INDEX_FILE};
+use super::meta::{CheckpointMeta, FileCheck, SHARDED_FORMAT};
+use super::region::Region;
+use super::stream::{dtype_name, Entry, StreamWriter};
+
+/// A piece of a tensor that a rank writes: `data` holds the elements of `region` of the tensor
+/// `name` of global shape `shape` (in the region's row-major order, any shape with that many
+/// elements; on any device).
+#[derive(Debug)]
+pub struct Piece {
+    pub section: Section,
+    pub name: String,
+    pub shape: Vec<i64>,
+    pub region: Region,
+    pub data: Tensor,
+}
+
+impl Piece {
+    /// The whole tensor (a replicated one: let one replica write it).
+    pub fn whole(section: Section, name: impl Into<String>, data: &Tensor) -> Piece {
+        Piece { section, name: name.into(), shape: data.size(), region: Region::Whole, data: data.shallow_clone() }
+    }
+
+    /// Elements `at .. at + data.numel()` of the flattened tensor of `shape` (a ZeRO/FSDP shard).
+    pub fn flat(section: Section, name: impl Into<String>, shape: &[i64], at: i64, data: &Tensor) -> Piece {
+        Piece { section, name: name.into(), shape: shape.to_vec(), region: Region::Flat { at, len: data.numel() as i64 }, data: data.shallow_clone() }
+    }
+
+    /// The rectangle of the tensor of `shape` that starts at `offsets` and has `data`'s shape (a
+    /// tensor-parallel cut).
+    pub fn rect(section: Section, name: impl Into<String>, shape: &[i64], offsets: &[i64], data: &Tensor) -> Piece {
+        let region = Region::Rect { offsets: offsets.to_vec(), lengths: data.size() };
+        Piece { section, name: name.into(), shape: shape.to_vec(), region, data: data.shallow_clone() }
+    }
+}
+
+/// The part file of `rank`.
+pub fn part_file(rank: usize) -> String {
+    format!("part-{rank:05}.safetensors")
+}
+
+/// What a checkpoint write cost, for runs.jsonl: the same on every rank.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Written {
+    /// The complete checkpoint folder.
+    pub dir: PathBuf,
+    /// Part files written (one per rank).
+    pub files: usize,
+    /// Bytes of every rank's part file together (index and meta not counted).
+    pub bytes: u64,
+    /// Seconds from the start of the write to the complete folder, on the slowest rank.
+    pub seconds: f64,
+}
+
+/// Writes this rank's part file into the partial folder `partial`: `pieces` in order, each
+/// copied to the host alone, keyed `<section>/<name>#<k>` (the k-th piece of that tensor in this
+/// file); the file is synced. Checks each piece against its tensor (region inside the shape,
+/// as many elements as the region) before writing anything.
+pub fn write_part(partial: &Path, rank: usize, pieces: &[Piece]) -> Result<PartWritten> {
+    let start = Instant::now();
+    let file = part_file(rank);
+    let path = partial.join(&file);
+    let bad = |reason: String| Error::Checkpoint { path: path.clone(), reason };
+    let mut written = Vec::with_capacity(pieces.len());
+    let mut entries = Vec::with_capacity(pieces.len());
+    let mut seen: std::collections::HashMap<(Section, &str), usize> = std::collections::HashMap::new();
+    for p in pieces {
+        p.region.check(&p.name, &p.shape).map_err(bad)?;
+        let elements = p.region.elements(&p.shape);
+        if p.data.numel() as i64 != elements {
+            return Err(bad(format!("tensor {}: a piece of {} elements for a region of {elements} ({:?})", p.name, p.data.numel(), p.region)));
+        }
+        let dtype = dtype_name(p.data.kind()).ok_or_else(|| bad(format!("tensor {}: elements of type {:?} have no safetensors name", p.name, p.data.kind())))?;
+        let k = seen.entry((p.section, p.name.as_str())).or_insert(0);
+        let key = format!("{}/{}#{k}", p.section.name(), p.name);
+        *k += 1;
+        entries.push(Entry { key: key.clone(), kind: p.data.kind(), shape: p.region.piece_shape(&p.shape) });
+        written.push(PieceWritten { section: p.section, name: p.name.clone(), shape: p.shape.clone(), dtype: dtype.into(), key, region: p.region.clone() });
+    }
+    let mut out = StreamWriter::create(&path, entries)?;
+    for p in pieces {
+        out.write_next(&p.data)?;
+    }
+    let check = out.finish()?;
+    Ok(PartWritten { rank, file, check, pieces: written, seconds: start.elapsed().as_secs_f64() })
+}
+
+/// Completes a sharded checkpoint (rank 0) from what every rank wrote into `partial`: index.json
+/// (refused when the pieces do not cover every tensor exactly once), meta.json and meta.crc32 in
+/// [`SHARDED_FORMAT`], the rename into `root/ckpt-<step>`, then pruning to the newest `keep`.
+/// On an error the partial folder is left for the caller to remove.
+pub fn finish(root: &Path, partial: &Path, mut meta: CheckpointMeta, parts: &[PartWritten], keep: usize) -> Result<PathBuf> {
+    let bad = |reason: String| Error::Checkpoint { path: partial.to_path_buf(), reason };
+    let index = build_index(parts).map_err(bad)?;
+    // A part file another node wrote must be seen here whole, or the checkpoint is not complete.
+    for (file, check) in &index.files {
+        let path = partial.join(file);
+        let len = std::fs::metadata(&path).at(&path)?.len();
+        if len != check.bytes {
+            return Err(bad(format!("{file} holds {len} bytes here, its rank wrote {}", check.bytes)));
+        }
+    }
+    let text = serde_json::to_vec_pretty(&index).map_err(|e| bad(format!("{INDEX_FILE}: {e}")))?;
+    write_synced(&partial.join(INDEX_FILE), &text)?;
+    meta.files = [(INDEX_FILE.to_string(), FileCheck { bytes: text.len() as u64, crc32: crc32fast::hash(&text) })].into();
+    let final_dir = root.join(folder_name(meta.step));
+    write_meta(partial, meta, SHARDED_FORMAT)?;
+    place(root, partial, &final_dir)?;
+    prune(root, keep);
+    Ok(final_dir)
+}
+
+/// Writes a sharded checkpoint of the step `meta.step` under `root`: collective, every rank
+/// passes the pieces it writes (possibly none). Which rank writes a replicated tensor is the
+/// caller's choice; every tensor must be covered exactly once across the ranks. Returns the same
+/// [`Written`] on every rank, or an error on every rank (the folder is then not written, and
+/// the previous checkpoints are untouched). `meta.files` and `meta.format` are set here.
+pub fn save_sharded(world: &World, root: &Path, meta: CheckpointMeta, pieces: &[Piece], keep: usize) -> Result<Written> {
+    let start = Instant::now();
+    let step = meta.step;
+    let partial = partial_dir(root, step);
+    let attempt = (|| -> Result<PartWritten> {
+        world.agree(match world.is_root() {
+            true => {
+                let _ = std::fs::remove_dir_all(&partial);
+                std::fs::create_dir_all(&partial).at(&partial)
+            }
+            false => Ok(()),
+        })?;
+        let part = world.agree(write_part(&partial, world.rank as usize, pieces))?;
+        // Every rank takes part in the agreement, also when rank 0 could not read a description.
+        world.agree(gather_parts(world, &part).and_then(|parts| match parts {
+            Some(parts) => finish(root, &partial, meta, &parts, keep).map(|_| ()),
+            None => Ok(()),
+        }))?;
+        Ok(part)
+    })();
+    if attempt.is_err() && world.is_root() {
+        let _ = std::fs::remove_dir_all(&partial);
+    }
+    let part = attempt?;
+    // f64 holds byte counts exactly up to 2^53 (8 PiB).
+    let bytes = world.sum_f64(part.check.bytes as f64) as u64;
+    let seconds = world.max_f64(start.elapsed().as_secs_f64());
+    Ok(Written { dir: root.join(folder_name(step)), files: world.size as usize, bytes, seconds })
+}
+
+/// Rank 0 receives every rank's [`PartWritten`] (as JSON), in rank order; the others get None.
+fn gather_parts(world: &World, part: &PartWritten) -> Result<Option<Vec<PartWritten>>> {
+    let text = serde_json::to_vec(part).map_err(|e| Error::exchange("checkpoint", format!("describing the part file: {e}")))?;
+    let count = text.len() as i32;
+    let root = world.comm.process_at_rank(0);
+    if !world.is_root() {
+        root.gather_into(&count);
+        root.gather_varcount_into(&text[..]);
+        return Ok(None);
+    }
+    let mut counts = vec![0i32; world.size as usize];
+    root.gather_into_root(&count, &mut counts[..]);
+    let displs: Vec<i32> = counts.iter().scan(0, |acc, &c| { let d = *acc; *acc += c; Some(d) }).collect();
+    let mut all = vec![0u8; counts.iter().map(|&c| c as usize).sum()];
+    {
+        let mut partition = mpi::datatype::PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
+        root.gather_varcount_into_root(&text[..], &mut partition);
+    }
+    let parts = counts
+        .iter()
+        .zip(&displs)
+        .map(|(&c, &d)| serde_json::from_slice(&all[d as usize..(d + c) as usize]).map_err(|e| Error::exchange("checkpoint", format!("a rank's part description: {e}"))))
+        .collect::<Result<Vec<PartWritten>>>()?;
+    Ok(Some(parts))
+}
