@@ -120,6 +120,31 @@ pub struct PipelineRecord {
     /// the most bytes of boundary activations (inputs and outputs of chunks) held at once.
     pub peak_alive_micro_batches: Vec<usize>,
     pub peak_boundary_activation_bytes: Vec<usize>,
+    /// Per rank (index = world rank): its stage, what it read of the dataset and held, its
+    /// peak memory. Absent in records of older binaries.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<PipelineRank>,
+}
+
+/// One rank of a pipelined run: its place, what it read of the dataset (a pipeline's first
+/// stage reads the images, its last the labels, the stages between nothing) and what it held.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PipelineRank {
+    pub rank: usize,
+    pub stage: usize,
+    pub replica: usize,
+    /// Bytes of training images read over the run's steps (from the file or the cache).
+    pub train_image_bytes: u64,
+    /// Training labels read over the run's steps.
+    pub train_labels: u64,
+    /// Bytes of test images read by the evaluations.
+    pub test_image_bytes: u64,
+    /// Test labels scored by the evaluations.
+    pub test_labels: u64,
+    /// Bytes of training images held in memory (`--cache-data`): the split, or nothing.
+    pub cached_image_bytes: u64,
+    /// Peak resident memory of the rank, MiB (its high-water mark at the end of the run).
+    pub peak_rss_mb: f64,
 }
 
 /// Creates `dir` if needed and checks that a file can be written in it.

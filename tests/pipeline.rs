@@ -129,6 +129,7 @@ fn recompute_evaluation_record_and_timeline() {
     let (run, piped) = with_eval("piped", 3, &["--pipeline-stages", "3", "--micro-batches", "4", "--schedule", "gpipe", "--recompute", "--pipeline-timeline", timeline.to_str().unwrap()]);
     assert!(run.stderr.contains("pipeline: 1 replica(s) x 3 stage(s), 4 micro-batch(es)"), "{}", run.stderr);
     assert!(run.stderr.contains("chunk 2 on stage 2: blocks"), "{}", run.stderr);
+    assert!(run.stderr.contains("the training split's images") && run.stderr.contains("its last stage reads the labels alone, the stages between read nothing"), "{}", run.stderr);
     assert_eq!(piped["test_accuracy"], plain["test_accuracy"], "the pipelined evaluation scores as one process");
     let (a, b) = (piped["final_loss"].as_f64().unwrap(), plain["final_loss"].as_f64().unwrap());
     assert!((a - b).abs() <= 1e-5 * b.abs(), "final loss {a} against {b}");
@@ -160,6 +161,118 @@ fn recompute_evaluation_record_and_timeline() {
         }
     }
     assert!(events.iter().any(|e| e["name"] == "wait activation 0" && e["tid"] == 1));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A run of `extra` on `ranks` ranks with the evaluation at its end (4 steps of 32 samples per
+/// pipeline): its weights and its record.
+fn train_evaluating(dir: &Path, name: &str, ranks: usize, batch: usize, extra: &[&str]) -> (PathBuf, serde_json::Value) {
+    let mut args: Vec<String> = base(batch).into_iter().filter(|a| a != "--no-eval").collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let results = dir.join(name);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let weights = train_saving_weights(&results, name, ranks, &args);
+    (weights, read_runs(&results).pop().unwrap())
+}
+
+/// The test loss and accuracy of `got` equal `want`'s: the same samples scored by the same
+/// weights, up to the order of f32 sums (the loss) and never a sample scored otherwise.
+fn assert_same_evaluation(what: &str, got: &serde_json::Value, want: &serde_json::Value, tolerance: f64) {
+    let (a, b) = (got["test_loss"].as_f64().unwrap(), want["test_loss"].as_f64().unwrap());
+    assert!((a - b).abs() <= tolerance * b.abs(), "{what}: test loss {a} against one process's {b}");
+    assert_eq!(got["test_accuracy"], want["test_accuracy"], "{what}: test accuracy");
+}
+
+/// The first stage of every pipeline reads the images and no labels, the last the labels and
+/// no images, the stages between nothing, in training and in evaluation; with --cache-data the
+/// first stage alone holds the split. The samples are the same, in the same order: the weights
+/// and the evaluation are one process's.
+#[test]
+fn each_stage_reads_only_the_data_it_uses() {
+    let dir = scratch("pipeline-parts");
+    let (train, test, sample) = (4 * 32u64, 96u64, 16 * 16u64);
+    let (want, plain) = train_evaluating(&dir, "reference", 1, 32, &["--micro-batches", "4"]);
+    // (name, ranks, layout); every one a single pipeline of 32 samples in 4 micro-batches.
+    let layouts: &[(&str, usize, &[&str])] = &[
+        ("p2-1f1b-cached", 2, &["--pipeline-stages", "2", "--schedule", "1f1b", "--cache-data", "on"]),
+        ("p3-gpipe", 3, &["--pipeline-stages", "3", "--schedule", "gpipe", "--cache-data", "off"]),
+        ("p2-interleaved", 2, &["--pipeline-stages", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--cache-data", "off"]),
+    ];
+    for &(name, ranks, layout) in layouts {
+        let mut extra = vec!["--micro-batches", "4", "--partition", "params"];
+        extra.extend(layout);
+        let (got, record) = train_evaluating(&dir, name, ranks, 32, &extra);
+        let diff = max_relative_difference(&want, &got);
+        assert!(diff < 1e-6, "{name}: weights differ from one process by {diff:e}");
+        let (a, b) = (record["final_loss"].as_f64().unwrap(), plain["final_loss"].as_f64().unwrap());
+        assert!((a - b).abs() <= 1e-6 * b.abs(), "{name}: final loss {a} against one process's {b}");
+        assert_same_evaluation(name, &record, &plain, 1e-6);
+        let cached = layout.contains(&"on");
+        assert_eq!(record["extra"]["data_cached"], cached, "{name}: rank 0 holds the split");
+        let ranks_read = record["pipeline"]["ranks"].as_array().unwrap_or_else(|| panic!("{name}: no ranks in {record}"));
+        assert_eq!(ranks_read.len(), ranks, "{name}");
+        for r in ranks_read {
+            let stage = r["stage"].as_u64().unwrap();
+            let (first, last) = (stage == 0, stage + 1 == ranks as u64);
+            let read = |field: &str| r[field].as_u64().unwrap();
+            let expected = [
+                ("train_image_bytes", if first { train * sample } else { 0 }),
+                ("train_labels", if last { train } else { 0 }),
+                ("test_image_bytes", if first { test * sample } else { 0 }),
+                ("test_labels", if last { test } else { 0 }),
+                ("cached_image_bytes", if first && cached { 512 * sample } else { 0 }),
+            ];
+            for (field, value) in expected {
+                assert_eq!(read(field), value, "{name}: {field} of stage {stage} in {r}");
+            }
+            assert!(r["peak_rss_mb"].as_f64().unwrap() > 0.0, "{r}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Evaluation runs the test set through the stages in micro-batches of training's size,
+/// pipelined, and scores as one process's plain evaluation (whole batches of 2 x the batch,
+/// one model): on 2 and 3 stages, interleaved, and on two pipelines of 2 stages. Every run
+/// starts from the same trained weights and steps once with a rate too small to change any of
+/// them (1e-30 times a gradient is below the last bit of every weight that is not zero), so
+/// that the evaluations score the same model and only their arithmetic can differ.
+#[test]
+fn pipelined_evaluation_scores_as_one_process() {
+    let dir = scratch("pipeline-evaluation");
+    let trained = train(&dir, "trained", 1, 32, &[]);
+    let init = trained.to_str().unwrap();
+    let evaluate = |name: &str, ranks: usize, batch: usize, layout: &[&str]| {
+        let mut extra = vec!["--init-weights", init, "--lr", "1e-30", "--steps", "1"];
+        extra.extend(layout);
+        let mut args: Vec<String> = base(batch).into_iter().filter(|a| a != "--no-eval").collect();
+        for given in ["--steps", "--lr"] {
+            let at = args.iter().position(|a| a == given).unwrap();
+            args.drain(at..at + 2);
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let results = dir.join(name);
+        args.extend(["--results".into(), results.to_str().unwrap().into()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        mpirun(ranks, &args).expect_ok();
+        read_runs(&results).pop().unwrap()
+    };
+    let plain = evaluate("plain", 1, 32, &[]);
+    assert!(plain.get("pipeline").is_none(), "the reference is the plain evaluation");
+    for (name, ranks, batch, layout) in [
+        ("p2-m4", 2, 32, &["--pipeline-stages", "2", "--micro-batches", "4"][..]),
+        ("p3-m4", 3, 32, &["--pipeline-stages", "3", "--micro-batches", "4", "--schedule", "gpipe"]),
+        ("p2-interleaved-m4", 2, 32, &["--pipeline-stages", "2", "--micro-batches", "4", "--schedule", "interleaved", "--virtual-stages", "2", "--partition", "params"]),
+        ("d2-p2-m2", 4, 16, &["--pipeline-stages", "2", "--micro-batches", "2"]),
+    ] {
+        let record = evaluate(name, ranks, batch, layout);
+        // Micro-batches of 8 summed in f32 against batches of 64: f32 summation tolerance.
+        assert_same_evaluation(name, &record, &plain, 1e-6);
+        assert!(record["extra"]["evaluation_s"].as_f64().unwrap() > 0.0, "{name}: {record}");
+        // Each pipeline's last stage scores its replica's share of the test set.
+        let scored: u64 = record["pipeline"]["ranks"].as_array().unwrap().iter().map(|r| r["test_labels"].as_u64().unwrap()).sum();
+        assert_eq!(scored, 96, "{name}");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

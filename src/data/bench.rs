@@ -127,7 +127,7 @@ pub fn run(world: &World, args: &DataBenchArgs) -> Result<()> {
     // Start together, and only then read: batches read ahead while the others start up would
     // make the first timed steps look free.
     world.comm.barrier();
-    let mut loader = Loader::spawn(args.file.clone(), Arc::new(labels.train), schedule, 0, steps, args.prefetch, false, tch::Device::Cpu); // the file's reads are what it measures
+    let mut loader = Loader::spawn(args.file.clone(), Arc::new(labels.train), crate::data::loader::Parts::ALL, schedule, 0, steps, args.prefetch, false, tch::Device::Cpu); // the file's reads are what it measures
     let measured = (|| -> Result<(u64, f64)> {
         for _ in 0..warmup {
             loader.next()?;
@@ -136,7 +136,7 @@ pub fn run(world: &World, args: &DataBenchArgs) -> Result<()> {
         let mut images = 0u64;
         for _ in warmup..steps {
             let batch = loader.next()?;
-            images += batch.labels.len() as u64;
+            images += batch.samples() as u64;
         }
         Ok((images, start.elapsed().as_secs_f64()))
     })();

@@ -7,6 +7,10 @@
 //! with batch G would read, so data-parallel training computes the same thing. The last step of
 //! an epoch takes what is left, so every sample is seen exactly once per epoch; a worker may get
 //! fewer samples than the others, or none, at that step.
+//!
+//! A rank reads only the [`Parts`] of its samples it uses: a pipeline's first stage the images,
+//! its last stage the labels, the stages between neither (they still learn which samples the
+//! step takes, to size their micro-batches).
 
 use std::path::PathBuf;
 use std::sync::mpsc::{sync_channel, Receiver};
@@ -110,7 +114,28 @@ pub fn memory_available() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// One worker's batch: its images' bytes and their labels.
+/// Which parts of its samples a rank reads. DeepSpeed builds its data iterator on a pipeline's
+/// first and last stages only; here the first stage reads the images (and, holding the split
+/// in memory, holds the images alone), the last the labels, and the stages between nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Parts {
+    pub images: bool,
+    pub labels: bool,
+}
+
+impl Parts {
+    /// Images and labels: a rank that runs the whole model (or a pipeline of one stage).
+    pub const ALL: Parts = Parts { images: true, labels: true };
+
+    /// The parts that stage `stage` of `stages` uses: the first stage holds chunk 0, which
+    /// takes the images, the last holds the last chunk, which scores against the labels
+    /// (interleaved schedules too: chunk c is on stage c mod P).
+    pub fn of_stage(stage: usize, stages: usize) -> Parts {
+        Parts { images: stage == 0, labels: stage + 1 == stages }
+    }
+}
+
+/// One worker's batch: which samples it takes, and the [`Parts`] of them the rank reads.
 pub struct Batch {
     pub epoch: u64,
     /// Step within the epoch.
@@ -118,10 +143,34 @@ pub struct Batch {
     pub indices: Vec<usize>,
     /// The samples' bytes one after another, a flat uint8 host tensor: in pinned memory when
     /// training runs on a GPU, so that the copy there neither blocks nor needs a copy first.
-    pub images: Tensor,
-    pub labels: Vec<i64>,
+    /// None where the rank does not read images.
+    pub images: Option<Tensor>,
+    /// None where the rank does not read labels.
+    pub labels: Option<Vec<i64>>,
     /// Samples in the global batch this step (for scaling the loss).
     pub global_samples: usize,
+}
+
+impl Batch {
+    /// The samples this worker takes at this step (whichever parts of them it reads).
+    pub fn samples(&self) -> usize {
+        self.indices.len()
+    }
+
+    /// The images of a rank that reads them (every rank outside a pipeline).
+    pub fn images(&self) -> &Tensor {
+        self.images.as_ref().expect("a rank that uses images reads them")
+    }
+
+    /// The labels of a rank that reads them (every rank outside a pipeline).
+    pub fn labels(&self) -> &[i64] {
+        self.labels.as_deref().expect("a rank that uses labels reads them")
+    }
+
+    /// Bytes of images and number of labels this batch read.
+    pub fn read(&self) -> (usize, usize) {
+        (self.images.as_ref().map_or(0, |t| t.numel()), self.labels.as_ref().map_or(0, Vec::len))
+    }
 }
 
 /// Reads batches ahead of training in a thread of its own, so that reading overlaps compute.
@@ -132,14 +181,17 @@ pub struct Loader {
 
 impl Loader {
     /// Starts reading at global step `first_step` (epoch * steps_per_epoch + step) and stops
-    /// after `end_step`, keeping up to `depth` batches ready; `cache`: read the whole split
-    /// into memory first and serve the batches from there. For a GPU `device` the batches are
-    /// read into pinned memory, as PyTorch's DataLoader(pin_memory=True) makes them, in this
-    /// thread: pinning and copying a batch on the training thread left the GPU idle meanwhile.
+    /// after `end_step`, keeping up to `depth` batches ready; only `parts` of the samples are
+    /// read (`labels` are the split's, in memory, and may be left empty without `parts.labels`). `cache`: read the whole split's images into
+    /// memory first and serve the batches from there (a rank that reads no images opens no
+    /// file and holds nothing). For a GPU `device` the batches are read into pinned memory, as
+    /// PyTorch's DataLoader(pin_memory=True) makes them, in this thread: pinning and copying a
+    /// batch on the training thread left the GPU idle meanwhile.
     #[allow(clippy::too_many_arguments)]
     pub fn spawn(
         path: PathBuf,
         labels: Arc<Vec<i64>>,
+        parts: Parts,
         schedule: Schedule,
         first_step: u64,
         end_step: u64,
@@ -157,23 +209,22 @@ impl Loader {
                     let _ = tx.send(Err(e));
                     return;
                 }
-                let mut reader = match SplitReader::open(&path, Split::Train) {
+                let mut reader = match parts.images.then(|| SplitReader::open(&path, Split::Train)).transpose() {
                     Ok(r) => r,
                     Err(e) => {
                         let _ = tx.send(Err(e));
                         return;
                     }
                 };
-                let cached = if cache {
-                    match SplitCache::load(&mut reader) {
+                let cached = match (&mut reader, cache) {
+                    (Some(reader), true) => match SplitCache::load(reader) {
                         Ok(c) => Some(c),
                         Err(e) => {
                             let _ = tx.send(Err(e));
                             return;
                         }
-                    }
-                } else {
-                    None
+                    },
+                    _ => None,
                 };
                 let spe = schedule.steps_per_epoch();
                 let mut order: Option<(u64, Vec<u32>)> = None;
@@ -183,14 +234,19 @@ impl Loader {
                         order = Some((epoch, schedule.epoch_order(epoch)));
                     }
                     let indices = schedule.local_indices(&order.as_ref().unwrap().1, step);
-                    let images = raw::host_bytes(indices.len() * reader.sample_bytes(), device.is_cuda(), |bytes| match &cached {
-                        Some(c) => c.read(&indices, bytes),
-                        None => reader.read(&indices, bytes),
-                    });
+                    let images = reader
+                        .as_mut()
+                        .map(|reader| {
+                            raw::host_bytes(indices.len() * reader.sample_bytes(), device.is_cuda(), |bytes| match &cached {
+                                Some(c) => c.read(&indices, bytes),
+                                None => reader.read(&indices, bytes),
+                            })
+                        })
+                        .transpose();
                     let batch = images.map(|images| Batch {
                         epoch,
                         step,
-                        labels: indices.iter().map(|&i| labels[i]).collect(),
+                        labels: parts.labels.then(|| indices.iter().map(|&i| labels[i]).collect()),
                         indices,
                         images,
                         global_samples: schedule.global_samples(step),
@@ -258,22 +314,48 @@ mod tests {
         // Worker 2 of 3 with 2 per step: 8 samples make 2 steps, the second one empty for it.
         let schedule = schedule(8, 3, 2, 2);
         for cache in [false, true] {
-            let mut loader = Loader::spawn(path.clone(), labels.clone(), schedule, 0, 4, 2, cache, Device::Cpu);
+            let mut loader = Loader::spawn(path.clone(), labels.clone(), Parts::ALL, schedule, 0, 4, 2, cache, Device::Cpu);
             for global in 0..4u64 {
                 let batch = loader.next().unwrap();
                 assert_eq!((batch.epoch, batch.step), (global / 2, global % 2));
                 let expected_indices = schedule.local_indices(&schedule.epoch_order(batch.epoch), batch.step);
                 assert_eq!(batch.indices, expected_indices);
-                assert_eq!(batch.labels, expected_indices.iter().map(|&i| i as i64 * 10).collect::<Vec<_>>());
+                assert_eq!(batch.labels(), expected_indices.iter().map(|&i| i as i64 * 10).collect::<Vec<_>>());
                 let mut expected = vec![0u8; expected_indices.len() * row];
                 reader.read(&expected_indices, &mut expected).unwrap();
-                assert_eq!((batch.images.kind(), batch.images.device(), batch.images.size()), (tch::Kind::Uint8, Device::Cpu, vec![expected.len() as i64]));
-                assert_eq!(Vec::<u8>::try_from(&batch.images).unwrap(), expected, "cache {cache}, step {global}");
+                let images = batch.images();
+                assert_eq!((images.kind(), images.device(), images.size()), (tch::Kind::Uint8, Device::Cpu, vec![expected.len() as i64]));
+                assert_eq!(Vec::<u8>::try_from(images).unwrap(), expected, "cache {cache}, step {global}");
+                assert_eq!(batch.read(), (expected.len(), expected_indices.len()));
                 assert_eq!(batch.indices.is_empty(), global % 2 == 1, "the second step of an epoch leaves worker 2 nothing");
             }
             assert!(loader.next().is_err(), "nothing after the last step");
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A rank that reads no images opens no file (a path that does not exist serves it), with
+    /// the cache asked for or not; each part comes alone, for the same samples in the same order.
+    #[test]
+    fn a_rank_reads_only_its_parts() {
+        let labels: Arc<Vec<i64>> = Arc::new((0..8).map(|i| i * 10).collect());
+        let schedule = schedule(8, 2, 1, 3);
+        let nowhere = std::env::temp_dir().join(format!("hpc-train-loader-nowhere-{}.h5", std::process::id()));
+        for (parts, cache) in [(Parts::of_stage(1, 2), true), (Parts::of_stage(1, 3), true), (Parts::of_stage(2, 3), false)] {
+            let mut loader = Loader::spawn(nowhere.clone(), labels.clone(), parts, schedule, 0, 3, 2, cache, Device::Cpu);
+            for global in 0..3u64 {
+                let batch = loader.next().unwrap_or_else(|e| panic!("{parts:?}: {e}"));
+                let spe = schedule.steps_per_epoch();
+                let expected = schedule.local_indices(&schedule.epoch_order(global / spe), global % spe);
+                assert_eq!(batch.indices, expected, "{parts:?}");
+                assert!(batch.images.is_none(), "{parts:?}");
+                assert_eq!(batch.labels, parts.labels.then(|| expected.iter().map(|&i| i as i64 * 10).collect::<Vec<_>>()), "{parts:?}");
+                assert_eq!(batch.read(), (0, if parts.labels { expected.len() } else { 0 }));
+            }
+        }
+        assert_eq!(Parts::of_stage(0, 1), Parts::ALL);
+        assert_eq!(Parts::of_stage(0, 3), Parts { images: true, labels: false });
+        assert_eq!((Parts::of_stage(1, 3), Parts::of_stage(2, 3)), (Parts { images: false, labels: false }, Parts { images: false, labels: true }));
     }
 
     fn schedule(samples: usize, workers: usize, worker: usize, batch: usize) -> Schedule {

@@ -18,6 +18,10 @@
 //! Backwards run in micro-batch order on every chunk under every schedule, so the gradients
 //! accumulate in the same order as one process that sums the micro-batches in turn: the
 //! schedule changes when work happens, never the arithmetic.
+//!
+//! Evaluation runs forwards only ([`forward_schedule`]), over as many micro-batches as the test
+//! set makes, holding no more of them per stage than training does ([`peak_held`]); its replay
+//! ([`replay_forwards`]) checks that it cannot deadlock.
 
 use std::fmt;
 
@@ -211,15 +215,66 @@ pub fn schedule(shape: &Shape, stage: usize) -> Vec<Action> {
         Action::Backward { micro, chunk } if chunk > 0 => Some(Action::SendGradient { micro, chunk }),
         _ => None,
     };
-    let compute = compute_order(shape, stage);
+    with_messages(&compute_order(shape, stage), needs, sends)
+}
+
+/// `compute` with each action's receive (`needs`) posted one compute action before it (the
+/// first two at the start) and each action's send right after it.
+fn with_messages(compute: &[Action], needs: impl Fn(&Action) -> Option<Action>, sends: impl Fn(&Action) -> Option<Action>) -> Vec<Action> {
     let mut actions = Vec::with_capacity(compute.len() * 3);
-    actions.extend(compute.first().and_then(needs));
+    actions.extend(compute.first().and_then(&needs));
     for (i, a) in compute.iter().enumerate() {
-        actions.extend(compute.get(i + 1).and_then(needs));
+        actions.extend(compute.get(i + 1).and_then(&needs));
         actions.push(*a);
         actions.extend(sends(a));
     }
     actions
+}
+
+/// The most micro-batches (per chunk) that `stage` holds at once under training's schedule:
+/// forwards not yet matched by their backward, at the worst point of its compute order (GPipe
+/// M, 1F1B min(P - p, M), interleaved Megatron-LM's warm-up plus one).
+pub fn peak_held(shape: &Shape, stage: usize) -> usize {
+    let mut alive = 0usize;
+    let mut peak = 0;
+    for a in compute_order(shape, stage) {
+        match a {
+            Action::Forward { .. } => alive += 1,
+            Action::Backward { .. } => alive -= 1,
+            _ => {}
+        }
+        peak = peak.max(alive);
+    }
+    peak
+}
+
+/// Evaluation's schedule for `stage` over `micro_batches` micro-batches (any count: the test
+/// set's, not training's M): forwards only, in the order training runs its forwards (chunk
+/// after chunk for P micro-batches at a time when interleaved), each input's receive posted one
+/// forward ahead and each output sent right after its forward. Stage p forwards micro-batch m
+/// while stage p + 1 forwards m - 1. The executor keeps at most [`peak_held`] outputs in flight
+/// (sent, not yet received): before a forward whose output it will send, it waits for its
+/// oldest send until fewer are in flight, so that evaluation holds no more micro-batches than
+/// training does; [`replay_forwards`] checks that this cannot deadlock.
+pub fn forward_schedule(shape: &Shape, stage: usize, micro_batches: usize) -> Vec<Action> {
+    let (p_count, last) = (shape.stages, shape.chunks() - 1);
+    let mut compute = Vec::with_capacity(micro_batches * shape.virtual_stages);
+    for group in (0..micro_batches).step_by(p_count) {
+        let members = group..(group + p_count).min(micro_batches);
+        // Without interleaving a stage's one chunk: micro-batch after micro-batch.
+        for chunk in shape.chunks_of(stage) {
+            compute.extend(members.clone().map(|micro| Action::Forward { micro, chunk }));
+        }
+    }
+    let needs = |a: &Action| match *a {
+        Action::Forward { micro, chunk } if chunk > 0 => Some(Action::ReceiveActivation { micro, chunk }),
+        _ => None,
+    };
+    let sends = |a: &Action| match *a {
+        Action::Forward { micro, chunk } if chunk < last => Some(Action::SendActivation { micro, chunk }),
+        _ => None,
+    };
+    with_messages(&compute, needs, sends)
 }
 
 /// Which rank holds which stage: N = D x P ranks, pipeline d on ranks dP..dP+P-1 (consecutive
@@ -437,6 +492,135 @@ pub fn replay(shape: &Shape, forward_cost: &[f64], backward_cost: &[f64]) -> Res
     Ok(Replay { makespan, busy, peak_alive })
 }
 
+/// A replay of evaluation's [`forward_schedule`] on every stage (forward time per chunk),
+/// as the executor runs it: a send completes once its receiver has posted the receive (the
+/// worst case of MPI's rendezvous; a small message sent eagerly only completes sooner), and
+/// before a forward whose output it sends, a stage with [`peak_held`] sends in flight waits
+/// for the oldest; at the end it waits for all of them. The unit tests run it over every
+/// schedule (the executor needs no replay: its rule is this one).
+#[cfg(test)]
+#[derive(Clone, Debug)]
+pub struct ForwardReplay {
+    pub makespan: f64,
+    /// Per stage: time spent computing.
+    pub busy: Vec<f64>,
+    /// Per stage: the most outputs in flight at once (sent, their receive not yet posted).
+    pub peak_in_flight: Vec<usize>,
+}
+
+/// Replays evaluation over `micro_batches`; fails naming the stuck stages when no stage can go
+/// on (a deadlock), or when sends and receives do not pair up.
+#[cfg(test)]
+pub fn replay_forwards(shape: &Shape, micro_batches: usize, forward_cost: &[f64]) -> Result<ForwardReplay, String> {
+    use std::collections::{HashMap, VecDeque};
+    let p_count = shape.stages;
+    let plans: Vec<Vec<Action>> = (0..p_count).map(|p| forward_schedule(shape, p, micro_batches)).collect();
+    let windows: Vec<usize> = (0..p_count).map(|p| peak_held(shape, p)).collect();
+    let mut sent_keys: Vec<(usize, usize)> = Vec::new();
+    let mut posted_keys: Vec<(usize, usize)> = Vec::new();
+    for plan in &plans {
+        for a in plan {
+            match *a {
+                Action::SendActivation { micro, chunk } => sent_keys.push((micro, chunk + 1)),
+                Action::ReceiveActivation { micro, chunk } => posted_keys.push((micro, chunk)),
+                Action::Forward { .. } => {}
+                _ => return Err(format!("evaluation's schedule holds {a:?}")),
+            }
+        }
+    }
+    sent_keys.sort_unstable();
+    posted_keys.sort_unstable();
+    if sent_keys != posted_keys || sent_keys.windows(2).any(|w| w[0] == w[1]) {
+        return Err("sends and receives do not pair up one to one".into());
+    }
+    // Keys are (micro-batch, the chunk whose input it is); times are when each happened.
+    let mut sent_at: HashMap<(usize, usize), f64> = HashMap::new();
+    let mut posted_at: HashMap<(usize, usize), f64> = HashMap::new();
+    let mut in_flight: Vec<VecDeque<((usize, usize), f64)>> = vec![VecDeque::new(); p_count];
+    let mut next = vec![0usize; p_count];
+    let mut clock = vec![0.0f64; p_count];
+    let mut busy = vec![0.0f64; p_count];
+    let mut peak_in_flight = vec![0usize; p_count];
+    // A send is over once its receive is posted: (whether, when).
+    let completion = |posted_at: &HashMap<(usize, usize), f64>, key: &(usize, usize), sent: f64| posted_at.get(key).map(|&t| t.max(sent));
+    loop {
+        let mut progressed = false;
+        for p in 0..p_count {
+            loop {
+                // Completed sends let go of their buffers.
+                in_flight[p].retain(|(key, sent)| completion(&posted_at, key, *sent).is_none_or(|done| done > clock[p]));
+                let Some(&a) = plans[p].get(next[p]) else {
+                    // The end: every send waited for.
+                    let Some((key, sent)) = in_flight[p].front().copied() else { break };
+                    match completion(&posted_at, &key, sent) {
+                        Some(done) => {
+                            clock[p] = clock[p].max(done);
+                            in_flight[p].pop_front();
+                            progressed = true;
+                            continue;
+                        }
+                        None => break,
+                    }
+                };
+                match a {
+                    Action::ReceiveActivation { micro, chunk } => {
+                        posted_at.insert((micro, chunk), clock[p]);
+                    }
+                    Action::Forward { micro, chunk } => {
+                        if chunk > 0 {
+                            if !posted_at.contains_key(&(micro, chunk)) {
+                                return Err(format!("stage {p} forwards micro-batch {micro} through chunk {chunk} before posting its receive"));
+                            }
+                            match sent_at.get(&(micro, chunk)) {
+                                Some(&t) => clock[p] = clock[p].max(t),
+                                None => break,
+                            }
+                        }
+                        if chunk + 1 < shape.chunks() && in_flight[p].len() >= windows[p] {
+                            let (key, sent) = in_flight[p][0];
+                            match completion(&posted_at, &key, sent) {
+                                Some(done) => {
+                                    clock[p] = clock[p].max(done);
+                                    in_flight[p].pop_front();
+                                    progressed = true;
+                                    continue;
+                                }
+                                None => break,
+                            }
+                        }
+                        let cost = forward_cost[chunk.min(forward_cost.len() - 1)];
+                        clock[p] += cost;
+                        busy[p] += cost;
+                    }
+                    Action::SendActivation { micro, chunk } => {
+                        sent_at.insert((micro, chunk + 1), clock[p]);
+                        in_flight[p].push_back(((micro, chunk + 1), clock[p]));
+                        peak_in_flight[p] = peak_in_flight[p].max(in_flight[p].len());
+                    }
+                    _ => unreachable!("checked above"),
+                }
+                next[p] += 1;
+                progressed = true;
+            }
+        }
+        if (0..p_count).all(|p| next[p] == plans[p].len() && in_flight[p].is_empty()) {
+            break;
+        }
+        if !progressed {
+            let stuck: Vec<String> = (0..p_count)
+                .filter(|&p| next[p] < plans[p].len() || !in_flight[p].is_empty())
+                .map(|p| match plans[p].get(next[p]) {
+                    Some(a) => format!("stage {p} at {a:?} with {} send(s) in flight", in_flight[p].len()),
+                    None => format!("stage {p} waiting for its {} last send(s)", in_flight[p].len()),
+                })
+                .collect();
+            return Err(format!("deadlock: {}", stuck.join("; ")));
+        }
+    }
+    let makespan = clock.iter().copied().fold(0.0, f64::max);
+    Ok(ForwardReplay { makespan, busy, peak_in_flight })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -533,6 +717,79 @@ mod tests {
         for stage in 0..4 {
             assert!(r.peak_alive[stage] <= (4 - stage - 1) * 2 + 4 + 1, "stage {stage}: {}", r.peak_alive[stage]);
         }
+    }
+
+    #[test]
+    fn peak_held_is_what_the_replay_of_training_holds() {
+        for shape in shapes() {
+            let r = replay(&shape, &[1.0], &[2.0]).unwrap();
+            for stage in 0..shape.stages {
+                assert_eq!(peak_held(&shape, stage), r.peak_alive[stage], "{shape:?} stage {stage}");
+            }
+        }
+        let one = Shape::new(ScheduleKind::OneFOneB, 4, 8, 1).unwrap();
+        assert_eq!((0..4).map(|p| peak_held(&one, p)).collect::<Vec<_>>(), vec![4, 3, 2, 1]);
+        assert_eq!(peak_held(&Shape::new(ScheduleKind::Gpipe, 4, 8, 1).unwrap(), 3), 8);
+    }
+
+    /// Evaluation forwards every micro-batch once through every chunk, in training's forward
+    /// order where the counts are training's, with no backward and no gradient message.
+    #[test]
+    fn evaluation_forwards_each_micro_batch_once_per_chunk_in_trainings_order() {
+        for shape in shapes() {
+            for micro_batches in [0, 1, 2, 3, shape.micro_batches, 2 * shape.micro_batches + 1] {
+                for stage in 0..shape.stages {
+                    let plan = forward_schedule(&shape, stage, micro_batches);
+                    assert!(plan.iter().all(|a| matches!(a, Action::Forward { .. } | Action::ReceiveActivation { .. } | Action::SendActivation { .. })), "{shape:?}: {plan:?}");
+                    for chunk in shape.chunks_of(stage) {
+                        let forwards: Vec<usize> = plan.iter().filter_map(|a| match *a { Action::Forward { micro, chunk: c } if c == chunk => Some(micro), _ => None }).collect();
+                        assert_eq!(forwards, (0..micro_batches).collect::<Vec<_>>(), "{shape:?} stage {stage} chunk {chunk}");
+                    }
+                    if micro_batches == shape.micro_batches {
+                        let training: Vec<Action> = compute_order(&shape, stage).into_iter().filter(|a| matches!(a, Action::Forward { .. })).collect();
+                        let evaluation: Vec<Action> = plan.into_iter().filter(|a| matches!(a, Action::Forward { .. })).collect();
+                        assert_eq!(evaluation, training, "{shape:?} stage {stage}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// No schedule deadlocks with the executor's bound on sends in flight, whatever the stages'
+    /// speeds and the number of micro-batches, and the bound holds.
+    #[test]
+    fn evaluation_never_deadlocks_and_holds_no_more_than_training() {
+        for shape in shapes() {
+            for micro_batches in [1, 2, 3, 5, shape.micro_batches, 2 * shape.micro_batches + 1, 17] {
+                let uneven: Vec<f64> = (0..shape.chunks()).map(|c| 1.0 + (c * 7 % 5) as f64).collect();
+                let falling: Vec<f64> = (0..shape.chunks()).map(|c| (shape.chunks() - c) as f64).collect();
+                for costs in [vec![1.0; shape.chunks()], uneven, falling] {
+                    let r = replay_forwards(&shape, micro_batches, &costs).unwrap_or_else(|e| panic!("{shape:?}, {micro_batches} micro-batches, costs {costs:?}: {e}"));
+                    for stage in 0..shape.stages {
+                        assert!(r.peak_in_flight[stage] <= peak_held(&shape, stage), "{shape:?} stage {stage}: {} in flight", r.peak_in_flight[stage]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Balanced stages run evaluation as a pipeline: K micro-batches over P stages take K + P - 1
+    /// forward times (stage p on micro-batch m while stage p + 1 is on m - 1), not K x P.
+    #[test]
+    fn evaluation_is_pipelined() {
+        for p in 1..=5 {
+            for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB] {
+                let shape = Shape::new(kind, p, 4, 1).unwrap();
+                for k in [1, 4, 9, 40] {
+                    let r = replay_forwards(&shape, k, &[1.0]).unwrap();
+                    assert_eq!(r.makespan, (k + p - 1) as f64, "{shape:?}, {k} micro-batches");
+                }
+            }
+        }
+        // Interleaved: V chunks of half the time each, the bubble divided by V as in training.
+        let shape = Shape::new(ScheduleKind::Interleaved, 2, 4, 2).unwrap();
+        let r = replay_forwards(&shape, 40, &[0.5]).unwrap();
+        assert!(r.makespan < 40.0 + 1.0, "{}", r.makespan);
     }
 
     #[test]

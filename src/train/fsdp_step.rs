@@ -114,9 +114,9 @@ impl Run<'_> {
         faults.before_exchange();
         faults.forward()?;
         let compute_start = Instant::now();
-        let n = batch.labels.len();
-        let images = if n > 0 { Some(state.norm.images(&batch.images, n)?) } else { None };
-        let labels = if n > 0 { Some(state.norm.labels(&batch.labels)?) } else { None };
+        let n = batch.samples();
+        let images = if n > 0 { Some(state.norm.images(batch.images(), n)?) } else { None };
+        let labels = if n > 0 { Some(state.norm.labels(batch.labels())?) } else { None };
         let factor = if faults.nan_gradients() { f64::NAN } else { self.workers as f64 / batch.global_samples.max(1) as f64 };
         let label_smoothing = self.args.recipe.label_smoothing;
         let fsdp = self.fsdp.as_ref().expect("a --zero 3 run");

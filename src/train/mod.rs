@@ -102,6 +102,7 @@ impl Run<'_> {
             totals: Timings::default(),
             measured: Timings::default(),
             last_eval: None,
+            evaluation: std::time::Duration::ZERO,
             accuracy_by_epoch: Vec::new(),
             reached_target: None,
             final_loss: f64::NAN,
@@ -153,7 +154,9 @@ impl Run<'_> {
                 self.report_progress(step, done.epoch, &mut window, &out.totals, &state.progress);
             }
             if epoch_end && !self.args.no_eval && self.info.test.len > 0 {
+                let started = Instant::now();
                 let (test_loss, accuracy) = self.evaluate_epoch(step, done.epoch, &state)?;
+                out.evaluation += started.elapsed();
                 out.accuracy_by_epoch.push(accuracy);
                 match self.args.recipe.target_accuracy {
                     Some(target) if accuracy >= target && out.reached_target.is_none() => {

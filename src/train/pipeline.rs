@@ -2,7 +2,8 @@
 //! action, its activations and their gradients travelling as non-blocking MPI messages to the
 //! neighbouring stages; then the D ranks that hold the stage average its gradients with the
 //! run's exchange and step the optimizer, as a plain step does. Also the pipelined evaluation
-//! and the gathering of the whole model's weights on rank 0.
+//! (forwards only, in micro-batches of training's size) and the gathering of the whole model's
+//! weights on rank 0.
 //!
 //! The loss of every micro-batch is its samples' summed loss times D / global samples, as in a
 //! plain step, and a stage's gradients accumulate over its micro-batches in micro-batch order:
@@ -55,7 +56,19 @@ pub(super) struct Pipeline {
     cuda_aware: bool,
     recompute: bool,
     pub(super) figures: PipelineFigures,
+    /// What this rank read of the dataset, for the record.
+    pub(super) data_read: DataRead,
     timeline: Option<Timeline>,
+}
+
+/// What a rank of a pipeline read of the dataset: the first stage reads images, the last
+/// labels, the stages between nothing (the record shows it per rank).
+#[derive(Default, Clone, Copy, Debug)]
+pub(super) struct DataRead {
+    pub(super) train_image_bytes: u64,
+    pub(super) train_labels: u64,
+    pub(super) test_image_bytes: u64,
+    pub(super) test_labels: u64,
 }
 
 /// What the measured steps showed on this stage.
@@ -115,7 +128,22 @@ impl Pipeline {
         let mut origin_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e6);
         world.comm.process_at_rank(0).broadcast_into(&mut origin_us);
         let timeline = timeline.then(|| Timeline { origin_us, events: Vec::new(), until_step: 0 });
-        Ok(Pipeline { plan, stage, replica, cut, comm, stage_world_ranks, stage_world, actions, device, cuda_aware, recompute, figures: PipelineFigures::default(), timeline })
+        Ok(Pipeline {
+            plan,
+            stage,
+            replica,
+            cut,
+            comm,
+            stage_world_ranks,
+            stage_world,
+            actions,
+            device,
+            cuda_aware,
+            recompute,
+            figures: PipelineFigures::default(),
+            data_read: DataRead::default(),
+            timeline,
+        })
     }
 
     pub(super) fn shape(&self) -> &Shape {
@@ -124,6 +152,11 @@ impl Pipeline {
 
     pub(super) fn first_stage(&self) -> bool {
         self.stage == 0
+    }
+
+    /// What this stage reads of its samples: images on the first, labels on the last.
+    pub(super) fn data_parts(&self) -> crate::data::loader::Parts {
+        crate::data::loader::Parts::of_stage(self.stage, self.plan.grid.stages)
     }
 
     /// Whether this stage holds the last chunk, which computes the loss.
@@ -383,6 +416,95 @@ impl Pipeline {
         Ok(loss_sum)
     }
 
+    /// Evaluation's forward-only schedule (plan/pipeline.rs's `forward_schedule`) over the
+    /// micro-batches `micro` (the same sample ranges on every stage of the pipeline): chunk 0
+    /// takes `input(m)` (the first stage reads the images), the last chunk's logits go to
+    /// `score(m, logits)` (the last stage holds the labels). Forwards run with `train` false
+    /// (batch norm's running statistics: micro-batching changes no value) and build no graph
+    /// (the caller runs this under no_grad). Before a forward whose output it sends, the stage
+    /// waits for its oldest send while as many are in flight as training's schedule holds
+    /// micro-batches here ([`pipeline::peak_held`]), so evaluation holds no more than training.
+    ///
+    /// The test set takes more micro-batches than a step: their tags repeat every M
+    /// micro-batches. MPI's non-overtaking order pairs them right: the sender sends a
+    /// boundary's messages in micro-batch order and the receiver posts its receives in that
+    /// order.
+    pub(super) fn run_forwards(
+        &self,
+        chunks: &[(usize, nn::FuncT<'static>)],
+        micro: &[ShardInfo],
+        mut input: impl FnMut(usize) -> Result<Tensor>,
+        mut score: impl FnMut(usize, &Tensor) -> Result<()>,
+    ) -> Result<()> {
+        let shape = *self.shape();
+        let last = shape.chunks() - 1;
+        let module = |c: usize| &chunks.iter().find(|(i, _)| *i == c).expect("the schedule only names this stage's chunks").1;
+        let tag = |m: usize, boundary: usize| shape.tag(Message::Activation, m % shape.micro_batches, boundary);
+        let window = pipeline::peak_held(&shape, self.stage);
+        let on = self.message_device();
+        let mut receives: HashMap<(usize, usize), TensorMessage> = HashMap::new();
+        let mut outputs: HashMap<(usize, usize), Tensor> = HashMap::new();
+        // Sends in flight, oldest first, with the micro-batch and stage they go to.
+        let mut sends: std::collections::VecDeque<(TensorMessage, usize, i32)> = std::collections::VecDeque::new();
+        for action in pipeline::forward_schedule(&shape, self.stage, micro.len()) {
+            match action {
+                Action::ReceiveActivation { micro: m, chunk: c } => {
+                    let size: Vec<i64> = std::iter::once(micro[m].len as i64).chain(self.cut.input_shape(c).iter().copied()).collect();
+                    let buffer = Tensor::f_empty(size.as_slice(), (Kind::Float, on))?;
+                    // SAFETY: a new tensor with no other handle; the message owns it until waited for.
+                    let message = unsafe { TensorMessage::receive(buffer, &self.comm, self.peer(c - 1), tag(m, c))? };
+                    receives.insert((m, c), message);
+                }
+                Action::Forward { micro: m, chunk: c } => {
+                    if c < last {
+                        while sends.len() >= window {
+                            let (send, sent, to) = sends.pop_front().expect("the window is at least 1");
+                            let _watched = self.waiting(|| format!("its evaluation's activations of micro-batch {sent} to reach {}", self.stage_name(to)));
+                            let _sent = send.wait()?;
+                        }
+                    }
+                    let x = if c == 0 {
+                        input(m)?
+                    } else {
+                        let message = receives.remove(&(m, c)).expect("the schedule posts every receive before its use");
+                        let from = self.peer(c - 1);
+                        let _watched = self.waiting(|| format!("the evaluation's activations of micro-batch {m} (test samples {}..{}) from {}", micro[m].offset, micro[m].end(), self.stage_name(from)));
+                        message.wait()?.f_to_device(self.device)?
+                    };
+                    let y = module(c).forward_t(&x, false);
+                    if c == last {
+                        score(m, &y)?;
+                    } else {
+                        outputs.insert((m, c), y);
+                    }
+                }
+                Action::SendActivation { micro: m, chunk: c } => {
+                    let y = outputs.remove(&(m, c)).expect("sent after its forward");
+                    let payload = y.f_to_device(on)?.f_contiguous()?;
+                    synchronize_device(self.device);
+                    let to = self.peer(c + 1);
+                    // SAFETY: the forward's output (no graph under no_grad) or its copy, which
+                    // nothing else holds or writes: `y` is dropped here.
+                    sends.push_back((unsafe { TensorMessage::send(payload, &self.comm, to, tag(m, c + 1))? }, m, to));
+                }
+                other => unreachable!("evaluation's schedule holds no {other:?}"),
+            }
+            // Completed sends let go of their buffers; testing also drives MPI's progress.
+            let mut still = std::collections::VecDeque::with_capacity(sends.len());
+            for (mut send, m, to) in sends.drain(..) {
+                if !send.test()? {
+                    still.push_back((send, m, to));
+                }
+            }
+            sends = still;
+        }
+        for (send, m, to) in sends {
+            let _watched = self.waiting(|| format!("its evaluation's activations of micro-batch {m} to reach {}", self.stage_name(to)));
+            let _sent = send.wait()?;
+        }
+        Ok(())
+    }
+
     /// The Chrome trace of every rank, written by rank 0 (collective over `world`).
     pub(super) fn write_timeline(&self, world: &World, path: &std::path::Path) -> Result<()> {
         let mine = self.timeline.as_ref().map(|t| t.events.join(",\n")).unwrap_or_default();
@@ -437,7 +559,44 @@ impl Pipeline {
             theoretical_bubble: shape.theoretical_bubble(),
             peak_alive_micro_batches: peak_per_stage(f.peak_alive),
             peak_boundary_activation_bytes: peak_per_stage(f.peak_boundary_bytes),
+            ranks: Vec::new(),
         }
+    }
+}
+
+impl Pipeline {
+    /// Per rank of `world` (every rank, with tensor parallelism too): its place, what it read
+    /// of the dataset, the bytes of images it held in memory (`cached_image_bytes`, this
+    /// rank's), and its peak resident memory. Collective over `world`.
+    pub(super) fn ranks_record(&self, world: &World, cached_image_bytes: u64) -> Vec<crate::results::PipelineRank> {
+        const FIELDS: usize = 8;
+        let d = &self.data_read;
+        let mine: [f64; FIELDS] = [
+            self.stage as f64,
+            self.replica as f64,
+            d.train_image_bytes as f64,
+            d.train_labels as f64,
+            d.test_image_bytes as f64,
+            d.test_labels as f64,
+            cached_image_bytes as f64,
+            crate::raw::peak_rss_mb(),
+        ];
+        let mut all = vec![0.0f64; FIELDS * world.size as usize];
+        crate::watchdog::collective("the pipeline ranks' figures", &world.comm, || world.comm.all_gather_into(&mine[..], &mut all[..]));
+        all.chunks_exact(FIELDS)
+            .enumerate()
+            .map(|(rank, f)| crate::results::PipelineRank {
+                rank,
+                stage: f[0] as usize,
+                replica: f[1] as usize,
+                train_image_bytes: f[2] as u64,
+                train_labels: f[3] as u64,
+                test_image_bytes: f[4] as u64,
+                test_labels: f[5] as u64,
+                cached_image_bytes: f[6] as u64,
+                peak_rss_mb: f[7],
+            })
+            .collect()
     }
 }
 

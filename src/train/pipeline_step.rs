@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use tch::nn::{self, ModuleT};
+use tch::nn;
 use tch::{Device, Kind, Reduction, Tensor};
 
 use crate::data::reader::SplitReader;
@@ -13,9 +13,7 @@ use crate::data::{DatasetInfo, Labels, Split};
 use crate::error::{Error, Result};
 use crate::exchange::staging::synchronize_device;
 use crate::optim;
-use crate::plan::pipeline::Message;
 use crate::plan::shard::ShardInfo;
-use crate::raw::TensorMessage;
 
 use super::collective::{average_over, sum_pair};
 use super::net::Normalizer;
@@ -37,10 +35,14 @@ impl Run<'_> {
         let compute_start = Instant::now();
         let mut grads = self.net.grads();
         optim::zero_grads(&mut grads)?;
-        let n = batch.labels.len();
+        // Every stage takes the same samples; the loader read only the parts this stage uses.
+        let n = batch.samples();
         let pipeline = self.pipeline.as_mut().expect("a pipelined run");
-        let images = if pipeline.first_stage() && n > 0 { Some(state.norm.images(&batch.images, n)?) } else { None };
-        let labels = if pipeline.last_stage() && n > 0 { Some(state.norm.labels(&batch.labels)?) } else { None };
+        let (image_bytes, labels_read) = batch.read();
+        pipeline.data_read.train_image_bytes += image_bytes as u64;
+        pipeline.data_read.train_labels += labels_read as u64;
+        let images = if pipeline.first_stage() && n > 0 { Some(state.norm.images(batch.images(), n)?) } else { None };
+        let labels = if pipeline.last_stage() && n > 0 { Some(state.norm.labels(batch.labels())?) } else { None };
         let factor = self.workers as f64 / batch.global_samples.max(1) as f64;
         let measured = step >= state.warmup;
         let loss_sum = pipeline.run_schedule(&self.net.chunks, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, self.args.precision, step, measured, &faults)?;
@@ -80,56 +82,40 @@ impl Run<'_> {
     }
 
     /// Test loss and accuracy through the pipelines: each replica evaluates its share of the
-    /// test set, stage by stage, the last stage scoring it.
-    pub(super) fn pipeline_evaluate(&self, norm: &Normalizer) -> Result<(f64, f64)> {
-        let pipeline = self.pipeline.as_ref().expect("a pipelined run");
+    /// test set in micro-batches of training's size, pipelined through the stages (forwards
+    /// only: stage p on micro-batch m while stage p + 1 is on m - 1), the first stage reading
+    /// the images and the last scoring against the labels. Batch norm uses its running
+    /// statistics, so the values are one process's whatever the micro-batches (up to the
+    /// order of f32 sums).
+    pub(super) fn pipeline_evaluate(&mut self, norm: &Normalizer) -> Result<(f64, f64)> {
+        let pipeline = self.pipeline.as_mut().expect("a pipelined run");
         let (info, labels): (&DatasetInfo, &Labels) = (&self.info, &self.labels);
         let buffers: Vec<Tensor> = self.net.buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
         average_over(&pipeline.stage_world.comm, &buffers, true, pipeline.stage_world.size as usize)?;
-        let shape = *pipeline.shape();
-        let last = shape.chunks() - 1;
         let shard = ShardInfo::split(info.test.len, self.workers, pipeline.replica);
+        let size = self.plan.batch.div_ceil(pipeline.shape().micro_batches).max(1);
+        let micro: Vec<ShardInfo> = (shard.offset..shard.end()).step_by(size).map(|offset| ShardInfo { offset, len: size.min(shard.end() - offset) }).collect();
         let mut reader = if pipeline.first_stage() { Some(SplitReader::open(&self.args.data, Split::Test)?) } else { None };
         let (mut loss_sum, mut correct) = (0.0, 0.0);
-        let mut images = Vec::new();
-        let eval_batch = self.plan.batch.max(1) * 2;
-        let on = pipeline.message_device();
-        tch::no_grad(|| -> Result<()> {
-            for start in (shard.offset..shard.end()).step_by(eval_batch) {
-                let end = (start + eval_batch).min(shard.end());
-                let len = (end - start) as i64;
-                for (c, module) in &self.net.chunks {
-                    let c = *c;
-                    let x = if c == 0 {
-                        let indices: Vec<usize> = (start..end).collect();
-                        images.resize(indices.len() * info.sample_bytes(), 0);
-                        reader.as_mut().expect("stage 0 reads").read(&indices, &mut images)?;
-                        norm.images_from_bytes(&images, indices.len())?
-                    } else {
-                        let size: Vec<i64> = std::iter::once(len).chain(pipeline.cut.input_shape(c).iter().copied()).collect();
-                        let buffer = Tensor::f_empty(size.as_slice(), (Kind::Float, on))?;
-                        let from = pipeline.peer(c - 1);
-                        let _watched = pipeline.waiting(|| format!("the evaluation's activations of test samples {start}..{end} from {}", pipeline.stage_name(from)));
-                        // SAFETY: a new tensor with no other handle, waited for at once.
-                        unsafe { TensorMessage::receive(buffer, &pipeline.comm, from, shape.tag(Message::Activation, 0, c))? }.wait()?.f_to_device(pipeline.device)?
-                    };
-                    let y = module.forward_t(&x, false);
-                    if c == last {
-                        let target = norm.labels(&labels.test[start..end])?;
-                        loss_sum += y.f_cross_entropy_loss::<Tensor>(&target, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;
-                        correct += y.f_argmax(-1, false)?.f_eq_tensor(&target)?.f_sum(Kind::Float)?.f_double_value(&[])?;
-                    } else {
-                        let payload = y.f_to_device(on)?.f_contiguous()?;
-                        synchronize_device(pipeline.device);
-                        let to = pipeline.peer(c + 1);
-                        let _watched = pipeline.waiting(|| format!("its evaluation's activations of test samples {start}..{end} to reach {}", pipeline.stage_name(to)));
-                        // SAFETY: the forward's fresh output (no graph under no_grad), waited for at once.
-                        unsafe { TensorMessage::send(payload, &pipeline.comm, to, shape.tag(Message::Activation, 0, c + 1))? }.wait().map(drop)?;
-                    }
-                }
-            }
+        let (mut image_bytes, mut labels_scored) = (0usize, 0usize);
+        let mut bytes = Vec::new();
+        let input = |m: usize| -> Result<Tensor> {
+            let indices: Vec<usize> = micro[m].range().collect();
+            bytes.resize(indices.len() * info.sample_bytes(), 0);
+            reader.as_mut().expect("the first stage reads the images").read(&indices, &mut bytes)?;
+            image_bytes += bytes.len();
+            norm.images_from_bytes(&bytes, indices.len())
+        };
+        let score = |m: usize, logits: &Tensor| -> Result<()> {
+            let target = norm.labels(&labels.test[micro[m].range()])?;
+            labels_scored += micro[m].len;
+            loss_sum += logits.f_cross_entropy_loss::<Tensor>(&target, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;
+            correct += logits.f_argmax(-1, false)?.f_eq_tensor(&target)?.f_sum(Kind::Float)?.f_double_value(&[])?;
             Ok(())
-        })?;
+        };
+        tch::no_grad(|| pipeline.run_forwards(&self.net.chunks, &micro, input, score))?;
+        pipeline.data_read.test_image_bytes += image_bytes as u64;
+        pipeline.data_read.test_labels += labels_scored as u64;
         // A tensor-parallel group's ranks score the same samples; the first counts them.
         let counted = self.tensor_parallel.as_ref().is_none_or(|tp| tp.rank == 0);
         let (loss_sum, correct) = if counted { (loss_sum, correct) } else { (0.0, 0.0) };

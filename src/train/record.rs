@@ -125,7 +125,8 @@ impl Run<'_> {
         // Memory held between steps (after the last one), the largest over the ranks.
         let held = self.exchange.held_bytes(&self.net.params, &self.optimizer);
         let (optimizer_state_bytes, gradient_bytes) = (world.max_f64(held.optimizer_state as f64), world.max_f64(held.gradients as f64));
-        let pipeline = self.pipeline.as_ref().map(|p| p.record(self.pipeline_world(), args));
+        let cached_image_bytes = if self.cache_data { (self.info.train.len * self.info.sample_bytes()) as u64 } else { 0 };
+        let pipeline = self.pipeline.as_ref().map(|p| crate::results::PipelineRecord { ranks: p.ranks_record(world, cached_image_bytes), ..p.record(self.pipeline_world(), args) });
         let parameters = match (&self.tensor_parallel, &self.pipeline, &self.fsdp) {
             // A rank holds its part of each cut parameter: the whole model's count.
             (Some(_), _, _) => self.args.model.parameters_for(self.spec) as usize,
@@ -184,6 +185,9 @@ impl Run<'_> {
             extra.insert("label_smoothing".into(), args.recipe.label_smoothing.into());
         }
         extra.insert("data_cached".into(), self.cache_data.into());
+        if out.last_eval.is_some() {
+            extra.insert("evaluation_s".into(), out.evaluation.as_secs_f64().into());
+        }
         // What every step's exchange carries (the cost model's projections and validation read it).
         extra.insert("parameters".into(), parameters.into());
         if let Some((buckets, total, hidden)) = overlap_figures {

@@ -39,7 +39,8 @@ pub(super) struct Run<'a> {
     pub(super) plan: Plan,
     pub(super) info: DatasetInfo,
     pub(super) labels: Labels,
-    /// The training split is held in memory (`--cache-data`).
+    /// This rank holds the training split's images in memory (`--cache-data`; in a pipeline
+    /// only the first stages read images, so only they may).
     pub(super) cache_data: bool,
     pub(super) spec: InputSpec,
     pub(super) net: Net,
@@ -78,6 +79,8 @@ pub(super) struct Outcome {
     /// The steps after warm-up, which throughput is computed from.
     pub(super) measured: Timings,
     pub(super) last_eval: Option<(f64, f64)>,
+    /// The time the test-set evaluations took, all of them.
+    pub(super) evaluation: std::time::Duration,
     /// Test accuracy at each epoch's end, and when it first reached --target-accuracy: the
     /// training time until then (evaluations excluded) and the epoch (1-based).
     pub(super) accuracy_by_epoch: Vec<f64>,

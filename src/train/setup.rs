@@ -57,8 +57,6 @@ impl<'a> Run<'a> {
             let why = format!("{} training samples, fewer than ranks x batch = {} x {} = {global_batch}", info.train.len, plan.workers, plan.batch);
             world.agree::<()>(Err(Error::data(&args.data, why)))?;
         }
-        let split_bytes = info.train.len * info.sample_bytes();
-        let cache_data = world.agree(data::loader::cache_decision(args.cache_data, split_bytes, world.local_size as usize, data::loader::memory_available()))?;
         let steps_per_epoch = info.train.len.div_ceil(global_batch) as u64;
         let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
         world.agree(check_model_fits(args, &info, &plan, world))?;
@@ -83,6 +81,20 @@ impl<'a> Run<'a> {
             }
             None => (None, None),
         };
+        // --cache-data: only the ranks that read images hold them (a pipeline's first stages),
+        // so the node's copies are theirs.
+        let split_bytes = info.train.len * info.sample_bytes();
+        let reads_images = pipeline.as_ref().is_none_or(|p| p.data_parts().images);
+        let image_ranks_on_node = {
+            use mpi::collective::CommunicatorCollectives;
+            let mut sum = 0i32;
+            world.local.all_reduce_into(&i32::from(reads_images), &mut sum, mpi::collective::SystemOperation::sum());
+            sum as usize
+        };
+        let cache_data = world.agree(match reads_images {
+            true => data::loader::cache_decision(args.cache_data, split_bytes, image_ranks_on_node, data::loader::memory_available()),
+            false => Ok(false),
+        })?;
         // The ranks that hold the same variables: all of them, a stage's replicas, or the ranks
         // of the other groups that hold the same part.
         let replicas: &World = match (&pipeline, &tensor_parallel) {
@@ -273,13 +285,21 @@ impl<'a> Run<'a> {
             args.recipe.label_smoothing
         );
         let split_mb = (info.train.len * info.sample_bytes()) as f64 / 1e6;
+        // Rank 0 says what it holds; in a pipeline it is a first stage, which reads the images
+        // alone, and the other stages read less.
+        let (what, pipelined) = match &self.pipeline {
+            Some(p) if p.plan.grid.stages > 1 => ("the training split's images", "; as on each pipeline's first stage (its last stage reads the labels alone, the stages between read nothing)"),
+            _ => ("the training split", ""),
+        };
         if self.cache_data {
-            log::info!("training split held in memory ({split_mb:.1} MB per rank; --cache-data)");
+            log::info!("rank 0 holds {what} in memory ({split_mb:.1} MB; --cache-data){pipelined}");
         } else if args.cache_data == data::loader::CacheData::Auto {
             match data::loader::memory_available() {
-                Some(_) => log::info!("training split read from the file per batch ({split_mb:.1} MB per rank is more than this node's ranks may hold: --cache-data auto)"),
-                None => log::info!("training split read from the file per batch (MemAvailable could not be read from /proc/meminfo; --cache-data on holds it anyway)"),
+                Some(_) => log::info!("rank 0 reads {what} from the file per batch ({split_mb:.1} MB on each rank of the node that reads images is more than they may hold: --cache-data auto){pipelined}"),
+                None => log::info!("rank 0 reads {what} from the file per batch (MemAvailable could not be read from /proc/meminfo; --cache-data on holds it anyway){pipelined}"),
             }
+        } else if !pipelined.is_empty() {
+            log::info!("rank 0 reads {what} from the file per batch{pipelined}");
         }
     }
 }

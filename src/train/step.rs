@@ -12,7 +12,7 @@ use tch::nn::ModuleT;
 use tch::{Kind, Reduction, Tensor};
 
 use crate::data::{DatasetInfo, Labels, Split};
-use crate::data::loader::{Batch, Loader, Schedule};
+use crate::data::loader::{Batch, Loader, Parts, Schedule};
 use crate::data::reader::SplitReader;
 use crate::error::{Error, Result};
 use crate::exchange::{self, ReduceOp};
@@ -47,9 +47,12 @@ impl LoopState {
         let (args, first, total) = (run.args, run.first_step, run.total_steps);
         let schedule = Schedule { samples: run.info.train.len, workers: run.workers, worker: run.worker, batch: run.plan.batch, seed: args.seed };
         let warmup = first + args.warmup_steps.min(total.saturating_sub(first + 1));
+        // A pipeline's stages read only what they use (the first the images, the last the labels).
+        let parts = run.pipeline.as_ref().map_or(Parts::ALL, |p| p.data_parts());
+        let labels = Arc::new(if parts.labels { run.labels.train.clone() } else { Vec::new() });
         Ok(LoopState {
             norm: Normalizer::new(&run.info, run.plan.device, args.channels_last)?,
-            loader: Loader::spawn(args.data.clone(), Arc::new(run.labels.train.clone()), schedule, first, total, args.prefetch, run.cache_data, run.plan.device),
+            loader: Loader::spawn(args.data.clone(), labels, parts, schedule, first, total, args.prefetch, run.cache_data, run.plan.device),
             trace: SampleTrace::open(args.trace_samples.as_deref(), run.world.rank)?,
             progress: Progress::new(run.world.is_root(), total, args.log_every),
             warmup,
@@ -121,7 +124,7 @@ impl Run<'_> {
         // gradient, no handle may keep its memory until the next step.
         let mut grads = self.net.grads();
         optim::zero_grads(&mut grads)?;
-        let n = batch.labels.len();
+        let n = batch.samples();
         let loss_factor = self.workers as f64 / batch.global_samples.max(1) as f64 * state.scaler.as_ref().map_or(1.0, |s| s.scale);
         let losses = if n == 0 {
             None
@@ -177,8 +180,8 @@ impl Run<'_> {
     /// The summed loss of the rank's samples (with --label-smoothing), in f32 (the forward under
     /// autocast for bf16 and fp16).
     fn forward(&self, norm: &Normalizer, batch: &Batch) -> Result<Tensor> {
-        let x = norm.images(&batch.images, batch.labels.len())?;
-        let y = norm.labels(&batch.labels)?;
+        let x = norm.images(batch.images(), batch.samples())?;
+        let y = norm.labels(batch.labels())?;
         self.args.precision.training_forward(self.plan.device, || {
             let logits = self.net.model().forward_t(&x, true);
             Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, self.args.recipe.label_smoothing)?.f_to_kind(Kind::Float)?)
