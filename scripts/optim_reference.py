@@ -798,7 +798,7 @@ def main(argv=None):
     sub.add_parser("check-schedules", help="the schedulers' rates against the spec's formulas (within 1e-12)")
 
     k = sub.add_parser("strict-load", help="load a weights file into torchvision's own model with strict=True")
-    k.add_argument("--torchvision", required=True, choices=["vit_b_16", "resnet18"], help="the torchvision.models constructor")
+    k.add_argument("--torchvision", required=True, choices=["vit_l_16", "vit_b_16", "resnet18"], help="the torchvision.models constructor")
     k.add_argument("--classes", type=int, required=True)
     k.add_argument("--weights", required=True)
 

@@ -319,6 +319,9 @@ fn staged_gpu_path_when_a_gpu_is_present() {
 /// MPI runs as a host function and Horovod's compressed fusion buffers.
 #[test]
 fn the_staged_path_gives_the_right_sums() {
+    if covered_by_the_first_mpi("the staged path's arithmetic (host copies around the same MPI calls)") {
+        return;
+    }
     let dir = scratch("staged");
     let staged = [("HPC_TRAIN_STAGE_HOST", "1")];
     let run_bench = |ranks: usize, strategies: &str, extra: &[&str]| {
@@ -347,6 +350,9 @@ fn the_staged_path_gives_the_right_sums() {
 /// and off) and the colocated parameter server's packing through its device buffers.
 #[test]
 fn training_through_the_staged_path_matches_the_host_path() {
+    if covered_by_the_first_mpi("the staged path's arithmetic (host copies around the same MPI calls)") {
+        return;
+    }
     let dir = scratch("staged-train");
     let data = synth(&dir, "st", 90, 0, "1x12x12", 5);
     let train = |name: &str, extra: &[&str], env: &[(&str, &str)]| {
