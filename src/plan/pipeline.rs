@@ -543,6 +543,13 @@ pub fn replay_forwards(shape: &Shape, micro_batches: usize, forward_cost: &[f64]
     let mut peak_in_flight = vec![0usize; p_count];
     // A send is over once its receive is posted: (whether, when).
     let completion = |posted_at: &HashMap<(usize, usize), f64>, key: &(usize, usize), sent: f64| posted_at.get(key).map(|&t| t.max(sent));
+    // Waits for the oldest send of a stage: false while its receive is not posted yet.
+    let wait_oldest = |in_flight: &mut VecDeque<((usize, usize), f64)>, clock: &mut f64, posted_at: &HashMap<(usize, usize), f64>| {
+        let Some(done) = in_flight.front().and_then(|(key, sent)| completion(posted_at, key, *sent)) else { return false };
+        *clock = clock.max(done);
+        in_flight.pop_front();
+        true
+    };
     loop {
         let mut progressed = false;
         for p in 0..p_count {
@@ -551,16 +558,11 @@ pub fn replay_forwards(shape: &Shape, micro_batches: usize, forward_cost: &[f64]
                 in_flight[p].retain(|(key, sent)| completion(&posted_at, key, *sent).is_none_or(|done| done > clock[p]));
                 let Some(&a) = plans[p].get(next[p]) else {
                     // The end: every send waited for.
-                    let Some((key, sent)) = in_flight[p].front().copied() else { break };
-                    match completion(&posted_at, &key, sent) {
-                        Some(done) => {
-                            clock[p] = clock[p].max(done);
-                            in_flight[p].pop_front();
-                            progressed = true;
-                            continue;
-                        }
-                        None => break,
+                    if !wait_oldest(&mut in_flight[p], &mut clock[p], &posted_at) {
+                        break;
                     }
+                    progressed = true;
+                    continue;
                 };
                 match a {
                     Action::ReceiveActivation { micro, chunk } => {
@@ -577,16 +579,11 @@ pub fn replay_forwards(shape: &Shape, micro_batches: usize, forward_cost: &[f64]
                             }
                         }
                         if chunk + 1 < shape.chunks() && in_flight[p].len() >= windows[p] {
-                            let (key, sent) = in_flight[p][0];
-                            match completion(&posted_at, &key, sent) {
-                                Some(done) => {
-                                    clock[p] = clock[p].max(done);
-                                    in_flight[p].pop_front();
-                                    progressed = true;
-                                    continue;
-                                }
-                                None => break,
+                            if !wait_oldest(&mut in_flight[p], &mut clock[p], &posted_at) {
+                                break;
                             }
+                            progressed = true;
+                            continue;
                         }
                         let cost = forward_cost[chunk.min(forward_cost.len() - 1)];
                         clock[p] += cost;
