@@ -5,24 +5,27 @@
 #   scripts/device-check.sh --part gpu --out DIR [--budget S] [--archive FILE.tar.gz] [--bundle B]
 #   scripts/device-check.sh --part cpu --out DIR [...]
 #
-# --part gpu: the machine (GPU, driver, CUDA, libtorch, its MPI and whether it is CUDA-aware);
-#   a smoke run on the GPU, then single-GPU ResNet-50 (3x224x224 synthetic, batch 128 and 256;
-#   fp32, tf32, bf16 with channels-last) against PyTorch eager with the same settings
-#   (scripts/gpu_reference.py with the machine's torch), back to back, and the bf16 step of both
-#   profiled (--profile-dir, torch.profiler) and set side by side (scripts/trace_summary.py);
-#   tests/gpu.rs (every
-#   strategy, ZeRO 1-3, pipelines, tensor parallelism, each precision, 1, 2 and 4 ranks sharing the
-#   GPU, against the CPU); 2 ranks sharing the GPU: each strategy's exchange (bench) and ResNet-50
-#   steps with each strategy, the staged path's copy share, overlap on against off.
+# --part gpu (issue 52's plan, within 7 minutes: --budget defaults to 420 s): the machine (GPU,
+#   driver, CUDA, libtorch, its MPI and whether it is CUDA-aware); a smoke run on the GPU; then,
+#   most important first: single-GPU ResNet-50 (3x224x224 synthetic) bf16 channels-last at batch
+#   256, hpc-train then PyTorch (scripts/gpu_reference.py with the machine's torch, as its users
+#   run it: a prefetching pinned DataLoader, SGD(fused=True)), both profiled alike and set side by
+#   side (scripts/trace_summary.py: GPU busy and idle per step, synchronising calls, the largest
+#   idle gaps); the same bf16 run under Open MPI's default binding of one core (every other
+#   hpc-train run takes --bind-to none); tests/gpu.rs (every strategy, ZeRO 1-3, pipelines,
+#   tensor parallelism, against the CPU); 2 ranks sharing the GPU: each strategy's exchange
+#   (bench) staged and, where the bundle has a CUDA-aware Open MPI (env-cuda.sh), direct over
+#   CUDA IPC; ResNet-50 with the ring, overlap on and off, staged and CUDA-aware, PyTorch DDP
+#   (gloo) beside them, ZeRO 3; then fp32 and tf32, batch 128, the other strategies.
 # --part cpu: `mpirun -n 16 hpc-train bench` (every strategy, 1 KiB-256 MiB, against
 #   MPI_Allreduce and the memory bound measured in the same run); ResNet-50 on 2 ranks with 4
 #   cores each, overlap on against off; weak and strong ResNet-18 studies over 1-16 ranks and
 #   every strategy; 4 namespaced nodes x 4 cores (scripts/local-cluster.sh --cpus-per-node 4) at
 #   10, 1 and 25 Gbit/s: the cost model fitted on half the sizes and checked on the other half.
 #
-# Every step runs under the time left (--budget, default 540 s, minus a reserve for the summary):
-# a step that no longer fits is skipped and says so; a failed step is recorded and the next one
-# runs. DIR gets environment.txt, steps.tsv (step, status, seconds), logs/, the runs.jsonl and
+# Every step runs under the time left (--budget, default 420 s for gpu and 540 s for cpu, minus
+# a reserve for the summary) and is capped at twice its expected time: a step that no longer fits
+# is skipped and says so; a failed or stopped step is recorded and the next one runs. DIR gets environment.txt, steps.tsv (step, status, seconds), logs/, the runs.jsonl and
 # bench.jsonl rows, and summary.md (scripts/device_summary.py); --archive packs DIR into one file
 # (the device tool returns at most 8 files). --skip REGEX: skip the steps whose names match
 # (measured by an earlier call); GPU_TESTS: names of tests/gpu.rs's tests to run (default all).
@@ -35,7 +38,7 @@ set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 start=$(date +%s)
 
-part="" out="" budget=540 archive="" bundle="$root/dist/hpc-train" quick=0 skip=""
+part="" out="" budget="" archive="" bundle="$root/dist/hpc-train" quick=0 skip=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --part) part=$2; shift 2 ;;
@@ -51,6 +54,7 @@ while [ $# -gt 0 ]; do
 done
 case "$part" in gpu|cpu) ;; *) echo "device-check.sh: --part gpu or --part cpu" >&2; exit 2 ;; esac
 [ -n "$out" ] || { echo "device-check.sh: --out DIR" >&2; exit 2; }
+[ -n "$budget" ] || { [ "$part" = gpu ] && budget=420 || budget=540; }
 [[ "$budget" =~ ^[0-9]+$ ]] || { echo "device-check.sh: --budget takes seconds" >&2; exit 2; }
 deadline=$((start + budget))
 reserve=15
@@ -88,12 +92,15 @@ step() {
         echo "== $name: skipped ($remaining s left, about $need s needed)"
         return 1
     fi
-    echo "== $name ($remaining s left)"
+    # Each step is capped at about twice its expected time, so that one that hangs or crawls
+    # does not eat the lease.
+    local cap=$(( 2 * need < remaining ? 2 * need : remaining ))
+    echo "== $name ($remaining s left, cap $cap s)"
     local t0=$SECONDS status
-    timeout --kill-after=5 "$remaining" "$@" > "$out/logs/$name.log" 2>&1
+    timeout --kill-after=5 "$cap" "$@" > "$out/logs/$name.log" 2>&1
     status=$?
     local took=$((SECONDS - t0)) word=ok
-    [ "$status" -eq 124 ] || [ "$status" -eq 137 ] && word="stopped at the budget"
+    [ "$status" -eq 124 ] || [ "$status" -eq 137 ] && word="stopped at its cap ($cap s)"
     [ "$status" -ne 0 ] && [ "$word" = ok ] && word="failed ($status)"
     printf '%s\t%s\t%s\n' "$name" "$word" "$took" >> "$steps_file"
     echo "   $word in $took s"
@@ -177,56 +184,109 @@ fi
 mpi=(mpirun --oversubscribe -n)
 
 # --- GPU ---------------------------------------------------------------------------------------
+# The order is the issue's: what matters most first, so that a short lease still returns it.
+# hpc-train's GPU runs take `--bind-to none`: with 1 or 2 ranks Open MPI binds each to one core,
+# which the training thread, the loader thread and libtorch's autograd thread then share (the
+# 2026-11-26 lease measured hpc-train so: `"threads": 1`), while PyTorch ran on every core. One
+# bf16 run keeps the old binding to show what it cost.
 gpu_part() {
     synth small 96 3x32x32 5 && synth big "$images" "$big" "$classes" || { echo "device-check.sh: data synth failed" >&2; return 1; }
-    if ! step smoke 40 "${mpi[@]}" 1 "$B" --model tiny --data "$data/small.h5" --batch-size 8 --steps 3 --no-eval --device "$device" --results "$out/smoke"; then
+    local free=(--bind-to none)
+    if ! step smoke 40 "${mpi[@]}" 1 "${free[@]}" "$B" --model tiny --data "$data/small.h5" --batch-size 8 --steps 3 --no-eval --device "$device" --results "$out/smoke"; then
         printf 'gpu\tnot run: the smoke run on the GPU failed (logs/smoke.log)\t0\n' >> "$steps_file"
         return 1
     fi
-    # tests/gpu.rs against the CPU, its tests side by side (they share the GPU).
-    # shellcheck disable=SC2086 # GPU_TESTS: test names (filters) for the test binary, or none
-    step gpu-tests 90 env HPC_TRAIN_TEST_BINARY="$B" HPC_TRAIN_TEST_ROOT="$root" "$bundle/tests/gpu" --test-threads 8 ${GPU_TESTS:-}
-    # Single GPU: hpc-train then PyTorch for each batch, the same three settings.
-    local batch setting
-    for batch in $batches; do
-        for setting in fp32 tf32 bf16-cl; do
-            local precision=${setting%-cl} layout=()
-            [ "$setting" = bf16-cl ] && layout=(--channels-last)
-            [ "$quick" = 1 ] && precision=fp32  # 16 bits and TF32 are for CUDA only
-            step "single-hpc-train-$setting-$batch" 30 "${mpi[@]}" 1 "$B" --model resnet50 --data "$data/big.h5" --batch-size "$batch" \
-                --steps "$train_steps" --warmup-steps "$warmup" --no-eval --device "$device" --precision "$precision" "${layout[@]}" \
-                --results "$out/single" --study-tag "single-$setting-$batch"
-        done
-        step "single-pytorch-$batch" 60 "$PYTHON" "$root/scripts/gpu_reference.py" --device "$py_device" --model resnet50 --shape "$big" \
-            --classes "$classes" --images "$images" --configs "fp32:$batch,tf32:$batch,bf16-cl:$batch" --steps "$train_steps" \
-            --warmup-steps "$warmup" --out "$out/single/pytorch.jsonl"
-    done
-    # Where hpc-train's bf16 step goes beside PyTorch's: both profiled over the same measured
-    # steps (hpc-train --profile-dir, torch.profiler), side by side in profile/summary.md.
     local largest=${batches##* } bf16=bf16
     [ "$quick" = 1 ] && bf16=fp32
+    # single RUN-NAME SETTING BATCH [MPIRUN-OPTION...]: hpc-train's ResNet-50 on one GPU.
+    single() {
+        local name=$1 setting=$2 batch=$3; shift 3
+        local precision=${setting%-cl} layout=()
+        [[ "$setting" == *-cl ]] && layout=(--channels-last)
+        [ "$quick" = 1 ] && precision=fp32  # 16 bits and TF32 are for CUDA only
+        step "$name" 45 "${mpi[@]}" 1 "$@" "$B" --model resnet50 --data "$data/big.h5" --batch-size "$batch" \
+            --steps "$train_steps" --warmup-steps "$warmup" --no-eval --device "$device" --precision "$precision" "${layout[@]}" \
+            --results "$out/single" --study-tag "single-$setting-$batch${study_suffix:-}"
+    }
+    pytorch_single() {  # pytorch_single SETTINGS BATCH: gpu_reference.py, one config per setting
+        local configs="" setting
+        for setting in $1; do configs+="${configs:+,}$setting:$2"; done
+        step "single-pytorch-${1// /-}-$2" $((35 * $(wc -w <<< "$1"))) "$PYTHON" "$root/scripts/gpu_reference.py" --device "$py_device" \
+            --model resnet50 --shape "$big" --classes "$classes" --images "$images" --configs "$configs" --steps "$train_steps" \
+            --warmup-steps "$warmup" --out "$out/single/pytorch.jsonl"
+    }
+    # 1. The key pair: bf16 channels-last at the largest batch, hpc-train then PyTorch.
+    single "single-hpc-train-$bf16-cl-$largest" "$bf16-cl" "$largest" "${free[@]}"
+    pytorch_single "$bf16-cl" "$largest"
+    # 2. Their profiles, over the same measured steps, each profiler warmed up one step.
     local profiled=(--steps $((warmup + 4)) --warmup-steps "$warmup" --profile-dir "$out/profile" --profile-steps 3)
-    step "profile-hpc-train-$bf16-cl-$largest" 30 "${mpi[@]}" 1 "$B" --model resnet50 --data "$data/big.h5" --batch-size "$largest" \
+    step "profile-hpc-train-$bf16-cl-$largest" 40 "${mpi[@]}" 1 "${free[@]}" "$B" --model resnet50 --data "$data/big.h5" --batch-size "$largest" \
         "${profiled[@]}" --no-eval --device "$device" --precision "$bf16" --channels-last --results "$out/profile" \
         --study-tag "profile-$bf16-cl-$largest"
-    step "profile-pytorch-$bf16-cl-$largest" 40 "$PYTHON" "$root/scripts/gpu_reference.py" --device "$py_device" --model resnet50 \
+    step "profile-pytorch-$bf16-cl-$largest" 45 "$PYTHON" "$root/scripts/gpu_reference.py" --device "$py_device" --model resnet50 \
         --shape "$big" --classes "$classes" --images "$images" --configs "$bf16-cl:$largest" "${profiled[@]}" --out "$out/profile/pytorch.jsonl"
     local theirs="$out/profile/pytorch-$bf16-cl-$largest.json"
     if [ -f "$out/profile/rank-0.json" ] && [ -f "$theirs" ]; then
-        step profile-summary 15 "$PYTHON" "$root/scripts/trace_summary.py" hpc-train="$out/profile/rank-0.json" pytorch="$theirs" --top 25 \
+        step profile-summary 20 "$PYTHON" "$root/scripts/trace_summary.py" hpc-train="$out/profile/rank-0.json" pytorch="$theirs" --top 25 \
             --out "$out/profile/summary.md"
     fi
-    # Two ranks sharing the GPU: the exchange alone, then ResNet-50 steps.
-    step shared-bench 40 "${mpi[@]}" 2 "$B" bench --device "$device" --strategies ring,rhd,auto,allreduce,horovod,ps --min-bytes "$min_bytes" \
-        --max-bytes "$max_bytes" --factor 4 --iters 5 --warmup 2 --results "$out/shared"
-    local strategy overlap
-    for strategy in ring allreduce rhd auto horovod ps; do
-        for overlap in off on; do
-            [ "$overlap" = on ] && [[ "$strategy" != ring && "$strategy" != allreduce ]] && continue
-            step "shared-$strategy-overlap-$overlap" 25 "${mpi[@]}" 2 "$B" --model resnet50 --data "$data/big.h5" --batch-size "$share_batch" \
-                --steps 10 --warmup-steps 3 --no-eval --device "$device" --precision "$shared_precision" --channels-last --allow-gpu-sharing \
-                --strategy "$strategy" --overlap "$overlap" --results "$out/shared" --study-tag "shared-$strategy-$overlap"
-        done
+    # 3. The same bf16 run with Open MPI's default binding (one core), to show its cost.
+    study_suffix=-bind-core single "single-hpc-train-$bf16-cl-$largest-bind-core" "$bf16-cl" "$largest" --bind-to core
+    # 4. tests/gpu.rs against the CPU, its tests side by side (they share the GPU).
+    # shellcheck disable=SC2086 # GPU_TESTS: test names (filters) for the test binary, or none
+    step gpu-tests 120 env HPC_TRAIN_TEST_BINARY="$B" HPC_TRAIN_TEST_ROOT="$root" "$bundle/tests/gpu" --test-threads 8 ${GPU_TESTS:-}
+    # 5. Two ranks sharing the GPU, the exchange alone: staged, then CUDA-aware where the bundle
+    #    has that MPI (CUDA IPC between the two ranks through the smcuda transport).
+    local cuda_mpi=() direct=()
+    if [ -f "$bundle/env-cuda.sh" ]; then
+        cuda_mpi=(bash -c 'source "$0" && exec "$@"' "$bundle/env-cuda.sh")
+        direct=(--mca pml ob1 --mca btl smcuda,vader,self)
+    else
+        printf 'cuda-aware\tnot run: the bundle has no CUDA-aware Open MPI (scripts/build-cuda-mpi.sh, then pack.sh)\t0\n' >> "$steps_file"
+    fi
+    step shared-bench-staged 60 "${mpi[@]}" 2 "${free[@]}" "$B" bench --device "$device" --cuda-aware no --strategies ring,rhd,auto,allreduce,horovod,ps \
+        --min-bytes "$min_bytes" --max-bytes "$max_bytes" --factor 4 --iters 5 --warmup 2 --results "$out/shared"
+    if [ ${#cuda_mpi[@]} -gt 0 ]; then
+        step shared-bench-cuda-aware 60 "${cuda_mpi[@]}" "${mpi[@]}" 2 "${free[@]}" "${direct[@]}" "$B" bench --device "$device" --cuda-aware yes \
+            --strategies ring,rhd,auto,allreduce,horovod,ps --min-bytes "$min_bytes" --max-bytes "$max_bytes" --factor 4 --iters 5 --warmup 2 \
+            --results "$out/shared"
+    fi
+    # 6. Two ranks sharing the GPU, ResNet-50 steps: the ring with overlap on and off, staged and
+    #    CUDA-aware, PyTorch DDP (gloo) beside them; then ZeRO 3 and the other strategies.
+    # Channels-last everywhere but ZeRO 3, which refuses it (its flat unit buffers).
+    shared() {  # shared NAME [LAUNCHER...] -- [HPC-TRAIN-OPTION...]
+        local name=$1; shift
+        local launcher=()
+        while [ "$1" != -- ]; do launcher+=("$1"); shift; done
+        shift
+        step "shared-$name" 35 "${launcher[@]}" "${mpi[@]}" 2 "${free[@]}" "$B" --model resnet50 --data "$data/big.h5" --batch-size "$share_batch" \
+            --steps 12 --warmup-steps 4 --no-eval --device "$device" --precision "$shared_precision" --allow-gpu-sharing \
+            --results "$out/shared" --study-tag "shared-$name" "$@"
+    }
+    local overlap
+    for overlap in on off; do
+        shared "ring-overlap-$overlap-staged" -- --strategy ring --overlap "$overlap" --cuda-aware no --channels-last
+        [ ${#cuda_mpi[@]} -gt 0 ] && shared "ring-overlap-$overlap-cuda-aware" "${cuda_mpi[@]}" -- --strategy ring --overlap "$overlap" --cuda-aware yes --channels-last
+    done
+    local ddp_precision=$shared_precision; [ "$quick" = 1 ] && ddp_precision=fp32
+    step shared-pytorch-ddp-gloo 50 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 "$root/scripts/gpu_reference.py" --ddp gloo \
+        --device "$py_device" --model resnet50 --shape "$big" --classes "$classes" --images "$images" --configs "$ddp_precision-cl:$share_batch" \
+        --steps 12 --warmup-steps 4 --out "$out/shared/pytorch-ddp.jsonl"
+    shared zero3-staged -- --zero 3 --cuda-aware no
+    [ ${#cuda_mpi[@]} -gt 0 ] && shared zero3-cuda-aware "${cuda_mpi[@]}" -- --zero 3 --cuda-aware yes
+    # 7. The other single-GPU settings, hpc-train then PyTorch, then the smaller batch.
+    local setting smaller=${batches%% *}
+    for setting in fp32 tf32; do single "single-hpc-train-$setting-$largest" "$setting" "$largest" "${free[@]}"; done
+    pytorch_single "fp32 tf32" "$largest"
+    if [ "$smaller" != "$largest" ]; then
+        for setting in bf16-cl fp32 tf32; do single "single-hpc-train-$setting-$smaller" "$setting" "$smaller" "${free[@]}"; done
+        pytorch_single "bf16-cl fp32 tf32" "$smaller"
+    fi
+    # 8. The other strategies with two ranks on the GPU (the ring's figures are above).
+    local strategy
+    for strategy in allreduce rhd auto horovod ps; do
+        shared "$strategy-staged" -- --strategy "$strategy" --overlap off --cuda-aware no --channels-last
+        [ ${#cuda_mpi[@]} -gt 0 ] && shared "$strategy-cuda-aware" "${cuda_mpi[@]}" -- --strategy "$strategy" --overlap off --cuda-aware yes --channels-last
     done
 }
 

@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""PyTorch eager on one GPU, trained the way hpc-train trains on it, for the single-GPU
-throughput comparison of scripts/device-check.sh (run with the GPU machine's own torch):
+"""PyTorch eager on one GPU as its users train there, for the single-GPU throughput comparison of
+scripts/device-check.sh (run with the GPU machine's own torch):
 
     gpu_reference.py --model resnet50 --shape 3x224x224 --classes 1000 \
         --configs fp32:128,tf32:128,bf16-cl:256 --steps 30 --warmup-steps 10 --out runs.jsonl
+
+Two ranks (DDP over gloo, the GPU shared), as hpc-train's two-rank runs on one GPU:
+
+    python -m torch.distributed.run --nproc-per-node 2 gpu_reference.py --ddp gloo ...
 
 Each config is PRECISION[-cl]:BATCH and appends one JSON line (images_per_sec, step_ms, ...).
 
@@ -11,18 +15,23 @@ What is matched with hpc-train's GPU step (src/train/net.rs, setup.rs, the SGD o
 
 * model: torchvision's resnet50 / resnet18 (v1.5, the ImageNet stem at 224 px), num_classes
   --classes, in float32 parameters;
-* data: uint8 images held in host memory; each step's batch gathered by a shuffled index, pinned,
-  copied to the GPU without blocking, normalised there (mean 127.5, std 64: the values do not
-  matter for speed), labels int64;
+* data: uint8 images held in host memory, read through the loader a PyTorch user writes:
+  `DataLoader(shuffle=True, pin_memory=True, num_workers=--workers, persistent_workers=True)`,
+  which gathers and pins batches ahead of the step (hpc-train's loader thread also reads ahead
+  into pinned memory); each batch copied to the GPU without blocking, normalised there (mean
+  127.5, std 64: the values do not matter for speed), labels int64;
 * precision: fp32 = no TF32 anywhere (cuBLAS and cuDNN; PyTorch's own default leaves cuDNN's TF32
   on, hpc-train's fp32 does not), tf32 = TF32 in both, bf16 = CUDA autocast to bfloat16 around
   forward and loss; "-cl" puts the model and each batch in channels-last;
 * cuDNN's autotuner on (hpc-train sets cudnn benchmark on a GPU);
-* optimizer: torch.optim.SGD(lr 0.05, momentum 0.9, weight_decay 1e-4), its default (foreach)
-  implementation;
-* timing: each step from gathering its batch to the loss read back on the host (hpc-train reads
-  the loss every step); the first --warmup-steps steps left out; images/s = measured images /
-  measured time.
+* optimizer: torch.optim.SGD(lr 0.05, momentum 0.9, weight_decay 1e-4, fused=True): the fused
+  kernel, as a user who asks for speed runs it (hpc-train's SGD is the same fused kernel);
+  gradients set to None between steps (zero_grad's default);
+* the loss read back on the host every --log-every steps (hpc-train's --log-every, default 50),
+  as a training loop that logs does, not every step;
+* timing: the device synchronised when the measured steps begin and when they end; images/s =
+  measured images / that time (the first --warmup-steps steps left out); with --ddp, every
+  rank's images over the slowest rank's time.
 """
 
 import argparse
@@ -32,7 +41,9 @@ import platform
 import time
 
 import torch
+import torch.distributed as dist
 import torchvision
+from torch.utils.data import DataLoader, TensorDataset
 
 
 def parse_configs(text):
@@ -53,66 +64,90 @@ def train(args, precision, channels_last, batch, images, labels):
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
+    cuda = device.type == "cuda"
     model = getattr(torchvision.models, args.model)(num_classes=args.classes).to(device)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=memory_format)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    if args.ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4, fused=cuda)
     loss_fn = torch.nn.CrossEntropyLoss()
-    generator = torch.Generator().manual_seed(args.seed)
-    order = torch.randperm(images.shape[0], generator=generator)
-    position = 0
-    measured_time = 0.0
-    measured_images = 0
+    loader = DataLoader(
+        TensorDataset(images, labels),
+        batch_size=batch,
+        shuffle=True,
+        drop_last=True,
+        pin_memory=cuda,
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+    batches = iter(loader)
     profiler = start_profiler(args, precision, channels_last, batch, device)
+    final_loss = None
+    started = None
     for step in range(args.steps):
-        start = time.perf_counter()
-        if position + batch > order.numel():
-            order = torch.randperm(images.shape[0], generator=generator)
-            position = 0
-        index = order[position:position + batch]
-        position += batch
-        x, y = images.index_select(0, index), labels.index_select(0, index)
-        if device.type == "cuda":
-            x, y = x.pin_memory(), y.pin_memory()
+        if step == args.warmup_steps:
+            synchronize(device)
+            started = time.perf_counter()
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            x, y = next(batches)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         x = ((x.float() - 127.5) / 64.0).contiguous(memory_format=memory_format)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = loss_fn(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        final_loss = loss.item()
-        elapsed = time.perf_counter() - start
-        if step >= args.warmup_steps:
-            measured_time += elapsed
-            measured_images += batch
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            final_loss = loss.item()
         if profiler is not None:
             profiler.step()
+    synchronize(device)
+    measured_time = time.perf_counter() - started
     if profiler is not None:
         profiler.stop()
     measured_steps = args.steps - args.warmup_steps
+    world = dist.get_world_size() if args.ddp else 1
+    if args.ddp:
+        slowest = torch.tensor([measured_time], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        measured_time = slowest.item()
     return {
-        "implementation": "pytorch-eager",
+        "implementation": "pytorch-ddp-" + args.ddp if args.ddp else "pytorch-eager",
         "model": args.model,
         "image_shape": list(images.shape[1:]),
         "classes": args.classes,
         "precision": precision,
         "channels_last": channels_last,
         "batch": batch,
+        "ranks": world,
         "steps": args.steps,
         "warmup_steps": args.warmup_steps,
-        "images_per_sec": measured_images / measured_time,
+        "images_per_sec": measured_steps * batch * world / measured_time,
         "step_ms": measured_time / measured_steps * 1e3,
         "final_loss": final_loss,
+        "loader_workers": args.workers,
+        "log_every": args.log_every,
+        "optimizer": "SGD(fused=True)" if cuda else "SGD",
         "device": device.type,
-        "peak_gpu_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
-        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+        "threads": torch.get_num_threads(),
+        "peak_gpu_memory_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+        "gpu": torch.cuda.get_device_name() if cuda else None,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "host": platform.node(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def start_profiler(args, precision, channels_last, batch, device):
@@ -152,25 +187,37 @@ def main():
     parser.add_argument("--profile-dir", help="write a torch.profiler trace of --profile-steps measured steps per config here")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of this script only")
+    parser.add_argument("--workers", type=int, default=4, help="DataLoader worker processes")
+    parser.add_argument("--log-every", type=int, default=50, help="read the loss back every this many steps (hpc-train's --log-every)")
+    parser.add_argument("--ddp", choices=["gloo", "nccl"], help="DistributedDataParallel over this backend (under torch.distributed.run; every rank on the one GPU)")
     args = parser.parse_args()
     if args.warmup_steps >= args.steps:
         raise SystemExit("gpu_reference.py: --warmup-steps must be below --steps")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_reference.py: torch sees no GPU")
+    if args.ddp:
+        dist.init_process_group(args.ddp)
+        if args.device == "cuda":
+            # Every rank on the one GPU, as hpc-train's --allow-gpu-sharing runs.
+            torch.cuda.set_device(0)
+            args.device = "cuda:0"
     shape = [int(side) for side in args.shape.split("x")]
     generator = torch.Generator().manual_seed(args.seed)
     images = torch.randint(0, 256, [args.images, *shape], dtype=torch.uint8, generator=generator)
     labels = torch.randint(0, args.classes, [args.images], dtype=torch.int64, generator=generator)
     for precision, channels_last, batch in parse_configs(args.configs):
-        if args.device == "cuda":
+        if args.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         record = train(args, precision, channels_last, batch, images, labels)
         line = json.dumps(record)
-        print(line, flush=True)
-        with open(args.out, "a") as out:
-            out.write(line + "\n")
-        if args.device == "cuda":
+        if not args.ddp or dist.get_rank() == 0:
+            print(line, flush=True)
+            with open(args.out, "a") as out:
+                out.write(line + "\n")
+        if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+    if args.ddp:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 //! The window starts at the first measured step (after `--warmup-steps`: cuDNN's autotuner and
 //! the allocator's first requests are behind it) and spans `--profile-steps` steps, each marked
 //! "ProfilerStep#N" as torch.profiler marks its steps, so that hpc-train's traces and PyTorch's
-//! read alike (scripts/trace_summary.py). A run that ends inside the window writes what it
-//! collected.
+//! read alike (scripts/trace_summary.py). The profiler starts one step before the window, as
+//! torch.profiler's schedule warms up one step (scripts/gpu_reference.py): the first marked
+//! step then pays no start-up of the profiler itself (CUPTI's first buffers), on either side. A
+//! run that ends inside the window writes what it collected.
 //!
 //! Kineto writes the trace to `rank-R.json.tmp` and renames it, but a write that fails (a full
 //! disk, a folder that cannot be written) only logs "Failed to write to log file!" and leaves
@@ -37,12 +39,16 @@ impl StepProfile {
     /// Before `step`: collecting starts at the window's first step, and a step in the window is
     /// marked until the returned mark is dropped.
     pub(super) fn before_step(&mut self, step: u64) -> Result<Option<StepMark>> {
-        if self.path.is_none() || step < self.first || step >= self.end {
+        if self.path.is_none() || step + 1 < self.first || step >= self.end {
             return Ok(None);
         }
         if !self.active {
             raw::profiler_start(self.cuda)?;
             self.active = true;
+        }
+        if step < self.first {
+            // The profiler's warm-up step: collected, not marked, so not summarised.
+            return Ok(None);
         }
         Ok(Some(StepMark::open(&format!("ProfilerStep#{step}"))?))
     }
