@@ -43,7 +43,10 @@ pub(super) fn update(
         let w: Vec<&Tensor> = fused.iter().map(|&i| &params[i]).collect();
         let g: Vec<&Tensor> = fused.iter().map(|&i| &grads[i]).collect();
         let (m, v) = (pick(exp_avg), pick(exp_avg_sq));
-        crate::raw::fused_adamw(&w, &g, &m.iter().collect::<Vec<_>>(), &v.iter().collect::<Vec<_>>(), step.lr, c.beta1, c.beta2, c.weight_decay, c.eps, step.count)?;
+        crate::raw::fused_adamw(&w, &g, &m.iter().collect::<Vec<_>>(), &v.iter().collect::<Vec<_>>(), step.lr, c.beta1, c.beta2, c.weight_decay, c.eps, step.count, step.skip_if)?;
+    }
+    if by_hand.is_empty() || step.skipped()? {
+        return Ok(());
     }
     for &i in &by_hand {
         let (w, g) = (&mut params[i], &grads[i]);
@@ -77,7 +80,7 @@ mod tests {
         let (mut m, mut v): (Vec<Option<Tensor>>, Vec<Option<Tensor>>) = (w.iter().map(|_| None).collect(), w.iter().map(|_| None).collect());
         let all: Vec<usize> = (0..w.len()).collect();
         for k in 0..steps {
-            let step = Step { lr, count: k as u64 + 1, config };
+            let step = Step { lr, count: k as u64 + 1, config, skip_if: None };
             tch::no_grad(|| update(&step, w, &mut grad(k), &mut m, &mut v, &all)).unwrap();
         }
         (m, v)

@@ -100,6 +100,16 @@ pub fn unscale_if_finite(tensors: &mut [Tensor], inv_scale: f64) -> Result<bool>
     Ok(true)
 }
 
+/// Sets `flag` (a one-element float tensor on the gradients' device) to 1 where any gradient
+/// holds a value that is not finite, and leaves it as it was otherwise: queued, nothing read
+/// (GradScaler's multi-tensor check with a factor of 1, which writes each gradient back
+/// unchanged). The flag stays set over the steps it is handed to.
+pub fn flag_not_finite(grads: &[Tensor], flag: &Tensor) -> Result<()> {
+    let defined: Vec<&Tensor> = grads.iter().filter(|g| g.defined()).collect();
+    let mut flag = flag.shallow_clone();
+    crate::raw::unscale_and_check_into(&defined, 1.0, &mut flag)
+}
+
 /// Zeroes every gradient in place (keeping its storage, which the exchange buffers rely on),
 /// in one multi-tensor call: a `zero_` per gradient was 161 launches for ResNet-50, made at the
 /// start of a step while a GPU waits. A gradient that was let go (ZeRO stage 2) stays undefined

@@ -107,7 +107,7 @@ mod tests {
     /// One update of every tensor of `w`, each a layer of its own.
     fn whole_step(config: &OptimizerConfig, lr: f64, w: &mut [Tensor], g: &mut [Tensor], v: &mut [Option<Tensor>], exempt: &[bool]) {
         let all: Vec<usize> = (0..w.len()).collect();
-        tch::no_grad(|| update(&Step { lr, count: 1, config }, w, g, v, &all, exempt, Pieces::Whole)).unwrap();
+        tch::no_grad(|| update(&Step { lr, count: 1, config, skip_if: None }, w, g, v, &all, exempt, Pieces::Whole)).unwrap();
     }
 
     /// The rule of the file's header in f64, for an adapted layer and an exempt one.
@@ -173,7 +173,7 @@ mod tests {
                         Ok(())
                     };
                     let pieces = Pieces::Parts { layer_of: &[0], layers: &[0], sum_over_ranks: &mut sum_over_ranks };
-                    let step = Step { lr: 0.1, count: 1, config: &cfg };
+                    let step = Step { lr: 0.1, count: 1, config: &cfg, skip_if: None };
                     tch::no_grad(|| update(&step, &mut held[r], &mut [t(&g[at..at + len])], &mut held_state[r], &[0], &[false], pieces)).unwrap();
                 }
             }

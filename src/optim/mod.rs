@@ -29,7 +29,7 @@ use tch::Tensor;
 use crate::error::Result;
 
 pub use config::{OptimizerConfig, OptimizerKind};
-pub use finite::{all_finite, define_grads, grads_finite, unscale_if_finite, zero_grads, FiniteCheck};
+pub use finite::{all_finite, define_grads, flag_not_finite, grads_finite, unscale_if_finite, zero_grads, FiniteCheck};
 pub use rule::Pieces;
 use rule::Step;
 pub use schedule::{DecayKind, LrSchedule, ScaleLr};
@@ -48,6 +48,8 @@ pub struct Optimizer {
     busy: Duration,
     /// Tensor parallelism: which tensors are parts of layers cut over a group.
     layer_parts: Option<LayerParts>,
+    /// A flag on the device under which updates change nothing ([`Optimizer::skip_if`]).
+    skip_if: Option<Tensor>,
 }
 
 /// Tensor parallelism's parameter tensors, for LARS: some are this rank's part of a layer whose
@@ -68,7 +70,7 @@ impl Optimizer {
     pub fn new(config: OptimizerConfig, schedule: LrSchedule, exempt: Vec<bool>) -> Optimizer {
         let lr = schedule.lr_at(0);
         let slots = config.kind.slots().len();
-        Optimizer { config, schedule, lr, exempt, state: (0..slots).map(|_| Vec::new()).collect(), steps: 0, busy: Duration::ZERO, layer_parts: None }
+        Optimizer { config, schedule, lr, exempt, state: (0..slots).map(|_| Vec::new()).collect(), steps: 0, busy: Duration::ZERO, layer_parts: None, skip_if: None }
     }
 
     /// Makes LARS's norms those of whole layers where this rank holds parts of them (tensor
@@ -84,6 +86,15 @@ impl Optimizer {
 
     pub fn schedule(&self) -> &LrSchedule {
         &self.schedule
+    }
+
+    /// Makes the updates that follow change nothing where `flag` (a one-element float tensor on
+    /// the parameters' device) holds a non-zero value, as GradScaler skips a step: the fused
+    /// SGD and AdamW kernels read it on the device, so that a step's finiteness check needs no
+    /// read by the host (the training step reads the flag later, with the loss). LARS, and the
+    /// rare tensor that the fused kernels cannot take, read it on the host. None: always update.
+    pub fn skip_if(&mut self, flag: Option<Tensor>) {
+        self.skip_if = flag;
     }
 
     /// Sets the rate for global step `step` (0-based): the schedule follows the global step,
@@ -131,7 +142,11 @@ impl Optimizer {
                 slot.resize_with(params.len(), || None);
             }
         }
-        let step = Step { lr: self.lr, count: self.steps + 1, config: &self.config };
+        let step = Step { lr: self.lr, count: self.steps + 1, config: &self.config, skip_if: self.skip_if.as_ref() };
+        if self.config.kind == OptimizerKind::Lars && step.skipped()? {
+            self.busy += started.elapsed();
+            return Ok(());
+        }
         tch::no_grad(|| -> Result<()> {
             match self.config.kind {
                 OptimizerKind::Sgd => sgd::update(&step, params, grads, &mut self.state[0], which),
@@ -230,5 +245,32 @@ mod tests {
         assert_eq!((adamw.steps(), adamw.state_bytes()), (7, 8));
         adamw.restore(Vec::new(), 0);
         assert_eq!(adamw.state_bytes(), 0);
+    }
+
+    /// Under a set skip flag no rule changes a weight, on the fused path (a dense gradient) or
+    /// the separate one (a transposed gradient, which the fused kernels cannot take); under a
+    /// clear flag each updates as without one.
+    #[test]
+    fn a_set_skip_flag_leaves_the_weights_unchanged() {
+        let kinds = [OptimizerKind::Sgd, OptimizerKind::Adamw, OptimizerKind::Lars];
+        for kind in kinds {
+            for transposed in [false, true] {
+                let w0 = Tensor::from_slice(&(0..12).map(|i| (i as f32 * 0.3).cos()).collect::<Vec<_>>()).view([3, 4]);
+                let g = Tensor::from_slice(&(0..12).map(|i| (i as f32 * 0.7).sin()).collect::<Vec<_>>()).view([3, 4]);
+                let g = if transposed { g.tr().contiguous().tr() } else { g };
+                let moved = |flag: Option<f32>| {
+                    let config = OptimizerConfig { kind, ..OptimizerConfig::sgd(0.1, 0.9, 1e-2) };
+                    let mut optimizer = Optimizer::new(config, LrSchedule::constant(0.1), vec![false]);
+                    optimizer.skip_if(flag.map(|f| Tensor::from_slice(&[f])));
+                    let mut w = vec![w0.copy()];
+                    optimizer.begin_step(0);
+                    optimizer.step(&mut w, &mut [g.copy()]).unwrap();
+                    (&w[0] - &w0).abs().max().double_value(&[])
+                };
+                assert_eq!(moved(Some(1.0)), 0.0, "{kind:?}, transposed {transposed}: moved under a set flag");
+                let (clear, none) = (moved(Some(0.0)), moved(None));
+                assert!(clear > 1e-4 && clear == none, "{kind:?}, transposed {transposed}: {clear} under a clear flag, {none} without one");
+            }
+        }
     }
 }

@@ -25,6 +25,21 @@ pub(super) struct Step<'a> {
     /// The update's number, counting from 1 (AdamW's bias correction).
     pub(super) count: u64,
     pub(super) config: &'a OptimizerConfig,
+    /// A one-element flag on the device ([`super::Optimizer::skip_if`]): where it is set, the
+    /// update changes nothing. The fused kernels read it on the device; the others read it on
+    /// the host ([`Step::skipped`]), once, when they have tensors to update.
+    pub(super) skip_if: Option<&'a Tensor>,
+}
+
+impl Step<'_> {
+    /// Whether the skip flag is set: a read of the device (the kernels without a flag of their
+    /// own: LARS, and tensors the fused kernels cannot take).
+    pub(super) fn skipped(&self) -> Result<bool> {
+        match self.skip_if {
+            Some(flag) => Ok(flag.f_double_value(&[0])? != 0.0),
+            None => Ok(false),
+        }
+    }
 }
 
 /// Whether libtorch's fused kernels (those of `fused=True` in torch.optim, on the CPU and on

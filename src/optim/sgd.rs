@@ -46,7 +46,10 @@ pub(super) fn update(step: &Step, params: &mut [Tensor], grads: &mut [Tensor], m
         let w: Vec<&Tensor> = group.iter().map(|&i| &params[i]).collect();
         let g: Vec<&Tensor> = group.iter().map(|&i| &grads[i]).collect();
         let v: Vec<&Tensor> = if uses_momentum { group.iter().map(|&i| momentum[i].as_ref().expect("made above")).collect() } else { Vec::new() };
-        crate::raw::fused_sgd(&w, &g, &v, c.weight_decay, c.momentum, step.lr, is_first_step)?;
+        crate::raw::fused_sgd(&w, &g, &v, c.weight_decay, c.momentum, step.lr, is_first_step, step.skip_if)?;
+    }
+    if by_hand.is_empty() || step.skipped()? {
+        return Ok(());
     }
     by_hand_update(step, params, grads, momentum, &by_hand)
 }
@@ -95,7 +98,7 @@ mod tests {
         let mut momentum: Vec<Option<Tensor>> = w.iter().map(|_| None).collect();
         let all: Vec<usize> = (0..w.len()).collect();
         for k in 0..steps {
-            let step = Step { lr, count: k as u64 + 1, config };
+            let step = Step { lr, count: k as u64 + 1, config, skip_if: None };
             tch::no_grad(|| update(&step, w, &mut grad(k), &mut momentum, &all)).unwrap();
         }
     }

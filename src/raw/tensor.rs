@@ -41,6 +41,7 @@ extern "C" {
         momentum: f64,
         lr: f64,
         is_first_step: bool,
+        found_inf: *mut c_void,
         error: *mut c_char,
         error_length: usize,
     ) -> c_int;
@@ -57,6 +58,7 @@ extern "C" {
         weight_decay: f64,
         eps: f64,
         step: i64,
+        found_inf: *mut c_void,
         error: *mut c_char,
         error_length: usize,
     ) -> c_int;
@@ -307,7 +309,7 @@ fn shim_failure(err: &[c_char]) -> Error {
 /// after, and w -= lr v. `grads` are left as they are. The caller makes each parameter, its
 /// gradient and its buffer alike in device, kind and strides; `momentum_buffers` is empty when
 /// momentum is 0, else one per parameter (contents ignored on the first step).
-pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: &[&Tensor], weight_decay: f64, momentum: f64, lr: f64, is_first_step: bool) -> Result<()> {
+pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: &[&Tensor], weight_decay: f64, momentum: f64, lr: f64, is_first_step: bool, skip_if: Option<&Tensor>) -> Result<()> {
     let buffers_expected = if momentum != 0.0 { params.len() } else { 0 };
     if grads.len() != params.len() || momentum_buffers.len() != buffers_expected {
         return Err(Error::Torch(tch::TchError::Torch(format!(
@@ -323,7 +325,11 @@ pub fn fused_sgd(params: &[&Tensor], grads: &[&Tensor], momentum_buffers: &[&Ten
     // entries each (the buffers' array is read only when momentum is non-zero, and then holds
     // `count` too: checked above). The shim copies the handles (a reference count) and updates
     // the tensors' data in place, as any in-place libtorch op on a shared handle does.
-    let rc = unsafe { hpc_fused_sgd(p.as_ptr(), g.as_ptr(), v.as_ptr(), p.len() as i64, weight_decay, momentum, lr, is_first_step, err.as_mut_ptr(), err.len()) };
+    let mut skip = skip_if.map(Tensor::shallow_clone);
+    let found_inf = skip.as_mut().map_or(std::ptr::null_mut(), |t| t.as_mut_ptr() as *mut c_void);
+    // SAFETY: as above; `found_inf` is null or a live one-element at::Tensor held by `skip` for
+    // the call, which the kernel only reads.
+    let rc = unsafe { hpc_fused_sgd(p.as_ptr(), g.as_ptr(), v.as_ptr(), p.len() as i64, weight_decay, momentum, lr, is_first_step, found_inf, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
         return Err(shim_failure(&err));
     }
@@ -356,8 +362,16 @@ pub fn zero_all(tensors: &[&Tensor]) -> Result<()> {
 pub fn unscale_and_check(tensors: &[&Tensor], inv_scale: f64) -> Result<Tensor> {
     let device = tensors.first().map_or(Device::Cpu, |t| t.device());
     let mut found = Tensor::f_zeros([1], (tch::Kind::Float, device))?;
+    unscale_and_check_into(tensors, inv_scale, &mut found)?;
+    Ok(found)
+}
+
+/// As [`unscale_and_check`], setting `found` (a one-element float tensor on the tensors'
+/// device) to 1 where any element was not finite and leaving it as it was otherwise: a flag that
+/// stays set over the steps it is handed to.
+pub fn unscale_and_check_into(tensors: &[&Tensor], inv_scale: f64, found: &mut Tensor) -> Result<()> {
     if tensors.is_empty() {
-        return Ok(found);
+        return Ok(());
     }
     let list = handles(tensors);
     let mut err = [0 as c_char; 256];
@@ -369,7 +383,7 @@ pub fn unscale_and_check(tensors: &[&Tensor], inv_scale: f64) -> Result<Tensor> 
     if rc != 0 {
         return Err(shim_failure(&err));
     }
-    Ok(found)
+    Ok(())
 }
 
 /// The AdamW update of `params` in one pass per tensor (libtorch's fused AdamW kernel, that of
@@ -377,7 +391,7 @@ pub fn unscale_and_check(tensors: &[&Tensor], inv_scale: f64) -> Result<Tensor> 
 /// rule. `grads` are left as they are. The caller makes each parameter, its gradient and its two
 /// buffers alike in device, kind and strides.
 #[allow(clippy::too_many_arguments)]
-pub fn fused_adamw(params: &[&Tensor], grads: &[&Tensor], exp_avgs: &[&Tensor], exp_avg_sqs: &[&Tensor], lr: f64, beta1: f64, beta2: f64, weight_decay: f64, eps: f64, step: u64) -> Result<()> {
+pub fn fused_adamw(params: &[&Tensor], grads: &[&Tensor], exp_avgs: &[&Tensor], exp_avg_sqs: &[&Tensor], lr: f64, beta1: f64, beta2: f64, weight_decay: f64, eps: f64, step: u64, skip_if: Option<&Tensor>) -> Result<()> {
     let n = params.len();
     if grads.len() != n || exp_avgs.len() != n || exp_avg_sqs.len() != n {
         return Err(Error::Torch(tch::TchError::Torch(format!(
@@ -392,7 +406,11 @@ pub fn fused_adamw(params: &[&Tensor], grads: &[&Tensor], exp_avgs: &[&Tensor], 
     // SAFETY: each pointer is a tch at::Tensor borrowed for the call; the four arrays hold `n`
     // entries each (checked above). The shim copies the handles (a reference count) and updates
     // the tensors' data in place, as any in-place libtorch op on a shared handle does.
-    let rc = unsafe { hpc_fused_adamw(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), n as i64, lr, beta1, beta2, weight_decay, eps, step as i64, err.as_mut_ptr(), err.len()) };
+    let mut skip = skip_if.map(Tensor::shallow_clone);
+    let found_inf = skip.as_mut().map_or(std::ptr::null_mut(), |t| t.as_mut_ptr() as *mut c_void);
+    // SAFETY: as above; `found_inf` is null or a live one-element at::Tensor held by `skip` for
+    // the call, which the kernel only reads.
+    let rc = unsafe { hpc_fused_adamw(p.as_ptr(), g.as_ptr(), m.as_ptr(), v.as_ptr(), n as i64, lr, beta1, beta2, weight_decay, eps, step as i64, found_inf, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
         return Err(shim_failure(&err));
     }

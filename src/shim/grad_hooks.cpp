@@ -303,9 +303,12 @@ int hpc_release_grad(void *tensor, char *error, size_t error_length) {
 // v = d (first step) or momentum v + d, w -= lr v; one read of w, g, v and one write of w, v,
 // where separate kernels make four passes. `momentum_buffers` is ignored when momentum is 0.
 // Every pointer is a tch at::Tensor*; the caller makes w, g and v alike in device, kind and
-// strides (the CPU kernel walks the three as flat arrays).
+// strides (the CPU kernel walks the three as flat arrays). `found_inf`, null or a one-element
+// float at::Tensor* on the parameters' device: where it holds a non-zero value the kernel changes
+// nothing (GradScaler's skipped step), read by the kernel on the device, never by the host.
 int hpc_fused_sgd(void **params, void **grads, void **momentum_buffers, int64_t count, double weight_decay,
-                  double momentum, double lr, bool is_first_step, char *error, size_t error_length) {
+                  double momentum, double lr, bool is_first_step, void *found_inf, char *error,
+                  size_t error_length) {
   try {
     std::vector<at::Tensor> p, g, v;
     p.reserve(count);
@@ -317,8 +320,12 @@ int hpc_fused_sgd(void **params, void **grads, void **momentum_buffers, int64_t 
         v.push_back(*static_cast<at::Tensor *>(momentum_buffers[i]));
       }
     }
+    std::optional<at::Tensor> skip;
+    if (found_inf != nullptr) {
+      skip = *static_cast<at::Tensor *>(found_inf);
+    }
     at::_fused_sgd_(p, g, v, weight_decay, momentum, lr, /*dampening=*/0.0, /*nesterov=*/false,
-                    /*maximize=*/false, is_first_step);
+                    /*maximize=*/false, is_first_step, /*grad_scale=*/std::nullopt, skip);
     return 0;
   } catch (const std::exception &e) {
     write_error(error, error_length, e.what());
@@ -365,9 +372,10 @@ int hpc_unscale_and_check(void **tensors, int64_t count, void *found_inf, double
   }
 }
 
+// `found_inf` as in hpc_fused_sgd.
 int hpc_fused_adamw(void **params, void **grads, void **exp_avgs, void **exp_avg_sqs, int64_t count, double lr,
-                    double beta1, double beta2, double weight_decay, double eps, int64_t step, char *error,
-                    size_t error_length) {
+                    double beta1, double beta2, double weight_decay, double eps, int64_t step, void *found_inf,
+                    char *error, size_t error_length) {
   try {
     std::vector<at::Tensor> p, g, m, v;
     for (int64_t i = 0; i < count; ++i) {
@@ -386,8 +394,12 @@ int hpc_fused_adamw(void **params, void **grads, void **exp_avgs, void **exp_avg
     std::vector<at::Tensor> steps =
         at::full({count}, static_cast<double>(step), at::TensorOptions().dtype(at::kFloat).device(p[0].device()))
             .unbind(0);
+    std::optional<at::Tensor> skip;
+    if (found_inf != nullptr) {
+      skip = *static_cast<at::Tensor *>(found_inf);
+    }
     at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2, weight_decay, eps,
-                      /*amsgrad=*/false, /*maximize=*/false);
+                      /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, skip);
     return 0;
   } catch (const std::exception &e) {
     write_error(error, error_length, e.what());

@@ -31,7 +31,7 @@ use super::fsdp::{Done, Job, UnitWorker};
 use super::net::Normalizer;
 use super::progress::Timings;
 use super::run::Run;
-use super::step::{LoopState, StepDone};
+use super::step::{LoopState, StepDone, StepLoss};
 use super::step_faults::StepFaults;
 
 
@@ -211,7 +211,7 @@ impl Run<'_> {
             exchange_total: times.gather + times.reduce,
             exchange_exposed: comm,
         };
-        Ok(StepDone { timings, loss_sum, samples: n, epoch: batch.epoch })
+        Ok(StepDone { timings, loss: StepLoss::Read(loss_sum), samples: n, epoch: batch.epoch })
     }
 
     /// Test loss and accuracy, unit by unit per batch of the test set (every rank gathers every

@@ -127,16 +127,25 @@ impl Run<'_> {
         if let Some(pipeline) = &mut self.pipeline {
             pipeline.start_timeline(state.warmup);
         }
+        // The losses since the last progress line, and the last step's (the record's final
+        // loss); on one GPU rank read only where the loop needs them (step::DeferredChecks).
         let mut window = LossWindow::default();
-        // The last step's summed loss and samples on this worker: the record's final loss.
-        let mut last_loss = (f64::NAN, 0.0);
         for step in self.first_step..self.total_steps {
             if step == state.warmup {
                 out.rss_warmup = raw::current_rss_mb();
             }
+            let epoch_end = (step + 1) % self.steps_per_epoch == 0 || step + 1 == self.total_steps;
+            let report_due = state.progress.due(step) || epoch_end;
             let mark = state.profile.before_step(step)?;
             let started = Instant::now();
             let done = self.step(step, &mut state)?;
+            window.add(done.loss, done.samples);
+            // Deferred checks are read where the loop reports, evaluates or checkpoints, and at
+            // the end of the warm-up, inside the step's time: the measured steps then begin and
+            // end with the device idle, and their time is the device's.
+            if state.defers_checks() && (report_due || step + 1 == state.warmup || self.checkpoint_due(step + 1)) {
+                window.settle()?;
+            }
             let t = Timings { step: started.elapsed(), ..done.timings };
             drop(mark);
             state.profile.after_step(step)?;
@@ -144,13 +153,9 @@ impl Run<'_> {
             if step >= state.warmup {
                 out.measured.add(&t);
             }
-            window.sum += done.loss_sum;
-            window.samples += done.samples as f64;
-            last_loss = (done.loss_sum, done.samples as f64);
             out.last_step = step + 1;
 
-            let epoch_end = (step + 1) % self.steps_per_epoch == 0 || step + 1 == self.total_steps;
-            if state.progress.due(step) || epoch_end {
+            if report_due {
                 self.report_progress(step, done.epoch, &mut window, &out.totals, &state.progress);
             }
             if epoch_end && !self.args.no_eval && self.info.test.len > 0 {
@@ -180,12 +185,14 @@ impl Run<'_> {
                 break;
             }
         }
+        // A stop request may end the loop between reads.
+        window.settle()?;
         state.progress.finish();
         state.profile.finish()?;
         out.profile = state.profile.written();
         // The last step's mean loss over every worker's samples: the same figure whatever
         // --log-every is (the progress lines' means run over the steps since the last line).
-        let (sum, samples) = sum_pair(&self.workers_comm, last_loss.0, last_loss.1);
+        let (sum, samples) = sum_pair(&self.workers_comm, window.last.0, window.last.1);
         out.final_loss = sum / samples.max(1.0);
         Ok(out)
     }

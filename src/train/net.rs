@@ -270,7 +270,15 @@ impl Normalizer {
         self.images(&Tensor::f_from_slice(bytes)?, n)
     }
 
+    /// A batch's labels on the device. To a GPU from pinned memory without waiting: a copy from
+    /// pageable memory makes the host wait for the device (libtorch stages it), once per step.
+    /// The pinned block goes back to libtorch's cache once the copy is done (it records the
+    /// copy's stream), so the host allocates nothing after the first steps.
     pub(super) fn labels(&self, labels: &[i64]) -> Result<Tensor> {
-        Ok(Tensor::f_from_slice(labels)?.f_to_device(self.device)?)
+        let host = Tensor::f_from_slice(labels)?;
+        if !self.device.is_cuda() {
+            return Ok(host);
+        }
+        Ok(raw::pin_memory(&host)?.f_to_device_(self.device, Kind::Int64, true, false)?)
     }
 }

@@ -19,7 +19,7 @@ use super::collective::{average_over, sum_pair};
 use super::net::Normalizer;
 use super::progress::Timings;
 use super::run::Run;
-use super::step::{LoopState, StepDone};
+use super::step::{LoopState, StepDone, StepLoss};
 use super::step_faults::StepFaults;
 
 impl Run<'_> {
@@ -78,7 +78,7 @@ impl Run<'_> {
         }
         let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total: comm, exchange_exposed: comm };
         // The loss and its samples count once, on the stage that computes them.
-        Ok(StepDone { timings, loss_sum, samples: if last_stage { n } else { 0 }, epoch: batch.epoch })
+        Ok(StepDone { timings, loss: StepLoss::Read(loss_sum), samples: if last_stage { n } else { 0 }, epoch: batch.epoch })
     }
 
     /// Test loss and accuracy through the pipelines: each replica evaluates its share of the

@@ -127,8 +127,24 @@ impl Plan {
             let bound = cores < num_cpus_online();
             if bound { cores } else { (cores / world.local_size as usize).max(1) }
         };
+        warn_single_core_gpu_rank(device, world.rank);
         let cuda_aware = args.cuda_aware.resolve();
         Ok(Plan { device, threads, cuda_aware, workers, batch, pipeline })
+    }
+}
+
+/// A GPU rank bound to one core (Open MPI binds 1 or 2 ranks to a core each by default) shares
+/// it between the training thread, which launches the kernels, the loader thread and libtorch's
+/// autograd thread: the GPU then waits for the host (on the H200, 2026-11-26, every hpc-train
+/// run was so bound while PyTorch had 16 cores). Said by the rank itself, since ranks may be
+/// bound differently.
+fn warn_single_core_gpu_rank(device: Device, rank: i32) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if device.is_cuda() && cores == 1 && num_cpus_online() > 1 {
+        log::warn!(
+            "rank {rank} trains on a GPU but may run on 1 of this node's {} cores: its training, loader and autograd threads take turns on it and the GPU waits for them; launch with `mpirun --bind-to none` or give each rank several cores (`--map-by slot:PE=N`, Slurm's --cpus-per-task)",
+            num_cpus_online()
+        );
     }
 }
 

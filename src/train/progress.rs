@@ -9,6 +9,8 @@ use std::time::Duration;
 use crate::data::loader::Batch;
 use crate::error::{Result, WithPath};
 
+use super::step::{PendingLoss, StepLoss};
+
 /// Running sums of one rank's step timings.
 #[derive(Default, Clone, Copy)]
 pub(super) struct Timings {
@@ -44,11 +46,52 @@ impl Timings {
     }
 }
 
-/// Mean training loss over a window of steps.
-#[derive(Default)]
+/// Mean training loss over a window of steps, and the last step's loss.
 pub(super) struct LossWindow {
     pub(super) sum: f64,
     pub(super) samples: f64,
+    /// The last step's summed loss and samples on this worker.
+    pub(super) last: (f64, f64),
+    /// Steps whose loss is still on the device, with their samples (step::DeferredChecks).
+    pending: Vec<(PendingLoss, usize)>,
+}
+
+impl Default for LossWindow {
+    fn default() -> Self {
+        LossWindow { sum: 0.0, samples: 0.0, last: (f64::NAN, 0.0), pending: Vec::new() }
+    }
+}
+
+impl LossWindow {
+    pub(super) fn add(&mut self, loss: StepLoss, samples: usize) {
+        match loss {
+            StepLoss::Read(value) => {
+                self.sum += value;
+                self.samples += samples as f64;
+                self.last = (value, samples as f64);
+            }
+            StepLoss::OnDevice(pending) => self.pending.push((pending, samples)),
+        }
+    }
+
+    /// Reads the pending steps' losses (one wait for the device), or fails on the first step
+    /// whose loss or gradients were not finite.
+    pub(super) fn settle(&mut self) -> Result<()> {
+        let pending = std::mem::take(&mut self.pending);
+        let (steps, samples): (Vec<PendingLoss>, Vec<usize>) = pending.into_iter().unzip();
+        for (value, n) in PendingLoss::read_all(&steps)?.into_iter().zip(samples) {
+            self.sum += value;
+            self.samples += n as f64;
+            self.last = (value, n as f64);
+        }
+        Ok(())
+    }
+
+    /// Starts the next progress line's window (the pending steps stay: read before a line).
+    pub(super) fn restart(&mut self) {
+        self.sum = 0.0;
+        self.samples = 0.0;
+    }
 }
 
 /// One file per rank listing the samples it trained on: `epoch step index,index,...`.

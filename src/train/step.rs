@@ -40,6 +40,78 @@ pub(super) struct LoopState {
     pub(super) warmup: u64,
     pub(super) profile: StepProfile,
     scaler: Option<LossScaler>,
+    /// The one-rank GPU step's checks, left on the device ([`DeferredChecks`]); None elsewhere.
+    deferred: Option<DeferredChecks>,
+}
+
+/// On one GPU rank, what the step would read from the device every step, the loss and whether
+/// the gradients are finite, stays there until the loop reads it, at its progress lines, its
+/// evaluations, checkpoints, the end of the warm-up and of the run: one wait for the device
+/// there instead of four in every step (as a PyTorch loop that calls `loss.item()` only when
+/// it logs). The gradients' check is GradScaler's multi-tensor kernel into a flag that stays
+/// set once any step's gradients were not finite; the fused SGD and AdamW kernels read the flag
+/// on the device and change nothing under it, so that no weight takes a non-finite update while
+/// the host does not yet know, and the read names the first such step (issue 52).
+pub(super) struct DeferredChecks {
+    /// 1 once a step's gradients held a value that is not finite.
+    not_finite: Tensor,
+}
+
+impl DeferredChecks {
+    /// Where they apply: a GPU, one rank (the exchange is the identity, with nothing to wait
+    /// for), no fp16 loss scaler (which decides on the host whether to step).
+    fn for_run(run: &Run, fp16: bool) -> Result<Option<DeferredChecks>> {
+        let plain = run.pipeline.is_none() && run.fsdp.is_none() && run.tensor_parallel.is_none() && run.overlap.is_none();
+        // Test hook: the same path on a CPU rank, where a read costs no idle device, so that the
+        // CPU-only test suite checks it (tests/train.rs).
+        let cuda_or_test = run.plan.device.is_cuda() || std::env::var_os("HPC_TRAIN_TEST_DEFER_CHECKS").is_some();
+        if !cuda_or_test || !plain || fp16 || run.world.size != 1 || !exchange::strategy::all_reduce_is_identity(run.workers) {
+            return Ok(None);
+        }
+        Ok(Some(DeferredChecks { not_finite: Tensor::f_zeros([1], (Kind::Float, run.plan.device))? }))
+    }
+}
+
+/// A step's loss: read, or left on the device with its step's gradient flag ([`DeferredChecks`]).
+pub(super) enum StepLoss {
+    Read(f64),
+    OnDevice(PendingLoss),
+}
+
+/// A loss and gradient flag not read yet, and the step they belong to.
+pub(super) struct PendingLoss {
+    /// The rank's summed loss (a 0-dim float tensor).
+    loss: Tensor,
+    /// The gradients' flag as it stood after this step (1: not finite at this step or before).
+    not_finite: Tensor,
+    /// Test hook (`nan` fault): the loss reads as NaN.
+    injected_nan: bool,
+    step: u64,
+    epoch: u64,
+}
+
+impl PendingLoss {
+    /// Reads every pending step's loss and flag in one transfer and returns the losses, or the
+    /// error of the first step whose loss or gradients were not finite.
+    pub(super) fn read_all(pending: &[PendingLoss]) -> Result<Vec<f64>> {
+        if pending.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<Tensor> = pending.iter().map(|p| Tensor::f_cat(&[p.loss.f_view([1])?, p.not_finite.shallow_clone()], 0)).collect::<std::result::Result<_, _>>()?;
+        let values = Vec::<f32>::try_from(Tensor::f_stack(&rows, 0)?.f_to_device(tch::Device::Cpu)?.f_view([-1])?)?;
+        let mut losses = Vec::with_capacity(pending.len());
+        for (p, pair) in pending.iter().zip(values.chunks(2)) {
+            let loss = if p.injected_nan { f64::NAN } else { f64::from(pair[0]) };
+            if !loss.is_finite() {
+                return Err(Error::NonFinite { what: "loss", step: p.step, epoch: p.epoch });
+            }
+            if pair[1] != 0.0 {
+                return Err(Error::NonFinite { what: "gradient", step: p.step, epoch: p.epoch });
+            }
+            losses.push(loss);
+        }
+        Ok(losses)
+    }
 }
 
 impl LoopState {
@@ -58,7 +130,13 @@ impl LoopState {
             warmup,
             profile: StepProfile::new(args.profile_dir.as_deref(), run.world.rank, warmup, args.profile_steps, total, run.plan.device.is_cuda()),
             scaler: (args.precision == Precision::Fp16).then(|| LossScaler { scale: args.loss_scale, ..LossScaler::default() }),
+            deferred: DeferredChecks::for_run(run, args.precision == Precision::Fp16)?,
         })
+    }
+
+    /// Whether the step's loss and checks stay on the device until the loop reads them.
+    pub(super) fn defers_checks(&self) -> bool {
+        self.deferred.is_some()
     }
 }
 
@@ -91,13 +169,13 @@ struct Exchanged {
     comm: Duration,
     exchange_total: Duration,
     exchange_exposed: Duration,
-    loss_sum: f64,
+    loss: StepLoss,
 }
 
 /// One step's figures (its total time is the caller's to measure).
 pub(super) struct StepDone {
     pub(super) timings: Timings,
-    pub(super) loss_sum: f64,
+    pub(super) loss: StepLoss,
     pub(super) samples: usize,
     pub(super) epoch: u64,
 }
@@ -140,8 +218,9 @@ impl Run<'_> {
         // Backward and the exchange. With the fp16 loss scaler the optimizer steps after the
         // exchange, once the averaged gradients (the same on every rank) are known to be finite.
         let optimize_in_exchange = state.scaler.is_none();
-        let Exchanged { compute, comm, exchange_total, exchange_exposed, loss_sum } =
-            self.backward_and_exchange(losses, &mut grads, compute_start, step, batch.epoch, optimize_in_exchange)?;
+        let deferred = state.deferred.as_ref().map(|d| &d.not_finite);
+        let Exchanged { compute, comm, exchange_total, exchange_exposed, loss } =
+            self.backward_and_exchange(losses, &mut grads, compute_start, step, batch.epoch, optimize_in_exchange, deferred)?;
         if let Some(scaler) = &mut state.scaler {
             if faults.inf_gradient() {
                 inject_inf(&grads)?;
@@ -162,7 +241,7 @@ impl Run<'_> {
             tp.note_step(&before, step >= state.warmup);
         }
         let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total, exchange_exposed };
-        Ok(StepDone { timings, loss_sum, samples: n, epoch: batch.epoch })
+        Ok(StepDone { timings, loss, samples: n, epoch: batch.epoch })
     }
 
     /// What every step starts with: the watchdog and the optimizer told the step, and the
@@ -194,7 +273,10 @@ impl Run<'_> {
     /// The loss is read (and checked) once backward has run, where the host waits for the
     /// device anyway: read after forward, it made the GPU idle between forward and backward.
     /// The gradients' finiteness is checked before the exchange without overlap, and gathered
-    /// on the device during an overlapped step and read once at its end.
+    /// on the device during an overlapped step and read once at its end. Given `deferred` (the
+    /// flag of [`DeferredChecks`]), neither is read: the check sets the flag, the optimizer
+    /// skips under it, and the loop reads both later.
+    #[allow(clippy::too_many_arguments)]
     fn backward_and_exchange(
         &mut self,
         losses: Option<Losses>,
@@ -203,6 +285,7 @@ impl Run<'_> {
         step: u64,
         epoch: u64,
         optimize: bool,
+        deferred: Option<&Tensor>,
     ) -> Result<Exchanged> {
         let device = self.plan.device;
         if let (Some(overlap), Some(losses)) = (&mut self.overlap, losses.as_ref()) {
@@ -213,10 +296,13 @@ impl Run<'_> {
             if !finite.all_finite()? {
                 return Err(Error::NonFinite { what: "gradient", step, epoch });
             }
-            return Ok(Exchanged { compute: forward + times.backward, comm: times.exposed, exchange_total: times.exchange, exchange_exposed: times.exposed, loss_sum });
+            return Ok(Exchanged { compute: forward + times.backward, comm: times.exposed, exchange_total: times.exchange, exchange_exposed: times.exposed, loss: StepLoss::Read(loss_sum) });
         }
         if let Some(losses) = &losses {
             losses.scaled.f_backward()?;
+        }
+        if let (Some(flag), true) = (deferred, optimize) {
+            return self.optimize_unread(losses, grads, flag, compute_start);
         }
         let loss_sum = losses.as_ref().map_or(Ok(0.0), Losses::read)?;
         // Backward made the gradients that were let go (ZeRO stage 2) anew.
@@ -238,13 +324,34 @@ impl Run<'_> {
         }
         exchange::staging::synchronize_device(device);
         let comm = comm_start.elapsed();
-        Ok(Exchanged { compute, comm, exchange_total: comm, exchange_exposed: comm, loss_sum })
+        Ok(Exchanged { compute, comm, exchange_total: comm, exchange_exposed: comm, loss: StepLoss::Read(loss_sum) })
+    }
+
+    /// After backward on one GPU rank ([`DeferredChecks`]): the gradients' check into `flag`,
+    /// the update under it, nothing read and no wait for the device. The times are the host's:
+    /// compute ends when backward's kernels are queued, and the device's time shows where the
+    /// host next waits (the loop's reads).
+    fn optimize_unread(&mut self, losses: Option<Losses>, grads: &mut Vec<Tensor>, flag: &Tensor, compute_start: Instant) -> Result<Exchanged> {
+        *grads = self.net.grads();
+        optim::flag_not_finite(grads, flag)?;
+        let compute = compute_start.elapsed();
+        let comm_start = Instant::now();
+        self.optimizer.skip_if(Some(flag.shallow_clone()));
+        let updated = self.exchange.update(&mut self.net.params, grads, &mut self.optimizer);
+        self.optimizer.skip_if(None);
+        updated?;
+        let comm = comm_start.elapsed();
+        let loss = match losses {
+            Some(l) => StepLoss::OnDevice(PendingLoss { loss: l.loss, not_finite: flag.f_detach_copy()?, injected_nan: l.injected_nan, step: l.step, epoch: l.epoch }),
+            None => StepLoss::Read(0.0),
+        };
+        Ok(Exchanged { compute, comm, exchange_total: comm, exchange_exposed: comm, loss })
     }
 
     /// The mean training loss since the last report, over all workers; logged by rank 0.
     pub(super) fn report_progress(&self, step: u64, epoch: u64, window: &mut LossWindow, totals: &Timings, progress: &Progress) {
         let (loss, samples) = sum_pair(&self.workers_comm, window.sum, window.samples);
-        *window = LossWindow::default();
+        window.restart();
         progress.report(step, epoch, loss / samples.max(1.0), totals);
     }
 
