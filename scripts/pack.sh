@@ -7,6 +7,10 @@
 # the GPU machines (/opt/torch/.venv/.../torch/lib) and a `lib/` folder beside it, where another
 # libtorch 2.11.0 can be put. On the target:
 #   source OUT/env.sh && mpirun -n 2 hpc-train --device cuda --allow-gpu-sharing ...
+# Where scripts/build-cuda-mpi.sh has built a CUDA-aware Open MPI 4.1.4 (in
+# ${HPC_TRAIN_CACHE:-$HOME/.cache/hpc-train}/openmpi-4.1.4-cuda, or the install that
+# --cuda-mpi DIR names), it travels too, as OUT/openmpi-cuda, with OUT/env-cuda.sh to select it:
+#   source OUT/env-cuda.sh && mpirun --mca pml ob1 --mca btl smcuda,vader,self -n 2 hpc-train ...
 # --tests NAME,...: also the test binaries of tests/NAME.rs, as OUT/tests/NAME; run them with
 # HPC_TRAIN_TEST_BINARY=OUT/bin/hpc-train and HPC_TRAIN_TEST_ROOT=<a checkout> (tests/common).
 # The binaries lose their debug information (124 MB -> 9 MB), so that the bundle travels light.
@@ -14,8 +18,19 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$HPC_TRAIN_ROOT"
 tests=""
-if [ "${1:-}" = --tests ]; then tests=$2; shift 2; fi
+cuda_mpi=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --tests) tests=$2; shift 2 ;;
+        --cuda-mpi) cuda_mpi=$2; shift 2
+            [ -x "$cuda_mpi/bin/ompi_info" ] || { echo "pack.sh: --cuda-mpi $cuda_mpi: no Open MPI installed there" >&2; exit 1; } ;;
+        *) break ;;
+    esac
+done
 out=${1:-dist/hpc-train}
+# The install of scripts/build-cuda-mpi.sh, once complete.
+default_cuda_mpi=${HPC_TRAIN_CACHE:-$HOME/.cache/hpc-train}/openmpi-4.1.4-cuda
+if [ -z "$cuda_mpi" ] && [ -f "$default_cuda_mpi/.complete" ]; then cuda_mpi=$default_cuda_mpi; fi
 [ -x "$HPC_TRAIN_BIN" ] || { echo "build first: scripts/setup.sh --no-run" >&2; exit 1; }
 
 rm -rf "$out"
@@ -95,5 +110,44 @@ export LD_LIBRARY_PATH="$HPC_TRAIN_BUNDLE/lib:$HPC_TRAIN_BUNDLE/usr/lib/x86_64-l
 # Root on a test machine; harmless otherwise.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 ENV
+
+# The CUDA-aware Open MPI, a tree of its own beside usr/ (it has the same libmpi.so.40, so the
+# two cannot share lib/): launcher, libraries and plugins stripped, help files and MCA defaults;
+# no headers, wrapper compilers or static archives. env-cuda.sh puts it before everything else.
+if [ -n "$cuda_mpi" ]; then
+    cuda_out=$out/openmpi-cuda
+    mkdir -p "$cuda_out/bin" "$cuda_out/lib" "$cuda_out/share"
+    for tool in orterun orted ompi_info; do
+        cp -L "$cuda_mpi/bin/$tool" "$cuda_out/bin/"
+    done
+    ln -sf orterun "$cuda_out/bin/mpirun"
+    ln -sf orterun "$cuda_out/bin/mpiexec"
+    (cd "$cuda_mpi/lib" && find . \( -name '*.so' -o -name '*.so.*' \) \( -type f -o -type l \) -print0 \
+        | tar --null -T - -cf -) | tar -C "$cuda_out/lib" -xf -
+    cp -a "$cuda_mpi/share/openmpi" "$cuda_out/share/"
+    cp -a "$cuda_mpi/etc" "$cuda_out/etc"
+    find "$cuda_out/bin" "$cuda_out/lib" -type f -exec strip --strip-unneeded {} +
+    # Its dependencies that lib/ lacks (hwloc, libevent and PMIx are the same as Debian's).
+    while IFS= read -r object; do
+        LD_LIBRARY_PATH="$cuda_out/lib" ldd "$object" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
+    done < <(find "$cuda_out/bin" "$cuda_out/lib" -type f) | sort -u | while read -r name path; do
+        [[ "$name" =~ $skip ]] && continue
+        [ -e "$cuda_out/lib/$name" ] || [ -e "$out/lib/$name" ] || cp -L "$path" "$out/lib/$name"
+    done
+    cat > "$out/env-cuda.sh" <<'ENV'
+# Source this file instead of env.sh to use the bundle with its CUDA-aware Open MPI (built by
+# scripts/build-cuda-mpi.sh; it loads libcuda at run time): its mpirun first on PATH and its
+# libmpi.so.40 first on LD_LIBRARY_PATH, ahead of the plain Open MPI in lib/.
+HPC_TRAIN_BUNDLE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export OPAL_PREFIX="$HPC_TRAIN_BUNDLE/openmpi-cuda"
+export PATH="$HPC_TRAIN_BUNDLE/bin:$HPC_TRAIN_BUNDLE/openmpi-cuda/bin:$PATH"
+export LD_LIBRARY_PATH="$HPC_TRAIN_BUNDLE/openmpi-cuda/lib:$HPC_TRAIN_BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# Root on a test machine; harmless otherwise.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+ENV
+else
+    echo "pack.sh: the bundle has no CUDA-aware MPI (run scripts/build-cuda-mpi.sh)"
+fi
+
 tar -C "$(dirname "$out")" -czf "$out.tar.gz" "$(basename "$out")"
 echo "packed $(du -sh "$out" | cut -f1) into $out (and $out.tar.gz)"
