@@ -168,6 +168,7 @@ if ! command -v ip > /dev/null || ! command -v tc > /dev/null; then
 fi
 B="$bundle/bin/hpc-train"
 { echo "## hpc-train"; "$B" --version 2>&1; echo "bundled Open MPI: $(ompi_info --parsable --all 2>/dev/null | grep -E 'ompi:version:full|built_with_cuda_support' | tr '\n' ' ')"; } >> "$out/environment.txt" 2>&1
+[ -f "$bundle/env-cuda.sh" ] && echo "bundled CUDA-aware Open MPI (env-cuda.sh): $(bash -c 'source "$0" && ompi_info --parsable --all 2>/dev/null' "$bundle/env-cuda.sh" | grep -E 'ompi:version:full|built_with_cuda_support' | tr '\n' ' ')" >> "$out/environment.txt" 2>&1
 cat "$out/environment.txt"
 data="$out/data"
 mkdir -p "$data"
