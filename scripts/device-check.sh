@@ -167,8 +167,8 @@ if ! command -v ip > /dev/null || ! command -v tc > /dev/null; then
       ip link add hpcprobebr type bridge && echo "bridge: works" && ip link del hpcprobebr; } >> "$out/environment.txt" 2>&1
 fi
 B="$bundle/bin/hpc-train"
-{ echo "## hpc-train"; "$B" --version 2>&1; echo "bundled Open MPI: $(ompi_info --parsable --all 2>/dev/null | grep -E 'ompi:version:full|built_with_cuda_support' | tr '\n' ' ')"; } >> "$out/environment.txt" 2>&1
-[ -f "$bundle/env-cuda.sh" ] && echo "bundled CUDA-aware Open MPI (env-cuda.sh): $(bash -c 'source "$0" && ompi_info --parsable --all 2>/dev/null' "$bundle/env-cuda.sh" | grep -E 'ompi:version:full|built_with_cuda_support' | tr '\n' ' ')" >> "$out/environment.txt" 2>&1
+{ echo "## hpc-train"; "$B" --version 2>&1; echo "bundled Open MPI: $(ompi_info --parsable --all 2>/dev/null | grep -E 'ompi:version:full|built_with_cuda_support:value' | tr '\n' ' ')"; } >> "$out/environment.txt" 2>&1
+[ -f "$bundle/env-cuda.sh" ] && echo "bundled CUDA-aware Open MPI (env-cuda.sh): $(bash -c 'source "$0" && ompi_info --parsable --all 2>/dev/null' "$bundle/env-cuda.sh" | grep -E 'ompi:version:full|built_with_cuda_support:value' | tr '\n' ' ')" >> "$out/environment.txt" 2>&1
 cat "$out/environment.txt"
 data="$out/data"
 mkdir -p "$data"
@@ -235,7 +235,7 @@ gpu_part() {
     study_suffix=-bind-core single "single-hpc-train-$bf16-cl-$largest-bind-core" "$bf16-cl" "$largest" --bind-to core
     # 4. tests/gpu.rs against the CPU, its tests side by side (they share the GPU).
     # shellcheck disable=SC2086 # GPU_TESTS: test names (filters) for the test binary, or none
-    step gpu-tests 120 env HPC_TRAIN_TEST_BINARY="$B" HPC_TRAIN_TEST_ROOT="$root" "$bundle/tests/gpu" --test-threads 8 ${GPU_TESTS:-}
+    step gpu-tests 190 env HPC_TRAIN_TEST_BINARY="$B" HPC_TRAIN_TEST_ROOT="$root" "$bundle/tests/gpu" --test-threads 8 ${GPU_TESTS:-}
     # 5. Two ranks sharing the GPU, the exchange alone: staged, then CUDA-aware where the bundle
     #    has that MPI (CUDA IPC between the two ranks through the smcuda transport).
     local cuda_mpi=() direct=()

@@ -167,8 +167,14 @@ def bench_table(bench, title, note):
 
 
 def shared_gpu(d):
-    out = bench_table(rows(os.path.join(d, "shared", "bench.jsonl")), "## Two ranks sharing the GPU: the exchange alone (hpc-train bench --device cuda)",
-                      "{ranks} ranks, one tensor, median time per all-reduce; the staged path unless MPI is CUDA-aware.")
+    out = []
+    bench = rows(os.path.join(d, "shared", "bench.jsonl"))
+    # One table per data path (the rows say it since 2026-11-27; older rows make one table).
+    for path in sorted({r.get("data_path") for r in bench}, key=lambda p: (p is None, p != "staged", p or "")):
+        chosen = [r for r in bench if r.get("data_path") == path]
+        what = {"staged": "staged through pinned host memory", "direct": "direct: device buffers to the CUDA-aware Open MPI (CUDA IPC)"}.get(path, "the staged path unless MPI is CUDA-aware")
+        out += bench_table(chosen, f"## Two ranks sharing the GPU: the exchange alone (hpc-train bench --device cuda), {path or 'as run'}",
+                           "{ranks} ranks, one tensor, median time per all-reduce; " + what + ".")
     runs = rows(os.path.join(d, "shared", "runs.jsonl"))
     if runs:
         body = []
@@ -176,12 +182,15 @@ def shared_gpu(d):
             extra = r.get("extra", {})
             copy = extra.get("staging_copy_ms")
             total = r["steps"] * r["step_ms"] if r.get("step_ms") else None
-            body.append([r["strategy"], "on" if extra.get("overlap") else "off", r.get("data_path", "-"), fmt(r["images_per_sec"]), fmt(r["step_ms"]),
-                         fmt(r.get("comm_ms")), fmt(copy / r["steps"] if copy is not None else None), fmt(100 * copy / total if copy is not None and total else None)])
-        out += ["## Two ranks sharing the GPU: ResNet-50 steps (bf16, channels-last, 3x224x224)", "",
+            hidden = extra.get("fsdp_gather_hidden")
+            body.append([r["strategy"] + (f" + zero {extra['zero']}" if extra.get("zero") else ""), "on" if extra.get("overlap") else "off", r.get("data_path", "-"),
+                         fmt(r["images_per_sec"]), fmt(r["step_ms"]), fmt(r.get("comm_ms")), fmt(copy / r["steps"] if copy is not None else None),
+                         fmt(100 * copy / total if copy is not None and total else None), fmt(100 * hidden if hidden is not None else None)])
+        out += ["## Two ranks sharing the GPU: ResNet-50 steps (bf16, 3x224x224; channels-last but for ZeRO 3)", "",
                 "Per-rank batch as in steps.tsv's command (logs/); `comm ms` is the exchange per measured step; the copy share is the staged path's "
-                "copy waits over every step of the run against the run's step time.", "",
-                table(["strategy", "overlap", "data path", "img/s", "ms/step", "comm ms", "staging copies ms/step", "copy share %"], body), ""]
+                "copy waits over every step of the run against the run's step time; `gathers hidden %` is ZeRO 3's share of its gathers' time "
+                "that the compute thread did not wait for, as the host saw it.", "",
+                table(["strategy", "overlap", "data path", "img/s", "ms/step", "comm ms", "staging copies ms/step", "copy share %", "gathers hidden %"], body), ""]
     ddp = rows(os.path.join(d, "shared", "pytorch-ddp.jsonl"))
     if ddp:
         body = [[r["implementation"], r["ranks"], r["batch"], r["precision"] + ("-cl" if r["channels_last"] else ""), fmt(r["images_per_sec"]), fmt(r["step_ms"])] for r in ddp]

@@ -205,6 +205,7 @@ def main():
     generator = torch.Generator().manual_seed(args.seed)
     images = torch.randint(0, 256, [args.images, *shape], dtype=torch.uint8, generator=generator)
     labels = torch.randint(0, args.classes, [args.images], dtype=torch.int64, generator=generator)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for precision, channels_last, batch in parse_configs(args.configs):
         if args.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()

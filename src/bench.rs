@@ -275,6 +275,11 @@ struct BenchRow {
     /// How the ring moved its chunks (ring and auto rows): "shared-memory" or "mpi".
     #[serde(skip_serializing_if = "Option::is_none")]
     ring_transport: Option<String>,
+    /// Where the strategy's bytes went between the device and MPI: "host" (a CPU rank),
+    /// "staged" (GPU buffers through pinned host copies) or "direct" (GPU buffers handed to a
+    /// CUDA-aware MPI), as runs.jsonl says it; absent where the strategy does not say.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data_path: Option<String>,
     /// Horovod-style rows: whether the all-reduce was hierarchical (node, nodes, node).
     #[serde(skip_serializing_if = "Option::is_none")]
     hierarchical: Option<bool>,
@@ -513,6 +518,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
                 transport_gbs: bound.map(|b| b.transport_gbs),
                 link_mbit: args.link_mbit,
                 ring_transport: sample.ring_transport.clone(),
+                data_path: sample.data_path.clone(),
                 hierarchical: sample.hierarchical,
             };
             results::append_json_line(&args.results.join(BENCH_FILE), &row)?;
@@ -559,6 +565,7 @@ struct SizeSample {
     tensors: usize,
     bus_factor: f64,
     ring_transport: Option<String>,
+    data_path: Option<String>,
     hierarchical: Option<bool>,
 }
 
@@ -570,6 +577,7 @@ impl SizeSample {
         self.tensors = round.tensors;
         self.bus_factor = round.bus_factor;
         self.ring_transport = round.ring_transport;
+        self.data_path = round.data_path;
         self.hierarchical = round.hierarchical;
     }
 }
@@ -641,10 +649,11 @@ fn measure_strategy(
         };
         let mut wrong = 0u64;
         crate::watchdog::collective("counting wrong elements", &world.comm, || world.comm.all_reduce_into(&wrong_local, &mut wrong, SystemOperation::sum()));
-        let extra = exchange.report().extra;
-        let ring_transport = extra.get("ring_transport").and_then(|v| v.as_str()).map(String::from);
-        let hierarchical = extra.get("hierarchical").and_then(|v| v.as_bool());
-        samples.push(SizeSample { times, wrong, tensors: sizes.len(), bus_factor: exchange.bus_factor(), ring_transport, hierarchical });
+        let report = exchange.report();
+        let ring_transport = report.extra.get("ring_transport").and_then(|v| v.as_str()).map(String::from);
+        let hierarchical = report.extra.get("hierarchical").and_then(|v| v.as_bool());
+        let data_path = report.data_path.map(|p| format!("{p:?}").to_lowercase());
+        samples.push(SizeSample { times, wrong, tensors: sizes.len(), bus_factor: exchange.bus_factor(), ring_transport, data_path, hierarchical });
     }
     exchange.finish(&mut [])?;
     Ok(samples)

@@ -804,3 +804,46 @@ fn an_error_inside_a_pipeline_schedule_ends_the_job() {
         assert!(out.contains(&format!("rank {rank} of {ranks}: libtorch: Internal torch error: the forward failed at step 1 (injected by HPC_TRAIN_FAULT)")), "{fault}: {out}");
     }
 }
+
+/// One GPU rank leaves its loss and its gradients' finiteness on the device until the loop
+/// reads them (train/step.rs, DeferredChecks); the test hook takes the same path on a CPU rank.
+/// Read late, the checks give the weights, final loss and errors of reading every step: a
+/// non-finite loss or gradient ends the run naming its step, and no checkpoint is written after
+/// it (the read comes before each checkpoint).
+#[test]
+fn checks_read_late_give_the_same_weights_and_errors_as_every_step() {
+    if covered_by_the_first_mpi("the deferred checks of one rank") {
+        return;
+    }
+    let dir = scratch("deferred-checks");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let defer = [("HPC_TRAIN_TEST_DEFER_CHECKS", "1")];
+    let weights = |name: &str, env: &[(&str, &str)]| {
+        let path = dir.join(format!("{name}.safetensors"));
+        let mut args = base(&d, &r, &["--optimizer", "adamw", "--lr", "0.01"]);
+        args.extend(["--steps", "10", "--save-weights", path.to_str().unwrap(), "--study-tag", name]);
+        mpirun_env(1, &args, env, Duration::from_secs(120)).expect_ok();
+        path
+    };
+    let (every, late) = (weights("every-step", &[]), weights("late", &defer));
+    assert_eq!(max_relative_difference(&every, &late), 0.0, "the same kernels in the same order");
+    let losses: Vec<f64> = read_runs(&dir).iter().map(|row| row["final_loss"].as_f64().unwrap()).collect();
+    assert!(losses.len() == 2 && losses[0] == losses[1] && losses[0].is_finite(), "final losses {losses:?}");
+
+    for (fault, what) in [("nan@0:5", "non-finite loss at step 5"), ("nangrad@0:5", "non-finite gradient at step 5")] {
+        let mut outcomes = Vec::new();
+        for (name, env) in [("every", vec![("HPC_TRAIN_FAULT", fault)]), ("late", vec![("HPC_TRAIN_FAULT", fault), defer[0]])] {
+            let checkpoints = dir.join(format!("ckpt-{name}-{}", &fault[..3]));
+            let mut args = base(&d, &r, &[]);
+            args.extend(["--steps", "12", "--checkpoint-dir", checkpoints.to_str().unwrap(), "--checkpoint-every", "3"]);
+            let run = mpirun_env(1, &args, &env, Duration::from_secs(120));
+            let out = run.all_output();
+            assert!(!run.timed_out && !run.ok(), "{fault} {name}: {out}");
+            assert_eq!(out.matches(what).count(), 1, "{fault} {name}: {out}");
+            outcomes.push(checkpoint_steps(&checkpoints));
+        }
+        assert_eq!(outcomes[0], vec![3], "{fault}: checkpoints before the fault only");
+        assert_eq!(outcomes[0], outcomes[1], "{fault}: the same checkpoints");
+    }
+}

@@ -318,9 +318,11 @@ impl RingAllreduce {
         self.ring.shared.is_some()
     }
 
-    /// The same, as runs.jsonl and bench.jsonl say it.
+    /// How the ring's chunks travel, as runs.jsonl and bench.jsonl say it: GPU buffers handed
+    /// to a CUDA-aware MPI go as MPI messages whatever the node shares (the shared window holds
+    /// host buffers: the staged path's and a CPU rank's).
     pub fn transport(&self) -> &'static str {
-        if self.in_shared_memory() { "shared-memory" } else { "mpi" }
+        if self.in_shared_memory() && self.path != DataPath::Direct { "shared-memory" } else { "mpi" }
     }
 }
 

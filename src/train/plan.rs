@@ -129,6 +129,15 @@ impl Plan {
         };
         warn_single_core_gpu_rank(device, world.rank);
         let cuda_aware = args.cuda_aware.resolve();
+        if device.is_cuda() && world.is_root() {
+            // Which path the GPU's bytes take to MPI, said once at start-up: the record says it
+            // again at the end, but a run that hangs or fails in its first exchange never gets there.
+            log::info!(
+                "GPU buffers go to MPI {} (--cuda-aware {})",
+                if cuda_aware { "directly (CUDA-aware MPI)" } else { "staged through pinned host memory (MPI not CUDA-aware)" },
+                format!("{:?}", args.cuda_aware).to_lowercase()
+            );
+        }
         Ok(Plan { device, threads, cuda_aware, workers, batch, pipeline })
     }
 }
