@@ -156,13 +156,21 @@ fn launch_mismatch(launched: &[(&str, &str, i32)], world_size: i32, built: Famil
 
 /// Whether the MPI library reads GPU memory, as far as it says: MPICH 4's
 /// `MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)`, else `MPIX_Query_cuda_support` (Open MPI,
-/// MPICH), else MVAPICH2's own switch `MV2_USE_CUDA=1`. A library that answers none of them
-/// gets GPU buffers staged through host memory, and rank 0 logs so.
+/// MPICH) checked against Open MPI's run-time switch (below), else MVAPICH2's own switch
+/// `MV2_USE_CUDA=1`. A library that answers none of them gets GPU buffers staged through host
+/// memory, and rank 0 logs so.
+///
+/// Open MPI 4.1's `MPIX_Query_cuda_support()` returns a constant of its build: 1 also in a run
+/// where it turned its CUDA support off (libcuda not found, `--mca mpi_cuda_support 0`), and a
+/// GPU rank that believed it would hand device pointers to an MPI that reads them as host
+/// memory. Its control variable `mpi_cuda_support` says the run's state (seen on the
+/// development VM, 2026-11-27: the bundle's CUDA-aware build answers 1 and the variable 0).
 pub fn cuda_aware() -> bool {
     let library = runtime_library();
     let answer = decide_cuda(
         crate::raw::mpix_gpu_query_support_cuda(),
         crate::raw::mpi_cuda_support(),
+        crate::raw::int_control_variable("mpi_cuda_support").map(|v| v != 0),
         &library,
         std::env::var("MV2_USE_CUDA").ok().as_deref(),
     );
@@ -187,11 +195,20 @@ enum CudaAnswer {
     Unknown,
 }
 
-fn decide_cuda(gpu_query: Option<bool>, cuda_query: Option<bool>, library: &str, mv2_use_cuda: Option<&str>) -> CudaAnswer {
+/// `switched_on`: Open MPI's run-time control variable `mpi_cuda_support`, where the library has it.
+fn decide_cuda(gpu_query: Option<bool>, cuda_query: Option<bool>, switched_on: Option<bool>, library: &str, mv2_use_cuda: Option<&str>) -> CudaAnswer {
     if let Some(aware) = gpu_query {
         return CudaAnswer::Known { aware, how: format!("MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) = {}", u8::from(aware)) };
     }
     if let Some(aware) = cuda_query {
+        if aware && switched_on == Some(false) {
+            return CudaAnswer::Known {
+                aware: false,
+                how: "MPIX_Query_cuda_support() = 1 (built with CUDA support), but its control variable mpi_cuda_support = 0: \
+                      it turned the support off in this run (libcuda not loaded, or --mca mpi_cuda_support 0)"
+                    .into(),
+            };
+        }
         return CudaAnswer::Known { aware, how: format!("MPIX_Query_cuda_support() = {}", u8::from(aware)) };
     }
     if library.contains("MVAPICH") {
@@ -263,12 +280,18 @@ mod tests {
     fn cuda_awareness_is_asked_in_order_and_unknown_means_staged() {
         let known = |aware: bool, how: &str| CudaAnswer::Known { aware, how: how.into() };
         // MPICH 4: the GPU query answers first.
-        assert_eq!(decide_cuda(Some(false), Some(true), "MPICH Version: 4.0.2", None), known(false, "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) = 0"));
-        // Open MPI: only MPIX_Query_cuda_support.
-        assert_eq!(decide_cuda(None, Some(true), "Open MPI v5.0.3", None), known(true, "MPIX_Query_cuda_support() = 1"));
+        assert_eq!(decide_cuda(Some(false), Some(true), None, "MPICH Version: 4.0.2", None), known(false, "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) = 0"));
+        // Open MPI: MPIX_Query_cuda_support, unless its run-time switch is off.
+        assert_eq!(decide_cuda(None, Some(true), None, "Open MPI v5.0.3", None), known(true, "MPIX_Query_cuda_support() = 1"));
+        assert_eq!(decide_cuda(None, Some(true), Some(true), "Open MPI v4.1.4", None), known(true, "MPIX_Query_cuda_support() = 1"));
+        match decide_cuda(None, Some(true), Some(false), "Open MPI v4.1.4", None) {
+            CudaAnswer::Known { aware: false, how } => assert!(how.contains("mpi_cuda_support = 0"), "{how}"),
+            other => panic!("a build with CUDA support that turned it off is not CUDA-aware: {other:?}"),
+        }
+        assert_eq!(decide_cuda(None, Some(false), Some(true), "Open MPI v4.1.4", None), known(false, "MPIX_Query_cuda_support() = 0"));
         // MVAPICH2(-GDR): its switch.
-        assert_eq!(decide_cuda(None, None, "MVAPICH2 Version : 2.3.7", Some("1")), known(true, "MV2_USE_CUDA=1"));
-        assert_eq!(decide_cuda(None, None, "MVAPICH2 Version : 2.3.7", None), known(false, "MV2_USE_CUDA=(unset)"));
-        assert_eq!(decide_cuda(None, None, "Some MPI 1.0", Some("1")), CudaAnswer::Unknown);
+        assert_eq!(decide_cuda(None, None, None, "MVAPICH2 Version : 2.3.7", Some("1")), known(true, "MV2_USE_CUDA=1"));
+        assert_eq!(decide_cuda(None, None, None, "MVAPICH2 Version : 2.3.7", None), known(false, "MV2_USE_CUDA=(unset)"));
+        assert_eq!(decide_cuda(None, None, None, "Some MPI 1.0", Some("1")), CudaAnswer::Unknown);
     }
 }

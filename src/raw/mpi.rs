@@ -46,6 +46,22 @@ pub fn mpi_cuda_support() -> Option<bool> {
     Some(query() == 1)
 }
 
+extern "C" {
+    /// From src/shim/mpi_shim.c: an integer control variable of the MPI tool interface.
+    fn hpc_train_int_cvar(name: *const std::ffi::c_char, value: *mut c_int) -> c_int;
+}
+
+/// The value of the integer (or boolean) control variable `name` of the MPI tool interface
+/// (MPI_T), read after MPI_Init; None where the library has no such variable or the read fails.
+pub fn int_control_variable(name: &str) -> Option<i64> {
+    let name = CString::new(name).ok()?;
+    let mut value: c_int = 0;
+    // SAFETY: `name` is a NUL-terminated string alive for the call, `value` a live int the shim
+    // writes only when it returns 0; the shim opens and closes the tool interface itself.
+    let status = unsafe { hpc_train_int_cvar(name.as_ptr(), &mut value) };
+    (status == 0).then_some(i64::from(value))
+}
+
 /// What MPICH's `MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)` says, where the MPI
 /// library has it (MPICH 4.0 and later, and libraries built on them). `None` when the library
 /// does not export the function or the call fails.
