@@ -14,11 +14,15 @@ void *hpc_train_mpi_in_place(void) { return MPI_IN_PLACE; }
  * CUDA build and cleared during MPI_Init when libcuda cannot be loaded or by --mca
  * mpi_cuda_support 0. Open MPI types its booleans MPI_C_BOOL (one byte). */
 int hpc_train_int_cvar(const char *name, int *value) {
-    int provided, index, count, status = -1;
+    int level, provided, index, count, status = -1;
     MPI_Datatype datatype;
     MPI_T_cvar_handle handle;
     union { int as_int; _Bool as_bool; unsigned char bytes[16]; } read;
-    if (MPI_T_init_thread(MPI_THREAD_SINGLE, &provided) != MPI_SUCCESS) return -1;
+    /* At the thread level MPI_Init gave: Open MPI 4.1's MPI_T_init_thread sets the library's
+     * thread level to the one it is asked for, and MPI_Query_thread then answers that (asked
+     * for MPI_THREAD_SINGLE, a run initialised with MPI_THREAD_MULTIPLE read Single after). */
+    if (MPI_Query_thread(&level) != MPI_SUCCESS) return -1;
+    if (MPI_T_init_thread(level, &provided) != MPI_SUCCESS) return -1;
     if (MPI_T_cvar_get_index(name, &index) != MPI_SUCCESS) {
         status = 1;
         goto done;
