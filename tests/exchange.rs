@@ -445,10 +445,10 @@ fn rhd_and_auto_equal_mpi_allreduce() {
     let link = serde_json::json!({ "alpha_s": 1.0, "beta_s_per_byte": 0.0 });
     std::fs::write(&doubling, serde_json::json!({ "intra": link, "inter": link, "gamma_s_per_byte": 0.0 }).to_string()).unwrap();
     let model = doubling.to_str().unwrap();
-    for ranks in 1..=7 {
+    // Against MPI_Allreduce only: the sums of known values are checked above for auto at every
+    // rank count, and recursive doubling's pre- and post-steps are the same for either check.
+    for ranks in rank_counts(&[1, 2, 3, 4, 5, 6, 7]) {
         let run = bench(ranks, "auto", &["--counts", COUNTS, "--verify", "allreduce", "--cost-model", model], &dir);
-        assert_all_right(&run, 5);
-        let run = bench(ranks, "auto", &["--counts", COUNTS, "--cost-model", model], &dir);
         assert_all_right(&run, 5);
     }
     for dtype in ["f16", "bf16"] {

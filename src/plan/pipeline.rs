@@ -765,6 +765,10 @@ mod tests {
                     for stage in 0..shape.stages {
                         assert!(r.peak_in_flight[stage] <= peak_held(&shape, stage), "{shape:?} stage {stage}: {} in flight", r.peak_in_flight[stage]);
                     }
+                    // Every chunk's forward ran once per micro-batch, on some stage.
+                    let computed: f64 = r.busy.iter().sum();
+                    let expected = micro_batches as f64 * costs.iter().sum::<f64>();
+                    assert!((computed - expected).abs() < 1e-9, "{shape:?}, {micro_batches} micro-batches: {computed} of {expected} computed");
                 }
             }
         }
