@@ -22,11 +22,17 @@ pub enum Mpi {
     Mpich,
 }
 
-/// The family of the MPI library the binary under test was built against.
+/// The family of the MPI library the binary under test was built against: the one this test
+/// binary was built beside, or `HPC_TRAIN_TEST_MPI_FAMILY` (`openmpi`, `mpich`) where it runs
+/// another build of hpc-train (`HPC_TRAIN_TEST_BINARY`): the tests link no MPI, so
+/// scripts/test.sh runs Open MPI's build of them against MPICH's hpc-train rather than compiling
+/// them twice.
 pub fn mpi() -> Mpi {
-    match env!("HPC_TRAIN_MPI_FAMILY") {
+    let family = std::env::var("HPC_TRAIN_TEST_MPI_FAMILY").ok().filter(|f| !f.is_empty());
+    match family.as_deref().unwrap_or(env!("HPC_TRAIN_MPI_FAMILY")) {
         "mpich" => Mpi::Mpich,
-        _ => Mpi::OpenMpi,
+        "openmpi" => Mpi::OpenMpi,
+        other => panic!("HPC_TRAIN_TEST_MPI_FAMILY={other}: expected openmpi or mpich"),
     }
 }
 
