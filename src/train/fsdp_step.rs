@@ -31,7 +31,8 @@ use super::fsdp::{Done, Job, UnitWorker};
 use super::net::Normalizer;
 use super::progress::Timings;
 use super::run::Run;
-use super::step::{LoopState, StepDone, StepLoss};
+use super::progress::StepLoss;
+use super::step::{LoopState, StepDone};
 use super::step_faults::StepFaults;
 
 

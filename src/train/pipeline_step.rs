@@ -19,7 +19,8 @@ use super::collective::{average_over, sum_pair};
 use super::net::Normalizer;
 use super::progress::Timings;
 use super::run::Run;
-use super::step::{LoopState, StepDone, StepLoss};
+use super::progress::StepLoss;
+use super::step::{LoopState, StepDone};
 use super::step_faults::StepFaults;
 
 impl Run<'_> {

@@ -6,10 +6,10 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::data::loader::Batch;
-use crate::error::{Result, WithPath};
+use tch::Tensor;
 
-use super::step::{PendingLoss, StepLoss};
+use crate::data::loader::Batch;
+use crate::error::{Error, Result, WithPath};
 
 /// Running sums of one rank's step timings.
 #[derive(Default, Clone, Copy)]
@@ -43,6 +43,48 @@ impl Timings {
         self.step += t.step;
         self.exchange_total += t.exchange_total;
         self.exchange_exposed += t.exchange_exposed;
+    }
+}
+
+/// A step's loss: read, or left on the device with its step's gradient flag ([`DeferredChecks`]).
+pub(super) enum StepLoss {
+    Read(f64),
+    OnDevice(PendingLoss),
+}
+
+/// A loss and gradient flag not read yet, and the step they belong to.
+pub(super) struct PendingLoss {
+    /// The rank's summed loss (a 0-dim float tensor).
+    pub(super) loss: Tensor,
+    /// The gradients' flag as it stood after this step (1: not finite at this step or before).
+    pub(super) not_finite: Tensor,
+    /// Test hook (`nan` fault): the loss reads as NaN.
+    pub(super) injected_nan: bool,
+    pub(super) step: u64,
+    pub(super) epoch: u64,
+}
+
+impl PendingLoss {
+    /// Reads every pending step's loss and flag in one transfer and returns the losses, or the
+    /// error of the first step whose loss or gradients were not finite.
+    pub(super) fn read_all(pending: &[PendingLoss]) -> Result<Vec<f64>> {
+        if pending.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<Tensor> = pending.iter().map(|p| Tensor::f_cat(&[p.loss.f_view([1])?, p.not_finite.shallow_clone()], 0)).collect::<std::result::Result<_, _>>()?;
+        let values = Vec::<f32>::try_from(Tensor::f_stack(&rows, 0)?.f_to_device(tch::Device::Cpu)?.f_view([-1])?)?;
+        let mut losses = Vec::with_capacity(pending.len());
+        for (p, pair) in pending.iter().zip(values.chunks(2)) {
+            let loss = if p.injected_nan { f64::NAN } else { f64::from(pair[0]) };
+            if !loss.is_finite() {
+                return Err(Error::NonFinite { what: "loss", step: p.step, epoch: p.epoch });
+            }
+            if pair[1] != 0.0 {
+                return Err(Error::NonFinite { what: "gradient", step: p.step, epoch: p.epoch });
+            }
+            losses.push(loss);
+        }
+        Ok(losses)
     }
 }
 
