@@ -772,6 +772,14 @@ fn every_step_kind_honours_the_injected_faults() {
     assert!(!run.timed_out && !run.ok(), "{out}");
     assert!(out.contains("rank 1: stalling 120.0 s after the exchange of step 2"), "{out}");
     assert!(out.contains("exchange watchdog: the stop agreement at step 2 has made no progress for 5 s"), "{out}");
+    // With LARS the peers' next wait is the optimizer's per-unit norm all-reduce, which ran
+    // unwatched (issue 48, item 7): a stall there hung the job.
+    let mut lars = args.clone();
+    lars.extend(["--optimizer", "lars"]);
+    let run = mpirun_env(2, &lars, &[("HPC_TRAIN_FAULT", "stall-after@1:2:120")], Duration::from_secs(60));
+    let out = run.all_output();
+    assert!(!run.timed_out && !run.ok(), "{out}");
+    assert!(out.contains("exchange watchdog: the zero 3 optimizer's norm all-reduce at step 2") && out.contains("waiting for world rank 1"), "{out}");
     // A fault on a rank the job lacks would never happen: refused at set-up, once.
     let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "nan@7:1")], Duration::from_secs(60));
     assert!(!run.ok() && !run.timed_out);

@@ -192,11 +192,13 @@ impl Run<'_> {
             return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
         }
         let step_time = compute_start.elapsed();
+        // `stall-after`: after the last reduce-scatter, before the optimizer, whose LARS norms
+        // are the collectives that follow it (the other step kinds' optimizers make none).
+        faults.after_exchange();
         let started = Instant::now();
         shards.step(&mut self.optimizer)?;
         synchronize_device(self.plan.device);
         let optimizer_time = started.elapsed();
-        faults.after_exchange();
         let _ = self.optimizer.take_busy();
         shards.note_step(times);
         let comm = times.exposed_gather + times.exposed_reduce;
