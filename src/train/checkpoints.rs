@@ -463,8 +463,9 @@ mod tests {
 
     #[test]
     fn replicas_share_the_writing_by_size_and_agree_on_it() {
-        // Largest first, each to the least-loaded sharer: 10 -> 0, 6 -> 1, 5 -> 1, 3 -> 0, 1 -> 0.
-        assert_eq!(assign_writers(&[3, 10, 5, 6, 1], 2), vec![0, 0, 1, 1, 0]);
+        // Largest first, each to the least-loaded sharer: 10 -> 0, 6 -> 1, 5 -> 1 (6 < 10),
+        // 3 -> 0 (10 < 11), 1 -> 1 (11 < 13).
+        assert_eq!(assign_writers(&[3, 10, 5, 6, 1], 2), vec![0, 0, 1, 1, 1]);
         assert_eq!(assign_writers(&[4, 4, 4], 1), vec![0, 0, 0]);
         // More sharers than tensors: each tensor on its own rank, the rest write none.
         assert_eq!(assign_writers(&[2, 9], 4), vec![1, 0]);
@@ -495,6 +496,6 @@ mod tests {
         assert_eq!((log.newest_good, log.failed.clone()), (Some(5), vec![10, 15]));
         let err = log.verdict(dir).unwrap_err().to_string();
         assert!(err.contains("2 checkpoint(s) could not be written (after step(s) 10, 15)") && err.contains("at step 5"), "{err}");
-        assert!(CheckpointLog { newest_good: Some(3), failed: vec![] }.verdict(dir).is_ok());
+        assert!(CheckpointLog { newest_good: Some(3), ..CheckpointLog::default() }.verdict(dir).is_ok());
     }
 }
