@@ -1,11 +1,15 @@
-//! Sharded checkpoints through the real binary (issue 49): a whole checkpoint that training
-//! wrote, resharded by `mpirun -n 3 hpc-train checkpoint reshard --layout rows` (tensor-parallel
-//! style cuts, small tensors whole on one rank each), resharded again by 2 ranks into flat
-//! shards (ZeRO style: each rank reads only the slices it writes, across the first layout's
-//! cuts), then `hpc-train checkpoint consolidate`d: the weights and the optimizer state come back
-//! equal to the training run's whole files, and the weights load into torchvision's resnet18
-//! with strict=True. A write that cannot complete leaves no partial folder; a damaged part file
-//! is refused by name.
+//! Sharded checkpoints through the real binary (issue 49): the checkpoint that training wrote
+//! (2 data-parallel ranks, each writing its share), resharded by `mpirun -n 3 hpc-train
+//! checkpoint reshard --layout rows` (tensor-parallel style cuts, small tensors whole on one
+//! rank each), resharded again by 2 ranks into flat shards (ZeRO style: each rank reads only the
+//! slices it writes, across the first layout's cuts), then `hpc-train checkpoint consolidate`d:
+//! the weights and the optimizer state come back equal to the training run's checkpoint
+//! consolidated, and the weights load into torchvision's resnet18 with strict=True. A write
+//! that cannot complete leaves no partial folder; a damaged part file is refused by name.
+//!
+//! Then training's own sharded checkpoints at every layout: a run checkpoints at one layout
+//! and resumes at another (rank count, D, P, T, ZeRO stage), ending with the uninterrupted
+//! run's weights; its last checkpoint consolidated is its `--save-weights` file.
 
 mod common;
 
@@ -61,10 +65,13 @@ fn a_resharded_checkpoint_consolidates_into_weights_torchvision_loads_strictly()
     let (out, optimizer) = (dir.join("consolidated.safetensors"), dir.join("consolidated-optimizer.safetensors"));
     let run = hpc_train(&["checkpoint", "consolidate", &s(&sharded), &s(&out), "--optimizer", &s(&optimizer)]).expect_ok();
     assert!(run.stdout.contains("sharded"), "{}", run.all_output());
+    // Training writes sharded checkpoints now: what it wrote, consolidated, is the reference.
+    let (trained_weights, trained_optimizer) = (dir.join("trained.safetensors"), dir.join("trained-optimizer.safetensors"));
+    hpc_train(&["checkpoint", "consolidate", &s(&trained), &s(&trained_weights), "--optimizer", &s(&trained_optimizer)]).expect_ok();
     let weights = read_weights(&out);
     assert!(weights.len() > 100, "resnet18's variables: {}", weights.len());
-    assert_eq!(weights, read_weights(&trained.join("weights.safetensors")), "the weights training wrote, tensor by tensor");
-    assert_eq!(read_weights(&optimizer), read_weights(&trained.join("optimizer.safetensors")), "the momentum training wrote");
+    assert_eq!(weights, read_weights(&trained_weights), "the weights training wrote, tensor by tensor");
+    assert_eq!(read_weights(&optimizer), read_weights(&trained_optimizer), "the momentum training wrote");
 
     // A flipped byte in one part file: refused, naming it.
     let part = newest(&rows).join("part-00001.safetensors");
@@ -88,4 +95,159 @@ fn a_resharded_checkpoint_consolidates_into_weights_torchvision_loads_strictly()
     load.arg(root().join("scripts/optim_reference.py")).args(["strict-load", "--torchvision", "resnet18", "--classes", "10", "--weights"]).arg(&out);
     let loaded = run_with_limit(load, Duration::from_secs(300));
     assert!(loaded.ok() && loaded.stdout.contains("with strict=True"), "{}", loaded.all_output());
+}
+
+/// Tolerance of a run resumed at another layout against the uninterrupted one: the float sums
+/// of the exchange run in another order (tests/conformance.rs's F32_TOLERANCE).
+const F32_TOLERANCE: f64 = 2e-5;
+
+/// The index's tensors of one section (`weights` or `optimizer`): name -> the files of its pieces.
+fn pieces_by_file(ckpt: &Path, section: &str) -> std::collections::BTreeMap<String, Vec<String>> {
+    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ckpt.join("index.json")).unwrap()).unwrap();
+    index[section]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(name, entry)| (name.clone(), entry["pieces"].as_array().unwrap().iter().map(|p| p["file"].as_str().unwrap().to_string()).collect()))
+        .collect()
+}
+
+/// A run at layout `a` (`a_ranks` ranks) that checkpoints after step `at` and ends after
+/// `steps`, saving its weights; its last checkpoint consolidated must equal those weights. Then
+/// the later checkpoints are removed and a run at layout `b` resumes from step `at` to the end:
+/// its weights must equal the uninterrupted run's. Returns the first run's checkpoint at `at`
+/// (for checks of its part files) and the record of the resumed run.
+#[allow(clippy::too_many_arguments)]
+fn checkpoint_then_resume(name: &str, common: &[&str], a_ranks: usize, a: &[&str], b_ranks: usize, b: &[&str], steps: u64, at: u64) -> (std::path::PathBuf, serde_json::Value) {
+    let dir = scratch(&format!("ckpt-resume-{name}"));
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let ckpt = dir.join("ckpt");
+    let (steps_s, every) = (steps.to_string(), at.to_string());
+    let with = |layout: &[&str], extra: &[String]| -> Vec<String> {
+        let mut args: Vec<String> = common.iter().map(|x| x.to_string()).collect();
+        args.extend(["--steps".into(), steps_s.clone(), "--checkpoint-dir".into(), s(&ckpt), "--checkpoint-every".into(), every.clone(), "--keep-checkpoints".into(), "10".into()]);
+        args.extend(layout.iter().map(|x| x.to_string()));
+        args.extend(extra.iter().cloned());
+        args
+    };
+    let started = std::time::Instant::now();
+    let full_results = dir.join("full");
+    let full = dir.join("full.safetensors");
+    let args = with(a, &["--results".into(), s(&full_results), "--save-weights".into(), s(&full)]);
+    mpirun(a_ranks, &args.iter().map(String::as_str).collect::<Vec<_>>()).expect_ok();
+    let record = read_runs(&full_results).pop().expect("a record");
+    assert!(record["extra"]["checkpoint_writes"].as_u64().unwrap_or(0) >= 2 && record["extra"]["checkpoint_write_bytes"].as_u64().unwrap_or(0) > 0, "{name}: {record}");
+
+    // The last checkpoint, consolidated, is the --save-weights file of the same step.
+    let last = ckpt.join(format!("ckpt-{steps:012}"));
+    let consolidated = dir.join("consolidated.safetensors");
+    hpc_train(&["checkpoint", "consolidate", &s(&last), &s(&consolidated)]).expect_ok();
+    assert_eq!(read_weights(&consolidated), read_weights(&full), "{name}: the consolidated checkpoint against --save-weights");
+
+    let first = ckpt.join(format!("ckpt-{at:012}"));
+    assert!(first.join("index.json").exists(), "{name}: {} is a sharded checkpoint", first.display());
+    let parts: Vec<String> = files_of(&first).into_iter().filter(|f| f.starts_with("part-")).collect();
+    assert_eq!(parts.len(), a_ranks, "{name}: one part file per rank: {parts:?}");
+    // Keep a copy of the checkpoint the resume starts from, and remove the later ones.
+    for step in checkpoint_steps(&ckpt) {
+        if step > at {
+            std::fs::remove_dir_all(ckpt.join(format!("ckpt-{step:012}"))).unwrap();
+        }
+    }
+    let kept = dir.join("kept");
+    copy_dir(&first, &kept);
+
+    let resumed_results = dir.join("resumed");
+    let resumed = dir.join("resumed.safetensors");
+    let args = with(b, &["--results".into(), s(&resumed_results), "--save-weights".into(), s(&resumed), "--resume".into()]);
+    let run = mpirun(b_ranks, &args.iter().map(String::as_str).collect::<Vec<_>>()).expect_ok();
+    assert!(run.stderr.contains(&format!("(step {at},")), "{name}: {}", run.all_output());
+    let diff = max_relative_difference(&full, &resumed);
+    assert!(diff < F32_TOLERANCE, "{name}: the run resumed at another layout differs from the uninterrupted one by {diff:e}");
+    let record = read_runs(&resumed_results).pop().expect("a record");
+    assert!(record["extra"]["resume_read_bytes"].as_u64().unwrap_or(0) > 0 && record["extra"]["resume_read_s"].as_f64().is_some(), "{name}: {record}");
+    eprintln!("{name}: resumed within {diff:e} of the uninterrupted run, {:.1} s", started.elapsed().as_secs_f64());
+    (kept, record)
+}
+
+fn tiny_args(data: &str) -> Vec<&str> {
+    vec!["--model", "tiny", "--data", data, "--scaling", "strong", "--global-batch", "12", "--threads", "1", "--no-eval", "--log-every", "1000", "--lr", "0.1"]
+}
+
+fn tiny_data(name: &str) -> String {
+    synth(&scratch(&format!("ckpt-data-{name}")), "tiny", 96, 0, "1x16x16", 4).to_str().unwrap().to_string()
+}
+
+/// Two data-parallel ranks write one part file each, splitting the replicated variables (and
+/// their momentum) between them: each tensor once, in one of the two files, and both files
+/// hold some. One rank resumes from it.
+#[test]
+fn data_parallel_replicas_split_the_write_and_one_rank_resumes() {
+    let data = tiny_data("dp");
+    let (ckpt, _) = checkpoint_then_resume("dp2-to-1", &tiny_args(&data), 2, &[], 1, &[], 6, 3);
+    for section in ["weights", "optimizer"] {
+        let pieces = pieces_by_file(&ckpt, section);
+        assert!(pieces.values().all(|files| files.len() == 1), "{section}: every replicated tensor written once, whole: {pieces:?}");
+        let files: std::collections::BTreeSet<&String> = pieces.values().flatten().collect();
+        assert_eq!(files.len(), 2, "{section}: both replicas write a share: {pieces:?}");
+    }
+}
+
+/// `--zero 2` on 2 ranks writes each rank's flat shard of the momentum; plain data
+/// parallelism on 2 ranks resumes from it.
+#[test]
+fn zero2_shards_resume_as_plain_data_parallelism() {
+    let data = tiny_data("zero2");
+    let (ckpt, _) = checkpoint_then_resume("zero2-to-plain", &tiny_args(&data), 2, &["--zero", "2", "--overlap", "off"], 2, &[], 6, 3);
+    let state = pieces_by_file(&ckpt, "optimizer");
+    assert!(state.values().any(|files| files.len() == 2), "a tensor cut between the two ranks' shards: {state:?}");
+}
+
+/// `--zero 3` on 2 ranks: parameters and state as flat shards, nothing gathered; 3 ranks of
+/// `--zero 3` resume from it.
+#[test]
+fn zero3_shards_resume_on_three_ranks() {
+    let data = tiny_data("zero3");
+    let (ckpt, _) = checkpoint_then_resume("zero3-2-to-3", &tiny_args(&data), 2, &["--zero", "3"], 3, &["--zero", "3"], 6, 3);
+    let weights = pieces_by_file(&ckpt, "weights");
+    assert!(weights.values().any(|files| files.len() == 2), "parameters written as both ranks' shards: {weights:?}");
+}
+
+/// A 2-stage pipeline writes each stage's variables from its own rank; `--zero 1` on 2 ranks
+/// resumes from it.
+#[test]
+fn a_pipeline_checkpoint_resumes_under_zero1() {
+    let data = tiny_data("pipeline");
+    let (ckpt, _) = checkpoint_then_resume("pipeline-to-zero1", &tiny_args(&data), 2, &["--pipeline-stages", "2", "--micro-batches", "2"], 2, &["--zero", "1", "--overlap", "off"], 6, 3);
+    let weights = pieces_by_file(&ckpt, "weights");
+    let files: std::collections::BTreeSet<&String> = weights.values().flatten().collect();
+    assert_eq!(files.len(), 2, "each stage writes its own variables: {weights:?}");
+}
+
+fn vit_args(data: &str) -> Vec<&str> {
+    vec!["--model", "vit-tiny", "--data", data, "--scaling", "strong", "--global-batch", "8", "--threads", "1", "--no-eval", "--log-every", "1000", "--warmup-steps", "1"]
+}
+
+fn vit_data(name: &str) -> String {
+    synth(&scratch(&format!("ckpt-data-{name}")), "vit", 48, 0, "1x16x16", 4).to_str().unwrap().to_string()
+}
+
+/// `--tensor-parallel 2` writes the cut weights and their momentum as each rank's rectangles
+/// of the whole tensors, the group's whole copies once; one rank resumes from it.
+#[test]
+fn tensor_parallel_rectangles_resume_on_one_rank() {
+    let data = vit_data("tp");
+    let (ckpt, _) = checkpoint_then_resume("tp2-to-1", &vit_args(&data), 2, &["--tensor-parallel", "2"], 1, &[], 4, 2);
+    let weights = pieces_by_file(&ckpt, "weights");
+    let in_proj = &weights["encoder.layers.encoder_layer_0.self_attention.in_proj_weight"];
+    assert_eq!(in_proj.len(), 6, "q, k and v rows of each of 2 ranks: {in_proj:?}");
+    assert!(weights.iter().filter(|(n, _)| n.contains("ln")).all(|(_, f)| f.len() == 1), "the group's whole copies once: {weights:?}");
+}
+
+/// A pipeline of tensor-parallel groups (2 stages x T = 2 on 4 ranks), refused before sharded
+/// checkpoints, checkpoints; 2 ranks of plain data parallelism resume from it.
+#[test]
+fn a_pipeline_of_tensor_parallel_groups_resumes_as_plain_data_parallelism() {
+    let data = vit_data("pptp");
+    checkpoint_then_resume("pp2tp2-to-dp2", &vit_args(&data), 4, &["--pipeline-stages", "2", "--tensor-parallel", "2", "--micro-batches", "2"], 2, &[], 4, 2);
 }

@@ -134,8 +134,8 @@ fn a_damaged_checkpoint_is_skipped_for_the_previous_one() {
     args.extend(["--steps", "30", "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "10"]);
     mpirun(2, &args).expect_ok();
     assert_eq!(checkpoint_steps(&ckpt), vec![10, 20, 30]);
-    // Truncate the newest checkpoint's weights, as a crash of the storage might.
-    let weights = ckpt.join("ckpt-000000000030/weights.safetensors");
+    // Truncate one part file of the newest checkpoint, as a crash of the storage might.
+    let weights = ckpt.join("ckpt-000000000030/part-00001.safetensors");
     let len = std::fs::metadata(&weights).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&weights).unwrap().set_len(len / 2).unwrap();
     args.extend(["--resume"]);
@@ -504,7 +504,7 @@ fn checkpoints_that_cannot_be_written_end_the_run_non_zero() {
     assert_eq!(out.matches("3 checkpoint(s) could not be written (after step(s) 10, 15, 20); --resume continues from the newest good one, at step 5").count(), 1, "{out}");
     let good = "ckpt/ckpt-000000000005";
     let expected: Vec<String> = ["ckpt", "ckpt/.lock", good].into_iter().map(String::from)
-        .chain(["meta.crc32", "meta.json", "optimizer.safetensors", "weights.safetensors"].map(|f| format!("{good}/{f}")))
+        .chain(["index.json", "meta.crc32", "meta.json", "part-00000.safetensors", "part-00001.safetensors"].map(|f| format!("{good}/{f}")))
         .collect();
     assert_eq!(left, expected, "{out}");
     assert_eq!(read_runs(&results).len(), 1, "training finished: its record stands");

@@ -8,12 +8,7 @@ use crate::error::{Error, Result, WithPath};
 
 use super::meta::{CheckpointMeta, FileCheck, LOCK_FILE, META_CHECK_FILE, META_FILE};
 
-/// The folder of the checkpoint after `step`.
-/// The folder of the checkpoint at `step` under `root`.
-pub fn folder(root: &Path, step: u64) -> PathBuf {
-    root.join(folder_name(step))
-}
-
+/// The folder name of the checkpoint after `step`.
 pub fn folder_name(step: u64) -> String {
     format!("ckpt-{step:012}")
 }

@@ -51,9 +51,9 @@ pub mod whole;
 // What the rest of the crate names as `checkpoint::X`; the sharded format's API is named by
 // its file (`checkpoint::sharded::save_sharded`, `checkpoint::reader::CheckpointReader`,
 // `checkpoint::region::Region`, `checkpoint::index::Section`).
-pub use files::{check_writable, folder, FolderLock};
+pub use files::{check_writable, FolderLock};
 pub use meta::{check_compatible, state_name, Checkpoint, CheckpointMeta};
-pub use reader::{find_latest, load};
+pub use reader::load;
 pub use whole::save;
 
 #[cfg(test)]

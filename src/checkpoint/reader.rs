@@ -210,8 +210,9 @@ pub struct CheckpointReader {
     optimizer: BTreeMap<String, TensorEntry>,
     /// Part files mapped so far, opened when first read from.
     files: RefCell<HashMap<String, Rc<MappedFile>>>,
-    bytes: Cell<u64>,
-    seconds: Cell<f64>,
+    /// Shared with [`CheckpointReader::shared_stats`]: a run keeps counting what was read after
+    /// the reader is gone (ZeRO reads its state at the first step, then drops the reader).
+    stats: Rc<Cell<ReadStats>>,
 }
 
 impl CheckpointReader {
@@ -244,9 +245,8 @@ impl CheckpointReader {
                 return Err(bad(format!("tensor {name}: dtype {} is not one this binary reads", entry.dtype)));
             }
         }
-        let reader = CheckpointReader { checkpoint: checkpoint.clone(), weights, optimizer, files: RefCell::new(files), bytes: Cell::new(0), seconds: Cell::new(0.0) };
-        reader.seconds.set(start.elapsed().as_secs_f64());
-        Ok(reader)
+        let stats = Rc::new(Cell::new(ReadStats { bytes: 0, seconds: start.elapsed().as_secs_f64() }));
+        Ok(CheckpointReader { checkpoint: checkpoint.clone(), weights, optimizer, files: RefCell::new(files), stats })
     }
 
     fn section(&self, section: Section) -> &BTreeMap<String, TensorEntry> {
@@ -263,7 +263,23 @@ impl CheckpointReader {
 
     /// What has been read so far.
     pub fn stats(&self) -> ReadStats {
-        ReadStats { bytes: self.bytes.get(), seconds: self.seconds.get() }
+        self.stats.get()
+    }
+
+    /// The counts of [`CheckpointReader::stats`], kept up to date as long as any reader of them
+    /// lives and readable after.
+    pub fn shared_stats(&self) -> Rc<Cell<ReadStats>> {
+        self.stats.clone()
+    }
+
+    /// The checkpoint read.
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.checkpoint
+    }
+
+    /// The global shape of tensor `name` of `section`, if the checkpoint has it.
+    pub fn shape(&self, section: Section, name: &str) -> Option<&[i64]> {
+        self.section(section).get(name).map(|e| e.shape.as_slice())
     }
 
     fn mapped(&self, file: &str) -> std::result::Result<Rc<MappedFile>, String> {
@@ -314,8 +330,10 @@ impl CheckpointReader {
             return Err(bad(format!("tensor {name}: its pieces hold {copied} of the {wanted} elements asked for")));
         }
         let tensor = bytes.f_view_dtype(kind)?.f_reshape(region.piece_shape(&entry.shape))?;
-        self.bytes.set(self.bytes.get() + (wanted as usize * size) as u64);
-        self.seconds.set(self.seconds.get() + start.elapsed().as_secs_f64());
+        let mut stats = self.stats.get();
+        stats.bytes += (wanted as usize * size) as u64;
+        stats.seconds += start.elapsed().as_secs_f64();
+        self.stats.set(stats);
         Ok(tensor)
     }
 }

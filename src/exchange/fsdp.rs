@@ -37,8 +37,8 @@ use tch::{Device, Kind, Tensor};
 use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::exchange::buckets::unpack;
-use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, HeldBytes, ReduceOp, Role, UnitShards, UnitTimes, WholeState};
-use crate::exchange::zero::{pack_grads, pieces, ready_for_mpi, Piece, ShardAlgorithm, ShardedCollectives};
+use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, FlatPiece, HeldBytes, HeldShards, ReduceOp, Role, StateSource, UnitShards, UnitTimes, WholeSource, WholeState};
+use crate::exchange::zero::{cut_pieces, flat_pieces, pack_grads, pieces, ready_for_mpi, Piece, ShardAlgorithm, ShardedCollectives};
 use crate::optim::{FiniteCheck, Optimizer, Pieces};
 use crate::plan::buckets::Bucket;
 use crate::raw;
@@ -96,8 +96,12 @@ pub struct FullyShardedExchange {
     pieces: Vec<Piece>,
     layer_of: Vec<usize>,
     weights: Vec<Tensor>,
-    /// The whole optimizer state from a checkpoint, until `shard` cuts it.
-    restored: Option<WholeState>,
+    /// The optimizer state from a checkpoint (read by region), until `shard` cuts this rank's
+    /// pieces from it.
+    restored: Option<Box<dyn StateSource>>,
+    /// Whether this rank writes its shards into a checkpoint: with `--fsdp-hybrid` every node
+    /// holds the same shards, and the first node's ranks write them.
+    writes_shards: bool,
     /// Buffers of the largest unit's size: free ones, and per unit the one its parameters were
     /// gathered into (None for a whole-model gather's own buffer, freed on release) and then
     /// its gradients packed into, until their reduce-scatter.
@@ -111,7 +115,7 @@ pub struct FullyShardedExchange {
 
 impl FullyShardedExchange {
     /// `role`: this rank among all the ranks that train (not only those it shares shards with).
-    pub fn new(shards: Box<dyn ShardedCollectives>, replicas: Option<Box<dyn Exchange>>, role: Role, path: DataPath) -> FullyShardedExchange {
+    pub fn new(shards: Box<dyn ShardedCollectives>, replicas: Option<Box<dyn Exchange>>, role: Role, path: DataPath, writes_shards: bool) -> FullyShardedExchange {
         FullyShardedExchange {
             shards,
             replicas,
@@ -126,6 +130,7 @@ impl FullyShardedExchange {
             layer_of: Vec::new(),
             weights: Vec::new(),
             restored: None,
+            writes_shards,
             free: Vec::new(),
             in_use: Vec::new(),
             packed: Vec::new(),
@@ -243,14 +248,10 @@ impl UnitShards for FullyShardedExchange {
             }
             Ok(())
         })?;
-        // This rank's pieces of the whole optimizer state, if a checkpoint gave one.
+        // This rank's pieces of the optimizer state, if a checkpoint gave one: only their
+        // ranges are read.
         let state = match self.restored.take() {
-            Some(whole) => tch::no_grad(|| {
-                whole
-                    .iter()
-                    .map(|slot| all.iter().map(|p| Ok(Some(raw::flat_dense_view(&slot[p.tensor])?.f_narrow(0, p.at as i64, p.len as i64)?.f_detach_copy()?))).collect::<Result<Vec<_>>>())
-                    .collect::<Result<Vec<_>>>()
-            })?,
+            Some(source) => cut_pieces(source.as_ref(), &all, params, optimizer.kind().slots().len())?,
             None => Vec::new(),
         };
         optimizer.restore(state, optimizer.steps());
@@ -453,7 +454,7 @@ impl Exchange for FullyShardedExchange {
     fn optimizer_state(&mut self, params: &[Tensor], optimizer: &Optimizer) -> Result<Option<WholeState>> {
         if self.units.is_empty() {
             return match &self.restored {
-                Some(whole) => Ok(Some(whole.iter().map(|slot| slot.iter().map(|t| t.shallow_clone()).collect()).collect())),
+                Some(source) => Ok(Some(crate::exchange::strategy::whole_from_source(source.as_ref(), params, optimizer.kind().slots().len())?)),
                 None => Ok(Some(crate::exchange::strategy::state_or_zeros(params, optimizer)?)),
             };
         }
@@ -467,10 +468,27 @@ impl Exchange for FullyShardedExchange {
     }
 
     /// Keeps the whole state until `shard` cuts this rank's pieces from it.
-    fn restore_optimizer(&mut self, _params: &[Tensor], state: WholeState, steps: u64, optimizer: &mut Optimizer) -> Result<()> {
-        self.restored = Some(state);
+    fn restore_optimizer(&mut self, params: &[Tensor], state: WholeState, steps: u64, optimizer: &mut Optimizer) -> Result<()> {
+        self.restore_state(params, Box::new(WholeSource(state)), steps, optimizer)
+    }
+
+    /// Keeps the source until `shard` says which ranges this rank holds: only those are read.
+    fn restore_state(&mut self, _params: &[Tensor], source: Box<dyn StateSource>, steps: u64, optimizer: &mut Optimizer) -> Result<()> {
+        self.restored = Some(source);
         optimizer.restore(Vec::new(), steps);
         Ok(())
+    }
+
+    /// This rank's shards of the parameters and of the optimizer state, as flat ranges of the
+    /// parameters: nothing is gathered.
+    fn held_shards(&mut self, _params: &[Tensor], optimizer: &Optimizer) -> Result<Option<HeldShards>> {
+        if self.units.is_empty() {
+            return Err(Error::exchange("zero 3", "a checkpoint before the parameters were sharded"));
+        }
+        let slots = optimizer.kind().slots().len();
+        let state: Vec<Vec<Option<Tensor>>> = (0..slots).map(|s| optimizer.state(s).iter().map(|t| t.as_ref().map(Tensor::shallow_clone)).collect()).collect();
+        let params = self.pieces.iter().zip(&self.weights).map(|(p, w)| FlatPiece { param: p.tensor, at: p.at, data: w.shallow_clone() }).collect();
+        Ok(Some(HeldShards { state: flat_pieces(&self.pieces, &state, slots)?, params, writes: self.writes_shards }))
     }
 
     /// The gradient shards' buffer counts as gradients held (as PyTorch FSDP keeps the sharded

@@ -40,7 +40,7 @@ pub mod strategy;
 pub mod zero;
 
 pub use config::{worker_count, ExchangeConfig, StrategyKind};
-pub use strategy::{Exchange, ReduceOp, Role, WholeState};
+pub use strategy::{Exchange, FlatPiece, ReduceOp, Role, StateSource};
 
 use crate::error::{Error, Result};
 use mpi::topology::{Color, Communicator};
@@ -86,7 +86,7 @@ fn build_fully_sharded(kind: StrategyKind, world: &World, config: &ExchangeConfi
         if config.fsdp_hybrid && world.is_root() {
             log::info!("--fsdp-hybrid: every rank is on one node, so sharding over the node is sharding over all of them");
         }
-        return Ok(Box::new(fsdp::FullyShardedExchange::new(build_sharded(kind, world, config)?, None, role, path)));
+        return Ok(Box::new(fsdp::FullyShardedExchange::new(build_sharded(kind, world, config)?, None, role, path, true)));
     }
     let per_node = world.local_size;
     if world.node_of.iter().any(|&n| world.node_of.iter().filter(|&&m| m == n).count() != per_node as usize) {
@@ -102,7 +102,9 @@ fn build_fully_sharded(kind: StrategyKind, world: &World, config: &ExchangeConfi
     if world.is_root() {
         log::info!("--fsdp-hybrid: shards over the {per_node} ranks of each node, replicated on {} nodes", world.nodes());
     }
-    Ok(Box::new(fsdp::FullyShardedExchange::new(build_sharded(kind, &node, config)?, Some(replicas), role, path)))
+    // The first node's ranks write the shards into checkpoints; the others hold the same ones.
+    let writes_shards = across.rank == 0;
+    Ok(Box::new(fsdp::FullyShardedExchange::new(build_sharded(kind, &node, config)?, Some(replicas), role, path, writes_shards)))
 }
 
 /// `--zero` is for the from-scratch all-reduces, whose reduce-scatter leaves every rank a shard

@@ -169,6 +169,23 @@ pub trait Exchange {
         Ok(())
     }
 
+    /// On resume, on every rank: the optimizer's state from `source`, read as this rank will
+    /// hold it. By default every parameter's state whole (the replicated state of the averaging
+    /// strategies; the parameter server's servers take their shares of it), one buffer at a
+    /// time; the sharding exchanges override it to read only their shards' ranges.
+    fn restore_state(&mut self, params: &[Tensor], source: Box<dyn StateSource>, steps: u64, optimizer: &mut Optimizer) -> Result<()> {
+        let state = whole_from_source(source.as_ref(), params, optimizer.kind().slots().len())?;
+        self.restore_optimizer(params, state, steps, optimizer)
+    }
+
+    /// For a sharded checkpoint: what this rank holds of the optimizer's state (and under
+    /// `--zero 3` of the parameters) as flat ranges of whole parameters, when the exchange
+    /// shards them; None where every replica holds the whole state (the default), whose
+    /// replicas then split the writing between them.
+    fn held_shards(&mut self, _params: &[Tensor], _optimizer: &Optimizer) -> Result<Option<HeldShards>> {
+        Ok(None)
+    }
+
     /// ZeRO's per-bucket update, when this strategy shards the optimizer (`--zero 1|2`):
     /// overlap hands it each bucket instead of all-reducing it.
     fn zero(&mut self) -> Option<&mut dyn ShardedUpdate> {
@@ -290,6 +307,67 @@ impl HeldBytes {
 
 /// An optimizer's state for whole parameters: `[slot][parameter]` (see `OptimizerKind::slots`).
 pub type WholeState = Vec<Vec<Tensor>>;
+
+/// Where a resumed run's optimizer state comes from: a checkpoint read by region
+/// (train/checkpoints.rs), or whole buffers ([`WholeSource`]). Parameters are this rank's
+/// (a tensor-parallel rank's parts: the source cuts them).
+pub trait StateSource {
+    /// Elements `range` of the flattened buffer of state slot `slot` of parameter `param` (1-D),
+    /// or the whole buffer in the parameter's shape when `range` is None; on the host. None when
+    /// the checkpoint has no such buffer (a parameter never stepped: its state is zeros).
+    fn read(&self, slot: usize, param: usize, range: Option<std::ops::Range<usize>>) -> Result<Option<Tensor>>;
+}
+
+/// Whole state buffers as a [`StateSource`] (ZeRO's re-cut when its bucket plan changes, and
+/// the parameter server's whole path).
+pub struct WholeSource(pub WholeState);
+
+impl StateSource for WholeSource {
+    fn read(&self, slot: usize, param: usize, range: Option<std::ops::Range<usize>>) -> Result<Option<Tensor>> {
+        let Some(buffer) = self.0.get(slot).and_then(|s| s.get(param)) else { return Ok(None) };
+        Ok(Some(match range {
+            None => buffer.f_to_device(Device::Cpu)?,
+            Some(r) => crate::raw::flat_dense_view(buffer)?.f_narrow(0, r.start as i64, r.len() as i64)?.f_to_device(Device::Cpu)?,
+        }))
+    }
+}
+
+/// Every parameter's whole state from `source`, on the parameters' devices and in their kind,
+/// zeros where the source has none; read one buffer at a time.
+pub fn whole_from_source(source: &dyn StateSource, params: &[Tensor], slots: usize) -> Result<WholeState> {
+    (0..slots)
+        .map(|slot| {
+            params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| match source.read(slot, i, None)? {
+                    Some(t) => Ok(t.f_to_kind(p.kind())?.f_to_device(p.device())?.f_reshape(p.size().as_slice())?),
+                    None => Ok(p.f_zeros_like()?),
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// A flat range of a whole parameter that a sharding exchange holds: elements `at ..` of
+/// parameter `param` flattened, `data` 1-D.
+pub struct FlatPiece {
+    pub param: usize,
+    pub at: usize,
+    pub data: Tensor,
+}
+
+/// What a sharding exchange holds for a checkpoint ([`Exchange::held_shards`]).
+pub struct HeldShards {
+    /// Per state slot, this rank's pieces (zeros where the optimizer has made none yet).
+    pub state: Vec<Vec<FlatPiece>>,
+    /// `--zero 3`: this rank's pieces of the parameters (empty otherwise: the parameters are
+    /// whole on every replica).
+    pub params: Vec<FlatPiece>,
+    /// Whether this rank writes them: `--fsdp-hybrid` holds the same shards on every node, and
+    /// the first node's ranks write them.
+    pub writes: bool,
+}
 
 /// The state buffers of `optimizer` for `params`, zeros where a buffer is not made yet.
 pub fn state_or_zeros(params: &[Tensor], optimizer: &Optimizer) -> Result<WholeState> {

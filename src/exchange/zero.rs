@@ -22,7 +22,9 @@
 //!
 //! The shards follow the bucket plan. When the plan changes (overlap rebuilds its buckets after
 //! the first step) the optimizer state is made whole by an all-gather and cut again along the new one.
-//! Checkpoints hold it whole, so a run resumes with any rank count and any stage.
+//! Checkpoints hold it as each rank's flat ranges of the parameters ([`Exchange::held_shards`]),
+//! and a resumed run at any rank count and stage reads only its shards' ranges (the source is
+//! kept until the first plan says which they are).
 //!
 //! One buffer of the largest bucket, on the parameters' device, serves every bucket in turn:
 //! packing, the optimizer and unpacking run there. When MPI cannot read device memory (the
@@ -38,7 +40,7 @@ use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::exchange::buckets::{pack_slot, unpack};
 use crate::exchange::staging::{wait_for_stream, Mirror};
-use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role, ShardedUpdate, WholeState};
+use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, FlatPiece, HeldShards, ReduceOp, Role, ShardedUpdate, StateSource, WholeSource, WholeState};
 use crate::optim::{self, Optimizer, Pieces};
 use crate::plan::buckets::{Bucket, BucketPlan};
 use crate::raw;
@@ -213,9 +215,9 @@ pub struct ZeroExchange {
     layout: Option<Layout>,
     /// The bucket buffer: packed gradients, then gathered weights (grown, never shrunk).
     buffer: Option<BucketBuffer>,
-    /// The whole optimizer state per parameter (`[slot][parameter]`) from a checkpoint, until
-    /// the first plan cuts it.
-    restored: Option<WholeState>,
+    /// The optimizer state from a checkpoint (read by region) or made whole for a new plan,
+    /// until the next plan cuts this rank's pieces from it.
+    restored: Option<Box<dyn StateSource>>,
 }
 
 impl ZeroExchange {
@@ -233,8 +235,8 @@ impl ShardedUpdate for ZeroExchange {
             return Ok(());
         }
         let had_state = optimizer.state_bytes() > 0;
-        let whole = match self.layout.take() {
-            Some(old) if had_state => Some(self.whole_state(&old, params, optimizer)?),
+        let source: Option<Box<dyn StateSource>> = match self.layout.take() {
+            Some(old) if had_state => Some(Box::new(WholeSource(self.whole_state(&old, params, optimizer)?))),
             _ => self.restored.take(),
         };
         let dtype = common_dtype(params)?;
@@ -266,13 +268,8 @@ impl ShardedUpdate for ZeroExchange {
             Ok((weights, grads))
         })?;
         // This rank's pieces of every state slot (an optimizer with no state yet starts afresh).
-        let state = match whole {
-            Some(whole) => tch::no_grad(|| {
-                whole
-                    .iter()
-                    .map(|slot| all.iter().map(|p| Ok(Some(raw::flat_dense_view(&slot[p.tensor])?.f_narrow(0, p.at as i64, p.len as i64)?.f_detach_copy()?))).collect::<Result<Vec<_>>>())
-                    .collect::<Result<Vec<_>>>()
-            })?,
+        let state = match source {
+            Some(source) => cut_pieces(source.as_ref(), &all, params, optimizer.kind().slots().len())?,
             None => Vec::new(),
         };
         optimizer.restore(state, optimizer.steps());
@@ -372,6 +369,56 @@ impl ZeroExchange {
     }
 }
 
+/// This rank's pieces (`[slot][piece]`) of the state that `source` holds, on their parameters'
+/// devices and in their kind; None where the source has no buffer (a parameter never stepped).
+/// Each piece reads only its range, except for a channels-last parameter, whose pieces are
+/// ranges of its memory order: its buffer is read whole and laid out as the parameter is.
+pub(super) fn cut_pieces(source: &dyn StateSource, all: &[Piece], params: &[Tensor], slots: usize) -> Result<Vec<Vec<Option<Tensor>>>> {
+    tch::no_grad(|| {
+        (0..slots)
+            .map(|slot| {
+                all.iter()
+                    .map(|p| {
+                        let param = &params[p.tensor];
+                        let range = p.at..p.at + p.len;
+                        let read = match param.is_contiguous() {
+                            true => source.read(slot, p.tensor, Some(range))?,
+                            false => match source.read(slot, p.tensor, None)? {
+                                Some(whole) => {
+                                    let laid_out = param.f_empty_like()?;
+                                    laid_out.shallow_clone().f_copy_(&whole.f_reshape(param.size().as_slice())?)?;
+                                    Some(raw::flat_dense_view(&laid_out)?.f_narrow(0, p.at as i64, p.len as i64)?)
+                                }
+                                None => None,
+                            },
+                        };
+                        read.map(|t| Ok(t.f_to_kind(param.kind())?.f_to_device(param.device())?.f_reshape([-1])?.f_detach_copy()?)).transpose()
+                    })
+                    .collect()
+            })
+            .collect()
+    })
+}
+
+/// Pieces and their state buffers (`[slot][piece]`, None or missing: zeros) as flat pieces
+/// of the parameters, for a checkpoint.
+pub(super) fn flat_pieces(all: &[Piece], state: &[Vec<Option<Tensor>>], slots: usize) -> Result<Vec<Vec<FlatPiece>>> {
+    (0..slots)
+        .map(|slot| {
+            all.iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let data = match state.get(slot).and_then(|s| s.get(i)) {
+                        Some(Some(t)) => t.shallow_clone(),
+                        _ => Tensor::f_zeros([p.len as i64], (tch::Kind::Float, Device::Cpu))?,
+                    };
+                    Ok(FlatPiece { param: p.tensor, at: p.at, data })
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// A device buffer's writes must be done before MPI reads it.
 pub(super) fn ready_for_mpi(buffer: &Tensor) -> Result<()> {
     if buffer.device().is_cuda() {
@@ -451,18 +498,69 @@ impl Exchange for ZeroExchange {
                 Ok(Some(whole?))
             }
             None => match &self.restored {
-                Some(whole) => Ok(Some(whole.iter().map(|slot| slot.iter().map(|t| t.shallow_clone()).collect()).collect())),
+                Some(source) => Ok(Some(crate::exchange::strategy::whole_from_source(source.as_ref(), params, optimizer.kind().slots().len())?)),
                 None => Ok(Some(crate::exchange::strategy::state_or_zeros(params, optimizer)?)),
             },
         }
     }
 
     /// Keeps the whole state until the first plan cuts this rank's shards from it.
-    fn restore_optimizer(&mut self, _params: &[Tensor], state: WholeState, steps: u64, optimizer: &mut Optimizer) -> Result<()> {
+    fn restore_optimizer(&mut self, params: &[Tensor], state: WholeState, steps: u64, optimizer: &mut Optimizer) -> Result<()> {
+        self.restore_state(params, Box::new(WholeSource(state)), steps, optimizer)
+    }
+
+    /// Keeps the source until the first plan says which ranges this rank holds: only those are
+    /// read.
+    fn restore_state(&mut self, _params: &[Tensor], source: Box<dyn StateSource>, steps: u64, optimizer: &mut Optimizer) -> Result<()> {
         self.layout = None;
-        self.restored = Some(state);
+        self.restored = Some(source);
         optimizer.restore(Vec::new(), steps);
         Ok(())
+    }
+
+    /// This rank's pieces of the state, as the plan in use cuts them (before the first step,
+    /// the update's own plan, read from the restored source). Not collective, except with
+    /// channels-last parameters (below).
+    fn held_shards(&mut self, params: &[Tensor], optimizer: &Optimizer) -> Result<Option<HeldShards>> {
+        let slots = optimizer.kind().slots().len();
+        if params.iter().any(|p| !p.is_contiguous()) {
+            // A channels-last parameter's shard is a range of its memory order, not of its
+            // row-major elements, which is what a checkpoint's flat ranges are. Fall back to
+            // today's whole state (an all-gather, collective), and write the row-major range
+            // of each parameter that this rank's place among the replicas gives it.
+            let whole = self.optimizer_state(params, optimizer)?.expect("ZeRO always has a state");
+            let dtype = common_dtype(params)?;
+            // The ranges a reduce-scatter of each parameter alone would leave here: they tile it.
+            let state = whole
+                .iter()
+                .map(|slot| {
+                    slot.iter()
+                        .enumerate()
+                        .map(|(i, t)| (i, self.inner.shard(t.numel(), self.inner.choose(t.numel(), dtype))))
+                        .filter(|(_, r)| !r.is_empty())
+                        .map(|(i, r)| Ok(FlatPiece { param: i, at: r.start, data: slot[i].f_contiguous()?.f_view([-1])?.f_narrow(0, r.start as i64, r.len() as i64)? }))
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<Vec<_>>>()?;
+            return Ok(Some(HeldShards { state, params: Vec::new(), writes: true }));
+        }
+        if self.layout.is_none() {
+            // No step since the start (or the resume): the pieces of the plan the first step
+            // would use. Not kept: a step with overlap may choose another plan.
+            let sizes: Vec<usize> = params.iter().map(|p| p.numel()).collect();
+            let elem_bytes = params.first().map_or(4, |p| p.kind().elt_size_in_bytes());
+            let plan = BucketPlan::new(&sizes, elem_bytes, self.bucket_bytes, None);
+            let dtype = common_dtype(params)?;
+            let all: Vec<Piece> = plan.buckets.iter().flat_map(|b| pieces(b, &self.inner.shard(b.len, self.inner.choose(b.len, dtype)))).collect();
+            let state = match &self.restored {
+                Some(source) => cut_pieces(source.as_ref(), &all, params, slots)?,
+                None => Vec::new(),
+            };
+            return Ok(Some(HeldShards { state: flat_pieces(&all, &state, slots)?, params: Vec::new(), writes: true }));
+        }
+        let layout = self.layout.as_ref().expect("checked above");
+        let state: Vec<Vec<Option<Tensor>>> = (0..slots).map(|s| optimizer.state(s).iter().map(|t| t.as_ref().map(Tensor::shallow_clone)).collect()).collect();
+        Ok(Some(HeldShards { state: flat_pieces(&layout.pieces, &state, slots)?, params: Vec::new(), writes: true }))
     }
 
     fn report(&self) -> ExchangeReport {

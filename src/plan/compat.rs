@@ -252,8 +252,6 @@ const PS_PIPELINE: &str = "a pipeline's stages average their gradients among the
 const PS_TENSOR: &str = "parameter servers take ranks out of the groups; use ring, rhd, auto, allreduce or horovod";
 const ZERO_TENSOR: &str = "the ZeRO stages shard whole parameters over all ranks, not a group's parts; use --zero 0";
 const CHECKPOINT_ASYNC: &str = "asynchronous servers hold no state consistent across ranks at any step; checkpoint a synchronous run";
-const CHECKPOINT_TENSOR_PIPELINE: &str =
-    "checkpoints of pipelines of groups are not written yet; checkpoint a run without pipelines, or use --save-weights at the end";
 
 /// The verdict for option `feature` in a run of layout kind `kind`.
 pub fn verdict(feature: Feature, kind: Kind) -> Verdict {
@@ -273,7 +271,6 @@ pub fn verdict(feature: Feature, kind: Kind) -> Verdict {
         (Feature::Overlap, k) if k.is_pipeline() => Refused(OVERLAP_PIPELINE),
         (Feature::Overlap, Kind::TensorParallel) => Refused(OVERLAP_TENSOR),
         (Feature::ChannelsLast, Kind::Zero3 | Kind::Zero3Hybrid) => Refused(ZERO3_CHANNELS_LAST),
-        (Feature::Checkpoint | Feature::Resume, Kind::TensorPipeline) => Refused(CHECKPOINT_TENSOR_PIPELINE),
         (Feature::Checkpoint | Feature::Resume, Kind::PsAsync) => Refused(CHECKPOINT_ASYNC),
         (Feature::Layout(a), b) => pair(a, b),
         _ => Supported,
@@ -431,7 +428,8 @@ mod tests {
         assert!(matches!(verdict(Feature::Layout(Kind::TensorParallel), Kind::Zero1), Verdict::Refused(_)));
         assert!(matches!(verdict(Feature::Layout(Kind::Ps), Kind::Gpipe), Verdict::Refused(_)));
         assert!(matches!(verdict(Feature::Layout(Kind::Horovod), Kind::Zero1), Verdict::Refused(_)));
-        assert!(matches!(verdict(Feature::Checkpoint, Kind::TensorPipeline), Verdict::Refused(_)));
+        // Sharded checkpoints write pipelines of groups as well (issue 49).
+        assert_eq!(verdict(Feature::Checkpoint, Kind::TensorPipeline), Verdict::Supported);
         assert_eq!(verdict(Feature::Bf16, Kind::OneFOneB), Verdict::Supported);
         assert_eq!(verdict(Feature::Layout(Kind::Zero1), Kind::Gpipe), Verdict::Supported);
         assert_eq!(verdict(Feature::Recompute, Kind::Ring), Verdict::NotApplicable);

@@ -1,36 +1,75 @@
-//! The run's checkpoints: where it resumes from ([`find_resume_point`], [`restore`]), what it
-//! writes ([`save_checkpoint`], [`checkpoint_meta`], the weights) and rank 0's account of the
-//! writes ([`CheckpointLog`]). The file format is crate::checkpoint's.
+//! The run's checkpoints: where it resumes from ([`find_resume_point`], [`restore_state`]), what
+//! it writes ([`save_sharded_checkpoint`], [`save_checkpoint`] for the parameter server,
+//! [`checkpoint_meta`], the weights) and the account of the writes ([`CheckpointLog`]). The
+//! file format is crate::checkpoint's.
+//!
+//! **What each layout writes** (format 4, one part file per rank, issue 49): every rank writes
+//! what it holds, and a tensor that several ranks hold alike is written by one of them, chosen
+//! by [`assign_writers`], so that the ranks that share the copies share the writing:
+//! - the variables (batch-norm statistics included) by the ranks that hold them alike: all
+//!   ranks of a data-parallel run, a stage's replicas in a pipeline; with tensor parallelism a
+//!   cut variable as the rectangles of the whole tensor this rank holds, by the ranks that hold
+//!   the same part, and a variable the group holds whole by one rank of the group's replicas;
+//! - the optimizer state with its parameter, except where the exchange shards it: ZeRO 1/2's
+//!   flat shards as each rank holds them, and under `--zero 3` the parameters' flat shards too
+//!   (nothing is gathered);
+//! - the parameter server keeps today's whole checkpoint: its state lives on the servers,
+//!   which rank 0 collects (README says so).
+//!
+//! On resume the weights come through `InitialValues` (net.rs); the optimizer state through a
+//! [`CheckpointState`] that every rank reads by region, as its exchange holds the state.
 
+use std::cell::Cell;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use std::rc::Rc;
 
-use mpi::traits::*;
 use tch::{Device, Tensor};
 
+use crate::checkpoint::index::Section;
+use crate::checkpoint::reader::{CheckpointReader, ReadStats};
+use crate::checkpoint::region::Region;
+use crate::checkpoint::sharded::{save_sharded, Piece, Written};
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
 use crate::data::DatasetInfo;
 use crate::error::{Error, Result};
-use crate::exchange::{Exchange, WholeState};
+use crate::exchange::{Exchange, StateSource};
 use crate::optim::{self, Optimizer};
+use crate::plan::tensor::{held, vit_split, Split};
 use crate::results;
 use crate::topology::World;
 
-use super::collective::broadcast_from_root;
 use super::net::Net;
 use super::options::TrainArgs;
 use super::plan::Plan;
 use super::tensor::TensorParallel;
 
-/// Rank 0's account of the run's checkpoints.
+/// The account of the run's checkpoints: rank 0's of which were written, every rank's of what
+/// writing and resuming cost.
 #[derive(Debug, Default)]
 pub(super) struct CheckpointLog {
     /// The newest checkpoint this run can continue from: written by it, or resumed from.
     pub(super) newest_good: Option<u64>,
     /// Steps whose checkpoint could not be written.
     pub(super) failed: Vec<u64>,
+    /// Sharded checkpoints written: how many, their part files' bytes, and the seconds from the
+    /// start of each write to its complete folder (the slowest rank's), summed.
+    pub(super) written: u64,
+    pub(super) written_bytes: u64,
+    pub(super) written_seconds: f64,
+    /// What this rank read of the checkpoint it resumed from (weights and optimizer state),
+    /// counted for as long as the run reads it.
+    pub(super) resume_read: Option<Rc<Cell<ReadStats>>>,
 }
 
 impl CheckpointLog {
+    /// Counts a sharded checkpoint written (every rank, the same figures).
+    pub(super) fn count(&mut self, written: &Written) {
+        self.written += 1;
+        self.written_bytes += written.bytes;
+        self.written_seconds += written.seconds;
+    }
+
     /// Takes note of rank 0's write of the checkpoint after `step`.
     pub(super) fn note(&mut self, dir: &Path, step: u64, written: Result<std::path::PathBuf>) -> Result<()> {
         match (written, self.newest_good) {
@@ -109,8 +148,9 @@ pub(super) fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info
     }
 }
 
-/// Rank 0 finds the newest complete checkpoint when `--resume` is given and checks that this
-/// run may continue from it.
+/// Every rank finds the newest complete checkpoint when `--resume` is given (verified by the
+/// ranks together, each reading its share of the part files), and rank 0 checks that this run
+/// may continue from it. Collective; every rank returns the same checkpoint.
 pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &CheckpointMeta) -> Result<Option<Checkpoint>> {
     if args.checkpoint_dir.is_some() {
         if args.checkpoint_every == 0 {
@@ -123,10 +163,11 @@ pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &Checkpoin
     let Some(dir) = &args.checkpoint_dir else {
         return Err(Error::usage("--resume needs --checkpoint-dir (where the checkpoints are)"));
     };
+    let found = checkpoint::reader::find_latest_together(world, dir)?;
     if !world.is_root() {
-        return Ok(None);
+        return Ok(found);
     }
-    match checkpoint::find_latest(dir)? {
+    match found {
         None => {
             log::warn!("--resume: no complete checkpoint in {}; starting from the beginning", dir.display());
             Ok(None)
@@ -143,56 +184,153 @@ pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &Checkpoin
     }
 }
 
-/// Loads the optimizer's state from the checkpoint on rank 0 and sends it to every rank (the
-/// weights were read when the model was built).
-pub(super) fn restore(world: &World, found: Option<&Checkpoint>, net: &mut Net, exchange: &mut dyn Exchange, optimizer: &mut Optimizer) -> Result<()> {
-    let (state, steps) = load_checkpoint(world, found, net, optimizer.kind().slots())?;
-    exchange.restore_optimizer(&net.params, state, steps, optimizer)
+/// The optimizer's state of a resumed run, read from its checkpoint (either format) by every
+/// rank as its exchange holds it: a replicated state whole per parameter, one at a time; a
+/// ZeRO or FSDP shard as flat ranges; a tensor-parallel rank its cut; a stage its own
+/// parameters. Nothing is read by one rank for another, and nothing is sent.
+pub(super) struct CheckpointState {
+    reader: Rc<CheckpointReader>,
+    /// This rank's parameters: names, whole shapes.
+    names: Vec<String>,
+    shapes: Vec<Vec<i64>>,
+    slots: Vec<&'static str>,
+    /// A tensor-parallel rank's place in its group and the group's size: cut parameters' state
+    /// is read as this rank's rectangles of it.
+    part: Option<(usize, usize)>,
 }
 
-/// The optimizer's state buffers of `net`'s parameters (`[slot][parameter]`, each of the
-/// parameter's whole shape) from the checkpoint rank 0 found, on every rank, and its step
-/// count. The weights are not here: every rank reads its own from the checkpoint's weights
-/// file when it builds its part of the model (net.rs, `InitialValues`).
-pub(super) fn load_checkpoint(world: &World, found: Option<&Checkpoint>, net: &Net, slots: &[&str]) -> Result<(WholeState, u64)> {
-    let loaded = world.agree(match found {
-        Some(c) if world.is_root() => checkpoint::load(c).map(Some),
-        _ => Ok(None),
-    })?;
-    let zeros = |v: &crate::model::Variable| Tensor::f_zeros(v.shape.as_slice(), (tch::Kind::Float, net.vs.device()));
-    let state: Vec<Vec<Tensor>> = slots.iter().map(|_| net.declared.iter().map(zeros).collect::<std::result::Result<_, _>>()).collect::<std::result::Result<_, _>>()?;
-    let mut optimizer_steps = 0.0;
-    world.agree((|| -> Result<()> {
-        if let Some((_, saved_state)) = &loaded {
-            tch::no_grad(|| -> Result<()> {
-                // A buffer the checkpoint lacks stays zero: a parameter never stepped.
-                for (slot, buffers) in slots.iter().zip(&state) {
-                    for (name, b) in net.param_names.iter().zip(buffers) {
-                        if let Some(saved) = saved_state.get(&checkpoint::state_name(slot, name)) {
-                            b.shallow_clone().f_copy_(saved)?;
-                        }
-                    }
-                }
-                Ok(())
-            })?;
-            optimizer_steps = found.unwrap().meta.optimizer_steps as f64;
+impl CheckpointState {
+    pub(super) fn new(reader: Rc<CheckpointReader>, net: &Net, slots: &[&'static str], tp: Option<&TensorParallel>) -> CheckpointState {
+        CheckpointState {
+            reader,
+            names: net.param_names.clone(),
+            shapes: net.declared.iter().map(|v| v.shape.clone()).collect(),
+            slots: slots.to_vec(),
+            part: tp.map(|tp| (tp.rank, tp.layout.tensor)),
         }
-        Ok(())
-    })())?;
-    for buffers in &state {
-        broadcast_from_root(&world.comm, buffers)?;
     }
-    let mut steps = optimizer_steps;
-    world.comm.process_at_rank(0).broadcast_into(&mut steps);
-    Ok((state, steps as u64))
 }
 
-/// Collects the optimizer state (every worker takes part) and has rank 0 write the checkpoint:
-/// rank 0 returns how its write went (the folder written, or why not), the others None. With
-/// tensor parallelism the weights and the state are glued whole first (each group gathers its
-/// parts), so that the checkpoint is the usual one.
+impl StateSource for CheckpointState {
+    fn read(&self, slot: usize, param: usize, range: Option<std::ops::Range<usize>>) -> Result<Option<Tensor>> {
+        let (param_name, shape) = (&self.names[param], &self.shapes[param]);
+        let name = checkpoint::state_name(self.slots[slot], param_name);
+        let Some(stored) = self.reader.shape(Section::Optimizer, &name) else { return Ok(None) };
+        if stored != shape.as_slice() {
+            return Err(Error::usage(format!("the checkpoint's optimizer state {name} has shape {stored:?}, the model's parameter {shape:?}")));
+        }
+        let split = self.part.map_or(Split::Whole, |_| vit_split(param_name));
+        let local = match (split, self.part) {
+            (Split::Whole, _) | (_, None) => {
+                return Ok(Some(match range {
+                    Some(r) => self.reader.read(Section::Optimizer, &name, &Region::Flat { at: r.start as i64, len: r.len() as i64 })?,
+                    None => self.reader.read_whole(Section::Optimizer, &name)?,
+                }))
+            }
+            (split, Some((rank, size))) => {
+                // This rank's rectangles, glued as the cut holds them (net.rs's cut_tensor).
+                let dim = if matches!(split, Split::Columns) { 1 } else { 0 };
+                let rects = cut_regions(shape, split, rank, size)
+                    .into_iter()
+                    .map(|region| self.reader.read(Section::Optimizer, &name, &region))
+                    .collect::<Result<Vec<Tensor>>>()?;
+                Tensor::f_cat(&rects, dim)?
+            }
+        };
+        Ok(Some(match range {
+            Some(r) => local.f_reshape([-1])?.f_narrow(0, r.start as i64, r.len() as i64)?,
+            None => local,
+        }))
+    }
+}
+
+/// The rectangles of a whole tensor of `shape` that rank `rank` of a tensor-parallel group of
+/// `size` holds of a variable cut by `split`, in the order its part holds them.
+pub(super) fn cut_regions(shape: &[i64], split: Split, rank: usize, size: usize) -> Vec<Region> {
+    let dim = match split {
+        Split::Whole => return vec![Region::Whole],
+        Split::Rows { .. } => 0,
+        Split::Columns => 1,
+    };
+    held(split, shape[dim] as usize, rank, size)
+        .into_iter()
+        .map(|r| {
+            let mut offsets = vec![0; shape.len()];
+            let mut lengths = shape.to_vec();
+            offsets[dim] = r.start as i64;
+            lengths[dim] = r.len() as i64;
+            Region::Rect { offsets, lengths }
+        })
+        .collect()
+}
+
+/// The reader of the checkpoint a run resumes from, for its optimizer state: the one the
+/// weights are read through (a sharded checkpoint), or one opened on a whole checkpoint.
+pub(super) fn state_reader(values: &super::net::InitialValues, folder: &Path) -> Result<Rc<CheckpointReader>> {
+    match values {
+        super::net::InitialValues::Sharded(reader) => Ok(reader.clone()),
+        _ => {
+            // A whole checkpoint, verified by rank 0 (find_resume_point): its meta.json checked
+            // again here, its two files mapped.
+            let meta = checkpoint::meta::read_checked_meta(folder)?;
+            Ok(Rc::new(CheckpointReader::open(&Checkpoint { dir: folder.to_path_buf(), meta })?))
+        }
+    }
+}
+
+/// Restores the optimizer's state and step count from `reader` (every rank): the exchange
+/// reads what it will hold.
+pub(super) fn restore_state(reader: Rc<CheckpointReader>, net: &Net, tp: Option<&TensorParallel>, exchange: &mut dyn Exchange, optimizer: &mut Optimizer) -> Result<()> {
+    let steps = reader.checkpoint().meta.optimizer_steps;
+    let source = CheckpointState::new(reader, net, optimizer.kind().slots(), tp);
+    exchange.restore_state(&net.params, Box::new(source), steps, optimizer)
+}
+
+/// Which of `sharers` ranks holding the same tensors (of `sizes` elements, in an order every
+/// sharer agrees on) writes each: the largest first, each to the sharer with the fewest
+/// elements so far (ties to the lowest), so that the ranks write about as much each and at
+/// once. The same on every sharer.
+pub(super) fn assign_writers(sizes: &[usize], sharers: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]).then(a.cmp(&b)));
+    let mut load = vec![0usize; sharers.max(1)];
+    let mut writer = vec![0; sizes.len()];
+    for i in order {
+        let least = (0..load.len()).min_by_key(|&r| (load[r], r)).expect("one sharer at least");
+        writer[i] = least;
+        load[least] += sizes[i];
+    }
+    writer
+}
+
+/// The pieces of a tensor of whole shape `shape` that this rank holds as `local`: its
+/// rectangles of a tensor-parallel cut, or the whole tensor.
+fn held_pieces(section: Section, name: &str, shape: &[i64], local: &Tensor, tp: Option<&TensorParallel>) -> Result<Vec<Piece>> {
+    let split = tp.map_or(Split::Whole, |_| vit_split(name));
+    let Some(tp) = tp.filter(|_| split != Split::Whole) else {
+        return Ok(vec![Piece::whole(section, name, local)]);
+    };
+    let dim = if matches!(split, Split::Columns) { 1 } else { 0 };
+    let mut at = 0;
+    cut_regions(shape, split, tp.rank, tp.layout.tensor)
+        .into_iter()
+        .map(|region| {
+            let Region::Rect { offsets, lengths } = region else { unreachable!("a cut is rectangles") };
+            let data = local.f_narrow(dim as i64, at, lengths[dim])?.f_contiguous()?;
+            at += lengths[dim];
+            Ok(Piece::rect(section, name, shape, &offsets, &data))
+        })
+        .collect()
+}
+
+/// A sharded checkpoint after `meta.step` (collective over `world`): every rank writes the
+/// pieces it holds (see the module's notes) into its own part file, at once; nothing is
+/// gathered. `replicas`: the ranks that hold this rank's part alike (the exchange's ranks).
+/// An outer error (a non-finite weight or state buffer anywhere: no checkpoint written) ends
+/// the run on every rank; the inner result, the same on every rank, says whether the write
+/// succeeded.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn save_checkpoint(
+pub(super) fn save_sharded_checkpoint(
     world: &World,
     dir: &Path,
     keep: usize,
@@ -200,17 +338,81 @@ pub(super) fn save_checkpoint(
     exchange: &mut dyn Exchange,
     optimizer: &Optimizer,
     meta: CheckpointMeta,
-    tensor_parallel: Option<&TensorParallel>,
-) -> Result<Option<Result<std::path::PathBuf>>> {
-    // Collective where the state is sharded (ZeRO) or held by servers.
-    let state = crate::watchdog::collective("gathering the optimizer state", &world.comm, || exchange.optimizer_state(&net.params, optimizer))?;
-    let (weights, state) = match tensor_parallel {
-        Some(tp) => {
-            let state = state.ok_or_else(|| Error::exchange("checkpoint", "no optimizer state to glue"))?;
-            (world.agree(tp.whole_variables(net))?, Some(world.agree(tp.whole_state(&net.param_names, state))?))
-        }
-        None => (net.named_variables(), state),
+    replicas: &World,
+    tp: Option<&TensorParallel>,
+) -> Result<Result<Written>> {
+    // Collective only for ZeRO with channels-last parameters (zero.rs says why).
+    let shards = world.agree(crate::watchdog::collective("collecting the optimizer state's shards", &replicas.comm, || exchange.held_shards(&net.params, optimizer)))?;
+    let shape_of: HashMap<&str, &[i64]> = net.declared.iter().map(|v| (v.name.as_str(), v.shape.as_slice())).collect();
+    let param_sharded = shards.as_ref().is_some_and(|s| !s.params.is_empty());
+    let params: HashSet<&str> = net.param_names.iter().map(String::as_str).collect();
+    // The variables held alike by `replicas` (cut ones) or by the group's ranks and their
+    // replicas (whole ones); under --zero 3 the parameters come from the exchange's shards.
+    let variables: Vec<(String, Tensor)> = net.named_variables().into_iter().filter(|(n, _)| !(param_sharded && params.contains(n.as_str()))).collect();
+    let is_cut = |name: &str| tp.is_some() && vit_split(name) != Split::Whole;
+    let (d, dr) = (replicas.size as usize, replicas.rank as usize);
+    let (whole_sharers, whole_me) = match tp {
+        Some(tp) => (tp.layout.tensor * d, tp.rank + tp.layout.tensor * dr),
+        None => (d, dr),
     };
+    let mut writes: HashSet<&str> = HashSet::new();
+    for (cut, sharers, me) in [(false, whole_sharers, whole_me), (true, d, dr)] {
+        let mine: Vec<&(String, Tensor)> = variables.iter().filter(|(n, _)| is_cut(n) == cut).collect();
+        let sizes: Vec<usize> = mine.iter().map(|(_, t)| t.numel()).collect();
+        for ((name, _), writer) in mine.iter().zip(assign_writers(&sizes, sharers)) {
+            if writer == me {
+                writes.insert(name.as_str());
+            }
+        }
+    }
+    let shape = |name: &str, t: &Tensor| shape_of.get(name).map_or_else(|| t.size(), |s| s.to_vec());
+    let mut pieces = Vec::new();
+    for (name, t) in variables.iter().filter(|(n, _)| writes.contains(n.as_str())) {
+        pieces.extend(held_pieces(Section::Weights, name, &shape(name, t), t, tp)?);
+    }
+    let slots = optimizer.kind().slots();
+    match shards {
+        Some(held) if held.writes => {
+            let flat = |section: Section, name: String, p: &crate::exchange::FlatPiece| Piece::flat(section, name, &net.declared[p.param].shape, p.at as i64, &p.data);
+            for p in &held.params {
+                pieces.push(flat(Section::Weights, net.param_names[p.param].clone(), p));
+            }
+            for (slot, state) in slots.iter().zip(&held.state) {
+                for p in state {
+                    pieces.push(flat(Section::Optimizer, checkpoint::state_name(slot, &net.param_names[p.param]), p));
+                }
+            }
+        }
+        Some(_) => {}
+        None => {
+            // A replicated state: written with its parameter, by the same rank.
+            let state = crate::exchange::strategy::state_or_zeros(&net.params, optimizer)?;
+            for (slot, buffers) in slots.iter().zip(&state) {
+                for (name, b) in net.param_names.iter().zip(buffers).filter(|(n, _)| writes.contains(n.as_str())) {
+                    pieces.extend(held_pieces(Section::Optimizer, &checkpoint::state_name(slot, name), &shape(name, b), b, tp)?);
+                }
+            }
+        }
+    }
+    // Never replace good checkpoints with a diverged state: with overlap a non-finite gradient
+    // is found at the end of the step on the rank that made it, after the exchange has spread
+    // it to every rank, which may reach this checkpoint before that rank ends the job. Each
+    // rank checks what it writes; the replicas hold the same.
+    let data: Vec<Tensor> = pieces.iter().map(|p| p.data.shallow_clone()).collect();
+    let finite = optim::all_finite(&data)?;
+    world.agree(if finite { Ok(()) } else { Err(Error::NonFinite { what: "weights or optimizer state (no checkpoint written)", step: meta.step, epoch: meta.epoch() }) })?;
+    // Every rank writes at once; the agreements inside wait for the slowest writer.
+    Ok(crate::watchdog::collective("writing a sharded checkpoint", &world.comm, || save_sharded(world, dir, meta, &pieces, keep)))
+}
+
+/// The parameter server's checkpoint, whole (formats 1 to 3): its servers hold the optimizer
+/// state, which rank 0 collects from them (every worker takes part) and writes with the
+/// weights. Rank 0 returns how its write went (the folder written, or why not), the others
+/// None. (Parameter servers are refused with pipelines and tensor parallelism.)
+pub(super) fn save_checkpoint(world: &World, dir: &Path, keep: usize, net: &Net, exchange: &mut dyn Exchange, optimizer: &Optimizer, meta: CheckpointMeta) -> Result<Option<Result<std::path::PathBuf>>> {
+    // Collective: the state is held by the servers.
+    let state = crate::watchdog::collective("gathering the optimizer state", &world.comm, || exchange.optimizer_state(&net.params, optimizer))?;
+    let weights = net.named_variables();
     if !world.is_root() {
         return Ok(None);
     }
@@ -260,6 +462,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn replicas_share_the_writing_by_size_and_agree_on_it() {
+        // Largest first, each to the least-loaded sharer: 10 -> 0, 6 -> 1, 5 -> 1 (6 < 10),
+        // 3 -> 0 (10 < 11), 1 -> 1 (11 < 13).
+        assert_eq!(assign_writers(&[3, 10, 5, 6, 1], 2), vec![0, 0, 1, 1, 1]);
+        assert_eq!(assign_writers(&[4, 4, 4], 1), vec![0, 0, 0]);
+        // More sharers than tensors: each tensor on its own rank, the rest write none.
+        assert_eq!(assign_writers(&[2, 9], 4), vec![1, 0]);
+    }
+
+    #[test]
+    fn a_cut_is_the_rectangles_its_rank_holds() {
+        // q, k, v rows of a [12, 4] in-projection, rank 1 of 2: rows 2-3, 6-7, 10-11.
+        let rects = cut_regions(&[12, 4], Split::Rows { parts: 3 }, 1, 2);
+        let starts: Vec<Vec<i64>> = rects.iter().map(|r| match r { Region::Rect { offsets, .. } => offsets.clone(), _ => unreachable!() }).collect();
+        assert_eq!(starts, vec![vec![2, 0], vec![6, 0], vec![10, 0]]);
+        assert_eq!(cut_regions(&[4, 6], Split::Columns, 1, 2), vec![Region::Rect { offsets: vec![0, 3], lengths: vec![4, 3] }]);
+        assert_eq!(cut_regions(&[4], Split::Whole, 0, 2), vec![Region::Whole]);
+    }
+
+    #[test]
     fn failed_checkpoints_end_the_run_without_an_earlier_one_and_are_counted_with_one() {
         let dir = Path::new("/ckpt");
         let full = || Err(Error::io("/ckpt/x", std::io::Error::from(std::io::ErrorKind::StorageFull)));
@@ -274,6 +496,6 @@ mod tests {
         assert_eq!((log.newest_good, log.failed.clone()), (Some(5), vec![10, 15]));
         let err = log.verdict(dir).unwrap_err().to_string();
         assert!(err.contains("2 checkpoint(s) could not be written (after step(s) 10, 15)") && err.contains("at step 5"), "{err}");
-        assert!(CheckpointLog { newest_good: Some(3), failed: vec![] }.verdict(dir).is_ok());
+        assert!(CheckpointLog { newest_good: Some(3), ..CheckpointLog::default() }.verdict(dir).is_ok());
     }
 }

@@ -1,4 +1,4 @@
-//! The collectives a run makes besides the exchange: rank 0's weights and steps to every rank,
+//! The collectives a run makes besides the exchange: rank 0's steps to every rank,
 //! buffers averaged over the workers, the loss summed, strings gathered. Each is collective over
 //! the communicator it is given.
 
@@ -8,18 +8,6 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::Result;
 use crate::raw;
-
-/// Sends rank 0's values of `tensors` to every rank of `comm` (one flat message).
-pub(super) fn broadcast_from_root(comm: &SimpleCommunicator, tensors: &[Tensor]) -> Result<()> {
-    if tensors.is_empty() {
-        return Ok(());
-    }
-    let flat: Vec<Tensor> = tensors.iter().map(|t| t.f_to_kind(Kind::Float)?.f_reshape([-1])?.f_to_device(Device::Cpu)).collect::<std::result::Result<_, _>>()?;
-    let mut flat = Tensor::f_cat(&flat, 0)?;
-    // SAFETY: `flat` was just made by f_cat and has no other handle.
-    comm.process_at_rank(0).broadcast_into(unsafe { raw::host_slice_mut::<f32>(&mut flat)? });
-    unflatten_into(&flat, tensors)
-}
 
 /// Averages `tensors` over the ranks of `comm` that pass `contribute` (others send zeros).
 pub(super) fn average_over(comm: &SimpleCommunicator, tensors: &[Tensor], contribute: bool, contributors: usize) -> Result<()> {

@@ -10,7 +10,6 @@ use crate::error::Result;
 use crate::model::{self, InputSpec, Variable};
 use crate::plan::tensor::{held, vit_split, Split};
 use crate::raw;
-use crate::topology::World;
 
 use super::options::TrainArgs;
 use super::stages::StageCut;
@@ -40,25 +39,21 @@ pub(super) enum InitialValues {
     Seeded(u64),
     File(WeightsFile),
     /// A sharded checkpoint (one file per rank and an index): each variable assembled from the
-    /// pieces that hold it.
-    Sharded(CheckpointReader),
+    /// pieces that hold it. Shared with the optimizer state's reader (checkpoints.rs).
+    Sharded(std::rc::Rc<CheckpointReader>),
 }
 
 impl InitialValues {
-    /// The checkpoint's weights when the run resumes (from `--checkpoint-dir` at the step all
-    /// ranks agreed on), else `--init-weights`, else the seed. Collective (a sharded
-    /// checkpoint's part files are verified by the ranks together).
-    pub(super) fn of(world: &World, args: &TrainArgs, resumed_at: Option<(&std::path::Path, u64)>) -> Result<InitialValues> {
-        Ok(match (resumed_at, &args.init_weights) {
-            (Some((dir, step)), _) => {
-                let folder = checkpoint::folder(dir, step);
-                let whole = folder.join(checkpoint::meta::WEIGHTS_FILE);
-                // A whole checkpoint was verified by rank 0 (find_resume_point); every rank
-                // reads its own variables from its weights file.
-                if whole.exists() {
-                    InitialValues::File(WeightsFile::open("the checkpoint's weights", &whole)?)
+    /// The checkpoint's weights when the run resumes (the checkpoint every rank found and
+    /// verified together: find_resume_point), else `--init-weights`, else the seed.
+    pub(super) fn of(args: &TrainArgs, resumed_from: Option<&checkpoint::Checkpoint>) -> Result<InitialValues> {
+        Ok(match (resumed_from, &args.init_weights) {
+            (Some(found), _) => {
+                // A whole checkpoint: every rank reads its own variables from its weights file.
+                if found.meta.is_sharded() {
+                    InitialValues::Sharded(std::rc::Rc::new(CheckpointReader::open(found)?))
                 } else {
-                    InitialValues::Sharded(CheckpointReader::open(&checkpoint::reader::verify_together(world, &folder)?)?)
+                    InitialValues::File(WeightsFile::open("the checkpoint's weights", &found.dir.join(checkpoint::meta::WEIGHTS_FILE))?)
                 }
             }
             (None, Some(path)) => InitialValues::File(WeightsFile::open("--init-weights", path)?),

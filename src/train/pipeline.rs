@@ -10,7 +10,6 @@
 //! P and M change the order of float additions (D does too), nothing else.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
@@ -18,19 +17,14 @@ use mpi::traits::*;
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
 
-use crate::checkpoint::{Checkpoint, CheckpointMeta};
 use crate::error::{Error, Result};
 use crate::exchange::staging::synchronize_device;
-use crate::exchange::Exchange;
-use crate::optim::{self, Optimizer};
 use crate::plan::pipeline::{self, Action, Message, Shape};
 use crate::plan::shard::ShardInfo;
 use crate::raw::TensorMessage;
 use crate::topology::World;
 
-use super::checkpoints::named_state;
 use super::collective::gather_strings;
-use super::net::Net;
 use super::options::Precision;
 use super::stages::{Cut, PipelinePlan};
 
@@ -644,119 +638,6 @@ impl Pipeline {
         all.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(Some(all))
     }
-
-    /// The reverse of [`Pipeline::gather_named`]: each stage of the first pipeline asks rank 0
-    /// for the tensors it names and gets them from `all` (rank 0's, by name); every stage's
-    /// replicas then take their first replica's. Returns this rank's tensors in `wanted` order
-    /// (a name `all` lacks comes back None). Collective over the world.
-    pub(super) fn scatter_named(&self, all: Option<&std::collections::BTreeMap<String, Tensor>>, wanted: &[String], like: &[Tensor]) -> Result<Vec<Option<Tensor>>> {
-        let mut mine: Vec<Option<Tensor>> = wanted.iter().map(|_| None).collect();
-        if self.replica == 0 {
-            let _watched = self.waiting(|| self.gathering_from());
-            if self.stage == 0 {
-                let all = all.expect("rank 0 holds the checkpoint");
-                for (i, name) in wanted.iter().enumerate() {
-                    mine[i] = all.get(name).map(|t| t.shallow_clone());
-                }
-                for stage in 1..self.plan.grid.stages {
-                    let peer = self.comm.process_at_rank(stage as i32);
-                    let (count, _) = peer.receive::<u64>();
-                    for _ in 0..count {
-                        let (name, _) = peer.receive_vec::<u8>();
-                        let name = String::from_utf8_lossy(&name).into_owned();
-                        match all.get(&name) {
-                            Some(t) => {
-                                peer.send(&1u8);
-                                send_named(&peer, &name, t)?;
-                            }
-                            None => peer.send(&0u8),
-                        }
-                    }
-                }
-            } else {
-                let root = self.comm.process_at_rank(0);
-                root.send(&(wanted.len() as u64));
-                for (i, name) in wanted.iter().enumerate() {
-                    root.send(name.as_bytes());
-                    let (found, _) = root.receive::<u8>();
-                    if found == 1 {
-                        mine[i] = Some(receive_named(&root)?.1);
-                    }
-                }
-            }
-        }
-        // The stage's replicas take the first replica's values (absent ones stay zero). A stage
-        // without parameters wants no state: nothing to broadcast (MPI refuses empty buffers).
-        if wanted.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut found: Vec<u8> = mine.iter().map(|t| u8::from(t.is_some())).collect();
-        self.stage_world.comm.process_at_rank(0).broadcast_into(&mut found[..]);
-        let values: Vec<Tensor> = like
-            .iter()
-            .zip(&mine)
-            .map(|(l, t)| match t {
-                Some(t) => t.f_reshape(l.size().as_slice())?.f_to_kind(l.kind()).map_err(Error::from),
-                None => Ok(l.f_zeros_like()?.f_to_device(Device::Cpu)?),
-            })
-            .collect::<Result<_>>()?;
-        super::collective::broadcast_from_root(&self.stage_world.comm, &values)?;
-        Ok(values.into_iter().zip(found).map(|(v, f)| (f == 1).then_some(v)).collect())
-    }
-}
-
-/// A pipelined run's checkpoint, in the usual format: each stage's replicas gather its
-/// optimizer state on their first replica (collective over the stage where ZeRO shards it),
-/// the first pipeline's stages send their weights and state to rank 0, which writes them.
-pub(super) fn save_pipeline_checkpoint(
-    pipeline: &Pipeline,
-    dir: &Path,
-    keep: usize,
-    net: &Net,
-    exchange: &mut dyn Exchange,
-    optimizer: &Optimizer,
-    meta: CheckpointMeta,
-) -> Result<Option<Result<std::path::PathBuf>>> {
-    let stage_comm = &pipeline.stage_world.comm;
-    let state = crate::watchdog::collective("gathering the optimizer state", stage_comm, || exchange.optimizer_state(&net.params, optimizer))?;
-    let named_state: Vec<(String, Tensor)> = match (pipeline.replica, state) {
-        (0, Some(state)) => named_state(net, optimizer, state),
-        (0, None) => return Err(Error::exchange("checkpoint", "a stage's first replica received no optimizer state")),
-        _ => Vec::new(),
-    };
-    let weights = pipeline.gather_named(net.named_variables())?;
-    let state = pipeline.gather_named(named_state)?;
-    let (Some(weights), Some(state)) = (weights, state) else { return Ok(None) };
-    let finite = |named: &[(String, Tensor)]| optim::all_finite(&named.iter().map(|(_, t)| t.shallow_clone()).collect::<Vec<_>>());
-    if !finite(&weights)? || !finite(&state)? {
-        return Err(Error::NonFinite { what: "weights (no checkpoint written)", step: meta.step, epoch: meta.epoch() });
-    }
-    Ok(Some(crate::checkpoint::save(dir, meta, &weights, &state, keep)))
-}
-
-/// Restores a pipelined run's optimizer state from a checkpoint of any layout: rank 0 loads it,
-/// each stage gets its parameters' state by name, and its replicas take it from the first one.
-/// (Each stage read its weights from the checkpoint when it was built.)
-pub(super) fn restore_pipeline(world: &World, pipeline: &Pipeline, found: Option<&Checkpoint>, net: &mut Net, exchange: &mut dyn Exchange, optimizer: &mut Optimizer) -> Result<()> {
-    let loaded = world.agree(match found {
-        Some(c) if world.is_root() => crate::checkpoint::load(c).map(Some),
-        _ => Ok(None),
-    })?;
-    // The weights were read from the checkpoint's weights file when the stage was built.
-    let saved_state = loaded.as_ref().map(|(_, s)| s);
-    let mut state = Vec::new();
-    for slot in optimizer.kind().slots() {
-        let wanted: Vec<String> = net.param_names.iter().map(|n| crate::checkpoint::state_name(slot, n)).collect();
-        let buffers = world.agree(pipeline.scatter_named(saved_state, &wanted, &net.params))?;
-        // A buffer the checkpoint lacks stays zero: a parameter never stepped.
-        state.push(buffers.into_iter().zip(&net.params).map(|(b, p)| match b {
-            Some(b) => Ok(b.f_to_device(p.device())?),
-            None => Ok(p.f_zeros_like()?),
-        }).collect::<Result<Vec<Tensor>>>()?);
-    }
-    let mut steps = found.map_or(0, |c| c.meta.optimizer_steps);
-    world.comm.process_at_rank(0).broadcast_into(&mut steps);
-    exchange.restore_optimizer(&net.params, state, steps, optimizer)
 }
 
 /// One named tensor to `to`: its name, its shape, its values as f32.

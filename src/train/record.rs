@@ -149,10 +149,26 @@ impl Run<'_> {
             let ms = mean_over_workers(tp.measured.time.as_secs_f64() * 1e3 / steps);
             (tp, held, ms)
         });
+        // What the resume read (every rank its own slices: bytes in all, the slowest rank's
+        // seconds), and what the checkpoints' writes cost (the same figures on every rank).
+        let resume_read = self.checkpoints.resume_read.as_ref().map(|stats| {
+            let read = stats.get();
+            (world.sum_f64(read.bytes as f64) as u64, world.max_f64(read.seconds))
+        });
         if !world.is_root() {
             return None;
         }
         let mut extra = report.extra.clone();
+        let log = &self.checkpoints;
+        if log.written > 0 {
+            extra.insert("checkpoint_writes".into(), log.written.into());
+            extra.insert("checkpoint_write_bytes".into(), log.written_bytes.into());
+            extra.insert("checkpoint_write_s".into(), log.written_seconds.into());
+        }
+        if let Some((bytes, seconds)) = resume_read {
+            extra.insert("resume_read_bytes".into(), bytes.into());
+            extra.insert("resume_read_s".into(), seconds.into());
+        }
         if let Some((tp, held, ms)) = tensor_parallel {
             let last = tp.last_step;
             extra.insert("tensor_parallel".into(), tp.layout.tensor.into());

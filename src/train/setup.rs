@@ -17,11 +17,11 @@ use crate::raw;
 use crate::results::{self};
 use crate::topology::World;
 
-use super::checkpoints::{checkpoint_meta, find_resume_point, load_checkpoint, lock_checkpoint_dir, restore, save_checkpoint_weights, CheckpointLog};
+use super::checkpoints::{checkpoint_meta, find_resume_point, lock_checkpoint_dir, restore_state, save_checkpoint_weights, state_reader, CheckpointLog};
 use super::collective::broadcast_step;
 use super::fsdp::{FullySharded, UnitWorker};
 use super::net::{input_spec, variable_blocks, InitialValues, Net, NetLayout, TensorPart};
-use super::pipeline::{restore_pipeline, Pipeline};
+use super::pipeline::Pipeline;
 use super::stages::choose_cut;
 use super::tensor::TensorParallel;
 use super::options::{OnOff, Precision, TrainArgs};
@@ -138,18 +138,11 @@ impl<'a> Run<'a> {
         // Every rank gives memory to what it holds only, each variable drawn from its name, read
         // from --init-weights, or read from the checkpoint it resumes from: no rank holds the
         // whole model, nothing is broadcast.
-        let resumed_at = args.checkpoint_dir.as_deref().filter(|_| first_step > 0).map(|dir| (dir, first_step));
-        let initial_values = world.agree(InitialValues::of(world, args, resumed_at))?;
+        let resumed_from = resume_from.as_ref().filter(|_| first_step > 0);
+        let initial_values = world.agree(InitialValues::of(args, resumed_from))?;
         let part = tensor_parallel.as_ref().map(|tp| TensorPart { split: tp.split(), rank: tp.rank, size: tp.layout.tensor });
         let (mut net, spec) = world.agree(Net::new(args, &info, plan.device, layout, part, &initial_values))?;
 
-        // --tensor-parallel, resuming: the whole optimizer state is read, and cut to this
-        // rank's part.
-        let mut cut_state = None;
-        if let (Some(tp), true) = (&tensor_parallel, first_step > 0) {
-            let (state, steps) = load_checkpoint(world, resume_from.as_ref(), &net, args.recipe.config().kind.slots())?;
-            cut_state = Some((tp.cut_state(&net.param_names, state, &net.param_names)?, steps));
-        }
         if args.channels_last {
             world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;
         }
@@ -170,12 +163,13 @@ impl<'a> Run<'a> {
             // LARS's trust ratio over whole layers, not over this rank's parts of them.
             optimizer.set_layer_parts(tp.layer_parts(&net.param_names));
         }
-        if resume_from.is_some() || first_step > 0 {
-            match (&pipeline, cut_state) {
-                (Some(p), _) => restore_pipeline(world, p, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?,
-                (None, Some((state, steps))) => exchange.restore_optimizer(&net.params, state, steps, &mut optimizer)?,
-                (None, None) => restore(world, resume_from.as_ref(), &mut net, exchange.as_mut(), &mut optimizer)?,
-            }
+        // Resuming: every rank reads the optimizer state it will hold (its exchange says which
+        // ranges), from the reader its weights came through or one on a whole checkpoint.
+        let mut resume_read = None;
+        if let Some(found) = resumed_from {
+            let reader = world.agree(state_reader(&initial_values, &found.dir))?;
+            resume_read = Some(reader.shared_stats());
+            world.agree(restore_state(reader, &net, tensor_parallel.as_ref(), exchange.as_mut(), &mut optimizer))?;
         }
         // --zero 3: the parameters cut to this rank's shards, the units' modules to their thread.
         let fsdp = match fully_sharded {
@@ -211,7 +205,7 @@ impl<'a> Run<'a> {
         let run = Run {
             world, args, plan, info, labels, cache_data, spec, net, exchange, optimizer, overlap, pipeline, fsdp, tensor_parallel, faults, stop, workers_comm, worker, workers,
             global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),
-            dataset_fingerprint, checkpoints: CheckpointLog { newest_good: resume_from.as_ref().map(|c| c.meta.step), failed: Vec::new() },
+            dataset_fingerprint, checkpoints: CheckpointLog { newest_good: resume_from.as_ref().map(|c| c.meta.step), resume_read, ..CheckpointLog::default() },
             _checkpoint_lock: checkpoint_lock,
         };
         run.log_start();

@@ -20,8 +20,7 @@ use crate::optim::{self};
 use crate::plan::shard::ShardInfo;
 use crate::topology::World;
 
-use super::checkpoints::{checkpoint_meta, save_checkpoint};
-use super::pipeline::save_pipeline_checkpoint;
+use super::checkpoints::{checkpoint_meta, save_checkpoint, save_sharded_checkpoint};
 use super::collective::{average_over, sum_pair};
 use super::net::{Net, Normalizer};
 use super::options::Precision;
@@ -355,27 +354,33 @@ impl Run<'_> {
         self.args.checkpoint_dir.is_some() && last_step % self.args.checkpoint_every == 0
     }
 
-    /// A checkpoint after `last_step` (every worker takes part; rank 0 writes it). A write that
-    /// fails on rank 0 ends the run there when this run has no earlier checkpoint to continue
-    /// from; otherwise it is logged and counted, and the run ends non-zero (see `record`).
+    /// A checkpoint after `last_step` (every worker takes part): sharded, every rank writing
+    /// what it holds (the parameter server: whole, rank 0 writing). A write that fails ends the
+    /// run when this run has no earlier checkpoint to continue from; otherwise it is logged and
+    /// counted, and the run ends non-zero (see `record`).
     pub(super) fn save_checkpoint(&mut self, last_step: u64) -> Result<()> {
         let Some(dir) = &self.args.checkpoint_dir else { return Ok(()) };
         let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, self.total_steps, last_step, self.optimizer.steps());
-        // Stage 3 writes the whole model: every unit gathered for the write, let go after it.
-        if self.fsdp.is_some() {
-            self.fsdp_make_whole()?;
+        let keep = self.args.keep_checkpoints;
+        if self.args.strategy == crate::exchange::StrategyKind::Ps {
+            return match save_checkpoint(self.world, dir, keep, &self.net, self.exchange.as_mut(), &self.optimizer, meta)? {
+                Some(written) => self.checkpoints.note(dir, last_step, written),
+                None => Ok(()),
+            };
         }
-        let saved = match &self.pipeline {
-            Some(p) => save_pipeline_checkpoint(p, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta),
-            None => save_checkpoint(self.world, dir, self.args.keep_checkpoints, &self.net, self.exchange.as_mut(), &self.optimizer, meta, self.tensor_parallel.as_ref()),
+        // The ranks that hold this rank's part alike: the exchange's.
+        let replicas = match (&self.pipeline, &self.tensor_parallel) {
+            (Some(p), _) => &p.stage_world,
+            (None, Some(tp)) => &tp.replicas,
+            (None, None) => self.world,
         };
-        if self.fsdp.is_some() {
-            self.fsdp_let_go()?;
+        let written = save_sharded_checkpoint(self.world, dir, keep, &self.net, self.exchange.as_mut(), &self.optimizer, meta, replicas, self.tensor_parallel.as_ref())?;
+        if let Ok(w) = &written {
+            self.checkpoints.count(w);
         }
-        let saved = saved?;
-        match saved {
-            Some(written) => self.checkpoints.note(dir, last_step, written),
-            None => Ok(()),
+        match self.world.is_root() {
+            true => self.checkpoints.note(dir, last_step, written.map(|w| w.dir)),
+            false => Ok(()),
         }
     }
 }

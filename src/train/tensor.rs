@@ -23,14 +23,14 @@ use mpi::traits::*;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::{self, Exchange, ExchangeConfig, ReduceOp, WholeState};
+use crate::exchange::{self, Exchange, ExchangeConfig, ReduceOp};
 use crate::model::vit::TensorSplit;
 use crate::optim::LayerParts;
 use crate::plan::tensor::{vit_split, Layout, Split};
 use crate::raw::{self, RegionAllReduce, RegisteredGroup};
 use crate::topology::World;
 
-use super::net::{cut_tensor, Net};
+use super::net::Net;
 use super::options::TrainArgs;
 
 /// What the group's all-reduces have cost so far (forward and backward, training and
@@ -201,30 +201,6 @@ impl TensorParallel {
         self.glue_named(net.named_variables())
     }
 
-    /// The optimizer's state buffers (`[slot][parameter]`, the parameters named by `names`)
-    /// glued whole (collective over the group).
-    pub(super) fn whole_state(&self, names: &[String], state: WholeState) -> Result<WholeState> {
-        state.into_iter().map(|slot| Ok(self.glue_named(names.iter().cloned().zip(slot).collect())?.into_iter().map(|(_, t)| t).collect())).collect()
-    }
-
-    /// This rank's part of whole state buffers (`[slot][parameter]`, of the parameters named by
-    /// `whole_names`), in the order of `part_names`: what a checkpoint's state comes to on resume.
-    pub(super) fn cut_state(&self, whole_names: &[String], state: WholeState, part_names: &[String]) -> Result<WholeState> {
-        state
-            .into_iter()
-            .map(|slot| {
-                let mut by_name: BTreeMap<&String, Tensor> = whole_names.iter().zip(slot).collect();
-                part_names
-                    .iter()
-                    .map(|name| {
-                        let whole = by_name.remove(name).ok_or_else(|| Error::usage(format!("--tensor-parallel: no optimizer state for {name}")))?;
-                        cut_tensor(&whole, vit_split(name), self.rank, self.layout.tensor)
-                    })
-                    .collect()
-            })
-            .collect()
-    }
-
     /// Named tensors (variables or state buffers of parameters, by the parameter's name) glued
     /// whole from every rank's part, in the order given (collective over the group).
     fn glue_named(&self, named: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
@@ -270,6 +246,7 @@ fn glue(parts: &[Tensor], split: Split) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::net::cut_tensor;
     use super::*;
     use tch::Kind;
 
