@@ -6,7 +6,8 @@
 #   2. with MPICH: every test whose subject depends on the MPI library (the unit tests, and the
 #      tests of optimizer arithmetic, datasets, reports, projections and the source's layout,
 #      run once; the few tests that cannot run under MPICH say so and why: README, "MPI
-#      libraries").
+#      libraries"), by Open MPI's build of the test binaries run against MPICH's hpc-train
+#      (they link no MPI; HPC_TRAIN_TEST_MPI_FAMILY tells them the launcher).
 #   scripts/test.sh                       both, as CI runs it
 #   scripts/test.sh --test horovod        cargo test's own selection, under both MPIs
 #   HPC_TRAIN_TEST_MPI=mpich scripts/test.sh   one MPI only (openmpi or mpich)
