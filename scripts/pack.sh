@@ -57,11 +57,17 @@ mkdir -p "$out/usr/lib/x86_64-linux-gnu" "$out/usr/bin" "$out/usr/share"
 cp -a "$ompi" "$out/usr/lib/x86_64-linux-gnu/"
 cp -a /usr/share/openmpi "$out/usr/share/"
 cp -a /etc/openmpi "$out/usr/etc-openmpi" 2>/dev/null || true
-for tool in orterun orted ompi_info; do
-    cp -L "/usr/bin/$tool" "$out/usr/bin/"
-done
-ln -sf orterun "$out/usr/bin/mpirun"
-ln -sf orterun "$out/usr/bin/mpiexec"
+# copy_launcher FROM TO: Open MPI's launcher (orterun as mpirun and mpiexec, the daemon orted)
+# and ompi_info, from one bin/ folder into another.
+copy_launcher() {
+    local tool
+    for tool in orterun orted ompi_info; do
+        cp -L "$1/$tool" "$2/"
+    done
+    ln -sf orterun "$2/mpirun"
+    ln -sf orterun "$2/mpiexec"
+}
+copy_launcher /usr/bin "$out/usr/bin"
 
 # Shared libraries the binary, the Open MPI tools and the plugins need, except the C and C++
 # runtimes (the target's are newer), the GPU driver and libtorch with its CUDA libraries (the
@@ -117,11 +123,7 @@ ENV
 if [ -n "$cuda_mpi" ]; then
     cuda_out=$out/openmpi-cuda
     mkdir -p "$cuda_out/bin" "$cuda_out/lib" "$cuda_out/share"
-    for tool in orterun orted ompi_info; do
-        cp -L "$cuda_mpi/bin/$tool" "$cuda_out/bin/"
-    done
-    ln -sf orterun "$cuda_out/bin/mpirun"
-    ln -sf orterun "$cuda_out/bin/mpiexec"
+    copy_launcher "$cuda_mpi/bin" "$cuda_out/bin"
     (cd "$cuda_mpi/lib" && find . \( -name '*.so' -o -name '*.so.*' \) \( -type f -o -type l \) -print0 \
         | tar --null -T - -cf -) | tar -C "$cuda_out/lib" -xf -
     cp -a "$cuda_mpi/share/openmpi" "$cuda_out/share/"
