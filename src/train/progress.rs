@@ -46,7 +46,8 @@ impl Timings {
     }
 }
 
-/// A step's loss: read, or left on the device with its step's gradient flag ([`DeferredChecks`]).
+/// A step's loss: read, or left on the device with its step's gradient flag (step.rs,
+/// `DeferredChecks`).
 pub(super) enum StepLoss {
     Read(f64),
     OnDevice(PendingLoss),
@@ -75,10 +76,7 @@ impl PendingLoss {
         let values = Vec::<f32>::try_from(Tensor::f_stack(&rows, 0)?.f_to_device(tch::Device::Cpu)?.f_view([-1])?)?;
         let mut losses = Vec::with_capacity(pending.len());
         for (p, pair) in pending.iter().zip(values.chunks(2)) {
-            let loss = if p.injected_nan { f64::NAN } else { f64::from(pair[0]) };
-            if !loss.is_finite() {
-                return Err(Error::NonFinite { what: "loss", step: p.step, epoch: p.epoch });
-            }
+            let loss = finite_loss(f64::from(pair[0]), p.injected_nan, p.step, p.epoch)?;
             if pair[1] != 0.0 {
                 return Err(Error::NonFinite { what: "gradient", step: p.step, epoch: p.epoch });
             }
@@ -86,6 +84,16 @@ impl PendingLoss {
         }
         Ok(losses)
     }
+}
+
+/// A step's summed loss as read, or its error when it is not finite (`injected_nan`: the `nan`
+/// fault's test hook, under which it reads as NaN).
+pub(super) fn finite_loss(value: f64, injected_nan: bool, step: u64, epoch: u64) -> Result<f64> {
+    let value = if injected_nan { f64::NAN } else { value };
+    if !value.is_finite() {
+        return Err(Error::NonFinite { what: "loss", step, epoch });
+    }
+    Ok(value)
 }
 
 /// Mean training loss over a window of steps, and the last step's loss.
@@ -107,13 +115,16 @@ impl Default for LossWindow {
 impl LossWindow {
     pub(super) fn add(&mut self, loss: StepLoss, samples: usize) {
         match loss {
-            StepLoss::Read(value) => {
-                self.sum += value;
-                self.samples += samples as f64;
-                self.last = (value, samples as f64);
-            }
+            StepLoss::Read(value) => self.count(value, samples),
             StepLoss::OnDevice(pending) => self.pending.push((pending, samples)),
         }
+    }
+
+    /// A step's loss, read, into the window and as the last step's.
+    fn count(&mut self, value: f64, samples: usize) {
+        self.sum += value;
+        self.samples += samples as f64;
+        self.last = (value, samples as f64);
     }
 
     /// Reads the pending steps' losses (one wait for the device), or fails on the first step
@@ -122,9 +133,7 @@ impl LossWindow {
         let pending = std::mem::take(&mut self.pending);
         let (steps, samples): (Vec<PendingLoss>, Vec<usize>) = pending.into_iter().unzip();
         for (value, n) in PendingLoss::read_all(&steps)?.into_iter().zip(samples) {
-            self.sum += value;
-            self.samples += n as f64;
-            self.last = (value, n as f64);
+            self.count(value, n);
         }
         Ok(())
     }
