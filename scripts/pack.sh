@@ -16,6 +16,8 @@
 # The binaries lose their debug information (124 MB -> 9 MB), so that the bundle travels light.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+# shellcheck source=scripts/lib/cargo.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/cargo.sh"
 cd "$HPC_TRAIN_ROOT"
 tests=""
 cuda_mpi=""
@@ -39,13 +41,7 @@ strip -o "$out/bin/hpc-train" "$HPC_TRAIN_BIN"
 if [ -n "$tests" ]; then
     mkdir -p "$out/tests"
     for name in ${tests//,/ }; do
-        # cargo names the executable it built (with a hash) in its JSON messages.
-        executable=$(cargo test --release --locked --no-run --test "$name" --message-format=json 2>/dev/null \
-            | python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        print(m["executable"])' | tail -n 1)
+        executable=$(test_executables --test "$name" | tail -n 1)
         [ -x "$executable" ] || { echo "pack.sh: no test binary for tests/$name.rs" >&2; exit 1; }
         strip -o "$out/tests/$name" "$executable"
     done

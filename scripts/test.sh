@@ -38,13 +38,8 @@ need_packages slurm-wlm munge || echo "the Slurm test will be skipped" >&2
 # The integration tests launch hpc-train and link no MPI: under the second MPI, Open MPI's build
 # of them runs against MPICH's hpc-train (HPC_TRAIN_TEST_BINARY), told its family, instead of
 # being compiled again (about 1.5 of CI's minutes).
-test_executables() {  # test_executables CARGO-TEST-ARGS...: the test binaries cargo built
-    cargo test --release --locked --no-run --message-format=json "$@" 2>/dev/null | python3 -c 'import json, sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        print(m["executable"])'
-}
+# shellcheck source=scripts/lib/cargo.sh
+source scripts/lib/cargo.sh
 
 for mpi in "${libraries[@]}"; do
     HPC_TRAIN_MPI=$mpi
