@@ -104,17 +104,20 @@ mod tests {
     use super::*;
 
     /// The peak is never below a resident-memory figure read earlier, nor below the one now
-    /// (issue 31: results/zero showed a "peak" below "RSS at end").
+    /// (issue 31: results/zero showed a "peak" below "RSS at end"). Unit tests share this
+    /// process with other tests running on other threads, which allocate and free as they
+    /// please, so nothing here asserts how much the resident memory moved (CI once saw 96 MiB
+    /// touched here grow it by 52 MiB, another test having freed the rest meanwhile): only the
+    /// ordering, which holds whatever the other threads do.
     #[test]
     fn the_peak_is_at_least_every_resident_figure() {
-        let before = current_rss_mb();
         let mut block = vec![0u8; 96 << 20];
-        // Touch every page so that it becomes resident.
+        // Touch every page so that it becomes resident, a figure the peak must then cover.
         block.iter_mut().step_by(4096).for_each(|b| *b = 1);
         let during = current_rss_mb();
-        assert!(during > before + 64.0, "96 MiB touched: {before:.1} -> {during:.1} MiB");
         drop(std::hint::black_box(block));
+        let now = current_rss_mb();
         let peak = peak_rss_mb();
-        assert!(peak >= during && peak >= current_rss_mb(), "peak {peak:.1} < a figure read before ({during:.1})");
+        assert!(peak >= during && peak >= now, "peak {peak:.1} MiB below a figure read before it ({during:.1}, {now:.1})");
     }
 }
