@@ -501,7 +501,11 @@ fn a_refused_pair_ends_the_launch_at_once_with_one_line() {
     let mut seen = Vec::new();
     for (index, case) in m.cases.iter().enumerate() {
         let Expect::Refused { why, naming } = &case.expect else { continue };
-        if seen.contains(why) {
+        // Which pairs are refused, and with what words, is planning that runs before any MPI
+        // call; what the launcher adds is how the refused launch ends (one line, every rank
+        // non-zero, at once). MPICH's run shows that for the first few reasons, Open MPI's for
+        // every one (common::launcher::every_row).
+        if seen.contains(why) || (!common::launcher::every_row() && seen.len() == MPICH_REFUSED_LAUNCHES) {
             continue;
         }
         seen.push(why.clone());
@@ -515,8 +519,11 @@ fn a_refused_pair_ends_the_launch_at_once_with_one_line() {
         assert!(run.elapsed < Duration::from_secs(20), "{}: {:?}", case.what, run.elapsed);
         assert!(!dir.join(format!("results/{index}/runs.jsonl")).exists() && !dir.join(format!("weights/{index}.safetensors")).exists(), "{}", case.what);
     }
-    assert!(seen.len() >= 10, "{seen:?}");
+    assert!(seen.len() >= 10.min(if common::launcher::every_row() { usize::MAX } else { MPICH_REFUSED_LAUNCHES }), "{seen:?}");
 }
+
+/// How many refusals with distinct reasons MPICH's run launches (Open MPI's launches every one).
+const MPICH_REFUSED_LAUNCHES: usize = 4;
 
 /// The flags a refusal may name for an option or kind of the table: its own, or those of the
 /// kinds it implies.

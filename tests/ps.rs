@@ -61,6 +61,11 @@ fn async_with_staleness_zero_equals_sync() {
 
 #[test]
 fn async_with_staleness_learns_like_sync() {
+    // A learning curve, not an MPI behaviour: Open MPI's run only (common::launcher::every_row);
+    // MPICH's run keeps the exact staleness-0 test.
+    if !common::launcher::every_row() {
+        return;
+    }
     let dir = scratch("ps-learn");
     let data = fashion_mnist();
     let mut accuracy = Vec::new();
