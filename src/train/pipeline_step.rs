@@ -15,7 +15,7 @@ use crate::exchange::staging::synchronize_device;
 use crate::optim;
 use crate::plan::shard::ShardInfo;
 
-use super::collective::{average_over, sum_pair};
+use super::collective::sum_pair;
 use super::net::Normalizer;
 use super::progress::Timings;
 use super::run::Run;
@@ -82,7 +82,8 @@ impl Run<'_> {
         Ok(StepDone { timings, loss: StepLoss::Read(loss_sum), samples: if last_stage { n } else { 0 }, epoch: batch.epoch })
     }
 
-    /// Test loss and accuracy through the pipelines: each replica evaluates its share of the
+    /// Test loss and accuracy through the pipelines (the batch-norm statistics averaged first,
+    /// by evaluate_epoch): each replica evaluates its share of the
     /// test set in micro-batches of training's size, pipelined through the stages (forwards
     /// only: stage p on micro-batch m while stage p + 1 is on m - 1), the first stage reading
     /// the images and the last scoring against the labels. Batch norm uses its running
@@ -91,8 +92,6 @@ impl Run<'_> {
     pub(super) fn pipeline_evaluate(&mut self, norm: &Normalizer) -> Result<(f64, f64)> {
         let pipeline = self.pipeline.as_mut().expect("a pipelined run");
         let (info, labels): (&DatasetInfo, &Labels) = (&self.info, &self.labels);
-        let buffers: Vec<Tensor> = self.net.buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
-        average_over(&pipeline.stage_world.comm, &buffers, true, pipeline.stage_world.size as usize)?;
         let shard = ShardInfo::split(info.test.len, self.workers, pipeline.replica);
         let size = self.plan.batch.div_ceil(pipeline.shape().micro_batches).max(1);
         let micro: Vec<ShardInfo> = (shard.offset..shard.end()).step_by(size).map(|offset| ShardInfo { offset, len: size.min(shard.end() - offset) }).collect();

@@ -311,20 +311,24 @@ impl Run<'_> {
 
     /// Test loss and accuracy at an epoch's end, batch-norm statistics averaged first.
     pub(super) fn evaluate_epoch(&mut self, step: u64, epoch: u64, state: &LoopState) -> Result<(f64, f64)> {
+        let _phase = super::memory::enter(super::memory::Phase::Evaluation);
+        // Batch-norm statistics averaged among the ranks that hold the same buffers, chosen here
+        // for every step kind: a stage's replicas in a pipeline (with tensor parallelism, those
+        // of the same part), the D replicas of this rank's part with tensor parallelism alone
+        // (a group's other ranks hold other parts, whose buffers need not even have this
+        // part's sizes: issue 48, item 4), else every worker (not ps's dedicated servers).
         let buffers: Vec<Tensor> = self.net.buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
+        let (holders, count) = match (&self.pipeline, &self.tensor_parallel) {
+            (Some(p), _) => (&p.stage_world.comm, p.stage_world.size as usize),
+            (None, Some(tp)) => (&tp.replicas.comm, tp.replicas.size as usize),
+            (None, None) => (&self.workers_comm, self.workers),
+        };
+        average_over(holders, &buffers, true, count)?;
         let (test_loss, accuracy) = if self.pipeline.is_some() {
             self.pipeline_evaluate(&state.norm)?
         } else if self.fsdp.is_some() {
-            average_over(&self.workers_comm, &buffers, true, self.workers)?;
             self.fsdp_evaluate(&state.norm)?
         } else {
-            // Averaged among the ranks that hold the same buffers: all workers, or with tensor
-            // parallelism the D replicas of this rank's part (a group's other ranks hold other
-            // parts, whose buffers need not even have this part's sizes).
-            match &self.tensor_parallel {
-                Some(tp) => average_over(&tp.replicas.comm, &buffers, true, tp.replicas.size as usize)?,
-                None => average_over(&self.workers_comm, &buffers, true, self.workers)?,
-            }
             // A tensor-parallel group's ranks evaluate the same samples; the first counts them.
             let counted = self.tensor_parallel.as_ref().is_none_or(|tp| tp.rank == 0);
             evaluate(&self.net, &state.norm, &self.args.data, &self.info, &self.labels, &self.workers_comm, self.worker, self.workers, self.plan.batch, counted)?
@@ -356,6 +360,7 @@ impl Run<'_> {
     /// run when this run has no earlier checkpoint to continue from; otherwise it is logged and
     /// counted, and the run ends non-zero (see `record`).
     pub(super) fn save_checkpoint(&mut self, last_step: u64) -> Result<()> {
+        let _phase = super::memory::enter(super::memory::Phase::Checkpoint);
         let Some(dir) = &self.args.checkpoint_dir else { return Ok(()) };
         let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, self.total_steps, last_step, self.optimizer.steps());
         let keep = self.args.keep_checkpoints;
