@@ -58,7 +58,7 @@ pub use mapped::map_read_only;
 pub use messages::TensorMessage;
 pub use self::mpi::{abort_world, any_tag, exit_now, int_control_variable, mpi_cuda_support, mpix_gpu_query_support_cuda, tag_upper_bound, PeerComm, PointToPoint, SendComm};
 pub use regions::{register_group, RegionAllReduce, RegionGroup, RegisteredGroup};
-pub use process::{current_rss_mb, free_bytes, hostname, keep_freed_memory, peak_rss_mb};
+pub use process::{current_rss_mb, free_bytes, hostname, keep_freed_memory, peak_rss_mb, peak_rss_since_restart_mb, restart_peak_rss};
 pub use profiler::{profiler_start, profiler_stop, StepMark};
 pub use requests::{completed_requests, with_segments, Backoff, Segments};
 pub use tensor::{

@@ -56,6 +56,25 @@ pub fn keep_freed_memory() {
     }
 }
 
+/// The high-water mark of this process's resident memory since the last [`restart_peak_rss`]
+/// (or since it started), in MiB: Linux's VmHWM. None where /proc/self/status has no such line.
+pub fn peak_rss_since_restart_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: f64 = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+/// Starts a new high-water mark of resident memory, so that [`peak_rss_since_restart_mb`] then
+/// gives the peak of what follows (a phase of the run): writes 5 to /proc/self/clear_refs
+/// (Linux 4.0 and later). The old mark is folded into [`peak_rss_mb`] first, since getrusage's
+/// ru_maxrss reads the same mark and would drop with it. False where the kernel refuses.
+pub fn restart_peak_rss() -> bool {
+    if let Some(mark) = peak_rss_since_restart_mb() {
+        HIGHEST_RSS_SEEN.fetch_max(mark.to_bits(), std::sync::atomic::Ordering::Relaxed);
+    }
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 /// Current resident memory of this process, in MiB (from /proc/self/statm).
 pub fn current_rss_mb() -> f64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
@@ -99,6 +118,11 @@ pub fn hostname() -> String {
     unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
 }
 
+/// Held by the unit tests that measure this process's resident memory, which would otherwise
+/// see each other's blocks (the test harness runs tests on parallel threads of one process).
+#[cfg(test)]
+pub(crate) static MEMORY_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,6 +135,7 @@ mod tests {
     /// ordering, which holds whatever the other threads do.
     #[test]
     fn the_peak_is_at_least_every_resident_figure() {
+        let _alone = MEMORY_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let mut block = vec![0u8; 96 << 20];
         // Touch every page so that it becomes resident, a figure the peak must then cover.
         block.iter_mut().step_by(4096).for_each(|b| *b = 1);
@@ -119,5 +144,23 @@ mod tests {
         let now = current_rss_mb();
         let peak = peak_rss_mb();
         assert!(peak >= during && peak >= now, "peak {peak:.1} MiB below a figure read before it ({during:.1}, {now:.1})");
+    }
+
+    /// A restarted high-water mark drops to about the memory now, and the whole run's peak
+    /// keeps what came before the restart. Other tests' threads may allocate meanwhile, so the
+    /// drop is checked against a block far larger than they hold at once.
+    #[test]
+    fn a_restarted_peak_forgets_what_came_before_and_the_run_peak_does_not() {
+        let _alone = MEMORY_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut block = vec![0u8; 512 << 20];
+        block.iter_mut().step_by(4096).for_each(|b| *b = 1);
+        let with_block = peak_rss_since_restart_mb().expect("VmHWM in /proc/self/status");
+        drop(std::hint::black_box(block));
+        assert!(restart_peak_rss(), "/proc/self/clear_refs refused 5");
+        let after = peak_rss_since_restart_mb().unwrap();
+        assert!(after < with_block - 256.0, "a restarted mark of {after:.1} MiB kept the 512 MiB block ({with_block:.1} before)");
+        // Within 1 MiB: the kernel folds per-thread RSS counters in lazily, so two readings of
+        // one mark can differ by a few pages (918.1 against 918.2 MiB seen).
+        assert!(peak_rss_mb() >= with_block - 1.0, "the run's peak {:.1} lost the mark before the restart ({with_block:.1})", peak_rss_mb());
     }
 }

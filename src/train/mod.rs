@@ -18,6 +18,7 @@ mod checkpoints;
 mod collective;
 mod fsdp;
 mod fsdp_step;
+mod memory;
 mod net;
 pub mod options;
 mod pipeline;
@@ -69,10 +70,12 @@ pub fn catch_stop_signals() {
 /// step ends in [`Error::Stopped`](crate::error::Error::Stopped) on every rank.
 pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Option<RunRecord>> {
     let Some(mut run) = Run::set_up(world, args)? else { return Ok(None) };
+    memory::switch(memory::Phase::Training);
     let outcome = match run.exchange.role() {
         Role::Server => run.serve()?,
         Role::Worker { .. } => run.train()?,
     };
+    memory::switch(memory::Phase::End);
     run.exchange.finish(&mut run.net.params)?;
     if let Some(tensor_parallel) = &run.tensor_parallel {
         tensor_parallel.finish()?;

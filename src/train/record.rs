@@ -11,6 +11,7 @@ use crate::results::{self, RunRecord};
 
 use super::checkpoints::{save_named, save_weights, CheckpointLog};
 use super::collective::broadcast_step;
+use super::memory;
 use super::options::Scaling;
 use super::plan::device_name;
 use super::run::{Outcome, Run, RunContext};
@@ -151,6 +152,7 @@ impl Run<'_> {
         });
         // What the resume read (every rank its own slices: bytes in all, the slowest rank's
         // seconds), and what the checkpoints' writes cost (the same figures on every rank).
+        let memory_by_phase = memory_by_phase(world);
         let resume_read = self.checkpoints.resume_read.as_ref().map(|stats| {
             let read = stats.get();
             (world.sum_f64(read.bytes as f64) as u64, world.max_f64(read.seconds))
@@ -164,6 +166,9 @@ impl Run<'_> {
             extra.insert("checkpoint_writes".into(), log.written.into());
             extra.insert("checkpoint_write_bytes".into(), log.written_bytes.into());
             extra.insert("checkpoint_write_s".into(), log.written_seconds.into());
+        }
+        if !memory_by_phase.is_empty() {
+            extra.insert("peak_rss_mb_by_phase".into(), memory_by_phase.into());
         }
         if let Some((bytes, seconds)) = resume_read {
             extra.insert("resume_read_bytes".into(), bytes.into());
@@ -262,6 +267,26 @@ impl Run<'_> {
             extra,
         })
     }
+}
+
+/// Every rank's peak resident memory in each phase of the run (memory.rs), as
+/// `{"set-up": [rank 0's MiB, rank 1's, ...], "training": [...], ...}` on rank 0; a rank that
+/// never entered a phase has null there. Collective over `world`. Empty where the kernel could
+/// not tell the phases apart.
+fn memory_by_phase(world: &crate::topology::World) -> serde_json::Map<String, serde_json::Value> {
+    use mpi::traits::*;
+    let peaks = memory::peaks();
+    let mine: Vec<f64> = memory::Phase::ALL.iter().map(|&phase| peaks.iter().find(|(p, _)| *p == phase).map_or(-1.0, |(_, mb)| *mb)).collect();
+    let mut all = vec![0.0; mine.len() * world.size as usize];
+    crate::watchdog::collective("gathering the memory peaks", &world.comm, || world.comm.all_gather_into(&mine[..], &mut all[..]));
+    let mut by_phase = serde_json::Map::new();
+    for (i, phase) in memory::Phase::ALL.iter().enumerate() {
+        let ranks: Vec<Option<f64>> = all.chunks(mine.len()).map(|r: &[f64]| (r[i] >= 0.0).then(|| (r[i] * 10.0).round() / 10.0)).collect();
+        if ranks.iter().any(Option::is_some) {
+            by_phase.insert(phase.name().into(), serde_json::json!(ranks));
+        }
+    }
+    by_phase
 }
 
 pub fn mpi_library() -> String {
