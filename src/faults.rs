@@ -17,6 +17,9 @@
 //!   flight (an error only this rank sees, in the middle of the step).
 //! - `term`: that rank sends itself SIGTERM during set-up, before the data is opened (STEP is
 //!   ignored; a stop requested while the job starts).
+//! - `stall-write`: that rank sleeps SECONDS in the middle of writing its part of the checkpoint
+//!   of step STEP (the folder `ckpt-<STEP>`), after the first piece of its part file, so that a
+//!   test can kill the job while a checkpoint is half written.
 //!
 //! Every step kind (plain, pipelined, `--zero 3`) honours every kind at the same points, through
 //! `train::step::StepFaults`. Nothing happens when the variable is unset; a malformed value, a
@@ -49,6 +52,7 @@ pub enum Fault {
     Error,
     Stall(Duration),
     StallAfter(Duration),
+    StallWrite(Duration),
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -66,7 +70,7 @@ impl Faults {
     /// Parses `spec` for a job of `ranks` ranks: a fault on a rank the job lacks would silently
     /// never happen, and a test relying on it would pass for the wrong reason.
     pub fn parse(spec: &str, ranks: i32) -> Result<Faults> {
-        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, error, stall, stall-after, setup or term)"));
+        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, error, stall, stall-after, stall-write, setup or term)"));
         let pause = |item: &str, secs: &str| -> Result<Duration> {
             let secs: f64 = secs.parse().map_err(|_| bad(item))?;
             if !(0.0..=MAX_STALL_S).contains(&secs) {
@@ -90,6 +94,7 @@ impl Faults {
                 ("error", None, _) => Fault::Error,
                 ("stall", Some(secs), 3) => Fault::Stall(pause(item, secs)?),
                 ("stall-after", Some(secs), 3) => Fault::StallAfter(pause(item, secs)?),
+                ("stall-write", Some(secs), 3) => Fault::StallWrite(pause(item, secs)?),
                 _ => return Err(bad(item)),
             };
             if !(0..ranks).contains(&rank) {
@@ -100,9 +105,18 @@ impl Faults {
         Ok(Faults(out))
     }
 
-    /// The fault planned for `rank` at `step`, if any.
+    /// The fault planned for `rank` at the training step `step`, if any (set-up's and the
+    /// checkpoint writes' are asked for apart).
     pub fn at(&self, rank: i32, step: u64) -> Option<&Fault> {
-        self.0.iter().find(|(f, r, s)| *r == rank && *s == step && !matches!(f, Fault::Setup | Fault::Term)).map(|(f, _, _)| f)
+        self.0.iter().find(|(f, r, s)| *r == rank && *s == step && !matches!(f, Fault::Setup | Fault::Term | Fault::StallWrite(_))).map(|(f, _, _)| f)
+    }
+
+    /// How long `rank` is to pause in the middle of writing the checkpoint of step `step`.
+    pub fn write_stall(&self, rank: i32, step: u64) -> Option<Duration> {
+        self.0.iter().find_map(|(f, r, s)| match f {
+            Fault::StallWrite(pause) if *r == rank && *s == step => Some(*pause),
+            _ => None,
+        })
     }
 
     /// Whether `rank` is to send itself SIGTERM during set-up.
@@ -122,7 +136,9 @@ mod tests {
 
     #[test]
     fn parses_and_rejects() {
-        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0,stall-after@1:9:2,error@2:1,infgrad@2:5", 3).unwrap();
+        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0,stall-after@1:9:2,error@2:1,infgrad@2:5,stall-write@0:20:3", 3).unwrap();
+        assert_eq!(f.write_stall(0, 20), Some(Duration::from_secs(3)));
+        assert_eq!((f.write_stall(0, 19), f.write_stall(1, 20), f.at(0, 20)), (None, None, None), "a write's stall is no step's fault");
         assert_eq!(f.at(0, 4), Some(&Fault::NanGrad));
         assert!(f.setup_fails(1) && !f.setup_fails(0));
         let term = Faults::parse("term@1:0", 2).unwrap();
@@ -136,7 +152,7 @@ mod tests {
         assert_eq!(f.at(1, 9), Some(&Fault::StallAfter(Duration::from_secs(2))));
         assert_eq!(f.at(2, 1), Some(&Fault::Error));
         assert_eq!(f.at(2, 5), Some(&Fault::InfGrad));
-        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "stall-after@1:1", "nan@1:2:3", "stall@1:1:2:3", "error@1:1:2"] {
+        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "stall-after@1:1", "nan@1:2:3", "stall@1:1:2:3", "error@1:1:2", "stall-write@1:1"] {
             assert!(Faults::parse(bad, 3).is_err(), "{bad}");
         }
     }

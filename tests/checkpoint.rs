@@ -251,3 +251,49 @@ fn a_pipeline_of_tensor_parallel_groups_resumes_as_plain_data_parallelism() {
     let data = vit_data("pptp");
     checkpoint_then_resume("pp2tp2-to-dp2", &vit_args(&data), 4, &["--pipeline-stages", "2", "--tensor-parallel", "2", "--micro-batches", "2"], 2, &[], 4, 2);
 }
+
+/// A job killed while it writes a checkpoint (every rank SIGKILLed, as a node failure or a batch
+/// system's kill after its grace period would) leaves the previous checkpoint the newest good
+/// one: the half-written one is never taken for a checkpoint, and a resume from the previous
+/// one ends with the weights of the run that was not killed. `stall-write` holds rank 1 in the
+/// middle of its part file of step 6, its first piece written, until the kill.
+#[test]
+fn a_write_killed_midway_leaves_the_previous_checkpoint_and_the_resume_equals_the_run_not_killed() {
+    let dir = scratch("ckpt-killed-write");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let data = tiny_data("killed-write");
+    let ckpt = dir.join("ckpt");
+    let with = |extra: &[&str]| -> Vec<String> {
+        let mut args: Vec<String> = tiny_args(&data).iter().map(|x| x.to_string()).collect();
+        args.extend(["--steps", "9", "--checkpoint-every", "3", "--keep-checkpoints", "10", "--zero", "1", "--strategy", "ring"].map(String::from));
+        args.extend(extra.iter().map(|x| x.to_string()));
+        args
+    };
+    let full = dir.join("full.safetensors");
+    let args = with(&["--results", &s(&dir.join("full")), "--checkpoint-dir", &s(&dir.join("full-ckpt")), "--save-weights", &s(&full)]);
+    mpirun(3, &args.iter().map(String::as_str).collect::<Vec<_>>()).expect_ok();
+
+    let args = with(&["--results", &s(&dir.join("killed")), "--checkpoint-dir", &s(&ckpt)]);
+    let log = dir.join("killed.log");
+    let mut child = spawn_mpirun(3, &args.iter().map(String::as_str).collect::<Vec<_>>(), &[("HPC_TRAIN_FAULT", "stall-write@1:6:120")], &log);
+    let half_written = ckpt.join(".ckpt-000000000006.partial").join("part-00001.safetensors");
+    wait_until(Duration::from_secs(60), "rank 1 in the middle of its part of step 6", || {
+        std::fs::read_to_string(&log).unwrap_or_default().contains("pausing 120 s in the middle of")
+    });
+    assert!(half_written.exists(), "{}", std::fs::read_to_string(&log).unwrap_or_default());
+    for pid in rank_pids(child.id()) {
+        signal(pid, "KILL");
+    }
+    let (code, _) = wait_limited(&mut child, Duration::from_secs(30)).expect("the job ended after the kill");
+    assert_ne!(code, Some(0));
+    assert_eq!(checkpoint_steps(&ckpt), vec![3], "only the checkpoint before the killed write is a checkpoint");
+
+    let resumed = dir.join("resumed.safetensors");
+    let args = with(&["--results", &s(&dir.join("resumed")), "--checkpoint-dir", &s(&ckpt), "--save-weights", &s(&resumed), "--resume"]);
+    let run = mpirun(3, &args.iter().map(String::as_str).collect::<Vec<_>>()).expect_ok();
+    assert!(run.stderr.contains("(step 3,"), "{}", run.all_output());
+    assert_eq!(checkpoint_steps(&ckpt), vec![3, 6, 9], "the resumed run writes step 6 again, then 9");
+    assert!(!ckpt.join(".ckpt-000000000006.partial").exists(), "the half-written folder is replaced");
+    let diff = max_relative_difference(&full, &resumed);
+    assert!(diff < F32_TOLERANCE, "the resume after a killed write differs from the run not killed by {diff:e}");
+}

@@ -166,7 +166,7 @@ pub fn reshard(world: &World, args: &ReshardArgs) -> Result<()> {
     let reader = world.agree(CheckpointReader::open(&found))?;
     let pieces = world.agree(my_pieces(&reader, args.layout, world.rank as usize, world.size as usize))?;
     let read = reader.stats();
-    let written = save_sharded(world, &args.to, found.meta.clone(), &pieces, args.keep)?;
+    let written = save_sharded(world, &args.to, found.meta.clone(), &pieces, args.keep, None)?;
     let (read_bytes, read_seconds) = (world.sum_f64(read.bytes as f64) as u64, world.max_f64(read.seconds));
     if world.is_root() {
         println!(

@@ -81,8 +81,9 @@ pub struct Written {
 /// Writes this rank's part file into the partial folder `partial`: `pieces` in order, each
 /// copied to the host alone, keyed `<section>/<name>#<k>` (the k-th piece of that tensor in this
 /// file); the file is synced. Checks each piece against its tensor (region inside the shape,
-/// as many elements as the region) before writing anything.
-pub fn write_part(partial: &Path, rank: usize, pieces: &[Piece]) -> Result<PartWritten> {
+/// as many elements as the region) before writing anything. `pause_midway` (a test hook,
+/// `HPC_TRAIN_FAULT=stall-write`) sleeps after the first piece, the file half written.
+pub fn write_part(partial: &Path, rank: usize, pieces: &[Piece], pause_midway: Option<std::time::Duration>) -> Result<PartWritten> {
     let start = Instant::now();
     let file = part_file(rank);
     let path = partial.join(&file);
@@ -104,8 +105,12 @@ pub fn write_part(partial: &Path, rank: usize, pieces: &[Piece]) -> Result<PartW
         written.push(PieceWritten { section: p.section, name: p.name.clone(), shape: p.shape.clone(), dtype: dtype.into(), key, region: p.region.clone() });
     }
     let mut out = StreamWriter::create(&path, entries)?;
-    for p in pieces {
+    for (i, p) in pieces.iter().enumerate() {
         out.write_next(&p.data)?;
+        if let (0, Some(pause)) = (i, pause_midway) {
+            eprintln!("rank {rank}: pausing {:.0} s in the middle of {} (injected fault)", pause.as_secs_f64(), path.display());
+            std::thread::sleep(pause);
+        }
     }
     let check = out.finish()?;
     Ok(PartWritten { rank, file, check, pieces: written, seconds: start.elapsed().as_secs_f64() })
@@ -141,7 +146,8 @@ pub fn finish(root: &Path, partial: &Path, mut meta: CheckpointMeta, parts: &[Pa
 /// caller's choice; every tensor must be covered exactly once across the ranks. Returns the same
 /// [`Written`] on every rank, or an error on every rank (the folder is then not written, and
 /// the previous checkpoints are untouched). `meta.files` and `meta.format` are set here.
-pub fn save_sharded(world: &World, root: &Path, meta: CheckpointMeta, pieces: &[Piece], keep: usize) -> Result<Written> {
+/// `pause_midway`: [`write_part`]'s test hook.
+pub fn save_sharded(world: &World, root: &Path, meta: CheckpointMeta, pieces: &[Piece], keep: usize, pause_midway: Option<std::time::Duration>) -> Result<Written> {
     let start = Instant::now();
     let step = meta.step;
     let partial = partial_dir(root, step);
@@ -153,7 +159,7 @@ pub fn save_sharded(world: &World, root: &Path, meta: CheckpointMeta, pieces: &[
             }
             false => Ok(()),
         })?;
-        let part = world.agree(write_part(&partial, world.rank as usize, pieces))?;
+        let part = world.agree(write_part(&partial, world.rank as usize, pieces, pause_midway))?;
         // Every rank takes part in the agreement, also when rank 0 could not read a description.
         world.agree(gather_parts(world, &part).and_then(|parts| match parts {
             Some(parts) => finish(root, &partial, meta, &parts, keep).map(|_| ()),

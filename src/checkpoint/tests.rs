@@ -105,7 +105,7 @@ fn save_simulated(root: &Path, step: u64, parts: &[Vec<Piece>], keep: usize) -> 
     let saved = parts
         .iter()
         .enumerate()
-        .map(|(rank, pieces)| write_part(&partial, rank, pieces))
+        .map(|(rank, pieces)| write_part(&partial, rank, pieces, None))
         .collect::<Result<Vec<_>>>()
         .and_then(|written| finish(root, &partial, meta(step), &written, keep));
     if saved.is_err() {
@@ -237,7 +237,7 @@ fn a_killed_or_damaged_sharded_write_falls_back_to_the_previous_checkpoint() {
     std::fs::create_dir_all(&partial).unwrap();
     let (newer, _) = model(4);
     for (rank, pieces) in three_ranks(&newer, &state).iter().enumerate().take(2) {
-        write_part(&partial, rank, pieces).unwrap();
+        write_part(&partial, rank, pieces, None).unwrap();
     }
     let found = find_latest(&root).unwrap().unwrap();
     assert_eq!(found.meta.step, 10, "the partial folder is never considered");

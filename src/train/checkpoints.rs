@@ -328,7 +328,7 @@ fn held_pieces(section: Section, name: &str, shape: &[i64], local: &Tensor, tp: 
 /// gathered. `replicas`: the ranks that hold this rank's part alike (the exchange's ranks).
 /// An outer error (a non-finite weight or state buffer anywhere: no checkpoint written) ends
 /// the run on every rank; the inner result, the same on every rank, says whether the write
-/// succeeded.
+/// succeeded. `pause_midway`: the `stall-write` fault's pause, in the middle of this rank's part.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn save_sharded_checkpoint(
     world: &World,
@@ -340,6 +340,7 @@ pub(super) fn save_sharded_checkpoint(
     meta: CheckpointMeta,
     replicas: &World,
     tp: Option<&TensorParallel>,
+    pause_midway: Option<std::time::Duration>,
 ) -> Result<Result<Written>> {
     // Collective only for ZeRO with channels-last parameters (zero.rs says why).
     let shards = world.agree(crate::watchdog::collective("collecting the optimizer state's shards", &replicas.comm, || exchange.held_shards(&net.params, optimizer)))?;
@@ -402,7 +403,7 @@ pub(super) fn save_sharded_checkpoint(
     let finite = optim::all_finite(&data)?;
     world.agree(if finite { Ok(()) } else { Err(Error::NonFinite { what: "weights or optimizer state (no checkpoint written)", step: meta.step, epoch: meta.epoch() }) })?;
     // Every rank writes at once; the agreements inside wait for the slowest writer.
-    Ok(crate::watchdog::collective("writing a sharded checkpoint", &world.comm, || save_sharded(world, dir, meta, &pieces, keep)))
+    Ok(crate::watchdog::collective("writing a sharded checkpoint", &world.comm, || save_sharded(world, dir, meta, &pieces, keep, pause_midway)))
 }
 
 /// The parameter server's checkpoint, whole (formats 1 to 3): its servers hold the optimizer

@@ -376,7 +376,8 @@ impl Run<'_> {
             (None, Some(tp)) => &tp.replicas,
             (None, None) => self.world,
         };
-        let written = save_sharded_checkpoint(self.world, dir, keep, &self.net, self.exchange.as_mut(), &self.optimizer, meta, replicas, self.tensor_parallel.as_ref())?;
+        let pause_midway = self.faults.write_stall(self.world.rank, last_step);
+        let written = save_sharded_checkpoint(self.world, dir, keep, &self.net, self.exchange.as_mut(), &self.optimizer, meta, replicas, self.tensor_parallel.as_ref(), pause_midway)?;
         if let Ok(w) = &written {
             self.checkpoints.count(w);
         }
