@@ -305,8 +305,12 @@ pub(super) fn assign_writers(sizes: &[usize], sharers: usize) -> Vec<usize> {
 
 /// The pieces of a tensor of whole shape `shape` that this rank holds as `local`: its
 /// rectangles of a tensor-parallel cut, or the whole tensor.
-fn held_pieces(section: Section, name: &str, shape: &[i64], local: &Tensor, tp: Option<&TensorParallel>) -> Result<Vec<Piece>> {
-    let split = tp.map_or(Split::Whole, |_| vit_split(name));
+fn held_pieces(section: Section, name: &str, param: &str, shape: &[i64], local: &Tensor, tp: Option<&TensorParallel>) -> Result<Vec<Piece>> {
+    // The cut is the parameter's: a state's own name (AdamW's `exp_avg/<param>`) is no
+    // parameter name, and read as whole it had every rank of a group write its part as the
+    // whole tensor (found by scripts/measure-beyond-one-rank.sh: --tensor-parallel with AdamW
+    // could not checkpoint).
+    let split = tp.map_or(Split::Whole, |_| vit_split(param));
     let Some(tp) = tp.filter(|_| split != Split::Whole) else {
         return Ok(vec![Piece::whole(section, name, local)]);
     };
@@ -369,7 +373,7 @@ pub(super) fn save_sharded_checkpoint(
     let shape = |name: &str, t: &Tensor| shape_of.get(name).map_or_else(|| t.size(), |s| s.to_vec());
     let mut pieces = Vec::new();
     for (name, t) in variables.iter().filter(|(n, _)| writes.contains(n.as_str())) {
-        pieces.extend(held_pieces(Section::Weights, name, &shape(name, t), t, tp)?);
+        pieces.extend(held_pieces(Section::Weights, name, name, &shape(name, t), t, tp)?);
     }
     let slots = optimizer.kind().slots();
     match shards {
@@ -390,7 +394,7 @@ pub(super) fn save_sharded_checkpoint(
             let state = crate::exchange::strategy::state_or_zeros(&net.params, optimizer)?;
             for (slot, buffers) in slots.iter().zip(&state) {
                 for (name, b) in net.param_names.iter().zip(buffers).filter(|(n, _)| writes.contains(n.as_str())) {
-                    pieces.extend(held_pieces(Section::Optimizer, &checkpoint::state_name(slot, name), &shape(name, b), b, tp)?);
+                    pieces.extend(held_pieces(Section::Optimizer, &checkpoint::state_name(slot, name), name, &shape(name, b), b, tp)?);
                 }
             }
         }
