@@ -201,6 +201,13 @@ impl MappedFile {
         }
         Ok(&self.map[stored.begin..stored.end])
     }
+
+    /// Lets go of the pages of a piece read from this file (raw::release_pages).
+    fn release(&self, piece: &StoredPiece) {
+        if let Some(stored) = self.tensors.get(&piece.key) {
+            crate::raw::release_pages(&self.map, stored.begin, stored.end - stored.begin);
+        }
+    }
 }
 
 /// Any region of any tensor of one checkpoint, either format (see the module's notes).
@@ -323,6 +330,8 @@ impl CheckpointReader {
                     out[to..to + len].copy_from_slice(&data[from..from + len]);
                     copied += run.len;
                 }
+                // Copied: the piece's pages leave this process (the page cache keeps them).
+                file.release(piece);
             }
             Ok(())
         })?;

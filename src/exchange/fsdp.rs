@@ -216,7 +216,7 @@ impl FullyShardedExchange {
 }
 
 impl UnitShards for FullyShardedExchange {
-    fn shard(&mut self, units: &[Bucket], params: &[Tensor], shapes: &[Vec<i64>], whole: &mut dyn FnMut(usize) -> Result<Tensor>, optimizer: &mut Optimizer) -> Result<()> {
+    fn shard(&mut self, units: &[Bucket], params: &[Tensor], shapes: &[Vec<i64>], range: &mut dyn FnMut(usize, i64, i64) -> Result<Tensor>, optimizer: &mut Optimizer) -> Result<()> {
         self.dtype = common_dtype(params)?;
         (self.kind, self.device) = params.first().map_or((Kind::Float, Device::Cpu), |p| (p.kind(), p.device()));
         self.shapes = shapes.to_vec();
@@ -235,10 +235,10 @@ impl UnitShards for FullyShardedExchange {
                 let flat = Tensor::f_zeros([shard.len() as i64], (self.kind, self.device))?;
                 let ids: Vec<usize> = (all.len()..all.len() + mine.len()).collect();
                 for piece in &mine {
-                    // A shard meets a parameter in one piece at most: each is drawn once.
-                    let value = whole(piece.tensor)?.f_reshape([-1])?;
+                    // A shard meets a parameter in one piece at most: each is asked once.
+                    let value = range(piece.tensor, piece.at as i64, piece.len as i64)?;
                     let mut dst = flat.f_narrow(0, piece.shard_at as i64, piece.len as i64)?;
-                    dst.f_copy_(&value.f_narrow(0, piece.at as i64, piece.len as i64)?)?;
+                    dst.f_copy_(&value.f_reshape([-1])?)?;
                     weights.push(dst);
                 }
                 all.extend(mine);

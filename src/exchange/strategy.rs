@@ -239,11 +239,11 @@ pub trait ShardedUpdate {
 pub trait UnitShards {
     /// Cuts every unit's parameters (`units`: their flat layouts) and optimizer state (whole
     /// from a checkpoint, or none yet) to this rank's shard. The parameters hold no memory
-    /// (empty tensors on their device); `whole(t)` gives parameter t's whole value (of
-    /// `shapes[t]`), which is asked once at most and let go at once, so that the rank never
-    /// holds more than its shards and one whole parameter. Once, before the first step; not
-    /// collective.
-    fn shard(&mut self, units: &[Bucket], params: &[Tensor], shapes: &[Vec<i64>], whole: &mut dyn FnMut(usize) -> Result<Tensor>, optimizer: &mut Optimizer) -> Result<()>;
+    /// (empty tensors on their device); `range(t, at, len)` gives elements `at .. at + len` of
+    /// parameter t's value (of `shapes[t]`, flattened), asked once at most per parameter, so
+    /// that the rank holds its shards and at most one parameter's range (a checkpoint is read
+    /// for that range only). Once, before the first step; not collective.
+    fn shard(&mut self, units: &[Bucket], params: &[Tensor], shapes: &[Vec<i64>], range: &mut dyn FnMut(usize, i64, i64) -> Result<Tensor>, optimizer: &mut Optimizer) -> Result<()>;
 
     /// Unit `u`'s parameters from every rank's shard, flat on the parameters' device.
     /// Collective over the ranks that share the shards.

@@ -54,7 +54,7 @@ pub use cuda::{
     CudaStream,
 };
 pub use hooks::{GradReady, GradReadyHooks};
-pub use mapped::map_read_only;
+pub use mapped::{map_read_only, release_pages};
 pub use messages::TensorMessage;
 pub use self::mpi::{abort_world, any_tag, exit_now, int_control_variable, mpi_cuda_support, mpix_gpu_query_support_cuda, tag_upper_bound, PeerComm, PointToPoint, SendComm};
 pub use regions::{register_group, RegionAllReduce, RegionGroup, RegisteredGroup};

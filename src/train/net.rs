@@ -4,7 +4,7 @@
 use tch::nn::{self};
 use tch::{Device, Kind, Tensor};
 
-use crate::checkpoint::{self, index::Section, reader::CheckpointReader};
+use crate::checkpoint::{self, index::Section, reader::CheckpointReader, region::Region};
 use crate::data::DatasetInfo;
 use crate::error::Result;
 use crate::model::{self, InputSpec, Variable};
@@ -73,6 +73,25 @@ impl InitialValues {
                 }
                 Ok(value.f_to_kind(Kind::Float)?)
             }
+        }
+    }
+
+    /// Elements `at .. at + len` of `variable`'s whole initial value, flattened row-major, on the
+    /// CPU (a `--zero 3` shard's piece of it). A sharded checkpoint is read for that range
+    /// only: read whole, every rank touched every part file's weights (mapped, 1.2 GB for
+    /// ViT-L/16), and a rank under a 2 GiB memory limit was killed resuming as --zero 3 from a
+    /// 2 x 2 layout's checkpoint (results/beyond-one-rank/cgroup). A seed draws the whole tensor
+    /// (its values depend on the whole), one tensor at a time.
+    pub(super) fn range(&self, variable: &Variable, at: i64, len: i64) -> Result<Tensor> {
+        match self {
+            InitialValues::Sharded(reader) => {
+                let shape = reader.shape(Section::Weights, &variable.name);
+                if shape != Some(variable.shape.as_slice()) {
+                    return Err(crate::error::Error::usage(format!("the checkpoint's {} has shape {shape:?}, the model's is {:?}", variable.name, variable.shape)));
+                }
+                Ok(reader.read(Section::Weights, &variable.name, &Region::Flat { at, len })?.f_to_kind(Kind::Float)?)
+            }
+            _ => Ok(self.value(variable)?.f_reshape([-1])?.f_narrow(0, at, len)?.f_contiguous()?),
         }
     }
 }
@@ -158,9 +177,10 @@ impl Net {
         Ok((net, spec))
     }
 
-    /// Parameter `index`'s whole initial value, on the CPU (for `--zero 3`'s shards).
-    pub(super) fn initial_value(&self, index: usize, values: &InitialValues) -> Result<Tensor> {
-        values.value(&self.declared[index])
+    /// Elements `at .. at + len` of parameter `index`'s initial value, flattened, on the CPU
+    /// (for `--zero 3`'s shards).
+    pub(super) fn initial_range(&self, index: usize, at: i64, len: i64, values: &InitialValues) -> Result<Tensor> {
+        values.range(&self.declared[index], at, len)
     }
 
     /// The whole model (outside pipelines, where the one chunk is all of it).

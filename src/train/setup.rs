@@ -342,8 +342,9 @@ fn shard_units(
     let layouts: Vec<_> = units.iter().map(|u| u.layout.clone()).collect();
     let shards = exchange.fully_sharded().ok_or_else(|| Error::usage("--zero 3 needs a fully sharded exchange"))?;
     let shapes: Vec<Vec<i64>> = net.declared.iter().map(|v| v.shape.clone()).collect();
-    // Each parameter drawn (or read) whole, one at a time, and cut to this rank's shard.
-    shards.shard(&layouts, &net.params, &shapes, &mut |index| net.initial_value(index, values), optimizer)?;
+    // This rank's range of each parameter, one at a time: read from a checkpoint for that range
+    // only, or drawn whole from the seed and cut.
+    shards.shard(&layouts, &net.params, &shapes, &mut |index, at, len| net.initial_range(index, at, len, values), optimizer)?;
     let unit_of_block = |b: usize| groups.iter().position(|g| g.contains(&b)).expect("every block is in a unit");
     let mut buffers: Vec<Vec<tch::Tensor>> = (0..units.len()).map(|_| Vec::new()).collect();
     for (name, t) in &net.buffers {

@@ -360,8 +360,8 @@ impl Run<'_> {
     /// run when this run has no earlier checkpoint to continue from; otherwise it is logged and
     /// counted, and the run ends non-zero (see `record`).
     pub(super) fn save_checkpoint(&mut self, last_step: u64) -> Result<()> {
-        let _phase = super::memory::enter(super::memory::Phase::Checkpoint);
         let Some(dir) = &self.args.checkpoint_dir else { return Ok(()) };
+        let _phase = super::memory::enter(super::memory::Phase::Checkpoint);
         let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, self.total_steps, last_step, self.optimizer.steps());
         let keep = self.args.keep_checkpoints;
         if self.args.strategy == crate::exchange::StrategyKind::Ps {
