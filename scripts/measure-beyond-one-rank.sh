@@ -7,8 +7,12 @@
 #   - --zero 3, --tensor-parallel 4, --pipeline-stages 4 and a 2 x 2 layout (2 stages of
 #     tensor-parallel pairs) each go through set-up, STEPS steps with evaluations, a checkpoint,
 #     then a resume at another layout for MORE steps (with its own evaluation and checkpoint);
-#   - each resumed run is compared with an uninterrupted run of STEPS + MORE steps (the
-#     consolidated checkpoints, tensor by tensor).
+#   - each resumed run is compared with an uninterrupted run of STEPS + MORE steps at the first
+#     layout (the consolidated checkpoints, tensor by tensor: the largest relative L2
+#     difference, as the tests measure it, and the same with the key third of the attention
+#     biases left out, whose true gradient is zero: AdamW moves them by about the learning rate
+#     with a sign set by the order of the sums, so two layouts part there whatever the
+#     checkpoint holds; tests/checkpoint.rs says more).
 # Every rank's peak resident memory per phase comes from the run's record
 # (extra.peak_rss_mb_by_phase, src/train/memory.rs); the cgroup's own figures (peak usage,
 # page cache included, and OOM kills) are read beside it.
@@ -16,7 +20,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$HPC_TRAIN_ROOT"
-out="results/beyond-one-rank/cgroup" limit_mib=3072 steps=20 more=4 model=vit-l16 bin=target/release/hpc-train
+out="results/beyond-one-rank/cgroup" limit_mib=2048 steps=20 more=4 model=vit-l16 bin=target/release/hpc-train
 while [ $# -gt 0 ]; do
     case "$1" in
         --limit-mib) limit_mib=$2; shift 2 ;;
@@ -45,6 +49,8 @@ cleanup() {
 }
 trap cleanup EXIT
 mkdir -p "$out/logs"
+# PyTorch for the comparison of weights: the venv tests/optim_pytorch.rs installs.
+python="$HPC_TRAIN_ROOT/.venv-pytorch/bin/python"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 # Small images keep the compute of 2 cores for 4 ranks short (32x32: 4 patches and the class
@@ -101,10 +107,12 @@ for key in zero3 tp4 pp4 pp2xtp2; do
     ckpt="$scratch/ckpt-$key"
     first=$(run "$key" "$key" "$steps" --checkpoint-dir "$ckpt" --checkpoint-every "$steps")
     second=$(run "$key-then-$next" "$next" $(( steps + more )) --checkpoint-dir "$ckpt" --checkpoint-every "$steps" --resume)
-    whole=$(run "$next-uninterrupted-after-$key" "$next" $(( steps + more )) --checkpoint-dir "$scratch/ckpt-$next-whole" --checkpoint-every $(( steps + more )))
-    "$bin" checkpoint consolidate "$ckpt" "$scratch/resumed.safetensors" > /dev/null
-    "$bin" checkpoint consolidate "$scratch/ckpt-$next-whole" "$scratch/uninterrupted.safetensors" > /dev/null
-    diff=$(.venv/bin/python - "$scratch/resumed.safetensors" "$scratch/uninterrupted.safetensors" <<'COMPARE'
+    whole=$(run "$key-uninterrupted" "$key" $(( steps + more )) --checkpoint-dir "$scratch/ckpt-$key-whole" --checkpoint-every $(( steps + more )))
+    diff="not compared"
+    if "$bin" checkpoint consolidate "$ckpt" "$scratch/resumed.safetensors" > /dev/null \
+        && "$bin" checkpoint consolidate "$scratch/ckpt-$key-whole" "$scratch/uninterrupted.safetensors" > /dev/null \
+        && [ -x "$python" ]; then
+        diff=$("$python" - "$scratch/resumed.safetensors" "$scratch/uninterrupted.safetensors" <<'COMPARE'
 import json, struct, sys
 import torch
 
@@ -117,20 +125,29 @@ def tensors(path):
         if name == "__metadata__":
             continue
         begin, end = info["data_offsets"]
-        yield name, torch.frombuffer(data, dtype=torch.float32, count=(end - begin) // 4, offset=8 + n + begin)
+        yield name, torch.frombuffer(bytearray(data[8 + n + begin:8 + n + end]), dtype=torch.float32).double()
+
+def without_key_biases(name, t):
+    if name.endswith("self_attention.in_proj_bias"):
+        third = t.numel() // 3
+        return torch.cat([t[:third], t[2 * third:]])
+    return t
 
 a, b = dict(tensors(sys.argv[1])), dict(tensors(sys.argv[2]))
 assert a.keys() == b.keys(), "different tensors"
-# The largest difference relative to the tensor's largest value, over all tensors.
-print(max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-30)).item() for k in a))
+relative = lambda x, y: ((x - y).norm() / x.norm().clamp_min(1e-12)).item()
+every = max(relative(a[k], b[k]) for k in a)
+but_keys = max(relative(without_key_biases(k, a[k]), without_key_biases(k, b[k])) for k in a)
+print(f"{every:.1e} ({but_keys:.1e} without the key biases)")
 COMPARE
 )
-    rm -rf "$scratch/ckpt-$next-whole" "$scratch"/*.safetensors "$ckpt"
-    echo "$key -> $next: exits $first / $second / $whole (first, resumed, uninterrupted); resumed against uninterrupted: max relative difference $diff" >> "$out/summary.md"
+    fi
+    rm -rf "$scratch/ckpt-$key-whole" "$scratch"/*.safetensors "$ckpt"
+    echo "- $key, then $next: exit statuses $first (first $steps steps), $second (resumed as $next to step $(( steps + more ))), $whole (uninterrupted $key); resumed against uninterrupted, largest relative L2 difference of a tensor: $diff" >> "$out/summary.md"
 done
 
 # The table: every rank's peak per phase from the records, and the limit.
-.venv/bin/python - "$scratch" "$limit_mib" >> "$out/summary.md" <<'TABLE'
+python3 - "$scratch" "$limit_mib" >> "$out/summary.md" <<'TABLE'
 import glob, json, os, sys
 scratch, limit = sys.argv[1], float(sys.argv[2])
 print(f"\n| run | phase | peak RSS per rank (MiB) | max | under {limit:.0f} MiB |\n|---|---|---|---:|---|")
