@@ -69,15 +69,19 @@ impl Recorder {
         *slot = Some(slot.map_or(mark, |p| p.max(mark)));
         self.restartable = raw::restart_peak_rss();
     }
+
+    /// Closes the current phase and makes `phase` the current one (nothing when it already is).
+    fn move_to(&mut self, phase: Phase) {
+        if self.current != phase {
+            self.close();
+            self.current = phase;
+        }
+    }
 }
 
 /// Moves to `phase` for good (set-up to training, training to the end).
 pub(super) fn switch(phase: Phase) {
-    let mut r = recorder();
-    if r.current != phase {
-        r.close();
-        r.current = phase;
-    }
+    recorder().move_to(phase);
 }
 
 /// Enters `phase` until the guard is dropped, which returns to the phase before.
@@ -85,10 +89,7 @@ pub(super) fn switch(phase: Phase) {
 pub(super) fn enter(phase: Phase) -> PhaseGuard {
     let mut r = recorder();
     let before = r.current;
-    if before != phase {
-        r.close();
-        r.current = phase;
-    }
+    r.move_to(phase);
     PhaseGuard { before }
 }
 
@@ -98,11 +99,7 @@ pub(super) struct PhaseGuard {
 
 impl Drop for PhaseGuard {
     fn drop(&mut self) {
-        let mut r = recorder();
-        if r.current != self.before {
-            r.close();
-            r.current = self.before;
-        }
+        recorder().move_to(self.before);
     }
 }
 

@@ -67,11 +67,8 @@ impl InitialValues {
             InitialValues::Seeded(seed) => Ok(variable.draw(*seed)?),
             InitialValues::File(file) => file.read(&variable.name, &variable.shape),
             InitialValues::Sharded(reader) => {
-                let value = reader.read_whole(Section::Weights, &variable.name)?;
-                if value.size() != variable.shape {
-                    return Err(crate::error::Error::usage(format!("the checkpoint's {} has shape {:?}, the model's is {:?}", variable.name, value.size(), variable.shape)));
-                }
-                Ok(value.f_to_kind(Kind::Float)?)
+                check_shape(reader, variable)?;
+                Ok(reader.read_whole(Section::Weights, &variable.name)?.f_to_kind(Kind::Float)?)
             }
         }
     }
@@ -85,14 +82,22 @@ impl InitialValues {
     pub(super) fn range(&self, variable: &Variable, at: i64, len: i64) -> Result<Tensor> {
         match self {
             InitialValues::Sharded(reader) => {
-                let shape = reader.shape(Section::Weights, &variable.name);
-                if shape != Some(variable.shape.as_slice()) {
-                    return Err(crate::error::Error::usage(format!("the checkpoint's {} has shape {shape:?}, the model's is {:?}", variable.name, variable.shape)));
-                }
+                check_shape(reader, variable)?;
                 Ok(reader.read(Section::Weights, &variable.name, &Region::Flat { at, len })?.f_to_kind(Kind::Float)?)
             }
             _ => Ok(self.value(variable)?.f_reshape([-1])?.f_narrow(0, at, len)?.f_contiguous()?),
         }
+    }
+}
+
+/// The checkpoint's weight `variable.name` has the model's shape (checked from the index, before
+/// anything is read); a tensor the checkpoint lacks is left to the read, which names it.
+fn check_shape(reader: &CheckpointReader, variable: &Variable) -> Result<()> {
+    match reader.shape(Section::Weights, &variable.name) {
+        Some(shape) if shape != variable.shape.as_slice() => {
+            Err(crate::error::Error::usage(format!("the checkpoint's {} has shape {shape:?}, the model's is {:?}", variable.name, variable.shape)))
+        }
+        _ => Ok(()),
     }
 }
 

@@ -150,9 +150,9 @@ impl Run<'_> {
             let ms = mean_over_workers(tp.measured.time.as_secs_f64() * 1e3 / steps);
             (tp, held, ms)
         });
+        let memory_by_phase = memory_by_phase(world);
         // What the resume read (every rank its own slices: bytes in all, the slowest rank's
         // seconds), and what the checkpoints' writes cost (the same figures on every rank).
-        let memory_by_phase = memory_by_phase(world);
         let resume_read = self.checkpoints.resume_read.as_ref().map(|stats| {
             let read = stats.get();
             (world.sum_f64(read.bytes as f64) as u64, world.max_f64(read.seconds))

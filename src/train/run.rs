@@ -96,6 +96,18 @@ pub(super) struct Outcome {
     pub(super) profile: Option<std::result::Result<String, String>>,
 }
 
+/// The ranks that hold this rank's part of the model alike, where the model is cut: a stage's
+/// replicas in a pipeline (with tensor parallelism, those of the same part), the replicas of
+/// this rank's part under tensor parallelism alone; None where every worker holds the whole
+/// model. One rule for set-up's exchange, the checkpoints' writers and evaluation's averages.
+pub(super) fn part_replicas<'a>(pipeline: Option<&'a Pipeline>, tensor_parallel: Option<&'a TensorParallel>) -> Option<&'a World> {
+    match (pipeline, tensor_parallel) {
+        (Some(p), _) => Some(&p.stage_world),
+        (None, Some(tp)) => Some(&tp.replicas),
+        (None, None) => None,
+    }
+}
+
 /// SIGTERM (what Slurm sends before the time limit) and SIGUSR1 (what `--signal` jobs often
 /// ask for) set a flag; the workers agree on it after every step, so that all stop together.
 pub(super) struct StopSignal(Arc<std::sync::atomic::AtomicBool>);

@@ -26,7 +26,7 @@ use super::stages::choose_cut;
 use super::tensor::TensorParallel;
 use super::options::{OnOff, Precision, TrainArgs};
 use super::plan::{check_model_fits, check_same_config, device_name, make_current, num_cpus_online, watchdog_timeout, Plan};
-use super::run::{Run, StopSignal};
+use super::run::{part_replicas, Run, StopSignal};
 
 impl<'a> Run<'a> {
     /// Everything a run needs, or None when the checkpoint it resumes from already covers the
@@ -97,11 +97,7 @@ impl<'a> Run<'a> {
         })?;
         // The ranks that hold the same variables: all of them, a stage's replicas, or the ranks
         // of the other groups that hold the same part.
-        let replicas: &World = match (&pipeline, &tensor_parallel) {
-            (Some(p), _) => &p.stage_world,
-            (None, Some(tp)) => &tp.replicas,
-            (None, None) => world,
-        };
+        let replicas: &World = part_replicas(pipeline.as_ref(), tensor_parallel.as_ref()).unwrap_or(world);
         // --zero 3: which blocks make each unit (learnt before the seed draws the weights).
         let fully_sharded = (args.zero == 3).then(|| {
             let (block_names, block_of_variable) = variable_blocks(args.model, input_spec(&info));

@@ -26,7 +26,7 @@ use super::net::{Net, Normalizer};
 use super::options::Precision;
 use super::profile::StepProfile;
 use super::progress::{finite_loss, LossWindow, PendingLoss, Progress, SampleTrace, StepLoss, Timings};
-use super::run::Run;
+use super::run::{part_replicas, Run};
 use super::step_faults::StepFaults;
 
 /// What the loop keeps from step to step.
@@ -318,10 +318,9 @@ impl Run<'_> {
         // (a group's other ranks hold other parts, whose buffers need not even have this
         // part's sizes: issue 48, item 4), else every worker (not ps's dedicated servers).
         let buffers: Vec<Tensor> = self.net.buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
-        let (holders, count) = match (&self.pipeline, &self.tensor_parallel) {
-            (Some(p), _) => (&p.stage_world.comm, p.stage_world.size as usize),
-            (None, Some(tp)) => (&tp.replicas.comm, tp.replicas.size as usize),
-            (None, None) => (&self.workers_comm, self.workers),
+        let (holders, count) = match part_replicas(self.pipeline.as_ref(), self.tensor_parallel.as_ref()) {
+            Some(replicas) => (&replicas.comm, replicas.size as usize),
+            None => (&self.workers_comm, self.workers),
         };
         average_over(holders, &buffers, true, count)?;
         let (test_loss, accuracy) = if self.pipeline.is_some() {
@@ -371,11 +370,7 @@ impl Run<'_> {
             };
         }
         // The ranks that hold this rank's part alike: the exchange's.
-        let replicas = match (&self.pipeline, &self.tensor_parallel) {
-            (Some(p), _) => &p.stage_world,
-            (None, Some(tp)) => &tp.replicas,
-            (None, None) => self.world,
-        };
+        let replicas = part_replicas(self.pipeline.as_ref(), self.tensor_parallel.as_ref()).unwrap_or(self.world);
         let pause_midway = self.faults.write_stall(self.world.rank, last_step);
         let written = save_sharded_checkpoint(self.world, dir, keep, &self.net, self.exchange.as_mut(), &self.optimizer, meta, replicas, self.tensor_parallel.as_ref(), pause_midway)?;
         if let Ok(w) = &written {
