@@ -111,6 +111,11 @@ impl Faults {
         self.0.iter().find(|(f, r, s)| *r == rank && *s == step && !matches!(f, Fault::Setup | Fault::Term | Fault::StallWrite(_))).map(|(f, _, _)| f)
     }
 
+    /// Whether any rank is to pause in the middle of a checkpoint write.
+    pub fn stalls_a_write(&self) -> bool {
+        self.0.iter().any(|(f, _, _)| matches!(f, Fault::StallWrite(_)))
+    }
+
     /// How long `rank` is to pause in the middle of writing the checkpoint of step `step`.
     pub fn write_stall(&self, rank: i32, step: u64) -> Option<Duration> {
         self.0.iter().find_map(|(f, r, s)| match f {
@@ -142,6 +147,7 @@ mod tests {
         assert_eq!(f.at(0, 4), Some(&Fault::NanGrad));
         assert!(f.setup_fails(1) && !f.setup_fails(0));
         let term = Faults::parse("term@1:0", 2).unwrap();
+        assert!(f.stalls_a_write() && !term.stalls_a_write());
         assert!(term.terminates_in_setup(1) && !term.terminates_in_setup(0) && !f.terminates_in_setup(1));
         assert_eq!(term.at(1, 0), None);
         assert_eq!(f.at(1, 0), None);

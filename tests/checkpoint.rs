@@ -320,4 +320,12 @@ fn a_write_killed_midway_leaves_the_previous_checkpoint_and_the_resume_equals_th
     assert!(!ckpt.join(".ckpt-000000000006.partial").exists(), "the half-written folder is replaced");
     let diff = max_relative_difference(&full, &resumed);
     assert!(diff < F32_TOLERANCE, "the resume after a killed write differs from the run not killed by {diff:e}");
+
+    // The parameter server writes whole checkpoints, which the fault cannot reach: refused by
+    // name before anything starts, not ignored.
+    let mut ps: Vec<String> = tiny_args(&data).iter().map(|x| x.to_string()).collect();
+    ps.extend(["--steps", "9", "--strategy", "ps", "--servers", "1", "--checkpoint-dir", &s(&dir.join("ps-ckpt"))].map(String::from));
+    let run = mpirun_env(3, &ps.iter().map(String::as_str).collect::<Vec<_>>(), &[("HPC_TRAIN_FAULT", "stall-write@1:6:120")], Duration::from_secs(60));
+    assert!(!run.ok() && !run.timed_out, "{}", run.all_output());
+    assert_eq!(run.all_output().matches("stall-write pauses a rank in its part of a sharded checkpoint").count(), 1, "{}", run.all_output());
 }
