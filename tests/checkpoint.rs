@@ -329,3 +329,29 @@ fn a_write_killed_midway_leaves_the_previous_checkpoint_and_the_resume_equals_th
     assert!(!run.ok() && !run.timed_out, "{}", run.all_output());
     assert_eq!(run.all_output().matches("stall-write pauses a rank in its part of a sharded checkpoint").count(), 1, "{}", run.all_output());
 }
+
+/// Batch norm's running statistics are each replica's own (no exchange averages them): a
+/// checkpoint holds the first replica's, as `--save-weights` and PyTorch's rank-0 save do,
+/// never a mix of replicas' statistics (the writers shared the buffers among the replicas by
+/// size, so the consolidated checkpoint was no rank's). The same under `--zero 3`, whose
+/// `--save-weights` is written in parts.
+#[test]
+fn batch_norm_statistics_are_the_first_replicas() {
+    let dir = scratch("ckpt-bn");
+    let data = synth(&dir, "bn", 32, 0, "1x12x12", 4);
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    for (name, layout) in [("plain", &[][..]), ("zero3", &["--zero", "3"][..])] {
+        let ckpt = dir.join(format!("ckpt-{name}"));
+        let saved = dir.join(format!("{name}.safetensors"));
+        let mut args = vec!["--model", "resnet18", "--data", data.to_str().unwrap(), "--scaling", "strong", "--global-batch", "8", "--steps", "2", "--no-eval", "--threads", "1", "--strategy", "ring"];
+        let (c, w, r) = (s(&ckpt), s(&saved), s(&dir.join(format!("runs-{name}"))));
+        args.extend(["--checkpoint-dir", &c, "--save-weights", &w, "--results", &r]);
+        args.extend(layout);
+        mpirun(2, &args).expect_ok();
+        let consolidated = dir.join(format!("{name}-consolidated.safetensors"));
+        hpc_train(&["checkpoint", "consolidate", &c, &s(&consolidated)]).expect_ok();
+        let (from_checkpoint, from_save) = (read_weights(&consolidated), read_weights(&saved));
+        assert!(from_save.iter().any(|(k, _)| k.ends_with("running_mean")), "{name}: the model has batch norm");
+        assert_eq!(from_checkpoint, from_save, "{name}: the consolidated checkpoint against --save-weights");
+    }
+}

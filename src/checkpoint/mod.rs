@@ -53,7 +53,6 @@ pub mod whole;
 // `checkpoint::region::Region`, `checkpoint::index::Section`).
 pub use files::{check_writable, FolderLock};
 pub use meta::{check_compatible, state_name, Checkpoint, CheckpointMeta};
-pub use reader::load;
 pub use whole::save;
 
 #[cfg(test)]

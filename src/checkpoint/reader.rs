@@ -132,7 +132,8 @@ pub fn find_latest_together(world: &World, root: &Path) -> Result<Option<Checkpo
 }
 
 /// Every model variable and every optimizer state buffer of a checkpoint, whole, by name (a
-/// sharded checkpoint's pieces assembled).
+/// sharded checkpoint's pieces assembled): the tests' reference reader.
+#[cfg(test)]
 pub fn load(ckpt: &Checkpoint) -> Result<(BTreeMap<String, Tensor>, BTreeMap<String, Tensor>)> {
     if !ckpt.meta.is_sharded() {
         let read = |file: &str| -> Result<BTreeMap<String, Tensor>> { Ok(Tensor::read_safetensors(ckpt.dir.join(file))?.into_iter().collect()) };

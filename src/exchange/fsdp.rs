@@ -68,8 +68,6 @@ struct Figures {
     /// The most gathered at once by steps and evaluations (not by the whole model made for a
     /// checkpoint).
     peak_gathered_bytes: usize,
-    /// The whole model is being made ([`UnitShards::whole_model`]).
-    whole: bool,
     /// Every gather (training, evaluation, checkpoints).
     gathers: u64,
     /// Training steps, and their gathers and reductions.
@@ -272,10 +270,7 @@ impl UnitShards for FullyShardedExchange {
 
     fn gather(&mut self, u: usize) -> Result<Tensor> {
         let len = self.units[u].layout.len;
-        // A pooled buffer for a step's gathers; the whole model's gathers get their own.
-        let buffer = if self.figures.whole {
-            Tensor::f_empty([len as i64], (self.kind, self.device))?
-        } else {
+        let buffer = {
             let pooled = self.pooled_buffer()?;
             self.in_use[u] = Some(pooled.shallow_clone());
             pooled
@@ -291,9 +286,7 @@ impl UnitShards for FullyShardedExchange {
         }
         let f = &mut self.figures;
         f.gathered_bytes += len * self.kind.elt_size_in_bytes();
-        if !f.whole {
-            f.peak_gathered_bytes = f.peak_gathered_bytes.max(f.gathered_bytes);
-        }
+        f.peak_gathered_bytes = f.peak_gathered_bytes.max(f.gathered_bytes);
         f.gathers += 1;
         Ok(full)
     }
@@ -389,10 +382,6 @@ impl UnitShards for FullyShardedExchange {
         }
         optimizer.count_step();
         Ok(())
-    }
-
-    fn whole_model(&mut self, whole: bool) {
-        self.figures.whole = whole;
     }
 
     fn note_step(&mut self, times: UnitTimes) {

@@ -266,10 +266,6 @@ pub trait UnitShards {
     /// Steps the optimizer on every unit's shard, from the reduced shards, and counts the step.
     fn step(&mut self, optimizer: &mut Optimizer) -> Result<()>;
 
-    /// Whether the gathers that follow make the whole model (for a checkpoint or the saved
-    /// weights): they are left out of the peak of gathered bytes a step needs.
-    fn whole_model(&mut self, whole: bool);
-
     /// Adds one training step's gathering and reducing time to the record's figures: in all,
     /// and the part computing did not hide.
     fn note_step(&mut self, times: UnitTimes);

@@ -346,7 +346,64 @@ pub(super) fn save_sharded_checkpoint(
     tp: Option<&TensorParallel>,
     pause_midway: Option<std::time::Duration>,
 ) -> Result<Result<Written>> {
-    // Collective only for ZeRO with channels-last parameters (zero.rs says why).
+    let pieces = pieces_held(world, net, exchange, optimizer, replicas, tp, true)?;
+    // Never replace good checkpoints with a diverged state: with overlap a non-finite gradient
+    // is found at the end of the step on the rank that made it, after the exchange has spread
+    // it to every rank, which may reach this checkpoint before that rank ends the job. Each
+    // rank checks what it writes; the replicas hold the same.
+    let data: Vec<Tensor> = pieces.iter().map(|p| p.data.shallow_clone()).collect();
+    let finite = optim::all_finite(&data)?;
+    world.agree(if finite { Ok(()) } else { Err(Error::NonFinite { what: "weights or optimizer state (no checkpoint written)", step: meta.step, epoch: meta.epoch() }) })?;
+    // Every rank writes at once; the agreements inside wait for the slowest writer.
+    Ok(crate::watchdog::collective("writing a sharded checkpoint", &world.comm, || save_sharded(world, dir, meta, &pieces, keep, pause_midway)))
+}
+
+/// `--save-weights` where the model is cut (pipelines, `--zero 3`, tensor parallelism), with no
+/// rank holding it whole (collective over `world`): every rank writes the variables it holds,
+/// as a checkpoint's weights, into a folder beside `out` (`<out>.parts`), then rank 0 streams
+/// them into `out` one tensor at a time (`checkpoint consolidate`'s writer) and removes the
+/// folder. So, as `--checkpoint-dir`, `out`'s folder must be one that every rank sees.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn save_weights_in_parts(
+    world: &World,
+    out: &Path,
+    net: &Net,
+    exchange: &mut dyn Exchange,
+    optimizer: &Optimizer,
+    meta: CheckpointMeta,
+    replicas: &World,
+    tp: Option<&TensorParallel>,
+) -> Result<()> {
+    let pieces = pieces_held(world, net, exchange, optimizer, replicas, tp, false)?;
+    let mut scratch = out.as_os_str().to_owned();
+    scratch.push(".parts");
+    let scratch = std::path::PathBuf::from(scratch);
+    world.agree(match world.is_root() {
+        true => {
+            let _ = std::fs::remove_dir_all(&scratch);
+            std::fs::create_dir_all(&scratch).map_err(|e| Error::io(&scratch, e))
+        }
+        false => Ok(()),
+    })?;
+    let written = crate::watchdog::collective("writing --save-weights' parts", &world.comm, || save_sharded(world, &scratch, meta, &pieces, 1, None));
+    let streamed = match (written, world.is_root()) {
+        (Ok(w), true) => checkpoint::command::consolidate(&w.dir, out, None).map(|_| ()).map_err(|e| Error::Checkpoint {
+            path: out.to_path_buf(),
+            reason: format!("--save-weights: its parts, written by every rank into {}, could not be joined ({e}); every rank must see that folder", scratch.display()),
+        }),
+        (Ok(_), false) => Ok(()),
+        (Err(e), _) => Err(e),
+    };
+    if world.is_root() {
+        let _ = std::fs::remove_dir_all(&scratch);
+    }
+    world.agree(streamed)
+}
+
+/// The pieces this rank writes of what the run holds (see the module's notes): the variables,
+/// and with `with_state` the optimizer's state. `replicas`: the ranks that hold this rank's
+/// part alike. Collective over `replicas` (ZeRO with channels-last parameters, zero.rs says why).
+fn pieces_held(world: &World, net: &Net, exchange: &mut dyn Exchange, optimizer: &Optimizer, replicas: &World, tp: Option<&TensorParallel>, with_state: bool) -> Result<Vec<Piece>> {
     let shards = world.agree(crate::watchdog::collective("collecting the optimizer state's shards", &replicas.comm, || exchange.held_shards(&net.params, optimizer)))?;
     let shape_of: HashMap<&str, &[i64]> = net.declared.iter().map(|v| (v.name.as_str(), v.shape.as_slice())).collect();
     let param_sharded = shards.as_ref().is_some_and(|s| !s.params.is_empty());
@@ -362,12 +419,20 @@ pub(super) fn save_sharded_checkpoint(
     };
     let mut writes: HashSet<&str> = HashSet::new();
     for (cut, sharers, me) in [(false, whole_sharers, whole_me), (true, d, dr)] {
-        let mine: Vec<&(String, Tensor)> = variables.iter().filter(|(n, _)| is_cut(n) == cut).collect();
+        // The parameters are the same on every sharer, so the sharers share their writing. The
+        // buffers (batch norm's running statistics) are not: each replica updates them from its
+        // own samples, and evaluation averages them only for itself. The first sharer's are
+        // written, as PyTorch's rank 0 saves its state_dict (and DDP broadcasts rank 0's
+        // buffers): a mix of the replicas' statistics would be nobody's.
+        let mine: Vec<&(String, Tensor)> = variables.iter().filter(|(n, _)| is_cut(n) == cut && params.contains(n.as_str())).collect();
         let sizes: Vec<usize> = mine.iter().map(|(_, t)| t.numel()).collect();
         for ((name, _), writer) in mine.iter().zip(assign_writers(&sizes, sharers)) {
             if writer == me {
                 writes.insert(name.as_str());
             }
+        }
+        if me == 0 {
+            writes.extend(variables.iter().filter(|(n, _)| is_cut(n) == cut && !params.contains(n.as_str())).map(|(n, _)| n.as_str()));
         }
     }
     let shape = |name: &str, t: &Tensor| shape_of.get(name).map_or_else(|| t.size(), |s| s.to_vec());
@@ -382,13 +447,14 @@ pub(super) fn save_sharded_checkpoint(
             for p in &held.params {
                 pieces.push(flat(Section::Weights, net.param_names[p.param].clone(), p));
             }
-            for (slot, state) in slots.iter().zip(&held.state) {
+            for (slot, state) in slots.iter().zip(&held.state).filter(|_| with_state) {
                 for p in state {
                     pieces.push(flat(Section::Optimizer, checkpoint::state_name(slot, &net.param_names[p.param]), p));
                 }
             }
         }
         Some(_) => {}
+        None if !with_state => {}
         None => {
             // A replicated state: written with its parameter, by the same rank.
             let state = crate::exchange::strategy::state_or_zeros(&net.params, optimizer)?;
@@ -399,15 +465,7 @@ pub(super) fn save_sharded_checkpoint(
             }
         }
     }
-    // Never replace good checkpoints with a diverged state: with overlap a non-finite gradient
-    // is found at the end of the step on the rank that made it, after the exchange has spread
-    // it to every rank, which may reach this checkpoint before that rank ends the job. Each
-    // rank checks what it writes; the replicas hold the same.
-    let data: Vec<Tensor> = pieces.iter().map(|p| p.data.shallow_clone()).collect();
-    let finite = optim::all_finite(&data)?;
-    world.agree(if finite { Ok(()) } else { Err(Error::NonFinite { what: "weights or optimizer state (no checkpoint written)", step: meta.step, epoch: meta.epoch() }) })?;
-    // Every rank writes at once; the agreements inside wait for the slowest writer.
-    Ok(crate::watchdog::collective("writing a sharded checkpoint", &world.comm, || save_sharded(world, dir, meta, &pieces, keep, pause_midway)))
+    Ok(pieces)
 }
 
 /// The parameter server's checkpoint, whole (formats 1 to 3): its servers hold the optimizer
@@ -442,11 +500,11 @@ pub(super) fn named_state(net: &Net, optimizer: &Optimizer, state: Vec<Vec<Tenso
         .collect()
 }
 
-/// `--save-weights` for a run that had nothing left to train: the checkpoint's weights.
+/// `--save-weights` for a run that had nothing left to train: the checkpoint's weights, streamed
+/// one tensor at a time (`checkpoint consolidate`), never the model whole.
 pub(super) fn save_checkpoint_weights(found: Option<&Checkpoint>, path: &Path) -> Result<()> {
     let found = found.ok_or_else(|| Error::exchange("checkpoint", "rank 0 has no checkpoint to take the weights from"))?;
-    let (weights, _) = checkpoint::load(found)?;
-    save_named(weights.into_iter().collect(), path)
+    checkpoint::command::consolidate(&found.dir, path, None).map(|_| ())
 }
 
 /// Writes the weights (parameters and batch-norm statistics) as safetensors, under a temporary

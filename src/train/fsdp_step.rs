@@ -264,24 +264,4 @@ impl Run<'_> {
         let n = info.test.len as f64;
         Ok((loss_sum / n, correct / n))
     }
-
-    /// Every unit gathered and installed: the parameters whole, for a checkpoint or
-    /// --save-weights; [`Run::fsdp_let_go`] undoes it. Collective.
-    pub(super) fn fsdp_make_whole(&mut self) -> Result<()> {
-        let units = self.fsdp.as_ref().expect("a --zero 3 run").units.len();
-        let shards = self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange");
-        shards.whole_model(true);
-        for u in 0..units {
-            let gathered = shards.gather(u)?;
-            shards.install(u, &gathered, &self.net.params)?;
-        }
-        Ok(())
-    }
-
-    pub(super) fn fsdp_let_go(&mut self) -> Result<()> {
-        let units = self.fsdp.as_ref().expect("a --zero 3 run").units.len();
-        let shards = self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange");
-        shards.whole_model(false);
-        (0..units).try_for_each(|u| shards.release(u, &self.net.params))
-    }
 }

@@ -2,8 +2,7 @@
 //! action, its activations and their gradients travelling as non-blocking MPI messages to the
 //! neighbouring stages; then the D ranks that hold the stage average its gradients with the
 //! run's exchange and step the optimizer, as a plain step does. Also the pipelined evaluation
-//! (forwards only, in micro-batches of training's size) and the gathering of the whole model's
-//! weights on rank 0.
+//! (forwards only, in micro-batches of training's size).
 //!
 //! The loss of every micro-batch is its samples' summed loss times D / global samples, as in a
 //! plain step, and a stage's gradients accumulate over its micro-batches in micro-batch order:
@@ -597,64 +596,4 @@ impl Pipeline {
 /// Whether two tensors share their first element's memory (a no-op copy).
 fn raw_shares_storage(a: &Tensor, b: &Tensor) -> bool {
     a.device() == b.device() && crate::raw::data_address(a) == crate::raw::data_address(b)
-}
-
-impl Pipeline {
-    /// Whom the first pipeline's stages wait for while rank 0 gathers or scatters tensors by
-    /// name: stage 0 for every other stage, the others for stage 0.
-    fn gathering_from(&self) -> String {
-        if self.stage == 0 {
-            let others: Vec<String> = (1..self.plan.grid.stages as i32).map(|p| self.stage_name(p)).collect();
-            format!("the named tensors (a checkpoint's or the whole model's) of {}", others.join(", "))
-        } else {
-            format!("{} to take or give the named tensors (a checkpoint's or the whole model's)", self.stage_name(0))
-        }
-    }
-
-    /// `mine`, named tensors of this stage, gathered from the first pipeline's stages on rank 0
-    /// (sorted by name; None elsewhere). f32 on the wire, each tensor's element type kept.
-    /// Collective over the first pipeline (the other replicas return at once).
-    pub(super) fn gather_named(&self, mine: Vec<(String, Tensor)>) -> Result<Option<Vec<(String, Tensor)>>> {
-        if self.replica != 0 {
-            return Ok(None);
-        }
-        let _watched = self.waiting(|| self.gathering_from());
-        if self.stage != 0 {
-            let root = self.comm.process_at_rank(0);
-            root.send(&(mine.len() as u64));
-            for (name, t) in &mine {
-                send_named(&root, name, t)?;
-            }
-            return Ok(None);
-        }
-        let mut all: Vec<(String, Tensor)> = mine.into_iter().map(|(n, t)| Ok((n, t.f_to_device(Device::Cpu)?))).collect::<Result<_>>()?;
-        for stage in 1..self.plan.grid.stages {
-            let from = self.comm.process_at_rank(stage as i32);
-            let (count, _) = from.receive::<u64>();
-            for _ in 0..count {
-                all.push(receive_named(&from)?);
-            }
-        }
-        all.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(Some(all))
-    }
-}
-
-/// One named tensor to `to`: its name, its shape, its values as f32.
-fn send_named(to: &mpi::topology::Process<'_>, name: &str, t: &Tensor) -> Result<()> {
-    to.send(name.as_bytes());
-    to.send(&t.size()[..]);
-    let values: Vec<f32> = Vec::<f32>::try_from(t.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)?.f_reshape([-1])?)?;
-    to.send(&values[..]);
-    crate::watchdog::progress();
-    Ok(())
-}
-
-fn receive_named(from: &mpi::topology::Process<'_>) -> Result<(String, Tensor)> {
-    let (name, _) = from.receive_vec::<u8>();
-    let (shape, _) = from.receive_vec::<i64>();
-    let (values, _) = from.receive_vec::<f32>();
-    crate::watchdog::progress();
-    let name = String::from_utf8(name).map_err(|_| Error::exchange("gathering tensors", "a name is not UTF-8"))?;
-    Ok((name, Tensor::f_from_slice(&values)?.f_reshape(shape.as_slice())?))
 }

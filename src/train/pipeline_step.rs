@@ -5,8 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use tch::nn;
-use tch::{Device, Kind, Reduction, Tensor};
+use tch::{Kind, Reduction, Tensor};
 
 use crate::data::reader::SplitReader;
 use crate::data::{DatasetInfo, Labels, Split};
@@ -128,23 +127,6 @@ impl Run<'_> {
     /// this rank's place in the groups.
     pub(super) fn pipeline_world(&self) -> &crate::topology::World {
         self.tensor_parallel.as_ref().map_or(self.world, |tp| &tp.plane)
-    }
-
-    /// The whole model's variables on the first rank of the pipelines' world (None elsewhere),
-    /// from `mine`, each stage's variables, sent by the first pipeline's stages: for
-    /// --save-weights. Collective over the first pipeline.
-    pub(super) fn gather_whole_model(&self, mine: Vec<(String, Tensor)>) -> Result<Option<Vec<(String, Tensor)>>> {
-        let pipeline = self.pipeline.as_ref().expect("a pipelined run");
-        let all = pipeline.gather_named(mine)?;
-        if let Some(all) = &all {
-            // Declared only, to count its variables.
-            let whole = nn::VarStore::new(Device::Cpu);
-            let (_model, variables) = crate::model::declare(self.args.model, &whole.root(), self.spec);
-            if all.len() != variables.len() {
-                return Err(Error::exchange("gathering the weights", format!("{} variables gathered, the model has {}", all.len(), variables.len())));
-            }
-        }
-        Ok(all)
     }
 }
 

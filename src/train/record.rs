@@ -9,7 +9,7 @@ use crate::model::InputSpec;
 use crate::raw;
 use crate::results::{self, RunRecord};
 
-use super::checkpoints::{save_named, save_weights, CheckpointLog};
+use super::checkpoints::CheckpointLog;
 use super::collective::broadcast_step;
 use super::memory;
 use super::options::Scaling;
@@ -29,32 +29,7 @@ impl Run<'_> {
             self.save_checkpoint(out.last_step)?;
         }
         if let Some(path) = &args.save_weights {
-            if self.pipeline.is_some() {
-                // The stages of the first pipeline send their variables to rank 0 (with tensor
-                // parallelism, each stage's glued from its group's parts first; every place in
-                // the groups gathers, its first rank holds the whole, rank 0 writes).
-                let mine = match &self.tensor_parallel {
-                    Some(tp) => world.agree(tp.whole_variables(&self.net))?,
-                    None => self.net.named_variables(),
-                };
-                if let Some(whole) = world.agree(self.gather_whole_model(mine))? {
-                    if world.is_root() {
-                        save_named(whole, path)?;
-                    }
-                }
-            } else if self.fsdp.is_some() {
-                // Every unit gathered for rank 0's write, let go after it.
-                self.fsdp_make_whole()?;
-                let saved = world.agree(if world.is_root() { save_weights(&self.net, path) } else { Ok(()) });
-                self.fsdp_let_go()?;
-                saved?;
-            } else if let Some(tp) = &self.tensor_parallel {
-                // The group's parts glued (every group gathers; rank 0 writes its group's).
-                let whole = world.agree(tp.whole_variables(&self.net))?;
-                world.agree(if world.is_root() { save_named(whole, path) } else { Ok(()) })?;
-            } else if world.is_root() {
-                save_weights(&self.net, path)?;
-            }
+            self.save_weights(path, out.last_step)?;
         }
         if let (Some(pipeline), Some(path)) = (&self.pipeline, &args.pipeline.pipeline_timeline) {
             // With tensor parallelism, the timeline of the groups' first ranks (the others run

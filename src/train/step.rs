@@ -20,7 +20,7 @@ use crate::optim::{self};
 use crate::plan::shard::ShardInfo;
 use crate::topology::World;
 
-use super::checkpoints::{checkpoint_meta, save_checkpoint, save_sharded_checkpoint};
+use super::checkpoints::{checkpoint_meta, save_checkpoint, save_sharded_checkpoint, save_weights, save_weights_in_parts};
 use super::collective::{average_over, sum_pair};
 use super::net::{Net, Normalizer};
 use super::options::Precision;
@@ -380,6 +380,17 @@ impl Run<'_> {
             true => self.checkpoints.note(dir, last_step, written.map(|w| w.dir)),
             false => Ok(()),
         }
+    }
+
+    /// `--save-weights` (every rank takes part): where every worker holds the whole model, rank
+    /// 0 writes it; where the model is cut, every rank writes what it holds and rank 0 streams
+    /// the parts into the file, so that no rank holds the whole model (issue 49).
+    pub(super) fn save_weights(&mut self, path: &std::path::Path, last_step: u64) -> Result<()> {
+        let Some(replicas) = part_replicas(self.pipeline.as_ref(), self.tensor_parallel.as_ref()).or(self.fsdp.as_ref().map(|_| self.world)) else {
+            return self.world.agree(if self.world.is_root() { save_weights(&self.net, path) } else { Ok(()) });
+        };
+        let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, self.total_steps, last_step, self.optimizer.steps());
+        save_weights_in_parts(self.world, path, &self.net, self.exchange.as_mut(), &self.optimizer, meta, replicas, self.tensor_parallel.as_ref())
     }
 }
 

@@ -14,13 +14,11 @@
 //! exchange (`--strategy`) then averages every parameter over the D ranks that hold the same
 //! part.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use mpi::topology::{Color, Communicator};
-use mpi::traits::*;
-use tch::{Device, Tensor};
+use tch::Tensor;
 
 use crate::error::{Error, Result};
 use crate::exchange::{self, Exchange, ExchangeConfig, ReduceOp};
@@ -30,7 +28,6 @@ use crate::plan::tensor::{vit_split, Layout, Split};
 use crate::raw::{self, RegionAllReduce, RegisteredGroup};
 use crate::topology::World;
 
-use super::net::Net;
 use super::options::TrainArgs;
 
 /// What the group's all-reduces have cost so far (forward and backward, training and
@@ -194,37 +191,11 @@ impl TensorParallel {
             self.measured_steps += 1;
         }
     }
-
-    /// The whole model's variables by name, glued from every rank's part (collective over the
-    /// group): what `--save-weights` and checkpoints write.
-    pub(super) fn whole_variables(&self, net: &Net) -> Result<Vec<(String, Tensor)>> {
-        self.glue_named(net.named_variables())
-    }
-
-    /// Named tensors (variables or state buffers of parameters, by the parameter's name) glued
-    /// whole from every rank's part, in the order given (collective over the group).
-    fn glue_named(&self, named: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
-        let cut: Vec<&(String, Tensor)> = named.iter().filter(|(n, _)| vit_split(n) != Split::Whole).collect();
-        let mine: Vec<Tensor> = cut.iter().map(|(_, t)| t.f_to_device(Device::Cpu)?.f_contiguous()?.f_view([-1])).collect::<std::result::Result<_, _>>()?;
-        let mine = if mine.is_empty() { Vec::new() } else { Vec::<f32>::try_from(&Tensor::f_cat(&mine, 0)?)? };
-        let size = self.layout.tensor;
-        let mut everyone = vec![0f32; mine.len() * size];
-        crate::watchdog::collective("gathering the tensor-parallel parts", &self.group.comm, || self.group.comm.all_gather_into(&mine[..], &mut everyone[..]));
-        let mut offset = 0;
-        let mut glued = BTreeMap::new();
-        for (name, t) in &cut {
-            let (len, shape) = (t.numel(), t.size());
-            let parts: Vec<Tensor> = (0..size)
-                .map(|r| Tensor::f_from_slice(&everyone[r * mine.len() + offset..r * mine.len() + offset + len])?.f_view(shape.as_slice()))
-                .collect::<std::result::Result<_, _>>()?;
-            offset += len;
-            glued.insert(name.clone(), glue(&parts, vit_split(name))?);
-        }
-        Ok(named.into_iter().map(|(n, t)| match glued.remove(&n) { Some(whole) => (n, whole), None => (n, t) }).collect())
-    }
 }
 
-/// The whole tensor from every rank's part, in rank order (the inverse of [`cut_tensor`]).
+/// The whole tensor from every rank's part, in rank order (the inverse of [`cut_tensor`]):
+/// the test of the cut.
+#[cfg(test)]
 fn glue(parts: &[Tensor], split: Split) -> Result<Tensor> {
     Ok(match split {
         Split::Whole => parts[0].shallow_clone(),
@@ -248,7 +219,7 @@ fn glue(parts: &[Tensor], split: Split) -> Result<Tensor> {
 mod tests {
     use super::super::net::cut_tensor;
     use super::*;
-    use tch::Kind;
+    use tch::{Device, Kind};
 
     /// tp_bytes_sent counted 4 bytes an element whatever was sent: bf16 activations are 2.
     #[test]
