@@ -189,6 +189,7 @@ fn build_torch_shims() {
     println!("cargo:rerun-if-changed=src/shim/grad_hooks.cpp");
     println!("cargo:rerun-if-changed=src/shim/regions.cpp");
     println!("cargo:rerun-if-changed=src/shim/profiler.cpp");
+    println!("cargo:rerun-if-changed=src/shim/split_backward.cpp");
     println!("cargo:rerun-if-changed=src/shim/write_error.h");
     println!("cargo:rerun-if-env-changed=HPC_TRAIN_CXX11_ABI");
     let lib = std::path::PathBuf::from(env::var("DEP_TCH_LIBTORCH_LIB").expect("torch-sys exports its libtorch folder"));
@@ -205,6 +206,7 @@ fn build_torch_shims() {
         .file("src/shim/grad_hooks.cpp")
         .file("src/shim/regions.cpp")
         .file("src/shim/profiler.cpp")
+        .file("src/shim/split_backward.cpp")
         .compile("hpc_train_grad_hooks");
 }
 

@@ -15,7 +15,7 @@
 #   (source scripts/env.sh && cd /tmp/hpc-train-format3 && cargo build --release --target-dir "$HPC_TRAIN_ROOT/target")
 #   cp target/release/hpc-train /tmp/hpc-train-format3.bin && cargo build --release
 #
-#   scripts/measure-checkpoint-whole.sh --whole-binary /tmp/hpc-train-format3.bin [--out DIR] [--reps N]
+#   scripts/measure-checkpoint-whole.sh --whole-binary /tmp/hpc-train-format3.bin [--sharded-binary B] [--out DIR] [--reps N]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$HPC_TRAIN_ROOT"
@@ -23,6 +23,7 @@ out="results/beyond-one-rank/checkpoint-whole" model=vit-b16 reps=3 whole="" sha
 while [ $# -gt 0 ]; do
     case "$1" in
         --whole-binary) whole=$2; shift 2 ;;
+        --sharded-binary) sharded=$2; shift 2 ;;
         --out) out=$2; shift 2 ;;
         --reps) reps=$2; shift 2 ;;
         --model) model=$2; shift 2 ;;

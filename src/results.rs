@@ -112,9 +112,17 @@ pub struct PipelineRecord {
     pub chunk_profiled_ms: Option<Vec<f64>>,
     /// Per stage: forwards and backwards per measured step (ms, mean over the replicas).
     pub stage_compute_ms: Vec<f64>,
+    /// Per stage, zero-bubble schedules only: the split backward's B (the inputs' gradients)
+    /// and W (the weights') per measured step (ms, mean over the replicas), part of
+    /// stage_compute_ms: what decides whether a split schedule pays on this model.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stage_input_grad_ms: Vec<f64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stage_weight_grad_ms: Vec<f64>,
     /// Per stage: the measured idle share of the pipelined phase (mean over the replicas).
     pub bubble: Vec<f64>,
-    /// (P-1)/(M+P-1), P-1 divided by V when interleaved: the balanced schedule's bubble.
+    /// The balanced schedule's bubble (plan/pipeline.rs's theoretical_bubble): (P-1)/(M+P-1),
+    /// P-1 divided by V when interleaved, (P-1)/(3M+P-1) for ZB-H1 (F = B = W).
     pub theoretical_bubble: f64,
     /// Per stage: the most micro-batches (per chunk) held between forward and backward, and
     /// the most bytes of boundary activations (inputs and outputs of chunks) held at once.

@@ -65,7 +65,7 @@ impl Layout {
                 self.zero = Some("3");
                 self.hybrid = true;
             }
-            "gpipe" | "1f1b" | "interleaved" => self.schedule = Some(leak(kind)),
+            "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-v" => self.schedule = Some(leak(kind)),
             "tensor-parallel" => self.tensor = true,
             "tp+pipeline" => {
                 self.tensor = true;
@@ -471,7 +471,7 @@ fn faults_end_every_layout_kind() {
         ("exit@0:1", "exiting at step 1"),
     ];
     let kinds: Vec<String> = table().into_iter().filter(|c| c.row == "HPC_TRAIN_FAULT" && c.verdict == "yes").map(|c| c.column).collect();
-    assert_eq!(kinds.len(), 16, "{kinds:?}");
+    assert_eq!(kinds.len(), 18, "{kinds:?}");
     for (i, kind) in kinds.iter().enumerate() {
         let layout = Layout::default().with(kind);
         let (fault, said) = faults[i % faults.len()];

@@ -127,11 +127,11 @@ impl Parts {
     /// Images and labels: a rank that runs the whole model (or a pipeline of one stage).
     pub const ALL: Parts = Parts { images: true, labels: true };
 
-    /// The parts that stage `stage` of `stages` uses: the first stage holds chunk 0, which
-    /// takes the images, the last holds the last chunk, which scores against the labels
-    /// (interleaved schedules too: chunk c is on stage c mod P).
-    pub fn of_stage(stage: usize, stages: usize) -> Parts {
-        Parts { images: stage == 0, labels: stage + 1 == stages }
+    /// The parts that stage `stage` uses: the first stage holds chunk 0, which takes the
+    /// images; `loss_stage` holds the last chunk, which scores against the labels (the last
+    /// stage; the first under ZB-V, whose chunks come back up).
+    pub fn of_stage(stage: usize, loss_stage: usize) -> Parts {
+        Parts { images: stage == 0, labels: stage == loss_stage }
     }
 }
 
@@ -341,7 +341,7 @@ mod tests {
         let labels: Arc<Vec<i64>> = Arc::new((0..8).map(|i| i * 10).collect());
         let schedule = schedule(8, 2, 1, 3);
         let nowhere = std::env::temp_dir().join(format!("hpc-train-loader-nowhere-{}.h5", std::process::id()));
-        for (parts, cache) in [(Parts::of_stage(1, 2), true), (Parts::of_stage(1, 3), true), (Parts::of_stage(2, 3), false)] {
+        for (parts, cache) in [(Parts::of_stage(1, 1), true), (Parts::of_stage(1, 2), true), (Parts::of_stage(2, 2), false)] {
             let mut loader = Loader::spawn(nowhere.clone(), labels.clone(), parts, schedule, 0, 3, 2, cache, Device::Cpu);
             for global in 0..3u64 {
                 let batch = loader.next().unwrap_or_else(|e| panic!("{parts:?}: {e}"));
@@ -353,9 +353,9 @@ mod tests {
                 assert_eq!(batch.read(), (0, if parts.labels { expected.len() } else { 0 }));
             }
         }
-        assert_eq!(Parts::of_stage(0, 1), Parts::ALL);
-        assert_eq!(Parts::of_stage(0, 3), Parts { images: true, labels: false });
-        assert_eq!((Parts::of_stage(1, 3), Parts::of_stage(2, 3)), (Parts { images: false, labels: false }, Parts { images: false, labels: true }));
+        assert_eq!(Parts::of_stage(0, 0), Parts::ALL);
+        assert_eq!(Parts::of_stage(0, 2), Parts { images: true, labels: false });
+        assert_eq!((Parts::of_stage(1, 2), Parts::of_stage(2, 2)), (Parts { images: false, labels: false }, Parts { images: false, labels: true }));
     }
 
     fn schedule(samples: usize, workers: usize, worker: usize, batch: usize) -> Schedule {

@@ -34,13 +34,16 @@ pub enum Kind {
     Gpipe,
     OneFOneB,
     Interleaved,
+    /// Zero-bubble schedules: backward split into B and W.
+    ZbH1,
+    ZbV,
     TensorParallel,
     /// Tensor-parallel groups as the stages of a pipeline (D x P x T with P, T > 1).
     TensorPipeline,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 16] = [
+    pub const ALL: [Kind; 18] = [
         Kind::Ring,
         Kind::Rhd,
         Kind::Auto,
@@ -55,6 +58,8 @@ impl Kind {
         Kind::Gpipe,
         Kind::OneFOneB,
         Kind::Interleaved,
+        Kind::ZbH1,
+        Kind::ZbV,
         Kind::TensorParallel,
         Kind::TensorPipeline,
     ];
@@ -76,6 +81,8 @@ impl Kind {
             Kind::Gpipe => "gpipe",
             Kind::OneFOneB => "1f1b",
             Kind::Interleaved => "interleaved",
+            Kind::ZbH1 => "zb-h1",
+            Kind::ZbV => "zb-v",
             Kind::TensorParallel => "tensor-parallel",
             Kind::TensorPipeline => "tp+pipeline",
         }
@@ -98,13 +105,15 @@ impl Kind {
             Kind::Gpipe => "--pipeline-stages (--schedule gpipe)",
             Kind::OneFOneB => "--pipeline-stages (--schedule 1f1b)",
             Kind::Interleaved => "--pipeline-stages (--schedule interleaved)",
+            Kind::ZbH1 => "--pipeline-stages (--schedule zb-h1)",
+            Kind::ZbV => "--pipeline-stages (--schedule zb-v)",
             Kind::TensorParallel => "--tensor-parallel",
             Kind::TensorPipeline => "--tensor-parallel and --pipeline-stages",
         }
     }
 
     fn is_pipeline(self) -> bool {
-        matches!(self, Kind::Gpipe | Kind::OneFOneB | Kind::Interleaved | Kind::TensorPipeline)
+        matches!(self, Kind::Gpipe | Kind::OneFOneB | Kind::Interleaved | Kind::ZbH1 | Kind::ZbV | Kind::TensorPipeline)
     }
 
     fn is_sharded(self) -> bool {
@@ -215,7 +224,7 @@ impl Feature {
     /// every kind). A run must be in one of them.
     pub fn needs(self) -> &'static [Kind] {
         match self {
-            Feature::Recompute | Feature::PipelineTimeline => &[Kind::Gpipe, Kind::OneFOneB, Kind::Interleaved],
+            Feature::Recompute | Feature::PipelineTimeline => &[Kind::Gpipe, Kind::OneFOneB, Kind::Interleaved, Kind::ZbH1, Kind::ZbV],
             Feature::HorovodTimeline | Feature::Compression | Feature::Hierarchical => &[Kind::Horovod],
             Feature::Layout(Kind::Zero3Hybrid) => &[Kind::Zero3],
             Feature::Layout(Kind::TensorPipeline) => &[Kind::TensorParallel],
@@ -244,6 +253,7 @@ const OVERLAP_PS: &str = "the parameter servers take whole shares after backward
 const OVERLAP_PIPELINE: &str = "a pipeline exchanges each stage's gradients after its last backward; use --overlap off or auto";
 const OVERLAP_TENSOR: &str =
     "the data-parallel exchange runs after backward, whose own all-reduces run on the run's thread; use --overlap off or auto";
+const RECOMPUTE_SPLIT: &str = "a split backward keeps the forward's graph from its B to its W, which recomputation exists not to keep; use --schedule 1f1b or interleaved with --recompute";
 const ZERO3_CHANNELS_LAST: &str =
     "stage 3 points parameters at their unit's flat, contiguous buffer, which has no channels-last layout; drop --channels-last";
 const ZERO_STRATEGY: &str = "ZeRO shards the optimizer (and at stage 3 the parameters) along a reduce-scatter and an all-gather, which only the from-scratch all-reduces (ring, rhd, auto) run apart";
@@ -271,6 +281,7 @@ pub fn verdict(feature: Feature, kind: Kind) -> Verdict {
         (Feature::Overlap, k) if k.is_pipeline() => Refused(OVERLAP_PIPELINE),
         (Feature::Overlap, Kind::TensorParallel) => Refused(OVERLAP_TENSOR),
         (Feature::ChannelsLast, Kind::Zero3 | Kind::Zero3Hybrid) => Refused(ZERO3_CHANNELS_LAST),
+        (Feature::Recompute, Kind::ZbH1 | Kind::ZbV) => Refused(RECOMPUTE_SPLIT),
         (Feature::Checkpoint | Feature::Resume, Kind::PsAsync) => Refused(CHECKPOINT_ASYNC),
         (Feature::Layout(a), b) => pair(a, b),
         _ => Supported,

@@ -8,16 +8,23 @@
 //! p, p + P, ..., p + (V-1)P; with V = 1 chunk c is stage c). Boundary `b` (1..chunks) lies
 //! between chunk b-1 and chunk b: activations cross it forwards, their gradients backwards.
 //!
-//! The three schedules (P stages, M micro-batches):
+//! The schedules (P stages, M micro-batches):
 //! - GPipe (Huang et al. 2019): every forward, then every backward; M micro-batches alive.
 //! - 1F1B (PipeDream-Flush, Narayanan et al. 2021): P-1-p warm-up forwards on stage p, then
 //!   one forward and one backward in turn, then the remaining backwards; at most P-p alive.
 //! - Interleaved 1F1B (Megatron-LM): the same with V chunks per stage, taken P micro-batches
 //!   at a time, which divides the bubble by V at the price of V times the messages.
+//! - Zero bubble (Qi et al., ICLR 2024) splits each backward in two: B, the gradient of the
+//!   chunk's input, which the previous chunk waits for, and W, the weights' gradients, which
+//!   nobody waits for and which fill the bubble. ZB-H1 is 1F1B with stage p's W's trailing its
+//!   B's by p (the last W's fill the cool-down), at 1F1B's memory: the bubble drops from
+//!   (P-1)(F+B+W) to (P-1)(F+B-W) per step. ZB-V holds two chunks per stage in a V (chunk p
+//!   down the stages, chunk 2P-1-p back up: stage 0 holds the first and the last), ordered by
+//!   [`zb_v_orders`] at 1F1B's memory; its bubble is near zero when F = B = W.
 //!
-//! Backwards run in micro-batch order on every chunk under every schedule, so the gradients
-//! accumulate in the same order as one process that sums the micro-batches in turn: the
-//! schedule changes when work happens, never the arithmetic.
+//! Backwards (and W's) run in micro-batch order on every chunk under every schedule, so the
+//! gradients accumulate in the same order as one process that sums the micro-batches in turn:
+//! the schedule changes when work happens, never the arithmetic.
 //!
 //! Evaluation runs forwards only ([`forward_schedule`]), over as many micro-batches as the test
 //! set makes, holding no more of them per stage than training does ([`peak_held`]); its replay
@@ -40,6 +47,16 @@ pub enum ScheduleKind {
     #[value(name = "interleaved")]
     #[serde(rename = "interleaved")]
     Interleaved,
+    /// Zero bubble H1: 1F1B with each backward split into B and W, the W's deferred into the
+    /// cool-down's bubble (Qi et al. 2024); 1F1B's memory.
+    #[value(name = "zb-h1")]
+    #[serde(rename = "zb-h1")]
+    ZbH1,
+    /// Zero bubble V: two chunks per stage in a V, backwards split into B and W (Qi et al.
+    /// 2024); 1F1B's memory, twice its messages.
+    #[value(name = "zb-v")]
+    #[serde(rename = "zb-v")]
+    ZbV,
 }
 
 impl ScheduleKind {
@@ -48,7 +65,15 @@ impl ScheduleKind {
             ScheduleKind::Gpipe => "gpipe",
             ScheduleKind::OneFOneB => "1f1b",
             ScheduleKind::Interleaved => "interleaved",
+            ScheduleKind::ZbH1 => "zb-h1",
+            ScheduleKind::ZbV => "zb-v",
         }
+    }
+
+    /// Whether the schedule splits each backward into B (the input's gradient) and W (the
+    /// weights').
+    pub fn splits_backward(self) -> bool {
+        matches!(self, ScheduleKind::ZbH1 | ScheduleKind::ZbV)
     }
 }
 
@@ -87,6 +112,8 @@ impl Shape {
                     ));
                 }
             }
+            // Two chunks per stage by construction; --virtual-stages 2 says the same.
+            ScheduleKind::ZbV if virtual_stages <= 2 => return Ok(Shape { kind, stages, micro_batches, virtual_stages: 2 }),
             _ if virtual_stages != 1 => {
                 return Err(format!("--virtual-stages {virtual_stages} goes with --schedule interleaved, not {kind}"));
             }
@@ -100,20 +127,44 @@ impl Shape {
         self.stages * self.virtual_stages
     }
 
+    /// The stage that holds `chunk`: round robin (interleaved), or in a V for ZB-V (chunk c on
+    /// stage c going down, then 2P-1-c coming back up).
     pub fn stage_of(&self, chunk: usize) -> usize {
-        chunk % self.stages
+        match self.kind {
+            ScheduleKind::ZbV if chunk >= self.stages => 2 * self.stages - 1 - chunk,
+            _ => chunk % self.stages,
+        }
     }
 
     /// The chunks of `stage`, in model order.
     pub fn chunks_of(&self, stage: usize) -> Vec<usize> {
-        (0..self.virtual_stages).map(|v| v * self.stages + stage).collect()
+        match self.kind {
+            ScheduleKind::ZbV => vec![stage, 2 * self.stages - 1 - stage],
+            _ => (0..self.virtual_stages).map(|v| v * self.stages + stage).collect(),
+        }
     }
 
-    /// The bubble of the schedule with balanced stages and free messages: the idle share of a
-    /// stage's step, (P-1)/(M+P-1) for GPipe and 1F1B, with P-1 divided by V when interleaved.
+    /// The stage that computes the loss (holds the last chunk): it alone reads the labels.
+    pub fn loss_stage(&self) -> usize {
+        self.stage_of(self.chunks() - 1)
+    }
+
+    /// The bubble of the schedule with balanced stages, free messages and a backward twice the
+    /// forward (B = W = F where it is split): the idle share of a stage's step, (P-1)/(M+P-1)
+    /// for GPipe and 1F1B, with P-1 divided by V when interleaved; for the zero-bubble
+    /// schedules their replay's at these costs: (P-1)/(3M+P-1) for ZB-H1 from M = P
+    /// ((P-1)(F+B-W) idle against M(F+B+W) busy), about (P-1)/2 / (3M + (P-1)/2) for ZB-V.
     pub fn theoretical_bubble(&self) -> f64 {
-        let fill = (self.stages - 1) as f64 / self.virtual_stages as f64;
-        fill / (self.micro_batches as f64 + fill)
+        match self.kind {
+            ScheduleKind::ZbH1 | ScheduleKind::ZbV => {
+                let each = vec![1.0 / self.virtual_stages as f64; self.chunks()];
+                replay(self, &Costs { forward: each.clone(), input_grad: each.clone(), weight_grad: each }).map_or(f64::NAN, |r| r.mean_bubble())
+            }
+            _ => {
+                let fill = (self.stages - 1) as f64 / self.virtual_stages as f64;
+                fill / (self.micro_batches as f64 + fill)
+            }
+        }
     }
 
     /// The message tag of an activation (or its gradient) of `micro` crossing `boundary`:
@@ -146,6 +197,12 @@ pub enum Action {
     Forward { micro: usize, chunk: usize },
     /// Backward `micro` through `chunk` (waiting for its output's gradient first).
     Backward { micro: usize, chunk: usize },
+    /// Zero bubble's B: the gradient of `chunk`'s input for `micro` alone (waiting for its
+    /// output's gradient first), its graph kept for the W.
+    BackwardInput { micro: usize, chunk: usize },
+    /// Zero bubble's W: the weights' gradients of `chunk` for `micro`, from the graph its B
+    /// kept, which it then lets go. No message waits for it.
+    BackwardWeight { micro: usize, chunk: usize },
     /// Send the output of `chunk` for `micro` to the next chunk's stage (non-blocking).
     SendActivation { micro: usize, chunk: usize },
     /// Send the gradient of `chunk`'s input for `micro` to the previous chunk's stage.
@@ -196,23 +253,116 @@ pub fn compute_order(shape: &Shape, stage: usize) -> Vec<Action> {
             order.extend((total - warmup..total).map(|k| backward(micro_of(k), chunk(k, false))));
             order
         }
+        ScheduleKind::ZbH1 => {
+            // 1F1B's forwards and B's; stage p's W's trail its B's by p (the last stage's B is
+            // what the stages before wait for; the first stage's idle cool-down takes its W's
+            // at once), the W's left over fill the end.
+            let warmup = (p_count - 1 - stage).min(m_count);
+            let (input, weight) = (|micro| Action::BackwardInput { micro, chunk: stage }, |micro| Action::BackwardWeight { micro, chunk: stage });
+            let mut order: Vec<Action> = (0..warmup).map(|m| forward(m, stage)).collect();
+            let mut weights = 0;
+            for i in 0..m_count {
+                if i + warmup < m_count {
+                    order.push(forward(i + warmup, stage));
+                }
+                order.push(input(i));
+                if i >= stage {
+                    order.push(weight(weights));
+                    weights += 1;
+                }
+            }
+            order.extend((weights..m_count).map(weight));
+            order
+        }
+        ScheduleKind::ZbV => zb_v_orders(shape).swap_remove(stage),
     }
+}
+
+/// ZB-V's compute order on every stage: a list schedule made by replaying the step with F = B =
+/// W = 1 (balanced chunks, free messages), each stage taking, whenever it is free, the first
+/// that can start of: a B (the earliest micro-batch, the later chunk first), a forward while
+/// it holds fewer than 2P (micro-batch, chunk) activations (1F1B's peak: P micro-batches of a
+/// stage of two chunks; the later chunk first), a W (the oldest B's). The order is data, the
+/// same on every rank; the measured times only move when each action happens, never the order.
+pub fn zb_v_orders(shape: &Shape) -> Vec<Vec<Action>> {
+    let (p_count, m_count, chunks) = (shape.stages, shape.micro_batches, shape.chunks());
+    let limit = 2 * p_count;
+    // Per (chunk, micro): when its forward and its B end (None: not yet run).
+    let mut forward_end = vec![vec![None::<u64>; m_count]; chunks];
+    let mut input_end = vec![vec![None::<u64>; m_count]; chunks];
+    let mut next_forward = vec![0usize; chunks];
+    let mut next_input = vec![0usize; chunks];
+    let mut weights_due: Vec<std::collections::VecDeque<(usize, usize)>> = vec![Default::default(); p_count];
+    let mut alive = vec![0usize; p_count];
+    let mut free_at = vec![0u64; p_count];
+    let mut orders: Vec<Vec<Action>> = vec![Vec::new(); p_count];
+    let total = 3 * m_count * chunks;
+    let mut done = 0;
+    let mut now = 0u64;
+    while done < total {
+        for p in 0..p_count {
+            if free_at[p] > now {
+                continue;
+            }
+            let ready = |end: Option<u64>| end.is_some_and(|t| t <= now);
+            let mut mine = shape.chunks_of(p);
+            mine.reverse(); // the later chunk first
+            let input = mine
+                .iter()
+                .filter_map(|&c| {
+                    let m = next_input[c];
+                    let gradient_ready = c + 1 == chunks || ready(input_end[c + 1].get(m).copied().flatten());
+                    (m < m_count && ready(forward_end[c][m]) && gradient_ready).then_some((m, c))
+                })
+                .min_by_key(|&(m, c)| (m, std::cmp::Reverse(c)));
+            let action = if let Some((micro, chunk)) = input {
+                input_end[chunk][micro] = Some(now + 1);
+                next_input[chunk] += 1;
+                weights_due[p].push_back((micro, chunk));
+                Some(Action::BackwardInput { micro, chunk })
+            } else if let Some(chunk) = mine.iter().copied().find(|&c| {
+                let m = next_forward[c];
+                alive[p] < limit && m < m_count && (c == 0 || ready(forward_end[c - 1][m]))
+            }) {
+                let micro = next_forward[chunk];
+                forward_end[chunk][micro] = Some(now + 1);
+                next_forward[chunk] += 1;
+                alive[p] += 1;
+                Some(Action::Forward { micro, chunk })
+            } else if let Some((micro, chunk)) = weights_due[p].pop_front() {
+                alive[p] -= 1;
+                Some(Action::BackwardWeight { micro, chunk })
+            } else {
+                None
+            };
+            if let Some(a) = action {
+                orders[p].push(a);
+                free_at[p] = now + 1;
+                done += 1;
+            }
+        }
+        now += 1;
+        assert!(now <= 4 * total as u64 + 4, "ZB-V's list schedule made no progress (a bug in zb_v_orders)");
+    }
+    orders
 }
 
 /// The full list of `stage`'s actions in one step: the compute order, each forward's output
 /// sent and each backward's input gradient sent right after it, and each receive posted one
 /// compute action before the one that needs it (so that its transfer overlaps that compute;
 /// the receives of the first two compute actions are posted at the start).
+/// Under ZB-V the turn of the V (chunk P-1 to chunk P, both on the last stage) is a message
+/// the stage sends itself, which MPI delivers as a local copy: one executor for every schedule.
 pub fn schedule(shape: &Shape, stage: usize) -> Vec<Action> {
     let last = shape.chunks() - 1;
     let needs = |a: &Action| match *a {
         Action::Forward { micro, chunk } if chunk > 0 => Some(Action::ReceiveActivation { micro, chunk }),
-        Action::Backward { micro, chunk } if chunk < last => Some(Action::ReceiveGradient { micro, chunk }),
+        Action::Backward { micro, chunk } | Action::BackwardInput { micro, chunk } if chunk < last => Some(Action::ReceiveGradient { micro, chunk }),
         _ => None,
     };
     let sends = |a: &Action| match *a {
         Action::Forward { micro, chunk } if chunk < last => Some(Action::SendActivation { micro, chunk }),
-        Action::Backward { micro, chunk } if chunk > 0 => Some(Action::SendGradient { micro, chunk }),
+        Action::Backward { micro, chunk } | Action::BackwardInput { micro, chunk } if chunk > 0 => Some(Action::SendGradient { micro, chunk }),
         _ => None,
     };
     with_messages(&compute_order(shape, stage), needs, sends)
@@ -232,15 +382,16 @@ fn with_messages(compute: &[Action], needs: impl Fn(&Action) -> Option<Action>, 
 }
 
 /// The most micro-batches (per chunk) that `stage` holds at once under training's schedule:
-/// forwards not yet matched by their backward, at the worst point of its compute order (GPipe
-/// M, 1F1B min(P - p, M), interleaved Megatron-LM's warm-up plus one).
+/// forwards not yet matched by their backward (a split backward's W, which lets the graph go),
+/// at the worst point of its compute order (GPipe M, 1F1B min(P - p, M), interleaved
+/// Megatron-LM's warm-up plus one, ZB-H1 at most P, ZB-V at most 2P of half a stage each).
 pub fn peak_held(shape: &Shape, stage: usize) -> usize {
     let mut alive = 0usize;
     let mut peak = 0;
     for a in compute_order(shape, stage) {
         match a {
             Action::Forward { .. } => alive += 1,
-            Action::Backward { .. } => alive -= 1,
+            Action::Backward { .. } | Action::BackwardWeight { .. } => alive -= 1,
             _ => {}
         }
         peak = peak.max(alive);
@@ -259,10 +410,18 @@ pub fn peak_held(shape: &Shape, stage: usize) -> usize {
 pub fn forward_schedule(shape: &Shape, stage: usize, micro_batches: usize) -> Vec<Action> {
     let (p_count, last) = (shape.stages, shape.chunks() - 1);
     let mut compute = Vec::with_capacity(micro_batches * shape.virtual_stages);
+    let chunks = shape.chunks_of(stage);
     for group in (0..micro_batches).step_by(p_count) {
         let members = group..(group + p_count).min(micro_batches);
+        if chunks.len() == 2 && chunks[1] == chunks[0] + 1 {
+            // ZB-V's last stage holds the turn of the V, two chunks in a row: each micro-batch
+            // through both at once, its message to itself received one forward later (held
+            // back, the stage's own sends would fill its window with nobody else to drain it).
+            compute.extend(members.clone().flat_map(|micro| chunks.iter().map(move |&chunk| Action::Forward { micro, chunk })));
+            continue;
+        }
         // Without interleaving a stage's one chunk: micro-batch after micro-batch.
-        for chunk in shape.chunks_of(stage) {
+        for &chunk in &chunks {
             compute.extend(members.clone().map(|micro| Action::Forward { micro, chunk }));
         }
     }
@@ -396,13 +555,47 @@ impl Replay {
     pub fn bubble(&self, stage: usize) -> f64 {
         if self.makespan > 0.0 { 1.0 - self.busy[stage] / self.makespan } else { 0.0 }
     }
+
+    /// The stages' mean idle share.
+    pub fn mean_bubble(&self) -> f64 {
+        (0..self.busy.len()).map(|s| self.bubble(s)).sum::<f64>() / self.busy.len().max(1) as f64
+    }
+}
+
+/// The time of each action kind per chunk (the last entry stands for the chunks past the end):
+/// a forward, a B (the input's gradient) and a W (the weights'); an unsplit backward costs B + W.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Costs {
+    pub forward: Vec<f64>,
+    pub input_grad: Vec<f64>,
+    pub weight_grad: Vec<f64>,
+}
+
+impl Costs {
+    /// Forward and whole-backward times, for schedules that do not split the backward (a split
+    /// one then takes the backward as B with a W of nothing).
+    #[cfg(test)]
+    pub fn unsplit(forward: &[f64], backward: &[f64]) -> Costs {
+        Costs { forward: forward.to_vec(), input_grad: backward.to_vec(), weight_grad: vec![0.0] }
+    }
+
+    fn of(&self, action: &Action) -> f64 {
+        let at = |v: &[f64], chunk: usize| v[chunk.min(v.len() - 1)];
+        match *action {
+            Action::Forward { chunk, .. } => at(&self.forward, chunk),
+            Action::Backward { chunk, .. } => at(&self.input_grad, chunk) + at(&self.weight_grad, chunk),
+            Action::BackwardInput { chunk, .. } => at(&self.input_grad, chunk),
+            Action::BackwardWeight { chunk, .. } => at(&self.weight_grad, chunk),
+            _ => 0.0,
+        }
+    }
 }
 
 /// Replays one step: every stage runs its [`schedule`] in order; a compute action starts once
 /// the stage is free and its input has been sent; sends are non-blocking. Fails, naming the
 /// stuck stages, when no stage can go on (a deadlock), or when a message is received that
 /// nobody sends or sent that nobody receives.
-pub fn replay(shape: &Shape, forward_cost: &[f64], backward_cost: &[f64]) -> Result<Replay, String> {
+pub fn replay(shape: &Shape, costs: &Costs) -> Result<Replay, String> {
     use std::collections::HashMap;
     let p_count = shape.stages;
     let plans: Vec<Vec<Action>> = (0..p_count).map(|p| schedule(shape, p)).collect();
@@ -416,7 +609,9 @@ pub fn replay(shape: &Shape, forward_cost: &[f64], backward_cost: &[f64]) -> Res
                 Action::SendGradient { micro, chunk } => *sent.entry((Message::Gradient, micro, chunk)).or_default() += 1,
                 Action::ReceiveActivation { micro, chunk } => *posted.entry((Message::Activation, micro, chunk)).or_default() += 1,
                 Action::ReceiveGradient { micro, chunk } => *posted.entry((Message::Gradient, micro, chunk + 1)).or_default() += 1,
-                Action::Forward { chunk, .. } | Action::Backward { chunk, .. } if shape.stage_of(chunk) != p => {
+                Action::Forward { chunk, .. } | Action::Backward { chunk, .. } | Action::BackwardInput { chunk, .. } | Action::BackwardWeight { chunk, .. }
+                    if shape.stage_of(chunk) != p =>
+                {
                     return Err(format!("stage {p} computes chunk {chunk}, which is stage {}'s", shape.stage_of(chunk)));
                 }
                 _ => {}
@@ -439,7 +634,7 @@ pub fn replay(shape: &Shape, forward_cost: &[f64], backward_cost: &[f64]) -> Res
             while let Some(a) = plans[p].get(next[p]) {
                 let key_needed = match *a {
                     Action::Forward { micro, chunk } if chunk > 0 => Some((Message::Activation, micro, chunk)),
-                    Action::Backward { micro, chunk } if chunk + 1 < shape.chunks() => Some((Message::Gradient, micro, chunk + 1)),
+                    Action::Backward { micro, chunk } | Action::BackwardInput { micro, chunk } if chunk + 1 < shape.chunks() => Some((Message::Gradient, micro, chunk + 1)),
                     _ => None,
                 };
                 if let Some(key) = key_needed {
@@ -458,16 +653,18 @@ pub fn replay(shape: &Shape, forward_cost: &[f64], backward_cost: &[f64]) -> Res
                     Action::ReceiveGradient { micro, chunk } => {
                         received.insert((Message::Gradient, micro, chunk + 1));
                     }
-                    Action::Forward { chunk, .. } => {
-                        clock[p] += forward_cost[chunk.min(forward_cost.len() - 1)];
-                        busy[p] += forward_cost[chunk.min(forward_cost.len() - 1)];
-                        alive[p] += 1;
-                        peak_alive[p] = peak_alive[p].max(alive[p]);
-                    }
-                    Action::Backward { chunk, .. } => {
-                        clock[p] += backward_cost[chunk.min(backward_cost.len() - 1)];
-                        busy[p] += backward_cost[chunk.min(backward_cost.len() - 1)];
-                        alive[p] -= 1;
+                    Action::Forward { .. } | Action::Backward { .. } | Action::BackwardInput { .. } | Action::BackwardWeight { .. } => {
+                        let cost = costs.of(a);
+                        clock[p] += cost;
+                        busy[p] += cost;
+                        match a {
+                            Action::Forward { .. } => {
+                                alive[p] += 1;
+                                peak_alive[p] = peak_alive[p].max(alive[p]);
+                            }
+                            Action::Backward { .. } | Action::BackwardWeight { .. } => alive[p] -= 1,
+                            _ => {}
+                        }
                     }
                     Action::SendActivation { micro, chunk } => {
                         arrival.insert((Message::Activation, micro, chunk + 1), clock[p]);
@@ -626,7 +823,7 @@ mod tests {
         let mut all = Vec::new();
         for p in 1..=5 {
             for m in [1, 2, 3, 4, 7, 8, 16] {
-                for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB] {
+                for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB, ScheduleKind::ZbH1, ScheduleKind::ZbV] {
                     all.push(Shape::new(kind, p, m, 1).unwrap());
                 }
                 for v in [2, 3] {
@@ -644,19 +841,31 @@ mod tests {
         for shape in shapes() {
             for stage in 0..shape.stages {
                 let order = compute_order(&shape, stage);
+                let of = |chunk: usize, pick: fn(&Action) -> Option<(usize, usize)>| -> Vec<usize> { order.iter().filter_map(pick).filter(|&(_, c)| c == chunk).map(|(m, _)| m).collect() };
                 for chunk in shape.chunks_of(stage) {
-                    let forwards: Vec<usize> = order.iter().filter_map(|a| match *a { Action::Forward { micro, chunk: c } if c == chunk => Some(micro), _ => None }).collect();
-                    let backwards: Vec<usize> = order.iter().filter_map(|a| match *a { Action::Backward { micro, chunk: c } if c == chunk => Some(micro), _ => None }).collect();
                     let all: Vec<usize> = (0..shape.micro_batches).collect();
-                    assert_eq!(forwards, all, "{shape:?} stage {stage} chunk {chunk}");
+                    assert_eq!(of(chunk, |a| match *a { Action::Forward { micro, chunk } => Some((micro, chunk)), _ => None }), all, "{shape:?} stage {stage} chunk {chunk}");
                     // In micro-batch order: the gradients accumulate as one process adds them.
-                    assert_eq!(backwards, all, "{shape:?} stage {stage} chunk {chunk}");
-                }
-                // A micro-batch's backward comes after its forward through the same chunk.
-                for (i, a) in order.iter().enumerate() {
-                    if let Action::Backward { micro, chunk } = *a {
-                        assert!(order[..i].contains(&Action::Forward { micro, chunk }), "{shape:?} stage {stage}: {a:?} before its forward");
+                    let (whole, input, weight) = (
+                        of(chunk, |a| match *a { Action::Backward { micro, chunk } => Some((micro, chunk)), _ => None }),
+                        of(chunk, |a| match *a { Action::BackwardInput { micro, chunk } => Some((micro, chunk)), _ => None }),
+                        of(chunk, |a| match *a { Action::BackwardWeight { micro, chunk } => Some((micro, chunk)), _ => None }),
+                    );
+                    if shape.kind.splits_backward() {
+                        assert!(whole.is_empty() && input == all && weight == all, "{shape:?} stage {stage} chunk {chunk}: B {input:?}, W {weight:?}");
+                    } else {
+                        assert!(whole == all && input.is_empty() && weight.is_empty(), "{shape:?} stage {stage} chunk {chunk}");
                     }
+                }
+                // A micro-batch's backward (or B) comes after its forward through the same
+                // chunk, and its W after its B.
+                for (i, a) in order.iter().enumerate() {
+                    let before = match *a {
+                        Action::Backward { micro, chunk } | Action::BackwardInput { micro, chunk } => Action::Forward { micro, chunk },
+                        Action::BackwardWeight { micro, chunk } => Action::BackwardInput { micro, chunk },
+                        _ => continue,
+                    };
+                    assert!(order[..i].contains(&before), "{shape:?} stage {stage}: {a:?} before {before:?}");
                 }
             }
         }
@@ -667,10 +876,12 @@ mod tests {
         for shape in shapes() {
             let unit = vec![1.0; shape.chunks()];
             let double = vec![2.0; shape.chunks()];
-            replay(&shape, &unit, &double).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+            replay(&shape, &Costs::unsplit(&unit, &double)).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
             // Uneven stages cannot deadlock a schedule either.
             let uneven: Vec<f64> = (0..shape.chunks()).map(|c| 1.0 + (c * 7 % 5) as f64).collect();
-            replay(&shape, &uneven, &uneven).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+            let falling: Vec<f64> = (0..shape.chunks()).map(|c| (shape.chunks() - c) as f64).collect();
+            replay(&shape, &Costs { forward: uneven.clone(), input_grad: falling.clone(), weight_grad: uneven.clone() }).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+            replay(&shape, &Costs::unsplit(&uneven, &uneven)).unwrap_or_else(|e| panic!("{shape:?}: {e}"));
         }
     }
 
@@ -686,9 +897,11 @@ mod tests {
 
     #[test]
     fn balanced_bubbles_are_the_theory() {
-        for shape in shapes() {
-            let (f, b) = (1.0 / shape.virtual_stages as f64, 2.0 / shape.virtual_stages as f64);
-            let replay = replay(&shape, &vec![f; shape.chunks()], &vec![b; shape.chunks()]).unwrap();
+        // The zero-bubble schedules' theory is their replay (tested against the formulas below).
+        for shape in shapes().into_iter().filter(|s| !s.kind.splits_backward()) {
+            // F = B = W: an unsplit backward twice the forward.
+            let f = vec![1.0 / shape.virtual_stages as f64; shape.chunks()];
+            let replay = replay(&shape, &Costs { forward: f.clone(), input_grad: f.clone(), weight_grad: f }).unwrap();
             for stage in 0..shape.stages {
                 let (got, want) = (replay.bubble(stage), shape.theoretical_bubble());
                 assert!((got - want).abs() < 1e-9, "{shape:?} stage {stage}: bubble {got}, theory {want}");
@@ -700,8 +913,8 @@ mod tests {
     fn gpipe_holds_every_micro_batch_and_1f1b_at_most_the_stages_left() {
         for p in 1..=5 {
             for m in [1, 3, 4, 8, 16] {
-                let gpipe = replay(&Shape::new(ScheduleKind::Gpipe, p, m, 1).unwrap(), &[1.0], &[2.0]).unwrap();
-                let one = replay(&Shape::new(ScheduleKind::OneFOneB, p, m, 1).unwrap(), &[1.0], &[2.0]).unwrap();
+                let gpipe = replay(&Shape::new(ScheduleKind::Gpipe, p, m, 1).unwrap(), &Costs::unsplit(&[1.0], &[2.0])).unwrap();
+                let one = replay(&Shape::new(ScheduleKind::OneFOneB, p, m, 1).unwrap(), &Costs::unsplit(&[1.0], &[2.0])).unwrap();
                 for stage in 0..p {
                     assert_eq!(gpipe.peak_alive[stage], m);
                     assert_eq!(one.peak_alive[stage], (p - stage).min(m), "P {p} M {m} stage {stage}");
@@ -710,7 +923,7 @@ mod tests {
         }
         // Interleaved: Megatron-LM's warm-up bound, in chunk-sized activations.
         let shape = Shape::new(ScheduleKind::Interleaved, 4, 8, 2).unwrap();
-        let r = replay(&shape, &[0.5], &[1.0]).unwrap();
+        let r = replay(&shape, &Costs::unsplit(&[0.5], &[1.0])).unwrap();
         for stage in 0..4 {
             assert!(r.peak_alive[stage] <= (4 - stage - 1) * 2 + 4 + 1, "stage {stage}: {}", r.peak_alive[stage]);
         }
@@ -719,7 +932,7 @@ mod tests {
     #[test]
     fn peak_held_is_what_the_replay_of_training_holds() {
         for shape in shapes() {
-            let r = replay(&shape, &[1.0], &[2.0]).unwrap();
+            let r = replay(&shape, &Costs { forward: vec![1.0], input_grad: vec![1.0], weight_grad: vec![1.0] }).unwrap();
             for stage in 0..shape.stages {
                 assert_eq!(peak_held(&shape, stage), r.peak_alive[stage], "{shape:?} stage {stage}");
             }
@@ -742,7 +955,8 @@ mod tests {
                         let forwards: Vec<usize> = plan.iter().filter_map(|a| match *a { Action::Forward { micro, chunk: c } if c == chunk => Some(micro), _ => None }).collect();
                         assert_eq!(forwards, (0..micro_batches).collect::<Vec<_>>(), "{shape:?} stage {stage} chunk {chunk}");
                     }
-                    if micro_batches == shape.micro_batches {
+                    // ZB-V's list schedule orders its forwards by the replay, not chunk by chunk.
+                    if micro_batches == shape.micro_batches && shape.kind != ScheduleKind::ZbV {
                         let training: Vec<Action> = compute_order(&shape, stage).into_iter().filter(|a| matches!(a, Action::Forward { .. })).collect();
                         let evaluation: Vec<Action> = plan.into_iter().filter(|a| matches!(a, Action::Forward { .. })).collect();
                         assert_eq!(evaluation, training, "{shape:?} stage {stage}");
@@ -799,6 +1013,9 @@ mod tests {
         assert!(Shape::new(ScheduleKind::Interleaved, 4, 6, 2).unwrap_err().contains("not a multiple of --pipeline-stages 4"));
         assert!(Shape::new(ScheduleKind::OneFOneB, 2, 4, 2).unwrap_err().contains("goes with --schedule interleaved"));
         assert!(Shape::new(ScheduleKind::Gpipe, 2, 0, 1).unwrap_err().contains("--micro-batches 0"));
+        assert!(Shape::new(ScheduleKind::ZbH1, 2, 4, 2).unwrap_err().contains("goes with --schedule interleaved, not zb-h1"));
+        assert!(Shape::new(ScheduleKind::ZbV, 2, 4, 3).unwrap_err().contains("goes with --schedule interleaved, not zb-v"));
+        assert_eq!(Shape::new(ScheduleKind::ZbV, 2, 4, 1).unwrap().virtual_stages, 2);
     }
 
     #[test]
@@ -813,6 +1030,48 @@ mod tests {
             }
         }
         assert_eq!(seen.iter().max().copied(), Some(shape.max_tag()));
+    }
+
+    /// ZB-H1 with F = B = W idles (P-1)(F+B-W) a step on every stage, a third of 1F1B's
+    /// (P-1)(F+B+W) (DeepSeek's DualPipe table), at 1F1B's memory: at most P micro-batches.
+    /// ZB-V's bubble is near zero from M = 2P, at the same memory in chunk halves (2P).
+    #[test]
+    fn zero_bubble_schedules_keep_1f1bs_memory_and_cut_its_bubble() {
+        let third = |chunks: usize, v: f64| Costs { forward: vec![1.0 / v; chunks], input_grad: vec![1.0 / v; chunks], weight_grad: vec![1.0 / v; chunks] };
+        for p in 1..=6 {
+            for m in [1, 2, 3, 4, 6, 8, 12, 16, 32] {
+                let one = Shape::new(ScheduleKind::OneFOneB, p, m, 1).unwrap();
+                let h1 = Shape::new(ScheduleKind::ZbH1, p, m, 1).unwrap();
+                let v = Shape::new(ScheduleKind::ZbV, p, m, 1).unwrap();
+                let (r1, rh, rv) = (replay(&one, &third(p, 1.0)).unwrap(), replay(&h1, &third(p, 1.0)).unwrap(), replay(&v, &third(2 * p, 2.0)).unwrap());
+                let idle = |r: &Replay| r.makespan - 3.0 * m as f64;
+                assert!((idle(&r1) - 3.0 * (p - 1) as f64).abs() < 1e-9, "1F1B P {p} M {m}: {}", idle(&r1));
+                if m >= p {
+                    assert!((idle(&rh) - (p - 1) as f64).abs() < 1e-9, "ZB-H1 P {p} M {m}: idle {}", idle(&rh));
+                }
+                assert!(idle(&rh) <= idle(&r1) + 1e-9 && idle(&rv) <= idle(&rh) + 1e-9, "P {p} M {m}: 1F1B {}, ZB-H1 {}, ZB-V {}", idle(&r1), idle(&rh), idle(&rv));
+                // ZB-V: the last stage waits for the first micro-batch's P-1 half-stage forwards
+                // whatever the schedule, so (P-1)/2 is the least idle time; the list schedule
+                // reaches it up to 4 stages and stays within 1.1 x (P-1)/2 + 1 beyond (from M = P).
+                let least = (p - 1) as f64 / 2.0;
+                assert!(idle(&rv) >= least - 1e-9, "ZB-V P {p} M {m}: idle {} below the bound", idle(&rv));
+                if m >= p && p <= 4 {
+                    assert!((idle(&rv) - least).abs() < 1e-9, "ZB-V P {p} M {m}: idle {}, the least is {least}", idle(&rv));
+                }
+                if m >= 2 && p >= 2 {
+                    assert!(idle(&rv) < idle(&rh) && (m < p || idle(&rv) <= 1.1 * least + 1.0), "ZB-V P {p} M {m}: idle {} against ZB-H1's {}", idle(&rv), idle(&rh));
+                }
+                let one_peak = (0..p).map(|s| peak_held(&one, s)).max().unwrap();
+                for stage in 0..p {
+                    assert!(peak_held(&h1, stage) <= one_peak, "ZB-H1 P {p} M {m} stage {stage}: {}", peak_held(&h1, stage));
+                    assert!(peak_held(&v, stage) <= 2 * one_peak.max(1), "ZB-V P {p} M {m} stage {stage}: {}", peak_held(&v, stage));
+                }
+            }
+        }
+        // The V: stage 0 holds the first and the last chunk, the last stage the turn.
+        let v = Shape::new(ScheduleKind::ZbV, 4, 8, 1).unwrap();
+        assert_eq!((v.chunks_of(0), v.chunks_of(3), v.loss_stage()), (vec![0, 7], vec![3, 4], 0));
+        assert_eq!((0..8).map(|c| v.stage_of(c)).collect::<Vec<_>>(), vec![0, 1, 2, 3, 3, 2, 1, 0]);
     }
 
     #[test]

@@ -28,7 +28,8 @@
 //! - [`process`]: this process and its host: resident memory, the allocator, free disk space,
 //!   the host name;
 //! - [`profiler`]: libtorch's profiler (Kineto) and its step marks, for `--profile-dir`;
-//! - [`mapped`]: files mapped read-only (checkpoint part files read a slice at a time).
+//! - [`mapped`]: files mapped read-only (checkpoint part files read a slice at a time);
+//! - [`split_backward`]: zero-bubble's backward in two passes over autograd's graph.
 //!
 //! The rest of the crate names all of it as `crate::raw::X`, through the re-exports below; the
 //! files here import one another directly, never through this one.
@@ -44,6 +45,7 @@ pub mod process;
 pub mod profiler;
 pub mod regions;
 pub mod requests;
+pub mod split_backward;
 pub mod tensor;
 pub mod window;
 
@@ -61,6 +63,7 @@ pub use regions::{register_group, RegionAllReduce, RegionGroup, RegisteredGroup}
 pub use process::{current_rss_mb, free_bytes, hostname, keep_freed_memory, peak_rss_mb, peak_rss_since_restart_mb, restart_peak_rss};
 pub use profiler::{profiler_start, profiler_stop, StepMark};
 pub use requests::{completed_requests, with_segments, Backoff, Segments};
+pub use split_backward::{backward_input, backward_weight, KeptGraph};
 pub use tensor::{
     channels_last, copy_host_elements, copy_into, data_address, device_buffer_mut, flat_dense_view, fused_adamw, fused_sgd, host_bytes, host_slice, host_slice_mut,
     mpi_buffer_mut, param_to_channels_last, pin_memory, release_grad, unscale_and_check, unscale_and_check_into, zero_all,

@@ -76,6 +76,10 @@ pub(super) struct PipelineFigures {
     pub(super) peak_alive: usize,
     /// The most bytes of boundary activations (inputs kept for backward and outputs) held at once.
     pub(super) peak_boundary_bytes: usize,
+    /// A split backward's two parts (zero-bubble schedules): B, the inputs' gradients, and W,
+    /// the weights'.
+    pub(super) input_grad: Duration,
+    pub(super) weight_grad: Duration,
 }
 
 impl PipelineFigures {
@@ -143,18 +147,20 @@ impl Pipeline {
         &self.plan.shape
     }
 
+    /// Whether this stage holds the first chunk, which takes the images.
     pub(super) fn first_stage(&self) -> bool {
-        self.stage == 0
+        self.shape().stage_of(0) == self.stage
     }
 
     /// What this stage reads of its samples: images on the first, labels on the last.
     pub(super) fn data_parts(&self) -> crate::data::loader::Parts {
-        crate::data::loader::Parts::of_stage(self.stage, self.plan.grid.stages)
+        crate::data::loader::Parts::of_stage(self.stage, self.shape().loss_stage())
     }
 
-    /// Whether this stage holds the last chunk, which computes the loss.
+    /// Whether this stage holds the last chunk, which computes the loss (the last stage; the
+    /// first under ZB-V, whose chunks come back up).
     pub(super) fn last_stage(&self) -> bool {
-        self.stage == self.plan.grid.stages - 1
+        self.shape().loss_stage() == self.stage
     }
 
     /// Where messages live: the device with CUDA-aware MPI, else the host.
@@ -213,6 +219,7 @@ impl Pipeline {
     pub(super) fn run_schedule(
         &mut self,
         chunks: &[(usize, nn::FuncT<'static>)],
+        params: &[Tensor],
         n: usize,
         images: Option<&Tensor>,
         labels: Option<&Tensor>,
@@ -234,6 +241,10 @@ impl Pipeline {
         // Each send with the stage it goes to (for the watchdog's message).
         let mut sends: Vec<(TensorMessage, i32)> = Vec::new();
         let last_forward = self.actions.iter().rposition(|a| matches!(a, Action::Forward { .. }));
+        // A split backward's B leaves, per (micro-batch, chunk), the input's gradient to send
+        // and what its W needs.
+        let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
+        let mut deferred: HashMap<(usize, usize), DeferredWeights> = HashMap::new();
         let mut losses: Vec<Tensor> = Vec::new();
         let (mut compute, mut alive, mut held_bytes) = (Duration::ZERO, 0usize, 0usize);
         let bytes = |t: &Tensor| t.numel() * 4;
@@ -325,17 +336,9 @@ impl Pipeline {
                     if micro[m].len == 0 {
                         continue;
                     }
-                    let gradient = if c < last {
-                        let waited = self.now_us();
-                        let message = receives.remove(&(Message::Gradient, m, c)).expect("the schedule posts every receive before its use");
-                        let from = self.peer(c + 1);
-                        let watched = self.waiting(|| format!("the gradient of micro-batch {m} from {}", self.stage_name(from)));
-                        let g = message.wait()?.f_to_device(self.device)?;
-                        drop(watched);
-                        self.event(step, format!("wait gradient {m}"), "wait", waited);
-                        Some(g)
-                    } else {
-                        None
+                    let gradient = match c < last {
+                        true => Some(self.wait_gradient(&mut receives, m, c, step)?),
+                        false => None,
                     };
                     let (began, t) = (Instant::now(), self.now_us());
                     let x = inputs.get(&(m, c)).expect("backward after forward");
@@ -365,14 +368,70 @@ impl Pipeline {
                         held_bytes -= bytes(&x);
                     }
                 }
+                Action::BackwardInput { micro: m, chunk: c } => {
+                    if micro[m].len == 0 {
+                        continue;
+                    }
+                    let gradient = match c < last {
+                        true => Some(self.wait_gradient(&mut receives, m, c, step)?),
+                        false => None,
+                    };
+                    let (began, t) = (Instant::now(), self.now_us());
+                    let out = outputs.remove(&(m, c)).expect("backward after forward");
+                    held_bytes -= bytes(&out);
+                    if c == 0 {
+                        // The first chunk's input is the images: there is no input gradient
+                        // to compute, and its whole backward is the W.
+                        let x = inputs.remove(&(m, c)).expect("held");
+                        held_bytes -= bytes(&x);
+                        deferred.insert((m, c), DeferredWeights::Whole { out, gradient });
+                    } else {
+                        let x = &inputs[&(m, c)];
+                        let (dx, kept) = crate::raw::backward_input(&out, gradient.as_ref(), x, params)?;
+                        input_grads.insert((m, c), dx);
+                        deferred.insert((m, c), DeferredWeights::Graph(kept));
+                    }
+                    synchronize_device(self.device);
+                    let took = began.elapsed();
+                    compute += took;
+                    if measured {
+                        self.figures.input_grad += took;
+                    }
+                    self.event(step, format!("B {m} (chunk {c})"), "backward", t);
+                }
+                Action::BackwardWeight { micro: m, chunk: c } => {
+                    if micro[m].len == 0 {
+                        continue;
+                    }
+                    let (began, t) = (Instant::now(), self.now_us());
+                    match deferred.remove(&(m, c)).expect("W after its B") {
+                        DeferredWeights::Graph(kept) => crate::raw::backward_weight(kept)?,
+                        // d(sum(out * g))/d(out) is g exactly, as in an unsplit backward.
+                        DeferredWeights::Whole { out, gradient: Some(g) } => out.f_mul(&g)?.f_sum(Kind::Float)?.f_backward()?,
+                        DeferredWeights::Whole { out, gradient: None } => out.f_backward()?,
+                    }
+                    synchronize_device(self.device);
+                    let took = began.elapsed();
+                    compute += took;
+                    if measured {
+                        self.figures.weight_grad += took;
+                    }
+                    self.event(step, format!("W {m} (chunk {c})"), "backward", t);
+                    alive -= 1;
+                }
                 Action::SendGradient { micro: m, chunk: c } => {
                     if micro[m].len == 0 {
                         continue;
                     }
                     let x = inputs.remove(&(m, c)).expect("sent after its backward");
                     held_bytes -= bytes(&x);
-                    let payload = x.grad().f_to_device(on)?.f_contiguous()?;
-                    let payload = if raw_shares_storage(&payload, &x.grad()) { payload.copy() } else { payload };
+                    // A split backward's B made the gradient apart; an unsplit one left it in x.
+                    let grad = match input_grads.remove(&(m, c)) {
+                        Some(dx) => dx,
+                        None => x.grad(),
+                    };
+                    let payload = grad.f_to_device(on)?.f_contiguous()?;
+                    let payload = if raw_shares_storage(&payload, &grad) { payload.copy() } else { payload };
                     // SAFETY: a fresh copy of the input's gradient, which nothing else writes.
                     let to = self.peer(c - 1);
                     sends.push((unsafe { TensorMessage::send(payload, &self.comm, to, shape.tag(Message::Gradient, m, c))? }, to));
@@ -533,7 +592,8 @@ impl Pipeline {
     /// The record's pipeline figures (collective over `world`; meaningful on rank 0).
     pub(super) fn record(&self, world: &World, args: &super::options::TrainArgs) -> crate::results::PipelineRecord {
         let f = &self.figures;
-        let compute_ms = if f.steps == 0 { 0.0 } else { f.compute.as_secs_f64() * 1e3 / f.steps as f64 };
+        let per_step_ms = |d: Duration| if f.steps == 0 { 0.0 } else { d.as_secs_f64() * 1e3 / f.steps as f64 };
+        let compute_ms = per_step_ms(f.compute);
         let shape = self.shape();
         // Every replica of a stage holds the same shapes: the mean over them is each one's peak.
         let peak_per_stage = |v: usize| self.per_stage(world, v as f64).iter().map(|m| m.round() as usize).collect::<Vec<_>>();
@@ -548,6 +608,8 @@ impl Pipeline {
             chunk_params: self.cut.chunk_params(),
             chunk_profiled_ms: self.cut.chunk_ms(),
             stage_compute_ms: self.per_stage(world, compute_ms),
+            stage_input_grad_ms: if shape.kind.splits_backward() { self.per_stage(world, per_step_ms(f.input_grad)) } else { Vec::new() },
+            stage_weight_grad_ms: if shape.kind.splits_backward() { self.per_stage(world, per_step_ms(f.weight_grad)) } else { Vec::new() },
             bubble: self.per_stage(world, f.bubble()),
             theoretical_bubble: shape.theoretical_bubble(),
             peak_alive_micro_batches: peak_per_stage(f.peak_alive),
@@ -590,6 +652,29 @@ impl Pipeline {
                 peak_rss_mb: f[7],
             })
             .collect()
+    }
+}
+
+/// What a split backward's W needs of its micro-batch: the graph its B kept, or for the first
+/// chunk (no input gradient: B has nothing to do) the output and its gradient, for one whole
+/// backward.
+enum DeferredWeights {
+    Graph(crate::raw::KeptGraph),
+    Whole { out: Tensor, gradient: Option<Tensor> },
+}
+
+impl Pipeline {
+    /// Waits for the gradient of chunk `c`'s output for micro-batch `m` (its receive posted by
+    /// the schedule), under the watchdog, naming the stage it comes from.
+    fn wait_gradient(&mut self, receives: &mut HashMap<(Message, usize, usize), TensorMessage>, m: usize, c: usize, step: u64) -> Result<Tensor> {
+        let waited = self.now_us();
+        let message = receives.remove(&(Message::Gradient, m, c)).expect("the schedule posts every receive before its use");
+        let from = self.peer(c + 1);
+        let watched = self.waiting(|| format!("the gradient of micro-batch {m} from {}", self.stage_name(from)));
+        let g = message.wait()?.f_to_device(self.device)?;
+        drop(watched);
+        self.event(step, format!("wait gradient {m}"), "wait", waited);
+        Ok(g)
     }
 }
 

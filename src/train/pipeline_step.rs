@@ -45,7 +45,7 @@ impl Run<'_> {
         let labels = if pipeline.last_stage() && n > 0 { Some(state.norm.labels(batch.labels())?) } else { None };
         let factor = self.workers as f64 / batch.global_samples.max(1) as f64;
         let measured = step >= state.warmup;
-        let loss_sum = pipeline.run_schedule(&self.net.chunks, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, self.args.precision, step, measured, &faults)?;
+        let loss_sum = pipeline.run_schedule(&self.net.chunks, &self.net.params, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, self.args.precision, step, measured, &faults)?;
         let last_stage = pipeline.last_stage();
         // `nan` on any stage: this rank reads its loss as NaN (only the last stage has one to read).
         if !loss_sum.is_finite() || faults.nan_loss() {

@@ -206,6 +206,8 @@ pub fn features_and_kinds(args: &TrainArgs, faults: bool) -> (Vec<Feature>, Vec<
             ScheduleKind::Gpipe => Kind::Gpipe,
             ScheduleKind::OneFOneB => Kind::OneFOneB,
             ScheduleKind::Interleaved => Kind::Interleaved,
+            ScheduleKind::ZbH1 => Kind::ZbH1,
+            ScheduleKind::ZbV => Kind::ZbV,
         });
     }
     if args.tensor_parallel > 1 {

@@ -255,9 +255,11 @@ impl<'a> Run<'a> {
                 log::info!("  {line}");
             }
             if let Some(ms) = p.cut.chunk_ms() {
-                // Backward taken as twice forward: what the profiled cut should give.
-                let (forward, backward): (Vec<f64>, Vec<f64>) = ms.iter().map(|t| (t / 3.0, t * 2.0 / 3.0)).unzip();
-                if let Ok(replay) = crate::plan::pipeline::replay(shape, &forward, &backward) {
+                // Backward taken as twice forward, B and W alike where it is split: what the
+                // profiled cut should give.
+                let third: Vec<f64> = ms.iter().map(|t| t / 3.0).collect();
+                let costs = crate::plan::pipeline::Costs { forward: third.clone(), input_grad: third.clone(), weight_grad: third };
+                if let Ok(replay) = crate::plan::pipeline::replay(shape, &costs) {
                     let bubbles: Vec<String> = (0..shape.stages).map(|s| format!("{:.1}%", replay.bubble(s) * 100.0)).collect();
                     let held: Vec<String> = replay.peak_alive.iter().map(usize::to_string).collect();
                     log::info!(
