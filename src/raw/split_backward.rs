@@ -131,7 +131,7 @@ mod tests {
         }
         let unsplit: Vec<Tensor> = params.iter().map(|p| p.grad().copy()).collect();
         for p in &params {
-            p.grad().zero_();
+            let _ = p.grad().zero_();
         }
 
         // Split: both B's first (as a schedule may run them), then the W's in micro-batch order.
