@@ -321,6 +321,18 @@ cpu_part() {
         step cluster-unshaped 50 bash -c 'cluster_rate "$@"' cluster_rate unshaped "$nodes" "$per"
         rates=""
     fi
+    # Zero-bubble schedules against 1F1B and interleaved at P = 4 (issue 50): 4 ranks of 4 cores
+    # (the VM's measurement is P = 2: scripts/measure-zero-bubble.sh); records in zero-bubble/,
+    # tagged as that script tags them, so that its table code reads them.
+    local m schedule zb_threads=4; [ "$quick" = 1 ] && zb_threads=1
+    for m in 8 16; do
+        for schedule in 1f1b interleaved zb-h1 zb-v; do
+            local virtual=(); [ "$schedule" = interleaved ] && virtual=(--virtual-stages 2)
+            step "pipeline-p4-$schedule-m$m" 40 "${mpi[@]}" 4 "${pe[@]}" "$B" --device cpu --model resnet18 --data "$data/cifar.h5" --batch-size 64 \
+                --steps 12 --warmup-steps 4 --threads "$zb_threads" --no-eval --pipeline-stages 4 --micro-batches "$m" --schedule "$schedule" "${virtual[@]}" \
+                --results "$out/zero-bubble" --study-tag "zb-resnet18-p4-$schedule-m$m"
+        done
+    done
     local scaling
     for scaling in weak strong; do
         # Strong scaling splits 32 images over each point's training ranks: ps's servers sit

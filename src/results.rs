@@ -121,6 +121,10 @@ pub struct PipelineRecord {
     pub stage_weight_grad_ms: Vec<f64>,
     /// Per stage: the measured idle share of the pipelined phase (mean over the replicas).
     pub bubble: Vec<f64>,
+    /// Per stage: the bubble the schedule's replay gives with this run's measured forward,
+    /// backward (B and W) times, messages free. Absent in records of older binaries.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replay_bubble: Vec<f64>,
     /// The balanced schedule's bubble (plan/pipeline.rs's theoretical_bubble): (P-1)/(M+P-1),
     /// P-1 divided by V when interleaved, (P-1)/(3M+P-1) for ZB-H1 (F = B = W).
     pub theoretical_bubble: f64,

@@ -76,8 +76,10 @@ pub(super) struct PipelineFigures {
     pub(super) peak_alive: usize,
     /// The most bytes of boundary activations (inputs kept for backward and outputs) held at once.
     pub(super) peak_boundary_bytes: usize,
-    /// A split backward's two parts (zero-bubble schedules): B, the inputs' gradients, and W,
-    /// the weights'.
+    /// The parts of `compute`: forwards; unsplit backwards (recomputation included); a split
+    /// backward's B, the inputs' gradients, and W, the weights' (zero-bubble schedules).
+    pub(super) forward: Duration,
+    pub(super) backward: Duration,
     pub(super) input_grad: Duration,
     pub(super) weight_grad: Duration,
 }
@@ -302,7 +304,11 @@ impl Pipeline {
                         Ok(loss.f_mul_scalar(factor)?)
                     })?;
                     synchronize_device(self.device);
-                    compute += began.elapsed();
+                    let took = began.elapsed();
+                    compute += took;
+                    if measured {
+                        self.figures.forward += took;
+                    }
                     self.event(step, format!("forward {m} (chunk {c})"), "forward", t);
                     held_bytes += bytes(&out) + bytes(&x);
                     outputs.insert((m, c), out);
@@ -360,7 +366,11 @@ impl Pipeline {
                         None => out.f_backward()?,
                     }
                     synchronize_device(self.device);
-                    compute += began.elapsed();
+                    let took = began.elapsed();
+                    compute += took;
+                    if measured {
+                        self.figures.backward += took;
+                    }
                     self.event(step, format!("backward {m} (chunk {c})"), "backward", t);
                     alive -= 1;
                     if c == 0 {
@@ -580,6 +590,26 @@ impl Pipeline {
 }
 
 impl Pipeline {
+    /// Per stage, the bubble the schedule's replay (plan/pipeline.rs) gives with this run's
+    /// measured times: each stage's forwards, backwards, B's and W's per micro-batch, shared
+    /// equally among its chunks, messages taken as free. Set beside the measured bubble, it
+    /// says how much of the idle time the schedule explains (collective over `world`).
+    fn replay_bubble(&self, world: &World) -> Vec<f64> {
+        let f = &self.figures;
+        let shape = self.shape();
+        let per_chunk_ms = |d: Duration| if f.steps == 0 { 0.0 } else { d.as_secs_f64() * 1e3 / (f.steps as usize * shape.micro_batches * shape.virtual_stages) as f64 };
+        let forward = self.per_stage(world, per_chunk_ms(f.forward));
+        // An unsplit backward is priced as a B with a W of nothing.
+        let input = self.per_stage(world, per_chunk_ms(f.backward + f.input_grad));
+        let weight = self.per_stage(world, per_chunk_ms(f.weight_grad));
+        let of_chunks = |stage_values: &[f64]| (0..shape.chunks()).map(|c| stage_values[shape.stage_of(c)]).collect::<Vec<f64>>();
+        let costs = pipeline::Costs { forward: of_chunks(&forward), input_grad: of_chunks(&input), weight_grad: of_chunks(&weight) };
+        match pipeline::replay(shape, &costs) {
+            Ok(r) => (0..shape.stages).map(|s| r.bubble(s)).collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
     /// Per stage, the mean over the replicas of `value` (collective over `world`).
     fn per_stage(&self, world: &World, value: f64) -> Vec<f64> {
         let mut mine = vec![0.0; self.plan.grid.stages];
@@ -611,6 +641,7 @@ impl Pipeline {
             stage_input_grad_ms: if shape.kind.splits_backward() { self.per_stage(world, per_step_ms(f.input_grad)) } else { Vec::new() },
             stage_weight_grad_ms: if shape.kind.splits_backward() { self.per_stage(world, per_step_ms(f.weight_grad)) } else { Vec::new() },
             bubble: self.per_stage(world, f.bubble()),
+            replay_bubble: self.replay_bubble(world),
             theoretical_bubble: shape.theoretical_bubble(),
             peak_alive_micro_batches: peak_per_stage(f.peak_alive),
             peak_boundary_activation_bytes: peak_per_stage(f.peak_boundary_bytes),
