@@ -10,7 +10,8 @@
 //! - FLOPs per step: passes x B s l (8h^2 + 4hm + 4sh) + 6 B s h V, with 3 passes (forward,
 //!   backward) or 4 with activation recomputation (their equation 3 for m = 4h);
 //! - compute: the FLOPs over N GPUs at the rate the GPU sustains on the model's layers;
-//!   bubble: (P - 1) / m of it with m micro-batches per pipeline (1F1B);
+//!   bubble: (P - 1) / m of it with m micro-batches per pipeline under 1F1B, (P - 1) / 3m under
+//!   ZB-H1 and (P - 1) / 6m under ZB-V (plan/pipeline.rs's idle_per_busy, `--schedule`);
 //! - tensor parallelism: per layer and micro-batch, 2 all-reduces in forward and 2 in backward
 //!   (2 more when the forward is recomputed) of b s h half-precision values over the T ranks;
 //! - pipelines: per micro-batch an activation forward and its gradient back, b s h / T values
@@ -28,6 +29,7 @@
 use serde::Serialize;
 
 use crate::cost::{Algorithm, CostModel, Layout};
+use crate::plan::pipeline::{idle_per_busy, ScheduleKind, Shape};
 
 /// A transformer's shape, as the FLOP and memory formulas read it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -89,6 +91,8 @@ pub struct Setting<'a> {
     pub memory_bytes: f64,
     /// FLOP/s one GPU sustains on the model's layers.
     pub flops_per_gpu: f64,
+    /// The pipelines' schedule (gpipe, 1f1b, zb-h1 or zb-v).
+    pub schedule: ScheduleKind,
 }
 
 /// One layout and its projected step.
@@ -138,7 +142,9 @@ pub fn plan(shape: &Transformer, setting: &Setting) -> Vec<Planned> {
             let mut micro_batch = Some(1usize);
             while let Some(b) = micro_batch.filter(|&b| b <= replica_batch) {
                 if replica_batch % b == 0 {
-                    let fits = [false, true].into_iter().map(|recompute| evaluate(shape, setting, data, pipeline, tensor, b, recompute)).find(|p| p.memory_bytes() <= setting.memory_bytes);
+                    // A split backward keeps the forward's graph until its W: no recomputation.
+                    let recompute: &[bool] = if setting.schedule.splits_backward() { &[false] } else { &[false, true] };
+                    let fits = recompute.iter().map(|&recompute| evaluate(shape, setting, data, pipeline, tensor, b, recompute)).find(|p| p.memory_bytes() <= setting.memory_bytes);
                     out.extend(fits);
                 }
                 micro_batch = b.checked_mul(2);
@@ -171,7 +177,10 @@ pub fn evaluate(shape: &Transformer, setting: &Setting, data: usize, pipeline: u
     // Time.
     let flops = shape.step_flops(setting.global_batch, recompute);
     let compute_s = flops / (setting.gpus as f64 * setting.flops_per_gpu);
-    let bubble_s = (p - 1.0) / m * compute_s;
+    let bubble_s = match Shape::new(setting.schedule, pipeline, micro_batches, 1) {
+        Ok(schedule) if pipeline > 1 => idle_per_busy(&schedule) * compute_s,
+        _ => 0.0,
+    };
     let model = setting.model;
     let within_node = |ranks: usize| Layout { ranks, per_node: setting.per_node.min(ranks).max(1) };
     let activation_bytes_fp16 = 2.0 * s * b * h;
@@ -185,7 +194,9 @@ pub fn evaluate(shape: &Transformer, setting: &Setting, data: usize, pipeline: u
         // Neighbouring stages share a node when a node holds whole pipelines of groups.
         let link = if setting.per_node % (tensor * pipeline) == 0 { model.intra } else { model.inter };
         let message = link.alpha_s + activation_bytes_fp16 / t * link.beta_s_per_byte;
-        (m + p - 1.0) * 2.0 * message
+        // ZB-V's chunks go down the stages and back up: twice the crossings.
+        let crossings = if setting.schedule == ScheduleKind::ZbV { 2.0 } else { 1.0 };
+        (m + p - 1.0) * 2.0 * message * crossings
     } else {
         0.0
     };
@@ -268,7 +279,7 @@ mod tests {
     #[test]
     fn the_layouts_fit_and_divide() {
         let model = a100_cluster();
-        let setting = Setting { model: &model, gpus: 64, per_node: 8, global_batch: 512, memory_bytes: 80e9, flops_per_gpu: 156e12 };
+        let setting = Setting { model: &model, gpus: 64, per_node: 8, global_batch: 512, memory_bytes: 80e9, flops_per_gpu: 156e12, schedule: ScheduleKind::OneFOneB };
         let shape = Transformer { layers: 30, hidden: 3072, heads: 32, mlp: 4 * 3072, tokens: 2048, vocab: 51200 };
         let all = plan(&shape, &setting);
         assert!(!all.is_empty());
@@ -313,7 +324,7 @@ mod tests {
     fn a_batch_near_the_largest_usize_does_not_wrap_the_micro_batch() {
         // The doubling of the micro-batch wrapped to 0 and took a remainder by it.
         let model = a100_cluster();
-        let setting = Setting { model: &model, gpus: 4, per_node: 8, global_batch: usize::MAX, memory_bytes: 1e30, flops_per_gpu: 156e12 };
+        let setting = Setting { model: &model, gpus: 4, per_node: 8, global_batch: usize::MAX, memory_bytes: 1e30, flops_per_gpu: 156e12, schedule: ScheduleKind::OneFOneB };
         let shape = Transformer { layers: 2, hidden: 64, heads: 2, mlp: 256, tokens: 16, vocab: 100 };
         let all = plan(&shape, &setting);
         // 2^64 - 1 is odd: only micro-batches of 1, on one replica (D = 1: T = P = 2).
@@ -322,10 +333,26 @@ mod tests {
         assert!(wide.embedding_parameters() > 1e37);
     }
 
+    /// The zero-bubble schedules price a third (ZB-H1) and a sixth (ZB-V) of 1F1B's bubble, never
+    /// recompute, and ZB-V pays twice the pipeline's messages.
+    #[test]
+    fn zero_bubble_schedules_price_their_bubble() {
+        let model = a100_cluster();
+        let shape = Transformer::GPT3_175B;
+        let setting = Setting { model: &model, gpus: 64, per_node: 8, global_batch: 512, memory_bytes: 1e15, flops_per_gpu: 156e12, schedule: ScheduleKind::OneFOneB };
+        let one = evaluate(&shape, &setting, 2, 4, 8, 1, false);
+        let h1 = evaluate(&shape, &Setting { schedule: ScheduleKind::ZbH1, ..setting }, 2, 4, 8, 1, false);
+        let v = evaluate(&shape, &Setting { schedule: ScheduleKind::ZbV, ..setting }, 2, 4, 8, 1, false);
+        assert!((h1.bubble_s * 3.0 - one.bubble_s).abs() < 1e-12 * one.bubble_s && (v.bubble_s * 6.0 - one.bubble_s).abs() < 1e-12 * one.bubble_s);
+        assert!((v.pipeline_s - 2.0 * one.pipeline_s).abs() < 1e-12 * one.pipeline_s && h1.pipeline_s == one.pipeline_s);
+        let tight = Setting { memory_bytes: 80e9, schedule: ScheduleKind::ZbH1, ..setting };
+        assert!(plan(&shape, &tight).iter().all(|p| !p.recompute), "a split backward never recomputes");
+    }
+
     #[test]
     fn the_bubble_and_the_exchanges_follow_the_layout() {
         let model = a100_cluster();
-        let setting = Setting { model: &model, gpus: 64, per_node: 8, global_batch: 512, memory_bytes: 1e15, flops_per_gpu: 156e12 };
+        let setting = Setting { model: &model, gpus: 64, per_node: 8, global_batch: 512, memory_bytes: 1e15, flops_per_gpu: 156e12, schedule: ScheduleKind::OneFOneB };
         let shape = Transformer::GPT3_175B;
         let p = evaluate(&shape, &setting, 2, 4, 8, 1, true);
         assert_eq!(p.micro_batches, 256);

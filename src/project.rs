@@ -15,6 +15,7 @@ use crate::cost::{coefficients, fit_network, fit_two, Algorithm, Coefficients, C
 use crate::error::{Error, Result, WithPath};
 use crate::layouts::{self, Setting, Transformer};
 use crate::model::ModelKind;
+use crate::plan::pipeline::ScheduleKind;
 use crate::report::ReportArgs;
 use crate::results::{self, RunRecord};
 
@@ -95,6 +96,10 @@ pub struct ProjectArgs {
     /// Micro-batches per step of the projected pipelines (each pipeline takes --batch).
     #[arg(long, default_value_t = 16)]
     pub micro_batches: usize,
+    /// The pipelines' schedule, for --pipeline-stages and --plan: gpipe, 1f1b, zb-h1 or zb-v
+    /// (interleaved needs --virtual-stages, which project does not take).
+    #[arg(long, value_enum, default_value_t = crate::plan::pipeline::ScheduleKind::OneFOneB)]
+    pub schedule: crate::plan::pipeline::ScheduleKind,
     /// Instead of scaling tables: the 3D layouts (data x pipeline x tensor, micro-batch size) of
     /// --transformer on --gpus GPUs of the profile that fit --gpu-memory-gb, each with its
     /// projected step split into compute, bubble and the three kinds of communication (issue 38).
@@ -543,16 +548,21 @@ fn project_step(predictor: Predictor, strategy: &'static str, layout: Layout, gr
 /// all-reduced by its D replicas with the ring, after the last backward (pipelines do not
 /// overlap it). `boundary_bytes`: one sample's largest activation between two stages.
 #[allow(clippy::too_many_arguments)]
-fn project_pipeline(predictor: Predictor, layout: Layout, stages: usize, micro: usize, boundary_bytes: f64, batch: usize, gradient_bytes: f64, compute_s: f64) -> Option<Point> {
+#[allow(clippy::too_many_arguments)]
+fn project_pipeline(predictor: Predictor, layout: Layout, schedule: ScheduleKind, stages: usize, micro: usize, boundary_bytes: f64, batch: usize, gradient_bytes: f64, compute_s: f64) -> Option<Point> {
     let replicas = layout.ranks / stages;
     let per_slot = compute_s / (stages * micro) as f64;
     // A pipeline sits on one node when the node's ranks hold whole pipelines.
     let link = if layout.per_node % stages == 0 { predictor.model.intra } else { predictor.model.inter };
     let message = link.alpha_s + boundary_bytes * (batch as f64 / micro as f64) * link.beta_s_per_byte;
-    let pipeline_s = (micro + stages - 1) as f64 * (per_slot + 2.0 * message);
+    // The stage's M slots of work and the schedule's idle time (1F1B: P - 1 slots), and the
+    // messages of M + P - 1 slots (ZB-V's chunks cross the stages twice).
+    let shape = crate::plan::pipeline::Shape::new(schedule, stages, micro, 1).ok()?;
+    let crossings = if schedule == ScheduleKind::ZbV { 2.0 } else { 1.0 };
+    let pipeline_s = micro as f64 * per_slot * (1.0 + crate::plan::pipeline::idle_per_busy(&shape)) + (micro + stages - 1) as f64 * 2.0 * message * crossings;
     let stage_layout = Layout { ranks: replicas, per_node: (layout.per_node / stages).max(1) };
     let exchange = if replicas > 1 { predictor.exchange("ring", stage_layout, gradient_bytes / stages as f64, true, false)? } else { 0.0 };
-    let strategy = format!("ring (P={stages}, M={micro} 1f1b)");
+    let strategy = format!("ring (P={stages}, M={micro} {schedule})");
     Some(Point { strategy, ranks: layout.ranks, step_s: pipeline_s + exchange, exchange_s: exchange, exposed_s: exchange })
 }
 
@@ -589,6 +599,9 @@ const MOST_GPUS: usize = 1 << 24;
 /// Returns the rank counts of the scaling tables.
 fn check_flags(args: &ProjectArgs) -> Result<Vec<usize>> {
     let at_least_one = |value: usize, flag: &str| if value >= 1 { Ok(()) } else { Err(Error::usage(format!("--{flag} 0: expected at least 1"))) };
+    if args.schedule == crate::plan::pipeline::ScheduleKind::Interleaved {
+        return Err(Error::usage("--schedule interleaved: project prices gpipe, 1f1b, zb-h1 and zb-v (interleaving needs --virtual-stages, which project does not take)"));
+    }
     if let Some(per_node) = args.ranks_per_node {
         at_least_one(per_node, "ranks-per-node")?;
     }
@@ -694,7 +707,7 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
         let bytes = boundary_bytes(args.model, stages)?;
         for &n in ranks.iter().filter(|&&n| n % stages == 0) {
             let layout = Layout { ranks: n, per_node: per_node.min(n) };
-            let Some(p) = project_pipeline(predictor, layout, stages, micro, bytes, args.batch, gradient_bytes, compute_s) else { continue };
+            let Some(p) = project_pipeline(predictor, layout, args.schedule, stages, micro, bytes, args.batch, gradient_bytes, compute_s) else { continue };
             let images = (n / stages * args.batch) as f64 / p.step_s;
             let speedup = images / one_rank;
             text.push_str(&format!(
@@ -706,11 +719,11 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
             record.workers = n / stages;
             record.global_batch = n / stages * args.batch;
             record.batch_per_rank = args.batch;
-            let shape = crate::plan::pipeline::Shape::new(crate::plan::pipeline::ScheduleKind::OneFOneB, stages, micro, 1).map_err(Error::usage)?;
+            let shape = crate::plan::pipeline::Shape::new(args.schedule, stages, micro, 1).map_err(Error::usage)?;
             record.pipeline = Some(crate::results::PipelineRecord {
                 pipeline_stages: stages,
                 micro_batches: micro,
-                schedule: "1f1b".into(),
+                schedule: args.schedule.name().into(),
                 virtual_stages: 1,
                 partition: "params".into(),
                 theoretical_bubble: shape.theoretical_bubble(),
@@ -761,6 +774,7 @@ fn plan_layouts(args: &ProjectArgs, profile: &Profile, model: &CostModel, per_no
         global_batch: args.global_batch,
         memory_bytes: positive(args.gpu_memory_gb, "gpu-memory-gb")? * 1e9,
         flops_per_gpu: positive(args.gpu_tflops, "gpu-tflops")? * 1e12,
+        schedule: args.schedule,
     };
     let all = layouts::plan(&shape, &setting);
     let name = match (args.transformer, args.layers.or(args.hidden).or(args.heads).or(args.tokens).or(args.vocab)) {
@@ -1025,15 +1039,23 @@ mod tests {
         let (compute, grads, boundary) = (0.1, 1e8, 1e5);
         // One node of 8: 4 pipelines of 2 stages, messages on the node's link.
         let layout = Layout { ranks: 8, per_node: 8 };
-        let point = project_pipeline(p, layout, 2, 16, boundary, 64, grads, compute).unwrap();
+        let point = project_pipeline(p, layout, ScheduleKind::OneFOneB, 2, 16, boundary, 64, grads, compute).unwrap();
         let message = model.intra.alpha_s + boundary * 4.0 * model.intra.beta_s_per_byte;
         let ring = p.exchange("ring", Layout { ranks: 4, per_node: 4 }, grads / 2.0, true, false).unwrap();
         let expected = 17.0 * (compute / 32.0 + 2.0 * message) + ring;
         assert!((point.step_s - expected).abs() < 1e-12, "{} {expected}", point.step_s);
         assert_eq!(point.strategy, "ring (P=2, M=16 1f1b)");
+        // Zero bubble: ZB-H1 idles a third of 1F1B's P - 1 slots, ZB-V a sixth with twice the
+        // messages.
+        let h1 = project_pipeline(p, layout, ScheduleKind::ZbH1, 2, 16, boundary, 64, grads, compute).unwrap();
+        let expected = 16.0 * compute / 32.0 * (1.0 + 1.0 / 48.0) + 17.0 * 2.0 * message + ring;
+        assert!((h1.step_s - expected).abs() < 1e-12 && h1.strategy == "ring (P=2, M=16 zb-h1)", "{} {expected}", h1.step_s);
+        let v = project_pipeline(p, layout, ScheduleKind::ZbV, 2, 16, boundary, 64, grads, compute).unwrap();
+        let expected = 16.0 * compute / 32.0 * (1.0 + 1.0 / 96.0) + 17.0 * 4.0 * message + ring;
+        assert!((v.step_s - expected).abs() < 1e-12, "{} {expected}", v.step_s);
         // More micro-batches, a smaller bubble; one pipeline, no exchange.
-        let more = project_pipeline(p, Layout { ranks: 2, per_node: 8 }, 2, 64, 0.0, 64, grads, compute).unwrap();
-        let fewer = project_pipeline(p, Layout { ranks: 2, per_node: 8 }, 2, 4, 0.0, 64, grads, compute).unwrap();
+        let more = project_pipeline(p, Layout { ranks: 2, per_node: 8 }, ScheduleKind::OneFOneB, 2, 64, 0.0, 64, grads, compute).unwrap();
+        let fewer = project_pipeline(p, Layout { ranks: 2, per_node: 8 }, ScheduleKind::OneFOneB, 2, 4, 0.0, 64, grads, compute).unwrap();
         assert_eq!(more.exchange_s, 0.0);
         assert!(more.step_s < fewer.step_s);
         assert!(boundary_bytes(ModelKind::Resnet18, 2).unwrap() > 0.0);
@@ -1060,6 +1082,8 @@ mod tests {
     fn project_refuses_its_own_flags_by_their_own_names() {
         let refused = |extra: &[&str]| check_flags(&project_args(extra)).unwrap_err().to_string();
         assert_eq!(check_flags(&project_args(&["--compute-ms", "5", "--ranks", "1,4", "--pipeline-stages", "2"])).unwrap(), vec![1, 4]);
+        let err = check_flags(&project_args(&["--compute-ms", "5", "--pipeline-stages", "2", "--schedule", "interleaved"])).unwrap_err().to_string();
+        assert!(err.contains("--schedule interleaved: project prices gpipe, 1f1b, zb-h1 and zb-v"), "{err}");
         for (extra, message) in [
             (&["--compute-ms", "0"][..], "--compute-ms 0: expected a positive number of milliseconds"),
             (&["--compute-ms", "NaN"], "--compute-ms NaN: expected a positive number of milliseconds"),

@@ -179,6 +179,29 @@ impl Shape {
     }
 }
 
+/// A schedule's idle time per step against its busy time, with balanced stages, free messages
+/// and F = B = W (an unsplit backward twice the forward), for pricing layouts that are never
+/// run (`hpc-train project`): GPipe and 1F1B (P-1)/M, interleaved (P-1)/(VM); ZB-H1
+/// (P-1)/(3M) and ZB-V at its least, (P-1)/(6M) (the last stage waits for the first
+/// micro-batch's P-1 half-stage forwards), from M = P, where the unit tests show the replay
+/// reaching them (ZB-V up to P = 4, within 1.1x + 1 half-forward beyond); below M = P the
+/// replay itself, whose size is then small. Closed forms elsewhere, because a plan prices
+/// thousands of layouts of up to hundreds of stages.
+pub fn idle_per_busy(shape: &Shape) -> f64 {
+    let (p, m) = (shape.stages as f64, shape.micro_batches as f64);
+    let replayed = || {
+        let each = vec![1.0 / shape.virtual_stages as f64; shape.chunks()];
+        replay(shape, &Costs { forward: each.clone(), input_grad: each.clone(), weight_grad: each }).map_or(f64::NAN, |r| r.makespan / (3.0 * m) - 1.0)
+    };
+    match shape.kind {
+        ScheduleKind::Gpipe | ScheduleKind::OneFOneB => (p - 1.0) / m,
+        ScheduleKind::Interleaved => (p - 1.0) / (shape.virtual_stages as f64 * m),
+        _ if shape.micro_batches < shape.stages => replayed(),
+        ScheduleKind::ZbH1 => (p - 1.0) / (3.0 * m),
+        ScheduleKind::ZbV => (p - 1.0) / (6.0 * m),
+    }
+}
+
 /// What crosses a boundary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Message {
@@ -1072,6 +1095,22 @@ mod tests {
         let v = Shape::new(ScheduleKind::ZbV, 4, 8, 1).unwrap();
         assert_eq!((v.chunks_of(0), v.chunks_of(3), v.loss_stage()), (vec![0, 7], vec![3, 4], 0));
         assert_eq!((0..8).map(|c| v.stage_of(c)).collect::<Vec<_>>(), vec![0, 1, 2, 3, 3, 2, 1, 0]);
+    }
+
+    /// The prices `project` uses are the replay's, where the replay reaches them.
+    #[test]
+    fn the_priced_idle_time_is_the_replays() {
+        for p in 1..=4 {
+            for m in [1, 2, 3, 4, 8, 16] {
+                for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB, ScheduleKind::ZbH1, ScheduleKind::ZbV] {
+                    let shape = Shape::new(kind, p, m, 1).unwrap();
+                    let each = vec![1.0 / shape.virtual_stages as f64; shape.chunks()];
+                    let r = replay(&shape, &Costs { forward: each.clone(), input_grad: each.clone(), weight_grad: each }).unwrap();
+                    let replayed = r.makespan / (3.0 * m as f64) - 1.0;
+                    assert!((idle_per_busy(&shape) - replayed).abs() < 1e-9, "{shape:?}: priced {}, replayed {replayed}", idle_per_busy(&shape));
+                }
+            }
+        }
     }
 
     #[test]
