@@ -355,6 +355,14 @@ fn plan(dir: &Path) -> Planned {
             skipped.push(format!("{} x {}: an option against a column of a family MPICH's run trains once (Open MPI's run only)", cell.row, cell.column));
             continue;
         }
+        // The zero-bubble schedules send 1F1B's messages (whose column MPICH's run trains) and
+        // ZB-V's turn to itself, which tests/pipeline.rs runs under MPICH; their arithmetic
+        // with every other kind is Open MPI's run's.
+        let zero_bubble = |kind: &str| kind == "zb-h1" || kind == "zb-v";
+        if mpich && cell.verdict == "yes" && (zero_bubble(&cell.column) || matches!(&row, Row::Layout(k) if zero_bubble(k))) {
+            skipped.push(format!("{} x {}: a zero-bubble schedule (Open MPI's run only)", cell.row, cell.column));
+            continue;
+        }
         let mut run_args = layout.args();
         run_args.extend(extra.iter().cloned());
         let what = format!("{} x {}", cell.row, cell.column);
@@ -473,6 +481,11 @@ fn faults_end_every_layout_kind() {
     let kinds: Vec<String> = table().into_iter().filter(|c| c.row == "HPC_TRAIN_FAULT" && c.verdict == "yes").map(|c| c.column).collect();
     assert_eq!(kinds.len(), 18, "{kinds:?}");
     for (i, kind) in kinds.iter().enumerate() {
+        // The zero-bubble schedules fail through 1F1B's executor and messages: under MPICH,
+        // its column stands for them (Open MPI's run faults all 18 kinds).
+        if !common::launcher::every_row() && (kind == "zb-h1" || kind == "zb-v") {
+            continue;
+        }
         let layout = Layout::default().with(kind);
         let (fault, said) = faults[i % faults.len()];
         let mut args: Vec<String> = [

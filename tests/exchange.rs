@@ -436,8 +436,10 @@ fn rhd_and_auto_equal_mpi_allreduce() {
         let run = bench(ranks, "rhd,auto", &["--counts", COUNTS, "--verify", "allreduce"], &dir);
         assert_all_right(&run, 10);
         // The closed form checks the same schedule's arithmetic again: MPICH's run keeps the
-        // check against its own MPI_Allreduce above.
-        if common::launcher::every_row() {
+        // check against its own MPI_Allreduce above, and Open MPI's checks it at a power of two
+        // and at two counts with pre- and post-steps (one and two ranks have none to check, six
+        // and seven repeat five's on 2 cores' time).
+        if common::launcher::every_row() && [3, 4, 5].contains(&ranks) {
             let run = bench(ranks, "rhd,auto", &["--counts", COUNTS], &dir);
             assert_all_right(&run, 10);
         }
@@ -456,7 +458,7 @@ fn rhd_and_auto_equal_mpi_allreduce() {
     let model = doubling.to_str().unwrap();
     // Against MPI_Allreduce only: the sums of known values are checked above for auto at every
     // rank count, and recursive doubling's pre- and post-steps are the same for either check.
-    for ranks in common::launcher::rows_under_mpich(&rank_counts(&[1, 2, 3, 4, 5, 6, 7]), |r| r == 3 || r == 4) {
+    for ranks in common::launcher::rows_under_mpich(&rank_counts(&[1, 2, 3, 4, 5, 7]), |r| r == 3 || r == 4) {
         let run = bench(ranks, "auto", &["--counts", COUNTS, "--verify", "allreduce", "--cost-model", model], &dir);
         assert_all_right(&run, 5);
     }

@@ -62,8 +62,11 @@ fn every_schedule_trains_the_weights_of_one_process_accumulating_the_micro_batch
         (4, "1f1b", 1, 1),
         (4, "1f1b", 1, 4),
     ];
+    // Under MPICH one row of each schedule and stage count's message pattern (the arithmetic is
+    // the same under any MPI: Open MPI's run has every row).
+    let layouts = common::launcher::rows_under_mpich(layouts, |(p, schedule, _, m)| matches!((p, schedule, m), (2, "1f1b", 4) | (2, "interleaved", 4) | (3, "1f1b", 8) | (4, "gpipe", 8)));
     let mut report = Vec::new();
-    for &(p, schedule, v, m) in layouts {
+    for (p, schedule, v, m) in layouts {
         let want = reference(&dir, 32, m);
         let name = format!("p{p}-{schedule}-v{v}-m{m}");
         let (ps, vs, ms) = (p.to_string(), v.to_string(), m.to_string());
@@ -399,8 +402,9 @@ fn zero_bubble_schedules_train_the_weights_of_one_process() {
         train_saving_weights(&dir, name, ranks, &args)
     };
     let want = resnet("resnet-reference", 1, &[]);
-    // The tiny CNN has 4 blocks: ZB-V on 3 stages (6 chunks) takes ResNet-18 (10).
-    for (p, schedule) in common::launcher::rows_under_mpich(&[(2, "zb-h1"), (2, "zb-v"), (3, "zb-v")], |(p, _)| p == 3) {
+    // The tiny CNN has 4 blocks: ZB-V on 3 and 4 stages (6 and 8 chunks) takes ResNet-18 (10);
+    // ZB-H1 on 4 stages is the tiny CNN's row above.
+    for (p, schedule) in common::launcher::rows_under_mpich(&[(2, "zb-h1"), (2, "zb-v"), (3, "zb-v"), (4, "zb-v")], |(p, _)| p == 3) {
         let ps = p.to_string();
         let got = resnet(&format!("resnet-p{p}-{schedule}"), p, &["--pipeline-stages", &ps, "--schedule", schedule, "--partition", "params"]);
         let diff = max_relative_difference(&want, &got);
