@@ -342,10 +342,7 @@ impl Pipeline {
                     if micro[m].len == 0 {
                         continue;
                     }
-                    let gradient = match c < last {
-                        true => Some(self.wait_gradient(&mut receives, m, c, step)?),
-                        false => None,
-                    };
+                    let gradient = self.wait_gradient(&mut receives, m, c, step)?;
                     let (began, t) = (Instant::now(), self.now_us());
                     let x = inputs.get(&(m, c)).expect("backward after forward");
                     let out = if self.recompute {
@@ -382,10 +379,7 @@ impl Pipeline {
                     if micro[m].len == 0 {
                         continue;
                     }
-                    let gradient = match c < last {
-                        true => Some(self.wait_gradient(&mut receives, m, c, step)?),
-                        false => None,
-                    };
+                    let gradient = self.wait_gradient(&mut receives, m, c, step)?;
                     let (began, t) = (Instant::now(), self.now_us());
                     let out = outputs.remove(&(m, c)).expect("backward after forward");
                     held_bytes -= bytes(&out);
@@ -696,8 +690,12 @@ enum DeferredWeights {
 
 impl Pipeline {
     /// Waits for the gradient of chunk `c`'s output for micro-batch `m` (its receive posted by
-    /// the schedule), under the watchdog, naming the stage it comes from.
-    fn wait_gradient(&mut self, receives: &mut HashMap<(Message, usize, usize), TensorMessage>, m: usize, c: usize, step: u64) -> Result<Tensor> {
+    /// the schedule), under the watchdog, naming the stage it comes from; None for the last
+    /// chunk, whose output is the loss.
+    fn wait_gradient(&mut self, receives: &mut HashMap<(Message, usize, usize), TensorMessage>, m: usize, c: usize, step: u64) -> Result<Option<Tensor>> {
+        if c + 1 == self.shape().chunks() {
+            return Ok(None);
+        }
         let waited = self.now_us();
         let message = receives.remove(&(Message::Gradient, m, c)).expect("the schedule posts every receive before its use");
         let from = self.peer(c + 1);
@@ -705,7 +703,7 @@ impl Pipeline {
         let g = message.wait()?.f_to_device(self.device)?;
         drop(watched);
         self.event(step, format!("wait gradient {m}"), "wait", waited);
-        Ok(g)
+        Ok(Some(g))
     }
 }
 
