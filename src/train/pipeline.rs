@@ -356,12 +356,7 @@ impl Pipeline {
                     if !self.recompute || c == last {
                         held_bytes -= bytes(&out);
                     }
-                    match gradient {
-                        // d(sum(out * g))/d(out) is g exactly: the parameters' gradients are
-                        // those of backward from `out` with gradient g.
-                        Some(g) => out.f_mul(&g)?.f_sum(Kind::Float)?.f_backward()?,
-                        None => out.f_backward()?,
-                    }
+                    backward_from(&out, gradient.as_ref())?;
                     synchronize_device(self.device);
                     let took = began.elapsed();
                     compute += took;
@@ -410,9 +405,7 @@ impl Pipeline {
                     let (began, t) = (Instant::now(), self.now_us());
                     match deferred.remove(&(m, c)).expect("W after its B") {
                         DeferredWeights::Graph(kept) => crate::raw::backward_weight(kept)?,
-                        // d(sum(out * g))/d(out) is g exactly, as in an unsplit backward.
-                        DeferredWeights::Whole { out, gradient: Some(g) } => out.f_mul(&g)?.f_sum(Kind::Float)?.f_backward()?,
-                        DeferredWeights::Whole { out, gradient: None } => out.f_backward()?,
+                        DeferredWeights::Whole { out, gradient } => backward_from(&out, gradient.as_ref())?,
                     }
                     synchronize_device(self.device);
                     let took = began.elapsed();
@@ -705,6 +698,17 @@ impl Pipeline {
         self.event(step, format!("wait gradient {m}"), "wait", waited);
         Ok(Some(g))
     }
+}
+
+/// An unsplit backward of one chunk: from `out` with its gradient `g` (None: `out` is the
+/// scalar loss). d(sum(out * g))/d(out) is g exactly, so the parameters' gradients are those of
+/// backward from `out` with gradient g; one place for the unsplit step and the first chunk's W.
+fn backward_from(out: &Tensor, gradient: Option<&Tensor>) -> Result<()> {
+    match gradient {
+        Some(g) => out.f_mul(g)?.f_sum(Kind::Float)?.f_backward()?,
+        None => out.f_backward()?,
+    }
+    Ok(())
 }
 
 /// Whether two tensors share their first element's memory (a no-op copy).
