@@ -160,6 +160,9 @@ fn record_git_commit() {
     let git = |args: &[&str]| {
         std::process::Command::new("git")
             .args(args)
+            // `git status` may rewrite the index to refresh its stat data, and the index is
+            // watched below: a build would then make the next cargo call rebuild the crate.
+            .env("GIT_OPTIONAL_LOCKS", "0")
             .output()
             .ok()
             .filter(|o| o.status.success())
@@ -173,12 +176,15 @@ fn record_git_commit() {
     let value = if dirty { format!("{commit}-dirty") } else { commit };
     println!("cargo:rustc-env=HPC_TRAIN_GIT_COMMIT={value}");
     if let Some(dir) = git(&["rev-parse", "--git-dir"]) {
-        // HEAD names a branch whose own file (or packed-refs) is what a commit changes.
-        println!("cargo:rerun-if-changed={dir}/HEAD");
-        println!("cargo:rerun-if-changed={dir}/index");
-        println!("cargo:rerun-if-changed={dir}/packed-refs");
-        if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
-            println!("cargo:rerun-if-changed={dir}/{branch}");
+        // HEAD names a branch whose own file (or packed-refs) is what a commit changes. Only
+        // files that exist: cargo counts a missing one as changed on every build, and reran
+        // this script and recompiled the crate at every cargo call in a checkout without
+        // packed-refs (a minute or two of CI's each time). A file that appears later (git gc
+        // packing the branch's ref) changes one that is watched (the branch's own file goes).
+        let branch = git(&["symbolic-ref", "-q", "HEAD"]);
+        let watched = ["HEAD", "index", "packed-refs"].into_iter().map(String::from).chain(branch);
+        for file in watched.map(|f| format!("{dir}/{f}")).filter(|f| std::path::Path::new(f).exists()) {
+            println!("cargo:rerun-if-changed={file}");
         }
     }
 }
