@@ -35,11 +35,10 @@ use mpi::traits::*;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::buckets::{pack, unpack};
 use crate::exchange::{Exchange, ReduceOp};
 use crate::optim::{FiniteCheck, Optimizer};
-use crate::plan::buckets::BucketPlan;
-use crate::raw::{CudaEvent, CudaStream, GradReady, GradReadyHooks};
+use crate::plan::buckets::{Bucket, BucketPlan};
+use crate::raw::{CudaEvent, CudaStream, GradReady, GradReadyHooks, ThreadState};
 
 /// DDP's first bucket: small, so that communication starts early in the backward pass.
 pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
@@ -72,14 +71,20 @@ impl From<GradReady> for Report {
 pub struct Overlap {
     _hooks: GradReadyHooks<Report>,
     reports: Receiver<Report>,
-    /// Losses to run backward on, for the backward thread.
-    jobs: Option<Sender<Tensor>>,
+    /// Losses to run backward on, for the backward thread, each with the MPI thread's libtorch
+    /// state to run it under.
+    jobs: Option<Sender<(Tensor, ThreadState)>>,
     backward_thread: Option<JoinHandle<()>>,
     plan: BucketPlan,
     bucket_of: Vec<usize>,
-    /// Fusion buffer of each bucket of several tensors, once used (a bucket of one tensor is
-    /// reduced in place).
+    /// The flat buffer of each bucket of several tensors, whose parameters' gradients are views
+    /// into it (`views`); None for a bucket of one tensor, reduced in place in its gradient.
     buffers: Vec<Option<Tensor>>,
+    /// Whether the gradients of a bucket of several tensors are views into its buffer, so that
+    /// backward adds where the exchange reads (DDP's `gradient_as_bucket_view`): not under
+    /// ZeRO, which packs every bucket into one buffer of its own and (stage 2) lets go of the
+    /// gradients.
+    views: bool,
     /// The gradients' dtype and device, for the fusion buffers.
     layout: (tch::Kind, Device),
     /// What a plan is made with: element size, bucket caps.
@@ -100,8 +105,9 @@ pub fn one_bucket(params: &[Tensor], bucket_bytes: usize) -> bool {
 }
 
 impl Overlap {
-    /// `comm`: the ranks that train (a collective runs on it after the first step).
-    pub fn new(params: &[Tensor], bucket_bytes: usize, comm: SimpleCommunicator) -> Result<Overlap> {
+    /// `comm`: the ranks that train (a collective runs on it after the first step); `views`:
+    /// see [`Overlap::views`].
+    pub fn new(params: &[Tensor], bucket_bytes: usize, comm: SimpleCommunicator, views: bool) -> Result<Overlap> {
         let (sender, reports) = channel();
         let hooks = GradReadyHooks::register(params, sender.clone())?;
         let sizes: Vec<usize> = params.iter().map(|p| p.numel()).collect();
@@ -115,6 +121,7 @@ impl Overlap {
             plan: BucketPlan { buckets: Vec::new(), sizes: Vec::new() },
             bucket_of: Vec::new(),
             buffers: Vec::new(),
+            views,
             layout: (kind, device),
             elem_bytes: kind.elt_size_in_bytes(),
             bucket_bytes,
@@ -122,24 +129,72 @@ impl Overlap {
             comm_stream: CudaStream::from_pool(device)?,
         };
         let reverse: Vec<usize> = (0..sizes.len()).rev().collect();
-        overlap.make_plan(&sizes, &reverse, kind, device)?;
+        overlap.make_plan(params, &reverse)?;
         Ok(overlap)
     }
 
-    /// Buckets (and their fusion buffers) walking the tensors in `order`.
-    fn make_plan(&mut self, sizes: &[usize], order: &[usize], kind: tch::Kind, device: Device) -> Result<()> {
+    /// Buckets walking the tensors in `order`, and with `views` their buffers, the parameters'
+    /// gradients made views into them (their values carried over).
+    fn make_plan(&mut self, params: &[Tensor], order: &[usize]) -> Result<()> {
+        let sizes: Vec<usize> = params.iter().map(|p| p.numel()).collect();
         let first = Some(FIRST_BUCKET_BYTES.min(self.bucket_bytes.max(1)));
-        self.plan = BucketPlan::in_order(sizes, order, self.elem_bytes, self.bucket_bytes, first);
+        self.plan = BucketPlan::in_order(&sizes, order, self.elem_bytes, self.bucket_bytes, first);
         self.bucket_of = self.plan.bucket_of();
-        // Made at a bucket's first all-reduce: ZeRO packs into a buffer of its own.
-        self.buffers = self.plan.buckets.iter().map(|_| None).collect();
-        self.layout = (kind, device);
+        let fused = |b: &Bucket| self.views && b.slots.len() > 1;
+        self.buffers = self.plan.buckets.iter().map(|b| fused(b).then(|| Tensor::f_zeros([b.len as i64], self.layout)).transpose()).collect::<std::result::Result<_, _>>()?;
+        for b in 0..self.plan.buckets.len() {
+            self.attach_views(b, params, true)?;
+        }
+        Ok(())
+    }
+
+    /// Makes bucket `b`'s gradients the views into its buffer where they are not already (the
+    /// set-up's gradients, a new plan's, or those a step without overlap made), copying their
+    /// values in when `keep`. A no-op for a bucket without a buffer.
+    fn attach_views(&self, b: usize, params: &[Tensor], keep: bool) -> Result<()> {
+        let Some(buffer) = &self.buffers[b] else { return Ok(()) };
+        for slot in &self.plan.buckets[b].slots {
+            let param = &params[slot.tensor];
+            let grad = param.grad();
+            let at = buffer.data_ptr() as usize + slot.offset * self.elem_bytes;
+            if grad.defined() && grad.data_ptr() as usize == at && grad.stride() == param.stride() {
+                continue;
+            }
+            // The parameter's own strides over its slot: a channels-last weight's gradient is
+            // channels-last too, and its slot holds it in storage order, as `pack` would.
+            let view = buffer.f_as_strided(param.size(), param.stride(), Some(slot.offset as i64))?;
+            if keep && grad.defined() {
+                tch::no_grad(|| view.shallow_clone().f_copy_(&grad).map(drop))?;
+            }
+            crate::raw::set_grad(param, &view)?;
+        }
+        Ok(())
+    }
+
+    /// Before a step's forward: the gradients of buckets with a buffer are their views, zeroed
+    /// (one fill per bucket; backward adds into them in place, and nothing is packed or
+    /// unpacked); every other gradient is let go, so that backward hands its result over rather
+    /// than adding it into zeros (what PyTorch's `zero_grad(set_to_none=True)` lets it do).
+    pub fn prepare_grads(&self, params: &[Tensor]) -> Result<()> {
+        for (b, (bucket, buffer)) in self.plan.buckets.iter().zip(&self.buffers).enumerate() {
+            match buffer {
+                Some(buffer) => {
+                    self.attach_views(b, params, false)?;
+                    tch::no_grad(|| buffer.shallow_clone().f_zero_().map(drop))?;
+                }
+                None => {
+                    for slot in &bucket.slots {
+                        crate::raw::release_grad(&params[slot.tensor])?;
+                    }
+                }
+            }
+        }
         Ok(())
     }
 
     /// After the first step: buckets in the order rank 0 saw the gradients arrive (the same plan
     /// on every rank); parameters that never reported go last.
-    fn rebuild_from_arrivals(&mut self, like: &Tensor) -> Result<()> {
+    fn rebuild_from_arrivals(&mut self, params: &[Tensor]) -> Result<()> {
         let Some((seen, comm)) = self.arrivals.take() else { return Ok(()) };
         let n = self.plan.sizes.len();
         let mut order: Vec<u64> = Vec::with_capacity(n);
@@ -152,9 +207,8 @@ impl Overlap {
         }
         comm.process_at_rank(0).broadcast_into(&mut order[..]);
         let order: Vec<usize> = order.into_iter().map(|i| i as usize).collect();
-        let sizes = self.plan.sizes.clone();
         let before = self.plan.buckets.len();
-        self.make_plan(&sizes, &order, like.kind(), like.device())?;
+        self.make_plan(params, &order)?;
         log::debug!("overlap: {} bucket(s) rebuilt from the gradients' arrival order (were {before})", self.plan.buckets.len());
         Ok(())
     }
@@ -184,11 +238,16 @@ impl Overlap {
         epoch: u64,
         optimize: bool,
     ) -> Result<(OverlapTimes, FiniteCheck)> {
+        // A backward run without overlap since the last step (`--overlap auto`'s trial) fired
+        // the hooks too: its reports are stale, and counted they would complete buckets early.
+        while self.reports.try_recv().is_ok() {}
         let started = Instant::now();
+        // Under this thread's state: the profiler's, so that `--profile-dir` sees backward's ops.
+        let state = ThreadState::capture()?;
         self.jobs
             .as_ref()
             .expect("the backward thread runs while Overlap lives")
-            .send(loss)
+            .send((loss, state))
             .map_err(|_| Error::exchange("overlap", "the backward thread has stopped"))?;
         let mut backward_ended = false;
         let mut finite = FiniteCheck::default();
@@ -213,7 +272,7 @@ impl Overlap {
             other => other,
         })?;
         if self.arrivals.is_some() {
-            self.rebuild_from_arrivals(&params[0])?;
+            self.rebuild_from_arrivals(params)?;
         }
         Ok((times, finite))
     }
@@ -285,7 +344,7 @@ impl Overlap {
                     next += 1;
                     continue;
                 }
-                self.exchange_bucket(next, grads, exchange, finite.as_deref_mut())?;
+                self.exchange_bucket(next, params, grads, exchange, finite.as_deref_mut())?;
                 times.exchange += t.elapsed();
                 if optimize {
                     let which: Vec<usize> = self.plan.buckets[next].slots.iter().map(|s| s.tensor).collect();
@@ -302,30 +361,27 @@ impl Overlap {
         Ok(times)
     }
 
-    /// Averages bucket `b`'s gradients over the workers, in place in the gradients, adding the
-    /// local ones to `finite` first (None under a loss scaler, which expects non-finite ones now
-    /// and then).
-    fn exchange_bucket(&mut self, b: usize, grads: &mut [Tensor], exchange: &mut dyn Exchange, finite: Option<&mut FiniteCheck>) -> Result<()> {
+    /// Averages bucket `b`'s gradients over the workers, in place in the gradients (`grads`
+    /// takes the parameters' gradients of the bucket: views, or what backward handed over, or
+    /// zeros for a parameter the step did not use), adding the local ones to `finite` first
+    /// (None under a loss scaler, which expects non-finite ones now and then).
+    fn exchange_bucket(&mut self, b: usize, params: &[Tensor], grads: &mut [Tensor], exchange: &mut dyn Exchange, finite: Option<&mut FiniteCheck>) -> Result<()> {
+        // Views already (a no-op but for a gradient that a step without overlap made).
+        self.attach_views(b, params, true)?;
         let bucket = &self.plan.buckets[b];
-        let fused = bucket.slots.len() > 1;
-        if fused && self.buffers[b].is_none() {
-            self.buffers[b] = Some(Tensor::f_zeros([bucket.len as i64], self.layout)?);
+        for slot in &bucket.slots {
+            grads[slot.tensor] = crate::optim::defined_grad(&params[slot.tensor])?;
         }
-        let mut flat = match &mut self.buffers[b] {
-            None => crate::raw::flat_dense_view(&grads[bucket.slots[0].tensor])?,
-            Some(buffer) => {
-                pack(bucket, grads, buffer);
-                buffer.shallow_clone()
-            }
+        let mut flat = match (&self.buffers[b], bucket.slots.as_slice()) {
+            (Some(buffer), _) => buffer.shallow_clone(),
+            (None, [one]) => crate::raw::flat_dense_view(&grads[one.tensor])?,
+            // Without views the buckets are ZeRO's, which exchanges them itself.
+            (None, _) => return Err(Error::exchange("overlap", "a bucket of several tensors has no buffer (made only with views)")),
         };
         if let Some(finite) = finite {
             finite.add(&flat)?;
         }
-        exchange.all_reduce_keyed(b, std::slice::from_mut(&mut flat), ReduceOp::Mean)?;
-        if self.buffers[b].is_some() {
-            unpack(bucket, &flat, grads);
-        }
-        Ok(())
+        exchange.all_reduce_keyed(b, std::slice::from_mut(&mut flat), ReduceOp::Mean)
     }
 }
 
@@ -342,8 +398,8 @@ impl Drop for Overlap {
 /// The thread that runs backward, once per step, for the life of `Overlap`: a thread made per
 /// step would cost its creation and a new OpenMP team every step. It runs with the MPI thread's
 /// intra-op thread count and CUDA device, and reports the end of each backward on `reports`.
-fn start_backward_thread(device: Device, reports: Sender<Report>) -> Result<(Sender<Tensor>, JoinHandle<()>)> {
-    let (jobs, losses) = channel::<Tensor>();
+fn start_backward_thread(device: Device, reports: Sender<Report>) -> Result<(Sender<(Tensor, ThreadState)>, JoinHandle<()>)> {
+    let (jobs, losses) = channel::<(Tensor, ThreadState)>();
     let threads = tch::get_num_threads();
     let thread = std::thread::Builder::new()
         .name("backward".into())
@@ -352,10 +408,10 @@ fn start_backward_thread(device: Device, reports: Sender<Report>) -> Result<(Sen
             // call at::init_num_threads for the same reason).
             tch::set_num_threads(threads);
             let ready = crate::raw::set_cuda_device(device);
-            for loss in losses {
+            for (loss, state) in losses {
                 let started = Instant::now();
                 let result = match &ready {
-                    Ok(()) => loss.f_backward().map_err(Error::from),
+                    Ok(()) => state.enter().and_then(|_state| loss.f_backward().map_err(Error::from)),
                     Err(e) => Err(Error::exchange("overlap", e.to_string())),
                 };
                 let _ = reports.send(Report::BackwardDone { result, took: started.elapsed() });

@@ -1,5 +1,7 @@
 //! Overlap of the exchange with backward: the same weights as without it, for every strategy
-//! that overlaps, and a step completes when some parameters get no gradient.
+//! that overlaps, and a step completes when some parameters get no gradient; `--overlap auto`
+//! on CPU ranks measures both modes over the first steps and keeps the faster, with the same
+//! weights whichever it keeps.
 
 mod common;
 
@@ -47,4 +49,54 @@ fn parameters_without_gradients_count_as_ready() {
     assert!(max_relative_difference(&off, &on) < 1e-5);
     // Both runs finished (no wait for gradients that never come) and wrote their records.
     assert_eq!(read_runs(&dir).len(), 2);
+}
+
+/// `--overlap auto` on CPU ranks, its trial made to choose each way (the test hook adds time to
+/// one mode's steps), plain and under ZeRO 2 (whose shard plan must survive the switches): the
+/// weights of `--overlap off`, the record says what was chosen and the figures behind it, and a
+/// run too short for the trial is off and says why.
+#[test]
+fn auto_keeps_the_mode_its_trial_measured_faster() {
+    if covered_by_the_first_mpi("the trial's switching between modes") {
+        return;
+    }
+    let dir = scratch("overlap-auto");
+    let data = synth(&dir, "auto", 96, 0, "1x12x12", 5);
+    let many_buckets = ["--model", "tiny", "--strategy", "ring", "--bucket-mb", "0.001"];
+    let train_env = |name: &str, steps: &str, extra: &[&str], env: &[(&str, &str)]| {
+        let out = dir.join(format!("{name}.safetensors"));
+        let mut args = vec![
+            "--data", data.to_str().unwrap(), "--scaling", "strong", "--global-batch", "12", "--steps", steps, "--no-eval", "--threads", "1",
+            "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
+        ];
+        args.extend(many_buckets);
+        args.extend(extra);
+        mpirun_env(2, &args, env, std::time::Duration::from_secs(300)).expect_ok();
+        out
+    };
+    let off = train_env("off", "8", &["--overlap", "off"], &[]);
+    let penalty = "HPC_TRAIN_TEST_OVERLAP_PENALTY";
+    for (name, extra, slower, kept) in [
+        ("auto-on", &[][..], "without:10000", true),
+        ("auto-off", &[][..], "with:10000", false),
+        ("auto-zero2-off", &["--zero", "2"][..], "with:10000", false),
+        ("auto-zero2-on", &["--zero", "2"][..], "without:10000", true),
+    ] {
+        let weights = train_env(name, "8", extra, &[(penalty, slower)]);
+        let diff = max_relative_difference(&off, &weights);
+        assert!(diff < 1e-5, "{name}: {diff:e} from --overlap off");
+        let runs = read_runs(&dir);
+        let record = runs.last().unwrap();
+        assert_eq!(record["extra"]["overlap"], kept, "{name}: {}", record["extra"]);
+        let reason = record["extra"]["overlap_reason"].as_str().unwrap();
+        assert!(reason.contains("a CPU rank: measured over steps 1..4") && reason.contains("ms a step with overlap"), "{name}: {reason}");
+        let (with, without) = (record["extra"]["overlap_trial_with_ms"].as_f64().unwrap(), record["extra"]["overlap_trial_without_ms"].as_f64().unwrap());
+        assert_eq!(with < without, kept, "{name}: {with} against {without}");
+    }
+    let short = train_env("auto-short", "5", &[], &[]);
+    assert!(short.exists());
+    let runs = read_runs(&dir);
+    let record = runs.last().unwrap();
+    assert_eq!(record["extra"]["overlap"], false);
+    assert!(record["extra"]["overlap_reason"].as_str().unwrap().contains("too few steps"), "{}", record["extra"]);
 }

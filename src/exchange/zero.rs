@@ -474,7 +474,12 @@ impl Exchange for ZeroExchange {
     fn update(&mut self, params: &mut [Tensor], _grads: &mut [Tensor], optimizer: &mut Optimizer) -> Result<()> {
         let sizes: Vec<usize> = params.iter().map(|p| p.numel()).collect();
         let elem_bytes = params.first().map_or(4, |p| p.kind().elt_size_in_bytes());
-        let plan = BucketPlan::new(&sizes, elem_bytes, self.bucket_bytes, None);
+        // The plan in use where there is one (overlap's, after steps with it in `--overlap
+        // auto`'s trial): a new plan re-cuts the optimizer state, gathering it whole first.
+        let plan = match &self.layout {
+            Some(layout) if layout.plan.sizes == sizes => layout.plan.clone(),
+            _ => BucketPlan::new(&sizes, elem_bytes, self.bucket_bytes, None),
+        };
         self.use_plan(&plan, params, optimizer)?;
         for b in 0..plan.buckets.len() {
             crate::watchdog::set_bucket(b);

@@ -119,6 +119,32 @@ pub fn zero_grads(grads: &mut [Tensor]) -> Result<()> {
     crate::raw::zero_all(&defined)
 }
 
+/// Lets every parameter's gradient go before a step's backward, so that backward hands its
+/// result over instead of adding it into zeros (PyTorch's `zero_grad(set_to_none=True)`, its
+/// default): one write of each gradient per step where zeroing and adding made three passes.
+/// [`defined_grads`] after backward gives a parameter the step did not use its zeros.
+pub fn release_grads(params: &[Tensor]) -> Result<()> {
+    params.iter().try_for_each(crate::raw::release_grad)
+}
+
+/// The parameter's gradient, made zeros first where backward left none (a parameter the step
+/// did not use, or no backward at all: a rank without samples in an epoch's last step), so that
+/// every rank exchanges the same set.
+pub fn defined_grad(param: &Tensor) -> Result<Tensor> {
+    let grad = param.grad();
+    if grad.defined() {
+        return Ok(grad);
+    }
+    let zeros = param.f_zeros_like()?;
+    crate::raw::set_grad(param, &zeros)?;
+    Ok(zeros)
+}
+
+/// Every parameter's gradient after backward ([`defined_grad`]).
+pub fn defined_grads(params: &[Tensor]) -> Result<Vec<Tensor>> {
+    params.iter().map(defined_grad).collect()
+}
+
 /// Makes every parameter's gradient defined (zero), so that a parameter unused by a step still
 /// has a gradient to exchange and every rank exchanges the same set.
 pub fn define_grads(params: &[Tensor]) -> Result<Vec<Tensor>> {

@@ -29,7 +29,7 @@ use tch::Tensor;
 use crate::error::Result;
 
 pub use config::{OptimizerConfig, OptimizerKind};
-pub use finite::{all_finite, define_grads, flag_not_finite, grads_finite, unscale_if_finite, zero_grads, FiniteCheck};
+pub use finite::{all_finite, define_grads, defined_grad, defined_grads, flag_not_finite, grads_finite, release_grads, unscale_if_finite, zero_grads, FiniteCheck};
 pub use rule::Pieces;
 use rule::Step;
 pub use schedule::{DecayKind, LrSchedule, ScaleLr};

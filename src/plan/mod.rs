@@ -6,6 +6,7 @@
 //! - [`rhd`]: recursive halving and doubling's partners and ranges;
 //! - [`buckets`]: which tensors share a bucket, at which offsets;
 //! - [`pipeline`]: pipeline parallelism's rank grid, model cuts and per-stage schedules;
+//! - [`overlap`]: `--overlap auto`'s trial of the first steps on CPU ranks and its choice;
 //! - [`fsdp`]: fully sharded data parallelism's units and their flat layouts;
 //! - [`tensor`]: tensor parallelism's rank layout and the cut of each transformer parameter.
 //! - [`compat`]: what combines: every option against every layout kind, supported or refused.
@@ -17,6 +18,7 @@
 pub mod buckets;
 pub mod compat;
 pub mod fsdp;
+pub mod overlap;
 pub mod pipeline;
 pub mod rhd;
 pub mod ring;

@@ -61,11 +61,11 @@ pub use messages::TensorMessage;
 pub use self::mpi::{abort_world, any_tag, exit_now, int_control_variable, mpi_cuda_support, mpix_gpu_query_support_cuda, tag_upper_bound, PeerComm, PointToPoint, SendComm};
 pub use regions::{register_group, RegionAllReduce, RegionGroup, RegisteredGroup};
 pub use process::{current_rss_mb, free_bytes, hostname, keep_freed_memory, peak_rss_mb, peak_rss_since_restart_mb, restart_peak_rss};
-pub use profiler::{profiler_start, profiler_stop, StepMark};
+pub use profiler::{profiler_start, profiler_stop, StepMark, ThreadState};
 pub use requests::{completed_requests, with_segments, Backoff, Segments};
 pub use split_backward::{backward_input, backward_weight, KeptGraph};
 pub use tensor::{
     channels_last, copy_host_elements, copy_into, data_address, device_buffer_mut, flat_dense_view, fused_adamw, fused_sgd, host_bytes, host_slice, host_slice_mut,
-    mpi_buffer_mut, param_to_channels_last, pin_memory, release_grad, unscale_and_check, unscale_and_check_into, zero_all,
+    mpi_buffer_mut, param_to_channels_last, pin_memory, release_grad, set_grad, unscale_and_check, unscale_and_check_into, zero_all,
 };
 pub use window::SharedWindow;

@@ -20,6 +20,10 @@ extern "C" {
     fn hpc_profiler_stop(path: *const c_char, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_mark_begin(name: *const c_char, error: *mut c_char, error_length: usize) -> *mut c_void;
     fn hpc_mark_end(mark: *mut c_void);
+    fn hpc_thread_state_capture(error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_thread_state_free(state: *mut c_void);
+    fn hpc_thread_state_enter(state: *const c_void, error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_thread_state_leave(guard: *mut c_void);
 }
 
 fn profiler_error(what: &str, err: &[c_char]) -> Error {
@@ -67,5 +71,53 @@ impl Drop for StepMark {
         // SAFETY: the mark came from hpc_mark_begin, is owned by this value alone and closed
         // here once, on the thread that opened it (StepMark is not Send).
         unsafe { hpc_mark_end(self.0.as_ptr()) }
+    }
+}
+
+/// A thread's libtorch state (the profiler's among it), captured to be set on another thread
+/// for one piece of work: overlap's backward thread runs each backward under the MPI thread's
+/// state, so that `--profile-dir` sees its ops as it sees those of the autograd engine's threads.
+pub struct ThreadState(NonNull<c_void>);
+
+// SAFETY: an at::ThreadLocalState is a value (copies of thread-local settings and shared
+// pointers to the profiler's state), made to be carried to another thread; this value owns it
+// alone and frees it once, on whichever thread drops it.
+unsafe impl Send for ThreadState {}
+
+impl ThreadState {
+    /// The calling thread's state.
+    pub fn capture() -> Result<ThreadState> {
+        let mut err = [0 as c_char; 256];
+        // SAFETY: a writable buffer; the shim returns a new heap state or null.
+        let state = unsafe { hpc_thread_state_capture(err.as_mut_ptr(), err.len()) };
+        NonNull::new(state).map(ThreadState).ok_or_else(|| profiler_error("capturing the thread's state", &err))
+    }
+
+    /// Sets the state as the calling thread's until the guard is dropped (on this thread).
+    pub fn enter(&self) -> Result<ThreadStateGuard<'_>> {
+        let mut err = [0 as c_char; 256];
+        // SAFETY: the state is alive while the guard borrows it; the shim returns a new heap
+        // guard or null.
+        let guard = unsafe { hpc_thread_state_enter(self.0.as_ptr(), err.as_mut_ptr(), err.len()) };
+        NonNull::new(guard).map(|g| ThreadStateGuard(g, std::marker::PhantomData)).ok_or_else(|| profiler_error("setting the thread's state", &err))
+    }
+}
+
+impl Drop for ThreadState {
+    fn drop(&mut self) {
+        // SAFETY: made by hpc_thread_state_capture, owned by this value alone, freed once; no
+        // guard outlives it (a guard borrows it).
+        unsafe { hpc_thread_state_free(self.0.as_ptr()) }
+    }
+}
+
+/// The state of [`ThreadState::enter`] set on this thread, restored when dropped.
+pub struct ThreadStateGuard<'a>(NonNull<c_void>, std::marker::PhantomData<&'a ThreadState>);
+
+impl Drop for ThreadStateGuard<'_> {
+    fn drop(&mut self) {
+        // SAFETY: made by hpc_thread_state_enter on this thread (a guard holds a raw pointer, so
+        // it is not Send), deleted once, here, which restores the thread's previous state.
+        unsafe { hpc_thread_state_leave(self.0.as_ptr()) }
     }
 }

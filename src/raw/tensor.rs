@@ -31,6 +31,7 @@ extern "C" {
     fn hpc_empty_pinned_bytes(sizes: *const i64, dims: usize, error: *mut c_char, error_length: usize) -> *mut c_void;
     fn hpc_param_to_channels_last(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_release_grad(tensor: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_set_grad(tensor: *mut c_void, grad: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn hpc_fused_sgd(
         params: *const *mut c_void,
@@ -287,6 +288,21 @@ pub fn release_grad(p: &Tensor) -> Result<()> {
     // SAFETY: tch's at::Tensor pointer, alive during the call; the handle shares the
     // parameter's autograd meta, so the parameter itself loses its gradient.
     let rc = unsafe { hpc_release_grad(handle.as_mut_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
+    if rc != 0 {
+        return Err(shim_failure(&err));
+    }
+    Ok(())
+}
+
+/// Makes `grad` the parameter's gradient (sizes, device and dtype checked): the next backward
+/// adds into it in place, so that a view into a bucket's buffer is where backward writes.
+pub fn set_grad(p: &Tensor, grad: &Tensor) -> Result<()> {
+    let mut err = [0 as c_char; 256];
+    let mut handle = p.shallow_clone();
+    // SAFETY: two of tch's at::Tensor pointers, alive during the call; the handle shares the
+    // parameter's autograd meta (the parameter itself gets the gradient), and the shim copies
+    // `grad`'s handle (a reference count) rather than taking it.
+    let rc = unsafe { hpc_set_grad(handle.as_mut_ptr() as *mut c_void, grad.as_ptr() as *mut c_void, err.as_mut_ptr(), err.len()) };
     if rc != 0 {
         return Err(shim_failure(&err));
     }

@@ -297,6 +297,23 @@ int hpc_release_grad(void *tensor, char *error, size_t error_length) {
   }
 }
 
+// Makes `grad` (an at::Tensor*) the gradient of `tensor`: backward then accumulates into it in
+// place (a view into a bucket's flat buffer: DDP's gradient_as_bucket_view). Returns 0, or -1
+// with a message in `error` (libtorch's own checks: same device, dtype and sizes).
+int hpc_set_grad(void *tensor, void *grad, char *error, size_t error_length) {
+  try {
+    auto *t = static_cast<at::Tensor *>(tensor);
+    const auto &g = *static_cast<at::Tensor *>(grad);
+    TORCH_CHECK(g.sizes() == t->sizes(), "a gradient of sizes ", g.sizes(), " for a tensor of sizes ", t->sizes());
+    TORCH_CHECK(g.device() == t->device() && g.scalar_type() == t->scalar_type(), "a gradient of another device or dtype");
+    t->mutable_grad() = g;
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
 // ---- The optimizer's update in one pass (at::_fused_sgd_, which tch does not expose). ----
 
 // torch.optim.SGD(fused=True)'s kernel over `count` tensors: per element, d = g + weight_decay w,

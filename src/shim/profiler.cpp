@@ -6,6 +6,7 @@
 //
 // Built by build.rs with grad_hooks.cpp.
 
+#include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
@@ -80,6 +81,37 @@ void *hpc_mark_begin(const char *name, char *error, size_t error_length) {
 
 void hpc_mark_end(void *mark) {
   delete static_cast<Mark *>(mark);
+}
+
+// The calling thread's libtorch state (the profiler's, grad mode, autocast, ...), to be set on
+// another thread for one piece of work, as the autograd engine hands it to its own threads:
+// overlap's backward thread, whose ops then appear in the trace. Null on error.
+void *hpc_thread_state_capture(char *error, size_t error_length) {
+  try {
+    return new at::ThreadLocalState();
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return nullptr;
+  }
+}
+
+void hpc_thread_state_free(void *state) {
+  delete static_cast<at::ThreadLocalState *>(state);
+}
+
+// Sets `state` as the calling thread's until hpc_thread_state_leave(guard) on the same thread,
+// which restores what it was. Null on error.
+void *hpc_thread_state_enter(const void *state, char *error, size_t error_length) {
+  try {
+    return new at::ThreadLocalStateGuard(*static_cast<const at::ThreadLocalState *>(state));
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return nullptr;
+  }
+}
+
+void hpc_thread_state_leave(void *guard) {
+  delete static_cast<at::ThreadLocalStateGuard *>(guard);
 }
 
 }  // extern "C"

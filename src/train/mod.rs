@@ -3,6 +3,7 @@
 //! - plan.rs: the options resolved against the world, the checks before anything starts, the
 //!   device; setup.rs: set-up checked on every rank, which builds the [`Run`] (run.rs) from the
 //!   plan, the network (net.rs), the exchange, overlap and the resume point (checkpoints.rs);
+//!   overlap_choice.rs: what `--overlap` comes to, with auto's trial of the first steps;
 //! - step.rs: one step (data, forward, backward with the exchange, optimizer, timings) and what
 //!   follows a step at some steps; step_faults.rs: the injected faults every step kind calls;
 //!   progress.rs: timings, progress lines, the sample trace;
@@ -21,6 +22,7 @@ mod fsdp_step;
 mod memory;
 mod net;
 pub mod options;
+mod overlap_choice;
 mod pipeline;
 mod pipeline_step;
 mod plan;
@@ -150,6 +152,10 @@ impl Run<'_> {
                 window.settle()?;
             }
             let t = Timings { step: started.elapsed(), ..done.timings };
+            // `--overlap auto`'s trial on CPU ranks: at its end, overlap stays only where it paid.
+            if self.overlap_choice.note_step(step, t.step, self.world) == Some(false) {
+                self.overlap = None;
+            }
             drop(mark);
             state.profile.after_step(step)?;
             out.totals.add(&t);

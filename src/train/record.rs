@@ -165,6 +165,11 @@ impl Run<'_> {
         extra.insert("optimizer_state_bytes".into(), (optimizer_state_bytes as u64).into());
         extra.insert("gradient_bytes".into(), (gradient_bytes as u64).into());
         extra.insert("overlap".into(), (self.overlap.is_some() || self.fsdp.as_ref().is_some_and(|f| f.prefetch)).into());
+        extra.insert("overlap_reason".into(), self.overlap_choice.reason.clone().into());
+        if let Some(trial) = self.overlap_choice.measured {
+            extra.insert("overlap_trial_with_ms".into(), trial.with_overlap_ms.into());
+            extra.insert("overlap_trial_without_ms".into(), trial.without_ms.into());
+        }
         if let (Some(f), Some((held, gathered))) = (&self.fsdp, fsdp_bytes) {
             extra.insert("fsdp_unit".into(), f.size.name().into());
             extra.insert("parameter_bytes_held".into(), held.into());

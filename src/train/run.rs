@@ -20,6 +20,7 @@ use crate::topology::World;
 use super::checkpoints::CheckpointLog;
 use super::net::Net;
 use super::options::TrainArgs;
+use super::overlap_choice::OverlapChoice;
 use super::fsdp::FullySharded;
 use super::pipeline::Pipeline;
 use super::plan::Plan;
@@ -47,6 +48,8 @@ pub(super) struct Run<'a> {
     pub(super) exchange: Box<dyn Exchange>,
     pub(super) optimizer: Optimizer,
     pub(super) overlap: Option<Overlap>,
+    /// What `--overlap` came to and why, with auto's trial of the first steps on CPU ranks.
+    pub(super) overlap_choice: OverlapChoice,
     /// This rank's pipeline stage (--pipeline-stages, --micro-batches), or None for a plain run.
     pub(super) pipeline: Option<Pipeline>,
     /// `--zero 3`: the units and the thread that computes them.

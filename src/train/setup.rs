@@ -11,7 +11,6 @@ use crate::error::{Error, Result};
 use crate::exchange::{self, ExchangeConfig, Role};
 use crate::faults::Faults;
 use crate::optim::{self, LrSchedule, Optimizer, OptimizerConfig};
-use crate::overlap::Overlap;
 use crate::plan::fsdp as fsdp_plan;
 use crate::raw;
 use crate::results::{self};
@@ -25,6 +24,7 @@ use super::pipeline::Pipeline;
 use super::stages::choose_cut;
 use super::tensor::TensorParallel;
 use super::options::{OnOff, Precision, TrainArgs};
+use super::overlap_choice::{make_overlap, OverlapChoice};
 use super::plan::{check_model_fits, check_same_config, device_name, make_current, num_cpus_online, watchdog_timeout, Plan};
 use super::run::{part_replicas, Run, StopSignal};
 
@@ -178,18 +178,27 @@ impl<'a> Run<'a> {
         let fsdp = match fully_sharded {
             Some((block_names, block_of_variable, groups)) => {
                 // Agreed: with and without prefetch the collectives come in different orders.
-                let prefetch = world.sum_f64(f64::from(u8::from(overlap_choice(world, args, &plan) == OnOff::On))) as i32 == world.size;
+                let prefetch = world.sum_f64(f64::from(u8::from(fsdp_prefetch(world, args, &plan)))) as i32 == world.size;
                 Some(world.agree(shard_units(&mut net, &initial_values, exchange.as_mut(), &mut optimizer, &block_names, &block_of_variable, &groups, args, plan.device, prefetch))?)
             }
             None => None,
         };
         // Stage 3 overlaps through its units' prefetch; tensor parallelism and pipelines
         // exchange after backward (an explicit --overlap on is refused there: plan/compat.rs).
-        let overlap = if fsdp.is_some() || tensor_parallel.is_some() || pipeline.is_some() {
-            None
+        let (overlap, overlap_choice) = if fsdp.is_some() || tensor_parallel.is_some() || pipeline.is_some() {
+            (None, OverlapChoice::fixed(if fsdp.is_some() { "--zero 3 overlaps through its units' prefetch" } else { "tensor parallelism and pipelines exchange after backward" }))
         } else {
-            make_overlap(world, args, &plan, &net, config.bucket_bytes)?
+            make_overlap(world, args, &plan, &net, exchange.as_mut(), config.bucket_bytes, (first_step, total_steps))?
         };
+        // (--zero 3 said its prefetch's choice above.)
+        if world.is_root() && fsdp.is_none() {
+            let state = match (&overlap, &overlap_choice.trial) {
+                (Some(_), Some(_)) => "on trial",
+                (Some(_), None) => "on",
+                (None, _) => "off",
+            };
+            log::info!("--overlap {}: {state} ({})", format!("{:?}", args.overlap).to_lowercase(), overlap_choice.reason);
+        }
         if let Some(overlap) = &overlap {
             exchange.describe_keys(overlap.plan());
         }
@@ -206,7 +215,7 @@ impl<'a> Run<'a> {
             Role::Server => (0, plan.workers),
         };
         let run = Run {
-            world, args, plan, info, labels, cache_data, spec, net, exchange, optimizer, overlap, pipeline, fsdp, tensor_parallel, faults, stop, workers_comm, worker, workers,
+            world, args, plan, info, labels, cache_data, spec, net, exchange, optimizer, overlap, overlap_choice, pipeline, fsdp, tensor_parallel, faults, stop, workers_comm, worker, workers,
             global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),
             dataset_fingerprint, checkpoints: CheckpointLog { newest_good: resume_from.as_ref().map(|c| c.meta.step), resume_read, ..CheckpointLog::default() },
             _checkpoint_lock: checkpoint_lock,
@@ -359,9 +368,11 @@ fn shard_units(
     Ok(FullySharded { units, size: args.fsdp_unit, prefetch, worker: UnitWorker::spawn(modules, buffers, device, args.precision)? })
 }
 
-/// What `--overlap` comes to on this rank: auto is on where backward leaves cores free (or on
-/// a GPU).
-fn overlap_choice(world: &World, args: &TrainArgs, plan: &Plan) -> OnOff {
+/// Whether `--zero 3` prefetches the next unit while this one computes (its overlap): as asked,
+/// and under auto where backward leaves cores free (or on a GPU). Decided at set-up, since the
+/// units' collectives come in another order with prefetch: auto's trial of the first steps
+/// (overlap_choice.rs) is data parallelism's.
+fn fsdp_prefetch(world: &World, args: &TrainArgs, plan: &Plan) -> bool {
     match args.overlap {
         OnOff::Auto => {
             // Cores this rank's backward leaves free: those it may use beyond its threads (each
@@ -369,38 +380,12 @@ fn overlap_choice(world: &World, args: &TrainArgs, plan: &Plan) -> OnOff {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             let bound = cores < num_cpus_online();
             let mine = if bound { cores } else { cores / world.local_size.max(1) as usize };
-            let spare = mine > plan.threads;
-            let on = plan.device.is_cuda() || spare;
+            let on = plan.device.is_cuda() || mine > plan.threads;
             if world.is_root() {
-                log::info!("--overlap auto: {}", if on { "on" } else { "off (backward uses every core of the rank: the exchange would take them from it)" });
+                log::info!("--overlap auto (--zero 3 prefetch): {}", if on { "on" } else { "off (backward uses every core of the rank: the prefetch would take them from it)" });
             }
-            if on { OnOff::On } else { OnOff::Off }
+            on
         }
-        other => other,
+        other => other == OnOff::On,
     }
-}
-
-/// Gradient-ready hooks for overlapping the exchange with backward (not for the parameter
-/// server, whose servers take whole shares after backward).
-fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &Net, bucket_bytes: usize) -> Result<Option<Overlap>> {
-    let choice = overlap_choice(world, args, plan);
-    Ok(match (choice, args.strategy) {
-        // Refused when asked for (plan/compat.rs): the servers take whole shares after backward.
-        (OnOff::On, exchange::StrategyKind::Ps) => None,
-        // One rank exchanges nothing: backward on a thread of its own would only cost a hand-over.
-        (OnOff::On, _) if world.size == 1 => {
-            log::info!("--overlap on: one rank has nothing to exchange; backward runs on the MPI thread");
-            None
-        }
-        // One bucket is exchanged after the last gradient however backward runs; on a thread
-        // of its own, backward would only add hand-overs (measured on the tiny CNN, results/).
-        (OnOff::On, _) if crate::overlap::one_bucket(&net.params, bucket_bytes) => {
-            if world.is_root() {
-                log::info!("--overlap on: every gradient fits one bucket (--bucket-mb), which is exchanged after backward; backward runs on the MPI thread");
-            }
-            None
-        }
-        (OnOff::On, _) => Some(world.agree(Overlap::new(&net.params, bucket_bytes, world.comm.duplicate()))?),
-        (OnOff::Off | OnOff::Auto, _) => None,
-    })
 }

@@ -76,7 +76,8 @@ impl LoopState {
     pub(super) fn new(run: &Run) -> Result<LoopState> {
         let (args, first, total) = (run.args, run.first_step, run.total_steps);
         let schedule = Schedule { samples: run.info.train.len, workers: run.workers, worker: run.worker, batch: run.plan.batch, seed: args.seed };
-        let warmup = first + args.warmup_steps.min(total.saturating_sub(first + 1));
+        // Throughput counts the steps after `--overlap auto`'s trial too, which run in one mode.
+        let warmup = (first + args.warmup_steps.min(total.saturating_sub(first + 1))).max(run.overlap_choice.trial_end().unwrap_or(0));
         // A pipeline's stages read only what they use (the first the images, the last the labels).
         let parts = run.pipeline.as_ref().map_or(Parts::ALL, |p| p.data_parts());
         let labels = Arc::new(if parts.labels { run.labels.train.clone() } else { Vec::new() });
@@ -152,10 +153,15 @@ impl Run<'_> {
         // gradients is the gradient of the global batch's mean loss, however the last step of
         // an epoch is split.
         let compute_start = Instant::now();
-        // The gradients' handles live for this step only: after ZeRO stage 2 lets go of a
-        // gradient, no handle may keep its memory until the next step.
+        // Backward hands its gradients over (none are zeroed to be added into), but those that
+        // are views into the overlap's bucket buffers, zeroed there. The handles live for this
+        // step only: after ZeRO stage 2 lets go of a gradient, no handle may keep its memory.
+        let overlapped = self.overlap.is_some() && self.overlap_choice.overlaps_at(step);
+        match (&self.overlap, overlapped) {
+            (Some(overlap), true) => overlap.prepare_grads(&self.net.params)?,
+            _ => optim::release_grads(&self.net.params)?,
+        }
         let mut grads = self.net.grads();
-        optim::zero_grads(&mut grads)?;
         let n = batch.samples();
         let loss_factor = self.workers as f64 / batch.global_samples.max(1) as f64 * state.scaler.as_ref().map_or(1.0, |s| s.scale);
         let losses = if n == 0 {
@@ -174,7 +180,7 @@ impl Run<'_> {
         let optimize_in_exchange = state.scaler.is_none();
         let deferred = state.deferred.as_ref().map(|d| &d.not_finite);
         let Exchanged { compute, comm, exchange_total, exchange_exposed, loss } =
-            self.backward_and_exchange(losses, &mut grads, compute_start, step, batch.epoch, optimize_in_exchange, deferred)?;
+            self.backward_and_exchange(losses, &mut grads, compute_start, step, batch.epoch, optimize_in_exchange, deferred, overlapped)?;
         if let Some(scaler) = &mut state.scaler {
             if faults.inf_gradient() {
                 inject_inf(&grads)?;
@@ -240,9 +246,10 @@ impl Run<'_> {
         epoch: u64,
         optimize: bool,
         deferred: Option<&Tensor>,
+        overlapped: bool,
     ) -> Result<Exchanged> {
         let device = self.plan.device;
-        if let (Some(overlap), Some(losses)) = (&mut self.overlap, losses.as_ref()) {
+        if let (Some(overlap), Some(losses), true) = (&mut self.overlap, losses.as_ref(), overlapped) {
             let forward = compute_start.elapsed();
             let (times, finite) = overlap.step(losses.scaled.shallow_clone(), &mut self.net.params, grads, self.exchange.as_mut(), &mut self.optimizer, step, epoch, optimize)?;
             exchange::staging::synchronize_device(device);
@@ -259,8 +266,8 @@ impl Run<'_> {
             return self.optimize_unread(losses, grads, flag, compute_start);
         }
         let loss_sum = losses.as_ref().map_or(Ok(0.0), Losses::read)?;
-        // Backward made the gradients that were let go (ZeRO stage 2) anew.
-        *grads = self.net.grads();
+        // What backward handed over, zeros where it made none.
+        *grads = optim::defined_grads(&self.net.params)?;
         if optimize && !optim::grads_finite(grads)? {
             return Err(Error::NonFinite { what: "gradient", step, epoch });
         }
@@ -286,7 +293,7 @@ impl Run<'_> {
     /// compute ends when backward's kernels are queued, and the device's time shows where the
     /// host next waits (the loop's reads).
     fn optimize_unread(&mut self, losses: Option<Losses>, grads: &mut Vec<Tensor>, flag: &Tensor, compute_start: Instant) -> Result<Exchanged> {
-        *grads = self.net.grads();
+        *grads = optim::defined_grads(&self.net.params)?;
         optim::flag_not_finite(grads, flag)?;
         let compute = compute_start.elapsed();
         let comm_start = Instant::now();
