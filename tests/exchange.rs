@@ -488,15 +488,31 @@ fn rhd_and_auto_train_to_the_same_weights_as_allreduce() {
     };
     // MPICH's run trains at 3 ranks (rhd's pre- and post-steps), and leaves the power of two and
     // auto's cost-model choices, arithmetic that no MPI call changes, to Open MPI's.
+    // These runs in one launch (common::Runs), then their comparisons.
+    let (mut runs, mut compared) = (Runs::new(&dir), Vec::new());
+    let common_args: Vec<String> = [
+        "--model", "tiny", "--data", data.to_str().unwrap(), "--scaling", "strong", "--global-batch", "12", "--steps", "8", "--no-eval", "--threads", "1",
+        "--bucket-mb", "0.001",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let args = |extra: &[&str]| -> Vec<String> { common_args.iter().cloned().chain(extra.iter().map(|s| s.to_string())).collect() };
     for ranks in common::launcher::rows_under_mpich(&[3, 4], |r| r == 3) {
-        let reference = train(&format!("allreduce{ranks}"), ranks, &["--strategy", "allreduce", "--overlap", "off"]);
+        let a = args(&["--strategy", "allreduce", "--overlap", "off"]);
+        let reference = runs.add(&format!("allreduce{ranks}"), ranks, &a.iter().map(String::as_str).collect::<Vec<_>>());
         for strategy in ["rhd", "auto"] {
             for overlap in ["on", "off"] {
-                let got = train(&format!("{strategy}{ranks}{overlap}"), ranks, &["--strategy", strategy, "--overlap", overlap]);
-                let diff = max_relative_difference(&reference, &got);
-                assert!(diff < 1e-5, "{strategy} at {ranks} ranks, overlap {overlap}, differs by {diff:e}");
+                let a = args(&["--strategy", strategy, "--overlap", overlap]);
+                let got = runs.add(&format!("{strategy}{ranks}{overlap}"), ranks, &a.iter().map(String::as_str).collect::<Vec<_>>());
+                compared.push((format!("{strategy} at {ranks} ranks, overlap {overlap}"), reference.clone(), got));
             }
         }
+    }
+    runs.launch();
+    for (what, reference, got) in compared {
+        let diff = max_relative_difference(&reference, &got);
+        assert!(diff < 1e-5, "{what} differs by {diff:e}");
     }
     let runs = read_runs(&dir);
     let auto = runs.iter().find(|r| r["strategy"] == "auto").unwrap();

@@ -34,10 +34,11 @@ fn every_unit_size_trains_to_the_weights_of_allreduce() {
     let dir = scratch("fsdp-equal");
     let data = dataset(&dir);
     let d = data.to_str().unwrap();
+    let (mut runs, mut compared) = (Runs::new(&dir), Vec::new());
     // MPICH's run at 2 and 3 ranks (a power of two for rhd, an uneven split, the record's
     // figures); Open MPI's at every count (common::launcher::every_row).
     for ranks in common::launcher::rows_under_mpich(&[1, 2, 3, 4, 5], |r| r == 2 || r == 3) {
-        let reference = train_saving_weights(&dir, &format!("allreduce-{ranks}"), ranks, &args(d, "6", &["--strategy", "allreduce", "--overlap", "off"]));
+        let reference = runs.add(&format!("allreduce-{ranks}"), ranks, &args(d, "6", &["--strategy", "allreduce", "--overlap", "off"]));
         let mut cases: Vec<(String, Vec<&str>)> = Vec::new();
         if ranks != 4 {
             for unit in ["block", "model"] {
@@ -55,10 +56,14 @@ fn every_unit_size_trains_to_the_weights_of_allreduce() {
         for (name, extra) in cases {
             let mut a = args(d, "6", &["--zero", "3"]);
             a.extend(extra);
-            let weights = train_saving_weights(&dir, &name, ranks, &a);
-            let diff = max_relative_difference(&reference, &weights);
-            assert!(diff < 1e-5, "{name} differs from MPI_Allreduce by {diff:e}");
+            compared.push((name.clone(), reference.clone(), runs.add(&name, ranks, &a)));
         }
+    }
+    // Every run in one launch (common::Runs), then the comparisons.
+    runs.launch();
+    for (name, reference, weights) in compared {
+        let diff = max_relative_difference(&reference, &weights);
+        assert!(diff < 1e-5, "{name} differs from MPI_Allreduce by {diff:e}");
     }
     // The record says what each rank held and gathered.
     let runs = read_runs(&dir);

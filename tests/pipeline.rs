@@ -37,9 +37,55 @@ fn train(dir: &Path, name: &str, ranks: usize, batch: usize, extra: &[&str]) -> 
     train_saving_weights(dir, name, ranks, &args)
 }
 
-/// One process, one stage, M micro-batches: the reference each layout must reproduce.
-fn reference(dir: &Path, batch: usize, micro: usize) -> PathBuf {
-    train(dir, &format!("reference-b{batch}-m{micro}"), 1, batch, &["--micro-batches", &micro.to_string()])
+
+/// A sweep's runs in one launch (common::Runs), each reference trained once, then every
+/// comparison: (what, reference, weights, tolerance).
+struct Sweep {
+    runs: Runs,
+    references: std::collections::HashMap<String, PathBuf>,
+    compared: Vec<(String, PathBuf, PathBuf, f64)>,
+}
+
+impl Sweep {
+    fn new(dir: &Path) -> Sweep {
+        Sweep { runs: Runs::new(dir), references: Default::default(), compared: Vec::new() }
+    }
+
+    /// A run of the tiny CNN with `base(batch)`'s options and `extra`.
+    fn train(&mut self, name: &str, ranks: usize, batch: usize, extra: &[&str]) -> PathBuf {
+        let mut args = base(batch);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.runs.add(name, ranks, &args)
+    }
+
+    /// One process, one stage, M micro-batches: the reference each layout must reproduce (added
+    /// once).
+    fn reference(&mut self, batch: usize, micro: usize) -> PathBuf {
+        let name = format!("reference-b{batch}-m{micro}");
+        if let Some(path) = self.references.get(&name) {
+            return path.clone();
+        }
+        let path = self.train(&name, 1, batch, &["--micro-batches", &micro.to_string()]);
+        self.references.insert(name, path.clone());
+        path
+    }
+
+    fn compare(&mut self, what: String, want: &Path, got: PathBuf, tolerance: f64) {
+        self.compared.push((what, want.to_path_buf(), got, tolerance));
+    }
+
+    /// Launches every run, then checks every comparison (each one's difference printed).
+    fn check(mut self) {
+        self.runs.launch();
+        let mut report = Vec::new();
+        for (what, want, got, tolerance) in &self.compared {
+            let diff = max_relative_difference(want, got);
+            report.push(format!("{what}: {diff:e}"));
+            assert!(diff < *tolerance, "{what}: weights differ from one process by {diff:e} (tolerance {tolerance:e})\n{}", report.join("\n"));
+        }
+        eprintln!("{}", report.join("\n"));
+    }
 }
 
 #[test]
@@ -65,23 +111,21 @@ fn every_schedule_trains_the_weights_of_one_process_accumulating_the_micro_batch
     // Under MPICH one row of each schedule and stage count's message pattern (the arithmetic is
     // the same under any MPI: Open MPI's run has every row).
     let layouts = common::launcher::rows_under_mpich(layouts, |(p, schedule, _, m)| matches!((p, schedule, m), (2, "1f1b", 4) | (2, "interleaved", 4) | (3, "1f1b", 8) | (4, "gpipe", 8)));
-    let mut report = Vec::new();
+    let mut sweep = Sweep::new(&dir);
     for (p, schedule, v, m) in layouts {
-        let want = reference(&dir, 32, m);
+        let want = sweep.reference(32, m);
         let name = format!("p{p}-{schedule}-v{v}-m{m}");
         let (ps, vs, ms) = (p.to_string(), v.to_string(), m.to_string());
         let mut extra = vec!["--pipeline-stages", &ps, "--schedule", schedule, "--micro-batches", &ms, "--partition", "params"];
         if v > 1 {
             extra.extend(["--virtual-stages", &vs]);
         }
-        let got = train(&dir, &name, p, 32, &extra);
-        let diff = max_relative_difference(&want, &got);
-        report.push(format!("{name}: {diff:e}"));
+        let got = sweep.train(&name, p, 32, &extra);
         // The same operations in the same order as the reference: equal to f32 summation
         // tolerance (in practice bit for bit).
-        assert!(diff < 1e-6, "{name}: weights differ from one process by {diff:e}\n{}", report.join("\n"));
+        sweep.compare(name, &want, got, 1e-6);
     }
-    eprintln!("{}", report.join("\n"));
+    sweep.check();
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -89,23 +133,21 @@ fn every_schedule_trains_the_weights_of_one_process_accumulating_the_micro_batch
 fn two_pipelines_average_their_stages_gradients_with_every_strategy() {
     let dir = scratch("pipeline-hybrid");
     // Two pipelines of 16 samples each against one process taking 32 in 4 micro-batches.
-    let want = reference(&dir, 32, 4);
-    let mut report = Vec::new();
+    let mut sweep = Sweep::new(&dir);
+    let want = sweep.reference(32, 4);
     for strategy in ["ring", "rhd", "auto", "allreduce", "horovod"] {
-        let got = train(&dir, &format!("d2p2-{strategy}"), 4, 16, &["--pipeline-stages", "2", "--micro-batches", "2", "--strategy", strategy, "--partition", "1"]);
-        let diff = max_relative_difference(&want, &got);
-        report.push(format!("{strategy}: {diff:e}"));
+        let got = sweep.train(&format!("d2p2-{strategy}"), 4, 16, &["--pipeline-stages", "2", "--micro-batches", "2", "--strategy", strategy, "--partition", "1"]);
         // The replicas' mean reorders float additions: f32 summation tolerance.
-        assert!(diff < 1e-5, "D=2 x P=2 with {strategy}: {diff:e}\n{}", report.join("\n"));
+        sweep.compare(format!("D=2 x P=2 with {strategy}"), &want, got, 1e-5);
     }
     // ZeRO stage 1 among each stage's replicas.
-    let got = train(&dir, "d2p2-ring-zero1", 4, 16, &["--pipeline-stages", "2", "--micro-batches", "2", "--strategy", "ring", "--zero", "1", "--partition", "1"]);
-    assert!(max_relative_difference(&want, &got) < 1e-5, "ZeRO 1 in a hybrid layout");
+    let got = sweep.train("d2p2-ring-zero1", 4, 16, &["--pipeline-stages", "2", "--micro-batches", "2", "--strategy", "ring", "--zero", "1", "--partition", "1"]);
+    sweep.compare("ZeRO 1 in a hybrid layout".into(), &want, got, 1e-5);
     // A whole replica on each of two ranks, micro-batches accumulated: data parallelism with
     // gradient accumulation, through the same executor.
-    let got = train(&dir, "d2p1", 2, 16, &["--micro-batches", "2"]);
-    assert!(max_relative_difference(&want, &got) < 1e-5);
-    eprintln!("{}", report.join("\n"));
+    let got = sweep.train("d2p1", 2, 16, &["--micro-batches", "2"]);
+    sweep.compare("D=2 x P=1".into(), &want, got, 1e-5);
+    sweep.check();
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -378,39 +420,34 @@ fn zero_bubble_schedules_train_the_weights_of_one_process() {
         &[(2, "zb-h1", 2, 1), (2, "zb-h1", 2, 4), (2, "zb-h1", 2, 8), (3, "zb-h1", 3, 8), (4, "zb-h1", 4, 4), (2, "zb-v", 2, 4), (2, "zb-v", 2, 8)],
         |(_, schedule, p, m)| (schedule == "zb-h1" && p == 3) || (schedule == "zb-v" && m == 4),
     );
-    let mut report = Vec::new();
+    let mut sweep = Sweep::new(&dir);
     for (ranks, schedule, p, m) in layouts {
-        let want = reference(&dir, 32, m);
+        let want = sweep.reference(32, m);
         let name = format!("p{p}-{schedule}-m{m}");
         let (ps, ms) = (p.to_string(), m.to_string());
-        let got = train(&dir, &name, ranks, 32, &["--pipeline-stages", &ps, "--schedule", schedule, "--micro-batches", &ms, "--partition", "params"]);
-        let diff = max_relative_difference(&want, &got);
-        report.push(format!("{name}: {diff:e}"));
-        assert!(diff < 1e-6, "{name}: weights differ from one process by {diff:e}\n{}", report.join("\n"));
+        let got = sweep.train(&name, ranks, 32, &["--pipeline-stages", &ps, "--schedule", schedule, "--micro-batches", &ms, "--partition", "params"]);
+        sweep.compare(name, &want, got, 1e-6);
     }
     // Two pipelines of 16 samples each against one process taking 32 in 4 micro-batches.
-    let want = reference(&dir, 32, 4);
+    let want = sweep.reference(32, 4);
     for schedule in ["zb-h1", "zb-v"] {
-        let got = train(&dir, &format!("d2p2-{schedule}"), 4, 16, &["--pipeline-stages", "2", "--micro-batches", "2", "--schedule", schedule, "--partition", "params"]);
-        let diff = max_relative_difference(&want, &got);
-        report.push(format!("D=2 x P=2 {schedule}: {diff:e}"));
-        assert!(diff < 1e-5, "D=2 x P=2 {schedule}: {diff:e}\n{}", report.join("\n"));
+        let got = sweep.train(&format!("d2p2-{schedule}"), 4, 16, &["--pipeline-stages", "2", "--micro-batches", "2", "--schedule", schedule, "--partition", "params"]);
+        sweep.compare(format!("D=2 x P=2 {schedule}"), &want, got, 1e-5);
     }
-    let resnet = |name: &str, ranks: usize, extra: &[&str]| {
-        let mut args = vec!["--model", "resnet18", "--data", data().to_str().unwrap(), "--steps", "2", "--batch-size", "16", "--threads", "1", "--no-eval", "--lr", "0.1", "--micro-batches", "4"];
+    let data_path = data().to_str().unwrap();
+    let resnet = |sweep: &mut Sweep, name: &str, ranks: usize, extra: &[&str]| {
+        let mut args = vec!["--model", "resnet18", "--data", data_path, "--steps", "2", "--batch-size", "16", "--threads", "1", "--no-eval", "--lr", "0.1", "--micro-batches", "4"];
         args.extend(extra);
-        train_saving_weights(&dir, name, ranks, &args)
+        sweep.runs.add(name, ranks, &args)
     };
-    let want = resnet("resnet-reference", 1, &[]);
+    let want = resnet(&mut sweep, "resnet-reference", 1, &[]);
     // The tiny CNN has 4 blocks: ZB-V on 3 and 4 stages (6 and 8 chunks) takes ResNet-18 (10);
     // ZB-H1 on 4 stages is the tiny CNN's row above.
     for (p, schedule) in common::launcher::rows_under_mpich(&[(2, "zb-h1"), (2, "zb-v"), (3, "zb-v"), (4, "zb-v")], |(p, _)| p == 3) {
         let ps = p.to_string();
-        let got = resnet(&format!("resnet-p{p}-{schedule}"), p, &["--pipeline-stages", &ps, "--schedule", schedule, "--partition", "params"]);
-        let diff = max_relative_difference(&want, &got);
-        report.push(format!("resnet18 P={p} {schedule}: {diff:e}"));
-        assert!(diff < 1e-6, "resnet18 P={p} {schedule}: {diff:e}\n{}", report.join("\n"));
+        let got = resnet(&mut sweep, &format!("resnet-p{p}-{schedule}"), p, &["--pipeline-stages", &ps, "--schedule", schedule, "--partition", "params"]);
+        sweep.compare(format!("resnet18 P={p} {schedule}"), &want, got, 1e-6);
     }
-    eprintln!("{}", report.join("\n"));
+    sweep.check();
     std::fs::remove_dir_all(&dir).unwrap();
 }

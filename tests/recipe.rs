@@ -45,10 +45,11 @@ fn every_strategy_trains_to_the_weights_of_allreduce_with_adamw_and_lars() {
     let dir = scratch("recipe-equal");
     let data = dataset(&dir);
     let d = data.to_str().unwrap();
+    let (mut runs, mut compared): (Runs, Vec<(String, PathBuf, PathBuf)>) = (Runs::new(&dir), Vec::new());
     for optimizer in ["adamw", "lars"] {
         // MPICH's run trains at 2 workers; Open MPI's at 3 as well (common::launcher::every_row).
         for workers in common::launcher::rows_under_mpich(&[2usize, 3], |w| w == 2) {
-            let reference = train_saving_weights(&dir, &format!("{optimizer}-allreduce-{workers}"), workers, &args(d, optimizer, &["--strategy", "allreduce", "--overlap", "off"]));
+            let reference = runs.add(&format!("{optimizer}-allreduce-{workers}"), workers, &args(d, optimizer, &["--strategy", "allreduce", "--overlap", "off"]));
             let mut cases: Vec<(String, usize, Vec<&str>)> = vec![
                 ("ring".into(), workers, vec!["--strategy", "ring", "--overlap", "off"]),
                 ("ring-overlap".into(), workers, vec!["--strategy", "ring", "--overlap", "on"]),
@@ -66,11 +67,15 @@ fn every_strategy_trains_to_the_weights_of_allreduce_with_adamw_and_lars() {
             }
             for (name, ranks, extra) in cases {
                 let name = format!("{optimizer}-{name}-{workers}");
-                let weights = train_saving_weights(&dir, &name, ranks, &args(d, optimizer, &extra));
-                let diff = max_relative_difference(&reference, &weights);
-                assert!(diff < 1e-5, "{name} differs from MPI_Allreduce by {diff:e}");
+                compared.push((name.clone(), reference.clone(), runs.add(&name, ranks, &args(d, optimizer, &extra))));
             }
         }
+    }
+    // Every run in one launch (common::Runs), then the comparisons.
+    runs.launch();
+    for (name, reference, weights) in compared {
+        let diff = max_relative_difference(&reference, &weights);
+        assert!(diff < 1e-5, "{name} differs from MPI_Allreduce by {diff:e}");
     }
     // The optimizers did move the weights apart: AdamW and LARS end in different places.
     let diff = max_relative_difference(&dir.join("adamw-allreduce-2.safetensors"), &dir.join("lars-allreduce-2.safetensors"));

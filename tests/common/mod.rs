@@ -235,6 +235,57 @@ pub fn train_saving_weights(dir: &Path, name: &str, ranks: usize, args: &[&str])
     out
 }
 
+/// Many short training runs in one launch (`hpc-train conform`, which runs each on the first
+/// ranks of the world in turn): one MPI start-up and libtorch load instead of one per run, for
+/// the sweeps that compare many runs' weights (each launch costs a second or more of CI's two
+/// cores). A run records into `dir` and saves its weights as [`train_saving_weights`] does.
+pub struct Runs {
+    dir: PathBuf,
+    cases: Vec<(usize, String, Vec<String>)>,
+}
+
+impl Runs {
+    pub fn new(dir: &Path) -> Runs {
+        Runs { dir: dir.to_path_buf(), cases: Vec::new() }
+    }
+
+    /// Adds a run of `args` on `ranks` ranks (paths without spaces: the cases file splits on
+    /// whitespace); returns where [`Runs::launch`] leaves its weights.
+    pub fn add(&mut self, name: &str, ranks: usize, args: &[&str]) -> PathBuf {
+        let out = self.dir.join(format!("{name}.safetensors"));
+        let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        all.extend(["--results".into(), self.dir.display().to_string(), "--save-weights".into(), out.display().to_string()]);
+        assert!(all.iter().all(|a| !a.contains(char::is_whitespace)), "{name}: an option with a space cannot go into a cases file");
+        self.cases.push((ranks, name.to_string(), all));
+        out
+    }
+
+    /// Runs every case added since the last launch, in order, in one launch of as many ranks as
+    /// the largest needs; fails naming every case that did not end well.
+    pub fn launch(&mut self) {
+        if self.cases.is_empty() {
+            return;
+        }
+        let cases = std::mem::take(&mut self.cases);
+        let file = self.dir.join("cases.txt");
+        std::fs::write(&file, cases.iter().map(|(ranks, _, args)| format!("{ranks} {}\n", args.join(" "))).collect::<String>()).unwrap();
+        let report = self.dir.join("report.tsv");
+        let _ = std::fs::remove_file(&report);
+        let world = cases.iter().map(|c| c.0).max().unwrap();
+        let run = mpirun_env(world, &["conform", "--cases", file.to_str().unwrap(), "--report", report.to_str().unwrap()], &[], Duration::from_secs(900));
+        assert!(run.ok(), "the launch of {} runs failed ({:?}, timed out: {}):\n{}", cases.len(), run.status, run.timed_out, run.all_output());
+        let outcomes = std::fs::read_to_string(&report).unwrap();
+        let failed: Vec<String> = outcomes
+            .lines()
+            .zip(&cases)
+            .filter(|(line, _)| line.split('\t').nth(1) != Some("ok"))
+            .map(|(line, (_, name, _))| format!("{name}: {line}"))
+            .collect();
+        assert_eq!(outcomes.lines().count(), cases.len(), "one outcome per run:\n{outcomes}");
+        assert!(failed.is_empty(), "runs that did not end well:\n{}", failed.join("\n"));
+    }
+}
+
 /// `hpc-train <args>` without mpirun (a singleton MPI process).
 pub fn hpc_train(args: &[&str]) -> Run {
     let mut cmd = Command::new(bin());
