@@ -15,7 +15,7 @@ DATA=datasets/fashion-mnist.h5
 mpi() { mpirun -n 2 --oversubscribe "$@"; }
 version() { "$1" --version | head -n 1; }
 started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-configs=("ring" "rhd" "auto" "allreduce" "horovod" "ps" "ring --zero 1" "ring --zero 2" "ring --overlap on --bucket-mb 1" "allreduce --overlap on --bucket-mb 1")
+configs=("ring" "rhd" "auto" "allreduce" "horovod" "ps" "ring --zero 1" "ring --zero 2" "ring --overlap on --bucket-mb 1" "allreduce --overlap on --bucket-mb 1" "ring --overlap on --bucket-mb 0.001" "horovod --overlap on --bucket-mb 0.001" "ring --zero 2 --overlap on --bucket-mb 0.001")
 rows=()
 differ=0
 for i in "${!configs[@]}"; do

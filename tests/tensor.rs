@@ -42,8 +42,10 @@ fn tensor_parallel_trains_to_the_weights_of_one_rank() {
     // 6 steps: the epoch's end (96 / 16), so the evaluation runs too. Longer, the model itself
     // amplifies f32 rounding: at 12 steps one rank with 2 threads differs from one with 1 by
     // 2.8e-5, T = 2 by 3.9e-5 (results/tensor-parallel/README.md).
-    let reference = train_saving_weights(&dir, "one-rank", 1, &args(d, "6", &[]));
-    let reference_adamw = train_saving_weights(&dir, "one-rank-adamw", 1, &args(d, "6", &["--optimizer", "adamw", "--lr", "0.001", "--no-eval"]));
+    // Every run in one launch (common::Runs), then the comparisons.
+    let mut runs = Runs::new(&dir);
+    let reference = runs.add("one-rank", 1, &args(d, "6", &[]));
+    let reference_adamw = runs.add("one-rank-adamw", 1, &args(d, "6", &["--optimizer", "adamw", "--lr", "0.001", "--no-eval"]));
     let pipelined = ["--pipeline-stages", "2", "--micro-batches", "4", "--partition", "params"];
     let p2t2: Vec<&str> = ["--tensor-parallel", "2"].iter().chain(&pipelined).copied().collect();
     let d2p2t2: Vec<&str> = ["--tensor-parallel", "2", "--strategy", "ring", "--schedule", "gpipe"].iter().chain(&pipelined).copied().collect();
@@ -57,8 +59,9 @@ fn tensor_parallel_trains_to_the_weights_of_one_rank() {
         ("d2-p2-t2", 8, d2p2t2, &reference),
         ("t2-adamw", 2, vec!["--tensor-parallel", "2", "--optimizer", "adamw", "--lr", "0.001", "--no-eval"], &reference_adamw),
     ];
-    for (name, ranks, extra, against) in &cases {
-        let weights = train_saving_weights(&dir, name, *ranks, &args(d, "6", extra));
+    let trained: Vec<PathBuf> = cases.iter().map(|(name, ranks, extra, _)| runs.add(name, *ranks, &args(d, "6", extra))).collect();
+    runs.launch();
+    for ((name, _, _, against), weights) in cases.iter().zip(trained) {
         if name.ends_with("adamw") {
             // The key bias's gradient is zero in exact arithmetic (softmax ignores what is added
             // to every key's score alike), so in f32 it is rounding noise, which Adam scales to
