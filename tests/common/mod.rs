@@ -261,12 +261,27 @@ impl Runs {
     }
 
     /// Runs every case added since the last launch, in order, in one launch of as many ranks as
-    /// the largest needs; fails naming every case that did not end well.
+    /// the largest needs; fails naming every case that did not end well. Under MPICH, one
+    /// launch per rank count: its idle ranks poll without yielding, and a 1-rank case beside 7
+    /// idle ranks took longer than its own launch (tensor parallelism's sweep 32 -> 48 s).
     pub fn launch(&mut self) {
-        if self.cases.is_empty() {
+        let cases = std::mem::take(&mut self.cases);
+        if launcher::every_row() {
+            self.launch_one(cases);
             return;
         }
-        let cases = std::mem::take(&mut self.cases);
+        let mut counts: Vec<usize> = cases.iter().map(|c| c.0).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        for count in counts {
+            self.launch_one(cases.iter().filter(|c| c.0 == count).cloned().collect());
+        }
+    }
+
+    fn launch_one(&self, cases: Vec<(usize, String, Vec<String>)>) {
+        if cases.is_empty() {
+            return;
+        }
         let file = self.dir.join("cases.txt");
         std::fs::write(&file, cases.iter().map(|(ranks, _, args)| format!("{ranks} {}\n", args.join(" "))).collect::<String>()).unwrap();
         let report = self.dir.join("report.tsv");
