@@ -64,15 +64,10 @@ fn auto_keeps_the_mode_its_trial_measured_faster() {
     let data = synth(&dir, "auto", 96, 0, "1x12x12", 5);
     let many_buckets = ["--model", "tiny", "--strategy", "ring", "--bucket-mb", "0.001"];
     let train_env = |name: &str, steps: &str, extra: &[&str], env: &[(&str, &str)]| {
-        let out = dir.join(format!("{name}.safetensors"));
-        let mut args = vec![
-            "--data", data.to_str().unwrap(), "--scaling", "strong", "--global-batch", "12", "--steps", steps, "--no-eval", "--threads", "1",
-            "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
-        ];
+        let mut args = vec!["--data", data.to_str().unwrap(), "--scaling", "strong", "--global-batch", "12", "--steps", steps, "--no-eval", "--threads", "1"];
         args.extend(many_buckets);
         args.extend(extra);
-        mpirun_env(2, &args, env, std::time::Duration::from_secs(300)).expect_ok();
-        out
+        train_saving_weights_env(&dir, name, 2, &args, env).0
     };
     let off = train_env("off", "8", &["--overlap", "off"], &[]);
     let penalty = "HPC_TRAIN_TEST_OVERLAP_PENALTY";

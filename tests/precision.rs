@@ -36,16 +36,6 @@ fn vit_args<'a>(data: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     a
 }
 
-/// Like `train_saving_weights`, with environment variables (a fault to inject); also gives
-/// the run's output.
-fn train_with_env(dir: &Path, name: &str, ranks: usize, args: &[&str], env: &[(&str, &str)]) -> (PathBuf, String) {
-    let out = dir.join(format!("{name}.safetensors"));
-    let mut all = args.to_vec();
-    all.extend(["--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap()]);
-    let run = mpirun_env(ranks, &all, env, std::time::Duration::from_secs(300)).expect_ok();
-    (out, run.all_output())
-}
-
 /// The last record of the runs in `dir`.
 fn last_record(dir: &Path) -> serde_json::Value {
     read_runs(dir).pop().expect("a record")
@@ -107,9 +97,9 @@ fn fp16_tensor_parallel_ranks_skip_an_overflow_together() {
     let dir = scratch("precision-fp16-tp");
     let data = vit_data(&dir);
     let d = data.to_str().unwrap();
-    let (reference, one_log) = train_with_env(&dir, "one-fp16", 1, &vit_args(d, &["--precision", "fp16"]), &[("HPC_TRAIN_FAULT", "infgrad@0:1")]);
+    let (reference, one_log) = train_saving_weights_env(&dir, "one-fp16", 1, &vit_args(d, &["--precision", "fp16"]), &[("HPC_TRAIN_FAULT", "infgrad@0:1")]);
     assert_eq!(one_log.matches("gradients overflowed at step 1;").count(), 1, "{one_log}");
-    let (t2, log) = train_with_env(&dir, "t2-fp16", 2, &vit_args(d, &["--precision", "fp16", "--tensor-parallel", "2"]), &[("HPC_TRAIN_FAULT", "infgrad@1:1")]);
+    let (t2, log) = train_saving_weights_env(&dir, "t2-fp16", 2, &vit_args(d, &["--precision", "fp16", "--tensor-parallel", "2"]), &[("HPC_TRAIN_FAULT", "infgrad@1:1")]);
     // Rank 0 logs the skip: it skipped with rank 1.
     assert_eq!(log.matches("gradients overflowed at step 1;").count(), 1, "{log}");
     let diff = max_relative_difference(&reference, &t2);

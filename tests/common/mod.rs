@@ -228,11 +228,17 @@ pub fn mpirun(ranks: usize, args: &[&str]) -> Run {
 /// Trains with `args` on `ranks` ranks, recording results in `dir`, and returns the path of the
 /// final weights it saved (`dir/<name>.safetensors`), for tests that compare weights.
 pub fn train_saving_weights(dir: &Path, name: &str, ranks: usize, args: &[&str]) -> PathBuf {
+    train_saving_weights_env(dir, name, ranks, args, &[]).0
+}
+
+/// [`train_saving_weights`] with environment variables (a fault or a test hook); also gives the
+/// run's output.
+pub fn train_saving_weights_env(dir: &Path, name: &str, ranks: usize, args: &[&str], env: &[(&str, &str)]) -> (PathBuf, String) {
     let out = dir.join(format!("{name}.safetensors"));
     let mut all = args.to_vec();
     all.extend(["--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap()]);
-    mpirun(ranks, &all).expect_ok();
-    out
+    let run = mpirun_env(ranks, &all, env, Duration::from_secs(300)).expect_ok();
+    (out, run.all_output())
 }
 
 /// Many short training runs in one launch (`hpc-train conform`, which runs each on the first
