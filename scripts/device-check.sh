@@ -167,6 +167,12 @@ if ! command -v ip > /dev/null || ! command -v tc > /dev/null; then
       ip link add hpcprobebr type bridge && echo "bridge: works" && ip link del hpcprobebr; } >> "$out/environment.txt" 2>&1
 fi
 B="$bundle/bin/hpc-train"
+# Whether Open MPI's shared-memory transport can copy between ranks in one pass (CMA, the
+# kernel's process_vm_readv, which ptrace rules and containers may refuse): without it a large
+# message moves only while its sender calls MPI (see src/progress.rs).
+{ echo "## single-copy between ranks"; echo "yama ptrace_scope: $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo absent)"
+  grep -E '^Cap(Eff|Bnd)' /proc/self/status
+  ompi_info --parsable --param btl vader --level 9 2>/dev/null | grep -E 'single_copy_mechanism:(value|enumerator)'; } >> "$out/environment.txt" 2>&1
 { echo "## hpc-train"; "$B" --version 2>&1; echo "bundled Open MPI: $(ompi_info --parsable --all 2>/dev/null | grep -E 'ompi:version:full|built_with_cuda_support:value' | tr '\n' ' ')"; } >> "$out/environment.txt" 2>&1
 [ -f "$bundle/env-cuda.sh" ] && echo "bundled CUDA-aware Open MPI (env-cuda.sh): $(bash -c 'source "$0" && ompi_info --parsable --all 2>/dev/null' "$bundle/env-cuda.sh" | grep -E 'ompi:version:full|built_with_cuda_support:value' | tr '\n' ' ')" >> "$out/environment.txt" 2>&1
 cat "$out/environment.txt"
@@ -304,9 +310,12 @@ cpu_part() {
     [ "$quick" = 1 ] && { pe=(--bind-to none); threads=1; }
     # Auto (the default) beside them: on CPU ranks it measures both over its first steps and
     # keeps the faster (issue 51), so it must come out at least the better of the two.
+    # Each round takes the three in another order (round 1: off, on, auto; 2: on, auto, off;
+    # 3: auto, off, on), so that no mode always runs first or after the same one.
     overlap_pair() {
-        local overlap
-        for overlap in off on auto; do
+        local overlap modes=(off on auto) order=()
+        local k; for k in 0 1 2; do order+=("${modes[$(( (k + $1 - 1) % 3 ))]}"); done
+        for overlap in "${order[@]}"; do
             step "overlap-$overlap-$1" 30 "${mpi[@]}" 2 "${pe[@]}" "$B" --device cpu --model resnet50 --data "$data/resnet.h5" --batch-size 16 --steps 12 \
                 --warmup-steps 4 --threads "$threads" --no-eval --strategy ring --overlap "$overlap" --results "$out/overlap" \
                 --study-tag "overlap-$overlap"
@@ -328,7 +337,7 @@ cpu_part() {
     # (the VM's measurement is P = 2: scripts/measure-zero-bubble.sh); records in zero-bubble/,
     # tagged as that script tags them, so that its table code reads them.
     local m schedule zb_threads=4; [ "$quick" = 1 ] && zb_threads=1
-    for m in 8 16; do
+    for m in 4 8 16; do
         for schedule in 1f1b interleaved zb-h1 zb-v; do
             local virtual=(); [ "$schedule" = interleaved ] && virtual=(--virtual-stages 2)
             step "pipeline-p4-$schedule-m$m" 40 "${mpi[@]}" 4 "${pe[@]}" "$B" --device cpu --model resnet18 --data "$data/cifar.h5" --batch-size 64 \
@@ -347,6 +356,7 @@ cpu_part() {
     done
     [ -f "$out/studies/runs.jsonl" ] && step studies-report 20 "$B" report --input "$out/studies/runs.jsonl" --out "$out/studies/report"
     overlap_pair 2
+    overlap_pair 3
     step bench-16-ps 40 "${mpi[@]}" "$ranks" "${bind[@]}" "$B" bench --strategies ps --min-bytes 1K --max-bytes 64M --factor 4 --iters 3 \
         --warmup 1 --results "$out/bench"
     for mbit in $rates; do

@@ -96,7 +96,7 @@ impl Cli {
 
     /// The MPI thread level this command needs: `MPI_THREAD_MULTIPLE` where a strategy runs a
     /// communication thread beside the main one (Horovod-style, colocated asynchronous
-    /// parameter servers), else `MPI_THREAD_FUNNELED` (helper threads, such as the data
+    /// parameter servers) and for a pipeline's progress thread, else `MPI_THREAD_FUNNELED` (helper threads, such as the data
     /// loader's or backward's, make no MPI calls).
     pub fn mpi_threading(&self) -> mpi::Threading {
         let threaded = |strategy: StrategyKind, ps: &PsArgs| {
@@ -107,9 +107,12 @@ impl Cli {
         // A GPU's backward runs the tensor-parallel all-reduce on libtorch's device thread; a
         // CPU's runs it on the run's own thread, and needs no more than FUNNELED.
         let tensor_parallel_thread = |train: &TrainArgs| train.tensor_parallel > 1 && may_train_on_a_gpu(train.device);
+        // A pipeline's stages move their messages along from a thread of their own while they
+        // compute (src/progress.rs).
+        let pipeline_thread = |train: &TrainArgs| train.pipeline.pipeline_stages > 1;
         let needs_thread = match &self.command {
-            None => threaded(self.train.strategy, &self.train.ps) || tensor_parallel_thread(&self.train),
-            Some(Command::Study(a)) => any_threaded(&a.strategies, &a.train.ps) || tensor_parallel_thread(&a.train),
+            None => threaded(self.train.strategy, &self.train.ps) || tensor_parallel_thread(&self.train) || pipeline_thread(&self.train),
+            Some(Command::Study(a)) => any_threaded(&a.strategies, &a.train.ps) || tensor_parallel_thread(&a.train) || pipeline_thread(&a.train),
             Some(Command::Bench(a)) => any_threaded(&a.strategies, &a.ps),
             // Its cases may be of any strategy.
             Some(Command::Conform(_)) => true,

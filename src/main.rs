@@ -21,6 +21,7 @@ mod mpi_library;
 mod optim;
 mod overlap;
 mod plan;
+mod progress;
 mod project;
 mod raw;
 mod report;

@@ -132,6 +132,16 @@ pub struct PipelineRecord {
     /// the most bytes of boundary activations (inputs and outputs of chunks) held at once.
     pub peak_alive_micro_batches: Vec<usize>,
     pub peak_boundary_activation_bytes: Vec<usize>,
+    /// Set-up's probe (src/progress.rs), slowest over the pipelines: how long a message of
+    /// `stall_probe_bytes` took to reach the next stage while its sender made no MPI call for
+    /// 20 ms, and whether the stages therefore ran a progress thread. Absent in records of
+    /// older binaries.
+    #[serde(default)]
+    pub stall_probe_bytes: usize,
+    #[serde(default)]
+    pub stall_probe_ms: f64,
+    #[serde(default)]
+    pub progress_thread: bool,
     /// Per rank (index = world rank): its stage, what it read of the dataset and held, its
     /// peak memory. Absent in records of older binaries.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

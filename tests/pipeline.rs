@@ -451,3 +451,34 @@ fn zero_bubble_schedules_train_the_weights_of_one_process() {
     sweep.check();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A large message moves only inside its sender's MPI calls where the MPI library has no
+/// single-copy path between the ranks (Open MPI's shared memory without CMA, here forced off):
+/// set-up measures that (a message whose sender makes no MPI call for 20 ms), the stages then
+/// run a progress thread (src/progress.rs), the record and the log say so, and the weights
+/// are still those of one process.
+#[test]
+fn stages_whose_messages_wait_for_their_sender_run_a_progress_thread() {
+    if common::launcher::mpi() != common::launcher::Mpi::OpenMpi {
+        eprintln!("skipped: forcing the single-copy path off is Open MPI's setting");
+        return;
+    }
+    let dir = scratch("pipeline-progress");
+    let mut args = base(32);
+    args.extend(["--pipeline-stages", "2", "--micro-batches", "4", "--partition", "params"].map(String::from));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (got, output) = train_saving_weights_env(&dir, "p2-no-single-copy", 2, &args, &[("OMPI_MCA_btl_vader_single_copy_mechanism", "none")]);
+    assert!(output.contains("without MPI calls: a progress thread moves messages along"), "{output}");
+    let record = read_runs(&dir).pop().unwrap();
+    let pipeline = &record["pipeline"];
+    assert_eq!(pipeline["progress_thread"], true, "{pipeline}");
+    assert!(pipeline["stall_probe_ms"].as_f64().unwrap() >= 10.0, "{pipeline}");
+    assert!(pipeline["stall_probe_bytes"].as_u64().unwrap() > 4096, "{pipeline}");
+    let mut reference = base(32);
+    reference.extend(["--micro-batches", "4"].map(String::from));
+    let reference: Vec<&str> = reference.iter().map(String::as_str).collect();
+    let want = train_saving_weights(&dir, "reference", 1, &reference);
+    let diff = max_relative_difference(&want, &got);
+    assert!(diff < 1e-6, "weights differ from one process by {diff:e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -9,6 +9,7 @@
 //! P and M change the order of float additions (D does too), nothing else.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
@@ -20,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::exchange::staging::synchronize_device;
 use crate::plan::pipeline::{self, Action, Message, Shape};
 use crate::plan::shard::ShardInfo;
+use crate::progress::{Progress, StallProbe};
 use crate::raw::TensorMessage;
 use crate::topology::World;
 
@@ -30,6 +32,10 @@ use super::stages::{Cut, PipelinePlan};
 /// How many steps the timeline keeps (from the first measured step): enough to see the
 /// schedule, small enough to load in a browser.
 const TIMELINE_STEPS: u64 = 10;
+
+/// The largest message set-up's probe sends (src/progress.rs): an MPI library picks its protocol
+/// by size well below this, and the probe need not hold a model's largest activation twice.
+const MAX_PROBE_BYTES: usize = 16 << 20;
 
 /// One rank's stage of a pipeline.
 pub(super) struct Pipeline {
@@ -48,6 +54,11 @@ pub(super) struct Pipeline {
     /// Messages go from and to device memory (CUDA-aware MPI); otherwise through the host.
     cuda_aware: bool,
     recompute: bool,
+    /// Moves this stage's messages along while it computes (src/progress.rs); None where the
+    /// MPI library gave less than MPI_THREAD_MULTIPLE.
+    progress: Option<Arc<Progress>>,
+    /// What set-up measured of messages waiting for their sender (src/progress.rs).
+    stall: StallProbe,
     pub(super) figures: PipelineFigures,
     /// What this rank read of the dataset, for the record.
     pub(super) data_read: DataRead,
@@ -107,7 +118,7 @@ impl Timeline {
 
 impl Pipeline {
     /// Sets up this rank's stage (collective over `world`).
-    pub(super) fn new(world: &World, plan: PipelinePlan, cut: Cut, device: Device, cuda_aware: bool, recompute: bool, timeline: bool) -> Result<Pipeline> {
+    pub(super) fn new(world: &World, plan: PipelinePlan, cut: Cut, micro_batch: usize, device: Device, cuda_aware: bool, recompute: bool, timeline: bool) -> Result<Pipeline> {
         let rank = world.rank as usize;
         let (stage, replica) = (plan.grid.stage_of(rank), plan.grid.replica_of(rank));
         let comm = world.comm.split_by_color_with_key(Color::with_value(replica as i32), stage as i32).expect("every rank has a colour");
@@ -127,6 +138,30 @@ impl Pipeline {
         let mut origin_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e6);
         world.comm.process_at_rank(0).broadcast_into(&mut origin_us);
         let timeline = timeline.then(|| Timeline { origin_us, events: Vec::new(), until_step: 0 });
+        // Whether a message moves while its sender computes, measured with the largest one.
+        let largest = (1..plan.shape.chunks()).map(|c| cut.input_shape(c).iter().product::<i64>() as usize).max().unwrap_or(0) * micro_batch * 4;
+        let stall = crate::progress::sender_stalls(&comm, largest.min(MAX_PROBE_BYTES));
+        let progress = if !stall.stalls() {
+            None
+        } else {
+            match Progress::start(&comm) {
+                Ok(progress) => Some(Arc::new(progress)),
+                Err(why) => {
+                    if world.is_root() {
+                        log::warn!("pipeline: messages wait for their sender's MPI calls here, and no progress thread can move them ({why}): expect stages to idle behind their neighbours' compute");
+                    }
+                    None
+                }
+            }
+        };
+        if world.is_root() {
+            let (mib, ms, hold) = (stall.bytes as f64 / (1 << 20) as f64, stall.arrival_ms, crate::progress::HOLD.as_millis());
+            match &progress {
+                Some(_) => log::info!("pipeline: a {mib:.2} MiB message reached the next stage {ms:.1} ms into its sender's {hold} ms without MPI calls: a progress thread moves messages along"),
+                None if !stall.stalls() => log::info!("pipeline: a {mib:.2} MiB message reached the next stage {ms:.1} ms into its sender's {hold} ms without MPI calls: no progress thread needed"),
+                None => {}
+            }
+        }
         Ok(Pipeline {
             plan,
             stage,
@@ -139,6 +174,8 @@ impl Pipeline {
             device,
             cuda_aware,
             recompute,
+            progress,
+            stall,
             figures: PipelineFigures::default(),
             data_read: DataRead::default(),
             timeline,
@@ -250,6 +287,9 @@ impl Pipeline {
         let mut losses: Vec<Tensor> = Vec::new();
         let (mut compute, mut alive, mut held_bytes) = (Duration::ZERO, 0usize, 0usize);
         let bytes = |t: &Tensor| t.numel() * 4;
+        // Sends in flight move on while this stage computes; the thread rests between steps.
+        let progress = self.progress.clone();
+        let _progress = progress.as_deref().map(Progress::active);
         let started = Instant::now();
         let loss_of = |logits: &Tensor, m: usize| -> Result<Tensor> {
             let y = labels.expect("the last stage has the labels").f_narrow(0, micro[m].offset as i64, micro[m].len as i64)?;
@@ -337,6 +377,9 @@ impl Pipeline {
                     // the output's storage, which autograd may hold), written by nothing else.
                     let to = self.peer(c + 1);
                     sends.push((unsafe { TensorMessage::send(payload, &self.comm, to, shape.tag(Message::Activation, m, c + 1))? }, to));
+                    if let Some(progress) = &self.progress {
+                        progress.sent();
+                    }
                 }
                 Action::Backward { micro: m, chunk: c } => {
                     if micro[m].len == 0 {
@@ -432,6 +475,9 @@ impl Pipeline {
                     // SAFETY: a fresh copy of the input's gradient, which nothing else writes.
                     let to = self.peer(c - 1);
                     sends.push((unsafe { TensorMessage::send(payload, &self.comm, to, shape.tag(Message::Gradient, m, c))? }, to));
+                    if let Some(progress) = &self.progress {
+                        progress.sent();
+                    }
                 }
             }
             // Completed sends let go of their buffers; testing also drives MPI's progress.
@@ -495,6 +541,7 @@ impl Pipeline {
         let mut outputs: HashMap<(usize, usize), Tensor> = HashMap::new();
         // Sends in flight, oldest first, with the micro-batch and stage they go to.
         let mut sends: std::collections::VecDeque<(TensorMessage, usize, i32)> = std::collections::VecDeque::new();
+        let _progress = self.progress.as_deref().map(Progress::active);
         for action in pipeline::forward_schedule(&shape, self.stage, micro.len()) {
             match action {
                 Action::ReceiveActivation { micro: m, chunk: c } => {
@@ -535,6 +582,9 @@ impl Pipeline {
                     // SAFETY: the forward's output (no graph under no_grad) or its copy, which
                     // nothing else holds or writes: `y` is dropped here.
                     sends.push_back((unsafe { TensorMessage::send(payload, &self.comm, to, tag(m, c + 1))? }, m, to));
+                    if let Some(progress) = &self.progress {
+                        progress.sent();
+                    }
                 }
                 other => unreachable!("evaluation's schedule holds no {other:?}"),
             }
@@ -632,6 +682,9 @@ impl Pipeline {
             theoretical_bubble: shape.theoretical_bubble(),
             peak_alive_micro_batches: peak_per_stage(f.peak_alive),
             peak_boundary_activation_bytes: peak_per_stage(f.peak_boundary_bytes),
+            stall_probe_bytes: self.stall.bytes,
+            stall_probe_ms: world.max_f64(self.stall.arrival_ms),
+            progress_thread: world.max_f64(f64::from(u8::from(self.progress.is_some()))) > 0.0,
             ranks: Vec::new(),
         }
     }
