@@ -316,7 +316,7 @@ cpu_part() {
         local overlap modes=(off on auto) order=()
         local k; for k in 0 1 2; do order+=("${modes[$(( (k + $1 - 1) % 3 ))]}"); done
         for overlap in "${order[@]}"; do
-            step "overlap-$overlap-$1" 30 "${mpi[@]}" 2 "${pe[@]}" "$B" --device cpu --model resnet50 --data "$data/resnet.h5" --batch-size 16 --steps 12 \
+            step "overlap-$overlap-$1" 40 "${mpi[@]}" 2 "${pe[@]}" "$B" --device cpu --model resnet50 --data "$data/resnet.h5" --batch-size 16 --steps 18 \
                 --warmup-steps 4 --threads "$threads" --no-eval --strategy ring --overlap "$overlap" --results "$out/overlap" \
                 --study-tag "overlap-$overlap"
         done
@@ -344,6 +344,14 @@ cpu_part() {
                 --steps 12 --warmup-steps 4 --threads "$zb_threads" --no-eval --pipeline-stages 4 --micro-batches "$m" --schedule "$schedule" "${virtual[@]}" \
                 --results "$out/zero-bubble" --study-tag "zb-resnet18-p4-$schedule-m$m"
         done
+    done
+    # Where a P = 4 step's idle time goes (chrome://tracing): 1F1B at M = 8 with a compute
+    # thread on every core of the rank, and with one core left to MPI and its progress thread.
+    local t
+    for t in "$zb_threads" $((zb_threads > 1 ? zb_threads - 1 : 1)); do
+        step "pipeline-p4-timeline-1f1b-m8-t$t" 40 "${mpi[@]}" 4 "${pe[@]}" "$B" --device cpu --model resnet18 --data "$data/cifar.h5" --batch-size 64 \
+            --steps 12 --warmup-steps 4 --threads "$t" --no-eval --pipeline-stages 4 --micro-batches 8 --schedule 1f1b \
+            --pipeline-timeline "$out/zero-bubble/timeline-1f1b-m8-t$t.json" --results "$out/zero-bubble" --study-tag "zb-resnet18-p4-1f1b-m8-t$t"
     done
     local scaling
     for scaling in weak strong; do

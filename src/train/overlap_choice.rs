@@ -73,12 +73,12 @@ pub(super) fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &N
         (_, true, _) => OverlapChoice::fixed("a GPU rank: the device computes backward while the host exchanges"),
         (_, false, Some(trial)) => OverlapChoice {
             trial: Some((trial, TrialTimes::default())),
-            reason: format!("a CPU rank: measured over steps {}..{}, without and with overlap by turns", trial.end() - 2 * TRIAL_PAIRS, trial.last()),
+            reason: format!("a CPU rank: measured over steps {}..{}, two without and two with overlap by turns, the second of each timed", trial.first_timed() - 1, trial.last()),
             measured: None,
             penalty: trial_penalty(),
         },
         (_, false, None) => {
-            return off(&format!("a CPU rank, and too few steps to measure whether overlap pays (the trial takes {} and one after)", 1 + 2 * TRIAL_PAIRS));
+            return off(&format!("a CPU rank, and too few steps to measure whether overlap pays (the trial takes {} and one after)", 1 + 4 * TRIAL_PAIRS));
         }
     };
     // Gradients as views into the buckets' buffers, but under ZeRO, whose own buffer holds the

@@ -76,8 +76,10 @@ impl LoopState {
     pub(super) fn new(run: &Run) -> Result<LoopState> {
         let (args, first, total) = (run.args, run.first_step, run.total_steps);
         let schedule = Schedule { samples: run.info.train.len, workers: run.workers, worker: run.worker, batch: run.plan.batch, seed: args.seed };
-        // Throughput counts the steps after `--overlap auto`'s trial too, which run in one mode.
-        let warmup = (first + args.warmup_steps.min(total.saturating_sub(first + 1))).max(run.overlap_choice.trial_end().unwrap_or(0));
+        // Throughput counts the steps after `--overlap auto`'s trial too, which run in one mode,
+        // from the second (the first may switch modes) where the run has one after it.
+        let settled = run.overlap_choice.trial_end().map_or(0, |end| (end + 1).min(total.saturating_sub(1)).max(end));
+        let warmup = (first + args.warmup_steps.min(total.saturating_sub(first + 1))).max(settled);
         // A pipeline's stages read only what they use (the first the images, the last the labels).
         let parts = run.pipeline.as_ref().map_or(Parts::ALL, |p| p.data_parts());
         let labels = Arc::new(if parts.labels { run.labels.train.clone() } else { Vec::new() });
