@@ -316,7 +316,7 @@ cpu_part() {
         local overlap modes=(off on auto) order=()
         local k; for k in 0 1 2; do order+=("${modes[$(( (k + $1 - 1) % 3 ))]}"); done
         for overlap in "${order[@]}"; do
-            step "overlap-$overlap-$1" 40 "${mpi[@]}" 2 "${pe[@]}" "$B" --device cpu --model resnet50 --data "$data/resnet.h5" --batch-size 16 --steps 18 \
+            step "overlap-$overlap-$1" 40 "${mpi[@]}" 2 "${pe[@]}" "$B" --device cpu --model resnet50 --data "$data/resnet.h5" --batch-size 16 --steps 24 \
                 --warmup-steps 4 --threads "$threads" --no-eval --strategy ring --overlap "$overlap" --results "$out/overlap" \
                 --study-tag "overlap-$overlap"
         done

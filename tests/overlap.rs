@@ -69,7 +69,7 @@ fn auto_keeps_the_mode_its_trial_measured_faster() {
         args.extend(extra);
         train_saving_weights_env(&dir, name, 2, &args, env).0
     };
-    let off = train_env("off", "11", &["--overlap", "off"], &[]);
+    let off = train_env("off", "15", &["--overlap", "off"], &[]);
     let penalty = "HPC_TRAIN_TEST_OVERLAP_PENALTY";
     for (name, extra, slower, kept) in [
         ("auto-on", &[][..], "without:10000", true),
@@ -77,18 +77,18 @@ fn auto_keeps_the_mode_its_trial_measured_faster() {
         ("auto-zero2-off", &["--zero", "2"][..], "with:10000", false),
         ("auto-zero2-on", &["--zero", "2"][..], "without:10000", true),
     ] {
-        let weights = train_env(name, "11", extra, &[(penalty, slower)]);
+        let weights = train_env(name, "15", extra, &[(penalty, slower)]);
         let diff = max_relative_difference(&off, &weights);
         assert!(diff < 1e-5, "{name}: {diff:e} from --overlap off");
         let runs = read_runs(&dir);
         let record = runs.last().unwrap();
         assert_eq!(record["extra"]["overlap"], kept, "{name}: {}", record["extra"]);
         let reason = record["extra"]["overlap_reason"].as_str().unwrap();
-        assert!(reason.contains("a CPU rank: measured over steps 1..8") && reason.contains("ms a step with overlap"), "{name}: {reason}");
+        assert!(reason.contains("a CPU rank: measured over steps 1..12") && reason.contains("ms a step with overlap"), "{name}: {reason}");
         let (with, without) = (record["extra"]["overlap_trial_with_ms"].as_f64().unwrap(), record["extra"]["overlap_trial_without_ms"].as_f64().unwrap());
         assert_eq!(with < without, kept, "{name}: {with} against {without}");
     }
-    let short = train_env("auto-short", "9", &[], &[]);
+    let short = train_env("auto-short", "13", &[], &[]);
     assert!(short.exists());
     let runs = read_runs(&dir);
     let record = runs.last().unwrap();

@@ -12,7 +12,7 @@ use mpi::traits::*;
 use crate::error::Result;
 use crate::exchange::{self, Exchange};
 use crate::overlap::{one_bucket, Overlap};
-use crate::plan::overlap::{OverlapTrial, TrialTimes, TRIAL_PAIRS};
+use crate::plan::overlap::{OverlapTrial, TrialSteps, TrialTimes, TRIAL_ROUNDS};
 use crate::topology::World;
 
 use super::net::Net;
@@ -21,11 +21,11 @@ use super::plan::Plan;
 
 /// `--overlap auto` during its trial, and why overlap runs or not.
 pub(super) struct OverlapChoice {
-    /// During the trial on CPU ranks: its steps and this rank's fastest step of each mode.
-    pub(super) trial: Option<(OverlapTrial, TrialTimes)>,
+    /// During the trial on CPU ranks: its steps and this rank's timed steps of each mode.
+    pub(super) trial: Option<(OverlapTrial, TrialSteps)>,
     /// Why overlap runs or not (the log's line, the record's `overlap_reason`).
     pub(super) reason: String,
-    /// The trial's figures once it decided: the slowest rank's fastest step of each mode.
+    /// The trial's figures once it decided: the slowest rank's median timed step of each mode.
     pub(super) measured: Option<TrialTimes>,
     /// Test hook ([`TRIAL_PENALTY_ENV`]): milliseconds added to each timed step of one mode
     /// (true: with overlap), so that a test can make either choice happen.
@@ -68,17 +68,17 @@ pub(super) fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &N
     if one_bucket(&net.params, bucket_bytes) {
         return off("every gradient fits one bucket (--bucket-mb), which is exchanged after backward; backward runs on the MPI thread");
     }
-    let choice = match (args.overlap, plan.device.is_cuda(), OverlapTrial::new(steps.0, steps.1, TRIAL_PAIRS)) {
+    let choice = match (args.overlap, plan.device.is_cuda(), OverlapTrial::new(steps.0, steps.1, TRIAL_ROUNDS)) {
         (OnOff::On, ..) => OverlapChoice::fixed("--overlap on"),
         (_, true, _) => OverlapChoice::fixed("a GPU rank: the device computes backward while the host exchanges"),
         (_, false, Some(trial)) => OverlapChoice {
-            trial: Some((trial, TrialTimes::default())),
-            reason: format!("a CPU rank: measured over steps {}..{}, two without and two with overlap by turns, the second of each timed", trial.first_timed() - 1, trial.last()),
+            trial: Some((trial, TrialSteps::default())),
+            reason: format!("a CPU rank: measured over steps {}..{}, three without and three with overlap by turns, all but the first of each three timed", trial.first_timed() - 1, trial.last()),
             measured: None,
             penalty: trial_penalty(),
         },
         (_, false, None) => {
-            return off(&format!("a CPU rank, and too few steps to measure whether overlap pays (the trial takes {} and one after)", 1 + 4 * TRIAL_PAIRS));
+            return off(&format!("a CPU rank, and too few steps to measure whether overlap pays (the trial takes {} and one after)", OverlapTrial::steps(TRIAL_ROUNDS)));
         }
     };
     // Gradients as views into the buckets' buffers, but under ZeRO, whose own buffer holds the
@@ -95,7 +95,7 @@ impl OverlapChoice {
     }
 
     /// During `--overlap auto`'s trial, counts the step's time; after its last step, every rank
-    /// agrees on the choice (the slowest rank's fastest step of each mode, collective over
+    /// agrees on the choice (the slowest rank's median timed step of each mode, collective over
     /// `world`) and it returns whether overlap stays. None on every other step.
     pub(super) fn note_step(&mut self, step: u64, took: Duration, world: &World) -> Option<bool> {
         let (trial, times) = self.trial.as_mut()?;
@@ -106,10 +106,11 @@ impl OverlapChoice {
         if step != trial.last() {
             return None;
         }
-        let agreed = TrialTimes { with_overlap_ms: world.max_f64(times.with_overlap_ms), without_ms: world.max_f64(times.without_ms) };
+        let mine = times.medians();
+        let agreed = TrialTimes { with_overlap_ms: world.max_f64(mine.with_overlap_ms), without_ms: world.max_f64(mine.without_ms) };
         let pays = agreed.overlap_pays();
         let reason = format!(
-            "{}: {:.1} ms a step with overlap, {:.1} without (each mode's fastest step, the slowest rank's)",
+            "{}: {:.1} ms a step with overlap, {:.1} without (each mode's median timed step, the slowest rank's)",
             self.reason, agreed.with_overlap_ms, agreed.without_ms
         );
         if world.is_root() {
