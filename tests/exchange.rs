@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
@@ -275,27 +275,34 @@ fn allreduce_and_horovod_call_the_blocking_mpi_allreduce() {
 fn ring_trains_to_the_same_weights_as_allreduce() {
     let dir = scratch("ring-train");
     let data = synth(&dir, "rt", 90, 0, "1x12x12", 5);
+    // Every run in one launch (common::Runs); the records come in the order the runs were added.
+    let mut runs = Runs::new(&dir);
+    let mut outs = Vec::new();
     for ranks in [2, 3, 4] {
-        let mut outs = Vec::new();
         // The ring through node-shared memory (the default on one node), then over MPI.
         for (strategy, transport) in [("allreduce", "auto"), ("ring", "auto"), ("ring", "mpi")] {
-            let out = dir.join(format!("{strategy}{ranks}{transport}.safetensors"));
-            mpirun(ranks, &[
+            let out = runs.add(&format!("{strategy}{ranks}{transport}"), ranks, &[
                 "--strategy", strategy, "--model", "tiny", "--data", data.to_str().unwrap(), "--scaling", "strong",
                 "--global-batch", "12", "--steps", "8", "--no-eval", "--threads", "1", "--segment-kb", "1",
-                "--ring-transport", transport, "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
-            ])
-            .expect_ok();
-            outs.push(out);
-            if strategy == "ring" {
-                let run = read_runs(&dir).pop().unwrap();
-                let expected = if transport == "mpi" { "mpi" } else { "shared-memory" };
-                assert_eq!(run["extra"]["ring_transport"], expected, "{run}");
-            }
+                "--ring-transport", transport,
+            ]);
+            outs.push((ranks, strategy, transport, out));
         }
-        let diff = max_relative_difference(&outs[0], &outs[1]);
+    }
+    runs.launch();
+    let records = read_runs(&dir);
+    let ring_transports: Vec<(usize, &str)> = records.iter().filter(|r| r["strategy"] == "ring").map(|r| (r["ranks"].as_u64().unwrap() as usize, r["extra"]["ring_transport"].as_str().unwrap())).collect();
+    let expected: Vec<(usize, &str)> = outs.iter().filter(|o| o.1 == "ring").map(|&(ranks, _, transport, _)| (ranks, if transport == "mpi" { "mpi" } else { "shared-memory" })).collect();
+    let mut sorted = ring_transports.clone();
+    sorted.sort();
+    let mut expected_sorted = expected.clone();
+    expected_sorted.sort();
+    assert_eq!(sorted, expected_sorted, "{records:#?}");
+    for group in outs.chunks(3) {
+        let ranks = group[0].0;
+        let diff = max_relative_difference(&group[0].3, &group[1].3);
         assert!(diff < 1e-5, "{ranks} ranks: ring differs from allreduce by {diff:e}");
-        let diff = max_relative_difference(&outs[1], &outs[2]);
+        let diff = max_relative_difference(&group[1].3, &group[2].3);
         assert_eq!(diff, 0.0, "{ranks} ranks: the ring through shared memory differs from the ring over MPI");
     }
 }
@@ -355,18 +362,17 @@ fn training_through_the_staged_path_matches_the_host_path() {
     }
     let dir = scratch("staged-train");
     let data = synth(&dir, "st", 90, 0, "1x12x12", 5);
-    let train = |name: &str, extra: &[&str], env: &[(&str, &str)]| {
-        let out = dir.join(format!("{name}.safetensors"));
+    let mut runs = Runs::new(&dir);
+    let add = |runs: &mut Runs, name: &str, extra: &[&str]| {
         let mut args = vec![
             "--model", "tiny", "--data", data.to_str().unwrap(), "--scaling", "strong",
             "--global-batch", "12", "--steps", "8", "--no-eval", "--threads", "1", "--bucket-mb", "0.001",
-            "--results", dir.to_str().unwrap(), "--save-weights", out.to_str().unwrap(),
         ];
         args.extend(extra);
-        mpirun_env(3, &args, env, Duration::from_secs(300)).expect_ok();
-        out
+        runs.add(name, 3, &args)
     };
-    let reference = train("host", &["--strategy", "allreduce"], &[]);
+    let reference = add(&mut runs, "host", &["--strategy", "allreduce"]);
+    runs.launch();
     let cases: Vec<(&str, Vec<&str>)> = vec![
         ("allreduce", vec!["--strategy", "allreduce"]),
         ("ring", vec!["--strategy", "ring"]),
@@ -376,9 +382,11 @@ fn training_through_the_staged_path_matches_the_host_path() {
         ("ring-zero1-overlap", vec!["--strategy", "ring", "--zero", "1", "--overlap", "on"]),
         ("ring-zero2", vec!["--strategy", "ring", "--zero", "2", "--overlap", "off"]),
     ];
-    for (name, extra) in &cases {
-        let staged = train(&format!("staged-{name}"), extra, &[("HPC_TRAIN_STAGE_HOST", "1")]);
-        let diff = max_relative_difference(&reference, &staged);
+    // The staged runs in one launch under the test hook (the reference above ran without it).
+    let staged: Vec<PathBuf> = cases.iter().map(|(name, extra)| add(&mut runs, &format!("staged-{name}"), extra)).collect();
+    runs.launch_env(&[("HPC_TRAIN_STAGE_HOST", "1")]);
+    for ((name, _), staged) in cases.iter().zip(&staged) {
+        let diff = max_relative_difference(&reference, staged);
         assert!(diff < 1e-5, "{name} through the staged path differs by {diff:e}");
     }
     let runs = read_runs(&dir);

@@ -271,20 +271,25 @@ impl Runs {
     /// launch per rank count: its idle ranks poll without yielding, and a 1-rank case beside 7
     /// idle ranks took longer than its own launch (tensor parallelism's sweep 32 -> 48 s).
     pub fn launch(&mut self) {
+        self.launch_env(&[]);
+    }
+
+    /// [`Runs::launch`] with environment variables (a test hook) for every run of the launch.
+    pub fn launch_env(&mut self, env: &[(&str, &str)]) {
         let cases = std::mem::take(&mut self.cases);
         if launcher::every_row() {
-            self.launch_one(cases);
+            self.launch_one(cases, env);
             return;
         }
         let mut counts: Vec<usize> = cases.iter().map(|c| c.0).collect();
         counts.sort_unstable();
         counts.dedup();
         for count in counts {
-            self.launch_one(cases.iter().filter(|c| c.0 == count).cloned().collect());
+            self.launch_one(cases.iter().filter(|c| c.0 == count).cloned().collect(), env);
         }
     }
 
-    fn launch_one(&self, cases: Vec<(usize, String, Vec<String>)>) {
+    fn launch_one(&self, cases: Vec<(usize, String, Vec<String>)>, env: &[(&str, &str)]) {
         if cases.is_empty() {
             return;
         }
@@ -293,7 +298,7 @@ impl Runs {
         let report = self.dir.join("report.tsv");
         let _ = std::fs::remove_file(&report);
         let world = cases.iter().map(|c| c.0).max().unwrap();
-        let run = mpirun_env(world, &["conform", "--cases", file.to_str().unwrap(), "--report", report.to_str().unwrap()], &[], Duration::from_secs(900));
+        let run = mpirun_env(world, &["conform", "--cases", file.to_str().unwrap(), "--report", report.to_str().unwrap()], env, Duration::from_secs(900));
         assert!(run.ok(), "the launch of {} runs failed ({:?}, timed out: {}):\n{}", cases.len(), run.status, run.timed_out, run.all_output());
         let outcomes = std::fs::read_to_string(&report).unwrap();
         let failed: Vec<String> = outcomes
