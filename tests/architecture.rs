@@ -46,6 +46,7 @@ const FLOORS: &[(&str, u32)] = &[
     ("raw", 1),
     ("mpi_library", 1),
     ("watchdog", 1),
+    ("progress", 1),
     ("topology", 1),
     ("error", 1),
     ("element", 1),
