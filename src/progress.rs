@@ -8,17 +8,17 @@
 //! already waiting, waits for that compute too. With Open MPI's single-copy path (CMA) the
 //! receiver pulls the data itself and nothing stalls, but that path needs the kernel's
 //! `process_vm_readv` between the ranks, which containers and hardened kernels often refuse:
-//! on the 16-core GPU machine (2026-11-27) four stages of ResNet-18 idled 50-60% of each step
+//! on the 16-core GPU machine (2026-11-27) four stages of ResNet-18 idled 48-60% of each step
 //! where the replay of their schedule, from their own measured compute, gave 11-34%; on the
-//! development VM two stages with `btl_vader_single_copy_mechanism=none` idled 54% and 41%
-//! against a replay of 27% and 9%.
+//! development VM two stages with `btl_vader_single_copy_mechanism=none` idled 37% and 44%
+//! against replays of 15% and 13% (results/pipeline/progress/).
 //!
 //! Whether a rank needs the thread is measured, not guessed ([`sender_stalls`]): at set-up each
 //! stage sends its neighbour a message of the pipeline's largest size and then makes no MPI call
 //! for [`HOLD`]; where the message arrives only once the sender calls MPI again, the pipeline
 //! starts the thread. Where it arrives at once (CMA, eager sizes) the thread would only cost:
-//! on the development VM's one-core ranks its wake-ups and `MPI_THREAD_MULTIPLE` took 2-8% of
-//! ResNet-18's and vit-tiny's images/s, where it gave ResNet-18 +50% without CMA.
+//! on the development VM's one-core ranks a thread that always ran took 2-8% of ResNet-18's
+//! and vit-tiny's images/s with CMA, where without CMA it gives ResNet-18 1.3-1.5x.
 //!
 //! The thread calls `MPI_Iprobe` on a communicator of its own (nothing is ever sent on it)
 //! while the pipeline runs a step ([`Progress::active`]), often just after each send is posted
