@@ -112,7 +112,11 @@ impl Cli {
         let pipeline_thread = |train: &TrainArgs| train.pipeline.pipeline_stages > 1;
         let needs_thread = match &self.command {
             None => threaded(self.train.strategy, &self.train.ps) || tensor_parallel_thread(&self.train) || pipeline_thread(&self.train),
-            Some(Command::Study(a)) => any_threaded(&a.strategies, &a.train.ps) || tensor_parallel_thread(&a.train) || pipeline_thread(&a.train),
+            Some(Command::Study(a)) => {
+                // A list that does not parse is reported after MPI starts, as above.
+                let pipelined_points = crate::study::parse_stages(&a.stages).map_or(true, |counts| counts.iter().any(|&p| p > 1));
+                any_threaded(&a.strategies, &a.train.ps) || tensor_parallel_thread(&a.train) || pipeline_thread(&a.train) || pipelined_points
+            }
             Some(Command::Bench(a)) => any_threaded(&a.strategies, &a.ps),
             // Its cases may be of any strategy.
             Some(Command::Conform(_)) => true,
