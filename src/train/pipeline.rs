@@ -237,6 +237,13 @@ impl Pipeline {
         }
     }
 
+    /// A send was posted: the progress thread, where there is one, probes soon.
+    fn note_sent(&self) {
+        if let Some(progress) = &self.progress {
+            progress.sent();
+        }
+    }
+
     fn now_us(&self) -> f64 {
         self.timeline.as_ref().map_or(0.0, Timeline::now_us)
     }
@@ -377,9 +384,7 @@ impl Pipeline {
                     // the output's storage, which autograd may hold), written by nothing else.
                     let to = self.peer(c + 1);
                     sends.push((unsafe { TensorMessage::send(payload, &self.comm, to, shape.tag(Message::Activation, m, c + 1))? }, to));
-                    if let Some(progress) = &self.progress {
-                        progress.sent();
-                    }
+                    self.note_sent();
                 }
                 Action::Backward { micro: m, chunk: c } => {
                     if micro[m].len == 0 {
@@ -475,9 +480,7 @@ impl Pipeline {
                     // SAFETY: a fresh copy of the input's gradient, which nothing else writes.
                     let to = self.peer(c - 1);
                     sends.push((unsafe { TensorMessage::send(payload, &self.comm, to, shape.tag(Message::Gradient, m, c))? }, to));
-                    if let Some(progress) = &self.progress {
-                        progress.sent();
-                    }
+                    self.note_sent();
                 }
             }
             // Completed sends let go of their buffers; testing also drives MPI's progress.
@@ -582,9 +585,7 @@ impl Pipeline {
                     // SAFETY: the forward's output (no graph under no_grad) or its copy, which
                     // nothing else holds or writes: `y` is dropped here.
                     sends.push_back((unsafe { TensorMessage::send(payload, &self.comm, to, tag(m, c + 1))? }, m, to));
-                    if let Some(progress) = &self.progress {
-                        progress.sent();
-                    }
+                    self.note_sent();
                 }
                 other => unreachable!("evaluation's schedule holds no {other:?}"),
             }
