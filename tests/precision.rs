@@ -36,11 +36,6 @@ fn vit_args<'a>(data: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     a
 }
 
-/// The last record of the runs in `dir`.
-fn last_record(dir: &Path) -> serde_json::Value {
-    read_runs(dir).pop().expect("a record")
-}
-
 /// Every training forward autocasts alike: a bf16 pipeline of 2 stages (1F1B, and GPipe
 /// recomputing its forwards) ends with the weights of one bf16 process accumulating the same
 /// micro-batches, and --zero 3 with those of the plain exchange, both far closer than bf16 is to
@@ -54,28 +49,45 @@ fn every_layout_computes_a_bf16_step_as_one_bf16_process() {
     let data = cnn_data(&dir);
     let d = data.to_str().unwrap();
     let no_eval = |extra: &[&'static str]| -> Vec<&'static str> { [&["--no-eval"][..], extra].concat() };
-    let reference = train_saving_weights(&dir, "one-bf16-m4", 1, &cnn_args(d, &no_eval(&["--precision", "bf16", "--micro-batches", "4"])));
-    let fp32 = train_saving_weights(&dir, "one-fp32-m4", 1, &cnn_args(d, &no_eval(&["--micro-batches", "4"])));
+    // Every run in one launch (common::Runs). Records come in the order the runs were added,
+    // which is by rank count, as Runs launches them under MPICH (one launch per count).
+    let mut runs = Runs::new(&dir);
+    let mut names = Vec::new();
+    let mut add = |name: &'static str, ranks: usize, args: Vec<&str>| {
+        names.push(name);
+        runs.add(name, ranks, &args)
+    };
+    let reference = add("one-bf16-m4", 1, cnn_args(d, &no_eval(&["--precision", "bf16", "--micro-batches", "4"])));
+    let fp32 = add("one-fp32-m4", 1, cnn_args(d, &no_eval(&["--micro-batches", "4"])));
+    let pipelined = ["--precision", "bf16", "--pipeline-stages", "2", "--micro-batches", "4", "--partition", "params"];
+    let layouts: Vec<(&str, PathBuf)> = [("p2-1f1b", vec!["--schedule", "1f1b"]), ("p2-gpipe-recompute", vec!["--schedule", "gpipe", "--recompute"])]
+        .into_iter()
+        .map(|(name, extra)| {
+            let args: Vec<&str> = pipelined.iter().copied().chain(extra).collect();
+            (name, add(name, 2, cnn_args(d, &no_eval(&args))))
+        })
+        .collect();
+    // --zero 3 on 2 ranks against the plain exchange on 2 ranks, both bf16, with the
+    // evaluation at the epoch's end.
+    let plain = add("d2-bf16", 2, cnn_args(d, &["--precision", "bf16", "--strategy", "ring"]));
+    let sharded = add("d2-zero3-bf16", 2, cnn_args(d, &["--precision", "bf16", "--strategy", "ring", "--zero", "3"]));
+    runs.launch();
+    let records = read_runs(&dir);
+    assert_eq!(records.len(), names.len(), "one record per run");
+    let record = |name: &str| records[names.iter().position(|n| *n == name).unwrap()].clone();
+
     // Autocast ran on the CPU: bf16 is far from fp32 (1e-3 and more after 4 steps).
     let bf16_to_fp32 = max_relative_difference(&fp32, &reference);
     assert!(bf16_to_fp32 > 1e-4, "bf16 gave fp32's weights ({bf16_to_fp32:e}): autocast did not run");
-    let pipelined = ["--precision", "bf16", "--pipeline-stages", "2", "--micro-batches", "4", "--partition", "params"];
-    for (name, extra) in [("p2-1f1b", vec!["--schedule", "1f1b"]), ("p2-gpipe-recompute", vec!["--schedule", "gpipe", "--recompute"])] {
-        let args: Vec<&str> = pipelined.iter().copied().chain(extra).collect();
-        let got = train_saving_weights(&dir, name, 2, &cnn_args(d, &no_eval(&args)));
-        let diff = max_relative_difference(&reference, &got);
+    for (name, got) in &layouts {
+        let diff = max_relative_difference(&reference, got);
         // The same bf16 operations per micro-batch; activations cross stages in f32, which
         // holds a bf16 value exactly.
         assert!(diff < 1e-5 && diff * 100.0 < bf16_to_fp32, "{name} bf16: {diff:e} from one bf16 process (fp32 is {bf16_to_fp32:e} away)");
-        assert_eq!(last_record(&dir)["extra"]["precision"], "bf16");
+        assert_eq!(record(name)["extra"]["precision"], "bf16");
     }
 
-    // --zero 3 on 2 ranks against the plain exchange on 2 ranks, both bf16, with the
-    // evaluation at the epoch's end.
-    let plain = train_saving_weights(&dir, "d2-bf16", 2, &cnn_args(d, &["--precision", "bf16", "--strategy", "ring"]));
-    let plain_record = last_record(&dir);
-    let sharded = train_saving_weights(&dir, "d2-zero3-bf16", 2, &cnn_args(d, &["--precision", "bf16", "--strategy", "ring", "--zero", "3"]));
-    let sharded_record = last_record(&dir);
+    let (plain_record, sharded_record) = (record("d2-bf16"), record("d2-zero3-bf16"));
     let diff = max_relative_difference(&plain, &sharded);
     assert!(diff < 1e-5, "--zero 3 bf16: {diff:e} from the plain exchange's bf16 weights");
     let (loss, want) = (sharded_record["test_loss"].as_f64().unwrap(), plain_record["test_loss"].as_f64().unwrap());
