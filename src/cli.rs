@@ -96,8 +96,8 @@ impl Cli {
 
     /// The MPI thread level this command needs: `MPI_THREAD_MULTIPLE` where a strategy runs a
     /// communication thread beside the main one (Horovod-style, colocated asynchronous
-    /// parameter servers) and for a pipeline's progress thread, else `MPI_THREAD_FUNNELED` (helper threads, such as the data
-    /// loader's or backward's, make no MPI calls).
+    /// parameter servers) and for a pipeline's progress thread, else `MPI_THREAD_FUNNELED`
+    /// (helper threads, such as the data loader's or backward's, make no MPI calls).
     pub fn mpi_threading(&self) -> mpi::Threading {
         let threaded = |strategy: StrategyKind, ps: &PsArgs| {
             strategy == StrategyKind::Horovod || (strategy == StrategyKind::Ps && ps.ps_colocate && ps.ps_mode == PsMode::Async)

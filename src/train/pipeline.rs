@@ -54,8 +54,9 @@ pub(super) struct Pipeline {
     /// Messages go from and to device memory (CUDA-aware MPI); otherwise through the host.
     cuda_aware: bool,
     recompute: bool,
-    /// Moves this stage's messages along while it computes (src/progress.rs); None where the
-    /// MPI library gave less than MPI_THREAD_MULTIPLE.
+    /// Moves this stage's messages along while it computes (src/progress.rs); None where
+    /// set-up's probe found that messages move without their sender, or where the MPI library
+    /// gave less than MPI_THREAD_MULTIPLE.
     progress: Option<Arc<Progress>>,
     /// What set-up measured of messages waiting for their sender (src/progress.rs).
     stall: StallProbe,
