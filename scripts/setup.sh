@@ -83,7 +83,13 @@ else
     say "libtorch $installed_torch present in $LIBTORCH"
 fi
 
-# 4. Build (cargo does nothing when the binary is up to date), into this MPI's target folder.
+# 4. Build (cargo does nothing when the binary is up to date), into this MPI's target folder; a
+#    second MPI's first build starts from the first's compiled dependencies.
+# shellcheck source=scripts/lib/cargo.sh
+source scripts/lib/cargo.sh
+if [ -n "${CARGO_TARGET_DIR:-}" ] && [ "$CARGO_TARGET_DIR" != "$HPC_TRAIN_ROOT/target" ]; then
+    seed_target_folder "$HPC_TRAIN_ROOT/target" "$CARGO_TARGET_DIR"
+fi
 say "building hpc-train (release) into ${CARGO_TARGET_DIR:-target}"
 if ! cargo build --release --locked 2>&1 | { grep -vE '^\s+(Compiling|Downloaded|Downloading)' || true; } \
     || [ ! -x "$HPC_TRAIN_BIN" ]; then
