@@ -38,7 +38,7 @@ use crate::error::{Error, Result};
 use crate::exchange::{Exchange, ReduceOp};
 use crate::optim::{FiniteCheck, Optimizer};
 use crate::plan::buckets::{Bucket, BucketPlan};
-use crate::raw::{CudaEvent, CudaStream, GradReady, GradReadyHooks, ThreadState};
+use crate::raw::{CudaStream, GradReady, GradReadyHooks, ThreadState};
 
 /// DDP's first bucket: small, so that communication starts early in the backward pass.
 pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
@@ -69,7 +69,8 @@ impl From<GradReady> for Report {
 }
 
 pub struct Overlap {
-    _hooks: GradReadyHooks<Report>,
+    /// The hooks, and on a GPU each bucket's reused event (its slot is the bucket).
+    hooks: GradReadyHooks<Report>,
     reports: Receiver<Report>,
     /// Losses to run backward on, for the backward thread, each with the MPI thread's libtorch
     /// state to run it under.
@@ -114,7 +115,7 @@ impl Overlap {
         let (kind, device) = params.first().map_or((tch::Kind::Float, Device::Cpu), |p| (p.kind(), p.device()));
         let (jobs, backward_thread) = start_backward_thread(device, sender)?;
         let mut overlap = Overlap {
-            _hooks: hooks,
+            hooks,
             reports,
             jobs: Some(jobs),
             backward_thread: Some(backward_thread),
@@ -140,6 +141,7 @@ impl Overlap {
         let first = Some(FIRST_BUCKET_BYTES.min(self.bucket_bytes.max(1)));
         self.plan = BucketPlan::in_order(&sizes, order, self.elem_bytes, self.bucket_bytes, first);
         self.bucket_of = self.plan.bucket_of();
+        self.hooks.set_slots(&self.bucket_of);
         let fused = |b: &Bucket| self.views && b.slots.len() > 1;
         self.buffers = self.plan.buckets.iter().map(|b| fused(b).then(|| Tensor::f_zeros([b.len as i64], self.layout)).transpose()).collect::<std::result::Result<_, _>>()?;
         for b in 0..self.plan.buckets.len() {
@@ -293,7 +295,8 @@ impl Overlap {
         let optimize = finite.is_some();
         let device = self.layout.1;
         let mut missing: Vec<usize> = self.plan.buckets.iter().map(|b| b.slots.len()).collect();
-        let mut events: Vec<Option<CudaEvent>> = (0..missing.len()).map(|_| None).collect();
+        // Whether a gradient of the bucket recorded its event during this backward.
+        let mut recorded = vec![false; missing.len()];
         let mut next = 0;
         let mut times = OverlapTimes::default();
         let mut backward_end = None;
@@ -305,15 +308,13 @@ impl Overlap {
         while next < missing.len() || !*backward_ended {
             // Blocks until a gradient is final or backward ends: no polling.
             match self.reports.recv().map_err(|_| Error::exchange("overlap", "the gradient hooks are gone"))? {
-                Report::Grad(GradReady { index, event }) => {
+                Report::Grad(GradReady { index, recorded: on_device }) => {
                     if let Some((seen, _)) = &mut self.arrivals {
                         seen.push(index);
                     }
                     let b = self.bucket_of[index];
                     missing[b] = missing[b].saturating_sub(1);
-                    if event.is_some() {
-                        events[b] = event; // one stream: the latest event covers the earlier ones
-                    }
+                    recorded[b] |= on_device.map_err(|e| Error::exchange("overlap", format!("recording bucket {b}'s event: {e}")))?;
                 }
                 Report::BackwardDone { result, took } => {
                     *backward_ended = true;
@@ -328,10 +329,10 @@ impl Overlap {
             }
             // Exchange, in plan order, every bucket that is complete.
             while next < missing.len() && missing[next] == 0 {
-                if let Some(event) = events[next].take() {
+                if std::mem::take(&mut recorded[next]) {
                     // The communication stream (current here) waits for the bucket's gradients,
                     // on the device.
-                    event.block_current(device)?;
+                    self.hooks.block_current_on(next, device)?;
                 }
                 let t = Instant::now();
                 let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());

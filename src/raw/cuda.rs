@@ -19,6 +19,9 @@ extern "C" {
     fn hpc_event_synchronize(event: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_event_destroy(event: *mut c_void);
     fn hpc_event_record(device_index: i64, error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_event_new(timing: bool, error: *mut c_char, error_length: usize) -> *mut c_void;
+    fn hpc_event_record_current(event: *mut c_void, device_index: i64, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_event_elapsed_ms(start: *mut c_void, end: *mut c_void, ms: *mut f64, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_set_cuda_device(device_index: i64, error: *mut c_char, error_length: usize) -> c_int;
     fn hpc_stream_from_pool(device_index: i64, error: *mut c_char, error_length: usize) -> *mut c_void;
     fn hpc_stream_destroy(stream: *mut c_void);
@@ -175,6 +178,49 @@ impl CudaEvent {
             Some(e) => Ok(Some(CudaEvent(e))),
             None => Err(Error::exchange("cuda", format!("recording an event on cuda:{index}: {}", shim_error(&err)))),
         }
+    }
+
+    /// An event of `device` to record again and again ([`CudaEvent::record_current`]), as DDP
+    /// keeps one per bucket; with `timing`, [`CudaEvent::elapsed_ms`] reads the time between
+    /// two. None on the CPU.
+    pub fn reusable(device: Device, timing: bool) -> Result<Option<CudaEvent>> {
+        let Device::Cuda(_) = device else { return Ok(None) };
+        let mut err = [0 as c_char; 256];
+        // SAFETY: a plain value and a writable buffer; the shim returns a new heap c10::Event
+        // (owned by the CudaEvent from here on) or null with a message.
+        let event = unsafe { hpc_event_new(timing, err.as_mut_ptr(), err.len()) };
+        match std::ptr::NonNull::new(event) {
+            Some(e) => Ok(Some(CudaEvent(e))),
+            None => Err(Error::exchange("cuda", format!("making an event: {}", shim_error(&err)))),
+        }
+    }
+
+    /// Records the event again, now, on the calling thread's current stream of `device` (the
+    /// device of its first record): waiting on it then waits for that stream's work up to here.
+    pub fn record_current(&self, device: Device) -> Result<()> {
+        let Device::Cuda(index) = device else { return Ok(()) };
+        let mut err = [0 as c_char; 256];
+        // SAFETY: the pointer is a live c10::Event owned by self; plain values and a writable
+        // buffer.
+        let rc = unsafe { hpc_event_record_current(self.0.as_ptr(), index as i64, err.as_mut_ptr(), err.len()) };
+        if rc != 0 {
+            return Err(Error::exchange("cuda", format!("recording an event on cuda:{index}: {}", shim_error(&err))));
+        }
+        Ok(())
+    }
+
+    /// Milliseconds on the device from this event to `end`, both made with timing and recorded;
+    /// waits for `end`.
+    pub fn elapsed_ms(&self, end: &CudaEvent) -> Result<f64> {
+        end.synchronize()?;
+        let (mut ms, mut err) = (0.0f64, [0 as c_char; 256]);
+        // SAFETY: both pointers are live c10::Events owned by their CudaEvents; `ms` and the
+        // buffer are writable.
+        let rc = unsafe { hpc_event_elapsed_ms(self.0.as_ptr(), end.0.as_ptr(), &mut ms, err.as_mut_ptr(), err.len()) };
+        if rc != 0 {
+            return Err(Error::exchange("cuda", format!("reading the time between two events: {}", shim_error(&err))));
+        }
+        Ok(ms)
     }
 
     /// Waits for the work recorded before the event.

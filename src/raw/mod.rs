@@ -53,7 +53,7 @@ pub use autocast::{with_autocast, HalfType};
 pub use collective::{all_reduce_in_place, all_reduce_in_place_device, reduce_in_place};
 pub use cuda::{
     cuda_device_uuids, current_cuda_device, load_torch_cuda, set_allow_tf32, set_cuda_device, CudaEvent,
-    CudaStream,
+    CudaStream, CurrentStream,
 };
 pub use hooks::{GradReady, GradReadyHooks};
 pub use mapped::{map_read_only, release_pages};

@@ -28,10 +28,11 @@
 #include <vector>
 
 extern "C" {
-// index: the parameter's position; event: a c10::Event recorded on the current CUDA stream
-// after the gradient's accumulation (null for CPU tensors); the receiver owns it and frees it
-// with hpc_event_destroy.
-typedef void (*hpc_grad_ready_fn)(void *context, int64_t index, void *event);
+// index: the parameter's position; device_index: the CUDA device of its gradient, or -1 for a
+// CPU tensor. Called on the thread that accumulated the gradient, whose current stream on that
+// device is the one that did: the callback records its bucket's reused event there (DDP's one
+// event per bucket, not one made and freed per parameter per step).
+typedef void (*hpc_grad_ready_fn)(void *context, int64_t index, int64_t device_index);
 }
 
 namespace {
@@ -44,16 +45,7 @@ struct GradReadyHook : torch::autograd::PostAccumulateGradHook {
   GradReadyHook(hpc_grad_ready_fn f, void *ctx, int64_t i) : callback(f), context(ctx), index(i) {}
 
   void operator()(const torch::autograd::Variable &tensor) override {
-    void *event = nullptr;
-    if (tensor.is_cuda()) {
-      // Recorded on the stream that accumulated the gradient: waiting on it waits for this
-      // gradient only, not for the whole device.
-      auto *e = new c10::Event(c10::DeviceType::CUDA);
-      c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
-      e->record(guard.getStream(tensor.device()));
-      event = e;
-    }
-    callback(context, index, event);
+    callback(context, index, tensor.is_cuda() ? static_cast<int64_t>(tensor.device().index()) : -1);
   }
 };
 
@@ -117,6 +109,43 @@ void *hpc_event_record(int64_t device_index, char *error, size_t error_length) {
   } catch (const std::exception &e) {
     write_error(error, error_length, e.what());
     return nullptr;
+  }
+}
+
+// A new CUDA event, not recorded yet (c10 makes its CUDA event at the first record), to be
+// recorded again and again (hpc_event_record_current); with `timing`, the time between two
+// such events can be read (hpc_event_elapsed_ms). Freed with hpc_event_destroy.
+void *hpc_event_new(bool timing, char *error, size_t error_length) {
+  try {
+    return new c10::Event(c10::DeviceType::CUDA, timing ? c10::EventFlag::BACKEND_DEFAULT : c10::EventFlag::PYTORCH_DEFAULT);
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return nullptr;
+  }
+}
+
+// Records `event` (again: a record replaces the last one) on the current stream of CUDA device
+// `device_index`. An event keeps the device of its first record.
+int hpc_event_record_current(void *event, int64_t device_index, char *error, size_t error_length) {
+  try {
+    c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+    c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
+    static_cast<c10::Event *>(event)->record(guard.getStream(device));
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
+  }
+}
+
+// The milliseconds on the device between two recorded timing events, `end` being done.
+int hpc_event_elapsed_ms(void *start, void *end, double *ms, char *error, size_t error_length) {
+  try {
+    *ms = static_cast<c10::Event *>(start)->elapsedTime(*static_cast<c10::Event *>(end));
+    return 0;
+  } catch (const std::exception &e) {
+    write_error(error, error_length, e.what());
+    return -1;
   }
 }
 
