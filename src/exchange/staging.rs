@@ -227,6 +227,51 @@ impl Mirror {
     }
 }
 
+/// Host buffers that staged messages pass through, pinned for a GPU (whose copies to and from
+/// pinned memory are DMA transfers, where pageable memory goes through a bounce buffer) and
+/// reused: a message takes one ([`HostPool::stage`], [`HostPool::take`]) and gives it back once
+/// MPI and the copies are done with it ([`HostPool::give`]). Kept by size, as the same few
+/// shapes come back at every step (a pipeline's boundary messages, ZeRO 3's unit buffers).
+#[derive(Default)]
+pub struct HostPool {
+    free: Vec<Tensor>,
+    /// Buffers made, in all (reuse means it stops growing).
+    made: usize,
+}
+
+impl HostPool {
+    /// A host buffer of `shape` and `kind` (contents left from earlier use), pinned when `for_device`
+    /// is a GPU.
+    pub fn take(&mut self, shape: &[i64], kind: Kind, for_device: Device) -> Result<Tensor> {
+        let numel: i64 = shape.iter().product();
+        if let Some(i) = self.free.iter().position(|t| t.numel() as i64 == numel && t.kind() == kind) {
+            return Ok(self.free.swap_remove(i).f_view(shape)?);
+        }
+        self.made += 1;
+        let host = Tensor::f_empty(shape, (kind, Device::Cpu))?;
+        if for_device.is_cuda() { raw::pin_memory(&host) } else { Ok(host) }
+    }
+
+    /// `src` (a device tensor) copied into a host buffer of the pool, waited for: MPI may read it.
+    pub fn stage(&mut self, src: &Tensor) -> Result<Tensor> {
+        let mut host = self.take(&src.size(), src.kind(), src.device())?;
+        // A blocking copy: it returns once the stream's kernels that write `src` and the copy
+        // itself are done.
+        tch::no_grad(|| host.f_copy_(src))?;
+        Ok(host)
+    }
+
+    /// Gives a buffer back for the next message (MPI and every copy are done with it).
+    pub fn give(&mut self, buffer: Tensor) {
+        self.free.push(buffer);
+    }
+
+    /// Buffers made so far.
+    pub fn made(&self) -> usize {
+        self.made
+    }
+}
+
 /// Queues `dst.copy_(src)` without blocking and returns an event that marks its end (None when
 /// the copy is already done, between host tensors).
 fn copy_and_record(dst: &mut Tensor, src: &Tensor) -> Result<Option<CudaEvent>> {
@@ -256,6 +301,24 @@ mod tests {
 
     /// The staged path on CPU tensors: every bucket goes through the alternating host buffers
     /// and comes back with the reduction applied, whatever the bucket sizes.
+    #[test]
+    fn host_pool_reuses_a_buffer_given_back_for_the_same_size() {
+        let mut pool = HostPool::default();
+        let src = Tensor::arange(12, (Kind::Float, Device::Cpu)).view([3, 4]);
+        let staged = pool.stage(&src).unwrap();
+        assert_eq!(staged.size(), vec![3, 4]);
+        assert!(staged.equal(&src));
+        let other = pool.take(&[12], Kind::Float, Device::Cpu).unwrap();
+        assert_eq!(pool.made(), 2, "the first is still in use");
+        pool.give(staged);
+        pool.give(other);
+        let again = pool.take(&[2, 6], Kind::Float, Device::Cpu).unwrap();
+        assert_eq!((again.size(), pool.made()), (vec![2, 6], 2), "a given-back buffer of the size, viewed in the shape");
+        let bigger = pool.take(&[13], Kind::Float, Device::Cpu).unwrap();
+        let half = pool.take(&[12], Kind::Half, Device::Cpu).unwrap();
+        assert_eq!((bigger.numel(), half.kind(), pool.made()), (13, Kind::Half, 4), "another size or kind is made");
+    }
+
     #[test]
     fn staged_buckets_come_back_reduced() {
         for kind in [Kind::Float, Kind::Half, Kind::BFloat16] {

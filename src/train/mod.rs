@@ -15,6 +15,7 @@
 //! finish the exchange and record. The loop below is one screen: a step, then what follows it
 //! at some steps (a progress line, an evaluation, a checkpoint, a stop request).
 
+mod action_clock;
 mod checkpoints;
 mod collective;
 mod fsdp;

@@ -18,13 +18,14 @@ use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::staging::synchronize_device;
+use crate::exchange::staging::{wait_for_stream, HostPool};
 use crate::plan::pipeline::{self, Action, Message, Shape};
 use crate::plan::shard::ShardInfo;
 use crate::progress::{Progress, StallProbe};
 use crate::raw::TensorMessage;
 use crate::topology::World;
 
+use super::action_clock::{ActionClock, Phase, Started, Timed};
 use super::collective::gather_strings;
 use super::options::Precision;
 use super::stages::{Cut, PipelinePlan};
@@ -61,6 +62,10 @@ pub(super) struct Pipeline {
     /// What set-up measured of messages waiting for their sender (src/progress.rs).
     stall: StallProbe,
     pub(super) figures: PipelineFigures,
+    /// Times the stage's F, B and W (on a GPU from device events, read at the step's end).
+    clock: ActionClock,
+    /// Where messages are staged: host buffers, pinned and reused ([`Pipeline::staged`]).
+    staging: HostPool,
     /// What this rank read of the dataset, for the record.
     pub(super) data_read: DataRead,
     timeline: Option<Timeline>,
@@ -178,6 +183,8 @@ impl Pipeline {
             progress,
             stall,
             figures: PipelineFigures::default(),
+            clock: ActionClock::new(device),
+            staging: HostPool::default(),
             data_read: DataRead::default(),
             timeline,
         })
@@ -203,6 +210,31 @@ impl Pipeline {
         self.shape().loss_stage() == self.stage
     }
 
+    /// Whether messages go through host memory from a GPU: then in pinned, reused buffers of
+    /// `staging`.
+    fn staged(&self) -> bool {
+        self.device.is_cuda() && !self.cuda_aware
+    }
+
+    /// A received message on the stage's device; a staging buffer goes back to the pool (the
+    /// blocking copy out of it is done).
+    fn arrived(&mut self, message: Tensor) -> Result<Tensor> {
+        let on_device = message.f_to_device(self.device)?;
+        if self.staged() {
+            self.staging.give(message);
+        }
+        Ok(on_device)
+    }
+
+    /// `t`'s elements for a message on `on`: a staging buffer of the pool where messages are
+    /// staged, else `t` itself where it is contiguous on `on`, else a copy.
+    fn for_message(&mut self, t: &Tensor, on: Device) -> Result<Tensor> {
+        if self.staged() {
+            return self.staging.stage(t);
+        }
+        Ok(t.f_to_device(on)?.f_contiguous()?)
+    }
+
     /// Where messages live: the device with CUDA-aware MPI, else the host.
     pub(super) fn message_device(&self) -> Device {
         if self.device.is_cuda() && self.cuda_aware { self.device } else { Device::Cpu }
@@ -224,18 +256,48 @@ impl Pipeline {
         crate::watchdog::waiting(|| format!("pipeline stage {}", self.stage), what)
     }
 
+    /// Puts what ran from `start_us` until now on the timeline.
     fn event(&mut self, step: u64, name: String, category: &str, start_us: f64) {
+        let end = self.now_us();
+        self.span(step, name, category, start_us, end - start_us);
+    }
+
+    fn span(&mut self, step: u64, name: String, category: &str, start_us: f64, duration_us: f64) {
         if let Some(t) = &mut self.timeline {
             if step < t.until_step {
-                let end = t.now_us();
                 t.events.push(format!(
-                    r#"{{"name":"{name}","cat":"{category}","ph":"X","ts":{start_us:.1},"dur":{:.1},"pid":{},"tid":{}}}"#,
-                    end - start_us,
+                    r#"{{"name":"{name}","cat":"{category}","ph":"X","ts":{start_us:.1},"dur":{duration_us:.1},"pid":{},"tid":{}}}"#,
                     self.replica,
                     self.stage
                 ));
             }
         }
+    }
+
+    /// Ends a compute action begun with `self.clock.start`: counted at once on CPU ranks, at the
+    /// step's end on a GPU ([`ActionClock`]).
+    fn stop_action(&mut self, began: Started, phase: Phase, label: impl FnOnce() -> String, step: u64, measured: bool, compute: &mut Duration) -> Result<()> {
+        if let Some(timed) = self.clock.stop(began, phase, label)? {
+            self.count_action(timed, step, measured, compute);
+        }
+        Ok(())
+    }
+
+    /// A timed action into the step's compute, the figures (of a measured step) and the
+    /// timeline.
+    fn count_action(&mut self, timed: Timed, step: u64, measured: bool, compute: &mut Duration) {
+        *compute += timed.took;
+        if measured {
+            let figure = match timed.phase {
+                Phase::Forward => &mut self.figures.forward,
+                Phase::Backward => &mut self.figures.backward,
+                Phase::InputGrad => &mut self.figures.input_grad,
+                Phase::WeightGrad => &mut self.figures.weight_grad,
+            };
+            *figure += timed.took;
+        }
+        let category = if timed.phase == Phase::Forward { "forward" } else { "backward" };
+        self.span(step, timed.label, category, timed.start_us, timed.took.as_secs_f64() * 1e6);
     }
 
     /// A send was posted: the progress thread, where there is one, probes soon.
@@ -299,6 +361,7 @@ impl Pipeline {
         let progress = self.progress.clone();
         let _progress = progress.as_deref().map(Progress::active);
         let started = Instant::now();
+        self.clock.begin_step(self.now_us())?;
         let loss_of = |logits: &Tensor, m: usize| -> Result<Tensor> {
             let y = labels.expect("the last stage has the labels").f_narrow(0, micro[m].offset as i64, micro[m].len as i64)?;
             Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, smoothing)?.f_to_kind(Kind::Float)?)
@@ -315,7 +378,7 @@ impl Pipeline {
                         _ => (Message::Gradient, self.cut.output_shape(c).to_vec(), self.peer(c + 1), c + 1),
                     };
                     let size: Vec<i64> = std::iter::once(micro[m].len as i64).chain(sample_shape).collect();
-                    let buffer = Tensor::f_empty(size.as_slice(), (Kind::Float, on))?;
+                    let buffer = if self.staged() { self.staging.take(&size, Kind::Float, self.device)? } else { Tensor::f_empty(size.as_slice(), (Kind::Float, on))? };
                     // SAFETY: a new tensor with no other handle; the message owns it until waited for.
                     let message = unsafe { TensorMessage::receive(buffer, &self.comm, from, shape.tag(kind, m, boundary))? };
                     receives.insert((kind, m, c), message);
@@ -334,12 +397,12 @@ impl Pipeline {
                         let message = receives.remove(&(Message::Activation, m, c)).expect("the schedule posts every receive before its use");
                         let from = self.peer(c - 1);
                         let watched = self.waiting(|| format!("the activation of micro-batch {m} from {}", self.stage_name(from)));
-                        let x = message.wait()?.f_to_device(self.device)?.f_requires_grad_(true)?;
+                        let x = self.arrived(message.wait()?)?.f_requires_grad_(true)?;
                         drop(watched);
                         self.event(step, format!("wait activation {m}"), "wait", waited);
                         x
                     };
-                    let (began, t) = (Instant::now(), self.now_us());
+                    let began = self.clock.start(self.now_us())?;
                     // The chunk's forward and (on the last) the loss under the precision's
                     // autocast, as a plain step computes them.
                     let out = precision.training_forward(self.device, || {
@@ -351,13 +414,7 @@ impl Pipeline {
                         losses.push(loss.f_detach()?);
                         Ok(loss.f_mul_scalar(factor)?)
                     })?;
-                    synchronize_device(self.device);
-                    let took = began.elapsed();
-                    compute += took;
-                    if measured {
-                        self.figures.forward += took;
-                    }
-                    self.event(step, format!("forward {m} (chunk {c})"), "forward", t);
+                    self.stop_action(began, Phase::Forward, || format!("forward {m} (chunk {c})"), step, measured, &mut compute)?;
                     held_bytes += bytes(&out) + bytes(&x);
                     outputs.insert((m, c), out);
                     inputs.insert((m, c), x);
@@ -378,9 +435,11 @@ impl Pipeline {
                     // In f32 whatever autocast made the output (the receiver's buffer is f32):
                     // a 16-bit output goes over and back exactly, and the next chunk's first
                     // autocast op casts it down again as one process would not need to.
-                    let payload = out.f_detach()?.f_to_kind(Kind::Float)?.f_to_device(on)?.f_contiguous()?;
-                    synchronize_device(self.device);
+                    let payload = self.for_message(&out.f_detach()?.f_to_kind(Kind::Float)?, on)?;
                     let payload = if raw_shares_storage(&payload, &out) { payload.copy() } else { payload };
+                    // A device buffer reaches MPI once the kernels that write it are done (the
+                    // stream's, not the whole device's); a host copy is done when made.
+                    wait_for_stream(payload.device())?;
                     // SAFETY: `payload` is a fresh copy (cloned when detach and contiguous kept
                     // the output's storage, which autograd may hold), written by nothing else.
                     let to = self.peer(c + 1);
@@ -392,7 +451,7 @@ impl Pipeline {
                         continue;
                     }
                     let gradient = self.wait_gradient(&mut receives, m, c, step)?;
-                    let (began, t) = (Instant::now(), self.now_us());
+                    let began = self.clock.start(self.now_us())?;
                     let x = inputs.get(&(m, c)).expect("backward after forward");
                     let out = if self.recompute {
                         precision.training_forward(self.device, || {
@@ -406,13 +465,7 @@ impl Pipeline {
                         held_bytes -= bytes(&out);
                     }
                     backward_from(&out, gradient.as_ref())?;
-                    synchronize_device(self.device);
-                    let took = began.elapsed();
-                    compute += took;
-                    if measured {
-                        self.figures.backward += took;
-                    }
-                    self.event(step, format!("backward {m} (chunk {c})"), "backward", t);
+                    self.stop_action(began, Phase::Backward, || format!("backward {m} (chunk {c})"), step, measured, &mut compute)?;
                     alive -= 1;
                     if c == 0 {
                         let x = inputs.remove(&(m, c)).expect("held");
@@ -424,7 +477,7 @@ impl Pipeline {
                         continue;
                     }
                     let gradient = self.wait_gradient(&mut receives, m, c, step)?;
-                    let (began, t) = (Instant::now(), self.now_us());
+                    let began = self.clock.start(self.now_us())?;
                     let out = outputs.remove(&(m, c)).expect("backward after forward");
                     held_bytes -= bytes(&out);
                     if c == 0 {
@@ -439,30 +492,18 @@ impl Pipeline {
                         input_grads.insert((m, c), dx);
                         deferred.insert((m, c), DeferredWeights::Graph(kept));
                     }
-                    synchronize_device(self.device);
-                    let took = began.elapsed();
-                    compute += took;
-                    if measured {
-                        self.figures.input_grad += took;
-                    }
-                    self.event(step, format!("B {m} (chunk {c})"), "backward", t);
+                    self.stop_action(began, Phase::InputGrad, || format!("B {m} (chunk {c})"), step, measured, &mut compute)?;
                 }
                 Action::BackwardWeight { micro: m, chunk: c } => {
                     if micro[m].len == 0 {
                         continue;
                     }
-                    let (began, t) = (Instant::now(), self.now_us());
+                    let began = self.clock.start(self.now_us())?;
                     match deferred.remove(&(m, c)).expect("W after its B") {
                         DeferredWeights::Graph(kept) => crate::raw::backward_weight(kept)?,
                         DeferredWeights::Whole { out, gradient } => backward_from(&out, gradient.as_ref())?,
                     }
-                    synchronize_device(self.device);
-                    let took = began.elapsed();
-                    compute += took;
-                    if measured {
-                        self.figures.weight_grad += took;
-                    }
-                    self.event(step, format!("W {m} (chunk {c})"), "backward", t);
+                    self.stop_action(began, Phase::WeightGrad, || format!("W {m} (chunk {c})"), step, measured, &mut compute)?;
                     alive -= 1;
                 }
                 Action::SendGradient { micro: m, chunk: c } => {
@@ -476,8 +517,9 @@ impl Pipeline {
                         Some(dx) => dx,
                         None => x.grad(),
                     };
-                    let payload = grad.f_to_device(on)?.f_contiguous()?;
+                    let payload = self.for_message(&grad, on)?;
                     let payload = if raw_shares_storage(&payload, &grad) { payload.copy() } else { payload };
+                    wait_for_stream(payload.device())?;
                     // SAFETY: a fresh copy of the input's gradient, which nothing else writes.
                     let to = self.peer(c - 1);
                     sends.push((unsafe { TensorMessage::send(payload, &self.comm, to, shape.tag(Message::Gradient, m, c))? }, to));
@@ -489,6 +531,8 @@ impl Pipeline {
             for (mut s, to) in sends.drain(..) {
                 if !s.test()? {
                     still.push((s, to));
+                } else if self.staged() {
+                    self.staging.give(s.wait()?);
                 }
             }
             sends = still;
@@ -499,10 +543,17 @@ impl Pipeline {
             peers.dedup();
             let _watched = self.waiting(|| format!("its sends of step {step} to {} to complete", peers.iter().map(|&p| self.stage_name(p)).collect::<Vec<_>>().join(" and ")));
             for (s, _) in sends {
-                let _sent = s.wait()?;
+                let sent = s.wait()?;
+                if self.staged() {
+                    self.staging.give(sent);
+                }
             }
         }
         self.event(step, "wait sends".into(), "wait", waited);
+        // On a GPU the actions' device times, now that their kernels are done.
+        for timed in self.clock.finish()? {
+            self.count_action(timed, step, measured, &mut compute);
+        }
         if measured {
             self.figures.steps += 1;
             self.figures.compute += compute;
@@ -581,7 +632,7 @@ impl Pipeline {
                 Action::SendActivation { micro: m, chunk: c } => {
                     let y = outputs.remove(&(m, c)).expect("sent after its forward");
                     let payload = y.f_to_device(on)?.f_contiguous()?;
-                    synchronize_device(self.device);
+                    wait_for_stream(payload.device())?;
                     let to = self.peer(c + 1);
                     // SAFETY: the forward's output (no graph under no_grad) or its copy, which
                     // nothing else holds or writes: `y` is dropped here.
@@ -748,7 +799,7 @@ impl Pipeline {
         let message = receives.remove(&(Message::Gradient, m, c)).expect("the schedule posts every receive before its use");
         let from = self.peer(c + 1);
         let watched = self.waiting(|| format!("the gradient of micro-batch {m} from {}", self.stage_name(from)));
-        let g = message.wait()?.f_to_device(self.device)?;
+        let g = self.arrived(message.wait()?)?;
         drop(watched);
         self.event(step, format!("wait gradient {m}"), "wait", waited);
         Ok(Some(g))
