@@ -354,7 +354,8 @@ fn the_staged_path_gives_the_right_sums() {
 
 /// Training through the staged path, with overlap (the default), ends with the weights of the
 /// host path: every strategy, ZeRO's bucket through its host mirror (stages 1 and 2, overlap on
-/// and off) and the colocated parameter server's packing through its device buffers.
+/// and off), ZeRO 3's units through its one reused host buffer, and the colocated parameter
+/// server's packing through its device buffers.
 #[test]
 fn training_through_the_staged_path_matches_the_host_path() {
     if covered_by_the_first_mpi("the staged path's arithmetic (host copies around the same MPI calls)") {
@@ -381,6 +382,7 @@ fn training_through_the_staged_path_matches_the_host_path() {
         ("ps-colocated", vec!["--strategy", "ps", "--ps-colocate"]),
         ("ring-zero1-overlap", vec!["--strategy", "ring", "--zero", "1", "--overlap", "on"]),
         ("ring-zero2", vec!["--strategy", "ring", "--zero", "2", "--overlap", "off"]),
+        ("ring-zero3", vec!["--strategy", "ring", "--zero", "3"]),
     ];
     // The staged runs in one launch under the test hook (the reference above ran without it).
     let staged: Vec<PathBuf> = cases.iter().map(|(name, extra)| add(&mut runs, &format!("staged-{name}"), extra)).collect();
@@ -394,6 +396,12 @@ fn training_through_the_staged_path_matches_the_host_path() {
     for zero in runs.iter().filter(|r| r["extra"]["zero"].as_u64().unwrap_or(0) > 0) {
         assert!(zero["extra"]["staging_copy_ms"].as_f64().is_some(), "ZeRO on the staged path reports its copies: {zero}");
     }
+    // ZeRO 3's gathers and reduce-scatters of every unit and step pass through one reused host
+    // buffer (pinned on a GPU), not a fresh one each.
+    let zero3: Vec<_> = runs.iter().filter(|r| r["extra"]["zero"].as_u64() == Some(3)).collect();
+    assert_eq!(zero3.len(), 1, "{runs:#?}");
+    assert_eq!(zero3[0]["extra"]["staging_host_buffers"].as_u64(), Some(1), "{}", zero3[0]);
+    assert!(zero3[0]["extra"]["fsdp_units"].as_u64().unwrap_or(0) > 1, "several units share the buffer: {}", zero3[0]);
 }
 
 /// One rank's mean is its own gradients: ring, rhd and auto train on one rank through the

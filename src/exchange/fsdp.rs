@@ -37,6 +37,7 @@ use tch::{Device, Kind, Tensor};
 use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::exchange::buckets::unpack;
+use crate::exchange::staging::{wait_for_stream, HostPool};
 use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, FlatPiece, HeldBytes, HeldShards, ReduceOp, Role, StateSource, UnitShards, UnitTimes, WholeSource, WholeState};
 use crate::exchange::zero::{cut_pieces, flat_pieces, pack_grads, pieces, ready_for_mpi, Piece, ShardAlgorithm, ShardedCollectives};
 use crate::optim::{FiniteCheck, Optimizer, Pieces};
@@ -105,6 +106,11 @@ pub struct FullyShardedExchange {
     /// its gradients packed into, until their reduce-scatter.
     free: Vec<Tensor>,
     in_use: Vec<Option<Tensor>>,
+    /// On the staged path: the host buffer of the largest unit's size (pinned for a GPU) that
+    /// every gather and reduce-scatter passes through, one at a time.
+    staging: HostPool,
+    /// Time spent in the staged path's copies between the device and `staging`, in all.
+    copy_time: Duration,
     packed: Vec<Option<Tensor>>,
     /// This rank's averaged gradient shards of every unit, one after the other.
     shard_grads: Option<Tensor>,
@@ -131,6 +137,8 @@ impl FullyShardedExchange {
             writes_shards,
             free: Vec::new(),
             in_use: Vec::new(),
+            staging: HostPool::default(),
+            copy_time: Duration::ZERO,
             packed: Vec::new(),
             shard_grads: None,
             figures: Figures::default(),
@@ -165,24 +173,46 @@ impl FullyShardedExchange {
     }
 
     /// The MPI side of `buffer` (device memory with a CUDA-aware MPI, host memory otherwise),
-    /// made ready for MPI, and whether it is a host copy to bring back.
-    fn for_mpi(&self, buffer: &Tensor) -> Result<(Tensor, bool)> {
+    /// made ready for MPI, and on the staged path the host buffer it was copied into, to bring
+    /// the result back from and give back with [`FullyShardedExchange::staged_done`]: the pool's
+    /// one buffer of the largest unit's size, not fresh pageable memory at every gather and
+    /// reduce-scatter.
+    fn for_mpi(&mut self, buffer: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
         match self.path {
-            DataPath::Staged => Ok((buffer.f_to_device(Device::Cpu)?, true)),
+            DataPath::Staged => {
+                let host = self.staging.take(&[self.largest_unit() as i64], self.kind, self.device)?;
+                let mut view = host.f_narrow(0, 0, buffer.numel() as i64)?;
+                // Blocking: done, with the kernels that wrote `buffer`, when MPI reads it.
+                let started = std::time::Instant::now();
+                tch::no_grad(|| view.f_copy_(buffer))?;
+                self.copy_time += started.elapsed();
+                Ok((view, Some(host)))
+            }
             DataPath::Host | DataPath::Direct => {
                 ready_for_mpi(buffer)?;
-                Ok((buffer.shallow_clone(), false))
+                Ok((buffer.shallow_clone(), None))
             }
+        }
+    }
+
+    /// Gives the staging buffer of [`FullyShardedExchange::for_mpi`] back, once the result is
+    /// copied out of it (blocking copies: nothing reads it any more).
+    fn staged_done(&mut self, host: Option<Tensor>) {
+        if let Some(host) = host {
+            self.staging.give(host);
         }
     }
 
     /// Fills `full` (a unit's flat buffer with this rank's shard in place) from every rank.
     fn all_gather_unit(&mut self, u: usize, full: &mut Tensor) -> Result<()> {
-        let (mut mpi_buffer, copied) = self.for_mpi(full)?;
+        let (mut mpi_buffer, staged) = self.for_mpi(full)?;
         self.shards.all_gather(&mut mpi_buffer, self.dtype, self.units[u].algorithm)?;
-        if copied {
+        if staged.is_some() {
+            let started = std::time::Instant::now();
             tch::no_grad(|| full.f_copy_(&mpi_buffer))?;
+            self.copy_time += started.elapsed();
         }
+        self.staged_done(staged);
         Ok(())
     }
 
@@ -283,6 +313,9 @@ impl UnitShards for FullyShardedExchange {
             let unit = &self.units[u];
             tch::no_grad(|| full.f_narrow(0, unit.shard.start as i64, unit.shard.len() as i64)?.f_copy_(&unit.params).map(drop))?;
             self.all_gather_unit(u, &mut full)?;
+            // The compute thread reads the unit on a stream of its own: whatever this stream
+            // still has queued for it (the shard's copy, a direct path's kernels) is done first.
+            wait_for_stream(self.device)?;
         }
         let f = &mut self.figures;
         f.gathered_bytes += len * self.kind.elt_size_in_bytes();
@@ -341,10 +374,14 @@ impl UnitShards for FullyShardedExchange {
             let _watched = crate::watchdog::exchange(self.shards.name(), || self.shards.waits_for());
             crate::watchdog::set_bucket(u);
             let packed = buffer.f_narrow(0, 0, len as i64)?;
-            let (mut mpi_buffer, _) = self.for_mpi(&packed)?;
+            let (mut mpi_buffer, staged) = self.for_mpi(&packed)?;
             self.shards.reduce_scatter(&mut mpi_buffer, self.dtype, ReduceOp::Mean, algorithm)?;
             let mut mine = self.shard_grads.as_ref().expect("sharded").f_narrow(0, self.units[u].grads_at as i64, shard.len() as i64)?;
+            let started = std::time::Instant::now();
             tch::no_grad(|| mine.f_copy_(&mpi_buffer.f_narrow(0, shard.start as i64, shard.len() as i64)?).map(drop))?;
+            self.copy_time += started.elapsed();
+            drop(mpi_buffer);
+            self.staged_done(staged);
             if let Some(replicas) = &mut self.replicas {
                 replicas.all_reduce(std::slice::from_mut(&mut mine), ReduceOp::Mean)?;
             }
@@ -507,6 +544,11 @@ impl Exchange for FullyShardedExchange {
         extra.insert("fsdp_exposed_reduce_scatter_ms_per_step".into(), per_step(t.exposed_reduce).into());
         extra.insert("fsdp_gather_hidden".into(), hidden(t.gather, t.exposed_gather).into());
         extra.insert("fsdp_reduce_scatter_hidden".into(), hidden(t.reduce, t.exposed_reduce).into());
+        if self.path == DataPath::Staged {
+            extra.insert("staging_copy_ms".into(), (self.copy_time.as_secs_f64() * 1e3).into());
+            // One reused buffer of the largest unit's size, however many units and steps.
+            extra.insert("staging_host_buffers".into(), self.staging.made().into());
+        }
         report
     }
 }

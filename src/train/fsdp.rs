@@ -20,6 +20,8 @@ use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
 
 use crate::error::{Error, Result};
+use crate::exchange::staging::wait_for_stream;
+use crate::raw::{CudaStream, CurrentStream};
 use crate::plan::fsdp::{self, Unit, UnitSize};
 use crate::plan::shard::ShardInfo;
 
@@ -77,6 +79,12 @@ impl UnitWorker {
                         Job::Forward { train: false, .. } => run(&modules, &buffers, job),
                         _ => precision.training_forward(device, || run(&modules, &buffers, job)),
                     };
+                    // On a GPU the job is done when its kernels are: waiting here for this
+                    // thread's stream only (the MPI thread's collectives run on a stream of
+                    // their own) makes `took` the device's compute time, which the hidden
+                    // share of the collectives is measured against, and lets the MPI thread
+                    // pack the gradients and reuse the unit's buffer without racing it.
+                    let result = result.and_then(|r| wait_for_stream(device).map(|()| r));
                     if outbox.send(result.map(|(output, loss)| Done { output, loss, took: started.elapsed() })).is_err() {
                         return;
                     }
@@ -157,9 +165,21 @@ pub(super) struct FullySharded {
     /// next backward runs (`--overlap`).
     pub(super) prefetch: bool,
     pub(super) worker: UnitWorker,
+    /// On a GPU: the stream the MPI thread's gathers, reduce-scatters and optimizer run on
+    /// during a step or an evaluation ([`FullySharded::collectives_stream`]), so that they do
+    /// not queue behind the compute thread's kernels on the default stream, as FSDP's
+    /// all-gather and reduce-scatter streams.
+    pub(super) comm_stream: Option<CudaStream>,
 }
 
 impl FullySharded {
+    /// Makes the communication stream the calling (MPI) thread's current one until the guard is
+    /// restored: the default stream then waits, on the device, for what was queued on it. None
+    /// on the CPU.
+    pub(super) fn collectives_stream(&self) -> Result<Option<CurrentStream>> {
+        self.comm_stream.as_ref().map(CudaStream::make_current).transpose()
+    }
+
     /// What the start of the log says about the units, with `sharing` ranks sharing shards.
     pub(super) fn describe(&self, sharing: usize) -> String {
         let lens: Vec<usize> = self.units.iter().map(|u| u.layout.len).collect();

@@ -122,6 +122,7 @@ impl Run<'_> {
         let label_smoothing = self.args.recipe.label_smoothing;
         let fsdp = self.fsdp.as_ref().expect("a --zero 3 run");
         let (worker, prefetch, last) = (&fsdp.worker, fsdp.prefetch, fsdp.units.len() - 1);
+        let on_comm_stream = fsdp.collectives_stream()?;
         let params = &self.net.params;
         let shards = self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange");
         let mut times = UnitTimes::default();
@@ -197,6 +198,9 @@ impl Run<'_> {
         faults.after_exchange();
         let started = Instant::now();
         shards.step(&mut self.optimizer)?;
+        if let Some(stream) = on_comm_stream {
+            stream.restore()?;
+        }
         synchronize_device(self.plan.device);
         let optimizer_time = started.elapsed();
         let _ = self.optimizer.take_busy();
@@ -229,6 +233,7 @@ impl Run<'_> {
         let mut images = Vec::new();
         let fsdp = self.fsdp.as_ref().expect("a --zero 3 run");
         let (worker, prefetch, units) = (&fsdp.worker, fsdp.prefetch, fsdp.units.len());
+        let on_comm_stream = fsdp.collectives_stream()?;
         let params = &self.net.params;
         let shards = self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange");
         let mut times = UnitTimes::default();
@@ -259,6 +264,9 @@ impl Run<'_> {
                 loss_sum += logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;
                 correct += logits.f_argmax(-1, false)?.f_eq_tensor(&y)?.f_sum(Kind::Float)?.f_double_value(&[])?;
             }
+        }
+        if let Some(stream) = on_comm_stream {
+            stream.restore()?;
         }
         let (loss_sum, correct) = sum_pair(&self.workers_comm, loss_sum, correct);
         let n = info.test.len as f64;

@@ -365,7 +365,8 @@ fn shard_units(
         buffers[unit_of_block(block_of(name))].push(t.shallow_clone());
     }
     let modules = std::mem::take(&mut net.chunks).into_iter().map(|(_, m)| m).collect();
-    Ok(FullySharded { units, size: args.fsdp_unit, prefetch, worker: UnitWorker::spawn(modules, buffers, device, args.precision)? })
+    let worker = UnitWorker::spawn(modules, buffers, device, args.precision)?;
+    Ok(FullySharded { units, size: args.fsdp_unit, prefetch, worker, comm_stream: crate::raw::CudaStream::from_pool(device)? })
 }
 
 /// Whether `--zero 3` prefetches the next unit while this one computes (its overlap): as asked,
