@@ -282,6 +282,12 @@ gpu_part() {
         --steps 12 --warmup-steps 4 --out "$out/shared/pytorch-ddp.jsonl"
     shared zero3-staged -- --zero 3 --cuda-aware no
     [ ${#cuda_mpi[@]} -gt 0 ] && shared zero3-cuda-aware "${cuda_mpi[@]}" -- --zero 3 --cuda-aware yes
+    # Issue 52's item 2: ZeRO 3 without prefetch beside the rows above (its collectives on a
+    # stream of their own: fsdp_gather_hidden), and a pipeline of 2 stages (F, B and W timed by
+    # device events, no device-wide synchronisation per micro-batch, pinned staging).
+    shared zero3-staged-no-prefetch -- --zero 3 --cuda-aware no --overlap off
+    shared pipeline-1f1b-staged -- --pipeline-stages 2 --micro-batches 8 --schedule 1f1b --cuda-aware no --channels-last
+    [ ${#cuda_mpi[@]} -gt 0 ] && shared pipeline-1f1b-cuda-aware "${cuda_mpi[@]}" -- --pipeline-stages 2 --micro-batches 8 --schedule 1f1b --cuda-aware yes --channels-last
     # 7. The other single-GPU settings, hpc-train then PyTorch, then the smaller batch.
     local setting smaller=${batches%% *}
     for setting in fp32 tf32; do single "single-hpc-train-$setting-$largest" "$setting" "$largest" "${free[@]}"; done
