@@ -269,9 +269,19 @@ fn a_lone_allreduce_takes_about_a_cycle() {
         let row = run.stdout.lines().find(|l| !l.starts_with('#')).unwrap();
         row.split_whitespace().nth(5).unwrap().parse::<f64>().unwrap() / 1e3
     };
-    let (five, twenty) = (latency_ms("5"), latency_ms("20"));
-    // Load only adds to these times (a descheduled background thread misses its cycle), so the
-    // 1 ms figure is the best of up to three runs: a busy moment cannot make it look like 20.
+    let (five, mut twenty) = (latency_ms("5"), latency_ms("20"));
+    // Load moves these times both ways: a descheduled background thread misses its cycle (a
+    // cycle more), and a bench thread descheduled after a cycle ended starts its next
+    // iteration later in the cycle (less of it to wait: 11.99 ms at 20 ms under MPICH, whose
+    // idle ranks poll, beside a build). So the 20 ms figure is the worst of up to three runs
+    // (its bound is a lower one), and the 1 ms figure the best of up to three: a busy moment
+    // can make neither look like the other.
+    for _ in 0..2 {
+        if twenty >= 15.0 {
+            break;
+        }
+        twenty = twenty.max(latency_ms("20"));
+    }
     let mut one = latency_ms("1");
     for _ in 0..2 {
         if twenty > one + 10.0 {
