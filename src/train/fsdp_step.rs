@@ -21,7 +21,7 @@ use tch::{Kind, Reduction, Tensor};
 use crate::data::reader::SplitReader;
 use crate::data::Split;
 use crate::error::{Error, Result};
-use crate::exchange::staging::synchronize_device;
+use crate::exchange::staging::{synchronize_device, wait_for_stream};
 use crate::exchange::strategy::{UnitShards, UnitTimes};
 use crate::optim::FiniteCheck;
 use crate::plan::shard::ShardInfo;
@@ -244,7 +244,11 @@ impl Run<'_> {
                 let indices: Vec<usize> = (start..end).collect();
                 images.resize(indices.len() * info.sample_bytes(), 0);
                 reader.read(&indices, &mut images)?;
-                Some(norm.images_from_bytes(&images, indices.len())?)
+                let x = norm.images_from_bytes(&images, indices.len())?;
+                // Copied to a GPU on the communication stream (current here), read by the
+                // compute thread's: done first.
+                wait_for_stream(self.plan.device)?;
+                Some(x)
             } else {
                 None
             };
