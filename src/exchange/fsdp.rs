@@ -360,6 +360,11 @@ impl UnitShards for FullyShardedExchange {
         let mut packed = buffer.f_narrow(0, 0, layout.len as i64)?;
         pack_grads(layout, params, &mut packed)?;
         finite.add(&packed)?;
+        // The gradients were made on the compute thread's stream and are read here on the
+        // communication stream (a GPU's): letting them go before that read is done would hand
+        // their memory to the compute stream's next allocation while the packing still reads it
+        // (what record_stream is for in PyTorch).
+        wait_for_stream(self.device)?;
         for slot in &layout.slots {
             raw::release_grad(&params[slot.tensor])?;
         }
