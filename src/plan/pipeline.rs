@@ -312,13 +312,18 @@ pub fn compute_order(shape: &Shape, stage: usize) -> Vec<Action> {
 /// P = 3, M = 8 5.9% against 7.7%). The order is data, the same on every rank; the measured
 /// times only move when each action happens, never the order.
 pub fn zb_v_orders(shape: &Shape) -> Vec<Vec<Action>> {
-    let chunks = shape.chunks();
-    let (mut input_grad, mut weight_grad) = (vec![1.0; chunks], vec![1.0; chunks]);
-    (input_grad[0], weight_grad[0]) = (0.0, 2.0);
-    let v_costs = Costs { forward: vec![1.0; chunks], input_grad, weight_grad };
+    let v_costs = zb_v_unit_costs(shape.chunks());
     let bubble = |orders: &Vec<Vec<Action>>| replay_orders(shape, orders, &v_costs).map_or(f64::INFINITY, |r| r.makespan);
     let (empty_first_b, balanced) = (zb_v_list_schedule(shape, true), zb_v_list_schedule(shape, false));
     if bubble(&balanced) <= bubble(&empty_first_b) { balanced } else { empty_first_b }
+}
+
+/// The V's unit costs as the executor runs it: F = B = W = 1, but the first chunk's B takes no
+/// time and its W is its whole backward (2).
+fn zb_v_unit_costs(chunks: usize) -> Costs {
+    let (mut input_grad, mut weight_grad) = (vec![1.0; chunks], vec![1.0; chunks]);
+    (input_grad[0], weight_grad[0]) = (0.0, 2.0);
+    Costs { forward: vec![1.0; chunks], input_grad, weight_grad }
 }
 
 /// A list schedule of ZB-V made by replaying the step with unit costs (messages free), each
@@ -1153,10 +1158,7 @@ mod tests {
         for p in 2..=8 {
             for m in [2, 4, 8, 16, 32] {
                 let v = Shape::new(ScheduleKind::ZbV, p, m, 1).unwrap();
-                let chunks = v.chunks();
-                let (mut input_grad, mut weight_grad) = (vec![1.0; chunks], vec![1.0; chunks]);
-                (input_grad[0], weight_grad[0]) = (0.0, 2.0);
-                let costs = Costs { forward: vec![1.0; chunks], input_grad, weight_grad };
+                let costs = zb_v_unit_costs(v.chunks());
                 let chosen = replay(&v, &costs).unwrap();
                 for empty_first_b in [true, false] {
                     let other = replay_orders(&v, &zb_v_list_schedule(&v, empty_first_b), &costs).unwrap();
@@ -1167,10 +1169,7 @@ mod tests {
         }
         let bubble = |p, m, empty_first_b| {
             let v = Shape::new(ScheduleKind::ZbV, p, m, 1).unwrap();
-            let (mut input_grad, mut weight_grad) = (vec![1.0; 2 * p], vec![1.0; 2 * p]);
-            (input_grad[0], weight_grad[0]) = (0.0, 2.0);
-            let costs = Costs { forward: vec![1.0; 2 * p], input_grad, weight_grad };
-            replay_orders(&v, &zb_v_list_schedule(&v, empty_first_b), &costs).unwrap().mean_bubble()
+            replay_orders(&v, &zb_v_list_schedule(&v, empty_first_b), &zb_v_unit_costs(v.chunks())).unwrap().mean_bubble()
         };
         assert!((bubble(4, 4, true) - 3.0 / 27.0).abs() < 1e-9 && (bubble(4, 4, false) - 6.0 / 30.0).abs() < 1e-9);
         assert!(bubble(3, 8, false) < bubble(3, 8, true));
