@@ -183,9 +183,7 @@ impl FullyShardedExchange {
                 let host = self.staging.take(&[self.largest_unit() as i64], self.kind, self.device)?;
                 let mut view = host.f_narrow(0, 0, buffer.numel() as i64)?;
                 // Blocking: done, with the kernels that wrote `buffer`, when MPI reads it.
-                let started = std::time::Instant::now();
-                tch::no_grad(|| view.f_copy_(buffer))?;
-                self.copy_time += started.elapsed();
+                self.timed_copy(&mut view, buffer)?;
                 Ok((view, Some(host)))
             }
             DataPath::Host | DataPath::Direct => {
@@ -197,6 +195,15 @@ impl FullyShardedExchange {
 
     /// Gives the staging buffer of [`FullyShardedExchange::for_mpi`] back, once the result is
     /// copied out of it (blocking copies: nothing reads it any more).
+    /// A blocking copy, counted in `copy_time` (which the record gives on the staged path, where
+    /// the copies cross between the device and the staging buffer).
+    fn timed_copy(&mut self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+        let started = std::time::Instant::now();
+        tch::no_grad(|| dst.f_copy_(src))?;
+        self.copy_time += started.elapsed();
+        Ok(())
+    }
+
     fn staged_done(&mut self, host: Option<Tensor>) {
         if let Some(host) = host {
             self.staging.give(host);
@@ -208,9 +215,7 @@ impl FullyShardedExchange {
         let (mut mpi_buffer, staged) = self.for_mpi(full)?;
         self.shards.all_gather(&mut mpi_buffer, self.dtype, self.units[u].algorithm)?;
         if staged.is_some() {
-            let started = std::time::Instant::now();
-            tch::no_grad(|| full.f_copy_(&mpi_buffer))?;
-            self.copy_time += started.elapsed();
+            self.timed_copy(full, &mpi_buffer)?;
         }
         self.staged_done(staged);
         Ok(())
@@ -382,9 +387,7 @@ impl UnitShards for FullyShardedExchange {
             let (mut mpi_buffer, staged) = self.for_mpi(&packed)?;
             self.shards.reduce_scatter(&mut mpi_buffer, self.dtype, ReduceOp::Mean, algorithm)?;
             let mut mine = self.shard_grads.as_ref().expect("sharded").f_narrow(0, self.units[u].grads_at as i64, shard.len() as i64)?;
-            let started = std::time::Instant::now();
-            tch::no_grad(|| mine.f_copy_(&mpi_buffer.f_narrow(0, shard.start as i64, shard.len() as i64)?).map(drop))?;
-            self.copy_time += started.elapsed();
+            self.timed_copy(&mut mine, &mpi_buffer.f_narrow(0, shard.start as i64, shard.len() as i64)?)?;
             drop(mpi_buffer);
             self.staged_done(staged);
             if let Some(replicas) = &mut self.replicas {

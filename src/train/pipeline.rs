@@ -213,7 +213,7 @@ impl Pipeline {
     /// Whether messages go through host memory from a GPU: then in pinned, reused buffers of
     /// `staging`.
     fn staged(&self) -> bool {
-        self.device.is_cuda() && !self.cuda_aware
+        self.device.is_cuda() && self.message_device() == Device::Cpu
     }
 
     /// A received message on the stage's device; a staging buffer goes back to the pool (the
