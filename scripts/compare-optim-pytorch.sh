@@ -47,9 +47,10 @@ BIN_SOURCE="${user_bin:-$HPC_TRAIN_BIN}"
 export HPC_TRAIN_BIN="$BIN_SOURCE"   # hpc_train_mpirun picks the launcher of this binary's MPI
 VENV="${PYTORCH_VENV:-$ROOT/.venv-pytorch}"
 FASHION="${FASHION_H5:-$ROOT/datasets/fashion-mnist.h5}"
-TORCH_VERSION=2.11.0
-# The torchvision of torch 2.11 (the vit-tiny rows build its VisionTransformer).
-TORCHVISION_VERSION=0.26.0
+# shellcheck source=scripts/lib/pytorch-venv.sh
+source "$ROOT/scripts/lib/pytorch-venv.sh"
+TORCH_VERSION=$PYTORCH_VENV_TORCH
+TORCHVISION_VERSION=$PYTORCH_VENV_TORCHVISION
 REF="$ROOT/scripts/optim_reference.py"
 SKIP=77
 
@@ -102,19 +103,11 @@ bin_info="$BIN_SOURCE (built $(date -u -r "$BIN_SOURCE" +%Y-%m-%dT%H:%M:%SZ))"
 "$BIN" --help | grep -q -- '--init-weights' \
     || die "$BIN_SOURCE has no --init-weights (a build from before issue 35's optimizers): rebuild it"
 
-# ---- 2. PyTorch: the venv compare-pytorch.sh makes, made here on first use. ----
+# ---- 2. PyTorch: the venv compare-pytorch.sh makes (scripts/lib/pytorch-venv.sh), made here on first use. ----
 PY="$VENV/bin/python"
-venv_ok() {
-    [ -x "$PY" ] && "$PY" -c "import sys, h5py, numpy, torch, torchvision; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION' or torchvision.__version__.split('+')[0] != '$TORCHVISION_VERSION')" 2>/dev/null
-}
-if ! venv_ok; then
-    say "installing torch $TORCH_VERSION, torchvision $TORCHVISION_VERSION, h5py and numpy into $VENV (about 4.6 GB from PyPI, a minute or two)"
-    if ! { { [ -x "$PY" ] || python3 -m venv "$VENV"; } \
-        && printf '*\n' > "$VENV/.gitignore" \
-        && "$VENV/bin/pip" install --no-cache-dir -q "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION" h5py numpy && venv_ok; }; then
-        echo "compare-optim-pytorch.sh: skipped: PyTorch $TORCH_VERSION with torchvision $TORCHVISION_VERSION, h5py and numpy could not be installed into $VENV" >&2
-        exit $SKIP
-    fi
+if ! ensure_pytorch_venv "$VENV"; then
+    echo "compare-optim-pytorch.sh: skipped: PyTorch $TORCH_VERSION with torchvision $TORCHVISION_VERSION, h5py and numpy could not be installed into $VENV" >&2
+    exit $SKIP
 fi
 torch_version="$("$PY" -c 'import torch; print(torch.__version__)')"
 

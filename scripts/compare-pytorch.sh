@@ -38,7 +38,9 @@ BIN_SOURCE="${user_bin:-$HPC_TRAIN_BIN}"
 VENV="${PYTORCH_VENV:-$ROOT/.venv-pytorch}"
 FASHION="${FASHION_H5:-$ROOT/datasets/fashion-mnist.h5}"
 SYNTH_DIR="${SYNTH_DIR:-$ROOT/datasets}"
-TORCH_VERSION=2.11.0
+# shellcheck source=scripts/lib/pytorch-venv.sh
+source "$ROOT/scripts/lib/pytorch-venv.sh"
+TORCH_VERSION=$PYTORCH_VENV_TORCH
 
 quick=0
 reps=""
@@ -87,22 +89,10 @@ BIN="$scratch/hpc-train"
 cp "$BIN_SOURCE" "$BIN"
 bin_info="$BIN_SOURCE (built $(date -u -r "$BIN_SOURCE" +%Y-%m-%dT%H:%M:%SZ))"
 
-# ---- 2. The PyTorch venv: made on first use, checked quickly afterwards. ----
+# ---- 2. The PyTorch venv (scripts/lib/pytorch-venv.sh): made on first use, checked quickly afterwards. ----
 PY="$VENV/bin/python"
-venv_ok() {
-    [ -x "$PY" ] && "$PY" -c "import sys, h5py, numpy, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null
-}
-if venv_ok; then
-    say "PyTorch venv $VENV present"
-else
-    say "installing torch $TORCH_VERSION, h5py and numpy into $VENV (about 4.6 GB from PyPI, a minute or two)"
-    if [ ! -x "$PY" ]; then
-        python3 -m venv "$VENV" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
-    fi
-    printf '*\n' > "$VENV/.gitignore"   # git ignores the venv wherever it lies
-    "$VENV/bin/pip" install --no-cache-dir -q "torch==$TORCH_VERSION" h5py numpy || die "pip install failed"
-    venv_ok || die "the venv at $VENV does not import torch $TORCH_VERSION, h5py and numpy"
-fi
+ensure_pytorch_venv "$VENV" || die "no PyTorch venv at $VENV"
+say "PyTorch venv $VENV present"
 REF="$ROOT/scripts/pytorch_reference.py"
 
 # ---- 3. Data: Fashion-MNIST (imported like scripts/setup.sh when missing) and two synthetic sets. ----

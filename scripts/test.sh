@@ -22,9 +22,27 @@ case "$which" in
     *) echo "HPC_TRAIN_TEST_MPI=$which: expected openmpi, mpich or both" >&2; exit 2 ;;
 esac
 
+# tests/optim_pytorch.rs compares with torch.optim in a PyTorch venv of its own (4.6 GB from
+# PyPI). It downloads in the background while the builds compile instead of in the test's time
+# (a minute or two of CI's). The test installs it itself if this fails.
+venv_job=""
+if [ $# -eq 0 ] && [[ " ${libraries[*]} " == *" openmpi "* ]]; then
+    # shellcheck source=scripts/lib/pytorch-venv.sh
+    source scripts/lib/pytorch-venv.sh
+    mkdir -p target
+    ensure_pytorch_venv "${PYTORCH_VENV:-$HPC_TRAIN_ROOT/.venv-pytorch}" > target/pytorch-venv.log 2>&1 &
+    venv_job=$!
+    # A failed set-up ends this script: pip goes with it rather than on in the background.
+    trap '[ -z "$venv_job" ] || { pkill -TERM -P "$venv_job"; kill "$venv_job"; } 2>/dev/null || true' EXIT
+fi
+
 for mpi in "${libraries[@]}"; do
     scripts/setup.sh --no-run --mpi "$mpi"
 done
+if [ -n "$venv_job" ]; then
+    wait "$venv_job" || { echo "test.sh: the PyTorch venv's installation failed (tests/optim_pytorch.rs tries again):" >&2; cat target/pytorch-venv.log >&2; }
+    venv_job=""
+fi
 # setup.sh may have just installed libtorch into .venv: read the environment again so that cargo
 # below finds it (LIBTORCH) the same way the build in setup.sh did.
 source scripts/env.sh
