@@ -165,12 +165,23 @@ fn launch_mismatch(launched: &[(&str, &str, i32)], world_size: i32, built: Famil
 /// GPU rank that believed it would hand device pointers to an MPI that reads them as host
 /// memory. Its control variable `mpi_cuda_support` says the run's state (seen on the
 /// development VM, 2026-11-27: the bundle's CUDA-aware build answers 1 and the variable 0).
+///
+/// Asked once per process (a study's or `conform`'s runs share the answer): the library's
+/// answer cannot change after MPI_Init. The control variable is read only where the build-time
+/// query says yes, the one case it can overturn: reading it opens the MPI tool interface, which
+/// in Open MPI 4.1 loads and initialises every component (about 0.15 s on the development VM,
+/// mostly the PSM and OFI transports' start-up sleeps), and every run paid that.
 pub fn cuda_aware() -> bool {
+    static ANSWER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ANSWER.get_or_init(ask_cuda_aware)
+}
+
+fn ask_cuda_aware() -> bool {
     let library = runtime_library();
     let answer = decide_cuda(
         crate::raw::mpix_gpu_query_support_cuda(),
         crate::raw::mpi_cuda_support(),
-        crate::raw::int_control_variable("mpi_cuda_support").map(|v| v != 0),
+        || crate::raw::int_control_variable("mpi_cuda_support").map(|v| v != 0),
         &library,
         std::env::var("MV2_USE_CUDA").ok().as_deref(),
     );
@@ -195,13 +206,14 @@ enum CudaAnswer {
     Unknown,
 }
 
-/// `switched_on`: Open MPI's run-time control variable `mpi_cuda_support`, where the library has it.
-fn decide_cuda(gpu_query: Option<bool>, cuda_query: Option<bool>, switched_on: Option<bool>, library: &str, mv2_use_cuda: Option<&str>) -> CudaAnswer {
+/// `switched_on`: reads Open MPI's run-time control variable `mpi_cuda_support`, where the library
+/// has it; called only when `cuda_query` says yes.
+fn decide_cuda(gpu_query: Option<bool>, cuda_query: Option<bool>, switched_on: impl FnOnce() -> Option<bool>, library: &str, mv2_use_cuda: Option<&str>) -> CudaAnswer {
     if let Some(aware) = gpu_query {
         return CudaAnswer::Known { aware, how: format!("MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) = {}", u8::from(aware)) };
     }
     if let Some(aware) = cuda_query {
-        if aware && switched_on == Some(false) {
+        if aware && switched_on() == Some(false) {
             return CudaAnswer::Known {
                 aware: false,
                 how: "MPIX_Query_cuda_support() = 1 (built with CUDA support), but its control variable mpi_cuda_support = 0: \
@@ -280,18 +292,23 @@ mod tests {
     fn cuda_awareness_is_asked_in_order_and_unknown_means_staged() {
         let known = |aware: bool, how: &str| CudaAnswer::Known { aware, how: how.into() };
         // MPICH 4: the GPU query answers first.
-        assert_eq!(decide_cuda(Some(false), Some(true), None, "MPICH Version: 4.0.2", None), known(false, "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) = 0"));
+        assert_eq!(decide_cuda(Some(false), Some(true), || None, "MPICH Version: 4.0.2", None), known(false, "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) = 0"));
         // Open MPI: MPIX_Query_cuda_support, unless its run-time switch is off.
-        assert_eq!(decide_cuda(None, Some(true), None, "Open MPI v5.0.3", None), known(true, "MPIX_Query_cuda_support() = 1"));
-        assert_eq!(decide_cuda(None, Some(true), Some(true), "Open MPI v4.1.4", None), known(true, "MPIX_Query_cuda_support() = 1"));
-        match decide_cuda(None, Some(true), Some(false), "Open MPI v4.1.4", None) {
+        assert_eq!(decide_cuda(None, Some(true), || None, "Open MPI v5.0.3", None), known(true, "MPIX_Query_cuda_support() = 1"));
+        assert_eq!(decide_cuda(None, Some(true), || Some(true), "Open MPI v4.1.4", None), known(true, "MPIX_Query_cuda_support() = 1"));
+        match decide_cuda(None, Some(true), || Some(false), "Open MPI v4.1.4", None) {
             CudaAnswer::Known { aware: false, how } => assert!(how.contains("mpi_cuda_support = 0"), "{how}"),
             other => panic!("a build with CUDA support that turned it off is not CUDA-aware: {other:?}"),
         }
-        assert_eq!(decide_cuda(None, Some(false), Some(true), "Open MPI v4.1.4", None), known(false, "MPIX_Query_cuda_support() = 0"));
+        assert_eq!(decide_cuda(None, Some(false), || Some(true), "Open MPI v4.1.4", None), known(false, "MPIX_Query_cuda_support() = 0"));
         // MVAPICH2(-GDR): its switch.
-        assert_eq!(decide_cuda(None, None, None, "MVAPICH2 Version : 2.3.7", Some("1")), known(true, "MV2_USE_CUDA=1"));
-        assert_eq!(decide_cuda(None, None, None, "MVAPICH2 Version : 2.3.7", None), known(false, "MV2_USE_CUDA=(unset)"));
-        assert_eq!(decide_cuda(None, None, None, "Some MPI 1.0", Some("1")), CudaAnswer::Unknown);
+        assert_eq!(decide_cuda(None, None, || None, "MVAPICH2 Version : 2.3.7", Some("1")), known(true, "MV2_USE_CUDA=1"));
+        assert_eq!(decide_cuda(None, None, || None, "MVAPICH2 Version : 2.3.7", None), known(false, "MV2_USE_CUDA=(unset)"));
+        assert_eq!(decide_cuda(None, None, || None, "Some MPI 1.0", Some("1")), CudaAnswer::Unknown);
+        // The control variable (an expensive read: the whole tool interface) is read only where
+        // the build-time query says yes.
+        let never = || -> Option<bool> { panic!("mpi_cuda_support read without need") };
+        assert_eq!(decide_cuda(None, Some(false), never, "Open MPI v4.1.4", None), known(false, "MPIX_Query_cuda_support() = 0"));
+        assert_eq!(decide_cuda(Some(true), Some(true), never, "MPICH Version: 4.1", None), known(true, "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA) = 1"));
     }
 }
