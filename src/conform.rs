@@ -72,19 +72,26 @@ pub fn run(world: &World, args: &ConformArgs) -> Result<()> {
     let mut report = String::new();
     for (index, (ranks, train)) in cases.iter().enumerate() {
         let inside = (world.rank as usize) < *ranks;
-        // Collective over the world: the ranks outside the case wait here for the next one.
+        // Collective over the world: every rank comes from the sleeping barrier below.
         let sub = world.comm.split_by_color(if inside { Color::with_value(0) } else { Color::undefined() });
-        let Some(comm) = sub else { continue };
-        let case_world = World::new(comm)?;
-        let outcome = case_world
-            .agree(train.check_unused_options(&[train.strategy]))
-            .and_then(|_warnings| train::run(&case_world, train, &context).map(|_| ()));
-        let line = match outcome {
-            Ok(()) => "ok".to_string(),
-            Err(Error::Agreed(e)) => format!("refused\t{e}"),
-            Err(Error::Reported(rank)) => format!("failed on rank {rank}"),
-            Err(e) => return Err(e),
+        let line = match sub {
+            Some(comm) => {
+                let case_world = World::new(comm)?;
+                let outcome = case_world
+                    .agree(train.check_unused_options(&[train.strategy]))
+                    .and_then(|_warnings| train::run(&case_world, train, &context).map(|_| ()));
+                match outcome {
+                    Ok(()) => "ok".to_string(),
+                    Err(Error::Agreed(e)) => format!("refused\t{e}"),
+                    Err(Error::Reported(rank)) => format!("failed on rank {rank}"),
+                    Err(e) => return Err(e),
+                }
+            }
+            None => String::new(),
         };
+        // The ranks outside the case wait for the next one asleep: most cases take 2 of the
+        // launch's 8 ranks, and spinning the others took those 2 ranks' cores.
+        world.sleeping_barrier();
         // Rank 0 is in every case: it holds the message of any error its case agreed on first.
         if world.is_root() {
             report.push_str(&format!("{index}\t{line}\n"));

@@ -108,6 +108,9 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
             }
             None => Ok(()),
         };
+        // The ranks outside the point waited here, asleep rather than spinning in the
+        // collective below on the cores of the point's ranks.
+        world.sleeping_barrier();
         // A signal stopped the point (its ranks all say so): the study stops with it.
         let stopped = match &outcome {
             Err(Error::Stopped { checkpointed }) => 1.0 + f64::from(u8::from(*checkpointed)),
