@@ -189,7 +189,7 @@ def shared_gpu(d):
         out += ["## Two ranks sharing the GPU: ResNet-50 steps (bf16, 3x224x224; channels-last but for ZeRO 3)", "",
                 "Per-rank batch as in steps.tsv's command (logs/); `comm ms` is the exchange per measured step; the copy share is the staged path's "
                 "copy waits over every step of the run against the run's step time; `gathers hidden %` is ZeRO 3's share of its gathers' time "
-                "that the compute thread did not wait for, as the host saw it.", "",
+                "that ran beside a unit's compute, from CUDA events on the two streams (builds before session 16: as the host saw it).", "",
                 table(["strategy", "overlap", "data path", "img/s", "ms/step", "comm ms", "staging copies ms/step", "copy share %", "gathers hidden %"], body), ""]
     ddp = rows(os.path.join(d, "shared", "pytorch-ddp.jsonl"))
     if ddp:

@@ -91,8 +91,13 @@ fn every_unit_size_trains_to_the_weights_of_allreduce() {
             other => panic!("{other:?}"),
         }
         assert!(extra["fsdp_gather_ms_per_step"].as_f64().unwrap() > 0.0, "{r}");
+        // The share of the gathers that ran beside a unit's compute: none without prefetch,
+        // where each gather waits for the compute before it.
         let hidden = extra["fsdp_gather_hidden"].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&hidden), "{r}");
+        if !extra["overlap"].as_bool().unwrap() {
+            assert_eq!((hidden, extra["fsdp_reduce_scatter_hidden"].as_f64().unwrap()), (0.0, 0.0), "{r}");
+        }
     }
 }
 

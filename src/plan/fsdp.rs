@@ -112,10 +112,108 @@ pub fn peak_gathered_elements(units: &[Unit], prefetch: bool) -> usize {
     }
 }
 
+/// A stretch of a step's clock, in milliseconds from the step's start: a unit's compute on the
+/// compute thread (its stream, on a GPU), or one collective on the MPI thread (the
+/// communication stream).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Span {
+    pub start_ms: f64,
+    pub end_ms: f64,
+}
+
+impl Span {
+    pub fn len_ms(self) -> f64 {
+        (self.end_ms - self.start_ms).max(0.0)
+    }
+
+    /// How much of this span `cover` runs beside.
+    pub fn overlap_ms(self, cover: Span) -> f64 {
+        (self.end_ms.min(cover.end_ms) - self.start_ms.max(cover.start_ms)).max(0.0)
+    }
+}
+
+/// One window of a `--zero 3` step: a unit's compute (None where this rank computed nothing) and
+/// the collectives made beside it with prefetch, or after it without: the reduce-scatter of a
+/// unit's gradients, then the gather of another unit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WindowSpans {
+    pub compute: Option<Span>,
+    pub reduce: Option<Span>,
+    pub gather: Option<Span>,
+}
+
+/// A step's collectives in all and the part of them no compute ran beside, in milliseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Exposure {
+    pub gather_ms: f64,
+    pub exposed_gather_ms: f64,
+    pub reduce_ms: f64,
+    pub exposed_reduce_ms: f64,
+}
+
+/// What the windows' compute hid of their collectives: each collective is exposed where it ran
+/// past (or outside) its own window's compute. Measured spans, so that a compute that started
+/// late (its stream still busy) or a collective that queued behind another is counted as it ran,
+/// not as if both had started together.
+pub fn exposure(windows: &[WindowSpans]) -> Exposure {
+    let mut e = Exposure::default();
+    for w in windows {
+        let exposed = |span: Span| span.len_ms() - w.compute.map_or(0.0, |c| span.overlap_ms(c));
+        if let Some(r) = w.reduce {
+            e.reduce_ms += r.len_ms();
+            e.exposed_reduce_ms += exposed(r);
+        }
+        if let Some(g) = w.gather {
+            e.gather_ms += g.len_ms();
+            e.exposed_gather_ms += exposed(g);
+        }
+    }
+    e
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::plan::shard::ShardInfo;
+
+    fn span(start_ms: f64, end_ms: f64) -> Span {
+        Span { start_ms, end_ms }
+    }
+
+    /// Collectives that start with the compute: the part past its end is exposed, the gather's
+    /// first (it runs last), as the host-clock reckoning before spans had it.
+    #[test]
+    fn collectives_beside_compute_are_exposed_past_its_end() {
+        let w = |compute: f64, reduce: f64, gather: f64| WindowSpans {
+            compute: Some(span(0.0, compute)),
+            reduce: Some(span(0.0, reduce)),
+            gather: Some(span(reduce, reduce + gather)),
+        };
+        // All hidden.
+        assert_eq!(exposure(&[w(10.0, 3.0, 4.0)]), Exposure { gather_ms: 4.0, exposed_gather_ms: 0.0, reduce_ms: 3.0, exposed_reduce_ms: 0.0 });
+        // 2 ms past the compute: the gather's.
+        assert_eq!(exposure(&[w(5.0, 3.0, 4.0)]), Exposure { gather_ms: 4.0, exposed_gather_ms: 2.0, reduce_ms: 3.0, exposed_reduce_ms: 0.0 });
+        // Past the compute by more than the gather: the rest is the reduce-scatter's.
+        assert_eq!(exposure(&[w(1.0, 3.0, 4.0)]), Exposure { gather_ms: 4.0, exposed_gather_ms: 4.0, reduce_ms: 3.0, exposed_reduce_ms: 2.0 });
+        // The old formula: past = max(0, R + G - C), the gather's share min(past, G).
+        for (c, r, g) in [(0.5, 2.0, 1.0), (2.5, 2.0, 1.0), (7.0, 2.0, 1.0), (3.0, 0.0, 4.0)] {
+            let e = exposure(&[w(c, r, g)]);
+            let past = (r + g - c).max(0.0);
+            assert!((e.exposed_gather_ms - past.min(g)).abs() < 1e-12 && (e.exposed_reduce_ms - (past - past.min(g))).abs() < 1e-12, "{c} {r} {g}: {e:?}");
+        }
+    }
+
+    /// Without prefetch the collectives follow the compute, and a compute that starts late
+    /// hides only what runs beside it; windows add up; a rank with nothing to compute hides nothing.
+    #[test]
+    fn only_what_runs_beside_compute_is_hidden() {
+        let after = WindowSpans { compute: Some(span(0.0, 5.0)), reduce: Some(span(5.0, 6.0)), gather: Some(span(6.0, 8.0)) };
+        let late = WindowSpans { compute: Some(span(9.0, 12.0)), reduce: None, gather: Some(span(8.0, 10.0)) };
+        let idle = WindowSpans { compute: None, reduce: Some(span(12.0, 13.5)), gather: Some(span(13.5, 14.0)) };
+        let e = exposure(&[after, late, idle]);
+        assert_eq!(e, Exposure { gather_ms: 2.0 + 2.0 + 0.5, exposed_gather_ms: 2.0 + 1.0 + 0.5, reduce_ms: 1.0 + 1.5, exposed_reduce_ms: 1.0 + 1.5 });
+        assert_eq!(exposure(&[]), Exposure::default());
+    }
 
     fn resnet18_blocks() -> Vec<String> {
         let mut names = vec!["stem".to_string()];

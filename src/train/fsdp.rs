@@ -14,7 +14,6 @@
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
 
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
@@ -26,6 +25,7 @@ use crate::plan::fsdp::{self, Unit, UnitSize};
 use crate::plan::shard::ShardInfo;
 
 use super::options::Precision;
+use super::stamp_clock::{StampClock, Stamped};
 
 /// One unit's work.
 pub(super) enum Job {
@@ -40,12 +40,14 @@ pub(super) enum Job {
     Backward { unit: usize, input: Tensor, grad: Tensor },
 }
 
-/// What a job gives back, and how long it computed.
+/// What a job gives back, and when it computed.
 pub(super) struct Done {
     pub(super) output: Option<Tensor>,
     /// `Last`: the summed (unscaled) loss, detached.
     pub(super) loss: Option<Tensor>,
-    pub(super) took: Duration,
+    /// From the job's start to the end of its work, on this thread's stream on a GPU (taken by
+    /// the step's window log).
+    pub(super) compute: Option<Stamped>,
 }
 
 /// The thread that computes the units.
@@ -59,7 +61,7 @@ impl UnitWorker {
     /// Takes the units' modules (in unit order) and their batch-norm buffers. The training jobs
     /// run under the precision's autocast, which is a per-thread setting: set here, on the
     /// thread that computes them; evaluation's forwards run in fp32, as every layout's do.
-    pub(super) fn spawn(modules: Vec<nn::FuncT<'static>>, buffers: Vec<Vec<Tensor>>, device: Device, precision: Precision) -> Result<UnitWorker> {
+    pub(super) fn spawn(modules: Vec<nn::FuncT<'static>>, buffers: Vec<Vec<Tensor>>, device: Device, precision: Precision, clock: StampClock) -> Result<UnitWorker> {
         let (jobs, inbox) = channel::<Job>();
         let (outbox, done) = channel();
         let threads = tch::get_num_threads();
@@ -74,18 +76,22 @@ impl UnitWorker {
                     return;
                 }
                 for job in inbox {
-                    let started = Instant::now();
-                    let result = match job {
-                        Job::Forward { train: false, .. } => run(&modules, &buffers, job),
-                        _ => precision.training_forward(device, || run(&modules, &buffers, job)),
-                    };
-                    // On a GPU the job is done when its kernels are: waiting here for this
-                    // thread's stream only (the MPI thread's collectives run on a stream of
-                    // their own) makes `took` the device's compute time, which the hidden
-                    // share of the collectives is measured against, and lets the MPI thread
-                    // pack the gradients and reuse the unit's buffer without racing it.
-                    let result = result.and_then(|r| wait_for_stream(device).map(|()| r));
-                    if outbox.send(result.map(|(output, loss)| Done { output, loss, took: started.elapsed() })).is_err() {
+                    let result = clock.now().and_then(|start| {
+                        let (output, loss) = match job {
+                            Job::Forward { train: false, .. } => run(&modules, &buffers, job),
+                            _ => precision.training_forward(device, || run(&modules, &buffers, job)),
+                        }?;
+                        // On a GPU: when this stream has run the job's kernels, which the
+                        // hidden share of the collectives is measured against.
+                        let end = clock.now()?;
+                        // The job is done when its kernels are: waiting here for this thread's
+                        // stream only (the MPI thread's collectives run on a stream of their
+                        // own) lets the MPI thread pack the gradients and reuse the unit's
+                        // buffer without racing it.
+                        wait_for_stream(device)?;
+                        Ok(Done { output, loss, compute: Some(Stamped { start, end }) })
+                    });
+                    if outbox.send(result).is_err() {
                         return;
                     }
                 }
@@ -170,6 +176,8 @@ pub(super) struct FullySharded {
     /// not queue behind the compute thread's kernels on the default stream, as FSDP's
     /// all-gather and reduce-scatter streams.
     pub(super) comm_stream: Option<CudaStream>,
+    /// The stamps of the step's collectives and compute (shared with the compute thread).
+    pub(super) clock: StampClock,
 }
 
 impl FullySharded {
@@ -201,12 +209,13 @@ impl FullySharded {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, Instant};
 
     /// A compute thread that cannot start (no such GPU) says why, on the first job sent or
     /// waited for, whichever meets its end first.
     #[test]
     fn a_compute_thread_that_cannot_start_says_why() {
-        let worker = UnitWorker::spawn(Vec::new(), Vec::new(), Device::Cuda(99), Precision::Fp32).unwrap();
+        let worker = UnitWorker::spawn(Vec::new(), Vec::new(), Device::Cuda(99), Precision::Fp32, StampClock::new(Device::Cuda(99))).unwrap();
         // Its end first, so that the send meets the closed channel (where the cause was lost).
         let started = Instant::now();
         while !worker.thread.as_ref().unwrap().is_finished() {

@@ -23,6 +23,7 @@ use crate::data::Split;
 use crate::error::{Error, Result};
 use crate::exchange::staging::{synchronize_device, wait_for_stream};
 use crate::exchange::strategy::{UnitShards, UnitTimes};
+use crate::plan::fsdp::{exposure, WindowSpans};
 use crate::optim::FiniteCheck;
 use crate::plan::shard::ShardInfo;
 
@@ -33,6 +34,7 @@ use super::progress::Timings;
 use super::run::Run;
 use super::progress::StepLoss;
 use super::step::{LoopState, StepDone};
+use super::stamp_clock::{Stamp, StampClock, Stamped};
 use super::step_faults::StepFaults;
 
 
@@ -44,16 +46,90 @@ struct Window {
 }
 
 impl Window {
-    /// Runs the window's collectives: gives the gathered unit's buffer, and how long each half
-    /// took.
-    fn run(self, shards: &mut dyn UnitShards) -> Result<(Option<Tensor>, Duration, Duration)> {
-        let started = Instant::now();
-        if let Some(u) = self.reduce {
-            shards.reduce(u)?;
+    /// Runs the window's collectives: gives the gathered unit's buffer, and when each half ran.
+    fn run(self, shards: &mut dyn UnitShards, clock: &StampClock) -> Result<(Option<Tensor>, Option<Stamped>, Option<Stamped>)> {
+        let reduced = match self.reduce {
+            Some(u) => {
+                let start = clock.now()?;
+                shards.reduce(u)?;
+                Some(Stamped { start, end: clock.now()? })
+            }
+            None => None,
+        };
+        let (gathered, gather) = match self.gather {
+            Some(u) => {
+                let start = clock.now()?;
+                let buffer = shards.gather(u)?;
+                (Some(buffer), Some(Stamped { start, end: clock.now()? }))
+            }
+            None => (None, None),
+        };
+        Ok((gathered, reduced, gather))
+    }
+}
+
+/// A window's stamps: its compute (none where this rank computed nothing) and collectives.
+struct StampedWindow {
+    compute: Option<Stamped>,
+    reduce: Option<Stamped>,
+    gather: Option<Stamped>,
+}
+
+enum Collective {
+    ReduceScatter,
+    Gather,
+}
+
+/// The stamps of a step's windows, taken on the MPI thread's stream and the compute thread's,
+/// read at the step's end against the anchor taken at its start (stamp_clock.rs).
+struct WindowLog {
+    clock: StampClock,
+    anchor: Stamp,
+    windows: Vec<StampedWindow>,
+}
+
+impl WindowLog {
+    fn start(clock: &StampClock) -> Result<WindowLog> {
+        Ok(WindowLog { clock: clock.clone(), anchor: clock.now()?, windows: Vec::new() })
+    }
+
+    /// A collective that no compute ran beside (the first gather, the last reduce-scatter).
+    fn alone<T>(&mut self, kind: Collective, collective: impl FnOnce() -> Result<T>) -> Result<T> {
+        let start = self.clock.now()?;
+        let result = collective()?;
+        let stamped = Some(Stamped { start, end: self.clock.now()? });
+        let (reduce, gather) = match kind {
+            Collective::ReduceScatter => (stamped, None),
+            Collective::Gather => (None, stamped),
+        };
+        self.windows.push(StampedWindow { compute: None, reduce, gather });
+        Ok(result)
+    }
+
+    /// The step's gathers and reduce-scatters in all and the part compute did not hide (on a
+    /// GPU, as the device ran them: read once the step has waited for it).
+    fn finish(self) -> Result<UnitTimes> {
+        let WindowLog { clock, anchor, windows } = self;
+        let mut spans = Vec::with_capacity(windows.len());
+        for w in windows {
+            let span = |s: Option<Stamped>| s.map(|s| clock.span(&anchor, s)).transpose();
+            spans.push(WindowSpans { compute: span(w.compute)?, reduce: span(w.reduce)?, gather: span(w.gather)? });
         }
-        let reduced = started.elapsed();
-        let gathered = self.gather.map(|u| shards.gather(u)).transpose()?;
-        Ok((gathered, reduced, started.elapsed() - reduced))
+        clock.give_back(anchor);
+        let e = exposure(&spans);
+        let ms = |v: f64| Duration::from_secs_f64(v.max(0.0) / 1e3);
+        Ok(UnitTimes { gather: ms(e.gather_ms), exposed_gather: ms(e.exposed_gather_ms), reduce: ms(e.reduce_ms), exposed_reduce: ms(e.exposed_reduce_ms) })
+    }
+
+    /// An evaluation's windows, not reported: their events back to the pool.
+    fn discard(self) {
+        for w in self.windows {
+            for s in [w.compute, w.reduce, w.gather].into_iter().flatten() {
+                self.clock.give_back(s.start);
+                self.clock.give_back(s.end);
+            }
+        }
+        self.clock.give_back(self.anchor);
     }
 }
 
@@ -61,14 +137,15 @@ impl Window {
 /// collectives beside it (prefetch) or after it; then `after` (what follows the unit's compute:
 /// letting it go). Without prefetch, `after` comes before the window, so that one unit is
 /// gathered at a time. Either way every rank makes the same collectives in the same order.
-/// Adds the collectives' time to `times`, and as exposed what compute did not hide.
+/// Logs when the compute and the collectives ran, for the share of the collectives the compute
+/// hid.
 fn compute_beside<R>(
     worker: &UnitWorker,
     shards: &mut dyn UnitShards,
     job: Option<Job>,
     window: Window,
     prefetch: bool,
-    times: &mut UnitTimes,
+    log: &mut WindowLog,
     after: impl FnOnce(&mut dyn UnitShards) -> Result<R>,
 ) -> Result<(Option<Done>, Option<Tensor>, R)> {
     let has_job = job.is_some();
@@ -76,24 +153,17 @@ fn compute_beside<R>(
         worker.send(job)?;
     }
     let wait = |worker: &UnitWorker| if has_job { worker.wait().map(Some) } else { Ok(None) };
-    let (done, (gathered, reduce, gather), after) = if prefetch {
-        let collectives = window.run(shards)?;
+    let (mut done, (gathered, reduce, gather), after) = if prefetch {
+        let collectives = window.run(shards, &log.clock)?;
         let done = wait(worker)?;
         (done, collectives, after(shards)?)
     } else {
         let done = wait(worker)?;
         let after = after(shards)?;
-        (done, window.run(shards)?, after)
+        (done, window.run(shards, &log.clock)?, after)
     };
-    // Beside compute, only the time the collectives ran past it is exposed (the gather's
-    // first: it runs last).
-    let hidden = if prefetch { done.as_ref().map_or(Duration::ZERO, |d| d.took) } else { Duration::ZERO };
-    let past = (reduce + gather).saturating_sub(hidden);
-    let gather_exposed = past.min(gather);
-    times.gather += gather;
-    times.reduce += reduce;
-    times.exposed_gather += gather_exposed;
-    times.exposed_reduce += past - gather_exposed;
+    let compute = done.as_mut().and_then(|d| d.compute.take());
+    log.windows.push(StampedWindow { compute, reduce, gather });
     Ok((done, gathered, after))
 }
 
@@ -125,20 +195,17 @@ impl Run<'_> {
         let on_comm_stream = fsdp.collectives_stream()?;
         let params = &self.net.params;
         let shards = self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange");
-        let mut times = UnitTimes::default();
+        let mut log = WindowLog::start(&fsdp.clock)?;
         let mut finite = FiniteCheck::default();
 
         // Forward: each unit's input kept for its backward.
-        let started = Instant::now();
-        let mut gathered = shards.gather(0)?;
-        times.gather += started.elapsed();
-        times.exposed_gather += started.elapsed();
+        let mut gathered = log.alone(Collective::Gather, || shards.gather(0))?;
         let mut inputs: Vec<Option<Tensor>> = vec![images];
         for u in 0..last {
             shards.install(u, &gathered, params)?;
             let job = inputs[u].as_ref().map(|x| Job::Forward { unit: u, input: x.shallow_clone(), train: true });
             let window = Window { reduce: None, gather: Some(u + 1) };
-            let (done, next, ()) = compute_beside(worker, shards, job, window, prefetch, &mut times, |s| s.release(u, params))?;
+            let (done, next, ()) = compute_beside(worker, shards, job, window, prefetch, &mut log, |s| s.release(u, params))?;
             gathered = next.expect("gathered");
             inputs.push(done.and_then(|d| d.output));
         }
@@ -153,7 +220,7 @@ impl Run<'_> {
         // once (one buffer serves its gather, its gradients, and the next gather).
         let reduce_now = |u: usize| (!prefetch).then_some(u);
         let window = Window { reduce: reduce_now(last), gather: last.checked_sub(1) };
-        let (done, mut next, ()) = compute_beside(worker, shards, job, window, prefetch, &mut times, pack_and_let_go(last, params, &mut finite))?;
+        let (done, mut next, ()) = compute_beside(worker, shards, job, window, prefetch, &mut log, pack_and_let_go(last, params, &mut finite))?;
         let (loss, mut grad) = match done {
             Some(d) => (d.loss, d.output),
             None => (None, None),
@@ -168,18 +235,16 @@ impl Run<'_> {
                 _ => None,
             };
             let window = Window { reduce: pending.take().or(reduce_now(u)), gather: u.checked_sub(1) };
-            let (done, gathered, ()) = compute_beside(worker, shards, job, window, prefetch, &mut times, pack_and_let_go(u, params, &mut finite))?;
+            let (done, gathered, ()) = compute_beside(worker, shards, job, window, prefetch, &mut log, pack_and_let_go(u, params, &mut finite))?;
             next = gathered;
             grad = done.and_then(|d| d.output);
             pending = prefetch.then_some(u);
         }
         if let Some(u) = pending {
-            let started = Instant::now();
-            shards.reduce(u)?;
-            times.reduce += started.elapsed();
-            times.exposed_reduce += started.elapsed();
+            log.alone(Collective::ReduceScatter, || shards.reduce(u))?;
         }
         synchronize_device(self.plan.device);
+        let times = log.finish()?;
 
         let loss_sum = match loss {
             Some(_) if faults.nan_loss() => f64::NAN,
@@ -236,7 +301,6 @@ impl Run<'_> {
         let on_comm_stream = fsdp.collectives_stream()?;
         let params = &self.net.params;
         let shards = self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange");
-        let mut times = UnitTimes::default();
         for b in 0..batches {
             let start = shard.offset + b * eval_batch;
             let end = (start + eval_batch).min(shard.end());
@@ -252,17 +316,20 @@ impl Run<'_> {
             } else {
                 None
             };
+            // Not reported: the log only keeps the windows' stamps until the batch ends.
+            let mut log = WindowLog::start(&fsdp.clock)?;
             let mut gathered = shards.gather(0)?;
             for u in 0..units {
                 shards.install(u, &gathered, params)?;
                 let job = x.take().map(|input| Job::Forward { unit: u, input, train: false });
                 let window = Window { reduce: None, gather: (u + 1 < units).then_some(u + 1) };
-                let (done, next, ()) = compute_beside(worker, shards, job, window, prefetch, &mut times, |s| s.release(u, params))?;
+                let (done, next, ()) = compute_beside(worker, shards, job, window, prefetch, &mut log, |s| s.release(u, params))?;
                 x = done.and_then(|d| d.output);
                 if let Some(next) = next {
                     gathered = next;
                 }
             }
+            log.discard();
             if let Some(logits) = x {
                 let y = norm.labels(&labels.test[start..end])?;
                 loss_sum += logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;

@@ -34,6 +34,7 @@ mod record;
 mod run;
 mod setup;
 pub mod stages;
+mod stamp_clock;
 mod step;
 mod step_faults;
 mod tensor;

@@ -22,6 +22,7 @@ use super::fsdp::{FullySharded, UnitWorker};
 use super::net::{input_spec, variable_blocks, InitialValues, Net, NetLayout, TensorPart};
 use super::pipeline::Pipeline;
 use super::stages::choose_cut;
+use super::stamp_clock::StampClock;
 use super::tensor::TensorParallel;
 use super::options::{OnOff, Precision, TrainArgs};
 use super::overlap_choice::{make_overlap, OverlapChoice};
@@ -365,8 +366,9 @@ fn shard_units(
         buffers[unit_of_block(block_of(name))].push(t.shallow_clone());
     }
     let modules = std::mem::take(&mut net.chunks).into_iter().map(|(_, m)| m).collect();
-    let worker = UnitWorker::spawn(modules, buffers, device, args.precision)?;
-    Ok(FullySharded { units, size: args.fsdp_unit, prefetch, worker, comm_stream: crate::raw::CudaStream::from_pool(device)? })
+    let clock = StampClock::new(device);
+    let worker = UnitWorker::spawn(modules, buffers, device, args.precision, clock.clone())?;
+    Ok(FullySharded { units, size: args.fsdp_unit, prefetch, worker, comm_stream: crate::raw::CudaStream::from_pool(device)?, clock })
 }
 
 /// Whether `--zero 3` prefetches the next unit while this one computes (its overlap): as asked,
