@@ -569,6 +569,95 @@ pub fn balance(costs: &[f64], parts: usize) -> Result<Vec<usize>, String> {
     Ok(starts)
 }
 
+/// The cut for ZB-V's V, where stage s holds chunks s and 2P-1-s: 2P consecutive non-empty
+/// chunks of `costs` (one per block, in model order) that minimise the largest stage's cost (the
+/// sum of its two chunks), and among those the largest chunk's. Gives the first block of every
+/// chunk.
+///
+/// [`balance`] evens the chunks, not the stages: a model of few, unequal blocks cannot be cut
+/// into equal chunks, and stage 0 holds both ends of the model (the first chunk, whose backward
+/// computes no input gradient, and the last, with the loss), so one stage idled while the other
+/// computed (results/pipeline/zero-bubble/). Pairing a large chunk with a small one evens them.
+/// Searched from both ends of the model inwards, a pair of chunks at a time (dynamic
+/// programming over where the front chunks end and the back chunks begin: O(P n^4) for n blocks).
+pub fn balance_v(costs: &[f64], stages: usize) -> Result<Vec<usize>, String> {
+    let (n, chunks) = (costs.len(), 2 * stages);
+    if stages == 0 || chunks > n {
+        return Err(format!("{n} blocks cannot be cut into {chunks} non-empty chunks (two per stage in a V)"));
+    }
+    let prefix: Vec<f64> = std::iter::once(0.0).chain(costs.iter().scan(0.0, |s, c| { *s += c; Some(*s) })).collect();
+    let span = |a: usize, b: usize| prefix[b] - prefix[a];
+    let (stage_cost, _) = v_search(n, stages, &span, None);
+    let (_, starts) = v_search(n, stages, &span, Some(stage_cost));
+    Ok(starts)
+}
+
+/// [`balance_v`]'s search. Without `limit` it minimises the largest stage's cost; with one, the
+/// largest chunk's among the cuts whose every stage costs at most `limit`. Gives the value and
+/// the chunks' first blocks.
+fn v_search(n: usize, stages: usize, span: &dyn Fn(usize, usize) -> f64, limit: Option<f64>) -> (f64, Vec<usize>) {
+    let fits = |stage: f64| limit.is_none_or(|l| stage <= l + 1e-9 * l.abs().max(1.0));
+    let score = |front: f64, back: f64| if limit.is_some() { front.max(back) } else { front + back };
+    // value[i][j]: the best so far with the outer pairs' front chunks covering blocks 0..i and
+    // their back chunks j..n; from[k][i][j]: where pair k's chunks began (its front chunk's
+    // start, its back chunk's end).
+    let mut value = vec![vec![f64::INFINITY; n + 1]; n + 1];
+    value[0][n] = 0.0;
+    let mut from = vec![vec![vec![(0usize, 0usize); n + 1]; n + 1]; stages];
+    // The P - 1 outer pairs, each leaving room for one block per chunk still to cut.
+    for k in 0..stages - 1 {
+        let room = 2 * (stages - k - 1);
+        let mut next = vec![vec![f64::INFINITY; n + 1]; n + 1];
+        for i in 0..=n {
+            for j in i..=n {
+                if value[i][j].is_infinite() {
+                    continue;
+                }
+                for i2 in i + 1..=n {
+                    for j2 in (i2 + room..j).rev() {
+                        let (front, back) = (span(i, i2), span(j2, j));
+                        if !fits(front + back) {
+                            continue;
+                        }
+                        let v = value[i][j].max(score(front, back));
+                        if v < next[i2][j2] {
+                            next[i2][j2] = v;
+                            from[k + 1][i2][j2] = (i, j);
+                        }
+                    }
+                }
+            }
+        }
+        value = next;
+    }
+    // The innermost pair: chunks P-1 and P, side by side on stage P-1, split at m.
+    let (mut best, mut at) = (f64::INFINITY, (0, n, 1));
+    for i in 0..=n {
+        for j in i + 2..=n {
+            if value[i][j].is_infinite() || !fits(span(i, j)) {
+                continue;
+            }
+            for m in i + 1..j {
+                let v = value[i][j].max(score(span(i, m), span(m, j)));
+                if v < best {
+                    (best, at) = (v, (i, j, m));
+                }
+            }
+        }
+    }
+    let (mut i, mut j, m) = at;
+    let (mut fronts, mut backs) = (vec![i], vec![m, j]);
+    for k in (1..stages).rev() {
+        (i, j) = from[k][i][j];
+        fronts.push(i);
+        backs.push(j);
+    }
+    // fronts ends with 0 and backs with n (the model's ends): chunk starts in model order.
+    backs.pop();
+    let starts: Vec<usize> = fronts.into_iter().rev().chain(backs).collect();
+    (best, starts)
+}
+
 /// `--partition 3,6,8`: the first block of every part but the first, checked against the
 /// model's `blocks` and the `parts` needed. Returns the first block of every part.
 pub fn cuts_from_list(list: &[usize], blocks: usize, parts: usize) -> Result<Vec<usize>, String> {
@@ -1204,6 +1293,67 @@ mod tests {
         assert_eq!((0..8).map(|r| (g.replica_of(r), g.stage_of(r))).collect::<Vec<_>>(), vec![(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]);
         assert_eq!(g.rank_of(1, 2), 6);
         assert!(Grid::new(6, 4).unwrap_err().contains("does not divide the 6 ranks"));
+    }
+
+    /// ZB-V's cut, against every cut of a few blocks: the least largest stage (two chunks of the
+    /// V), and among those the least largest chunk; pairing evens stages that chunk-by-chunk
+    /// balance leaves uneven.
+    #[test]
+    fn balance_v_evens_the_stages_of_the_v() {
+        fn sums(costs: &[f64], starts: &[usize]) -> Vec<f64> {
+            ranges(starts, costs.len()).into_iter().map(|r| costs[r].iter().sum()).collect()
+        }
+        fn largest_stage(chunk: &[f64]) -> f64 {
+            let p = chunk.len() / 2;
+            (0..p).map(|s| chunk[s] + chunk[2 * p - 1 - s]).fold(0.0, f64::max)
+        }
+        fn largest(chunk: &[f64]) -> f64 {
+            chunk.iter().copied().fold(0.0, f64::max)
+        }
+        // Every cut: each increasing choice of 2P - 1 chunk starts among blocks 1..n.
+        fn every_cut(n: usize, from: usize, left: usize, starts: &mut Vec<usize>, out: &mut Vec<Vec<usize>>) {
+            if left == 0 {
+                out.push(starts.clone());
+                return;
+            }
+            for b in from..n {
+                starts.push(b);
+                every_cut(n, b + 1, left - 1, starts, out);
+                starts.pop();
+            }
+        }
+        let cases: Vec<(Vec<f64>, usize)> = vec![
+            (vec![5.0, 1.0, 1.0, 1.0, 1.0, 5.0], 2),
+            (vec![8.0, 8.0, 9.0, 4.0, 6.0, 4.0], 2),
+            (vec![2.0, 3.0, 3.0, 4.0, 3.0, 5.0, 4.0, 7.0, 6.0, 0.5], 2),
+            (vec![3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0], 2),
+            (vec![2.7, 8.0, 8.0, 1.0, 1.0, 1.0, 2.0, 3.0, 9.0, 0.5], 2),
+            (vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0], 3),
+            (vec![0.3, 6.0, 2.0, 2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 3.0, 1.0], 3),
+            (vec![4.0, 1.0, 1.0, 6.0], 1),
+            (vec![1.0, 1.0, 1.0, 1.0], 2),
+        ];
+        for (costs, stages) in cases {
+            let n = costs.len();
+            let starts = balance_v(&costs, stages).unwrap();
+            assert_eq!((starts.len(), starts[0]), (2 * stages, 0), "{costs:?}: {starts:?}");
+            assert!(starts.windows(2).all(|w| w[0] < w[1]) && starts[starts.len() - 1] < n, "{costs:?}: {starts:?}");
+            let mut cuts = Vec::new();
+            every_cut(n, 1, 2 * stages - 1, &mut vec![0], &mut cuts);
+            let best_stage = cuts.iter().map(|c| largest_stage(&sums(&costs, c))).fold(f64::INFINITY, f64::min);
+            let best_chunk = cuts.iter().map(|c| sums(&costs, c)).filter(|s| largest_stage(s) <= best_stage + 1e-9).map(|s| largest(&s)).fold(f64::INFINITY, f64::min);
+            let mine = sums(&costs, &starts);
+            assert!((largest_stage(&mine) - best_stage).abs() < 1e-9 && (largest(&mine) - best_chunk).abs() < 1e-9, "{costs:?} P={stages}: {starts:?} gives stages {} and chunks {}, the best {best_stage} and {best_chunk}", largest_stage(&mine), largest(&mine));
+        }
+        // Equal blocks: equal chunks.
+        assert_eq!(balance_v(&[1.0; 8], 2).unwrap(), vec![0, 2, 4, 6]);
+        // Chunk by chunk: chunks of 8, 5, 8 and 11, stages of 19 (the first and last chunk)
+        // and 13. In the V: 14, 7, 9 and 2, stages of 16 and 16.
+        let blocks = [8.0, 5.0, 1.0, 7.0, 9.0, 2.0];
+        assert_eq!(largest_stage(&sums(&blocks, &balance(&blocks, 4).unwrap())), 19.0);
+        assert_eq!(balance_v(&blocks, 2).unwrap(), vec![0, 3, 4, 5]);
+        assert_eq!(largest_stage(&sums(&blocks, &balance_v(&blocks, 2).unwrap())), 16.0);
+        assert!(balance_v(&[1.0; 3], 2).is_err() && balance_v(&[1.0; 3], 0).is_err());
     }
 
     #[test]
