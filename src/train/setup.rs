@@ -82,7 +82,7 @@ impl<'a> Run<'a> {
         let (pipeline, stage_cut) = match plan.pipeline {
             Some(pp) => {
                 let micro_batch = plan.batch.div_ceil(pp.shape.micro_batches);
-                let cut = world.agree(choose_cut(world, args.model, input_spec(&info), &args.pipeline.partition, &pp.shape, micro_batch, plan.device))?;
+                let cut = world.agree(choose_cut(world, args.model, input_spec(&info), &args.pipeline.partition, pp.shape.chunks(), micro_batch, plan.device))?;
                 let stage_cut = cut.stage(&pp.shape, pp.grid.stage_of(pipeline_world.rank as usize));
                 let pipeline = world.agree(Pipeline::new(pipeline_world, pp, cut, micro_batch, plan.device, plan.cuda_aware, args.pipeline.recompute, args.pipeline.pipeline_timeline.is_some()))?;
                 (Some(pipeline), Some(stage_cut))

@@ -195,13 +195,7 @@ impl Cut {
 
 /// Chooses the cut (collective over `world` for `--partition time`: every rank profiles, the
 /// times are averaged, and every rank cuts the same way).
-pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partition: &Partition, shape: &Shape, micro_batch: usize, device: Device) -> Result<Cut> {
-    let chunks = shape.chunks();
-    // ZB-V's stages hold a chunk each way of the V: its cut evens stages rather than chunks.
-    let cut_into = |costs: &[f64]| match shape.kind {
-        ScheduleKind::ZbV => pipeline::balance_v(costs, shape.stages),
-        _ => pipeline::balance(costs, chunks),
-    };
+pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partition: &Partition, chunks: usize, micro_batch: usize, device: Device) -> Result<Cut> {
     // Declared only: the survey gives one block at a time memory, and lets it go.
     let scratch = nn::VarStore::new(Device::Cpu);
     let blocks = model::build_blocks(kind, spec, |_| scratch.root());
@@ -220,12 +214,12 @@ pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partit
         Partition::Cuts(list) => pipeline::cuts_from_list(list, blocks.len(), chunks).map_err(Error::usage)?,
         Partition::Params => {
             let costs: Vec<f64> = survey.params.iter().map(|&p| p as f64).collect();
-            cut_into(&costs).map_err(|e| Error::usage(format!("--partition params: {e}")))?
+            pipeline::balance(&costs, chunks).map_err(|e| Error::usage(format!("--partition params: {e}")))?
         }
         Partition::Time => {
             let mine = world.agree(profile_blocks(&blocks, spec, micro_batch, device))?;
             let ms: Vec<f64> = mine.iter().map(|&t| world.sum_f64(t) / world.size as f64).collect();
-            let starts = cut_into(&ms).map_err(|e| Error::usage(format!("--partition time: {e}")))?;
+            let starts = pipeline::balance(&ms, chunks).map_err(|e| Error::usage(format!("--partition time: {e}")))?;
             survey.ms = Some(ms);
             starts
         }
