@@ -19,7 +19,6 @@ use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::staging::wait_for_stream;
 use crate::raw::{CudaStream, CurrentStream};
 use crate::plan::fsdp::{self, Unit, UnitSize};
 use crate::plan::shard::ShardInfo;
@@ -86,9 +85,9 @@ impl UnitWorker {
                         let end = clock.now()?;
                         // The job is done when its kernels are: waiting here for this thread's
                         // stream only (the MPI thread's collectives run on a stream of their
-                        // own) lets the MPI thread pack the gradients and reuse the unit's
-                        // buffer without racing it.
-                        wait_for_stream(device)?;
+                        // own), on the end stamp's event, lets the MPI thread pack the
+                        // gradients and reuse the unit's buffer without racing it.
+                        clock.wait(&end)?;
                         Ok(Done { output, loss, compute: Some(Stamped { start, end }) })
                     });
                     if outbox.send(result).is_err() {

@@ -48,20 +48,9 @@ struct Window {
 impl Window {
     /// Runs the window's collectives: gives the gathered unit's buffer, and when each half ran.
     fn run(self, shards: &mut dyn UnitShards, clock: &StampClock) -> Result<(Option<Tensor>, Option<Stamped>, Option<Stamped>)> {
-        let reduced = match self.reduce {
-            Some(u) => {
-                let start = clock.now()?;
-                shards.reduce(u)?;
-                Some(Stamped { start, end: clock.now()? })
-            }
-            None => None,
-        };
-        let (gathered, gather) = match self.gather {
-            Some(u) => {
-                let start = clock.now()?;
-                let buffer = shards.gather(u)?;
-                (Some(buffer), Some(Stamped { start, end: clock.now()? }))
-            }
+        let reduced = self.reduce.map(|u| clock.time(|| shards.reduce(u))).transpose()?.map(|((), stamped)| stamped);
+        let (gathered, gather) = match self.gather.map(|u| clock.time(|| shards.gather(u))).transpose()? {
+            Some((buffer, stamped)) => (Some(buffer), Some(stamped)),
             None => (None, None),
         };
         Ok((gathered, reduced, gather))
@@ -95,9 +84,8 @@ impl WindowLog {
 
     /// A collective that no compute ran beside (the first gather, the last reduce-scatter).
     fn alone<T>(&mut self, kind: Collective, collective: impl FnOnce() -> Result<T>) -> Result<T> {
-        let start = self.clock.now()?;
-        let result = collective()?;
-        let stamped = Some(Stamped { start, end: self.clock.now()? });
+        let (result, stamped) = self.clock.time(collective)?;
+        let stamped = Some(stamped);
         let (reduce, gather) = match kind {
             Collective::ReduceScatter => (stamped, None),
             Collective::Gather => (None, stamped),

@@ -57,6 +57,21 @@ impl StampClock {
         Ok(Stamp::Device(event))
     }
 
+    /// Runs `work` between two stamps of the calling thread.
+    pub fn time<T>(&self, work: impl FnOnce() -> Result<T>) -> Result<(T, Stamped)> {
+        let start = self.now()?;
+        let result = work()?;
+        Ok((result, Stamped { start, end: self.now()? }))
+    }
+
+    /// Waits for the work queued on its stream before `stamp` (nothing on the host clock).
+    pub fn wait(&self, stamp: &Stamp) -> Result<()> {
+        match stamp {
+            Stamp::Host(_) => Ok(()),
+            Stamp::Device(event) => event.synchronize(),
+        }
+    }
+
     /// `stretch` on the anchor's clock, in milliseconds; its events go back to the pool. On a
     /// GPU, waits for the stretch's end (the step has waited for the device by then anyway).
     pub fn span(&self, anchor: &Stamp, stretch: Stamped) -> Result<Span> {
