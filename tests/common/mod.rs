@@ -5,11 +5,49 @@ pub mod launcher;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Condvar, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
-/// MPI jobs of one test binary run one at a time: the machine has few cores.
-static MPI_JOBS: Mutex<()> = Mutex::new(());
+/// How many MPI jobs of one test binary run at once ([`job_slot`]).
+static MPI_JOBS: JobSlots = JobSlots { taken: Mutex::new(0), freed: Condvar::new() };
+
+struct JobSlots {
+    taken: Mutex<usize>,
+    freed: Condvar,
+}
+
+/// One of the MPI jobs a test binary may run at once, held until dropped. The machine has few
+/// cores, so a binary's test threads share a few: `HPC_TRAIN_TEST_MPI_JOBS`, by default 2 under
+/// Open MPI and 1 under MPICH. With one job at a time, Open MPI's test binaries kept the 2-core
+/// VM only 50-70% busy (reliability: 142 s of wall time, 95 s of CPU): much of a launch waits,
+/// for a watchdog's timeout, a signal's moment, start-up or teardown, and Open MPI's
+/// oversubscribed ranks yield the core while they wait. MPICH's ranks poll without yielding, so
+/// a second job there only takes cores from the first.
+pub struct JobSlot;
+
+pub fn job_slot() -> JobSlot {
+    static LIMIT: OnceLock<usize> = OnceLock::new();
+    let limit = *LIMIT.get_or_init(|| match std::env::var("HPC_TRAIN_TEST_MPI_JOBS") {
+        Ok(v) if !v.is_empty() => v.parse().ok().filter(|&n| n > 0).unwrap_or_else(|| panic!("HPC_TRAIN_TEST_MPI_JOBS={v}: expected a count of at least 1")),
+        _ => match launcher::mpi() {
+            launcher::Mpi::OpenMpi => 2,
+            launcher::Mpi::Mpich => 1,
+        },
+    });
+    let mut taken = MPI_JOBS.taken.lock().unwrap_or_else(|e| e.into_inner());
+    while *taken >= limit {
+        taken = MPI_JOBS.freed.wait(taken).unwrap_or_else(|e| e.into_inner());
+    }
+    *taken += 1;
+    JobSlot
+}
+
+impl Drop for JobSlot {
+    fn drop(&mut self) {
+        *MPI_JOBS.taken.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        MPI_JOBS.freed.notify_one();
+    }
+}
 
 /// HDF5 opens files without close-on-exec and locks them with flock(2). A child started while
 /// another test thread of the same binary has an HDF5 file open inherits that descriptor, and
@@ -129,7 +167,7 @@ fn run_once(cmd: &mut Command, limit: Duration) -> Run {
 /// `mpirun -n <ranks> hpc-train <args>` (the launcher of the MPI hpc-train was built against,
 /// see [`launcher`]) with the settings tests need (root, oversubscription), killed after `limit`.
 pub fn mpirun_env(ranks: usize, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Run {
-    let _guard = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    let _slot = job_slot();
     run_with_limit(mpirun_command(ranks, args, env), limit)
 }
 
@@ -152,7 +190,7 @@ fn mpirun_command_of(ranks: usize, program: &[&std::ffi::OsStr], args: &[&str], 
 /// As [`mpirun_env`], each rank started as `<wrapper> <hpc-train> <args>`: a script that sets
 /// up a rank's environment the way a launcher would (e.g. a per-rank CUDA_VISIBLE_DEVICES).
 pub fn mpirun_wrapped(ranks: usize, wrapper: &Path, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Run {
-    let _guard = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    let _slot = job_slot();
     run_with_limit(mpirun_command_of(ranks, &[wrapper.as_os_str(), std::ffi::OsStr::new(bin())], args, env), limit)
 }
 
@@ -163,7 +201,7 @@ pub fn mpirun_wrapped(ranks: usize, wrapper: &Path, args: &[&str], env: &[(&str,
 /// tests of what hpc-train does when one runs full. The mount goes with the namespace when the
 /// launcher ends.
 pub fn mpirun_with_tmpfs(ranks: usize, args: &[&str], env: &[(&str, &str)], dir: &Path, size: &str, limit: Duration) -> Run {
-    let _guard = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    let _slot = job_slot();
     std::fs::create_dir_all(dir).unwrap();
     let mount_point = launcher::shared_memory_mount_point(dir);
     let inner = mpirun_command(ranks, args, env);
@@ -209,7 +247,7 @@ fn with_tmpfs_listing(cmd: Command, dir: &Path, size: &str, limit: Duration) -> 
 /// `mpirun ... hpc-train <args>` with a tmpfs of `size` on `dir`; returns the run and what it
 /// left in the tmpfs.
 pub fn mpirun_with_tmpfs_listing(ranks: usize, args: &[&str], dir: &Path, size: &str, limit: Duration) -> (Run, Vec<String>) {
-    let _guard = MPI_JOBS.lock().unwrap_or_else(|e| e.into_inner());
+    let _slot = job_slot();
     with_tmpfs_listing(mpirun_command(ranks, args, &[]), dir, size, limit)
 }
 
