@@ -36,7 +36,8 @@ use data::command::DataCommand;
 use error::Error;
 use topology::World;
 
-/// How long a rank that did not print an agreed error waits before it exits (see its use).
+/// The longest that the ranks of an agreed error wait for each other before they exit (see
+/// its use).
 const REPORTED_ERROR_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
 
 fn main() {
@@ -133,18 +134,23 @@ fn main() {
         // Another rank prints the error these ranks agreed on. Exiting at once, a rank that
         // does not print ended the job under Open MPI (mpirun kills the others when one exits
         // non-zero) before the one that does had written its line: a fault of --zero 3 ended
-        // with no message in 1 of about 20 runs. The pause lets the printing rank go first.
+        // with no message in 1 of about 20 runs. So every rank of an agreed error meets in a
+        // barrier, the printing one once its line is out, and exits after it. The barrier gives
+        // up after REPORTED_ERROR_GRACE (a fixed pause of that length before): a rank that
+        // never comes has ended the job another way.
         Err(Error::Reported(rank)) => {
             log::debug!("exiting after the error reported by rank {rank}");
-            std::thread::sleep(REPORTED_ERROR_GRACE);
+            world.sleeping_barrier_within(Some(REPORTED_ERROR_GRACE));
             1
         }
         Err(Error::Agreed(e)) if matches!(*e, Error::Reported(_)) => {
-            std::thread::sleep(REPORTED_ERROR_GRACE);
+            world.sleeping_barrier_within(Some(REPORTED_ERROR_GRACE));
             1
         }
         Err(Error::Agreed(e)) => {
             print_error(format_args!("{e}"));
+            let _ = std::io::stderr().flush();
+            world.sleeping_barrier_within(Some(REPORTED_ERROR_GRACE));
             1
         }
         Err(e) => {

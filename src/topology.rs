@@ -109,12 +109,25 @@ impl World {
     /// with more ranks than cores the idle ranks' polling took the cores of the ranks at work.
     /// Collective over the world.
     pub fn sleeping_barrier(&self) {
+        self.sleeping_barrier_within(None);
+    }
+
+    /// [`World::sleeping_barrier`] that gives up after `limit`: whether every rank arrived in
+    /// time. A barrier given up on stays posted, unfinished, as the process exits: for the
+    /// exit paths only, where a rank that never arrives has ended the job another way.
+    pub fn sleeping_barrier_within(&self, limit: Option<Duration>) -> bool {
+        let started = std::time::Instant::now();
         let mut request = self.comm.immediate_barrier();
         let mut pause = Duration::from_micros(50);
         loop {
             match request.test() {
-                Ok(_) => return,
+                Ok(_) => return true,
                 Err(pending) => request = pending,
+            }
+            if limit.is_some_and(|limit| started.elapsed() >= limit) {
+                // rsmpi panics when an unfinished request is dropped; MPI frees it at exit.
+                std::mem::forget(request);
+                return false;
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(2));
