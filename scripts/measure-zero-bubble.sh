@@ -62,7 +62,7 @@ for line in open(f"{out}/runs.jsonl"):
 pct = lambda x: f"{100 * x:.1f}%"
 mean = lambda v: sum(v) / len(v) if v else float("nan")
 lines = [f"Zero-bubble schedules, P = {stages} ({stages} ranks, {cores} cores), Fashion-MNIST, batch 64 per step, one thread per rank; {host}, {day}.", ""]
-header = ["model", "M", "schedule", "bubble per stage", "mean", "replay (measured F, B, W)", "points off", "theory", "F / B / W ms per micro-batch and stage", "images/s", "peak RSS MiB per stage"]
+header = ["model", "M", "schedule", "bubble per stage", "mean", "replay (measured F, B, W)", "points off", "replay with messages", "points off", "message ms per step and stage", "theory", "F / B / W ms per micro-batch and stage", "images/s", "peak RSS MiB per stage"]
 lines.append("| " + " | ".join(header) + " |")
 lines.append("|" + "|".join("---:" if i > 2 else "---" for i in range(len(header))) + "|")
 for model in models:
@@ -73,6 +73,7 @@ for model in models:
                 continue
             pl = r["pipeline"]
             measured, replay = mean(pl["bubble"]), mean(pl.get("replay_bubble", []))
+            with_messages = mean(pl.get("replay_bubble_with_messages", []))
             steps = max(1, r["steps"] - 4)
             compute = pl["stage_compute_ms"]
             b, w = pl.get("stage_input_grad_ms", []), pl.get("stage_weight_grad_ms", [])
@@ -84,10 +85,11 @@ for model in models:
             for rank in pl.get("ranks", []):
                 rss[rank["stage"]] = max(rss.get(rank["stage"], 0), rank["peak_rss_mb"])
             lines.append("| " + " | ".join([model, str(m), s + (" V=2" if pl["virtual_stages"] > 1 and s == "interleaved" else ""),
-                ", ".join(pct(x) for x in pl["bubble"]), pct(measured), pct(replay), f"{100 * (measured - replay):+.1f}", pct(pl["theoretical_bubble"]),
+                ", ".join(pct(x) for x in pl["bubble"]), pct(measured), pct(replay), f"{100 * (measured - replay):+.1f}",
+                pct(with_messages), f"{100 * (measured - with_messages):+.1f}", ", ".join(f"{x:.1f}" for x in pl.get("stage_message_ms", [])), pct(pl["theoretical_bubble"]),
                 fbw, f"{r['images_per_sec']:.1f}", ", ".join(f"{rss[k]:.0f}" for k in sorted(rss))]) + " |")
 lines.append("")
-lines.append("bubble: each stage's idle share of the pipelined part of the step, measured; replay: the schedule replayed (src/plan/pipeline.rs) with the run's own measured per-stage forward, B and W times (an unsplit backward counted as B), messages free; theory: the balanced replay with F = B = W.")
+lines.append("bubble: each stage's idle share of the pipelined part of the step, measured; replay: the schedule replayed (src/plan/pipeline.rs) with the run's own measured forward, B and W times of each chunk (an unsplit backward counted as B), messages free; replay with messages: the same with each message to another stage costing its stage an equal share of the stage's message time; message ms: each stage's host time per step outside computing and outside waiting for messages (making their buffers, posting and testing them); theory: the balanced replay with F = B = W.")
 open(f"{out}/table.md", "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF

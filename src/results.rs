@@ -125,6 +125,14 @@ pub struct PipelineRecord {
     /// backward (B and W) times, messages free. Absent in records of older binaries.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub replay_bubble: Vec<f64>,
+    /// Per stage: the host time per measured step spent on messages outside computing and
+    /// outside waiting for them (making buffers, posting, testing; ms, mean over the
+    /// replicas), and the replay's bubble with each message costing its stage its share of it.
+    /// Absent in records of older binaries.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stage_message_ms: Vec<f64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replay_bubble_with_messages: Vec<f64>,
     /// The balanced schedule's bubble (plan/pipeline.rs's theoretical_bubble): (P-1)/(M+P-1),
     /// P-1 divided by V when interleaved, (P-1)/(3M+P-1) for ZB-H1 (F = B = W).
     pub theoretical_bubble: f64,

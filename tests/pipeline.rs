@@ -308,6 +308,8 @@ fn pipelined_evaluation_scores_as_one_process() {
         ("p2-m4", 2, 32, &["--pipeline-stages", "2", "--micro-batches", "4"][..]),
         ("p3-m4", 3, 32, &["--pipeline-stages", "3", "--micro-batches", "4", "--schedule", "gpipe"]),
         ("p2-interleaved-m4", 2, 32, &["--pipeline-stages", "2", "--micro-batches", "4", "--schedule", "interleaved", "--virtual-stages", "2", "--partition", "params"]),
+        // The V: the last chunk (the scores) on the first stage, its turn kept on stage 1.
+        ("p2-zb-v-m4", 2, 32, &["--pipeline-stages", "2", "--micro-batches", "4", "--schedule", "zb-v", "--partition", "params"]),
         ("d2-p2-m2", 4, 16, &["--pipeline-stages", "2", "--micro-batches", "2"]),
     ] {
         let record = evaluate(name, ranks, batch, layout);
@@ -415,7 +417,8 @@ fn layouts_that_cannot_run_are_refused_with_one_line() {
 fn zero_bubble_schedules_train_the_weights_of_one_process() {
     let dir = scratch("pipeline-zero-bubble");
     // (ranks, schedule, stages, micro-batches). Under MPICH the rows whose messages differ in
-    // kind: ZB-H1 on 3 stages, ZB-V (its message to itself); the rest is the same arithmetic.
+    // kind: ZB-H1 on 3 stages, ZB-V (messages both ways on one link, and the turn of the V that
+    // stays on its stage); the rest is the same arithmetic.
     let layouts = common::launcher::rows_under_mpich(
         &[(2, "zb-h1", 2, 1), (2, "zb-h1", 2, 4), (2, "zb-h1", 2, 8), (3, "zb-h1", 3, 8), (4, "zb-h1", 4, 4), (2, "zb-v", 2, 4), (2, "zb-v", 2, 8)],
         |(_, schedule, p, m)| (schedule == "zb-h1" && p == 3) || (schedule == "zb-v" && m == 4),

@@ -658,17 +658,41 @@ impl Costs {
 /// stuck stages, when no stage can go on (a deadlock), or when a message is received that
 /// nobody sends or sent that nobody receives.
 pub fn replay(shape: &Shape, costs: &Costs) -> Result<Replay, String> {
+    replay_with_messages(shape, costs, &[])
+}
+
+/// [`replay`] where posting a message to another stage (a send or a receive) takes its stage
+/// `message[stage]` of time, which counts as idle: what the executor spends on a message
+/// outside computing and outside waiting for one (making its buffer, posting it, testing it),
+/// measured per stage. A send leaves once posted. A stage missing from `message` pays nothing.
+/// The turn of ZB-V's V, where both chunks are one stage's, is no message.
+pub fn replay_with_messages(shape: &Shape, costs: &Costs, message: &[f64]) -> Result<Replay, String> {
     let plans: Vec<Vec<Action>> = (0..shape.stages).map(|p| schedule(shape, p)).collect();
-    replay_plans(shape, &plans, costs)
+    replay_plans(shape, &plans, costs, message)
 }
 
 /// [`replay`] of given compute orders, one per stage.
 fn replay_orders(shape: &Shape, orders: &[Vec<Action>], costs: &Costs) -> Result<Replay, String> {
     let plans: Vec<Vec<Action>> = orders.iter().map(|order| schedule_of(shape, order)).collect();
-    replay_plans(shape, &plans, costs)
+    replay_plans(shape, &plans, costs, &[])
 }
 
-fn replay_plans(shape: &Shape, plans: &[Vec<Action>], costs: &Costs) -> Result<Replay, String> {
+/// The stage at the other end of a message action (None for a compute action).
+fn message_peer(shape: &Shape, action: &Action) -> Option<usize> {
+    match *action {
+        Action::ReceiveActivation { chunk, .. } | Action::SendGradient { chunk, .. } => Some(shape.stage_of(chunk - 1)),
+        Action::ReceiveGradient { chunk, .. } | Action::SendActivation { chunk, .. } => Some(shape.stage_of(chunk + 1)),
+        _ => None,
+    }
+}
+
+/// How many messages `stage` posts per step under training's [`schedule`] (sends and receives
+/// to other stages).
+pub fn messages_per_step(shape: &Shape, stage: usize) -> usize {
+    schedule(shape, stage).iter().filter(|a| message_peer(shape, a).is_some_and(|peer| peer != stage)).count()
+}
+
+fn replay_plans(shape: &Shape, plans: &[Vec<Action>], costs: &Costs, message: &[f64]) -> Result<Replay, String> {
     use std::collections::HashMap;
     let p_count = shape.stages;
     // Every send must meet exactly one posted receive and the other way round.
@@ -717,6 +741,9 @@ fn replay_plans(shape: &Shape, plans: &[Vec<Action>], costs: &Costs) -> Result<R
                         Some(&t) => clock[p] = clock[p].max(t),
                         None => break,
                     }
+                }
+                if message_peer(shape, a).is_some_and(|peer| peer != p) {
+                    clock[p] += message.get(p).copied().unwrap_or(0.0);
                 }
                 match *a {
                     Action::ReceiveActivation { micro, chunk } => {
@@ -890,6 +917,34 @@ pub fn replay_forwards(shape: &Shape, micro_batches: usize, forward_cost: &[f64]
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// GPipe on 2 stages with one micro-batch, F = B = 1 and every message c: stage 0 posts the
+    /// gradient's receive (c), forwards (1) and sends (c); stage 1 waits for it, forwards and
+    /// backwards (2) and sends the gradient (c); stage 0's backward (1) ends the step at 4 + 3c.
+    #[test]
+    fn messages_cost_their_stage_time_and_the_turn_of_the_v_costs_nothing() {
+        let shape = Shape::new(ScheduleKind::Gpipe, 2, 1, 1).unwrap();
+        let unit = Costs { forward: vec![1.0], input_grad: vec![1.0], weight_grad: vec![0.0] };
+        for c in [0.0, 0.5, 2.0] {
+            let r = replay_with_messages(&shape, &unit, &[c, c]).unwrap();
+            assert!((r.makespan - (4.0 + 3.0 * c)).abs() < 1e-12, "c = {c}: {}", r.makespan);
+            assert_eq!(r.busy, vec![2.0, 2.0], "messages are not compute");
+        }
+        assert_eq!(replay_with_messages(&shape, &unit, &[]).unwrap().makespan, replay(&shape, &unit).unwrap().makespan);
+        // Each stage of every schedule posts 2 messages per micro-batch and boundary it has
+        // with another stage: ZB-V's stage P-1 holds both chunks at the turn of the V, and that
+        // boundary is no message.
+        for shape in shapes().into_iter().filter(|s| s.stages > 1) {
+            let chunks = shape.chunks();
+            for stage in 0..shape.stages {
+                let crossing = (0..chunks - 1).filter(|&b| shape.stage_of(b) != shape.stage_of(b + 1));
+                let mine = crossing.map(|b| usize::from(shape.stage_of(b) == stage) + usize::from(shape.stage_of(b + 1) == stage)).sum::<usize>();
+                assert_eq!(messages_per_step(&shape, stage), 2 * shape.micro_batches * mine, "{shape:?} stage {stage}");
+            }
+        }
+        let v = Shape::new(ScheduleKind::ZbV, 2, 4, 1).unwrap();
+        assert_eq!((messages_per_step(&v, 0), messages_per_step(&v, 1)), (16, 16));
+    }
 
     fn shapes() -> Vec<Shape> {
         let mut all = Vec::new();

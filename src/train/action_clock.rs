@@ -36,6 +36,8 @@ pub(super) struct Started {
 /// An action's duration, once known: at once on the host, at the step's end on a GPU.
 pub(super) struct Timed {
     pub phase: Phase,
+    /// The chunk (of the model's 0..V*P) it computed.
+    pub chunk: usize,
     pub label: String,
     /// Where the action starts on the timeline (its clock: microseconds since rank 0's start).
     pub start_us: f64,
@@ -45,6 +47,7 @@ pub(super) struct Timed {
 /// A GPU step's actions waiting for their times.
 struct Pending {
     phase: Phase,
+    chunk: usize,
     label: String,
     pair: usize,
 }
@@ -105,12 +108,12 @@ impl ActionClock {
 
     /// Ends an action: its time on the host (CPU ranks), or None on a GPU, where it comes with
     /// the step's others from [`ActionClock::finish`].
-    pub fn stop(&mut self, started: Started, phase: Phase, label: impl FnOnce() -> String) -> Result<Option<Timed>> {
+    pub fn stop(&mut self, started: Started, phase: Phase, chunk: usize, label: impl FnOnce() -> String) -> Result<Option<Timed>> {
         match started.pair {
-            None => Ok(Some(Timed { phase, label: label(), start_us: started.host_us, took: started.host.elapsed() })),
+            None => Ok(Some(Timed { phase, chunk, label: label(), start_us: started.host_us, took: started.host.elapsed() })),
             Some(pair) => {
                 self.pairs[pair].1.record_current(self.device)?;
-                self.pending.push(Pending { phase, label: label(), pair });
+                self.pending.push(Pending { phase, chunk, label: label(), pair });
                 Ok(None)
             }
         }
@@ -127,6 +130,7 @@ impl ActionClock {
             let offset_ms = anchor.elapsed_ms(begin)?;
             timed.push(Timed {
                 phase: p.phase,
+                chunk: p.chunk,
                 label: p.label,
                 start_us: anchor_us + offset_ms * 1e3,
                 took: Duration::from_secs_f64(took_ms.max(0.0) / 1e3),
@@ -147,8 +151,8 @@ mod tests {
         assert!(!clock.deferred());
         let started = clock.start(150.0).unwrap();
         std::thread::sleep(Duration::from_millis(2));
-        let timed = clock.stop(started, Phase::InputGrad, || "B 3 (chunk 1)".into()).unwrap().expect("timed at once");
-        assert_eq!((timed.phase, timed.label.as_str(), timed.start_us), (Phase::InputGrad, "B 3 (chunk 1)", 150.0));
+        let timed = clock.stop(started, Phase::InputGrad, 1, || "B 3 (chunk 1)".into()).unwrap().expect("timed at once");
+        assert_eq!((timed.phase, timed.chunk, timed.label.as_str(), timed.start_us), (Phase::InputGrad, 1, "B 3 (chunk 1)", 150.0));
         assert!(timed.took >= Duration::from_millis(2), "{:?}", timed.took);
         assert!(clock.finish().unwrap().is_empty(), "nothing is deferred on the host");
     }

@@ -89,6 +89,9 @@ pub(super) struct PipelineFigures {
     pub(super) compute: Duration,
     /// From the first action to the last send's completion: compute plus waiting.
     pub(super) phase: Duration,
+    /// The part of `phase` blocked in MPI for a message to arrive or the sends to complete.
+    /// The rest outside `compute` is the messages' host work (buffers, posting, testing).
+    pub(super) blocked: Duration,
     /// The most micro-batches (per chunk) whose activations were held at once.
     pub(super) peak_alive: usize,
     /// The most bytes of boundary activations (inputs kept for backward and outputs) held at once.
@@ -99,6 +102,10 @@ pub(super) struct PipelineFigures {
     pub(super) backward: Duration,
     pub(super) input_grad: Duration,
     pub(super) weight_grad: Duration,
+    /// Per chunk of the model (this stage's only; the others' stay zero): its forwards, its
+    /// B's (or unsplit backwards) and its W's. Under ZB-V a stage's two chunks differ: the first
+    /// chunk's B computes nothing and its W is the whole backward.
+    pub(super) per_chunk: Vec<[Duration; 3]>,
 }
 
 impl PipelineFigures {
@@ -244,6 +251,12 @@ impl Pipeline {
         self.shape().stage_of(chunk) as i32
     }
 
+    /// Whether `stage` of the pipeline is this rank's own: ZB-V's two chunks at the turn of
+    /// the V, whose boundary needs no message.
+    fn is_this_stage(&self, stage: i32) -> bool {
+        stage as usize == self.stage
+    }
+
     /// `stage` of this pipeline as the watchdog names it: "stage 0 (world rank 4)".
     pub(super) fn stage_name(&self, stage: i32) -> String {
         format!("stage {stage} (world rank {})", self.stage_world_ranks.get(stage as usize).copied().unwrap_or(-1))
@@ -276,8 +289,9 @@ impl Pipeline {
 
     /// Ends a compute action begun with `self.clock.start`: counted at once on CPU ranks, at the
     /// step's end on a GPU ([`ActionClock`]).
-    fn stop_action(&mut self, began: Started, phase: Phase, label: impl FnOnce() -> String, step: u64, measured: bool, compute: &mut Duration) -> Result<()> {
-        if let Some(timed) = self.clock.stop(began, phase, label)? {
+    #[allow(clippy::too_many_arguments)]
+    fn stop_action(&mut self, began: Started, phase: Phase, chunk: usize, label: impl FnOnce() -> String, step: u64, measured: bool, compute: &mut Duration) -> Result<()> {
+        if let Some(timed) = self.clock.stop(began, phase, chunk, label)? {
             self.count_action(timed, step, measured, compute);
         }
         Ok(())
@@ -295,6 +309,16 @@ impl Pipeline {
                 Phase::WeightGrad => &mut self.figures.weight_grad,
             };
             *figure += timed.took;
+            // An unsplit backward is priced as a B with a W of nothing.
+            let part = match timed.phase {
+                Phase::Forward => 0,
+                Phase::Backward | Phase::InputGrad => 1,
+                Phase::WeightGrad => 2,
+            };
+            let chunks = self.shape().chunks();
+            let per_chunk = &mut self.figures.per_chunk;
+            per_chunk.resize(chunks, [Duration::ZERO; 3]);
+            per_chunk[timed.chunk][part] += timed.took;
         }
         let category = if timed.phase == Phase::Forward { "forward" } else { "backward" };
         self.span(step, timed.label, category, timed.start_us, timed.took.as_secs_f64() * 1e6);
@@ -346,7 +370,7 @@ impl Pipeline {
         let on = self.message_device();
         let mut inputs: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut outputs: HashMap<(usize, usize), Tensor> = HashMap::new();
-        let mut receives: HashMap<(Message, usize, usize), TensorMessage> = HashMap::new();
+        let mut receives: HashMap<(Message, usize, usize), Inbound> = HashMap::new();
         // Each send with the stage it goes to (for the watchdog's message).
         let mut sends: Vec<(TensorMessage, i32)> = Vec::new();
         let last_forward = self.actions.iter().rposition(|a| matches!(a, Action::Forward { .. }));
@@ -356,6 +380,8 @@ impl Pipeline {
         let mut deferred: HashMap<(usize, usize), DeferredWeights> = HashMap::new();
         let mut losses: Vec<Tensor> = Vec::new();
         let (mut compute, mut alive, mut held_bytes) = (Duration::ZERO, 0usize, 0usize);
+        // Time blocked in MPI waiting for a message to arrive or the step's sends to complete.
+        let mut blocked = Duration::ZERO;
         let bytes = |t: &Tensor| t.numel() * 4;
         // Sends in flight move on while this stage computes; the thread rests between steps.
         let progress = self.progress.clone();
@@ -377,11 +403,14 @@ impl Pipeline {
                         Action::ReceiveActivation { .. } => (Message::Activation, self.cut.input_shape(c).to_vec(), self.peer(c - 1), c),
                         _ => (Message::Gradient, self.cut.output_shape(c).to_vec(), self.peer(c + 1), c + 1),
                     };
+                    if self.is_this_stage(from) {
+                        continue; // handed over by this stage's send (Inbound::Local)
+                    }
                     let size: Vec<i64> = std::iter::once(micro[m].len as i64).chain(sample_shape).collect();
                     let buffer = if self.staged() { self.staging.take(&size, Kind::Float, self.device)? } else { Tensor::f_empty(size.as_slice(), (Kind::Float, on))? };
                     // SAFETY: a new tensor with no other handle; the message owns it until waited for.
                     let message = unsafe { TensorMessage::receive(buffer, &self.comm, from, shape.tag(kind, m, boundary))? };
-                    receives.insert((kind, m, c), message);
+                    receives.insert((kind, m, c), Inbound::Message(message));
                 }
                 Action::Forward { micro: m, chunk: c } => {
                     if faults.forward_fails() && Some(index) == last_forward {
@@ -393,14 +422,21 @@ impl Pipeline {
                     let x = if c == 0 {
                         images.expect("the first stage has the images").f_narrow(0, micro[m].offset as i64, micro[m].len as i64)?
                     } else {
-                        let waited = self.now_us();
-                        let message = receives.remove(&(Message::Activation, m, c)).expect("the schedule posts every receive before its use");
-                        let from = self.peer(c - 1);
-                        let watched = self.waiting(|| format!("the activation of micro-batch {m} from {}", self.stage_name(from)));
-                        let x = self.arrived(message.wait()?)?.f_requires_grad_(true)?;
-                        drop(watched);
-                        self.event(step, format!("wait activation {m}"), "wait", waited);
-                        x
+                        match receives.remove(&(Message::Activation, m, c)).expect("the schedule posts every receive before its use") {
+                            Inbound::Local(mut x) => x.f_requires_grad_(true)?,
+                            Inbound::Message(message) => {
+                                let waited = self.now_us();
+                                let from = self.peer(c - 1);
+                                let watched = self.waiting(|| format!("the activation of micro-batch {m} from {}", self.stage_name(from)));
+                                let since = Instant::now();
+                                let arrived = message.wait()?;
+                                blocked += since.elapsed();
+                                let x = self.arrived(arrived)?.f_requires_grad_(true)?;
+                                drop(watched);
+                                self.event(step, format!("wait activation {m}"), "wait", waited);
+                                x
+                            }
+                        }
                     };
                     let began = self.clock.start(self.now_us())?;
                     // The chunk's forward and (on the last) the loss under the precision's
@@ -414,7 +450,7 @@ impl Pipeline {
                         losses.push(loss.f_detach()?);
                         Ok(loss.f_mul_scalar(factor)?)
                     })?;
-                    self.stop_action(began, Phase::Forward, || format!("forward {m} (chunk {c})"), step, measured, &mut compute)?;
+                    self.stop_action(began, Phase::Forward, c, || format!("forward {m} (chunk {c})"), step, measured, &mut compute)?;
                     held_bytes += bytes(&out) + bytes(&x);
                     outputs.insert((m, c), out);
                     inputs.insert((m, c), x);
@@ -435,6 +471,15 @@ impl Pipeline {
                     // In f32 whatever autocast made the output (the receiver's buffer is f32):
                     // a 16-bit output goes over and back exactly, and the next chunk's first
                     // autocast op casts it down again as one process would not need to.
+                    let to = self.peer(c + 1);
+                    if self.is_this_stage(to) {
+                        // The turn of ZB-V's V: the next chunk is this stage's. It takes a copy,
+                        // as a message would give it, in the device's memory.
+                        let x = out.f_detach()?.f_to_kind(Kind::Float)?;
+                        let x = if raw_shares_storage(&x, &out) { x.copy() } else { x };
+                        receives.insert((Message::Activation, m, c + 1), Inbound::Local(x));
+                        continue;
+                    }
                     let payload = self.for_message(&out.f_detach()?.f_to_kind(Kind::Float)?, on)?;
                     let payload = if raw_shares_storage(&payload, &out) { payload.copy() } else { payload };
                     // A device buffer reaches MPI once the kernels that write it are done (the
@@ -442,7 +487,6 @@ impl Pipeline {
                     wait_for_stream(payload.device())?;
                     // SAFETY: `payload` is a fresh copy (cloned when detach and contiguous kept
                     // the output's storage, which autograd may hold), written by nothing else.
-                    let to = self.peer(c + 1);
                     sends.push((unsafe { TensorMessage::send(payload, &self.comm, to, shape.tag(Message::Activation, m, c + 1))? }, to));
                     self.note_sent();
                 }
@@ -450,7 +494,7 @@ impl Pipeline {
                     if micro[m].len == 0 {
                         continue;
                     }
-                    let gradient = self.wait_gradient(&mut receives, m, c, step)?;
+                    let gradient = self.wait_gradient(&mut receives, m, c, step, &mut blocked)?;
                     let began = self.clock.start(self.now_us())?;
                     let x = inputs.get(&(m, c)).expect("backward after forward");
                     let out = if self.recompute {
@@ -465,7 +509,7 @@ impl Pipeline {
                         held_bytes -= bytes(&out);
                     }
                     backward_from(&out, gradient.as_ref())?;
-                    self.stop_action(began, Phase::Backward, || format!("backward {m} (chunk {c})"), step, measured, &mut compute)?;
+                    self.stop_action(began, Phase::Backward, c, || format!("backward {m} (chunk {c})"), step, measured, &mut compute)?;
                     alive -= 1;
                     if c == 0 {
                         let x = inputs.remove(&(m, c)).expect("held");
@@ -476,7 +520,7 @@ impl Pipeline {
                     if micro[m].len == 0 {
                         continue;
                     }
-                    let gradient = self.wait_gradient(&mut receives, m, c, step)?;
+                    let gradient = self.wait_gradient(&mut receives, m, c, step, &mut blocked)?;
                     let began = self.clock.start(self.now_us())?;
                     let out = outputs.remove(&(m, c)).expect("backward after forward");
                     held_bytes -= bytes(&out);
@@ -492,7 +536,7 @@ impl Pipeline {
                         input_grads.insert((m, c), dx);
                         deferred.insert((m, c), DeferredWeights::Graph(kept));
                     }
-                    self.stop_action(began, Phase::InputGrad, || format!("B {m} (chunk {c})"), step, measured, &mut compute)?;
+                    self.stop_action(began, Phase::InputGrad, c, || format!("B {m} (chunk {c})"), step, measured, &mut compute)?;
                 }
                 Action::BackwardWeight { micro: m, chunk: c } => {
                     if micro[m].len == 0 {
@@ -503,7 +547,7 @@ impl Pipeline {
                         DeferredWeights::Graph(kept) => crate::raw::backward_weight(kept)?,
                         DeferredWeights::Whole { out, gradient } => backward_from(&out, gradient.as_ref())?,
                     }
-                    self.stop_action(began, Phase::WeightGrad, || format!("W {m} (chunk {c})"), step, measured, &mut compute)?;
+                    self.stop_action(began, Phase::WeightGrad, c, || format!("W {m} (chunk {c})"), step, measured, &mut compute)?;
                     alive -= 1;
                 }
                 Action::SendGradient { micro: m, chunk: c } => {
@@ -517,11 +561,16 @@ impl Pipeline {
                         Some(dx) => dx,
                         None => x.grad(),
                     };
+                    let to = self.peer(c - 1);
+                    if self.is_this_stage(to) {
+                        // The turn of the V: the gradient stays here, where nothing else holds it.
+                        receives.insert((Message::Gradient, m, c - 1), Inbound::Local(grad));
+                        continue;
+                    }
                     let payload = self.for_message(&grad, on)?;
                     let payload = if raw_shares_storage(&payload, &grad) { payload.copy() } else { payload };
                     wait_for_stream(payload.device())?;
                     // SAFETY: a fresh copy of the input's gradient, which nothing else writes.
-                    let to = self.peer(c - 1);
                     sends.push((unsafe { TensorMessage::send(payload, &self.comm, to, shape.tag(Message::Gradient, m, c))? }, to));
                     self.note_sent();
                 }
@@ -538,6 +587,7 @@ impl Pipeline {
             sends = still;
         }
         let waited = self.now_us();
+        let since = Instant::now();
         if !sends.is_empty() {
             let mut peers: Vec<i32> = sends.iter().map(|(_, to)| *to).collect();
             peers.dedup();
@@ -549,6 +599,7 @@ impl Pipeline {
                 }
             }
         }
+        blocked += since.elapsed();
         self.event(step, "wait sends".into(), "wait", waited);
         // On a GPU the actions' device times, now that their kernels are done.
         for timed in self.clock.finish()? {
@@ -558,6 +609,7 @@ impl Pipeline {
             self.figures.steps += 1;
             self.figures.compute += compute;
             self.figures.phase += started.elapsed();
+            self.figures.blocked += blocked;
         }
         let mut loss_sum = 0.0;
         for l in &losses {
@@ -592,7 +644,7 @@ impl Pipeline {
         let tag = |m: usize, boundary: usize| shape.tag(Message::Activation, m % shape.micro_batches, boundary);
         let window = pipeline::peak_held(&shape, self.stage);
         let on = self.message_device();
-        let mut receives: HashMap<(usize, usize), TensorMessage> = HashMap::new();
+        let mut receives: HashMap<(usize, usize), Inbound> = HashMap::new();
         let mut outputs: HashMap<(usize, usize), Tensor> = HashMap::new();
         // Sends in flight, oldest first, with the micro-batch and stage they go to.
         let mut sends: std::collections::VecDeque<(TensorMessage, usize, i32)> = std::collections::VecDeque::new();
@@ -600,11 +652,14 @@ impl Pipeline {
         for action in pipeline::forward_schedule(&shape, self.stage, micro.len()) {
             match action {
                 Action::ReceiveActivation { micro: m, chunk: c } => {
+                    if self.is_this_stage(self.peer(c - 1)) {
+                        continue; // handed over by this stage's send (Inbound::Local)
+                    }
                     let size: Vec<i64> = std::iter::once(micro[m].len as i64).chain(self.cut.input_shape(c).iter().copied()).collect();
                     let buffer = Tensor::f_empty(size.as_slice(), (Kind::Float, on))?;
                     // SAFETY: a new tensor with no other handle; the message owns it until waited for.
                     let message = unsafe { TensorMessage::receive(buffer, &self.comm, self.peer(c - 1), tag(m, c))? };
-                    receives.insert((m, c), message);
+                    receives.insert((m, c), Inbound::Message(message));
                 }
                 Action::Forward { micro: m, chunk: c } => {
                     if c < last {
@@ -617,10 +672,14 @@ impl Pipeline {
                     let x = if c == 0 {
                         input(m)?
                     } else {
-                        let message = receives.remove(&(m, c)).expect("the schedule posts every receive before its use");
-                        let from = self.peer(c - 1);
-                        let _watched = self.waiting(|| format!("the evaluation's activations of micro-batch {m} (test samples {}..{}) from {}", micro[m].offset, micro[m].end(), self.stage_name(from)));
-                        message.wait()?.f_to_device(self.device)?
+                        match receives.remove(&(m, c)).expect("the schedule posts every receive before its use") {
+                            Inbound::Local(x) => x,
+                            Inbound::Message(message) => {
+                                let from = self.peer(c - 1);
+                                let _watched = self.waiting(|| format!("the evaluation's activations of micro-batch {m} (test samples {}..{}) from {}", micro[m].offset, micro[m].end(), self.stage_name(from)));
+                                message.wait()?.f_to_device(self.device)?
+                            }
+                        }
                     };
                     let y = module(c).forward_t(&x, false);
                     if c == last {
@@ -631,9 +690,14 @@ impl Pipeline {
                 }
                 Action::SendActivation { micro: m, chunk: c } => {
                     let y = outputs.remove(&(m, c)).expect("sent after its forward");
+                    let to = self.peer(c + 1);
+                    if self.is_this_stage(to) {
+                        // In f32, as the receive buffer of a message would hold it.
+                        receives.insert((m, c + 1), Inbound::Local(y.f_to_kind(Kind::Float)?));
+                        continue;
+                    }
                     let payload = y.f_to_device(on)?.f_contiguous()?;
                     wait_for_stream(payload.device())?;
-                    let to = self.peer(c + 1);
                     // SAFETY: the forward's output (no graph under no_grad) or its copy, which
                     // nothing else holds or writes: `y` is dropped here.
                     sends.push_back((unsafe { TensorMessage::send(payload, &self.comm, to, tag(m, c + 1))? }, m, to));
@@ -681,23 +745,35 @@ impl Pipeline {
 
 impl Pipeline {
     /// Per stage, the bubble the schedule's replay (plan/pipeline.rs) gives with this run's
-    /// measured times: each stage's forwards, backwards, B's and W's per micro-batch, shared
-    /// equally among its chunks, messages taken as free. Set beside the measured bubble, it
-    /// says how much of the idle time the schedule explains (collective over `world`).
-    fn replay_bubble(&self, world: &World) -> Vec<f64> {
+    /// measured times: each chunk's own forward, backward (or B) and W per micro-batch (a
+    /// stage's chunks differ: under ZB-V the first chunk's B is empty, while the last chunk's
+    /// B is on the step's critical path); first with messages free, then with each message costing its
+    /// stage an equal share of `message_ms` (the stage's host time per step on messages outside
+    /// computing and waiting). Set beside the measured bubble, they say how much of the idle
+    /// time the schedule explains, and how much the messages' own work (collective over
+    /// `world`).
+    fn replay_bubble(&self, world: &World, message_ms: &[f64]) -> (Vec<f64>, Vec<f64>) {
         let f = &self.figures;
         let shape = self.shape();
-        let per_chunk_ms = |d: Duration| if f.steps == 0 { 0.0 } else { d.as_secs_f64() * 1e3 / (f.steps as usize * shape.micro_batches * shape.virtual_stages) as f64 };
-        let forward = self.per_stage(world, per_chunk_ms(f.forward));
-        // An unsplit backward is priced as a B with a W of nothing.
-        let input = self.per_stage(world, per_chunk_ms(f.backward + f.input_grad));
-        let weight = self.per_stage(world, per_chunk_ms(f.weight_grad));
-        let of_chunks = |stage_values: &[f64]| (0..shape.chunks()).map(|c| stage_values[shape.stage_of(c)]).collect::<Vec<f64>>();
-        let costs = pipeline::Costs { forward: of_chunks(&forward), input_grad: of_chunks(&input), weight_grad: of_chunks(&weight) };
-        match pipeline::replay(shape, &costs) {
-            Ok(r) => (0..shape.stages).map(|s| r.bubble(s)).collect(),
-            Err(_) => Vec::new(),
+        let chunks = shape.chunks();
+        // Per chunk, per micro-batch: [F, B, W] of each chunk side by side, summed over the
+        // ranks (each holds its own chunks' times, zero elsewhere), meant over the replicas.
+        let mut mine = vec![0.0; 3 * chunks];
+        for (c, parts) in f.per_chunk.iter().enumerate() {
+            for (k, d) in parts.iter().enumerate() {
+                mine[3 * c + k] = if f.steps == 0 { 0.0 } else { d.as_secs_f64() * 1e3 / (f.steps as usize * shape.micro_batches) as f64 };
+            }
         }
+        let mut sums = vec![0.0; mine.len()];
+        crate::watchdog::collective("the pipeline figures' sum", &world.comm, || world.comm.all_reduce_into(&mine[..], &mut sums[..], mpi::collective::SystemOperation::sum()));
+        let part = |k: usize| (0..chunks).map(|c| sums[3 * c + k] / self.plan.grid.replicas as f64).collect::<Vec<f64>>();
+        let costs = pipeline::Costs { forward: part(0), input_grad: part(1), weight_grad: part(2) };
+        // Each message a stage posts in a step costs it its share of the stage's message time.
+        let per_message: Vec<f64> = (0..shape.stages)
+            .map(|s| if f.steps == 0 { 0.0 } else { message_ms[s] / pipeline::messages_per_step(shape, s).max(1) as f64 })
+            .collect();
+        let bubbles = |r: std::result::Result<pipeline::Replay, String>| r.map(|r| (0..shape.stages).map(|s| r.bubble(s)).collect()).unwrap_or_default();
+        (bubbles(pipeline::replay(shape, &costs)), bubbles(pipeline::replay_with_messages(shape, &costs, &per_message)))
     }
 
     /// Per stage, the mean over the replicas of `value` (collective over `world`).
@@ -717,6 +793,10 @@ impl Pipeline {
         let shape = self.shape();
         // Every replica of a stage holds the same shapes: the mean over them is each one's peak.
         let peak_per_stage = |v: usize| self.per_stage(world, v as f64).iter().map(|m| m.round() as usize).collect::<Vec<_>>();
+        // On a GPU `compute` is device time, which may overlap the host's: no less than nothing.
+        let message_ms = per_step_ms(f.phase.saturating_sub(f.compute).saturating_sub(f.blocked));
+        let stage_message_ms = self.per_stage(world, message_ms);
+        let (replay_bubble, replay_bubble_with_messages) = self.replay_bubble(world, &stage_message_ms);
         crate::results::PipelineRecord {
             pipeline_stages: shape.stages,
             micro_batches: shape.micro_batches,
@@ -731,7 +811,9 @@ impl Pipeline {
             stage_input_grad_ms: if shape.kind.splits_backward() { self.per_stage(world, per_step_ms(f.input_grad)) } else { Vec::new() },
             stage_weight_grad_ms: if shape.kind.splits_backward() { self.per_stage(world, per_step_ms(f.weight_grad)) } else { Vec::new() },
             bubble: self.per_stage(world, f.bubble()),
-            replay_bubble: self.replay_bubble(world),
+            replay_bubble,
+            stage_message_ms,
+            replay_bubble_with_messages,
             theoretical_bubble: shape.theoretical_bubble(),
             peak_alive_micro_batches: peak_per_stage(f.peak_alive),
             peak_boundary_activation_bytes: peak_per_stage(f.peak_boundary_bytes),
@@ -791,19 +873,35 @@ impl Pipeline {
     /// Waits for the gradient of chunk `c`'s output for micro-batch `m` (its receive posted by
     /// the schedule), under the watchdog, naming the stage it comes from; None for the last
     /// chunk, whose output is the loss.
-    fn wait_gradient(&mut self, receives: &mut HashMap<(Message, usize, usize), TensorMessage>, m: usize, c: usize, step: u64) -> Result<Option<Tensor>> {
+    /// The time blocked in MPI for it is added to `blocked`.
+    fn wait_gradient(&mut self, receives: &mut HashMap<(Message, usize, usize), Inbound>, m: usize, c: usize, step: u64, blocked: &mut Duration) -> Result<Option<Tensor>> {
         if c + 1 == self.shape().chunks() {
             return Ok(None);
         }
         let waited = self.now_us();
-        let message = receives.remove(&(Message::Gradient, m, c)).expect("the schedule posts every receive before its use");
+        let message = match receives.remove(&(Message::Gradient, m, c)).expect("the schedule posts every receive before its use") {
+            Inbound::Local(g) => return Ok(Some(g)),
+            Inbound::Message(message) => message,
+        };
         let from = self.peer(c + 1);
         let watched = self.waiting(|| format!("the gradient of micro-batch {m} from {}", self.stage_name(from)));
-        let g = self.arrived(message.wait()?)?;
+        let since = Instant::now();
+        let arrived = message.wait()?;
+        *blocked += since.elapsed();
+        let g = self.arrived(arrived)?;
         drop(watched);
         self.event(step, format!("wait gradient {m}"), "wait", waited);
         Ok(Some(g))
     }
+}
+
+/// A chunk's input or its output's gradient as it reaches the stage: a message from another
+/// stage, or the tensor itself where the neighbouring chunk is this stage's too (the turn of
+/// ZB-V's V). Open MPI and MPICH pass a message to oneself through a copy and, for large ones,
+/// their rendezvous protocol, which on the tiny ViT took as long as a forward.
+enum Inbound {
+    Message(TensorMessage),
+    Local(Tensor),
 }
 
 /// An unsplit backward of one chunk: from `out` with its gradient `g` (None: `out` is the
