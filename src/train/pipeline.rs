@@ -897,8 +897,7 @@ impl Pipeline {
 
 /// A chunk's input or its output's gradient as it reaches the stage: a message from another
 /// stage, or the tensor itself where the neighbouring chunk is this stage's too (the turn of
-/// ZB-V's V). Open MPI and MPICH pass a message to oneself through a copy and, for large ones,
-/// their rendezvous protocol, which on the tiny ViT took as long as a forward.
+/// ZB-V's V), which needs neither a receive buffer nor the MPI library's matching and copy.
 enum Inbound {
     Message(TensorMessage),
     Local(Tensor),
