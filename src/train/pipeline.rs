@@ -102,7 +102,7 @@ pub(super) struct PipelineFigures {
     pub(super) backward: Duration,
     pub(super) input_grad: Duration,
     pub(super) weight_grad: Duration,
-    /// Per chunk of the model (this stage's only; the others' stay zero): its forwards, its
+    /// Per chunk of the model (this stage's only; the others stay zero): its forwards, its
     /// B's (or unsplit backwards) and its W's. Under ZB-V a stage's two chunks differ: the first
     /// chunk's B computes nothing and its W is the whole backward.
     pub(super) per_chunk: Vec<[Duration; 3]>,
@@ -189,7 +189,7 @@ impl Pipeline {
             recompute,
             progress,
             stall,
-            figures: PipelineFigures::default(),
+            figures: PipelineFigures { per_chunk: vec![[Duration::ZERO; 3]; plan.shape.chunks()], ..PipelineFigures::default() },
             clock: ActionClock::new(device),
             staging: HostPool::default(),
             data_read: DataRead::default(),
@@ -315,10 +315,7 @@ impl Pipeline {
                 Phase::Backward | Phase::InputGrad => 1,
                 Phase::WeightGrad => 2,
             };
-            let chunks = self.shape().chunks();
-            let per_chunk = &mut self.figures.per_chunk;
-            per_chunk.resize(chunks, [Duration::ZERO; 3]);
-            per_chunk[timed.chunk][part] += timed.took;
+            self.figures.per_chunk[timed.chunk][part] += timed.took;
         }
         let category = if timed.phase == Phase::Forward { "forward" } else { "backward" };
         self.span(step, timed.label, category, timed.start_us, timed.took.as_secs_f64() * 1e6);
@@ -756,17 +753,16 @@ impl Pipeline {
         let f = &self.figures;
         let shape = self.shape();
         let chunks = shape.chunks();
-        // Per chunk, per micro-batch: [F, B, W] of each chunk side by side, summed over the
-        // ranks (each holds its own chunks' times, zero elsewhere), meant over the replicas.
+        // Per chunk, per micro-batch: [F, B, W] of each chunk side by side (each rank holds its
+        // own chunks' times, zero elsewhere), the mean over the replicas.
         let mut mine = vec![0.0; 3 * chunks];
         for (c, parts) in f.per_chunk.iter().enumerate() {
             for (k, d) in parts.iter().enumerate() {
                 mine[3 * c + k] = if f.steps == 0 { 0.0 } else { d.as_secs_f64() * 1e3 / (f.steps as usize * shape.micro_batches) as f64 };
             }
         }
-        let mut sums = vec![0.0; mine.len()];
-        crate::watchdog::collective("the pipeline figures' sum", &world.comm, || world.comm.all_reduce_into(&mine[..], &mut sums[..], mpi::collective::SystemOperation::sum()));
-        let part = |k: usize| (0..chunks).map(|c| sums[3 * c + k] / self.plan.grid.replicas as f64).collect::<Vec<f64>>();
+        let means = self.mean_over_replicas(world, &mine);
+        let part = |k: usize| (0..chunks).map(|c| means[3 * c + k]).collect::<Vec<f64>>();
         let costs = pipeline::Costs { forward: part(0), input_grad: part(1), weight_grad: part(2) };
         // Each message a stage posts in a step costs it its share of the stage's message time.
         let per_message: Vec<f64> = (0..shape.stages)
@@ -780,8 +776,14 @@ impl Pipeline {
     fn per_stage(&self, world: &World, value: f64) -> Vec<f64> {
         let mut mine = vec![0.0; self.plan.grid.stages];
         mine[self.stage] = value;
+        self.mean_over_replicas(world, &mine)
+    }
+
+    /// `mine` (each rank's figures in its own places, zero elsewhere) summed over `world` and
+    /// divided by the number of replicas (collective over `world`).
+    fn mean_over_replicas(&self, world: &World, mine: &[f64]) -> Vec<f64> {
         let mut sums = vec![0.0; mine.len()];
-        crate::watchdog::collective("the pipeline figures' sum", &world.comm, || world.comm.all_reduce_into(&mine[..], &mut sums[..], mpi::collective::SystemOperation::sum()));
+        crate::watchdog::collective("the pipeline figures' sum", &world.comm, || world.comm.all_reduce_into(mine, &mut sums[..], mpi::collective::SystemOperation::sum()));
         sums.iter().map(|s| s / self.plan.grid.replicas as f64).collect()
     }
 
