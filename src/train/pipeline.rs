@@ -765,9 +765,7 @@ impl Pipeline {
         let part = |k: usize| (0..chunks).map(|c| means[3 * c + k]).collect::<Vec<f64>>();
         let costs = pipeline::Costs { forward: part(0), input_grad: part(1), weight_grad: part(2) };
         // Each message a stage posts in a step costs it its share of the stage's message time.
-        let per_message: Vec<f64> = (0..shape.stages)
-            .map(|s| if f.steps == 0 { 0.0 } else { message_ms[s] / pipeline::messages_per_step(shape, s).max(1) as f64 })
-            .collect();
+        let per_message: Vec<f64> = (0..shape.stages).map(|s| message_ms[s] / pipeline::messages_per_step(shape, s).max(1) as f64).collect();
         let bubbles = |r: std::result::Result<pipeline::Replay, String>| r.map(|r| (0..shape.stages).map(|s| r.bubble(s)).collect()).unwrap_or_default();
         (bubbles(pipeline::replay(shape, &costs)), bubbles(pipeline::replay_with_messages(shape, &costs, &per_message)))
     }
