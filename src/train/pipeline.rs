@@ -96,19 +96,26 @@ pub(super) struct PipelineFigures {
     pub(super) peak_alive: usize,
     /// The most bytes of boundary activations (inputs kept for backward and outputs) held at once.
     pub(super) peak_boundary_bytes: usize,
-    /// The parts of `compute`: forwards; unsplit backwards (recomputation included); a split
-    /// backward's B, the inputs' gradients, and W, the weights' (zero-bubble schedules).
-    pub(super) forward: Duration,
-    pub(super) backward: Duration,
-    pub(super) input_grad: Duration,
-    pub(super) weight_grad: Duration,
-    /// Per chunk of the model (this stage's only; the others stay zero): its forwards, its
-    /// B's (or unsplit backwards) and its W's. Under ZB-V a stage's two chunks differ: the first
-    /// chunk's B computes nothing and its W is the whole backward.
+    /// The parts of `compute` per chunk of the model (this stage's only; the others stay
+    /// zero), indexed by [`FORWARD`], [`BACKWARD`] and [`WEIGHT_GRAD`]: its forwards, its B's
+    /// (the inputs' gradients) or unsplit backwards (recomputation included), and its W's (the
+    /// weights' gradients, zero-bubble schedules). Under ZB-V a stage's two chunks differ: the
+    /// first chunk's B computes nothing and its W is the whole backward.
     pub(super) per_chunk: Vec<[Duration; 3]>,
 }
 
+/// The places of [`PipelineFigures::per_chunk`]; an unsplit backward is priced as a B with a W
+/// of nothing.
+const FORWARD: usize = 0;
+const BACKWARD: usize = 1;
+const WEIGHT_GRAD: usize = 2;
+
 impl PipelineFigures {
+    /// One part of `per_chunk` over all the stage's chunks.
+    pub(super) fn stage_total(&self, part: usize) -> Duration {
+        self.per_chunk.iter().map(|parts| parts[part]).sum()
+    }
+
     /// The measured idle share of the stage's pipelined phase.
     pub(super) fn bubble(&self) -> f64 {
         if self.phase.is_zero() { 0.0 } else { 1.0 - self.compute.as_secs_f64() / self.phase.as_secs_f64() }
@@ -302,18 +309,10 @@ impl Pipeline {
     fn count_action(&mut self, timed: Timed, step: u64, measured: bool, compute: &mut Duration) {
         *compute += timed.took;
         if measured {
-            let figure = match timed.phase {
-                Phase::Forward => &mut self.figures.forward,
-                Phase::Backward => &mut self.figures.backward,
-                Phase::InputGrad => &mut self.figures.input_grad,
-                Phase::WeightGrad => &mut self.figures.weight_grad,
-            };
-            *figure += timed.took;
-            // An unsplit backward is priced as a B with a W of nothing.
             let part = match timed.phase {
-                Phase::Forward => 0,
-                Phase::Backward | Phase::InputGrad => 1,
-                Phase::WeightGrad => 2,
+                Phase::Forward => FORWARD,
+                Phase::Backward | Phase::InputGrad => BACKWARD,
+                Phase::WeightGrad => WEIGHT_GRAD,
             };
             self.figures.per_chunk[timed.chunk][part] += timed.took;
         }
@@ -763,7 +762,7 @@ impl Pipeline {
         }
         let means = self.mean_over_replicas(world, &mine);
         let part = |k: usize| (0..chunks).map(|c| means[3 * c + k]).collect::<Vec<f64>>();
-        let costs = pipeline::Costs { forward: part(0), input_grad: part(1), weight_grad: part(2) };
+        let costs = pipeline::Costs { forward: part(FORWARD), input_grad: part(BACKWARD), weight_grad: part(WEIGHT_GRAD) };
         // Each message a stage posts in a step costs it its share of the stage's message time.
         let per_message: Vec<f64> = (0..shape.stages).map(|s| message_ms[s] / pipeline::messages_per_step(shape, s).max(1) as f64).collect();
         let bubbles = |r: std::result::Result<pipeline::Replay, String>| r.map(|r| (0..shape.stages).map(|s| r.bubble(s)).collect()).unwrap_or_default();
@@ -808,8 +807,9 @@ impl Pipeline {
             chunk_params: self.cut.chunk_params(),
             chunk_profiled_ms: self.cut.chunk_ms(),
             stage_compute_ms: self.per_stage(world, compute_ms),
-            stage_input_grad_ms: if shape.kind.splits_backward() { self.per_stage(world, per_step_ms(f.input_grad)) } else { Vec::new() },
-            stage_weight_grad_ms: if shape.kind.splits_backward() { self.per_stage(world, per_step_ms(f.weight_grad)) } else { Vec::new() },
+            // Under a split schedule every backward is a B.
+            stage_input_grad_ms: if shape.kind.splits_backward() { self.per_stage(world, per_step_ms(f.stage_total(BACKWARD))) } else { Vec::new() },
+            stage_weight_grad_ms: if shape.kind.splits_backward() { self.per_stage(world, per_step_ms(f.stage_total(WEIGHT_GRAD))) } else { Vec::new() },
             bubble: self.per_stage(world, f.bubble()),
             replay_bubble,
             stage_message_ms,
