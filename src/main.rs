@@ -49,13 +49,7 @@ fn main() {
             print!("{}", mpi_library::version_text());
             std::process::exit(0);
         }
-        Err(e) => {
-            // Before MPI starts, only the launcher's rank number says who should print.
-            if launcher_rank() == 0 || !e.use_stderr() {
-                let _ = e.print();
-            }
-            std::process::exit(e.exit_code());
-        }
+        Err(e) => exit_after_parse_error(e),
     };
     // A stop signal during start-up (MPI's, the run's set-up) is a stop request like one during
     // training, not the death of the rank.
@@ -173,6 +167,26 @@ fn main() {
     }
     drop(universe); // MPI_Finalize
     std::process::exit(code);
+}
+
+/// Reports a command line that does not parse from one rank, and exits with clap's status on
+/// every rank. Before MPI starts, only the launcher's rank number says who prints. A rank that
+/// exited at once ended the job under Open MPI (mpirun kills the others when one exits
+/// non-zero) before rank 0 had written its line: CI lost `bench --rounds 0`'s message so.
+/// So under a launcher of several processes the ranks start MPI only to meet in the barrier of
+/// an agreed error, rank 0 once its line is out. Help (on stdout, status 0) prints on every rank,
+/// as it did.
+fn exit_after_parse_error(e: clap::Error) -> ! {
+    let universe = if e.use_stderr() && mpi_library::launched_processes() > 1 { mpi::initialize() } else { None };
+    if launcher_rank() == 0 || !e.use_stderr() {
+        let _ = e.print();
+        let _ = std::io::stderr().flush();
+    }
+    if let Some(universe) = universe {
+        topology::sleeping_barrier_within(&universe.world(), Some(REPORTED_ERROR_GRACE));
+        drop(universe); // MPI_Finalize
+    }
+    std::process::exit(e.exit_code());
 }
 
 /// The exit status of a run stopped by a signal before its last step: `EXIT_STOPPED` when a

@@ -115,6 +115,12 @@ const LAUNCHER_SIZE_VARIABLES: [(&str, &str); 3] = [
     ("MV2_COMM_WORLD_SIZE", "MVAPICH2's mpirun_rsh"),
 ];
 
+/// How many processes the launcher says it started (the largest of its size variables), 1
+/// without one.
+pub fn launched_processes() -> i32 {
+    LAUNCHER_SIZE_VARIABLES.iter().filter_map(|&(var, _)| std::env::var(var).ok()?.trim().parse::<i32>().ok()).max().unwrap_or(1)
+}
+
 /// Refuses, with one line, a start that cannot give the job the user asked for: a binary whose
 /// mpi.h and loaded library belong to different families (a target folder rebuilt with another
 /// MPI), or a launcher that started more processes than MPI put into the world (the launcher of

@@ -116,22 +116,7 @@ impl World {
     /// time. A barrier given up on stays posted, unfinished, as the process exits: for the
     /// exit paths only, where a rank that never arrives has ended the job another way.
     pub fn sleeping_barrier_within(&self, limit: Option<Duration>) -> bool {
-        let started = std::time::Instant::now();
-        let mut request = self.comm.immediate_barrier();
-        let mut pause = Duration::from_micros(50);
-        loop {
-            match request.test() {
-                Ok(_) => return true,
-                Err(pending) => request = pending,
-            }
-            if limit.is_some_and(|limit| started.elapsed() >= limit) {
-                // rsmpi panics when an unfinished request is dropped; MPI frees it at exit.
-                std::mem::forget(request);
-                return false;
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(2));
-        }
+        sleeping_barrier_within(&self.comm, limit)
     }
 
     /// Warnings every rank computed alike, logged once (by rank 0).
@@ -143,6 +128,27 @@ impl World {
         }
     }
 
+}
+
+/// [`World::sleeping_barrier_within`] over any communicator, for an exit path that has no
+/// [`World`] (a command line that did not parse).
+pub fn sleeping_barrier_within(comm: &impl Communicator, limit: Option<Duration>) -> bool {
+    let started = std::time::Instant::now();
+    let mut request = comm.immediate_barrier();
+    let mut pause = Duration::from_micros(50);
+    loop {
+        match request.test() {
+            Ok(_) => return true,
+            Err(pending) => request = pending,
+        }
+        if limit.is_some_and(|limit| started.elapsed() >= limit) {
+            // rsmpi panics when an unfinished request is dropped; MPI frees it at exit.
+            std::mem::forget(request);
+            return false;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(2));
+    }
 }
 
 /// The MPI_COMM_WORLD rank of each rank of `comm` (a local group translation, no
