@@ -68,6 +68,16 @@ fn main() {
         Err(e) => {
             if launcher_rank() == 0 {
                 print_error(format_args!("{e}"));
+                let _ = std::io::stderr().flush();
+            }
+            // As for a command line that does not parse (exit_after_parse_error): the printing
+            // rank's line must be out before another rank's exit ends the job. A launcher of
+            // another MPI makes each process a world of its own, where only a pause can wait.
+            let world = universe.world();
+            if mpi::traits::Communicator::size(&world) > 1 {
+                topology::sleeping_barrier_within(&world, Some(REPORTED_ERROR_GRACE));
+            } else if launcher_rank() != 0 {
+                std::thread::sleep(REPORTED_ERROR_GRACE);
             }
             drop(universe);
             std::process::exit(1);
