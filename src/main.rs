@@ -37,8 +37,15 @@ use error::Error;
 use topology::World;
 
 /// The longest that the ranks of an agreed error wait for each other before they exit (see
-/// its use).
-const REPORTED_ERROR_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
+/// its use). Every rank normally arrives within milliseconds, so the limit costs nothing
+/// then; it only bounds the wait for a rank that never comes. It is long because a rank that
+/// gives up too soon ends the job (mpirun kills the others) before a printing rank that was
+/// descheduled on a crowded node has written its line.
+const REPORTED_ERROR_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// What a rank that does not print pauses before it exits, where it has no barrier to meet the
+/// printing rank in (a launcher of another MPI makes each process a world of its own).
+const REPORTED_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_millis(500);
 
 fn main() {
     raw::keep_freed_memory();
@@ -77,7 +84,7 @@ fn main() {
             if mpi::traits::Communicator::size(&world) > 1 {
                 topology::sleeping_barrier_within(&world, Some(REPORTED_ERROR_GRACE));
             } else if launcher_rank() != 0 {
-                std::thread::sleep(REPORTED_ERROR_GRACE);
+                std::thread::sleep(REPORTED_ERROR_PAUSE);
             }
             drop(universe);
             std::process::exit(1);
@@ -140,7 +147,7 @@ fn main() {
         // non-zero) before the one that does had written its line: a fault of --zero 3 ended
         // with no message in 1 of about 20 runs. So every rank of an agreed error meets in a
         // barrier, the printing one once its line is out, and exits after it. The barrier gives
-        // up after REPORTED_ERROR_GRACE (a fixed pause of that length before): a rank that
+        // up after REPORTED_ERROR_GRACE (a fixed pause of 0.5 s before): a rank that
         // never comes has ended the job another way.
         Err(Error::Reported(rank)) => {
             log::debug!("exiting after the error reported by rank {rank}");
