@@ -82,7 +82,7 @@ impl<'a> Run<'a> {
         let (pipeline, stage_cut) = match plan.pipeline {
             Some(pp) => {
                 let micro_batch = plan.batch.div_ceil(pp.shape.micro_batches);
-                let cut = world.agree(choose_cut(world, args.model, input_spec(&info), &args.pipeline.partition, pp.shape.chunks(), micro_batch, plan.device))?;
+                let cut = world.agree(choose_cut(world, args.model, input_spec(&info), &args.pipeline.partition, &pp.shape, micro_batch, plan.device))?;
                 let stage_cut = cut.stage(&pp.shape, pp.grid.stage_of(pipeline_world.rank as usize));
                 let pipeline = world.agree(Pipeline::new(pipeline_world, pp, cut, micro_batch, plan.device, plan.cuda_aware, args.pipeline.recompute, args.pipeline.pipeline_timeline.is_some()))?;
                 (Some(pipeline), Some(stage_cut))
@@ -264,11 +264,9 @@ impl<'a> Run<'a> {
             for line in p.cut.describe(shape) {
                 log::info!("  {line}");
             }
-            if let Some(ms) = p.cut.chunk_ms() {
-                // Backward taken as twice forward, B and W alike where it is split: what the
+            if let Some(costs) = p.cut.chunk_costs() {
+                // The schedule replayed with the survey's F, B and W of each chunk: what the
                 // profiled cut should give.
-                let third: Vec<f64> = ms.iter().map(|t| t / 3.0).collect();
-                let costs = crate::plan::pipeline::Costs { forward: third.clone(), input_grad: third.clone(), weight_grad: third };
                 if let Ok(replay) = crate::plan::pipeline::replay(shape, &costs) {
                     let bubbles: Vec<String> = (0..shape.stages).map(|s| format!("{:.1}%", replay.bubble(s) * 100.0)).collect();
                     let held: Vec<String> = replay.peak_alive.iter().map(usize::to_string).collect();

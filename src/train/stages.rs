@@ -14,7 +14,7 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{Error, Result};
 use crate::exchange::options::Given;
 use crate::model::{self, InputSpec, ModelKind};
-use crate::plan::pipeline::{self, Grid, ScheduleKind, Shape};
+use crate::plan::pipeline::{self, BlockCost, Grid, ScheduleKind, Shape};
 use crate::topology::World;
 
 
@@ -39,7 +39,8 @@ pub struct PipelineArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     pub virtual_stages: u64,
 
-    /// Where the model is cut: `time` (balance measured forward+backward time), `params`
+    /// Where the model is cut: `time` (balance measured forward+backward time; under ZB-V, the
+    /// cut whose replay of the schedule with the measured F, B and W is fastest), `params`
     /// (balance parameters), or the first block of every chunk but the first, e.g. `3,6,8`.
     #[arg(long, default_value = "time", value_parser = parse_partition)]
     pub partition: Partition,
@@ -140,8 +141,9 @@ impl StageCut {
 pub(super) struct BlockSurvey {
     pub(super) names: Vec<String>,
     pub(super) params: Vec<usize>,
-    /// Forward + backward per micro-batch (ms, mean over the ranks), when measured.
-    pub(super) ms: Option<Vec<f64>>,
+    /// Forward, B and W per micro-batch (ms, mean over the ranks), when measured; an unsplit
+    /// backward (every schedule but the zero-bubble ones) counts as B.
+    pub(super) costs: Option<Vec<BlockCost>>,
     /// Per block, the shape of one sample of its output.
     pub(super) output_shapes: Vec<Vec<i64>>,
 }
@@ -173,12 +175,20 @@ impl Cut {
     /// Per chunk: its blocks by name, parameters and measured time, for the log and the record.
     pub(super) fn describe(&self, shape: &Shape) -> Vec<String> {
         let s = &self.survey;
+        let costs = self.chunk_costs();
         self.chunks
             .iter()
             .enumerate()
             .map(|(c, r)| {
                 let params: usize = s.params[r.clone()].iter().sum();
-                let ms = s.ms.as_ref().map(|ms| format!(", {:.2} ms", ms[r.clone()].iter().sum::<f64>())).unwrap_or_default();
+                let ms = costs.as_ref().map_or(String::new(), |k| {
+                    let (f, b, w) = (k.forward[c], k.input_grad[c], k.weight_grad[c]);
+                    if shape.kind.splits_backward() {
+                        format!(", {:.2} ms (F {f:.2}, B {b:.2}, W {w:.2})", f + b + w)
+                    } else {
+                        format!(", {:.2} ms (forward {f:.2})", f + b + w)
+                    }
+                });
                 format!("chunk {c} on stage {}: blocks {}..{} ({}..{}), {params} parameters{ms}", shape.stage_of(c), r.start, r.end - 1, s.names[r.start], s.names[r.end - 1])
             })
             .collect()
@@ -189,13 +199,23 @@ impl Cut {
     }
 
     pub(super) fn chunk_ms(&self) -> Option<Vec<f64>> {
-        self.survey.ms.as_ref().map(|ms| self.chunks.iter().map(|r| ms[r.clone()].iter().sum()).collect())
+        self.survey.costs.as_ref().map(|costs| self.chunks.iter().map(|r| costs[r.clone()].iter().map(BlockCost::total).sum()).collect())
+    }
+
+    /// Each chunk's measured forward, B and W, when measured: what the replay of the schedule
+    /// takes.
+    pub(super) fn chunk_costs(&self) -> Option<pipeline::Costs> {
+        let starts: Vec<usize> = self.chunks.iter().map(|r| r.start).collect();
+        self.survey.costs.as_ref().map(|costs| pipeline::chunk_costs(costs, &starts))
     }
 }
 
 /// Chooses the cut (collective over `world` for `--partition time`: every rank profiles, the
-/// times are averaged, and every rank cuts the same way).
-pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partition: &Partition, chunks: usize, micro_batch: usize, device: Device) -> Result<Cut> {
+/// times are averaged, and every rank cuts the same way). Under `--partition time`, ZB-V's cut
+/// is the one whose replay of the schedule has the shortest step ([`pipeline::cut_by_replay`]),
+/// every other schedule's the one that balances the chunks' times.
+pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partition: &Partition, shape: &Shape, micro_batch: usize, device: Device) -> Result<Cut> {
+    let chunks = shape.chunks();
     // Declared only: the survey gives one block at a time memory, and lets it go.
     let scratch = nn::VarStore::new(Device::Cpu);
     let blocks = model::build_blocks(kind, spec, |_| scratch.root());
@@ -209,7 +229,7 @@ pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partit
     let names = blocks.iter().map(|b| b.name.clone()).collect();
     let params = blocks.iter().map(model::Block::parameters).collect();
     let output_shapes = model::block_output_shapes(&blocks, spec)?;
-    let mut survey = BlockSurvey { names, params, ms: None, output_shapes };
+    let mut survey = BlockSurvey { names, params, costs: None, output_shapes };
     let starts = match partition {
         Partition::Cuts(list) => pipeline::cuts_from_list(list, blocks.len(), chunks).map_err(Error::usage)?,
         Partition::Params => {
@@ -217,36 +237,73 @@ pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partit
             pipeline::balance(&costs, chunks).map_err(|e| Error::usage(format!("--partition params: {e}")))?
         }
         Partition::Time => {
-            let mine = world.agree(profile_blocks(&blocks, spec, micro_batch, device))?;
-            let ms: Vec<f64> = mine.iter().map(|&t| world.sum_f64(t) / world.size as f64).collect();
-            let starts = pipeline::balance(&ms, chunks).map_err(|e| Error::usage(format!("--partition time: {e}")))?;
-            survey.ms = Some(ms);
+            // The backward is surveyed as the schedule runs it, whole or as B then W.
+            let mine = world.agree(profile_blocks(&blocks, spec, micro_batch, device, shape.kind.splits_backward()))?;
+            let mean = |t: f64| world.sum_f64(t) / world.size as f64;
+            let costs: Vec<BlockCost> =
+                mine.iter().map(|c| BlockCost { forward: mean(c.forward), input_grad: mean(c.input_grad), weight_grad: mean(c.weight_grad) }).collect();
+            let ms: Vec<f64> = costs.iter().map(BlockCost::total).collect();
+            let balanced = pipeline::balance(&ms, chunks).map_err(|e| Error::usage(format!("--partition time: {e}")))?;
+            let starts = if shape.kind == ScheduleKind::ZbV {
+                let (starts, step) = pipeline::cut_by_replay(shape, &costs, pipeline::REPLAYED_CUTS).map_err(|e| Error::usage(format!("--partition time: {e}")))?;
+                if world.is_root() {
+                    let balanced_step = pipeline::replay(shape, &pipeline::chunk_costs(&costs, &balanced)).map_err(Error::usage)?.makespan;
+                    log::info!(
+                        "{} cut by the replay of the surveyed F, B and W: first blocks {starts:?}, a step of {step:.1} ms replayed (the chunk-balanced cut {balanced:?}: {balanced_step:.1} ms)",
+                        shape.kind.name()
+                    );
+                }
+                starts
+            } else {
+                balanced
+            };
+            survey.costs = Some(costs);
             starts
         }
     };
     Ok(Cut { chunks: pipeline::ranges(&starts, blocks.len()), survey })
 }
 
-/// Milliseconds of forward + backward of every block on a micro-batch of random images: the
-/// median of 3 passes after one warm-up pass. One block at a time holds its variables (drawn on
-/// the device) and their gradients, and lets them go before the next: the survey never holds
-/// more of the model than its largest block.
-fn profile_blocks(blocks: &[model::Block], spec: InputSpec, micro_batch: usize, device: Device) -> Result<Vec<f64>> {
+/// Milliseconds of every block's forward, B and W on a micro-batch of random images: each the
+/// median of 3 passes after one warm-up pass. With `split`, the backward runs as the zero-bubble
+/// schedules run it, B then W (the first block's input needs no gradient: all its backward is
+/// W); without, it runs whole and counts as B. One block at a time holds its variables (drawn
+/// on the device) and their gradients, and lets them go before the next: the survey never
+/// holds more of the model than its largest block.
+fn profile_blocks(blocks: &[model::Block], spec: InputSpec, micro_batch: usize, device: Device, split: bool) -> Result<Vec<BlockCost>> {
     let mut x = Tensor::f_randn([micro_batch.max(1) as i64, spec.channels, spec.height, spec.width], (Kind::Float, device))?;
     let mut medians = Vec::with_capacity(blocks.len());
+    let elapsed_ms = |since: Instant| {
+        crate::exchange::staging::synchronize_device(device);
+        since.elapsed().as_secs_f64() * 1e3
+    };
     for (b, block) in blocks.iter().enumerate() {
         block.draw(PROFILE_SEED, device)?;
-        let mut samples = Vec::new();
+        let parameters: Vec<Tensor> = block.variables.iter().filter(|v| v.trainable).map(|v| v.tensor.shallow_clone()).collect();
+        let mut samples: [Vec<f64>; 3] = Default::default();
         let mut output = None;
         for pass in 0..4 {
             let inp = x.f_detach()?.f_requires_grad_(b > 0)?;
             let started = Instant::now();
             let y = block.module.forward_t(&inp, true);
+            let forward = elapsed_ms(started);
             let gradient = y.f_ones_like()?;
-            y.f_mul(&gradient)?.f_sum(Kind::Float)?.f_backward()?;
-            crate::exchange::staging::synchronize_device(device);
+            let started = Instant::now();
+            let (input_grad, weight_grad) = if split && b > 0 {
+                let (_, kept) = crate::raw::backward_input(&y, Some(&gradient), &inp, &parameters)?;
+                let input_grad = elapsed_ms(started);
+                let started = Instant::now();
+                crate::raw::backward_weight(kept)?;
+                (input_grad, elapsed_ms(started))
+            } else {
+                y.f_mul(&gradient)?.f_sum(Kind::Float)?.f_backward()?;
+                let whole = elapsed_ms(started);
+                if split { (0.0, whole) } else { (whole, 0.0) }
+            };
             if pass > 0 {
-                samples.push(started.elapsed().as_secs_f64() * 1e3);
+                for (kind, t) in samples.iter_mut().zip([forward, input_grad, weight_grad]) {
+                    kind.push(t);
+                }
             }
             output = Some(y.f_detach()?);
         }
@@ -255,8 +312,11 @@ fn profile_blocks(blocks: &[model::Block], spec: InputSpec, micro_batch: usize, 
         }
         block.release()?;
         x = output.expect("four passes");
-        samples.sort_by(f64::total_cmp);
-        medians.push(samples[samples.len() / 2]);
+        let [forward, input_grad, weight_grad] = samples.map(|mut v| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        });
+        medians.push(BlockCost { forward, input_grad, weight_grad });
     }
     Ok(medians)
 }
