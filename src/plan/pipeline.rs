@@ -620,7 +620,7 @@ pub const REPLAYED_CUTS: usize = 5_000;
 /// Every cut is replayed where there are at most `limit` of them (ties go to the smaller
 /// largest chunk, then to the earlier cut); past that, starting from the balanced cut, one cut
 /// moves by a block at a time while the step shortens.
-pub fn cut_by_replay(shape: &Shape, blocks: &[BlockCost], limit: usize) -> Result<(Vec<usize>, f64), String> {
+pub fn cut_by_replay(shape: &Shape, blocks: &[BlockCost], limit: usize) -> Result<ReplayedCut, String> {
     let (n, parts) = (blocks.len(), shape.chunks());
     let totals: Vec<f64> = blocks.iter().map(BlockCost::total).collect();
     let balanced = balance(&totals, parts)?;
@@ -629,7 +629,8 @@ pub fn cut_by_replay(shape: &Shape, blocks: &[BlockCost], limit: usize) -> Resul
     let step = |starts: &[usize]| replay_plans(shape, &plans, &chunk_costs(blocks, starts), &[]).map(|r| r.makespan);
     // Better: a shorter step, or one as short (to a part in 10^9) with a smaller largest chunk.
     let better = |a: (f64, f64), b: (f64, f64)| a.0 < b.0 - 1e-9 * b.0 || (a.0 <= b.0 + 1e-9 * b.0 && a.1 < b.1 - 1e-9 * b.1);
-    let mut best = (balanced.clone(), (step(&balanced)?, largest_chunk(&balanced)));
+    let balanced_step = step(&balanced)?;
+    let mut best = (balanced.clone(), (balanced_step, largest_chunk(&balanced)));
     if cut_count(n, parts) <= limit as f64 {
         let mut starts: Vec<usize> = (0..parts).collect();
         loop {
@@ -666,7 +667,19 @@ pub fn cut_by_replay(shape: &Shape, blocks: &[BlockCost], limit: usize) -> Resul
             }
         }
     }
-    Ok((best.0, best.1 .0))
+    Ok(ReplayedCut { starts: best.0, step: best.1 .0, balanced, balanced_step })
+}
+
+/// What [`cut_by_replay`] chose, beside the chunk-balanced cut it was weighed against.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReplayedCut {
+    /// The first block of every chunk.
+    pub starts: Vec<usize>,
+    /// Its replayed step.
+    pub step: f64,
+    /// [`balance`]'s cut of the blocks' totals, and its replayed step.
+    pub balanced: Vec<usize>,
+    pub balanced_step: f64,
 }
 
 /// How many cuts of `n` blocks into `parts` non-empty chunks there are: C(n-1, parts-1).
@@ -1460,11 +1473,13 @@ mod tests {
         for (p, m) in [(2, 4), (2, 8), (2, 16), (3, 6)] {
             let shape = Shape::new(ScheduleKind::ZbV, p, m, 1).unwrap();
             let step = |starts: &[usize]| replay(&shape, &chunk_costs(&blocks, starts)).unwrap().makespan;
-            let (cut, made) = cut_by_replay(&shape, &blocks, REPLAYED_CUTS).unwrap();
+            let chosen = cut_by_replay(&shape, &blocks, REPLAYED_CUTS).unwrap();
+            let (cut, made) = (chosen.starts.clone(), chosen.step);
             assert_eq!(made, step(&cut));
             let fastest = all_cuts(blocks.len(), shape.chunks()).iter().map(|s| step(s)).fold(f64::INFINITY, f64::min);
             assert_eq!(made, fastest, "P {p}, M {m}: {cut:?}");
             let balanced = balance(&totals, shape.chunks()).unwrap();
+            assert_eq!((&chosen.balanced, chosen.balanced_step), (&balanced, step(&balanced)));
             // At P = 2 the balanced cut [0, 3, 6, 8] gives stage 0 (chunks 0 and 3) 65 of the
             // 147 and stage 1 82; the replay's [0, 2, 3, 7] gives them 72 and 75, a step about
             // 6% shorter. At P = 3 the balanced cut is already the fastest.
@@ -1472,8 +1487,8 @@ mod tests {
                 assert!(made < 0.95 * step(&balanced), "P {p}, M {m}: {cut:?} against balanced {balanced:?}");
             }
             assert!(made <= step(&balanced), "P {p}, M {m}: {cut:?} against balanced {balanced:?}");
-            let (descended, descended_step) = cut_by_replay(&shape, &blocks, 0).unwrap();
-            assert!(descended_step <= step(&balanced) && descended_step >= fastest, "{descended:?}");
+            let descended = cut_by_replay(&shape, &blocks, 0).unwrap();
+            assert!(descended.step <= step(&balanced) && descended.step >= fastest, "{descended:?}");
         }
     }
 

@@ -242,20 +242,23 @@ pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partit
             let mean = |t: f64| world.sum_f64(t) / world.size as f64;
             let costs: Vec<BlockCost> =
                 mine.iter().map(|c| BlockCost { forward: mean(c.forward), input_grad: mean(c.input_grad), weight_grad: mean(c.weight_grad) }).collect();
-            let ms: Vec<f64> = costs.iter().map(BlockCost::total).collect();
-            let balanced = pipeline::balance(&ms, chunks).map_err(|e| Error::usage(format!("--partition time: {e}")))?;
+            let refused = |e: String| Error::usage(format!("--partition time: {e}"));
             let starts = if shape.kind == ScheduleKind::ZbV {
-                let (starts, step) = pipeline::cut_by_replay(shape, &costs, pipeline::REPLAYED_CUTS).map_err(|e| Error::usage(format!("--partition time: {e}")))?;
+                let cut = pipeline::cut_by_replay(shape, &costs, pipeline::REPLAYED_CUTS).map_err(refused)?;
                 if world.is_root() {
-                    let balanced_step = pipeline::replay(shape, &pipeline::chunk_costs(&costs, &balanced)).map_err(Error::usage)?.makespan;
                     log::info!(
-                        "{} cut by the replay of the surveyed F, B and W: first blocks {starts:?}, a step of {step:.1} ms replayed (the chunk-balanced cut {balanced:?}: {balanced_step:.1} ms)",
-                        shape.kind.name()
+                        "{} cut by the replay of the surveyed F, B and W: first blocks {:?}, a step of {:.1} ms replayed (the chunk-balanced cut {:?}: {:.1} ms)",
+                        shape.kind.name(),
+                        cut.starts,
+                        cut.step,
+                        cut.balanced,
+                        cut.balanced_step
                     );
                 }
-                starts
+                cut.starts
             } else {
-                balanced
+                let ms: Vec<f64> = costs.iter().map(BlockCost::total).collect();
+                pipeline::balance(&ms, chunks).map_err(refused)?
             };
             survey.costs = Some(costs);
             starts
