@@ -72,23 +72,7 @@ fn main() {
     };
     let world = match mpi_library::check_launch(&universe.world()).and_then(|()| World::new(universe.world())) {
         Ok(w) => w,
-        Err(e) => {
-            if launcher_rank() == 0 {
-                print_error(format_args!("{e}"));
-                let _ = std::io::stderr().flush();
-            }
-            // As for a command line that does not parse (exit_after_parse_error): the printing
-            // rank's line must be out before another rank's exit ends the job. A launcher of
-            // another MPI makes each process a world of its own, where only a pause can wait.
-            let world = universe.world();
-            if mpi::traits::Communicator::size(&world) > 1 {
-                topology::sleeping_barrier_within(&world, Some(REPORTED_ERROR_GRACE));
-            } else if launcher_rank() != 0 {
-                std::thread::sleep(REPORTED_ERROR_PAUSE);
-            }
-            drop(universe);
-            std::process::exit(1);
-        }
+        Err(e) => exit_once_reported(Some(universe), || print_error(format_args!("{e}")), 1),
     };
     let rank = world.rank;
     init_logging(world.rank);
@@ -187,23 +171,39 @@ fn main() {
 }
 
 /// Reports a command line that does not parse from one rank, and exits with clap's status on
-/// every rank. Before MPI starts, only the launcher's rank number says who prints. A rank that
-/// exited at once ended the job under Open MPI (mpirun kills the others when one exits
-/// non-zero) before rank 0 had written its line: CI lost `bench --rounds 0`'s message so.
-/// So under a launcher of several processes the ranks start MPI only to meet in the barrier of
-/// an agreed error, rank 0 once its line is out. Help (on stdout, status 0) prints on every rank,
-/// as it did.
+/// every rank. Help (on stdout, status 0) prints on every rank, as it did. An error starts MPI
+/// under a launcher of several processes, only for [`exit_once_reported`]'s barrier: CI lost
+/// `bench --rounds 0`'s message when the rank that does not print exited at once.
 fn exit_after_parse_error(e: clap::Error) -> ! {
-    let universe = if e.use_stderr() && mpi_library::launched_processes() > 1 { mpi::initialize() } else { None };
-    if launcher_rank() == 0 || !e.use_stderr() {
+    if !e.use_stderr() {
         let _ = e.print();
+        std::process::exit(e.exit_code());
+    }
+    let universe = if mpi_library::launched_processes() > 1 { mpi::initialize() } else { None };
+    exit_once_reported(universe, || drop(e.print()), e.exit_code())
+}
+
+/// Exits every rank with `code` after an error found before the run's [`World`] exists, which
+/// launcher rank 0 alone prints (`print`). A rank that exited at once ended the job under Open
+/// MPI (mpirun kills the others when one exits non-zero) before rank 0 had written its line.
+/// So the ranks meet in the agreed error's barrier, rank 0 once its line is out; where a
+/// launcher of another MPI made each process a world of its own, the ranks that do not print
+/// pause instead, having no one to meet.
+fn exit_once_reported(universe: Option<mpi::environment::Universe>, print: impl FnOnce(), code: i32) -> ! {
+    if launcher_rank() == 0 {
+        print();
         let _ = std::io::stderr().flush();
     }
     if let Some(universe) = universe {
-        topology::sleeping_barrier_within(&universe.world(), Some(REPORTED_ERROR_GRACE));
+        let world = universe.world();
+        if mpi::traits::Communicator::size(&world) > 1 {
+            topology::sleeping_barrier_within(&world, Some(REPORTED_ERROR_GRACE));
+        } else if launcher_rank() != 0 {
+            std::thread::sleep(REPORTED_ERROR_PAUSE);
+        }
         drop(universe); // MPI_Finalize
     }
-    std::process::exit(e.exit_code());
+    std::process::exit(code);
 }
 
 /// The exit status of a run stopped by a signal before its last step: `EXIT_STOPPED` when a
