@@ -58,6 +58,23 @@ fn main() {
         }
         Err(e) => exit_after_parse_error(e),
     };
+    // A command that rank 0 carries out alone needs no MPI where nothing launched other
+    // processes: Open MPI's start-up of a lone process (a singleton, which forks its own daemon)
+    // took 0.7 s of `hpc-train compat`'s 1.6 s, and tests and scripts call these commands often.
+    if mpi_library::launched_processes() == 1 {
+        if let Some(work) = serial_work(&cli.command) {
+            init_logging(0);
+            install_panic_hook(0, 1);
+            let code = match work() {
+                Ok(()) => 0,
+                Err(e) => {
+                    print_error(format_args!("{e}"));
+                    1
+                }
+            };
+            std::process::exit(code);
+        }
+    }
     // A stop signal during start-up (MPI's, the run's set-up) is a stop request like one during
     // training, not the death of the rank.
     if matches!(cli.command, None | Some(Command::Study(_))) {
@@ -90,30 +107,12 @@ fn main() {
         Some(Command::Bench(args)) => bench::run(&world, args),
         // Every rank reads its shard.
         Some(Command::Data(DataCommand::Bench(args))) => data::bench::run(&world, args),
-        Some(Command::Data(cmd)) => {
-            // Data commands are serial: rank 0 does the work, the others wait for its verdict.
-            let local = if world.is_root() { data::command::run(cmd) } else { Ok(()) };
-            world.agree(local)
-        }
         Some(Command::Checkpoint(cmd)) => checkpoint::command::run(&world, cmd),
-        Some(Command::Model(cli::ModelCommand::Fit(args))) => {
-            let local = if world.is_root() { project::fit(args) } else { Ok(()) };
-            world.agree(local)
-        }
-        Some(Command::Project(args)) => {
-            let local = if world.is_root() { project::project(args) } else { Ok(()) };
-            world.agree(local)
-        }
         Some(Command::Conform(args)) => conform::run(&world, args),
-        Some(Command::Compat(args)) => {
-            if world.is_root() {
-                print!("{}", if args.tsv { plan::compat::tsv() } else { plan::compat::markdown() });
-            }
-            Ok(())
-        }
-        Some(Command::Report(args)) => {
-            // Serial like the data commands: rank 0 writes the report, the others wait for its verdict.
-            let local = if world.is_root() { report::run(args) } else { Ok(()) };
+        // Serial: rank 0 does the work, the others wait for its verdict.
+        Some(_) => {
+            let work = serial_work(&cli.command).expect("every collective command has its arm above");
+            let local = if world.is_root() { work() } else { Ok(()) };
             world.agree(local)
         }
     };
@@ -168,6 +167,24 @@ fn main() {
     }
     drop(universe); // MPI_Finalize
     std::process::exit(code);
+}
+
+/// The work of a command that rank 0 carries out alone, the other ranks waiting for its
+/// verdict (the data commands but `data bench`, the model fit, projections, reports and the
+/// compatibility table); None for a collective command.
+fn serial_work(command: &Option<Command>) -> Option<Box<dyn FnOnce() -> error::Result<()> + '_>> {
+    match command.as_ref()? {
+        Command::Data(DataCommand::Bench(_)) => None,
+        Command::Data(cmd) => Some(Box::new(move || data::command::run(cmd))),
+        Command::Model(cli::ModelCommand::Fit(args)) => Some(Box::new(move || project::fit(args))),
+        Command::Project(args) => Some(Box::new(move || project::project(args))),
+        Command::Report(args) => Some(Box::new(move || report::run(args))),
+        Command::Compat(args) => Some(Box::new(move || {
+            print!("{}", if args.tsv { plan::compat::tsv() } else { plan::compat::markdown() });
+            Ok(())
+        })),
+        Command::Study(_) | Command::Bench(_) | Command::Checkpoint(_) | Command::Conform(_) => None,
+    }
 }
 
 /// Reports a command line that does not parse from one rank, and exits with clap's status on
