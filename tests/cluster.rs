@@ -228,19 +228,20 @@ fn job_files_run_across_two_slurm_nodes() {
     let (d, r) = (data.to_str().unwrap(), results.to_str().unwrap());
     let submit = |job: &str, env: &[(&str, &str)], log: &str| -> String {
         let log = dir.join(log);
-        let mut cmd = Command::new("sbatch");
-        cmd.args(["--wait", "--nodes=2", "--ntasks-per-node=2", "--gpus-per-task=0", "--cpus-per-task=1", "--overcommit"])
-            .arg(format!("--output={}", log.display()))
-            .arg(root().join(job))
-            .current_dir(root())
-            .env("SLURM_CONF", &conf)
-            .env("HPC_TRAIN", bin())
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let run = run_with_limit(cmd, Duration::from_secs(300));
+        let run = sbatch_and_wait(
+            |cmd| {
+                cmd.args(["--nodes=2", "--ntasks-per-node=2", "--gpus-per-task=0", "--cpus-per-task=1", "--overcommit"])
+                    .arg(format!("--output={}", log.display()))
+                    .arg(root().join(job))
+                    .current_dir(root())
+                    .env("SLURM_CONF", &conf)
+                    .env("HPC_TRAIN", bin())
+                    .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                    .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+                    .envs(env.iter().copied());
+            },
+            Duration::from_secs(300),
+        );
         let text = std::fs::read_to_string(&log).unwrap_or_default();
         assert!(run.ok(), "{job} failed ({:?}):\n{}{}\n--- job log ---\n{text}", run.status, run.stdout, run.stderr);
         text

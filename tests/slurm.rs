@@ -29,23 +29,24 @@ impl LocalSlurm {
         Some(LocalSlurm { dir: dir.to_path_buf(), conf: dir.join("slurm.conf") })
     }
 
-    /// `sbatch --wait` of a job file with the given environment and options; returns the log.
+    /// A job file submitted with the given environment and options, waited for
+    /// ([`sbatch_and_wait`]); returns the log.
     fn submit(&self, job: &str, env: &[(&str, &str)], options: &[&str], log: &Path) -> String {
-        let mut cmd = Command::new("sbatch");
-        cmd.arg("--wait")
-            .args(options)
-            .arg(format!("--output={}", log.display()))
-            .arg(root().join(job))
-            .current_dir(root())
-            .env("SLURM_CONF", &self.conf)
-            // The binary under test (built against Open MPI or MPICH), not the default path.
-            .env("HPC_TRAIN", bin())
-            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let run = run_with_limit(cmd, Duration::from_secs(600));
+        let run = sbatch_and_wait(
+            |cmd| {
+                cmd.args(options)
+                    .arg(format!("--output={}", log.display()))
+                    .arg(root().join(job))
+                    .current_dir(root())
+                    .env("SLURM_CONF", &self.conf)
+                    // The binary under test (built against Open MPI or MPICH), not the default path.
+                    .env("HPC_TRAIN", bin())
+                    .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+                    .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+                    .envs(env.iter().copied());
+            },
+            Duration::from_secs(600),
+        );
         let text = std::fs::read_to_string(log).unwrap_or_default();
         assert!(run.ok(), "{job} failed ({:?}):\n{}{}\n--- job log ---\n{text}", run.status, run.stdout, run.stderr);
         text

@@ -494,3 +494,50 @@ pub fn copy_dir(from: &Path, to: &Path) {
     let status = Command::new("cp").arg("-a").arg(from).arg(to).status().unwrap();
     assert!(status.success());
 }
+
+/// Submits a Slurm batch job and waits for its end, as `sbatch --wait` does but polling
+/// `scontrol show job` every 0.2 s: `sbatch --wait` polls at growing intervals of up to 10 s
+/// (Slurm's sbatch.c), which left these tests 10-30 s behind each short job. `sbatch` comes
+/// with `--parsable`; `configure` adds the options, the job file and the environment, which
+/// must hold `SLURM_CONF` (scontrol reads it too). Like sbatch's: status 0 when the job
+/// COMPLETED, else 1 with its state and exit code in stderr; a job past `limit` is cancelled
+/// and the Run says it timed out.
+pub fn sbatch_and_wait(configure: impl FnOnce(&mut Command), limit: Duration) -> Run {
+    let start = Instant::now();
+    let mut sbatch = Command::new("sbatch");
+    sbatch.arg("--parsable");
+    configure(&mut sbatch);
+    let submitted = run_once(&mut sbatch, Duration::from_secs(60));
+    if !submitted.ok() {
+        return submitted;
+    }
+    // --parsable prints "ID" or "ID;cluster".
+    let id = submitted.stdout.trim().split(';').next().unwrap_or("").to_string();
+    assert!(id.parse::<u64>().is_ok(), "sbatch --parsable printed {:?}", submitted.stdout);
+    let conf = sbatch.get_envs().find(|(k, _)| *k == "SLURM_CONF").and_then(|(_, v)| v.map(|v| v.to_os_string()));
+    let scontrol = |args: &[&str]| {
+        let mut cmd = Command::new("scontrol");
+        cmd.args(args);
+        if let Some(conf) = &conf {
+            cmd.env("SLURM_CONF", conf);
+        }
+        run_once(&mut cmd, Duration::from_secs(30))
+    };
+    // Terminal states (squeue(1), JOB STATE CODES); every other state means not yet.
+    const ENDED: [&str; 10] = ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED"];
+    loop {
+        let shown = scontrol(&["show", "job", "--oneliner", &id]);
+        let field = |name: &str| shown.stdout.split_whitespace().find_map(|w| w.strip_prefix(name)).unwrap_or("").to_string();
+        let state = field("JobState=");
+        if ENDED.contains(&state.as_str()) {
+            let completed = state == "COMPLETED" && field("ExitCode=") == "0:0";
+            let stderr = if completed { submitted.stderr } else { format!("{}job {id} ended {state} (ExitCode={})\n", submitted.stderr, field("ExitCode=")) };
+            return Run { status: Some(if completed { 0 } else { 1 }), stdout: submitted.stdout, stderr, elapsed: start.elapsed(), timed_out: false };
+        }
+        if start.elapsed() > limit {
+            let _ = Command::new("scancel").arg(&id).envs(conf.iter().map(|c| ("SLURM_CONF", c))).status();
+            return Run { status: None, stdout: submitted.stdout, stderr: format!("{}job {id} still {state} after {limit:?}: cancelled\n{}", submitted.stderr, shown.stdout), elapsed: start.elapsed(), timed_out: true };
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
