@@ -515,8 +515,9 @@ pub fn sbatch_and_wait(configure: impl FnOnce(&mut Command), limit: Duration) ->
     let id = submitted.stdout.trim().split(';').next().unwrap_or("").to_string();
     assert!(id.parse::<u64>().is_ok(), "sbatch --parsable printed {:?}", submitted.stdout);
     let conf = sbatch.get_envs().find(|(k, _)| *k == "SLURM_CONF").and_then(|(_, v)| v.map(|v| v.to_os_string()));
-    let scontrol = |args: &[&str]| {
-        let mut cmd = Command::new("scontrol");
+    // scontrol and scancel, with the job's SLURM_CONF.
+    let slurm = |tool: &str, args: &[&str]| {
+        let mut cmd = Command::new(tool);
         cmd.args(args);
         if let Some(conf) = &conf {
             cmd.env("SLURM_CONF", conf);
@@ -526,7 +527,7 @@ pub fn sbatch_and_wait(configure: impl FnOnce(&mut Command), limit: Duration) ->
     // Terminal states (squeue(1), JOB STATE CODES); every other state means not yet.
     const ENDED: [&str; 10] = ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "REVOKED"];
     loop {
-        let shown = scontrol(&["show", "job", "--oneliner", &id]);
+        let shown = slurm("scontrol", &["show", "job", "--oneliner", &id]);
         let field = |name: &str| shown.stdout.split_whitespace().find_map(|w| w.strip_prefix(name)).unwrap_or("").to_string();
         let state = field("JobState=");
         if ENDED.contains(&state.as_str()) {
@@ -535,7 +536,7 @@ pub fn sbatch_and_wait(configure: impl FnOnce(&mut Command), limit: Duration) ->
             return Run { status: Some(if completed { 0 } else { 1 }), stdout: submitted.stdout, stderr, elapsed: start.elapsed(), timed_out: false };
         }
         if start.elapsed() > limit {
-            let _ = Command::new("scancel").arg(&id).envs(conf.iter().map(|c| ("SLURM_CONF", c))).status();
+            slurm("scancel", &[&id]);
             return Run { status: None, stdout: submitted.stdout, stderr: format!("{}job {id} still {state} after {limit:?}: cancelled\n{}", submitted.stderr, shown.stdout), elapsed: start.elapsed(), timed_out: true };
         }
         std::thread::sleep(Duration::from_millis(200));
