@@ -59,15 +59,19 @@ need_packages slurm-wlm munge || echo "the Slurm test will be skipped" >&2
 # shellcheck source=scripts/lib/cargo.sh
 source scripts/lib/cargo.sh
 
+# Every test binary runs to its end under every MPI, and the failures are listed together at the
+# end: one failing binary must not hide the state of the others (cargo test stops at the first
+# failing binary unless told --no-fail-fast).
+failures=()
 for mpi in "${libraries[@]}"; do
     HPC_TRAIN_MPI=$mpi
     source scripts/env.sh
     if [ $# -gt 0 ]; then
-        printf '\n==> %s: cargo test --release %s\n' "$mpi" "$*"
-        cargo test --release --locked "$@"
+        printf '\n==> %s: cargo test --release --no-fail-fast %s\n' "$mpi" "$*"
+        cargo test --release --locked --no-fail-fast "$@" || failures+=("$mpi: cargo test $*")
     elif [ "$mpi" = openmpi ]; then
-        printf '\n==> %s: cargo test --release (unit tests and every test that launches hpc-train)\n' "$mpi"
-        cargo test --release --locked
+        printf '\n==> %s: cargo test --release --no-fail-fast (unit tests and every test that launches hpc-train)\n' "$mpi"
+        cargo test --release --locked --no-fail-fast || failures+=("$mpi: cargo test (its summary above names the failing binaries)")
     else
         # Under the second MPI, every test whose subject depends on the MPI library. Left to
         # the first: the optimizers' arithmetic against torch.optim (optim_pytorch), dataset
@@ -86,15 +90,15 @@ for mpi in "${libraries[@]}"; do
             executables=$(test_executables "${selection[@]}")
         fi
         printf '\n==> %s: %d test binaries against %s (every test whose subject depends on the MPI library)\n' "$mpi" "$(wc -w <<< "$executables")" "$mpich_binary"
-        failed=()
         for executable in $executables; do
             name=$(basename "$executable"); name=${name%-*}
             printf '\n     Running tests/%s.rs (%s)\n' "$name" "$executable"
-            HPC_TRAIN_TEST_BINARY=$mpich_binary HPC_TRAIN_TEST_MPI_FAMILY=mpich "$executable" || failed+=("$name")
+            HPC_TRAIN_TEST_BINARY=$mpich_binary HPC_TRAIN_TEST_MPI_FAMILY=mpich "$executable" || failures+=("$mpi: tests/$name.rs")
         done
-        if [ ${#failed[@]} -gt 0 ]; then
-            echo "test.sh: under $mpi, failures in: ${failed[*]}" >&2
-            exit 1
-        fi
     fi
 done
+if [ ${#failures[@]} -gt 0 ]; then
+    printf '\ntest.sh: failures:\n' >&2
+    printf '  %s\n' "${failures[@]}" >&2
+    exit 1
+fi
