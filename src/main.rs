@@ -61,6 +61,8 @@ fn main() {
     // A command that rank 0 carries out alone needs no MPI where nothing launched other
     // processes: Open MPI's start-up of a lone process (a singleton, which forks its own daemon)
     // took 0.7 s of `hpc-train compat`'s 1.6 s, and tests and scripts call these commands often.
+    // Where a launcher started several, MPI starts so that only rank 0 works (below): each of
+    // `srun -n 8`'s tasks wrote the same report when only Open MPI's and PMI's variables counted.
     if mpi_library::launched_processes() == 1 {
         if let Some(work) = serial_work(&cli.command) {
             init_logging(0);
@@ -207,7 +209,7 @@ fn exit_after_parse_error(e: clap::Error) -> ! {
 /// launcher of another MPI made each process a world of its own, the ranks that do not print
 /// pause instead, having no one to meet.
 fn exit_once_reported(universe: Option<mpi::environment::Universe>, print: impl FnOnce(), code: i32) -> ! {
-    if launcher_rank() == 0 {
+    if mpi_library::launcher_rank() == 0 {
         print();
         let _ = std::io::stderr().flush();
     }
@@ -215,7 +217,7 @@ fn exit_once_reported(universe: Option<mpi::environment::Universe>, print: impl 
         let world = universe.world();
         if mpi::traits::Communicator::size(&world) > 1 {
             topology::sleeping_barrier_within(&world, Some(REPORTED_ERROR_GRACE));
-        } else if launcher_rank() != 0 {
+        } else if mpi_library::launcher_rank() != 0 {
             std::thread::sleep(REPORTED_ERROR_PAUSE);
         }
         drop(universe); // MPI_Finalize
@@ -228,15 +230,6 @@ fn exit_once_reported(universe: Option<mpi::environment::Universe>, print: impl 
 /// when nothing was saved.
 fn stopped_code(checkpointed: bool) -> i32 {
     if checkpointed { train::EXIT_STOPPED } else { 1 }
-}
-
-/// This process's rank as the launcher set it (Open MPI, MPICH/Hydra, PMIx, Slurm), for
-/// deciding who prints before MPI is initialised. 0 when launched without one.
-fn launcher_rank() -> i32 {
-    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "MV2_COMM_WORLD_RANK"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse().ok())
-        .unwrap_or(0)
 }
 
 /// Rank 0 logs at info level, the others warnings and errors only; RUST_LOG overrides both.
