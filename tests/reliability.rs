@@ -662,6 +662,34 @@ fn a_sigterm_during_start_up_is_a_stop_that_says_what_was_saved() {
     assert_eq!(checkpoint_steps(&ckpt), vec![1], "{out}");
 }
 
+/// During a stalled write of a sharded checkpoint the watchdog's line named the step the loop
+/// had last begun (3) for the folder of step 4, and no line named the rank stuck in its write.
+/// Now the stuck rank says it is the one the others wait for, naming its part file, and any
+/// waiting rank names the checkpoint's folder and step.
+#[test]
+fn a_stalled_checkpoint_write_names_its_step_and_the_stuck_rank() {
+    let dir = scratch("stall-write-watchdog");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let ckpt = dir.join("ckpt");
+    let mut args = base(&d, &r, &["--strategy", "ring", "--exchange-timeout-s", "3"]);
+    args.extend(["--steps", "20", "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "4"]);
+    let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "stall-write@1:4:120")], Duration::from_secs(90));
+    let out = run.all_output();
+    assert!(!run.timed_out && !run.ok(), "{out}");
+    assert!(run.elapsed < Duration::from_secs(40), "{:?}\n{out}", run.elapsed);
+    assert!(
+        out.contains("error: rank 1: exchange watchdog: writing its part ")
+            && out.contains(".ckpt-000000000004.partial/part-00001.safetensors at step 4 has made no progress for 3 s")
+            && out.contains("and the other ranks wait for this one, inside writing the sharded checkpoint ckpt-000000000004;"),
+        "{out}"
+    );
+    for line in out.lines().filter(|l| l.contains("exchange watchdog: writing")) {
+        assert!(line.contains(" at step 4 "), "a checkpoint's wait named by another step: {line}\n{out}");
+    }
+    assert_eq!(checkpoint_steps(&ckpt), Vec::<u64>::new(), "{out}");
+}
+
 /// `--profile-dir` on a full disk printed "profile written" and exited 0 with a truncated
 /// rank-R.json.tmp left (issue 48): the run fails with one line naming --profile-dir, every rank
 /// non-zero, nothing left behind and no run recorded.
