@@ -82,13 +82,16 @@ fn main() {
     if matches!(cli.command, None | Some(Command::Study(_))) {
         train::catch_stop_signals();
     }
+    faults::stall_before_start_up();
     // Each command asks for the thread level it needs: MPI_THREAD_MULTIPLE makes every call take
     // a lock in some libraries (MPICH's global lock, UCX's multi-thread mode), so only the
-    // strategies that run a communication thread ask for it (and check what they got).
+    // commands that run a communication thread ask for it (and check what they got).
+    let start_up = watchdog::watch_start_up(cli.start_up_timeout());
     let Some((universe, _threading)) = mpi::initialize_with_threading(cli.mpi_threading()) else {
         print_error(format_args!("MPI was already initialised"));
         std::process::exit(1);
     };
+    drop(start_up);
     let world = match mpi_library::check_launch(&universe.world()).and_then(|()| World::new(universe.world())) {
         Ok(w) => w,
         Err(e) => exit_once_reported(Some(universe), || print_error(format_args!("{e}")), 1),
@@ -198,7 +201,12 @@ fn exit_after_parse_error(e: clap::Error) -> ! {
         let _ = e.print();
         std::process::exit(e.exit_code());
     }
-    let universe = if mpi_library::launched_processes() > 1 { mpi::initialize() } else { None };
+    let universe = if mpi_library::launched_processes() > 1 {
+        let _start_up = watchdog::watch_start_up(std::time::Duration::from_secs_f64(train::options::DEFAULT_EXCHANGE_TIMEOUT_S));
+        mpi::initialize()
+    } else {
+        None
+    };
     exit_once_reported(universe, || drop(e.print()), e.exit_code())
 }
 

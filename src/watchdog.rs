@@ -34,6 +34,10 @@
 //! sharded checkpoint) is watched through [`own_work`], so that the rank stuck in it says so:
 //! a rank that waits for peers, when it fires, gives such a rank time to print its line before
 //! it aborts the job.
+//!
+//! Before all of this, [`watch_start_up`] guards MPI's start-up, where no communicator exists
+//! yet: a rank that never joins (stopped, or lost with its node) would leave the others inside
+//! `MPI_Init_thread` for ever.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -308,6 +312,64 @@ fn watch_thread() {
         std::thread::sleep(peer_report_grace);
         crate::raw::abort_world(1);
     }
+}
+
+/// The least time MPI's start-up gets before [`watch_start_up`] gives up, whatever
+/// `--exchange-timeout-s` says: its clock starts when this rank reaches `MPI_Init_thread`,
+/// which then waits for the slowest rank to load (libtorch takes 0.4-1 s on an idle machine,
+/// several times that on a crowded node or a shared file system), while a timeout of a few
+/// seconds is meant for exchanges, whose peers are already running.
+pub const START_UP_FLOOR: Duration = Duration::from_secs(10);
+
+/// Watches MPI's start-up until dropped. Where a launcher that starts its ranks at once says
+/// that it started several (mpirun, srun, Hydra, mpirun_rsh: `mpi_library::launched_processes`),
+/// a rank whose `MPI_Init_thread` has not returned within `timeout` (`--exchange-timeout-s`,
+/// at least [`START_UP_FLOOR`]) waits for a rank that will not come: it says so and exits
+/// non-zero, and its launcher then ends the job, the stopped rank too. No MPI call can be made
+/// (MPI_Abort needs MPI started). Without such a launcher, or with `timeout` zero, nothing is
+/// watched: a launcher that starts ranks one after another may take longer by design.
+pub fn watch_start_up(timeout: Duration) -> StartUpWatch {
+    let launched = crate::mpi_library::launched_processes();
+    if timeout.is_zero() || launched < 2 {
+        return StartUpWatch { _started: None };
+    }
+    let budget = timeout.max(START_UP_FLOOR);
+    let rank = crate::mpi_library::launcher_rank();
+    let (started, watched) = std::sync::mpsc::channel::<()>();
+    let spawned = std::thread::Builder::new().name("start-up-watchdog".into()).spawn(move || {
+        // The sender is dropped when MPI's start-up returns: nothing is ever sent.
+        if watched.recv_timeout(budget) != Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+            return;
+        }
+        let line = format!(
+            "error: rank {rank} of the {launched} the launcher started: MPI's start-up (MPI_Init_thread) has not completed after {:.0} s: \
+             a rank has not joined the job (stopped, or lost with its node); ending this rank so that the launcher ends the job \
+             (--exchange-timeout-s, at least {:.0} s at start-up; 0: off)\n",
+            budget.as_secs_f64(),
+            START_UP_FLOOR.as_secs_f64()
+        );
+        // As the exchange watchdog: the exit does not wait for a launcher that stopped reading.
+        std::thread::spawn(|| {
+            std::thread::sleep(ABORT_GRACE);
+            crate::raw::exit_now(1);
+        });
+        use std::io::Write;
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
+        crate::raw::exit_now(1);
+    });
+    match spawned {
+        Ok(_) => StartUpWatch { _started: Some(started) },
+        Err(e) => {
+            eprintln!("warning: MPI's start-up is not watched (no thread: {e})");
+            StartUpWatch { _started: None }
+        }
+    }
+}
+
+/// MPI's start-up under watch ([`watch_start_up`]), until dropped: dropping the sender tells
+/// the watching thread that the start-up returned.
+pub struct StartUpWatch {
+    _started: Option<std::sync::mpsc::Sender<()>>,
 }
 
 #[cfg(test)]

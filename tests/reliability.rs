@@ -662,6 +662,26 @@ fn a_sigterm_during_start_up_is_a_stop_that_says_what_was_saved() {
     assert_eq!(checkpoint_steps(&ckpt), vec![1], "{out}");
 }
 
+/// A rank stopped while the job starts (a node that hangs, a process stopped) left the others
+/// inside `MPI_Init_thread` for ever: the exchange watchdog does not exist yet. A guard armed
+/// before MPI's start-up ends the job after --exchange-timeout-s, here raised to its start-up
+/// floor of 10 s. The stalled rank pauses before its guard is armed, as a stopped rank's guard
+/// could not run either: the others' guards end the job.
+#[test]
+fn a_rank_stopped_during_mpi_start_up_ends_the_job() {
+    let dir = scratch("stall-start");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let mut args = base(&d, &r, &["--strategy", "ring", "--exchange-timeout-s", "3"]);
+    args.extend(["--steps", "5"]);
+    let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "stall-start@1:0:120")], Duration::from_secs(90));
+    let out = run.all_output();
+    assert!(!run.timed_out && !run.ok(), "{out}");
+    assert!(run.elapsed < Duration::from_secs(40), "{:?}\n{out}", run.elapsed);
+    assert!(out.contains("rank 1: pausing 120 s before MPI's start-up (injected fault)"), "{out}");
+    assert!(out.contains("error: rank 0 of the 2 the launcher started: MPI's start-up (MPI_Init_thread) has not completed after 10 s: a rank has not joined the job"), "{out}");
+}
+
 /// During a stalled write of a sharded checkpoint the watchdog's line named the step the loop
 /// had last begun (3) for the folder of step 4, and no line named the rank stuck in its write.
 /// Now the stuck rank says it is the one the others wait for, naming its part file, and any
