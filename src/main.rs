@@ -49,7 +49,16 @@ const REPORTED_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_mill
 
 fn main() {
     raw::keep_freed_memory();
-    let cli = match Cli::parse_noting_given() {
+    let parsed = Cli::parse_noting_given();
+    // SIGTERM and SIGUSR1 have been held since before main (raw::process says why). Training and
+    // studies turn them into a stop request, from MPI's start-up on, since one during start-up
+    // is a stop request like one during training, not the death of the rank; every other
+    // command gets their default action back, and one that came meanwhile ends it now.
+    match &parsed {
+        Ok(cli) if matches!(cli.command, None | Some(Command::Study(_))) => train::catch_stop_signals(),
+        _ => raw::release_stop_signals(),
+    }
+    let cli = match parsed {
         Ok(cli) => cli,
         // The MPI libraries hpc-train was built against and runs with; no launcher needed.
         Err(e) if e.kind() == clap::error::ErrorKind::DisplayVersion => {
@@ -76,11 +85,6 @@ fn main() {
             };
             std::process::exit(code);
         }
-    }
-    // A stop signal during start-up (MPI's, the run's set-up) is a stop request like one during
-    // training, not the death of the rank.
-    if matches!(cli.command, None | Some(Command::Study(_))) {
-        train::catch_stop_signals();
     }
     faults::stall_before_start_up();
     // Each command asks for the thread level it needs: MPI_THREAD_MULTIPLE makes every call take

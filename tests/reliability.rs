@@ -662,6 +662,45 @@ fn a_sigterm_during_start_up_is_a_stop_that_says_what_was_saved() {
     assert_eq!(checkpoint_steps(&ckpt), vec![1], "{out}");
 }
 
+/// A SIGTERM in the first 0.4-1 s of a rank, while libtorch's static initialisers run before
+/// main, killed it by the signal's default action: exit 143, the status that says a checkpoint
+/// holds the step, with nothing saved. The stop handler is now in place before any library's
+/// initialiser: the signal sent as soon as the process catches it, which the kernel shows
+/// (SigCgt) while Rust's runtime has not yet set SIGPIPE aside (SigIgn), that is before main,
+/// is a stop request: a checkpoint at step 1 and 143. One process, no launcher: what is tested
+/// is the process's own start, which no launcher changes.
+#[test]
+fn a_sigterm_before_main_is_a_stop_that_checkpoints() {
+    let dir = scratch("sigterm-before-main");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.join("r").to_str().unwrap().to_string());
+    let ckpt = dir.join("ckpt");
+    let mut args = base(&d, &r, &["--strategy", "allreduce"]);
+    args.extend(["--steps", "20", "--checkpoint-dir", ckpt.to_str().unwrap()]);
+    let log = dir.join("run.log");
+    let mut child = spawn_hpc_train(&args, &log);
+    // Bit n-1 of a /proc/PID/status mask is signal n.
+    let mask = |status: &str, field: &str| status.lines().find_map(|l| l.strip_prefix(field)).and_then(|v| u64::from_str_radix(v.trim(), 16).ok()).unwrap_or(0);
+    let (term, pipe) = (1u64 << 14, 1u64 << 12);
+    let status_path = format!("/proc/{}/status", child.id());
+    let started = std::time::Instant::now();
+    let ignored_at_catch = loop {
+        let status = std::fs::read_to_string(&status_path).unwrap_or_default();
+        if mask(&status, "SigCgt:") & term != 0 {
+            break mask(&status, "SigIgn:");
+        }
+        assert!(started.elapsed() < Duration::from_secs(60) && child.try_wait().unwrap().is_none(), "SIGTERM never caught:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+        std::thread::sleep(Duration::from_micros(500));
+    };
+    signal(child.id(), "TERM");
+    let (code, _) = wait_limited(&mut child, Duration::from_secs(120)).expect("the stopped run ended");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(ignored_at_catch & pipe, 0, "SIGTERM was first caught after Rust's runtime had started (it ignores SIGPIPE before main):\n{text}");
+    assert_eq!(code, Some(143), "{text}");
+    assert!(text.contains("stopped by a signal after step 1 of 20; checkpoint at step 1 in"), "{text}");
+    assert_eq!(checkpoint_steps(&ckpt), vec![1], "{text}");
+}
+
 /// A rank stopped while the job starts (a node that hangs, a process stopped) left the others
 /// inside `MPI_Init_thread` for ever: the exchange watchdog does not exist yet. A guard armed
 /// before MPI's start-up ends the job after --exchange-timeout-s, here raised to its start-up
