@@ -730,7 +730,9 @@ fn count_wrong(tensors: &[Tensor], sizes: &[usize], contributing: &[usize], refe
                 };
                 let tol = 2.0 * ranks as f32 * eps;
                 for (v, e) in got.iter().zip(&expected) {
-                    if !((v - e).abs() <= tol * (ranks as f32).max(e.abs())) {
+                    // Written as "not close" rather than "far": a NaN is neither, and is wrong.
+                    let close = (v - e).abs() <= tol * (ranks as f32).max(e.abs());
+                    if !close {
                         wrong += 1;
                     }
                 }

@@ -15,7 +15,7 @@ use crate::exchange::options::{Given, PsArgs};
 use crate::project::{FitArgs, ProjectArgs};
 use crate::report::ReportArgs;
 use crate::study::StudyArgs;
-use crate::train::options::{DeviceChoice, TrainArgs};
+use crate::train::options::{DeviceChoice, TrainArgs, DEFAULT_EXCHANGE_TIMEOUT_S};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -123,6 +123,20 @@ impl Cli {
             Some(Command::Data(_) | Command::Checkpoint(_) | Command::Report(_) | Command::Model(_) | Command::Project(_) | Command::Compat(_)) => false,
         };
         if needs_thread { mpi::Threading::Multiple } else { mpi::Threading::Funneled }
+    }
+
+    /// How long MPI's start-up may wait for the other ranks (`watchdog::watch_start_up`): the
+    /// command's `--exchange-timeout-s` where it has one, else that option's default; 0: not
+    /// watched. A value the run's set-up will refuse (negative, not a number) counts as the
+    /// default until then.
+    pub fn start_up_timeout(&self) -> std::time::Duration {
+        let seconds = match &self.command {
+            None => self.train.exchange_timeout_s,
+            Some(Command::Study(a)) => a.train.exchange_timeout_s,
+            Some(Command::Bench(a)) => a.exchange_timeout_s,
+            Some(_) => DEFAULT_EXCHANGE_TIMEOUT_S,
+        };
+        crate::train::watchdog_timeout(seconds).unwrap_or(std::time::Duration::from_secs_f64(DEFAULT_EXCHANGE_TIMEOUT_S))
     }
 }
 

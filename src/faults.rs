@@ -20,6 +20,9 @@
 //! - `stall-write`: that rank sleeps SECONDS in the middle of writing its part of the checkpoint
 //!   of step STEP (the folder `ckpt-<STEP>`), after the first piece of its part file, so that a
 //!   test can kill the job while a checkpoint is half written.
+//! - `stall-start`: that rank sleeps SECONDS before MPI's start-up (STEP is ignored), the others
+//!   waiting for it inside `MPI_Init_thread`: a rank stopped while the job starts. Read before
+//!   MPI exists, with the rank and size the launcher's variables give.
 //!
 //! Every step kind (plain, pipelined, `--zero 3`) honours every kind at the same points, through
 //! `train::step::StepFaults`. Nothing happens when the variable is unset; a malformed value, a
@@ -35,6 +38,18 @@ pub const FAULT_ENV: &str = "HPC_TRAIN_FAULT";
 /// Whether `HPC_TRAIN_FAULT` names any fault (a row of plan/compat.rs's table).
 pub fn injected() -> bool {
     std::env::var_os(FAULT_ENV).is_some_and(|v| !v.to_string_lossy().trim().is_empty())
+}
+
+/// The `stall-start` pause of this process, before MPI's start-up: its rank and the job's size
+/// come from the launcher's variables, as MPI does not exist yet. A value that does not parse
+/// pauses nothing here; the run's set-up refuses it with the reason.
+pub fn stall_before_start_up() {
+    let launched = crate::mpi_library::launched_processes();
+    let rank = crate::mpi_library::launcher_rank();
+    if let Some(pause) = Faults::from_env(launched).ok().and_then(|f| f.start_stall(rank)) {
+        eprintln!("rank {rank}: pausing {:.0} s before MPI's start-up (injected fault)", pause.as_secs_f64());
+        std::thread::sleep(pause);
+    }
 }
 
 /// The longest stall a fault may ask for (a day): longer than any test needs, and far inside
@@ -53,6 +68,7 @@ pub enum Fault {
     Stall(Duration),
     StallAfter(Duration),
     StallWrite(Duration),
+    StallStart(Duration),
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -70,7 +86,7 @@ impl Faults {
     /// Parses `spec` for a job of `ranks` ranks: a fault on a rank the job lacks would silently
     /// never happen, and a test relying on it would pass for the wrong reason.
     pub fn parse(spec: &str, ranks: i32) -> Result<Faults> {
-        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, error, stall, stall-after, stall-write, setup or term)"));
+        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, error, stall, stall-after, stall-write, stall-start, setup or term)"));
         let pause = |item: &str, secs: &str| -> Result<Duration> {
             let secs: f64 = secs.parse().map_err(|_| bad(item))?;
             if !(0.0..=MAX_STALL_S).contains(&secs) {
@@ -95,6 +111,7 @@ impl Faults {
                 ("stall", Some(secs), 3) => Fault::Stall(pause(item, secs)?),
                 ("stall-after", Some(secs), 3) => Fault::StallAfter(pause(item, secs)?),
                 ("stall-write", Some(secs), 3) => Fault::StallWrite(pause(item, secs)?),
+                ("stall-start", Some(secs), 3) => Fault::StallStart(pause(item, secs)?),
                 _ => return Err(bad(item)),
             };
             if !(0..ranks).contains(&rank) {
@@ -108,7 +125,7 @@ impl Faults {
     /// The fault planned for `rank` at the training step `step`, if any (set-up's and the
     /// checkpoint writes' are asked for apart).
     pub fn at(&self, rank: i32, step: u64) -> Option<&Fault> {
-        self.0.iter().find(|(f, r, s)| *r == rank && *s == step && !matches!(f, Fault::Setup | Fault::Term | Fault::StallWrite(_))).map(|(f, _, _)| f)
+        self.0.iter().find(|(f, r, s)| *r == rank && *s == step && !matches!(f, Fault::Setup | Fault::Term | Fault::StallWrite(_) | Fault::StallStart(_))).map(|(f, _, _)| f)
     }
 
     /// Whether any rank is to pause in the middle of a checkpoint write.
@@ -120,6 +137,14 @@ impl Faults {
     pub fn write_stall(&self, rank: i32, step: u64) -> Option<Duration> {
         self.0.iter().find_map(|(f, r, s)| match f {
             Fault::StallWrite(pause) if *r == rank && *s == step => Some(*pause),
+            _ => None,
+        })
+    }
+
+    /// How long `rank` is to pause before MPI's start-up.
+    pub fn start_stall(&self, rank: i32) -> Option<Duration> {
+        self.0.iter().find_map(|(f, r, _)| match f {
+            Fault::StallStart(pause) if *r == rank => Some(*pause),
             _ => None,
         })
     }
@@ -158,7 +183,9 @@ mod tests {
         assert_eq!(f.at(1, 9), Some(&Fault::StallAfter(Duration::from_secs(2))));
         assert_eq!(f.at(2, 1), Some(&Fault::Error));
         assert_eq!(f.at(2, 5), Some(&Fault::InfGrad));
-        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "stall-after@1:1", "nan@1:2:3", "stall@1:1:2:3", "error@1:1:2", "stall-write@1:1"] {
+        let start = Faults::parse("stall-start@1:0:30", 2).unwrap();
+        assert_eq!((start.start_stall(1), start.start_stall(0), start.at(1, 0)), (Some(Duration::from_secs(30)), None, None), "a start-up stall is no step's fault");
+        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "stall-after@1:1", "nan@1:2:3", "stall@1:1:2:3", "error@1:1:2", "stall-write@1:1", "stall-start@1:0"] {
             assert!(Faults::parse(bad, 3).is_err(), "{bad}");
         }
     }

@@ -49,7 +49,16 @@ const REPORTED_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_mill
 
 fn main() {
     raw::keep_freed_memory();
-    let cli = match Cli::parse_noting_given() {
+    let parsed = Cli::parse_noting_given();
+    // SIGTERM and SIGUSR1 have been held since before main (raw::process says why). Training and
+    // studies turn them into a stop request, from MPI's start-up on, since one during start-up
+    // is a stop request like one during training, not the death of the rank; every other
+    // command gets their default action back, and one that came meanwhile ends it now.
+    match &parsed {
+        Ok(cli) if matches!(cli.command, None | Some(Command::Study(_))) => train::catch_stop_signals(),
+        _ => raw::release_stop_signals(),
+    }
+    let cli = match parsed {
         Ok(cli) => cli,
         // The MPI libraries hpc-train was built against and runs with; no launcher needed.
         Err(e) if e.kind() == clap::error::ErrorKind::DisplayVersion => {
@@ -61,6 +70,8 @@ fn main() {
     // A command that rank 0 carries out alone needs no MPI where nothing launched other
     // processes: Open MPI's start-up of a lone process (a singleton, which forks its own daemon)
     // took 0.7 s of `hpc-train compat`'s 1.6 s, and tests and scripts call these commands often.
+    // Where a launcher started several, MPI starts so that only rank 0 works (below): each of
+    // `srun -n 8`'s tasks wrote the same report when only Open MPI's and PMI's variables counted.
     if mpi_library::launched_processes() == 1 {
         if let Some(work) = serial_work(&cli.command) {
             init_logging(0);
@@ -75,18 +86,16 @@ fn main() {
             std::process::exit(code);
         }
     }
-    // A stop signal during start-up (MPI's, the run's set-up) is a stop request like one during
-    // training, not the death of the rank.
-    if matches!(cli.command, None | Some(Command::Study(_))) {
-        train::catch_stop_signals();
-    }
+    faults::stall_before_start_up();
     // Each command asks for the thread level it needs: MPI_THREAD_MULTIPLE makes every call take
     // a lock in some libraries (MPICH's global lock, UCX's multi-thread mode), so only the
-    // strategies that run a communication thread ask for it (and check what they got).
+    // commands that run a communication thread ask for it (and check what they got).
+    let start_up = watchdog::watch_start_up(cli.start_up_timeout());
     let Some((universe, _threading)) = mpi::initialize_with_threading(cli.mpi_threading()) else {
         print_error(format_args!("MPI was already initialised"));
         std::process::exit(1);
     };
+    drop(start_up);
     let world = match mpi_library::check_launch(&universe.world()).and_then(|()| World::new(universe.world())) {
         Ok(w) => w,
         Err(e) => exit_once_reported(Some(universe), || print_error(format_args!("{e}")), 1),
@@ -196,7 +205,12 @@ fn exit_after_parse_error(e: clap::Error) -> ! {
         let _ = e.print();
         std::process::exit(e.exit_code());
     }
-    let universe = if mpi_library::launched_processes() > 1 { mpi::initialize() } else { None };
+    let universe = if mpi_library::launched_processes() > 1 {
+        let _start_up = watchdog::watch_start_up(std::time::Duration::from_secs_f64(train::options::DEFAULT_EXCHANGE_TIMEOUT_S));
+        mpi::initialize()
+    } else {
+        None
+    };
     exit_once_reported(universe, || drop(e.print()), e.exit_code())
 }
 
@@ -207,7 +221,7 @@ fn exit_after_parse_error(e: clap::Error) -> ! {
 /// launcher of another MPI made each process a world of its own, the ranks that do not print
 /// pause instead, having no one to meet.
 fn exit_once_reported(universe: Option<mpi::environment::Universe>, print: impl FnOnce(), code: i32) -> ! {
-    if launcher_rank() == 0 {
+    if mpi_library::launcher_rank() == 0 {
         print();
         let _ = std::io::stderr().flush();
     }
@@ -215,7 +229,7 @@ fn exit_once_reported(universe: Option<mpi::environment::Universe>, print: impl 
         let world = universe.world();
         if mpi::traits::Communicator::size(&world) > 1 {
             topology::sleeping_barrier_within(&world, Some(REPORTED_ERROR_GRACE));
-        } else if launcher_rank() != 0 {
+        } else if mpi_library::launcher_rank() != 0 {
             std::thread::sleep(REPORTED_ERROR_PAUSE);
         }
         drop(universe); // MPI_Finalize
@@ -228,15 +242,6 @@ fn exit_once_reported(universe: Option<mpi::environment::Universe>, print: impl 
 /// when nothing was saved.
 fn stopped_code(checkpointed: bool) -> i32 {
     if checkpointed { train::EXIT_STOPPED } else { 1 }
-}
-
-/// This process's rank as the launcher set it (Open MPI, MPICH/Hydra, PMIx, Slurm), for
-/// deciding who prints before MPI is initialised. 0 when launched without one.
-fn launcher_rank() -> i32 {
-    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "MV2_COMM_WORLD_RANK"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok()?.parse().ok())
-        .unwrap_or(0)
 }
 
 /// Rank 0 logs at info level, the others warnings and errors only; RUST_LOG overrides both.

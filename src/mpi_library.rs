@@ -109,16 +109,40 @@ pub fn version_text() -> String {
 }
 
 /// Variables through which launchers tell a process how many processes they started together.
-const LAUNCHER_SIZE_VARIABLES: [(&str, &str); 3] = [
+/// PMIx has none of its own (a PMIx client asks its server): under `srun --mpi=pmix` the size
+/// comes from Slurm's variable, under Open MPI's mpirun from Open MPI's.
+const LAUNCHER_SIZE_VARIABLES: [(&str, &str); 4] = [
     ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
     ("PMI_SIZE", "a PMI launcher (MPICH's mpiexec, srun --mpi=pmi2)"),
     ("MV2_COMM_WORLD_SIZE", "MVAPICH2's mpirun_rsh"),
+    // Set in the tasks of a job step (srun), whatever its --mpi, and only there: a batch script
+    // is one process, although it sees the allocation's SLURM_NTASKS (seen under Slurm 22.05).
+    ("SLURM_STEP_NUM_TASKS", "Slurm's srun"),
 ];
 
-/// How many processes the launcher says it started (the largest of its size variables), 1
-/// without one.
+/// Variables through which launchers tell a process its rank, the innermost launcher's first:
+/// an MPI library's own launcher may run inside a Slurm job, whose SLURM_PROCID it inherits.
+const LAUNCHER_RANK_VARIABLES: [&str; 5] = ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID"];
+
+/// How many processes the launcher started together, as far as its variables say: the largest
+/// size it gives, or one more than the largest rank (a PMIx launcher may give only the rank); 1
+/// without a launcher.
 pub fn launched_processes() -> i32 {
-    LAUNCHER_SIZE_VARIABLES.iter().filter_map(|&(var, _)| std::env::var(var).ok()?.trim().parse::<i32>().ok()).max().unwrap_or(1)
+    launched_processes_in(|var| std::env::var(var).ok())
+}
+
+/// [`launched_processes`] in the environment `lookup` reads.
+fn launched_processes_in(lookup: impl Fn(&str) -> Option<String>) -> i32 {
+    let number = |var: &str| lookup(var)?.trim().parse::<i32>().ok();
+    let sizes = LAUNCHER_SIZE_VARIABLES.iter().filter_map(|&(var, _)| number(var));
+    let ranks = LAUNCHER_RANK_VARIABLES.iter().filter_map(|&var| number(var)?.checked_add(1));
+    sizes.chain(ranks).max().unwrap_or(1).max(1)
+}
+
+/// This process's rank as its launcher set it (Open MPI, MPICH/Hydra, PMIx, MVAPICH2, Slurm), for
+/// deciding who prints before MPI is initialised; 0 without a launcher.
+pub fn launcher_rank() -> i32 {
+    LAUNCHER_RANK_VARIABLES.iter().find_map(|v| std::env::var(v).ok()?.trim().parse().ok()).unwrap_or(0)
 }
 
 /// Refuses, with one line, a start that cannot give the job the user asked for: a binary whose
@@ -154,7 +178,8 @@ fn launch_mismatch(launched: &[(&str, &str, i32)], world_size: i32, built: Famil
     let (var, launcher, size) = launched[0];
     Some(format!(
         "{launcher} started {size} processes ({var}={size}), but {library} made this one a job of {world_size} rank(s): \
-         the launcher does not belong to the MPI library hpc-train was built against ({}); launch it with {}",
+         the launcher, or srun's --mpi plugin, does not belong to the MPI library hpc-train was built against ({}); launch it \
+         with {}",
         built_library(),
         built.launchers()
     ))
@@ -292,6 +317,31 @@ mod tests {
         // An outer launcher's variable left in the environment of a job that an inner one started.
         let nested = [("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun", 1), ("PMI_SIZE", "a PMI launcher", 2)];
         assert_eq!(launch_mismatch(&nested, 2, Family::Mpich, "MPICH"), None);
+        // srun whose --mpi plugin the library does not speak: each task a job of its own.
+        let srun = [("SLURM_STEP_NUM_TASKS", "Slurm's srun", 2)];
+        let message = launch_mismatch(&srun, 1, Family::OpenMpi, "Open MPI v4.1.4").expect("refused");
+        assert!(message.starts_with("Slurm's srun started 2 processes (SLURM_STEP_NUM_TASKS=2), but Open MPI v4.1.4 made this one a job of 1 rank(s)"), "{message}");
+        assert!(message.contains("srun --mpi=pmix"), "{message}");
+    }
+
+    /// A serial command (`report`, `compat`) starts MPI, for rank 0 alone to work, only where
+    /// the environment says that several processes were launched together. Under `srun
+    /// --mpi=pmix` only Slurm's and PMIx's variables say so, and each of 8 tasks wrote the same
+    /// report. Environments as Slurm 22.05 and Open MPI 4.1 set them.
+    #[test]
+    fn launched_processes_are_counted_from_every_launcher_variable() {
+        let count = |env: &[(&str, &str)]| launched_processes_in(|var| env.iter().find(|(k, _)| *k == var).map(|(_, v)| v.to_string()));
+        assert_eq!(count(&[]), 1, "no launcher");
+        let srun_pmix = [("SLURM_STEP_NUM_TASKS", "8"), ("SLURM_NTASKS", "8"), ("SLURM_PROCID", "3"), ("PMIX_RANK", "3"), ("PMIX_NAMESPACE", "slurm.pmix.1.0")];
+        assert_eq!(count(&srun_pmix), 8);
+        // A batch script: one process, though it sees the allocation's task count.
+        assert_eq!(count(&[("SLURM_NTASKS", "2"), ("SLURM_NPROCS", "2"), ("SLURM_PROCID", "0")]), 1);
+        // A launcher that gives a rank and no size: at least that many.
+        assert_eq!(count(&[("PMIX_RANK", "2")]), 3);
+        assert_eq!(count(&[("OMPI_COMM_WORLD_SIZE", "4"), ("OMPI_COMM_WORLD_RANK", "1"), ("PMIX_RANK", "1")]), 4);
+        assert_eq!(count(&[("PMI_SIZE", "2"), ("PMI_RANK", "0")]), 2);
+        assert_eq!(count(&[("PMI_SIZE", "two"), ("PMI_RANK", " 1 ")]), 2, "a number with spaces counts, anything else not");
+        assert_eq!(count(&[("PMI_SIZE", "-3")]), 1);
     }
 
     #[test]

@@ -662,6 +662,93 @@ fn a_sigterm_during_start_up_is_a_stop_that_says_what_was_saved() {
     assert_eq!(checkpoint_steps(&ckpt), vec![1], "{out}");
 }
 
+/// A SIGTERM in the first 0.4-1 s of a rank, while libtorch's static initialisers run before
+/// main, killed it by the signal's default action: exit 143, the status that says a checkpoint
+/// holds the step, with nothing saved. The stop handler is now in place before any library's
+/// initialiser: the signal sent as soon as the process catches it, which the kernel shows
+/// (SigCgt) while Rust's runtime has not yet set SIGPIPE aside (SigIgn), that is before main,
+/// is a stop request: a checkpoint at step 1 and 143. One process, no launcher: what is tested
+/// is the process's own start, which no launcher changes.
+#[test]
+fn a_sigterm_before_main_is_a_stop_that_checkpoints() {
+    let dir = scratch("sigterm-before-main");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.join("r").to_str().unwrap().to_string());
+    let ckpt = dir.join("ckpt");
+    let mut args = base(&d, &r, &["--strategy", "allreduce"]);
+    args.extend(["--steps", "20", "--checkpoint-dir", ckpt.to_str().unwrap()]);
+    let log = dir.join("run.log");
+    let mut child = spawn_hpc_train(&args, &log);
+    // Bit n-1 of a /proc/PID/status mask is signal n.
+    let mask = |status: &str, field: &str| status.lines().find_map(|l| l.strip_prefix(field)).and_then(|v| u64::from_str_radix(v.trim(), 16).ok()).unwrap_or(0);
+    let (term, pipe) = (1u64 << 14, 1u64 << 12);
+    let status_path = format!("/proc/{}/status", child.id());
+    let started = std::time::Instant::now();
+    let ignored_at_catch = loop {
+        let status = std::fs::read_to_string(&status_path).unwrap_or_default();
+        if mask(&status, "SigCgt:") & term != 0 {
+            break mask(&status, "SigIgn:");
+        }
+        assert!(started.elapsed() < Duration::from_secs(60) && child.try_wait().unwrap().is_none(), "SIGTERM never caught:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+        std::thread::sleep(Duration::from_micros(500));
+    };
+    signal(child.id(), "TERM");
+    let (code, _) = wait_limited(&mut child, Duration::from_secs(120)).expect("the stopped run ended");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(ignored_at_catch & pipe, 0, "SIGTERM was first caught after Rust's runtime had started (it ignores SIGPIPE before main):\n{text}");
+    assert_eq!(code, Some(143), "{text}");
+    assert!(text.contains("stopped by a signal after step 1 of 20; checkpoint at step 1 in"), "{text}");
+    assert_eq!(checkpoint_steps(&ckpt), vec![1], "{text}");
+}
+
+/// A rank stopped while the job starts (a node that hangs, a process stopped) left the others
+/// inside `MPI_Init_thread` for ever: the exchange watchdog does not exist yet. A guard armed
+/// before MPI's start-up ends the job after --exchange-timeout-s, here raised to its start-up
+/// floor of 10 s. The stalled rank pauses before its guard is armed, as a stopped rank's guard
+/// could not run either: the others' guards end the job.
+#[test]
+fn a_rank_stopped_during_mpi_start_up_ends_the_job() {
+    let dir = scratch("stall-start");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let mut args = base(&d, &r, &["--strategy", "ring", "--exchange-timeout-s", "3"]);
+    args.extend(["--steps", "5"]);
+    let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "stall-start@1:0:120")], Duration::from_secs(90));
+    let out = run.all_output();
+    assert!(!run.timed_out && !run.ok(), "{out}");
+    assert!(run.elapsed < Duration::from_secs(40), "{:?}\n{out}", run.elapsed);
+    assert!(out.contains("rank 1: pausing 120 s before MPI's start-up (injected fault)"), "{out}");
+    assert!(out.contains("error: rank 0 of the 2 the launcher started: MPI's start-up (MPI_Init_thread) has not completed after 10 s: a rank has not joined the job"), "{out}");
+}
+
+/// During a stalled write of a sharded checkpoint the watchdog's line named the step the loop
+/// had last begun (3) for the folder of step 4, and no line named the rank stuck in its write.
+/// Now the stuck rank says it is the one the others wait for, naming its part file, and any
+/// waiting rank names the checkpoint's folder and step.
+#[test]
+fn a_stalled_checkpoint_write_names_its_step_and_the_stuck_rank() {
+    let dir = scratch("stall-write-watchdog");
+    let data = dataset(&dir);
+    let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
+    let ckpt = dir.join("ckpt");
+    let mut args = base(&d, &r, &["--strategy", "ring", "--exchange-timeout-s", "3"]);
+    args.extend(["--steps", "20", "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "4"]);
+    let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "stall-write@1:4:120")], Duration::from_secs(90));
+    let out = run.all_output();
+    assert!(!run.timed_out && !run.ok(), "{out}");
+    assert!(run.elapsed < Duration::from_secs(40), "{:?}\n{out}", run.elapsed);
+    assert!(
+        out.contains("error: rank 1: exchange watchdog: writing its part ")
+            && out.contains(".ckpt-000000000004.partial/part-00001.safetensors at step 4 has made no progress for 3 s")
+            && out.contains("and the other ranks wait for this one, inside writing the sharded checkpoint ckpt-000000000004;"),
+        "{out}"
+    );
+    for line in out.lines().filter(|l| l.contains("exchange watchdog: writing")) {
+        assert!(line.contains(" at step 4 "), "a checkpoint's wait named by another step: {line}\n{out}");
+    }
+    assert_eq!(checkpoint_steps(&ckpt), Vec::<u64>::new(), "{out}");
+}
+
 /// `--profile-dir` on a full disk printed "profile written" and exited 0 with a truncated
 /// rank-R.json.tmp left (issue 48): the run fails with one line naming --profile-dir, every rank
 /// non-zero, nothing left behind and no run recorded.

@@ -59,6 +59,50 @@ impl Drop for LocalSlurm {
     }
 }
 
+impl LocalSlurm {
+    /// The `srun --mpi` plugin for the binary under test: `pmix` for Open MPI where this Slurm
+    /// has it (Debian 12's slurm-wlm 22.05 has), else `pmi2`, which the MPICH family speaks.
+    fn mpi_plugin(&self) -> &'static str {
+        if launcher::mpi() == launcher::Mpi::Mpich {
+            return "pmi2";
+        }
+        let list = Command::new("srun").arg("--mpi=list").env("SLURM_CONF", &self.conf).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&list.stdout), String::from_utf8_lossy(&list.stderr));
+        if text.lines().any(|l| l.trim() == "pmix") { "pmix" } else { "pmi2" }
+    }
+
+    /// `srun -n <tasks> hpc-train <args>` on the node, with the MPI plugin `plugin`.
+    fn srun(&self, plugin: &str, tasks: usize, args: &[&str]) -> Run {
+        let mut cmd = Command::new("srun");
+        cmd.arg(format!("--mpi={plugin}"))
+            .args(["--ntasks", &tasks.to_string(), "--overcommit", "--kill-on-bad-exit=1"])
+            .arg(bin())
+            .args(args)
+            .current_dir(root())
+            .env("SLURM_CONF", &self.conf);
+        run_with_limit(cmd, Duration::from_secs(120))
+    }
+}
+
+/// A command that is rank 0's work alone (`compat`, `report`, `data info`) under `srun -n 2`:
+/// done once. Under `--mpi=pmix` no Open MPI or PMI variable says that several tasks were
+/// launched, only Slurm's and PMIx's, and each task did the whole work: the table twice, a
+/// report written by two processes at once. A bad input is one error line, and the step fails.
+#[test]
+fn a_serial_command_under_srun_runs_once() {
+    let dir = scratch("slurm-serial");
+    let Some(slurm) = LocalSlurm::start(&dir.join("cluster")) else { return };
+    let plugin = slurm.mpi_plugin();
+    eprintln!("launching with srun --mpi={plugin}");
+    let alone = hpc_train(&["compat", "--tsv"]).expect_ok();
+    let under_srun = slurm.srun(plugin, 2, &["compat", "--tsv"]).expect_ok();
+    assert!(under_srun.stdout == alone.stdout, "srun --mpi={plugin}: {} lines printed, {} alone\n{}", under_srun.stdout.lines().count(), alone.stdout.lines().count(), under_srun.stderr);
+    let missing = dir.join("missing.h5");
+    let bad = slurm.srun(plugin, 2, &["data", "info", missing.to_str().unwrap()]);
+    let errors: Vec<&str> = bad.stderr.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert!(!bad.ok() && errors.len() == 1 && errors[0].contains("missing.h5"), "srun --mpi={plugin}: {:?}\n{}{}", bad.status, bad.stdout, bad.stderr);
+}
+
 /// Options for the single node: no GPUs, more ranks than cores allowed.
 const NODE: [&str; 5] = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-task=0", "--cpus-per-task=1", "--overcommit"];
 

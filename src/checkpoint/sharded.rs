@@ -159,7 +159,13 @@ pub fn save_sharded(world: &World, root: &Path, meta: CheckpointMeta, pieces: &[
             }
             false => Ok(()),
         })?;
-        let part = world.agree(write_part(&partial, world.rank as usize, pieces, pause_midway))?;
+        // Every rank waits for the slowest writer in the agreement; watched as this rank's own
+        // work meanwhile, so that a rank stuck in its write names itself (crate::watchdog).
+        let written = {
+            let _own = crate::watchdog::own_work(|| format!("writing its part {}", partial.join(part_file(world.rank as usize)).display()), Some(step));
+            write_part(&partial, world.rank as usize, pieces, pause_midway)
+        };
+        let part = world.agree(written)?;
         // Every rank takes part in the agreement, also when rank 0 could not read a description.
         world.agree(gather_parts(world, &part).and_then(|parts| match parts {
             Some(parts) => finish(root, &partial, meta, &parts, keep).map(|_| ()),

@@ -1,11 +1,85 @@
 //! This process and its host, through libc: resident memory, glibc's allocator settings, free
-//! space in a file system, the host name.
+//! space in a file system, the host name, the stop signals before main.
 //!
 //! The invariants its unsafe code relies on: an out-parameter is read only once the call that
-//! fills it has succeeded (or it was zero-initialised), and a string handed to libc is
-//! NUL-terminated and outlives the call.
+//! fills it has succeeded (or it was zero-initialised), a string handed to libc is
+//! NUL-terminated and outlives the call, and a signal handler touches nothing but an atomic.
 
-use std::ffi::{c_char, CStr, CString};
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::sync::atomic::{AtomicI32, Ordering};
+
+/// The last stop signal (SIGTERM, SIGUSR1) that arrived while [`hold_stop_signals`]' handler was
+/// in place; 0 for none.
+static STOP_SIGNAL_HELD: AtomicI32 = AtomicI32::new(0);
+
+/// The stop signals that training turns into a stop request (train::run's `StopSignal`).
+const STOP_SIGNALS: [c_int; 2] = [libc::SIGTERM, libc::SIGUSR1];
+
+/// Called by glibc before the initialisers of every shared library, from the executable's
+/// `.preinit_array` (the one place that runs earlier than they do): libtorch's static
+/// initialisers take 0.4-1.0 s between exec and main on the development VM (the dynamic loader
+/// itself 10 ms), and a SIGTERM then killed a training rank by its default action, which the job
+/// reported as 143, the status that says a checkpoint holds the step (issue 64). Left out of the
+/// unit tests' binary, whose harness should die of a signal as usual.
+#[cfg(not(test))]
+#[used]
+#[link_section = ".preinit_array"]
+static HOLD_STOP_SIGNALS_BEFORE_MAIN: extern "C" fn(c_int, *const *const c_char, *const *const c_char) = hold_stop_signals_before_main;
+
+#[cfg(not(test))]
+extern "C" fn hold_stop_signals_before_main(_argc: c_int, _argv: *const *const c_char, _envp: *const *const c_char) {
+    hold_stop_signals();
+}
+
+#[cfg_attr(test, allow(dead_code))]
+extern "C" fn note_stop_signal(signal: c_int) {
+    STOP_SIGNAL_HELD.store(signal, Ordering::Relaxed);
+}
+
+/// Holds SIGTERM and SIGUSR1 (notes their arrival) until main knows what the command does with
+/// them: [`stop_signal_held`] for training, which stops on them; [`release_stop_signals`] for
+/// the others. Runs before main (see `HOLD_STOP_SIGNALS_BEFORE_MAIN`).
+#[cfg_attr(test, allow(dead_code))]
+fn hold_stop_signals() {
+    for signal in STOP_SIGNALS {
+        set_handler(signal, note_stop_signal as extern "C" fn(c_int) as libc::sighandler_t);
+    }
+}
+
+/// Installs `handler` (a function's address, SIG_DFL or SIG_IGN) for `signal`; a signal the
+/// kernel refuses keeps its action.
+fn set_handler(signal: c_int, handler: libc::sighandler_t) {
+    // SAFETY: `action` is zero-initialised (an empty mask, no flags) and then given a handler
+    // that only stores into an atomic, which is async-signal-safe, or SIG_DFL; sigaction reads
+    // it during the call only, and the old action is not asked for (null).
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = handler;
+        action.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut action.sa_mask);
+        libc::sigaction(signal, &action, std::ptr::null_mut());
+    }
+}
+
+/// Whether a stop signal arrived before training's own handlers took over (they chain to the
+/// holding one, so one that arrives later is seen by both).
+pub fn stop_signal_held() -> bool {
+    STOP_SIGNAL_HELD.load(Ordering::Relaxed) != 0
+}
+
+/// Gives SIGTERM and SIGUSR1 back their default action (ending the process), for the commands
+/// that do not stop on them, and delivers now one that arrived while they were held: such a
+/// command ends as if the signal had come with no handler.
+pub fn release_stop_signals() {
+    for signal in STOP_SIGNALS {
+        set_handler(signal, libc::SIG_DFL);
+    }
+    let held = STOP_SIGNAL_HELD.load(Ordering::Relaxed);
+    if held != 0 {
+        // SAFETY: raise has no preconditions; the signal's action is its default now.
+        unsafe { libc::raise(held) };
+    }
+}
 
 /// Peak resident memory of this process, in MiB: the kernel's high-water mark, or the resident
 /// memory now where that is higher. Linux updates `ru_maxrss` from per-thread counters that it

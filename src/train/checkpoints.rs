@@ -354,8 +354,10 @@ pub(super) fn save_sharded_checkpoint(
     let data: Vec<Tensor> = pieces.iter().map(|p| p.data.shallow_clone()).collect();
     let finite = optim::all_finite(&data)?;
     world.agree(if finite { Ok(()) } else { Err(Error::NonFinite { what: "weights or optimizer state (no checkpoint written)", step: meta.step, epoch: meta.epoch() }) })?;
-    // Every rank writes at once; the agreements inside wait for the slowest writer.
-    Ok(crate::watchdog::collective("writing a sharded checkpoint", &world.comm, || save_sharded(world, dir, meta, &pieces, keep, pause_midway)))
+    // Every rank writes at once; the agreements inside wait for the slowest writer. Watched as
+    // the checkpoint's step and folder, not the step the loop last began (one less).
+    let (step, folder) = (meta.step, checkpoint::files::folder_name(meta.step));
+    Ok(crate::watchdog::collective_of_step(|| format!("writing the sharded checkpoint {folder}"), step, &world.comm, || save_sharded(world, dir, meta, &pieces, keep, pause_midway)))
 }
 
 /// `--save-weights` where the model is cut (pipelines, `--zero 3`, tensor parallelism), with no

@@ -118,7 +118,8 @@ pub(super) struct StopSignal(Arc<std::sync::atomic::AtomicBool>);
 /// The process's one stop flag and its handlers, registered once: as the training commands
 /// start (main.rs, before MPI's start-up and the run's set-up), so that a signal during
 /// start-up is a stop request too. Before, it killed the rank by the signal's default action,
-/// which the job saw as 143, the status that says a checkpoint holds the step (issue 48).
+/// which the job saw as 143, the status that says a checkpoint holds the step (issue 48). A
+/// signal from before main, which `raw::process` held, counts too.
 static STOP_FLAG: std::sync::OnceLock<std::result::Result<Arc<std::sync::atomic::AtomicBool>, String>> = std::sync::OnceLock::new();
 
 impl StopSignal {
@@ -127,6 +128,10 @@ impl StopSignal {
             let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
             for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGUSR1] {
                 signal_hook::flag::register(signal, flag.clone()).map_err(|e| format!("cannot install the handler of signal {signal}: {e}"))?;
+            }
+            // Asked after registering: a signal is then seen by one handler or the other.
+            if crate::raw::stop_signal_held() {
+                flag.store(true, std::sync::atomic::Ordering::Relaxed);
             }
             Ok(flag)
         });

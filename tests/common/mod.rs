@@ -424,6 +424,13 @@ pub fn spawn_mpirun(ranks: usize, args: &[&str], env: &[(&str, &str)], log: &Pat
     spawn(mpirun_command(ranks, args, env).stdout(out).stderr(err))
 }
 
+/// Starts `hpc-train <args>` alone (no launcher) without waiting, stdout and stderr to `log`.
+pub fn spawn_hpc_train(args: &[&str], log: &Path) -> std::process::Child {
+    let out = std::fs::File::create(log).unwrap();
+    let err = out.try_clone().unwrap();
+    spawn(Command::new(bin()).args(args).current_dir(root()).stdout(out).stderr(err))
+}
+
 /// The rank processes the launcher started, in pid order: its children (Open MPI's mpirun), or
 /// the children of its proxies (Hydra's `hydra_pmi_proxy`, one per node).
 pub fn rank_pids(mpirun_pid: u32) -> Vec<u32> {
