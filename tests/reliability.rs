@@ -876,7 +876,10 @@ fn checks_read_late_give_the_same_weights_and_errors_as_every_step() {
     for (fault, what) in [("nan@0:5", "non-finite loss at step 5"), ("nangrad@0:5", "non-finite gradient at step 5")] {
         let mut outcomes = Vec::new();
         for (name, env) in [("every", vec![("HPC_TRAIN_FAULT", fault)]), ("late", vec![("HPC_TRAIN_FAULT", fault), defer[0]])] {
-            let checkpoints = dir.join(format!("ckpt-{name}-{}", &fault[..3]));
+            // A folder per fault kind (nan, nangrad): a run from step 0 refuses one that holds
+            // an earlier run's checkpoints.
+            let kind = fault.split('@').next().unwrap();
+            let checkpoints = dir.join(format!("ckpt-{name}-{kind}"));
             let mut args = base(&d, &r, &[]);
             args.extend(["--steps", "12", "--checkpoint-dir", checkpoints.to_str().unwrap(), "--checkpoint-every", "3"]);
             let run = mpirun_env(1, &args, &env, Duration::from_secs(120));

@@ -17,12 +17,12 @@ use crate::error::{Error, Result};
 use crate::plan::shard::ShardInfo;
 use crate::topology::World;
 
-use super::files::{folder_name, sync_dir, FolderLock};
+use super::files::{folder_name, sync_dir, FolderLock, Retention};
 use super::index::Section;
 use super::meta::{Checkpoint, FileCheck, META_FILE};
 use super::reader::{checkpoint_at, find_latest_together, verify_together, CheckpointReader, ReadStats};
 use super::region::Region;
-use super::sharded::{save_sharded, Piece};
+use super::sharded::{save_sharded, Piece, WriteFault};
 use super::stream::{Entry, StreamWriter};
 
 #[derive(Subcommand, Debug)]
@@ -68,7 +68,8 @@ pub struct ReshardArgs {
     pub to: PathBuf,
     #[arg(long, value_enum, default_value = "flat")]
     pub layout: ReshardLayout,
-    /// Complete checkpoints kept in TO (the newest).
+    /// Good checkpoints kept in TO, the one written counted (older ones beyond it are removed;
+    /// newer ones are left alone).
     #[arg(long, default_value_t = 3)]
     pub keep: usize,
 }
@@ -166,7 +167,7 @@ pub fn reshard(world: &World, args: &ReshardArgs) -> Result<()> {
     let reader = world.agree(CheckpointReader::open(&found))?;
     let pieces = world.agree(my_pieces(&reader, args.layout, world.rank as usize, world.size as usize))?;
     let read = reader.stats();
-    let written = save_sharded(world, &args.to, found.meta.clone(), &pieces, args.keep, None)?;
+    let written = save_sharded(world, &args.to, found.meta.clone(), &pieces, Retention::newest(args.keep), WriteFault::None)?;
     let (read_bytes, read_seconds) = (world.sum_f64(read.bytes as f64) as u64, world.max_f64(read.seconds));
     if world.is_root() {
         println!(

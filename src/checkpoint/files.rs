@@ -97,16 +97,66 @@ pub fn check_writable(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Removes complete checkpoints beyond the newest `keep` (never the only good one).
-pub fn prune(root: &Path, keep: usize) {
-    let mut steps = list_steps(root);
-    steps.sort_unstable_by(|a, b| b.cmp(a));
-    for step in steps.into_iter().skip(keep.max(1)) {
+/// Which complete checkpoints a write leaves in its folder (see [`prune`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retention {
+    /// Good checkpoints kept, the one just written counted (0 reads as 1: the one written).
+    pub keep: usize,
+    /// The checkpoint the run resumed from, kept for the whole run beside the newest `keep`: a
+    /// resume may go on with changed settings (accepted with a warning), and the run can always
+    /// be taken again from where it started.
+    pub resumed_from: Option<u64>,
+}
+
+impl Retention {
+    /// The newest `keep` good checkpoints, for a write that resumed from none.
+    pub fn newest(keep: usize) -> Retention {
+        Retention { keep, resumed_from: None }
+    }
+}
+
+/// Called once the checkpoint of step `written` is complete in `root`: removes the good
+/// checkpoints older than it beyond the newest `retention.keep` ([`steps_to_prune`]), good by
+/// [`super::reader::check_sizes`] (no data read). A damaged one is logged and left alone, and
+/// so is a folder that cannot be removed.
+pub fn prune(root: &Path, written: u64, retention: Retention) {
+    let damage = |step: u64| super::reader::check_sizes(&root.join(folder_name(step))).err();
+    let mut found_damaged = Vec::new();
+    let good = |step: u64| match damage(step) {
+        None => true,
+        Some(e) => {
+            found_damaged.push(e);
+            false
+        }
+    };
+    let remove = steps_to_prune(&list_steps(root), written, retention, good);
+    for e in found_damaged {
+        log::warn!("left in place, neither counted among the {} kept nor removed: {e}", retention.keep.max(1));
+    }
+    for step in remove {
         let dir = root.join(folder_name(step));
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             log::warn!("could not remove old checkpoint {}: {e}", dir.display());
         }
     }
+}
+
+/// The steps [`prune`] removes from a folder holding the checkpoints `steps` once the one of
+/// step `written` is complete, where `good(step)` says whether a checkpoint is whole. Only good
+/// checkpoints older than `written` go: the newest `keep - 1` of them stay beside it, and so
+/// does the one the run resumed from. A newer checkpoint is never removed (another run's, or a
+/// damaged one this run replaces when it reaches that step), nor a damaged one, which counts
+/// for none of those kept: removing by step number alone deleted the checkpoint just written
+/// whenever the folder held a higher step, and left no good one beside a newer damaged one.
+fn steps_to_prune(steps: &[u64], written: u64, retention: Retention, mut good: impl FnMut(u64) -> bool) -> Vec<u64> {
+    let mut older: Vec<u64> = steps.iter().copied().filter(|&s| s < written).collect();
+    older.sort_unstable_by(|a, b| b.cmp(a));
+    older
+        .into_iter()
+        .filter(|&s| good(s))
+        .skip(retention.keep.max(1) - 1)
+        .filter(|&s| Some(s) != retention.resumed_from)
+        .collect()
 }
 
 pub fn list_steps(root: &Path) -> Vec<u64> {

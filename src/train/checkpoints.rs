@@ -29,8 +29,8 @@ use tch::{Device, Tensor};
 use crate::checkpoint::index::Section;
 use crate::checkpoint::reader::{CheckpointReader, ReadStats};
 use crate::checkpoint::region::Region;
-use crate::checkpoint::sharded::{save_sharded, Piece, Written};
-use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
+use crate::checkpoint::sharded::{save_sharded, Piece, WriteFault, Written};
+use crate::checkpoint::{self, Checkpoint, CheckpointMeta, Retention};
 use crate::data::DatasetInfo;
 use crate::error::{Error, Result};
 use crate::exchange::{Exchange, StateSource};
@@ -150,7 +150,9 @@ pub(super) fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info
 
 /// Every rank finds the newest complete checkpoint when `--resume` is given (verified by the
 /// ranks together, each reading its share of the part files), and rank 0 checks that this run
-/// may continue from it. Collective; every rank returns the same checkpoint.
+/// may continue from it. Collective; every rank returns the same checkpoint. Refused (rank 0):
+/// a run without `--resume` into a folder that holds checkpoints, which it would start from
+/// step 0 beside, replacing and pruning them.
 pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &CheckpointMeta) -> Result<Option<Checkpoint>> {
     if args.checkpoint_dir.is_some() {
         if args.checkpoint_every == 0 {
@@ -158,7 +160,10 @@ pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &Checkpoin
         }
     }
     if !args.resume {
-        return Ok(None);
+        return match (&args.checkpoint_dir, world.is_root()) {
+            (Some(dir), true) => refuse_earlier_checkpoints(dir).map(|()| None),
+            _ => Ok(None),
+        };
     }
     let Some(dir) = &args.checkpoint_dir else {
         return Err(Error::usage("--resume needs --checkpoint-dir (where the checkpoints are)"));
@@ -182,6 +187,25 @@ pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &Checkpoin
             Ok(Some(found))
         }
     }
+}
+
+/// Refuses a run from step 0 (no `--resume`) into a `--checkpoint-dir` that holds checkpoints,
+/// an earlier run's: this run would replace the one of each step it reaches and prune the older
+/// ones, and a later `--resume` would take the newest whoever wrote it.
+fn refuse_earlier_checkpoints(dir: &Path) -> Result<()> {
+    let mut steps = checkpoint::files::list_steps(dir);
+    steps.sort_unstable();
+    let held = match steps.as_slice() {
+        [] => return Ok(()),
+        [one] => format!("a checkpoint (step {one})"),
+        [first, .., last] => format!("{} checkpoints (steps {first} to {last})", steps.len()),
+    };
+    Err(Error::Checkpoint {
+        path: dir.to_path_buf(),
+        reason: format!(
+            "holds {held} of an earlier run, and this run starts from step 0 (no --resume): it would replace the one of each step it reaches and prune the older ones; continue that run with --resume, or give this run a --checkpoint-dir of its own"
+        ),
+    })
 }
 
 /// The optimizer's state of a resumed run, read from its checkpoint (either format) by every
@@ -332,19 +356,19 @@ fn held_pieces(section: Section, name: &str, param: &str, shape: &[i64], local: 
 /// gathered. `replicas`: the ranks that hold this rank's part alike (the exchange's ranks).
 /// An outer error (a non-finite weight or state buffer anywhere: no checkpoint written) ends
 /// the run on every rank; the inner result, the same on every rank, says whether the write
-/// succeeded. `pause_midway`: the `stall-write` fault's pause, in the middle of this rank's part.
+/// succeeded. `fault`: a test's, in this rank's part (`stall-write`, `damage-write`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn save_sharded_checkpoint(
     world: &World,
     dir: &Path,
-    keep: usize,
+    retention: Retention,
     net: &Net,
     exchange: &mut dyn Exchange,
     optimizer: &Optimizer,
     meta: CheckpointMeta,
     replicas: &World,
     tp: Option<&TensorParallel>,
-    pause_midway: Option<std::time::Duration>,
+    fault: WriteFault,
 ) -> Result<Result<Written>> {
     let pieces = pieces_held(world, net, exchange, optimizer, replicas, tp, true)?;
     // Never replace good checkpoints with a diverged state: with overlap a non-finite gradient
@@ -355,7 +379,7 @@ pub(super) fn save_sharded_checkpoint(
     let finite = optim::all_finite(&data)?;
     world.agree(if finite { Ok(()) } else { Err(Error::NonFinite { what: "weights or optimizer state (no checkpoint written)", step: meta.step, epoch: meta.epoch() }) })?;
     // Every rank writes at once; the agreements inside wait for the slowest writer.
-    Ok(crate::watchdog::collective("writing a sharded checkpoint", &world.comm, || save_sharded(world, dir, meta, &pieces, keep, pause_midway)))
+    Ok(crate::watchdog::collective("writing a sharded checkpoint", &world.comm, || save_sharded(world, dir, meta, &pieces, retention, fault)))
 }
 
 /// `--save-weights` where the model is cut (pipelines, `--zero 3`, tensor parallelism), with no
@@ -385,7 +409,7 @@ pub(super) fn save_weights_in_parts(
         }
         false => Ok(()),
     })?;
-    let written = crate::watchdog::collective("writing --save-weights' parts", &world.comm, || save_sharded(world, &scratch, meta, &pieces, 1, None));
+    let written = crate::watchdog::collective("writing --save-weights' parts", &world.comm, || save_sharded(world, &scratch, meta, &pieces, Retention::newest(1), WriteFault::None));
     let streamed = match (written, world.is_root()) {
         (Ok(w), true) => checkpoint::command::consolidate(&w.dir, out, None).map(|_| ()).map_err(|e| Error::Checkpoint {
             path: out.to_path_buf(),
@@ -472,7 +496,7 @@ fn pieces_held(world: &World, net: &Net, exchange: &mut dyn Exchange, optimizer:
 /// state, which rank 0 collects from them (every worker takes part) and writes with the
 /// weights. Rank 0 returns how its write went (the folder written, or why not), the others
 /// None. (Parameter servers are refused with pipelines and tensor parallelism.)
-pub(super) fn save_checkpoint(world: &World, dir: &Path, keep: usize, net: &Net, exchange: &mut dyn Exchange, optimizer: &Optimizer, meta: CheckpointMeta) -> Result<Option<Result<std::path::PathBuf>>> {
+pub(super) fn save_checkpoint(world: &World, dir: &Path, retention: Retention, net: &Net, exchange: &mut dyn Exchange, optimizer: &Optimizer, meta: CheckpointMeta) -> Result<Option<Result<std::path::PathBuf>>> {
     // Collective: the state is held by the servers.
     let state = crate::watchdog::collective("gathering the optimizer state", &world.comm, || exchange.optimizer_state(&net.params, optimizer))?;
     let weights = net.named_variables();
@@ -486,7 +510,7 @@ pub(super) fn save_checkpoint(world: &World, dir: &Path, keep: usize, net: &Net,
     if !optim::all_finite(&net.params)? || !state.iter().try_fold(true, |ok, slot| Ok::<bool, Error>(ok && optim::all_finite(slot)?))? {
         return Err(Error::NonFinite { what: "weights (no checkpoint written)", step: meta.step, epoch: meta.epoch() });
     }
-    Ok(Some(checkpoint::save(dir, meta, &weights, &named_state(net, optimizer, state), keep)))
+    Ok(Some(checkpoint::save(dir, meta, &weights, &named_state(net, optimizer, state), retention)))
 }
 
 /// The optimizer's state buffers (`[slot][parameter]`) by their checkpoint names.
@@ -542,6 +566,21 @@ mod tests {
         assert_eq!(starts, vec![vec![2, 0], vec![6, 0], vec![10, 0]]);
         assert_eq!(cut_regions(&[4, 6], Split::Columns, 1, 2), vec![Region::Rect { offsets: vec![0, 3], lengths: vec![4, 3] }]);
         assert_eq!(cut_regions(&[4], Split::Whole, 0, 2), vec![Region::Whole]);
+    }
+
+    /// A run without --resume refuses a folder of checkpoints (an earlier run's).
+    #[test]
+    fn a_run_from_step_0_refuses_a_folder_of_checkpoints() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-earlier-run-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let ckpt = dir.join("ckpt");
+        std::fs::create_dir_all(ckpt.join(".ckpt-000000000001.partial")).unwrap();
+        assert!(refuse_earlier_checkpoints(&ckpt).is_ok(), "a partial folder is no checkpoint");
+        std::fs::create_dir_all(ckpt.join("ckpt-000000000004")).unwrap();
+        assert!(refuse_earlier_checkpoints(&ckpt).unwrap_err().to_string().contains("holds a checkpoint (step 4) of an earlier run"));
+        std::fs::create_dir_all(ckpt.join("ckpt-000000000002")).unwrap();
+        assert!(refuse_earlier_checkpoints(&ckpt).unwrap_err().to_string().contains("holds 2 checkpoints (steps 2 to 4) of an earlier run, and this run starts from step 0 (no --resume)"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

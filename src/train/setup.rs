@@ -48,11 +48,11 @@ impl<'a> Run<'a> {
         world.agree(args.profile_dir.as_deref().map_or(Ok(()), |dir| std::fs::create_dir_all(dir).map_err(|e| Error::usage(format!("--profile-dir {}: {e}", dir.display())))))?;
         let faults = world.agree(Faults::from_env(world.size))?;
         // The parameter server's checkpoints are whole, written by rank 0 from its servers'
-        // state: `stall-write` pauses a rank inside its part of a sharded one, which it has none
-        // of. Refused rather than ignored.
-        world.agree(match faults.stalls_a_write() && args.strategy == crate::exchange::StrategyKind::Ps {
-            true => Err(Error::usage(format!("{}: stall-write pauses a rank in its part of a sharded checkpoint; --strategy ps writes whole checkpoints, which it does not reach", crate::faults::FAULT_ENV))),
-            false => Ok(()),
+        // state: `stall-write` and `damage-write` act inside a rank's part of a sharded one,
+        // which it has none of. Refused rather than ignored.
+        world.agree(match (faults.in_a_sharded_write(), args.strategy == crate::exchange::StrategyKind::Ps) {
+            (Some(kind), true) => Err(Error::usage(format!("{}: {kind} acts in a rank's part of a sharded checkpoint; --strategy ps writes whole checkpoints, which it does not reach", crate::faults::FAULT_ENV))),
+            _ => Ok(()),
         })?;
         if faults.terminates_in_setup(world.rank) {
             let _ = signal_hook::low_level::raise(signal_hook::consts::SIGTERM);
