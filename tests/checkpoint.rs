@@ -444,6 +444,59 @@ fn a_write_prunes_only_older_good_checkpoints_and_a_new_run_refuses_a_used_folde
     hpc_train(&["checkpoint", "consolidate", &s(&ckpt.join(ckpt_folder(3))), &s(&dir.join("step3.safetensors"))]).expect_ok();
 }
 
+/// A checkpoint folder is an input everywhere: `checkpoint consolidate` wrote its OUT, or its
+/// --optimizer file, over a file of the very checkpoint it read (a part file, index.json) and
+/// said it succeeded, and the next --resume skipped that checkpoint as damaged; training's
+/// --save-weights did the same to a part of a kept checkpoint. --checkpoint-dir naming a
+/// `ckpt-<step>` folder with --resume warned that there was no checkpoint, trained from step 0
+/// and wrote a checkpoint inside it; and a --resume whose checkpoints were all damaged only
+/// warned before starting over them. Each is now refused, naming the folder, and nothing in the
+/// checkpoints changes.
+#[test]
+fn outputs_in_checkpoint_folders_and_a_checkpoint_as_checkpoint_dir_are_refused() {
+    if covered_by_the_first_mpi("which paths lie in a checkpoint") {
+        return;
+    }
+    let (dir, data, ckpt) = two_checkpoints("ckpt-inputs");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let newest = ckpt.join(ckpt_folder(4));
+    let (c, r, part, index) = (s(&ckpt), s(&dir), s(&newest.join("part-00000.safetensors")), s(&newest.join("index.json")));
+    let elsewhere = s(&dir.join("w.safetensors"));
+    let in_older = s(&ckpt.join(ckpt_folder(2)).join("w.safetensors"));
+    let before = snapshot(&ckpt);
+    let refused = |args: &[&str], what: &str| {
+        let run = hpc_train(args);
+        let out = run.all_output();
+        assert!(!run.ok() && out.matches(what).count() == 1, "{args:?}:\n{out}");
+        assert!(snapshot(&ckpt) == before, "{args:?} changed the checkpoints:\n{out}");
+    };
+    let inside = format!("lies in the checkpoint folder {}", newest.display());
+    refused(&["checkpoint", "consolidate", &c, &part], &format!("OUT {part}: it {inside}"));
+    refused(&["checkpoint", "consolidate", &c, &elsewhere, "--optimizer", &index], &format!("--optimizer {index}: it {inside}"));
+    refused(&["checkpoint", "consolidate", &c, &in_older], "lies in the checkpoint folder");
+    assert!(!dir.join("w.safetensors").exists());
+    let mut save_into_part = tiny_args(&data);
+    save_into_part.extend(["--steps", "6", "--checkpoint-dir", &c, "--resume", "--results", &r, "--save-weights", &part]);
+    refused(&save_into_part, &format!("--save-weights {part}: it {inside}"));
+    let mut checkpoint_as_dir = tiny_args(&data);
+    let newest_s = s(&newest);
+    checkpoint_as_dir.extend(["--steps", "6", "--checkpoint-dir", &newest_s, "--resume", "--results", &r]);
+    refused(&checkpoint_as_dir, &format!("it is a checkpoint, not a folder of checkpoints (a run would write its own inside it); to continue from it, give the folder it is in: --checkpoint-dir {} --resume", ckpt.display()));
+    assert!(!newest.join(".lock").exists(), "nothing written into the checkpoint");
+
+    // Every checkpoint damaged: an error, and nothing replaced.
+    for step in [2, 4] {
+        truncate_half(&ckpt.join(ckpt_folder(step)).join("part-00000.safetensors"));
+    }
+    let damaged = snapshot(&ckpt);
+    let mut resume = tiny_args(&data);
+    resume.extend(["--steps", "6", "--checkpoint-dir", &c, "--resume", "--results", &r]);
+    let run = hpc_train(&resume);
+    let out = run.all_output();
+    assert!(!run.ok() && out.matches("error: checkpoint").count() == 1 && out.contains("every checkpoint here is damaged (2, each named above"), "{out}");
+    assert!(snapshot(&ckpt) == damaged, "{out}");
+}
+
 /// A sharded checkpoint counted as good once its part files had their sizes: a part changed
 /// on its way to the disk (`damage-write` flips a byte of rank 1's part of step 4 once its rank
 /// took its CRC-32) became the newest good checkpoint, and the older one was pruned. Now the

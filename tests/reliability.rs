@@ -596,9 +596,11 @@ fn resume_refuses_another_dataset_of_the_same_size_and_an_edited_meta_json() {
     std::fs::write(&meta, text.replace("\"step\": 10,", "\"step\": 15,")).unwrap();
     let mut again = base(&d, &r, &["--strategy", "allreduce"]);
     again.extend(["--steps", "12", "--checkpoint-dir", c, "--resume"]);
-    let run = mpirun(2, &again).expect_ok();
-    assert!(run.stderr.contains("meta.json fails its CRC-32 check (edited or damaged)"), "{}", run.stderr);
-    assert!(run.stderr.contains("no complete checkpoint") && !run.stderr.contains("resuming from"), "{}", run.stderr);
+    let run = mpirun_env(2, &again, &[], Duration::from_secs(60));
+    assert!(!run.ok() && run.stderr.contains("meta.json fails its CRC-32 check (edited or damaged)"), "{}", run.all_output());
+    // Its only checkpoint damaged, the run refuses to start over it (tests/checkpoint.rs).
+    assert_eq!(run.all_output().matches("every checkpoint here is damaged").count(), 1, "{}", run.all_output());
+    assert!(!run.stderr.contains("resuming from") && checkpoint_steps(&ckpt) == vec![10], "{}", run.all_output());
 }
 
 /// `--save-weights` and `--timeline` on a full disk left their `.tmp` files behind. Both runs now

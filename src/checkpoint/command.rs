@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::plan::shard::ShardInfo;
 use crate::topology::World;
 
-use super::files::{folder_name, sync_dir, FolderLock, Retention};
+use super::files::{check_not_in_checkpoint, folder_name, sync_dir, FolderLock, Retention};
 use super::index::Section;
 use super::meta::{Checkpoint, FileCheck, META_FILE};
 use super::reader::{checkpoint_at, find_latest_together, verify_together, CheckpointReader, ReadStats};
@@ -113,8 +113,13 @@ fn consolidate_and_say(args: &ConsolidateArgs) -> Result<()> {
 }
 
 /// Writes the model variables of the checkpoint at `dir` (see [`checkpoint_at`]) to `out`, and
-/// its optimizer state to `optimizer` if given, each in the whole format's layout.
+/// its optimizer state to `optimizer` if given, each in the whole format's layout. An output
+/// in a checkpoint folder (the one read, a part file of it, any other) is refused first.
 pub fn consolidate(dir: &Path, out: &Path, optimizer: Option<&Path>) -> Result<Consolidated> {
+    check_not_in_checkpoint("OUT", out)?;
+    if let Some(path) = optimizer {
+        check_not_in_checkpoint("--optimizer", path)?;
+    }
     let checkpoint = checkpoint_at(dir)?;
     let reader = CheckpointReader::open(&checkpoint)?;
     let (mut tensors, mut bytes) = (0, 0);
@@ -152,6 +157,8 @@ pub fn write_section(reader: &CheckpointReader, section: Section, path: &Path) -
 /// `checkpoint reshard`: every rank finds the checkpoint (verifying its share of the part
 /// files), reads its slice of every tensor and writes it with [`save_sharded`].
 pub fn reshard(world: &World, args: &ReshardArgs) -> Result<()> {
+    // TO a checkpoint folder, or in one: the lock and the new checkpoint would go inside it.
+    world.agree(if world.is_root() { check_not_in_checkpoint("TO", &args.to) } else { Ok(()) })?;
     // Rank 0 holds the lock on the folder it writes, as a training run does.
     let _lock = world.agree(if world.is_root() { FolderLock::take(&args.to).map(Some) } else { Ok(None) })?;
     let found = if args.from.join(META_FILE).exists() {

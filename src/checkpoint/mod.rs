@@ -32,7 +32,8 @@
 //! A run holds a lock (flock) on `.lock` in the folder while it runs, naming its process and
 //! host there: two runs sharing a folder would prune and replace each other's checkpoints. A
 //! write prunes only good checkpoints older than itself, never the one the run resumed from
-//! ([`files::prune`]).
+//! ([`files::prune`]), and no command writes anything into a checkpoint folder
+//! ([`files::check_not_in_checkpoint`]).
 //!
 //! The files: [`meta`] (meta.json, compatibility), [`files`] (folders, syncing, pruning, the
 //! lock), [`whole`] and [`sharded`] (the two writers), [`region`] (which elements a piece
@@ -53,7 +54,7 @@ pub mod whole;
 // What the rest of the crate names as `checkpoint::X`; the sharded format's API is named by
 // its file (`checkpoint::sharded::save_sharded`, `checkpoint::reader::CheckpointReader`,
 // `checkpoint::region::Region`, `checkpoint::index::Section`).
-pub use files::{check_writable, FolderLock, Retention};
+pub use files::{check_not_in_checkpoint, check_writable, FolderLock, Retention};
 pub use meta::{check_compatible, state_name, Checkpoint, CheckpointMeta};
 pub use whole::save;
 

@@ -151,8 +151,9 @@ pub(super) fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info
 /// Every rank finds the newest complete checkpoint when `--resume` is given (verified by the
 /// ranks together, each reading its share of the part files), and rank 0 checks that this run
 /// may continue from it. Collective; every rank returns the same checkpoint. Refused (rank 0):
-/// a run without `--resume` into a folder that holds checkpoints, which it would start from
-/// step 0 beside, replacing and pruning them.
+/// a run without `--resume` into a folder that holds checkpoints, and a `--resume` where every
+/// checkpoint is damaged, since either would start from step 0 over checkpoints it then
+/// replaces and prunes.
 pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &CheckpointMeta) -> Result<Option<Checkpoint>> {
     if args.checkpoint_dir.is_some() {
         if args.checkpoint_every == 0 {
@@ -173,10 +174,19 @@ pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &Checkpoin
         return Ok(found);
     }
     match found {
-        None => {
-            log::warn!("--resume: no complete checkpoint in {}; starting from the beginning", dir.display());
-            Ok(None)
-        }
+        None => match checkpoint::files::list_steps(dir).len() {
+            0 => {
+                log::warn!("--resume: no complete checkpoint in {}; starting from the beginning", dir.display());
+                Ok(None)
+            }
+            // The warnings above name each one and what is wrong with it.
+            damaged => Err(Error::Checkpoint {
+                path: dir.clone(),
+                reason: format!(
+                    "--resume: every checkpoint here is damaged ({damaged}, each named above with what is wrong with it); this run would start from step 0 and replace them as it reaches their steps: move them out of this folder (or repair them) and run again"
+                ),
+            }),
+        },
         Some(found) => {
             let accepted = checkpoint::check_compatible(&found.meta, now)
                 .map_err(|reason| Error::Checkpoint { path: found.dir.clone(), reason: format!("refused: {reason}") })?;
