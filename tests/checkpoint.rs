@@ -497,6 +497,54 @@ fn outputs_in_checkpoint_folders_and_a_checkpoint_as_checkpoint_dir_are_refused(
     assert!(snapshot(&ckpt) == damaged, "{out}");
 }
 
+/// `--save-weights` in parts (`--zero 3`, one rank) removed `OUT.parts` before writing, a
+/// folder of the user's of that name too, and removed the parts after a join that failed while
+/// its error pointed at them, with a hint (every rank must see the folder) that did not fit a
+/// full disk. Now a non-empty `OUT.parts` is refused before training, and a join that fails
+/// (here a full disk: the parts fit, the joined file does not) keeps the parts, a complete
+/// checkpoint, and says how to join them.
+#[test]
+fn save_weights_in_parts_keeps_the_parts_when_the_join_fails_and_refuses_a_folder_it_did_not_make() {
+    if covered_by_the_first_mpi("what --save-weights in parts keeps") {
+        return;
+    }
+    let dir = scratch("ckpt-parts");
+    let data = tiny_data("parts");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let r = s(&dir);
+    let disk = dir.join("disk");
+    let out = disk.join("w.safetensors");
+    let mut args = tiny_args(&data);
+    let out_s = s(&out);
+    args.extend(["--steps", "1", "--zero", "3", "--results", &r, "--save-weights", &out_s]);
+    // The tiny model's weights are 20 KiB: its parts (part file, index.json, meta.json and
+    // meta.crc32, each rounded up to 4 KiB pages) take 32 KiB, the joined file 20 KiB more.
+    let (run, left) = hpc_train_with_tmpfs_listing(&args, &disk, "44k");
+    let text = run.all_output();
+    assert!(!run.ok() && !run.timed_out && text.matches("its parts could not be joined").count() == 1, "{text}");
+    let parts = disk.join("w.safetensors.parts");
+    assert!(text.contains(&format!("the disk is full; make room, then join them with `hpc-train checkpoint consolidate {} {}`", parts.display(), out.display())), "{text}");
+    assert!(!text.contains("every rank must see"), "{text}");
+    for file in ["index.json", "meta.json", "meta.crc32", "part-00000.safetensors"] {
+        assert!(left.contains(&format!("w.safetensors.parts/ckpt-000000000001/{file}")), "{file} kept: {left:?}\n{text}");
+    }
+    assert!(!left.iter().any(|f| f == "w.safetensors" || f.ends_with(".tmp") || f.contains(".partial")), "{left:?}");
+
+    // A folder of that name with a file of the user's: refused before training, left as it was.
+    let mine = dir.join("mine.safetensors");
+    let folder = dir.join("mine.safetensors.parts");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::write(folder.join("notes.txt"), b"mine").unwrap();
+    let mut args = tiny_args(&data);
+    let mine_s = s(&mine);
+    args.extend(["--steps", "1", "--zero", "3", "--results", &r, "--save-weights", &mine_s]);
+    let run = hpc_train(&args);
+    let text = run.all_output();
+    assert!(!run.ok() && text.matches(&format!("its parts go into {}, which holds files this run did not write", folder.display())).count() == 1, "{text}");
+    assert!(!text.contains("2 steps") && !mine.exists(), "refused before training:\n{text}");
+    assert_eq!(std::fs::read(folder.join("notes.txt")).unwrap(), b"mine");
+}
+
 /// A sharded checkpoint counted as good once its part files had their sizes: a part changed
 /// on its way to the disk (`damage-write` flips a byte of rank 1's part of step 4 once its rank
 /// took its CRC-32) became the newest good checkpoint, and the older one was pruned. Now the

@@ -21,7 +21,7 @@
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use tch::{Device, Tensor};
@@ -392,11 +392,62 @@ pub(super) fn save_sharded_checkpoint(
     Ok(crate::watchdog::collective("writing a sharded checkpoint", &world.comm, || save_sharded(world, dir, meta, &pieces, retention, fault)))
 }
 
+/// The folder `--save-weights OUT` writes its parts into where the model is cut: `OUT.parts`.
+pub(super) fn parts_folder(out: &Path) -> PathBuf {
+    let mut folder = out.as_os_str().to_owned();
+    folder.push(".parts");
+    PathBuf::from(folder)
+}
+
+/// Refuses `--save-weights OUT` in parts where `OUT.parts` is there and not an empty folder:
+/// this run writes into it and removes what it wrote, and never writes over what it did not
+/// make (a folder of the user's, or the parts an earlier run kept when their join failed).
+/// Checked before the first step, and again by [`save_weights_in_parts`].
+pub(super) fn check_parts_folder(out: &Path) -> Result<()> {
+    let folder = parts_folder(out);
+    let in_use = match std::fs::read_dir(&folder).map(|mut entries| entries.next().is_some()) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Ok(false) => return Ok(()),
+        Ok(true) => "holds files this run did not write".to_string(),
+        Err(e) => format!("is in the way ({e})"),
+    };
+    Err(Error::usage(format!(
+        "--save-weights {}: its parts go into {}, which {in_use} (the parts of an earlier run whose join failed, which `hpc-train checkpoint consolidate {} {}` joins, or a folder of yours); move or remove it first",
+        out.display(),
+        folder.display(),
+        folder.display(),
+        out.display()
+    )))
+}
+
+/// Rank 0 makes `folder` for the parts (true), or takes it empty as it is (false: not to be
+/// removed); anything else is refused by [`check_parts_folder`]'s rule.
+fn claim_parts_folder(out: &Path, folder: &Path) -> Result<bool> {
+    if let Some(parent) = folder.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    }
+    match std::fs::create_dir(folder) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => check_parts_folder(out).map(|()| false),
+        Err(e) => Err(Error::io(folder, e)),
+    }
+}
+
+/// Whether `e` (or the error it carries) is a full disk or a spent quota.
+fn is_full_disk(e: &Error) -> bool {
+    match e {
+        Error::Io { source, .. } => matches!(source.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded),
+        Error::Agreed(inner) => is_full_disk(inner),
+        _ => false,
+    }
+}
+
 /// `--save-weights` where the model is cut (pipelines, `--zero 3`, tensor parallelism), with no
 /// rank holding it whole (collective over `world`): every rank writes the variables it holds,
-/// as a checkpoint's weights, into a folder beside `out` (`<out>.parts`), then rank 0 streams
-/// them into `out` one tensor at a time (`checkpoint consolidate`'s writer) and removes the
-/// folder. So, as `--checkpoint-dir`, `out`'s folder must be one that every rank sees.
+/// as a checkpoint's weights, into [`parts_folder`] beside `out`, then rank 0 streams them into
+/// `out` one tensor at a time (`checkpoint consolidate`'s writer) and removes what it wrote.
+/// So, as `--checkpoint-dir`, `out`'s folder must be one that every rank sees. A join that fails
+/// (a full disk) keeps the parts, a complete checkpoint, and the error says how to join them.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn save_weights_in_parts(
     world: &World,
@@ -409,29 +460,35 @@ pub(super) fn save_weights_in_parts(
     tp: Option<&TensorParallel>,
 ) -> Result<()> {
     let pieces = pieces_held(world, net, exchange, optimizer, replicas, tp, false)?;
-    let mut scratch = out.as_os_str().to_owned();
-    scratch.push(".parts");
-    let scratch = std::path::PathBuf::from(scratch);
-    world.agree(match world.is_root() {
-        true => {
-            let _ = std::fs::remove_dir_all(&scratch);
-            std::fs::create_dir_all(&scratch).map_err(|e| Error::io(&scratch, e))
-        }
-        false => Ok(()),
-    })?;
-    let written = crate::watchdog::collective("writing --save-weights' parts", &world.comm, || save_sharded(world, &scratch, meta, &pieces, Retention::newest(1), WriteFault::None));
-    let streamed = match (written, world.is_root()) {
-        (Ok(w), true) => checkpoint::command::consolidate(&w.dir, out, None).map(|_| ()).map_err(|e| Error::Checkpoint {
-            path: out.to_path_buf(),
-            reason: format!("--save-weights: its parts, written by every rank into {}, could not be joined ({e}); every rank must see that folder", scratch.display()),
+    let folder = parts_folder(out);
+    let made_here = world.agree(if world.is_root() { claim_parts_folder(out, &folder) } else { Ok(false) })?;
+    let written = crate::watchdog::collective("writing --save-weights' parts", &world.comm, || save_sharded(world, &folder, meta, &pieces, Retention::newest(1), WriteFault::None));
+    let joined = match (&written, world.is_root()) {
+        (Ok(w), true) => checkpoint::command::consolidate(&w.dir, out, None).map(|_| ()).map_err(|e| {
+            let join = format!("`hpc-train checkpoint consolidate {} {}`", folder.display(), out.display());
+            let what_then = match is_full_disk(&e) {
+                true => format!("the disk is full; make room, then join them with {join}"),
+                false => format!("join them with {join} once the cause is put right"),
+            };
+            Error::Checkpoint {
+                path: out.to_path_buf(),
+                reason: format!("--save-weights: its parts could not be joined ({e}); they are kept in {}, a complete checkpoint: {what_then}", w.dir.display()),
+            }
         }),
-        (Ok(_), false) => Ok(()),
-        (Err(e), _) => Err(e),
+        _ => Ok(()),
     };
-    if world.is_root() {
-        let _ = std::fs::remove_dir_all(&scratch);
+    if world.is_root() && joined.is_ok() {
+        // What this run wrote, and the folder if it made it (a failed write removed its own
+        // partial folder).
+        if let Ok(w) = &written {
+            let _ = std::fs::remove_dir_all(&w.dir);
+        }
+        if made_here {
+            let _ = std::fs::remove_dir(&folder);
+        }
     }
-    world.agree(streamed)
+    written?;
+    world.agree(joined)
 }
 
 /// The pieces this rank writes of what the run holds (see the module's notes): the variables,
@@ -590,6 +647,25 @@ mod tests {
         assert!(refuse_earlier_checkpoints(&ckpt).unwrap_err().to_string().contains("holds a checkpoint (step 4) of an earlier run"));
         std::fs::create_dir_all(ckpt.join("ckpt-000000000002")).unwrap();
         assert!(refuse_earlier_checkpoints(&ckpt).unwrap_err().to_string().contains("holds 2 checkpoints (steps 2 to 4) of an earlier run, and this run starts from step 0 (no --resume)"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `--save-weights` in parts writes into `OUT.parts` only where it is absent or an empty
+    /// folder.
+    #[test]
+    fn a_parts_folder_holding_anything_is_refused() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-parts-folder-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = dir.join("w.safetensors");
+        assert!(check_parts_folder(&out).is_ok(), "absent");
+        std::fs::create_dir_all(parts_folder(&out)).unwrap();
+        assert!(check_parts_folder(&out).is_ok(), "empty");
+        std::fs::write(parts_folder(&out).join("notes.txt"), b"mine").unwrap();
+        let err = check_parts_folder(&out).unwrap_err().to_string();
+        assert!(err.contains(&format!("its parts go into {}.parts, which holds files this run did not write", out.display())), "{err}");
+        let file = dir.join("f.safetensors");
+        std::fs::write(parts_folder(&file), b"a file").unwrap();
+        assert!(check_parts_folder(&file).unwrap_err().to_string().contains(".parts, which is in the way ("));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

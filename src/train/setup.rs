@@ -16,7 +16,7 @@ use crate::raw;
 use crate::results::{self};
 use crate::topology::World;
 
-use super::checkpoints::{checkpoint_meta, find_resume_point, lock_checkpoint_dir, restore_state, save_checkpoint_weights, state_reader, CheckpointLog};
+use super::checkpoints::{check_parts_folder, checkpoint_meta, find_resume_point, lock_checkpoint_dir, restore_state, save_checkpoint_weights, state_reader, CheckpointLog};
 use super::collective::broadcast_step;
 use super::fsdp::{FullySharded, UnitWorker};
 use super::net::{input_spec, variable_blocks, InitialValues, Net, NetLayout, TensorPart};
@@ -117,6 +117,11 @@ impl<'a> Run<'a> {
             (None, Some((_, _, groups))) => NetLayout::Units(groups),
             (None, None) => NetLayout::Whole,
         };
+        // --save-weights where the model is cut goes through a folder beside the file, which must
+        // be free: checked before the first step rather than after the whole training.
+        if let (Some(out), true) = (&args.save_weights, pipeline.is_some() || tensor_parallel.is_some() || fully_sharded.is_some()) {
+            world.agree(if world.is_root() { check_parts_folder(out) } else { Ok(()) })?;
+        }
         // The checkpoint folder, held for this run alone; the checkpoint to continue from, and
         // whether anything is left to do.
         let checkpoint_lock = world.agree(lock_checkpoint_dir(world, args))?;
