@@ -40,7 +40,7 @@ pub enum CheckpointCommand {
 pub struct ConsolidateArgs {
     /// A checkpoint folder (ckpt-<step>), or a --checkpoint-dir (its newest good checkpoint).
     pub dir: PathBuf,
-    /// The weights file to write (replaced only once complete).
+    /// The weights file to write (replaced only once complete; not in a checkpoint folder).
     pub out: PathBuf,
     /// Also write the optimizer's state (optimizer.safetensors's names) to this file.
     #[arg(long, value_name = "FILE")]
