@@ -23,6 +23,8 @@
 //! - `stall-start`: that rank sleeps SECONDS before MPI's start-up (STEP is ignored), the others
 //!   waiting for it inside `MPI_Init_thread`: a rank stopped while the job starts. Read before
 //!   MPI exists, with the rank and size the launcher's variables give.
+//! - `damage-write`: that rank flips a byte of its part file of the checkpoint of step STEP
+//!   once it is written and its CRC-32 taken (data changed on its way to the disk).
 //!
 //! Every step kind (plain, pipelined, `--zero 3`) honours every kind at the same points, through
 //! `train::step::StepFaults`. Nothing happens when the variable is unset; a malformed value, a
@@ -31,6 +33,7 @@
 
 use std::time::Duration;
 
+use crate::checkpoint::sharded::WriteFault;
 use crate::error::{Error, Result};
 
 pub const FAULT_ENV: &str = "HPC_TRAIN_FAULT";
@@ -69,6 +72,7 @@ pub enum Fault {
     StallAfter(Duration),
     StallWrite(Duration),
     StallStart(Duration),
+    DamageWrite,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -86,7 +90,7 @@ impl Faults {
     /// Parses `spec` for a job of `ranks` ranks: a fault on a rank the job lacks would silently
     /// never happen, and a test relying on it would pass for the wrong reason.
     pub fn parse(spec: &str, ranks: i32) -> Result<Faults> {
-        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, error, stall, stall-after, stall-write, stall-start, setup or term)"));
+        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, error, stall, stall-after, stall-write, damage-write, stall-start, setup or term)"));
         let pause = |item: &str, secs: &str| -> Result<Duration> {
             let secs: f64 = secs.parse().map_err(|_| bad(item))?;
             if !(0.0..=MAX_STALL_S).contains(&secs) {
@@ -108,6 +112,7 @@ impl Faults {
                 ("term", None, _) => Fault::Term,
                 ("exit", None, _) => Fault::Exit,
                 ("error", None, _) => Fault::Error,
+                ("damage-write", None, _) => Fault::DamageWrite,
                 ("stall", Some(secs), 3) => Fault::Stall(pause(item, secs)?),
                 ("stall-after", Some(secs), 3) => Fault::StallAfter(pause(item, secs)?),
                 ("stall-write", Some(secs), 3) => Fault::StallWrite(pause(item, secs)?),
@@ -125,18 +130,15 @@ impl Faults {
     /// The fault planned for `rank` at the training step `step`, if any (set-up's and the
     /// checkpoint writes' are asked for apart).
     pub fn at(&self, rank: i32, step: u64) -> Option<&Fault> {
-        self.0.iter().find(|(f, r, s)| *r == rank && *s == step && !matches!(f, Fault::Setup | Fault::Term | Fault::StallWrite(_) | Fault::StallStart(_))).map(|(f, _, _)| f)
+        self.0.iter().find(|(f, r, s)| *r == rank && *s == step && !matches!(f, Fault::Setup | Fault::Term | Fault::StallWrite(_) | Fault::StallStart(_) | Fault::DamageWrite)).map(|(f, _, _)| f)
     }
 
-    /// Whether any rank is to pause in the middle of a checkpoint write.
-    pub fn stalls_a_write(&self) -> bool {
-        self.0.iter().any(|(f, _, _)| matches!(f, Fault::StallWrite(_)))
-    }
-
-    /// How long `rank` is to pause in the middle of writing the checkpoint of step `step`.
-    pub fn write_stall(&self, rank: i32, step: u64) -> Option<Duration> {
-        self.0.iter().find_map(|(f, r, s)| match f {
-            Fault::StallWrite(pause) if *r == rank && *s == step => Some(*pause),
+    /// The kind of the first fault planned inside a sharded checkpoint write, if any
+    /// (`stall-write`, `damage-write`).
+    pub fn in_a_sharded_write(&self) -> Option<&'static str> {
+        self.0.iter().find_map(|(f, _, _)| match f {
+            Fault::StallWrite(_) => Some("stall-write"),
+            Fault::DamageWrite => Some("damage-write"),
             _ => None,
         })
     }
@@ -147,6 +149,18 @@ impl Faults {
             Fault::StallStart(pause) if *r == rank => Some(*pause),
             _ => None,
         })
+    }
+
+    /// What `rank` is to do wrong in its part of the checkpoint of step `step`.
+    pub fn in_write(&self, rank: i32, step: u64) -> WriteFault {
+        self.0
+            .iter()
+            .find_map(|(f, r, s)| match f {
+                Fault::StallWrite(pause) if *r == rank && *s == step => Some(WriteFault::PauseMidway(*pause)),
+                Fault::DamageWrite if *r == rank && *s == step => Some(WriteFault::DamageWritten),
+                _ => None,
+            })
+            .unwrap_or_default()
     }
 
     /// Whether `rank` is to send itself SIGTERM during set-up.
@@ -166,13 +180,14 @@ mod tests {
 
     #[test]
     fn parses_and_rejects() {
-        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0,stall-after@1:9:2,error@2:1,infgrad@2:5,stall-write@0:20:3", 3).unwrap();
-        assert_eq!(f.write_stall(0, 20), Some(Duration::from_secs(3)));
-        assert_eq!((f.write_stall(0, 19), f.write_stall(1, 20), f.at(0, 20)), (None, None, None), "a write's stall is no step's fault");
+        let f = Faults::parse("nan@1:3, stall@0:2:1.5,exit@2:7,nangrad@0:4,setup@1:0,stall-after@1:9:2,error@2:1,infgrad@2:5,stall-write@0:20:3,damage-write@2:10", 3).unwrap();
+        assert_eq!(f.in_write(0, 20), WriteFault::PauseMidway(Duration::from_secs(3)));
+        assert_eq!((f.in_write(0, 19), f.in_write(1, 20), f.at(0, 20)), (WriteFault::None, WriteFault::None, None), "a write's stall is no step's fault");
+        assert_eq!((f.in_write(2, 10), f.at(2, 10)), (WriteFault::DamageWritten, None));
         assert_eq!(f.at(0, 4), Some(&Fault::NanGrad));
         assert!(f.setup_fails(1) && !f.setup_fails(0));
         let term = Faults::parse("term@1:0", 2).unwrap();
-        assert!(f.stalls_a_write() && !term.stalls_a_write());
+        assert!(f.in_a_sharded_write() == Some("stall-write") && term.in_a_sharded_write().is_none());
         assert!(term.terminates_in_setup(1) && !term.terminates_in_setup(0) && !f.terminates_in_setup(1));
         assert_eq!(term.at(1, 0), None);
         assert_eq!(f.at(1, 0), None);
@@ -185,7 +200,7 @@ mod tests {
         assert_eq!(f.at(2, 5), Some(&Fault::InfGrad));
         let start = Faults::parse("stall-start@1:0:30", 2).unwrap();
         assert_eq!((start.start_stall(1), start.start_stall(0), start.at(1, 0)), (Some(Duration::from_secs(30)), None, None), "a start-up stall is no step's fault");
-        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "stall-after@1:1", "nan@1:2:3", "stall@1:1:2:3", "error@1:1:2", "stall-write@1:1", "stall-start@1:0"] {
+        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "stall-after@1:1", "nan@1:2:3", "stall@1:1:2:3", "error@1:1:2", "stall-write@1:1", "stall-start@1:0", "damage-write@1:1:2"] {
             assert!(Faults::parse(bad, 3).is_err(), "{bad}");
         }
     }

@@ -327,7 +327,7 @@ fn a_write_killed_midway_leaves_the_previous_checkpoint_and_the_resume_equals_th
     ps.extend(["--steps", "9", "--strategy", "ps", "--servers", "1", "--checkpoint-dir", &s(&dir.join("ps-ckpt"))].map(String::from));
     let run = mpirun_env(3, &ps.iter().map(String::as_str).collect::<Vec<_>>(), &[("HPC_TRAIN_FAULT", "stall-write@1:6:120")], Duration::from_secs(60));
     assert!(!run.ok() && !run.timed_out, "{}", run.all_output());
-    assert_eq!(run.all_output().matches("stall-write pauses a rank in its part of a sharded checkpoint").count(), 1, "{}", run.all_output());
+    assert_eq!(run.all_output().matches("stall-write acts in a rank's part of a sharded checkpoint").count(), 1, "{}", run.all_output());
 }
 
 /// Batch norm's running statistics are each replica's own (no exchange averages them): a
@@ -359,4 +359,213 @@ fn batch_norm_statistics_are_the_first_replicas() {
         assert!(from_save.iter().any(|(k, _)| k.ends_with("running_mean")), "{name}: the model has batch norm");
         assert_eq!(from_checkpoint, from_save, "{name}: the consolidated checkpoint against --save-weights");
     }
+}
+
+/// Every file under `dir` (recursively, by path relative to it) and its bytes, the lock file
+/// left out (each run names itself there): what a refused command must leave as it was.
+fn snapshot(dir: &Path) -> std::collections::BTreeMap<std::path::PathBuf, Vec<u8>> {
+    let mut files = std::collections::BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                todo.push(path);
+            } else if path.file_name().is_some_and(|n| n != ".lock") {
+                files.insert(path.strip_prefix(dir).unwrap().to_path_buf(), std::fs::read(&path).unwrap());
+            }
+        }
+    }
+    files
+}
+
+fn ckpt_folder(step: u64) -> String {
+    format!("ckpt-{step:012}")
+}
+
+/// Cuts a file to half its length, as a crash of the storage might.
+fn truncate_half(path: &Path) {
+    let len = std::fs::metadata(path).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(path).unwrap().set_len(len / 2).unwrap();
+}
+
+/// A tiny model trained 4 steps by one process, checkpointing every 2: `<dir>/ckpt` holds the
+/// checkpoints of steps 2 and 4. Returns the test's folder, the dataset and the checkpoints.
+fn two_checkpoints(name: &str) -> (std::path::PathBuf, String, std::path::PathBuf) {
+    let dir = scratch(name);
+    let data = tiny_data(name);
+    let ckpt = dir.join("ckpt");
+    let (c, r) = (ckpt.to_str().unwrap(), dir.to_str().unwrap());
+    let mut args = tiny_args(&data);
+    args.extend(["--steps", "4", "--checkpoint-dir", c, "--checkpoint-every", "2", "--keep-checkpoints", "10", "--results", r]);
+    hpc_train(&args).expect_ok();
+    assert_eq!(checkpoint_steps(&ckpt), vec![2, 4]);
+    (dir, data, ckpt)
+}
+
+/// Pruning kept the highest step numbers, whoever wrote them: a run without --resume into a
+/// folder holding an earlier run's higher step removed each checkpoint it wrote right after
+/// writing it; `checkpoint reshard --keep 1` into such a folder reported success and removed
+/// what it wrote; a resume past a newer damaged checkpoint with --keep-checkpoints 1 left no
+/// good one. Now a write removes only good checkpoints older than itself, never the one the run
+/// resumed from, and a run without --resume refuses a folder that holds checkpoints.
+#[test]
+fn a_write_prunes_only_older_good_checkpoints_and_a_new_run_refuses_a_used_folder() {
+    if covered_by_the_first_mpi("which checkpoints a write removes") {
+        return;
+    }
+    let (dir, data, ckpt) = two_checkpoints("ckpt-prune");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let (c, r) = (s(&ckpt), s(&dir));
+    let before = snapshot(&ckpt);
+    let mut fresh = tiny_args(&data);
+    fresh.extend(["--steps", "2", "--checkpoint-dir", &c, "--keep-checkpoints", "1", "--results", &r]);
+    let run = hpc_train(&fresh);
+    let out = run.all_output();
+    assert!(!run.ok() && out.matches("holds 2 checkpoints (steps 2 to 4) of an earlier run, and this run starts from step 0 (no --resume)").count() == 1, "{out}");
+    assert!(snapshot(&ckpt) == before, "the earlier run's checkpoints as they were:\n{out}");
+
+    // Resharding the step-2 checkpoint into a folder that holds a copy of step 4, keeping 1.
+    let other = dir.join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    copy_dir(&ckpt.join(ckpt_folder(4)), &other.join(ckpt_folder(4)));
+    hpc_train(&["checkpoint", "reshard", &s(&ckpt.join(ckpt_folder(2))), &s(&other), "--keep", "1"]).expect_ok();
+    assert_eq!(checkpoint_steps(&other), vec![2, 4], "what it wrote, and the newer one it found");
+    hpc_train(&["checkpoint", "consolidate", &s(&other.join(ckpt_folder(2))), &s(&dir.join("resharded.safetensors"))]).expect_ok();
+
+    // The newest checkpoint damaged: a resume from step 2 to 3 keeping 1 writes step 3 and
+    // keeps it, keeps the one it resumed from, and leaves the damaged one.
+    truncate_half(&ckpt.join(ckpt_folder(4)).join("part-00000.safetensors"));
+    let mut resume = tiny_args(&data);
+    resume.extend(["--steps", "3", "--checkpoint-dir", &c, "--checkpoint-every", "1", "--keep-checkpoints", "1", "--resume", "--results", &r]);
+    let run = hpc_train(&resume).expect_ok();
+    assert!(run.stderr.contains("(step 2,"), "{}", run.all_output());
+    assert_eq!(checkpoint_steps(&ckpt), vec![2, 3, 4], "{}", run.all_output());
+    hpc_train(&["checkpoint", "consolidate", &s(&ckpt.join(ckpt_folder(3))), &s(&dir.join("step3.safetensors"))]).expect_ok();
+}
+
+/// A checkpoint folder is an input everywhere: `checkpoint consolidate` wrote its OUT, or its
+/// --optimizer file, over a file of the very checkpoint it read (a part file, index.json) and
+/// said it succeeded, and the next --resume skipped that checkpoint as damaged; training's
+/// --save-weights did the same to a part of a kept checkpoint. --checkpoint-dir naming a
+/// `ckpt-<step>` folder with --resume warned that there was no checkpoint, trained from step 0
+/// and wrote a checkpoint inside it; and a --resume whose checkpoints were all damaged only
+/// warned before starting over them. Each is now refused, naming the folder, and nothing in the
+/// checkpoints changes.
+#[test]
+fn outputs_in_checkpoint_folders_and_a_checkpoint_as_checkpoint_dir_are_refused() {
+    if covered_by_the_first_mpi("which paths lie in a checkpoint") {
+        return;
+    }
+    let (dir, data, ckpt) = two_checkpoints("ckpt-inputs");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let newest = ckpt.join(ckpt_folder(4));
+    let (c, r, part, index) = (s(&ckpt), s(&dir), s(&newest.join("part-00000.safetensors")), s(&newest.join("index.json")));
+    let elsewhere = s(&dir.join("w.safetensors"));
+    let in_older = s(&ckpt.join(ckpt_folder(2)).join("w.safetensors"));
+    let before = snapshot(&ckpt);
+    let refused = |args: &[&str], what: &str| {
+        let run = hpc_train(args);
+        let out = run.all_output();
+        assert!(!run.ok() && out.matches(what).count() == 1, "{args:?}:\n{out}");
+        assert!(snapshot(&ckpt) == before, "{args:?} changed the checkpoints:\n{out}");
+    };
+    let inside = format!("lies in the checkpoint folder {}", newest.display());
+    refused(&["checkpoint", "consolidate", &c, &part], &format!("OUT {part}: it {inside}"));
+    refused(&["checkpoint", "consolidate", &c, &elsewhere, "--optimizer", &index], &format!("--optimizer {index}: it {inside}"));
+    refused(&["checkpoint", "consolidate", &c, &in_older], "lies in the checkpoint folder");
+    assert!(!dir.join("w.safetensors").exists());
+    let mut save_into_part = tiny_args(&data);
+    save_into_part.extend(["--steps", "6", "--checkpoint-dir", &c, "--resume", "--results", &r, "--save-weights", &part]);
+    refused(&save_into_part, &format!("--save-weights {part}: it {inside}"));
+    let mut checkpoint_as_dir = tiny_args(&data);
+    let newest_s = s(&newest);
+    checkpoint_as_dir.extend(["--steps", "6", "--checkpoint-dir", &newest_s, "--resume", "--results", &r]);
+    refused(&checkpoint_as_dir, &format!("it is a checkpoint, not a folder of checkpoints (a run would write its own inside it); to continue from it, give the folder it is in: --checkpoint-dir {} --resume", ckpt.display()));
+    assert!(!newest.join(".lock").exists(), "nothing written into the checkpoint");
+
+    // Every checkpoint damaged: an error, and nothing replaced.
+    for step in [2, 4] {
+        truncate_half(&ckpt.join(ckpt_folder(step)).join("part-00000.safetensors"));
+    }
+    let damaged = snapshot(&ckpt);
+    let mut resume = tiny_args(&data);
+    resume.extend(["--steps", "6", "--checkpoint-dir", &c, "--resume", "--results", &r]);
+    let run = hpc_train(&resume);
+    let out = run.all_output();
+    assert!(!run.ok() && out.matches("error: checkpoint").count() == 1 && out.contains("every checkpoint here is damaged (2, each named above"), "{out}");
+    assert!(snapshot(&ckpt) == damaged, "{out}");
+}
+
+/// `--save-weights` in parts (`--zero 3`, one rank) removed `OUT.parts` before writing, a
+/// folder of the user's of that name too, and removed the parts after a join that failed while
+/// its error pointed at them, with a hint (every rank must see the folder) that did not fit a
+/// full disk. Now a non-empty `OUT.parts` is refused before training, and a join that fails
+/// (here a full disk: the parts fit, the joined file does not) keeps the parts, a complete
+/// checkpoint, and says how to join them.
+#[test]
+fn save_weights_in_parts_keeps_the_parts_when_the_join_fails_and_refuses_a_folder_it_did_not_make() {
+    if covered_by_the_first_mpi("what --save-weights in parts keeps") {
+        return;
+    }
+    let dir = scratch("ckpt-parts");
+    let data = tiny_data("parts");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let r = s(&dir);
+    let disk = dir.join("disk");
+    let out = disk.join("w.safetensors");
+    let mut args = tiny_args(&data);
+    let out_s = s(&out);
+    args.extend(["--steps", "1", "--zero", "3", "--results", &r, "--save-weights", &out_s]);
+    // The tiny model's weights are 20 KiB: its parts (part file, index.json, meta.json and
+    // meta.crc32, each rounded up to 4 KiB pages) take 32 KiB, the joined file 20 KiB more.
+    let (run, left) = hpc_train_with_tmpfs_listing(&args, &disk, "44k");
+    let text = run.all_output();
+    assert!(!run.ok() && !run.timed_out && text.matches("its parts could not be joined").count() == 1, "{text}");
+    let parts = disk.join("w.safetensors.parts");
+    assert!(text.contains(&format!("the disk is full; make room, then join them with `hpc-train checkpoint consolidate {} {}`", parts.display(), out.display())), "{text}");
+    assert!(!text.contains("every rank must see"), "{text}");
+    for file in ["index.json", "meta.json", "meta.crc32", "part-00000.safetensors"] {
+        assert!(left.contains(&format!("w.safetensors.parts/ckpt-000000000001/{file}")), "{file} kept: {left:?}\n{text}");
+    }
+    assert!(!left.iter().any(|f| f == "w.safetensors" || f.ends_with(".tmp") || f.contains(".partial")), "{left:?}");
+
+    // A folder of that name with a file of the user's: refused before training, left as it was.
+    let mine = dir.join("mine.safetensors");
+    let folder = dir.join("mine.safetensors.parts");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::write(folder.join("notes.txt"), b"mine").unwrap();
+    let mut args = tiny_args(&data);
+    let mine_s = s(&mine);
+    args.extend(["--steps", "1", "--zero", "3", "--results", &r, "--save-weights", &mine_s]);
+    let run = hpc_train(&args);
+    let text = run.all_output();
+    assert!(!run.ok() && text.matches(&format!("its parts go into {}, which holds files this run did not write", folder.display())).count() == 1, "{text}");
+    assert!(!text.contains("2 steps") && !mine.exists(), "refused before training:\n{text}");
+    assert_eq!(std::fs::read(folder.join("notes.txt")).unwrap(), b"mine");
+}
+
+/// A sharded checkpoint counted as good once its part files had their sizes: a part changed
+/// on its way to the disk (`damage-write` flips a byte of rank 1's part of step 4 once its rank
+/// took its CRC-32) became the newest good checkpoint, and the older one was pruned. Now the
+/// ranks read the parts back against their CRC-32s before the folder is renamed into place:
+/// the write fails naming the part, and the previous checkpoint stays.
+#[test]
+fn a_part_changed_on_its_way_to_the_disk_fails_the_write_and_the_previous_checkpoint_stays() {
+    if covered_by_the_first_mpi("the check of a written checkpoint's parts") {
+        return;
+    }
+    let dir = scratch("ckpt-damaged-write");
+    let data = tiny_data("damaged-write");
+    let ckpt = dir.join("ckpt");
+    let (c, r) = (ckpt.to_str().unwrap(), dir.to_str().unwrap());
+    let mut args = tiny_args(&data);
+    args.extend(["--steps", "4", "--checkpoint-dir", c, "--checkpoint-every", "2", "--keep-checkpoints", "1", "--results", r]);
+    let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "damage-write@1:4")], Duration::from_secs(120));
+    let out = run.all_output();
+    assert!(!run.ok() && !run.timed_out, "{out}");
+    assert!(out.contains("part-00001.safetensors fails its CRC-32 check (damaged)"), "{out}");
+    assert_eq!(out.matches("1 checkpoint(s) could not be written (after step(s) 4); --resume continues from the newest good one, at step 2").count(), 1, "{out}");
+    assert_eq!(checkpoint_steps(&ckpt), vec![2], "{out}");
+    assert!(!ckpt.join(".ckpt-000000000004.partial").exists());
 }

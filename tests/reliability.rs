@@ -596,9 +596,11 @@ fn resume_refuses_another_dataset_of_the_same_size_and_an_edited_meta_json() {
     std::fs::write(&meta, text.replace("\"step\": 10,", "\"step\": 15,")).unwrap();
     let mut again = base(&d, &r, &["--strategy", "allreduce"]);
     again.extend(["--steps", "12", "--checkpoint-dir", c, "--resume"]);
-    let run = mpirun(2, &again).expect_ok();
-    assert!(run.stderr.contains("meta.json fails its CRC-32 check (edited or damaged)"), "{}", run.stderr);
-    assert!(run.stderr.contains("no complete checkpoint") && !run.stderr.contains("resuming from"), "{}", run.stderr);
+    let run = mpirun_env(2, &again, &[], Duration::from_secs(60));
+    assert!(!run.ok() && run.stderr.contains("meta.json fails its CRC-32 check (edited or damaged)"), "{}", run.all_output());
+    // Its only checkpoint damaged, the run refuses to start over it (tests/checkpoint.rs).
+    assert_eq!(run.all_output().matches("every checkpoint here is damaged").count(), 1, "{}", run.all_output());
+    assert!(!run.stderr.contains("resuming from") && checkpoint_steps(&ckpt) == vec![10], "{}", run.all_output());
 }
 
 /// `--save-weights` and `--timeline` on a full disk left their `.tmp` files behind. Both runs now
@@ -963,7 +965,10 @@ fn checks_read_late_give_the_same_weights_and_errors_as_every_step() {
     for (fault, what) in [("nan@0:5", "non-finite loss at step 5"), ("nangrad@0:5", "non-finite gradient at step 5")] {
         let mut outcomes = Vec::new();
         for (name, env) in [("every", vec![("HPC_TRAIN_FAULT", fault)]), ("late", vec![("HPC_TRAIN_FAULT", fault), defer[0]])] {
-            let checkpoints = dir.join(format!("ckpt-{name}-{}", &fault[..3]));
+            // A folder per fault kind (nan, nangrad): a run from step 0 refuses one that holds
+            // an earlier run's checkpoints.
+            let kind = fault.split('@').next().unwrap();
+            let checkpoints = dir.join(format!("ckpt-{name}-{kind}"));
             let mut args = base(&d, &r, &[]);
             args.extend(["--steps", "12", "--checkpoint-dir", checkpoints.to_str().unwrap(), "--checkpoint-every", "3"]);
             let run = mpirun_env(1, &args, &env, Duration::from_secs(120));

@@ -17,12 +17,12 @@ use crate::error::{Error, Result};
 use crate::plan::shard::ShardInfo;
 use crate::topology::World;
 
-use super::files::{folder_name, sync_dir, FolderLock};
+use super::files::{check_not_in_checkpoint, folder_name, sync_dir, FolderLock, Retention};
 use super::index::Section;
 use super::meta::{Checkpoint, FileCheck, META_FILE};
 use super::reader::{checkpoint_at, find_latest_together, verify_together, CheckpointReader, ReadStats};
 use super::region::Region;
-use super::sharded::{save_sharded, Piece};
+use super::sharded::{save_sharded, Piece, WriteFault};
 use super::stream::{Entry, StreamWriter};
 
 #[derive(Subcommand, Debug)]
@@ -40,7 +40,7 @@ pub enum CheckpointCommand {
 pub struct ConsolidateArgs {
     /// A checkpoint folder (ckpt-<step>), or a --checkpoint-dir (its newest good checkpoint).
     pub dir: PathBuf,
-    /// The weights file to write (replaced only once complete).
+    /// The weights file to write (replaced only once complete; not in a checkpoint folder).
     pub out: PathBuf,
     /// Also write the optimizer's state (optimizer.safetensors's names) to this file.
     #[arg(long, value_name = "FILE")]
@@ -68,7 +68,8 @@ pub struct ReshardArgs {
     pub to: PathBuf,
     #[arg(long, value_enum, default_value = "flat")]
     pub layout: ReshardLayout,
-    /// Complete checkpoints kept in TO (the newest).
+    /// Good checkpoints kept in TO, the one written counted (older ones beyond it are removed;
+    /// newer ones are left alone).
     #[arg(long, default_value_t = 3)]
     pub keep: usize,
 }
@@ -112,8 +113,13 @@ fn consolidate_and_say(args: &ConsolidateArgs) -> Result<()> {
 }
 
 /// Writes the model variables of the checkpoint at `dir` (see [`checkpoint_at`]) to `out`, and
-/// its optimizer state to `optimizer` if given, each in the whole format's layout.
+/// its optimizer state to `optimizer` if given, each in the whole format's layout. An output
+/// in a checkpoint folder (the one read, a part file of it, any other) is refused first.
 pub fn consolidate(dir: &Path, out: &Path, optimizer: Option<&Path>) -> Result<Consolidated> {
+    check_not_in_checkpoint("OUT", out)?;
+    if let Some(path) = optimizer {
+        check_not_in_checkpoint("--optimizer", path)?;
+    }
     let checkpoint = checkpoint_at(dir)?;
     let reader = CheckpointReader::open(&checkpoint)?;
     let (mut tensors, mut bytes) = (0, 0);
@@ -151,6 +157,8 @@ pub fn write_section(reader: &CheckpointReader, section: Section, path: &Path) -
 /// `checkpoint reshard`: every rank finds the checkpoint (verifying its share of the part
 /// files), reads its slice of every tensor and writes it with [`save_sharded`].
 pub fn reshard(world: &World, args: &ReshardArgs) -> Result<()> {
+    // TO a checkpoint folder, or in one: the lock and the new checkpoint would go inside it.
+    world.agree(if world.is_root() { check_not_in_checkpoint("TO", &args.to) } else { Ok(()) })?;
     // Rank 0 holds the lock on the folder it writes, as a training run does.
     let _lock = world.agree(if world.is_root() { FolderLock::take(&args.to).map(Some) } else { Ok(None) })?;
     let found = if args.from.join(META_FILE).exists() {
@@ -166,7 +174,7 @@ pub fn reshard(world: &World, args: &ReshardArgs) -> Result<()> {
     let reader = world.agree(CheckpointReader::open(&found))?;
     let pieces = world.agree(my_pieces(&reader, args.layout, world.rank as usize, world.size as usize))?;
     let read = reader.stats();
-    let written = save_sharded(world, &args.to, found.meta.clone(), &pieces, args.keep, None)?;
+    let written = save_sharded(world, &args.to, found.meta.clone(), &pieces, Retention::newest(args.keep), WriteFault::None)?;
     let (read_bytes, read_seconds) = (world.sum_f64(read.bytes as f64) as u64, world.max_f64(read.seconds));
     if world.is_root() {
         println!(

@@ -1,12 +1,14 @@
 //! The checkpoint folders on disk: their names, the partial folder a write goes into and the
-//! rename that completes it, syncing, pruning, and the lock a run holds on the folder.
+//! rename that completes it, syncing, pruning, which folders are checkpoints (never an output),
+//! and the lock a run holds on the folder.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result, WithPath};
 
-use super::meta::{CheckpointMeta, FileCheck, LOCK_FILE, META_CHECK_FILE, META_FILE};
+use super::index::INDEX_FILE;
+use super::meta::{CheckpointMeta, FileCheck, LOCK_FILE, META_CHECK_FILE, META_FILE, WEIGHTS_FILE};
 
 /// The folder name of the checkpoint after `step`.
 pub fn folder_name(step: u64) -> String {
@@ -97,16 +99,107 @@ pub fn check_writable(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Removes complete checkpoints beyond the newest `keep` (never the only good one).
-pub fn prune(root: &Path, keep: usize) {
-    let mut steps = list_steps(root);
-    steps.sort_unstable_by(|a, b| b.cmp(a));
-    for step in steps.into_iter().skip(keep.max(1)) {
+/// Which complete checkpoints a write leaves in its folder (see [`prune`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retention {
+    /// Good checkpoints kept, the one just written counted (0 reads as 1: the one written).
+    pub keep: usize,
+    /// The checkpoint the run resumed from, kept for the whole run beside the newest `keep`: a
+    /// resume may go on with changed settings (accepted with a warning), and the run can always
+    /// be taken again from where it started.
+    pub resumed_from: Option<u64>,
+}
+
+impl Retention {
+    /// The newest `keep` good checkpoints, for a write that resumed from none.
+    pub fn newest(keep: usize) -> Retention {
+        Retention { keep, resumed_from: None }
+    }
+}
+
+/// Called once the checkpoint of step `written` is complete in `root`: removes the good
+/// checkpoints older than it beyond the newest `retention.keep` ([`steps_to_prune`]), good by
+/// [`super::reader::check_sizes`] (no data read). A damaged one is logged and left alone, and
+/// so is a folder that cannot be removed.
+pub fn prune(root: &Path, written: u64, retention: Retention) {
+    let damage = |step: u64| super::reader::check_sizes(&root.join(folder_name(step))).err();
+    let mut found_damaged = Vec::new();
+    let good = |step: u64| match damage(step) {
+        None => true,
+        Some(e) => {
+            found_damaged.push(e);
+            false
+        }
+    };
+    let remove = steps_to_prune(&list_steps(root), written, retention, good);
+    for e in found_damaged {
+        log::warn!("left in place, neither counted among the {} kept nor removed: {e}", retention.keep.max(1));
+    }
+    for step in remove {
         let dir = root.join(folder_name(step));
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             log::warn!("could not remove old checkpoint {}: {e}", dir.display());
         }
     }
+}
+
+/// The steps [`prune`] removes from a folder holding the checkpoints `steps` once the one of
+/// step `written` is complete, where `good(step)` says whether a checkpoint is whole. Only good
+/// checkpoints older than `written` go: the newest `keep - 1` of them stay beside it, and so
+/// does the one the run resumed from. A newer checkpoint is never removed (another run's, or a
+/// damaged one this run replaces when it reaches that step), nor a damaged one, which counts
+/// for none of those kept: removing by step number alone deleted the checkpoint just written
+/// whenever the folder held a higher step, and left no good one beside a newer damaged one.
+fn steps_to_prune(steps: &[u64], written: u64, retention: Retention, mut good: impl FnMut(u64) -> bool) -> Vec<u64> {
+    let mut older: Vec<u64> = steps.iter().copied().filter(|&s| s < written).collect();
+    older.sort_unstable_by(|a, b| b.cmp(a));
+    older
+        .into_iter()
+        .filter(|&s| good(s))
+        .skip(retention.keep.max(1) - 1)
+        .filter(|&s| Some(s) != retention.resumed_from)
+        .collect()
+}
+
+/// The checkpoint folder that `path` is or lies in, if any (see [`is_checkpoint_folder`]),
+/// through links and `..`: where nothing may be written but the checkpoint itself. A checkpoint
+/// folder is an input wherever it is: resume and `consolidate` read it, verification fails on
+/// any changed byte, and pruning removes it whole with whatever was put in it.
+pub fn checkpoint_folder_of(path: &Path) -> Option<PathBuf> {
+    let absolute = std::path::absolute(path).ok()?;
+    // What does not exist yet holds no checkpoint: from the nearest existing ancestor up.
+    let existing = absolute.ancestors().find(|p| p.exists())?.canonicalize().ok()?;
+    existing.ancestors().find(|dir| is_checkpoint_folder(dir)).map(Path::to_path_buf)
+}
+
+/// Refuses an output (`what`: the option or argument that names it) that is or lies in a
+/// checkpoint folder ([`checkpoint_folder_of`]).
+pub fn check_not_in_checkpoint(what: &str, path: &Path) -> Result<()> {
+    let Some(folder) = checkpoint_folder_of(path) else { return Ok(()) };
+    let place = match std::path::absolute(path).ok().and_then(|p| p.canonicalize().ok()) {
+        Some(real) if real == folder => "is the checkpoint folder",
+        _ => "lies in the checkpoint folder",
+    };
+    Err(Error::usage(format!(
+        "{what} {}: it {place} {}, which is read and checked as a whole and removed whole when pruned (a file written there damages the checkpoint or goes with it); write it elsewhere",
+        path.display(),
+        folder.display()
+    )))
+}
+
+/// Whether `dir` is a checkpoint folder: one being written (`.ckpt-<step>.partial`), or one
+/// with meta.json beside the files it covers, under any name (`consolidate` reads a copy
+/// anywhere), or a `ckpt-<step>` folder holding any of a checkpoint's own files (damaged).
+fn is_checkpoint_folder(dir: &Path) -> bool {
+    if !dir.is_dir() {
+        return false;
+    }
+    let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    let step_named = |prefix: &str, suffix: &str| name.strip_prefix(prefix).and_then(|n| n.strip_suffix(suffix)).is_some_and(|n| n.parse::<u64>().is_ok());
+    let has = |file: &str| dir.join(file).is_file();
+    step_named(".ckpt-", ".partial")
+        || (has(META_FILE) && (has(META_CHECK_FILE) || has(INDEX_FILE) || has(WEIGHTS_FILE)))
+        || (step_named("ckpt-", "") && (has(META_FILE) || has(META_CHECK_FILE) || has(INDEX_FILE)))
 }
 
 pub fn list_steps(root: &Path) -> Vec<u64> {
@@ -171,6 +264,44 @@ pub(super) mod tests {
         let d = std::env::temp_dir().join(format!("hpc-train-ckpt-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         d
+    }
+
+    /// Every path in a checkpoint folder leads to it (through a link, `..`, or a file not yet
+    /// there): a complete one, a copy under another name, one being written. The folder of
+    /// checkpoints, and a folder of the user's with a meta.json of its own, are not one.
+    #[test]
+    fn a_checkpoint_folder_is_found_from_any_path_in_it() {
+        let root = scratch("folders");
+        let ckpt = root.join(folder_name(4));
+        let copy = root.join("kept");
+        let partial = partial_dir(&root, 6);
+        let mine = root.join("mine");
+        for dir in [&ckpt, &copy, &partial, &mine] {
+            std::fs::create_dir_all(dir).unwrap();
+        }
+        for (dir, files) in [(&ckpt, &[META_FILE, META_CHECK_FILE, "part-00000.safetensors"][..]), (&copy, &[META_FILE, INDEX_FILE]), (&mine, &[META_FILE])] {
+            for file in files {
+                std::fs::write(dir.join(file), b"{}").unwrap();
+            }
+        }
+        std::os::unix::fs::symlink(&ckpt, root.join("link")).unwrap();
+        let real = |p: &Path| Some(p.canonicalize().unwrap());
+        assert_eq!(checkpoint_folder_of(&ckpt.join("part-00000.safetensors")), real(&ckpt));
+        assert_eq!(checkpoint_folder_of(&ckpt), real(&ckpt));
+        assert_eq!(checkpoint_folder_of(&ckpt.join("new/w.safetensors")), real(&ckpt));
+        assert_eq!(checkpoint_folder_of(&root.join("link/index.json")), real(&ckpt));
+        assert_eq!(checkpoint_folder_of(&mine.join("../kept/out.safetensors")), real(&copy));
+        assert_eq!(checkpoint_folder_of(&partial.join("part-00001.safetensors")), real(&partial));
+        for outside in [root.clone(), root.join("w.safetensors"), mine.join("w.safetensors"), PathBuf::from("relative/w.safetensors")] {
+            assert_eq!(checkpoint_folder_of(&outside), None, "{}", outside.display());
+        }
+        let part = ckpt.join("part-00000.safetensors");
+        let err = check_not_in_checkpoint("OUT", &part).unwrap_err().to_string();
+        assert!(err.starts_with(&format!("OUT {}: it lies in the checkpoint folder {}", part.display(), ckpt.canonicalize().unwrap().display())), "{err}");
+        let err = check_not_in_checkpoint("TO", &ckpt).unwrap_err().to_string();
+        assert!(err.contains(": it is the checkpoint folder "), "{err}");
+        assert!(check_not_in_checkpoint("OUT", &root.join("w.safetensors")).is_ok());
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

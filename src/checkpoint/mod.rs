@@ -25,12 +25,15 @@
 //! file, and renames the folder into place: an interrupted write leaves at most a partial folder
 //! that `--resume` never looks at (a write that fails, on a full disk, removes it). A sharded
 //! one goes into the same partial folder, every rank writing its part file, and is renamed once
-//! every part is synced. A damaged complete checkpoint (a file truncated or changed afterwards)
-//! fails its checks and the previous one is used. The data order needs no state of its own: it
-//! is a function of the seed, the epoch and the step.
+//! every part is synced and read back against its CRC-32. A damaged complete checkpoint (a file
+//! truncated or changed afterwards) fails its checks and the previous one is used. The data
+//! order needs no state of its own: it is a function of the seed, the epoch and the step.
 //!
 //! A run holds a lock (flock) on `.lock` in the folder while it runs, naming its process and
-//! host there: two runs sharing a folder would prune and replace each other's checkpoints.
+//! host there: two runs sharing a folder would prune and replace each other's checkpoints. A
+//! write prunes only good checkpoints older than itself, never the one the run resumed from
+//! ([`files::prune`]), and no command writes anything into a checkpoint folder
+//! ([`files::check_not_in_checkpoint`]).
 //!
 //! The files: [`meta`] (meta.json, compatibility), [`files`] (folders, syncing, pruning, the
 //! lock), [`whole`] and [`sharded`] (the two writers), [`region`] (which elements a piece
@@ -51,7 +54,7 @@ pub mod whole;
 // What the rest of the crate names as `checkpoint::X`; the sharded format's API is named by
 // its file (`checkpoint::sharded::save_sharded`, `checkpoint::reader::CheckpointReader`,
 // `checkpoint::region::Region`, `checkpoint::index::Section`).
-pub use files::{check_writable, FolderLock};
+pub use files::{check_not_in_checkpoint, check_writable, FolderLock, Retention};
 pub use meta::{check_compatible, state_name, Checkpoint, CheckpointMeta};
 pub use whole::save;
 

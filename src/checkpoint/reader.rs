@@ -55,6 +55,36 @@ fn verify_share(dir: &Path, rank: usize, ranks: usize) -> Result<Checkpoint> {
     Ok(Checkpoint { dir: dir.to_path_buf(), meta })
 }
 
+/// [`verify`] of a sharded checkpoint just written into `dir` (its partial folder, before the
+/// rename), by every rank at once: rank r reads back the part file of rank r + 1 (the last rank
+/// rank 0's), so that every file is read once in all, and by a rank other than its writer
+/// wherever there are two (on a shared file system, what another client sees of it). Until
+/// this passes on every rank the checkpoint is not complete, and nothing older is pruned.
+pub fn verify_written(dir: &Path, rank: usize, ranks: usize) -> Result<()> {
+    let meta = read_checked_meta(dir)?;
+    verify_parts(dir, &meta, |k| (k + ranks - 1) % ranks == rank).map(|_| ())
+}
+
+/// What pruning trusts a checkpoint folder by without reading its data: meta.json passes its
+/// own check, and every file it covers (through index.json for a sharded one) is there at its
+/// recorded size. A checkpoint that fails this is damaged; one that passes may still fail
+/// [`verify`], which reads every byte.
+pub fn check_sizes(dir: &Path) -> Result<()> {
+    let bad = |reason: String| Error::Checkpoint { path: dir.to_path_buf(), reason };
+    let meta = read_checked_meta(dir)?;
+    let files = match meta.is_sharded() {
+        true => read_index(dir, &meta)?.files,
+        false => meta.files.clone(),
+    };
+    for (file, check) in &files {
+        let len = std::fs::metadata(dir.join(file)).map_err(|e| bad(format!("{file}: {e}")))?.len();
+        if len != check.bytes {
+            return Err(bad(format!("{file} holds {len} bytes, {} were written (truncated or replaced)", check.bytes)));
+        }
+    }
+    Ok(())
+}
+
 /// Checks the part files `mine` picks (by their number in the index's order): size and CRC-32,
 /// and every piece the index puts in them present with its dtype and shape.
 fn verify_parts(dir: &Path, meta: &CheckpointMeta, mine: impl Fn(usize) -> bool) -> Result<ShardIndex> {

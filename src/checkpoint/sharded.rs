@@ -8,11 +8,14 @@
 //! 1. rank 0 makes `.ckpt-<step>.partial`;
 //! 2. every rank writes `part-<rank>.safetensors` ([`write_part`]), one piece at a time, and
 //!    syncs it;
-//! 3. rank 0 gathers what each wrote and completes the folder ([`finish`]): the index (refused
-//!    unless every tensor is covered exactly once), meta.json, meta.crc32, the rename, pruning.
+//! 3. rank 0 gathers what each wrote and describes the folder ([`describe`]): the index (refused
+//!    unless every tensor is covered exactly once), meta.json, meta.crc32;
+//! 4. every rank reads a part file back against its CRC-32 ([`verify_written`]), so that a part
+//!    changed on its way to the disk, or seen short from another node, fails the write;
+//! 5. rank 0 renames the folder into place and prunes older checkpoints ([`place_and_prune`]).
 //!
-//! [`write_part`] and [`finish`] make no MPI call: [`save_sharded`] is them with the agreements
-//! and the gather, and tests call them for several simulated ranks in one process.
+//! None of these steps makes an MPI call: [`save_sharded`] is them with the agreements and the
+//! gather, and tests call them for several simulated ranks in one process.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -23,9 +26,10 @@ use tch::Tensor;
 use crate::error::{Error, Result, WithPath};
 use crate::topology::World;
 
-use super::files::{folder_name, partial_dir, place, prune, write_meta, write_synced};
+use super::files::{folder_name, partial_dir, place, prune, write_meta, write_synced, Retention};
 use super::index::{build_index, PartWritten, PieceWritten, Section, INDEX_FILE};
 use super::meta::{CheckpointMeta, FileCheck, SHARDED_FORMAT};
+use super::reader::verify_written;
 use super::region::Region;
 use super::stream::{dtype_name, Entry, StreamWriter};
 
@@ -78,12 +82,23 @@ pub struct Written {
     pub seconds: f64,
 }
 
+/// A fault a test injects into one rank's part of a sharded write (`HPC_TRAIN_FAULT`, faults.rs).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum WriteFault {
+    #[default]
+    None,
+    /// `stall-write`: sleep this long after the first piece, the file half written.
+    PauseMidway(std::time::Duration),
+    /// `damage-write`: flip one byte of the part file once it is written and its size and
+    /// CRC-32 are taken, as storage that changes data on its way to the disk would.
+    DamageWritten,
+}
+
 /// Writes this rank's part file into the partial folder `partial`: `pieces` in order, each
 /// copied to the host alone, keyed `<section>/<name>#<k>` (the k-th piece of that tensor in this
 /// file); the file is synced. Checks each piece against its tensor (region inside the shape,
-/// as many elements as the region) before writing anything. `pause_midway` (a test hook,
-/// `HPC_TRAIN_FAULT=stall-write`) sleeps after the first piece, the file half written.
-pub fn write_part(partial: &Path, rank: usize, pieces: &[Piece], pause_midway: Option<std::time::Duration>) -> Result<PartWritten> {
+/// as many elements as the region) before writing anything. `fault`: a test's, see [`WriteFault`].
+pub fn write_part(partial: &Path, rank: usize, pieces: &[Piece], fault: WriteFault) -> Result<PartWritten> {
     let start = Instant::now();
     let file = part_file(rank);
     let path = partial.join(&file);
@@ -107,37 +122,48 @@ pub fn write_part(partial: &Path, rank: usize, pieces: &[Piece], pause_midway: O
     let mut out = StreamWriter::create(&path, entries)?;
     for (i, p) in pieces.iter().enumerate() {
         out.write_next(&p.data)?;
-        if let (0, Some(pause)) = (i, pause_midway) {
+        if let (0, WriteFault::PauseMidway(pause)) = (i, fault) {
             eprintln!("rank {rank}: pausing {:.0} s in the middle of {} (injected fault)", pause.as_secs_f64(), path.display());
             std::thread::sleep(pause);
         }
     }
     let check = out.finish()?;
+    if fault == WriteFault::DamageWritten {
+        eprintln!("rank {rank}: flipping a byte of {} after writing it (injected fault)", path.display());
+        flip_middle_byte(&path)?;
+    }
     Ok(PartWritten { rank, file, check, pieces: written, seconds: start.elapsed().as_secs_f64() })
 }
 
-/// Completes a sharded checkpoint (rank 0) from what every rank wrote into `partial`: index.json
-/// (refused when the pieces do not cover every tensor exactly once), meta.json and meta.crc32 in
-/// [`SHARDED_FORMAT`], the rename into `root/ckpt-<step>`, then pruning to the newest `keep`.
-/// On an error the partial folder is left for the caller to remove.
-pub fn finish(root: &Path, partial: &Path, mut meta: CheckpointMeta, parts: &[PartWritten], keep: usize) -> Result<PathBuf> {
+/// Flips the bits of the byte in the middle of `path`, keeping its size (`damage-write`).
+fn flip_middle_byte(path: &Path) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(path).at(path)?;
+    let middle = file.metadata().at(path)?.len() / 2;
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, middle).at(path)?;
+    file.write_all_at(&[!byte[0]], middle).and_then(|()| file.sync_all()).at(path)
+}
+
+/// Describes a sharded checkpoint (rank 0) from what every rank wrote into `partial`:
+/// index.json (refused when the pieces do not cover every tensor exactly once), then meta.json
+/// and meta.crc32 in [`SHARDED_FORMAT`]. On an error the partial folder is left for the caller
+/// to remove.
+pub fn describe(partial: &Path, mut meta: CheckpointMeta, parts: &[PartWritten]) -> Result<()> {
     let bad = |reason: String| Error::Checkpoint { path: partial.to_path_buf(), reason };
     let index = build_index(parts).map_err(bad)?;
-    // A part file another node wrote must be seen here whole, or the checkpoint is not complete.
-    for (file, check) in &index.files {
-        let path = partial.join(file);
-        let len = std::fs::metadata(&path).at(&path)?.len();
-        if len != check.bytes {
-            return Err(bad(format!("{file} holds {len} bytes here, its rank wrote {}", check.bytes)));
-        }
-    }
     let text = serde_json::to_vec_pretty(&index).map_err(|e| bad(format!("{INDEX_FILE}: {e}")))?;
     write_synced(&partial.join(INDEX_FILE), &text)?;
     meta.files = [(INDEX_FILE.to_string(), FileCheck { bytes: text.len() as u64, crc32: crc32fast::hash(&text) })].into();
-    let final_dir = root.join(folder_name(meta.step));
-    write_meta(partial, meta, SHARDED_FORMAT)?;
+    write_meta(partial, meta, SHARDED_FORMAT)
+}
+
+/// Completes a described and verified checkpoint of `step` (rank 0): the rename of `partial`
+/// into `root/ckpt-<step>`, then pruning by `retention`.
+pub fn place_and_prune(root: &Path, partial: &Path, step: u64, retention: Retention) -> Result<PathBuf> {
+    let final_dir = root.join(folder_name(step));
     place(root, partial, &final_dir)?;
-    prune(root, keep);
+    prune(root, step, retention);
     Ok(final_dir)
 }
 
@@ -145,12 +171,14 @@ pub fn finish(root: &Path, partial: &Path, mut meta: CheckpointMeta, parts: &[Pa
 /// passes the pieces it writes (possibly none). Which rank writes a replicated tensor is the
 /// caller's choice; every tensor must be covered exactly once across the ranks. Returns the same
 /// [`Written`] on every rank, or an error on every rank (the folder is then not written, and
-/// the previous checkpoints are untouched). `meta.files` and `meta.format` are set here.
-/// `pause_midway`: [`write_part`]'s test hook.
-pub fn save_sharded(world: &World, root: &Path, meta: CheckpointMeta, pieces: &[Piece], keep: usize, pause_midway: Option<std::time::Duration>) -> Result<Written> {
+/// the previous checkpoints are untouched). `meta.files` and `meta.format` are set here; older
+/// checkpoints are pruned by `retention` once the new one is verified and in place. `fault`: a
+/// test's, see [`WriteFault`].
+pub fn save_sharded(world: &World, root: &Path, meta: CheckpointMeta, pieces: &[Piece], retention: Retention, fault: WriteFault) -> Result<Written> {
     let start = Instant::now();
     let step = meta.step;
     let partial = partial_dir(root, step);
+    let (rank, ranks) = (world.rank as usize, world.size as usize);
     let attempt = (|| -> Result<PartWritten> {
         world.agree(match world.is_root() {
             true => {
@@ -162,15 +190,20 @@ pub fn save_sharded(world: &World, root: &Path, meta: CheckpointMeta, pieces: &[
         // Every rank waits for the slowest writer in the agreement; watched as this rank's own
         // work meanwhile, so that a rank stuck in its write names itself (crate::watchdog).
         let written = {
-            let _own = crate::watchdog::own_work(|| format!("writing its part {}", partial.join(part_file(world.rank as usize)).display()), Some(step));
-            write_part(&partial, world.rank as usize, pieces, pause_midway)
+            let _own = crate::watchdog::own_work(|| format!("writing its part {}", partial.join(part_file(rank)).display()), Some(step));
+            write_part(&partial, rank, pieces, fault)
         };
         let part = world.agree(written)?;
         // Every rank takes part in the agreement, also when rank 0 could not read a description.
         world.agree(gather_parts(world, &part).and_then(|parts| match parts {
-            Some(parts) => finish(root, &partial, meta, &parts, keep).map(|_| ()),
+            Some(parts) => describe(&partial, meta, &parts),
             None => Ok(()),
         }))?;
+        world.agree(verify_written(&partial, rank, ranks))?;
+        world.agree(match world.is_root() {
+            true => place_and_prune(root, &partial, step, retention).map(|_| ()),
+            false => Ok(()),
+        })?;
         Ok(part)
     })();
     if attempt.is_err() && world.is_root() {

@@ -1,6 +1,6 @@
 //! The checkpoint module's behaviour through its files: whole and sharded writes, damage and
-//! interrupted writes, reading at another layout, consolidation. Several ranks' part files are
-//! written in one process by calling the per-rank writer for each rank, then rank 0's finish.
+//! interrupted writes, pruning, reading at another layout, consolidation. Several ranks' part
+//! files are written in one process by calling each step of a sharded write for each rank.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -11,13 +11,13 @@ use crate::error::Result;
 
 use super::command::consolidate;
 use super::files::tests::scratch;
-use super::files::{folder_name, list_steps, partial_dir};
+use super::files::{folder_name, list_steps, partial_dir, Retention};
 use super::index::Section;
 use super::meta::tests::meta;
 use super::meta::{META_CHECK_FILE, META_FILE, OPTIMIZER_FILE, WEIGHTS_FILE};
-use super::reader::{find_latest, load, verify, CheckpointReader};
+use super::reader::{find_latest, load, verify, verify_written, CheckpointReader};
 use super::region::Region;
-use super::sharded::{finish, part_file, write_part, Piece};
+use super::sharded::{describe, part_file, place_and_prune, write_part, Piece, WriteFault};
 use super::whole::save;
 
 #[test]
@@ -26,7 +26,7 @@ fn newest_good_checkpoint_wins_and_damage_is_detected() {
     let w = vec![("fc.weight".to_string(), Tensor::from_slice(&[1.0f32, 2.0, 3.0]))];
     let m = vec![("fc.weight".to_string(), Tensor::from_slice(&[0.1f32, 0.2, 0.3]))];
     for step in [10, 20, 30] {
-        save(&root, meta(step), &w, &m, 5).unwrap();
+        save(&root, meta(step), &w, &m, Retention::newest(5)).unwrap();
     }
     assert_eq!(find_latest(&root).unwrap().unwrap().meta.step, 30);
     // Truncate the newest one's weights: the previous one is used.
@@ -56,7 +56,7 @@ fn old_checkpoints_are_pruned() {
     let root = scratch("prune");
     let w = vec![("a".to_string(), Tensor::from_slice(&[1.0f32]))];
     for step in 1..=5 {
-        save(&root, meta(step), &w, &w, 2).unwrap();
+        save(&root, meta(step), &w, &w, Retention::newest(2)).unwrap();
     }
     let mut steps = list_steps(&root);
     steps.sort();
@@ -64,12 +64,47 @@ fn old_checkpoints_are_pruned() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// Pruning by step number alone removed the checkpoint just written whenever the folder held a
+/// higher step (another run's), and kept a newer damaged checkpoint in place of every good one.
+/// A write now removes only good checkpoints older than itself, never the one the run resumed
+/// from; a damaged one is neither counted among those kept nor removed.
+#[test]
+fn a_write_prunes_only_good_checkpoints_older_than_itself() {
+    let root = scratch("prune-older");
+    let w = vec![("a".to_string(), Tensor::from_slice(&[1.0f32]))];
+    let steps = || {
+        let mut s = list_steps(&root);
+        s.sort();
+        s
+    };
+    save(&root, meta(10), &w, &w, Retention::newest(5)).unwrap();
+    let written = save(&root, meta(2), &w, &w, Retention::newest(1)).unwrap();
+    assert!(written.exists() && steps() == vec![2, 10], "{:?}", steps());
+    // A run resumed from step 2 keeping 1: step 3 goes once 4 is written, 2 stays.
+    let resumed = Retention { keep: 1, resumed_from: Some(2) };
+    for step in [3, 4] {
+        save(&root, meta(step), &w, &w, resumed).unwrap();
+    }
+    assert_eq!(steps(), vec![2, 4, 10]);
+    // Keeping 2 past a damaged step 5: 4 is the good one kept beside 6, then goes for 6 beside 7;
+    // 5 stays, counted for nothing.
+    let keep_two = Retention { keep: 2, resumed_from: Some(2) };
+    save(&root, meta(5), &w, &w, keep_two).unwrap();
+    let weights = root.join(folder_name(5)).join(WEIGHTS_FILE);
+    std::fs::write(&weights, b"short").unwrap();
+    save(&root, meta(6), &w, &w, keep_two).unwrap();
+    assert_eq!(steps(), vec![2, 4, 5, 6, 10]);
+    save(&root, meta(7), &w, &w, keep_two).unwrap();
+    assert_eq!(steps(), vec![2, 5, 6, 7, 10]);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 #[test]
 fn an_edited_meta_json_is_refused() {
     let root = scratch("edited");
     let w = vec![("a".to_string(), Tensor::from_slice(&[1.0f32]))];
-    save(&root, meta(4), &w, &w, 5).unwrap();
-    save(&root, meta(8), &w, &w, 5).unwrap();
+    save(&root, meta(4), &w, &w, Retention::newest(5)).unwrap();
+    save(&root, meta(8), &w, &w, Retention::newest(5)).unwrap();
     let meta_path = root.join(folder_name(8)).join(META_FILE);
     let text = std::fs::read_to_string(&meta_path).unwrap();
     std::fs::write(&meta_path, text.replace("\"step\": 8,", "\"step\": 9,")).unwrap();
@@ -89,7 +124,7 @@ fn a_failed_write_leaves_no_partial_folder() {
     // A file where the checkpoint's folder must go: the final rename fails.
     std::fs::write(root.join(folder_name(3)), b"in the way").unwrap();
     let w = vec![("a".to_string(), Tensor::from_slice(&[1.0f32]))];
-    assert!(save(&root, meta(3), &w, &w, 5).is_err());
+    assert!(save(&root, meta(3), &w, &w, Retention::newest(5)).is_err());
     let left: Vec<String> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(left, vec![folder_name(3)], "only what was there before");
     std::fs::remove_dir_all(&root).unwrap();
@@ -97,17 +132,29 @@ fn a_failed_write_leaves_no_partial_folder() {
 
 
 /// What `mpirun -n <parts.len()>` of save_sharded does, in one process: every rank's part file,
-/// then rank 0's finish; a failure removes the partial folder.
+/// rank 0's description, every rank's read-back of its share of the parts, rank 0's rename and
+/// pruning to the newest `keep`; a failure removes the partial folder.
 fn save_simulated(root: &Path, step: u64, parts: &[Vec<Piece>], keep: usize) -> Result<PathBuf> {
+    save_simulated_with(root, step, parts, keep, |_| ())
+}
+
+/// [`save_simulated`] with `meanwhile` done to the partial folder once the parts are written.
+fn save_simulated_with(root: &Path, step: u64, parts: &[Vec<Piece>], keep: usize, meanwhile: impl FnOnce(&Path)) -> Result<PathBuf> {
     let partial = partial_dir(root, step);
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(&partial).unwrap();
+    let ranks = parts.len();
     let saved = parts
         .iter()
         .enumerate()
-        .map(|(rank, pieces)| write_part(&partial, rank, pieces, None))
+        .map(|(rank, pieces)| write_part(&partial, rank, pieces, WriteFault::None))
         .collect::<Result<Vec<_>>>()
-        .and_then(|written| finish(root, &partial, meta(step), &written, keep));
+        .and_then(|written| {
+            meanwhile(&partial);
+            describe(&partial, meta(step), &written)
+        })
+        .and_then(|()| (0..ranks).try_for_each(|rank| verify_written(&partial, rank, ranks)))
+        .and_then(|()| place_and_prune(root, &partial, step, Retention::newest(keep)));
     if saved.is_err() {
         let _ = std::fs::remove_dir_all(&partial);
     }
@@ -237,7 +284,7 @@ fn a_killed_or_damaged_sharded_write_falls_back_to_the_previous_checkpoint() {
     std::fs::create_dir_all(&partial).unwrap();
     let (newer, _) = model(4);
     for (rank, pieces) in three_ranks(&newer, &state).iter().enumerate().take(2) {
-        write_part(&partial, rank, pieces, None).unwrap();
+        write_part(&partial, rank, pieces, WriteFault::None).unwrap();
     }
     let found = find_latest(&root).unwrap().unwrap();
     assert_eq!(found.meta.step, 10, "the partial folder is never considered");
@@ -265,11 +312,34 @@ fn a_killed_or_damaged_sharded_write_falls_back_to_the_previous_checkpoint() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// A part file changed after its rank wrote it (one byte flipped, its size the same, as storage
+/// that changes data on its way would) passed the check of sizes, became the newest checkpoint
+/// and had the older one pruned. Read back against its CRC-32 before the rename, it fails the
+/// write by name; the partial folder goes and the older checkpoint stays.
+#[test]
+fn a_part_changed_after_its_write_fails_the_checkpoint_and_nothing_is_pruned() {
+    let root = scratch("changed-part");
+    let (weights, state) = model(7);
+    save_simulated(&root, 10, &three_ranks(&weights, &state), 1).unwrap();
+    let flip = |partial: &Path| {
+        let part = partial.join(part_file(1));
+        let mut bytes = std::fs::read(&part).unwrap();
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0xff;
+        std::fs::write(&part, &bytes).unwrap();
+    };
+    let err = save_simulated_with(&root, 20, &three_ranks(&weights, &state), 1, flip).unwrap_err().to_string();
+    assert!(err.contains("part-00001.safetensors fails its CRC-32 check (damaged)"), "{err}");
+    assert_eq!(list_steps(&root), vec![10]);
+    assert!(!partial_dir(&root, 20).exists());
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 #[test]
 fn a_whole_checkpoint_reads_through_the_same_reader() {
     let root = scratch("whole-reader");
     let (weights, state) = model(5);
-    save(&root, meta(3), &weights, &state, 3).unwrap();
+    save(&root, meta(3), &weights, &state, Retention::newest(3)).unwrap();
     let found = find_latest(&root).unwrap().unwrap();
     assert!(!found.meta.is_sharded());
     let reader = CheckpointReader::open(&found).unwrap();
@@ -288,7 +358,7 @@ fn consolidation_writes_whole_files_from_either_format() {
     let root = scratch("consolidate");
     let (weights, state) = model(6);
     let sharded = save_simulated(&root, 4, &three_ranks(&weights, &state), 5).unwrap();
-    let whole = save(&root, meta(8), &weights, &state, 5).unwrap();
+    let whole = save(&root, meta(8), &weights, &state, Retention::newest(5)).unwrap();
     for (from, tag) in [(&sharded, "sharded"), (&whole, "whole")] {
         let (out, opt) = (root.join(format!("{tag}.safetensors")), root.join(format!("{tag}-optimizer.safetensors")));
         let done = consolidate(from, &out, Some(&opt)).unwrap();

@@ -7,23 +7,24 @@ use tch::Tensor;
 
 use crate::error::{Error, Result, WithPath};
 
-use super::files::{check_file, crc32_of, folder_name, partial_dir, place, prune, write_meta};
+use super::files::{check_file, crc32_of, folder_name, partial_dir, place, prune, write_meta, Retention};
 use super::meta::{CheckpointMeta, META_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, WHOLE_FORMAT};
 
 /// The files of a whole checkpoint.
 pub const WHOLE_FILES: [&str; 2] = [WEIGHTS_FILE, OPTIMIZER_FILE];
 
-/// Writes a checkpoint (rank 0), then removes all but the newest `keep` complete ones. A write
+/// Writes a checkpoint (rank 0), then prunes older ones by `retention` ([`prune`]). A write
 /// that fails leaves no partial folder behind.
-pub fn save(root: &Path, meta: CheckpointMeta, weights: &[(String, Tensor)], momentum: &[(String, Tensor)], keep: usize) -> Result<PathBuf> {
-    let partial = partial_dir(root, meta.step);
+pub fn save(root: &Path, meta: CheckpointMeta, weights: &[(String, Tensor)], momentum: &[(String, Tensor)], retention: Retention) -> Result<PathBuf> {
+    let step = meta.step;
+    let partial = partial_dir(root, step);
     let _ = std::fs::remove_dir_all(&partial);
     let saved = write_complete(root, &partial, meta, weights, momentum);
     if saved.is_err() {
         let _ = std::fs::remove_dir_all(&partial);
     }
     let final_dir = saved?;
-    prune(root, keep);
+    prune(root, step, retention);
     Ok(final_dir)
 }
 

@@ -21,7 +21,7 @@
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use tch::{Device, Tensor};
@@ -29,8 +29,8 @@ use tch::{Device, Tensor};
 use crate::checkpoint::index::Section;
 use crate::checkpoint::reader::{CheckpointReader, ReadStats};
 use crate::checkpoint::region::Region;
-use crate::checkpoint::sharded::{save_sharded, Piece, Written};
-use crate::checkpoint::{self, Checkpoint, CheckpointMeta};
+use crate::checkpoint::sharded::{save_sharded, Piece, WriteFault, Written};
+use crate::checkpoint::{self, Checkpoint, CheckpointMeta, Retention};
 use crate::data::DatasetInfo;
 use crate::error::{Error, Result};
 use crate::exchange::{Exchange, StateSource};
@@ -150,7 +150,10 @@ pub(super) fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info
 
 /// Every rank finds the newest complete checkpoint when `--resume` is given (verified by the
 /// ranks together, each reading its share of the part files), and rank 0 checks that this run
-/// may continue from it. Collective; every rank returns the same checkpoint.
+/// may continue from it. Collective; every rank returns the same checkpoint. Refused (rank 0):
+/// a run without `--resume` into a folder that holds checkpoints, and a `--resume` where every
+/// checkpoint is damaged, since either would start from step 0 over checkpoints it then
+/// replaces and prunes.
 pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &CheckpointMeta) -> Result<Option<Checkpoint>> {
     if args.checkpoint_dir.is_some() {
         if args.checkpoint_every == 0 {
@@ -158,7 +161,10 @@ pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &Checkpoin
         }
     }
     if !args.resume {
-        return Ok(None);
+        return match (&args.checkpoint_dir, world.is_root()) {
+            (Some(dir), true) => refuse_earlier_checkpoints(dir).map(|()| None),
+            _ => Ok(None),
+        };
     }
     let Some(dir) = &args.checkpoint_dir else {
         return Err(Error::usage("--resume needs --checkpoint-dir (where the checkpoints are)"));
@@ -168,10 +174,19 @@ pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &Checkpoin
         return Ok(found);
     }
     match found {
-        None => {
-            log::warn!("--resume: no complete checkpoint in {}; starting from the beginning", dir.display());
-            Ok(None)
-        }
+        None => match checkpoint::files::list_steps(dir).len() {
+            0 => {
+                log::warn!("--resume: no complete checkpoint in {}; starting from the beginning", dir.display());
+                Ok(None)
+            }
+            // The warnings above name each one and what is wrong with it.
+            damaged => Err(Error::Checkpoint {
+                path: dir.clone(),
+                reason: format!(
+                    "--resume: every checkpoint here is damaged ({damaged}, each named above with what is wrong with it); this run would start from step 0 and replace them as it reaches their steps: move them out of this folder (or repair them) and run again"
+                ),
+            }),
+        },
         Some(found) => {
             let accepted = checkpoint::check_compatible(&found.meta, now)
                 .map_err(|reason| Error::Checkpoint { path: found.dir.clone(), reason: format!("refused: {reason}") })?;
@@ -182,6 +197,25 @@ pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &Checkpoin
             Ok(Some(found))
         }
     }
+}
+
+/// Refuses a run from step 0 (no `--resume`) into a `--checkpoint-dir` that holds checkpoints,
+/// an earlier run's: this run would replace the one of each step it reaches and prune the older
+/// ones, and a later `--resume` would take the newest whoever wrote it.
+fn refuse_earlier_checkpoints(dir: &Path) -> Result<()> {
+    let mut steps = checkpoint::files::list_steps(dir);
+    steps.sort_unstable();
+    let held = match steps.as_slice() {
+        [] => return Ok(()),
+        [one] => format!("a checkpoint (step {one})"),
+        [first, .., last] => format!("{} checkpoints (steps {first} to {last})", steps.len()),
+    };
+    Err(Error::Checkpoint {
+        path: dir.to_path_buf(),
+        reason: format!(
+            "holds {held} of an earlier run, and this run starts from step 0 (no --resume): it would replace the one of each step it reaches and prune the older ones; continue that run with --resume, or give this run a --checkpoint-dir of its own"
+        ),
+    })
 }
 
 /// The optimizer's state of a resumed run, read from its checkpoint (either format) by every
@@ -332,19 +366,19 @@ fn held_pieces(section: Section, name: &str, param: &str, shape: &[i64], local: 
 /// gathered. `replicas`: the ranks that hold this rank's part alike (the exchange's ranks).
 /// An outer error (a non-finite weight or state buffer anywhere: no checkpoint written) ends
 /// the run on every rank; the inner result, the same on every rank, says whether the write
-/// succeeded. `pause_midway`: the `stall-write` fault's pause, in the middle of this rank's part.
+/// succeeded. `fault`: a test's, in this rank's part (`stall-write`, `damage-write`).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn save_sharded_checkpoint(
     world: &World,
     dir: &Path,
-    keep: usize,
+    retention: Retention,
     net: &Net,
     exchange: &mut dyn Exchange,
     optimizer: &Optimizer,
     meta: CheckpointMeta,
     replicas: &World,
     tp: Option<&TensorParallel>,
-    pause_midway: Option<std::time::Duration>,
+    fault: WriteFault,
 ) -> Result<Result<Written>> {
     let pieces = pieces_held(world, net, exchange, optimizer, replicas, tp, true)?;
     // Never replace good checkpoints with a diverged state: with overlap a non-finite gradient
@@ -357,14 +391,65 @@ pub(super) fn save_sharded_checkpoint(
     // Every rank writes at once; the agreements inside wait for the slowest writer. Watched as
     // the checkpoint's step and folder, not the step the loop last began (one less).
     let (step, folder) = (meta.step, checkpoint::files::folder_name(meta.step));
-    Ok(crate::watchdog::collective_of_step(|| format!("writing the sharded checkpoint {folder}"), step, &world.comm, || save_sharded(world, dir, meta, &pieces, keep, pause_midway)))
+    Ok(crate::watchdog::collective_of_step(|| format!("writing the sharded checkpoint {folder}"), step, &world.comm, || save_sharded(world, dir, meta, &pieces, retention, fault)))
+}
+
+/// The folder `--save-weights OUT` writes its parts into where the model is cut: `OUT.parts`.
+pub(super) fn parts_folder(out: &Path) -> PathBuf {
+    let mut folder = out.as_os_str().to_owned();
+    folder.push(".parts");
+    PathBuf::from(folder)
+}
+
+/// Refuses `--save-weights OUT` in parts where `OUT.parts` is there and not an empty folder:
+/// this run writes into it and removes what it wrote, and never writes over what it did not
+/// make (a folder of the user's, or the parts an earlier run kept when their join failed).
+/// Checked before the first step, and again by [`save_weights_in_parts`].
+pub(super) fn check_parts_folder(out: &Path) -> Result<()> {
+    let folder = parts_folder(out);
+    let in_use = match std::fs::read_dir(&folder).map(|mut entries| entries.next().is_some()) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Ok(false) => return Ok(()),
+        Ok(true) => "holds files this run did not write".to_string(),
+        Err(e) => format!("is in the way ({e})"),
+    };
+    Err(Error::usage(format!(
+        "--save-weights {}: its parts go into {}, which {in_use} (the parts of an earlier run whose join failed, which `hpc-train checkpoint consolidate {} {}` joins, or a folder of yours); move or remove it first",
+        out.display(),
+        folder.display(),
+        folder.display(),
+        out.display()
+    )))
+}
+
+/// Rank 0 makes `folder` for the parts (true), or takes it empty as it is (false: not to be
+/// removed); anything else is refused by [`check_parts_folder`]'s rule.
+fn claim_parts_folder(out: &Path, folder: &Path) -> Result<bool> {
+    if let Some(parent) = folder.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    }
+    match std::fs::create_dir(folder) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => check_parts_folder(out).map(|()| false),
+        Err(e) => Err(Error::io(folder, e)),
+    }
+}
+
+/// Whether `e` (or the error it carries) is a full disk or a spent quota.
+fn is_full_disk(e: &Error) -> bool {
+    match e {
+        Error::Io { source, .. } => matches!(source.kind(), std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded),
+        Error::Agreed(inner) => is_full_disk(inner),
+        _ => false,
+    }
 }
 
 /// `--save-weights` where the model is cut (pipelines, `--zero 3`, tensor parallelism), with no
 /// rank holding it whole (collective over `world`): every rank writes the variables it holds,
-/// as a checkpoint's weights, into a folder beside `out` (`<out>.parts`), then rank 0 streams
-/// them into `out` one tensor at a time (`checkpoint consolidate`'s writer) and removes the
-/// folder. So, as `--checkpoint-dir`, `out`'s folder must be one that every rank sees.
+/// as a checkpoint's weights, into [`parts_folder`] beside `out`, then rank 0 streams them into
+/// `out` one tensor at a time (`checkpoint consolidate`'s writer) and removes what it wrote.
+/// So, as `--checkpoint-dir`, `out`'s folder must be one that every rank sees. A join that fails
+/// (a full disk) keeps the parts, a complete checkpoint, and the error says how to join them.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn save_weights_in_parts(
     world: &World,
@@ -377,29 +462,35 @@ pub(super) fn save_weights_in_parts(
     tp: Option<&TensorParallel>,
 ) -> Result<()> {
     let pieces = pieces_held(world, net, exchange, optimizer, replicas, tp, false)?;
-    let mut scratch = out.as_os_str().to_owned();
-    scratch.push(".parts");
-    let scratch = std::path::PathBuf::from(scratch);
-    world.agree(match world.is_root() {
-        true => {
-            let _ = std::fs::remove_dir_all(&scratch);
-            std::fs::create_dir_all(&scratch).map_err(|e| Error::io(&scratch, e))
-        }
-        false => Ok(()),
-    })?;
-    let written = crate::watchdog::collective("writing --save-weights' parts", &world.comm, || save_sharded(world, &scratch, meta, &pieces, 1, None));
-    let streamed = match (written, world.is_root()) {
-        (Ok(w), true) => checkpoint::command::consolidate(&w.dir, out, None).map(|_| ()).map_err(|e| Error::Checkpoint {
-            path: out.to_path_buf(),
-            reason: format!("--save-weights: its parts, written by every rank into {}, could not be joined ({e}); every rank must see that folder", scratch.display()),
+    let folder = parts_folder(out);
+    let made_here = world.agree(if world.is_root() { claim_parts_folder(out, &folder) } else { Ok(false) })?;
+    let written = crate::watchdog::collective("writing --save-weights' parts", &world.comm, || save_sharded(world, &folder, meta, &pieces, Retention::newest(1), WriteFault::None));
+    let joined = match (&written, world.is_root()) {
+        (Ok(w), true) => checkpoint::command::consolidate(&w.dir, out, None).map(|_| ()).map_err(|e| {
+            let join = format!("`hpc-train checkpoint consolidate {} {}`", folder.display(), out.display());
+            let what_then = match is_full_disk(&e) {
+                true => format!("the disk is full; make room, then join them with {join}"),
+                false => format!("join them with {join} once the cause is put right"),
+            };
+            Error::Checkpoint {
+                path: out.to_path_buf(),
+                reason: format!("--save-weights: its parts could not be joined ({e}); they are kept in {}, a complete checkpoint: {what_then}", w.dir.display()),
+            }
         }),
-        (Ok(_), false) => Ok(()),
-        (Err(e), _) => Err(e),
+        _ => Ok(()),
     };
-    if world.is_root() {
-        let _ = std::fs::remove_dir_all(&scratch);
+    if world.is_root() && joined.is_ok() {
+        // What this run wrote, and the folder if it made it (a failed write removed its own
+        // partial folder).
+        if let Ok(w) = &written {
+            let _ = std::fs::remove_dir_all(&w.dir);
+        }
+        if made_here {
+            let _ = std::fs::remove_dir(&folder);
+        }
     }
-    world.agree(streamed)
+    written?;
+    world.agree(joined)
 }
 
 /// The pieces this rank writes of what the run holds (see the module's notes): the variables,
@@ -474,7 +565,7 @@ fn pieces_held(world: &World, net: &Net, exchange: &mut dyn Exchange, optimizer:
 /// state, which rank 0 collects from them (every worker takes part) and writes with the
 /// weights. Rank 0 returns how its write went (the folder written, or why not), the others
 /// None. (Parameter servers are refused with pipelines and tensor parallelism.)
-pub(super) fn save_checkpoint(world: &World, dir: &Path, keep: usize, net: &Net, exchange: &mut dyn Exchange, optimizer: &Optimizer, meta: CheckpointMeta) -> Result<Option<Result<std::path::PathBuf>>> {
+pub(super) fn save_checkpoint(world: &World, dir: &Path, retention: Retention, net: &Net, exchange: &mut dyn Exchange, optimizer: &Optimizer, meta: CheckpointMeta) -> Result<Option<Result<std::path::PathBuf>>> {
     // Collective: the state is held by the servers.
     let state = crate::watchdog::collective("gathering the optimizer state", &world.comm, || exchange.optimizer_state(&net.params, optimizer))?;
     let weights = net.named_variables();
@@ -488,7 +579,7 @@ pub(super) fn save_checkpoint(world: &World, dir: &Path, keep: usize, net: &Net,
     if !optim::all_finite(&net.params)? || !state.iter().try_fold(true, |ok, slot| Ok::<bool, Error>(ok && optim::all_finite(slot)?))? {
         return Err(Error::NonFinite { what: "weights (no checkpoint written)", step: meta.step, epoch: meta.epoch() });
     }
-    Ok(Some(checkpoint::save(dir, meta, &weights, &named_state(net, optimizer, state), keep)))
+    Ok(Some(checkpoint::save(dir, meta, &weights, &named_state(net, optimizer, state), retention)))
 }
 
 /// The optimizer's state buffers (`[slot][parameter]`) by their checkpoint names.
@@ -544,6 +635,40 @@ mod tests {
         assert_eq!(starts, vec![vec![2, 0], vec![6, 0], vec![10, 0]]);
         assert_eq!(cut_regions(&[4, 6], Split::Columns, 1, 2), vec![Region::Rect { offsets: vec![0, 3], lengths: vec![4, 3] }]);
         assert_eq!(cut_regions(&[4], Split::Whole, 0, 2), vec![Region::Whole]);
+    }
+
+    /// A run without --resume refuses a folder of checkpoints (an earlier run's).
+    #[test]
+    fn a_run_from_step_0_refuses_a_folder_of_checkpoints() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-earlier-run-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let ckpt = dir.join("ckpt");
+        std::fs::create_dir_all(ckpt.join(".ckpt-000000000001.partial")).unwrap();
+        assert!(refuse_earlier_checkpoints(&ckpt).is_ok(), "a partial folder is no checkpoint");
+        std::fs::create_dir_all(ckpt.join("ckpt-000000000004")).unwrap();
+        assert!(refuse_earlier_checkpoints(&ckpt).unwrap_err().to_string().contains("holds a checkpoint (step 4) of an earlier run"));
+        std::fs::create_dir_all(ckpt.join("ckpt-000000000002")).unwrap();
+        assert!(refuse_earlier_checkpoints(&ckpt).unwrap_err().to_string().contains("holds 2 checkpoints (steps 2 to 4) of an earlier run, and this run starts from step 0 (no --resume)"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `--save-weights` in parts writes into `OUT.parts` only where it is absent or an empty
+    /// folder.
+    #[test]
+    fn a_parts_folder_holding_anything_is_refused() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-parts-folder-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = dir.join("w.safetensors");
+        assert!(check_parts_folder(&out).is_ok(), "absent");
+        std::fs::create_dir_all(parts_folder(&out)).unwrap();
+        assert!(check_parts_folder(&out).is_ok(), "empty");
+        std::fs::write(parts_folder(&out).join("notes.txt"), b"mine").unwrap();
+        let err = check_parts_folder(&out).unwrap_err().to_string();
+        assert!(err.contains(&format!("its parts go into {}.parts, which holds files this run did not write", out.display())), "{err}");
+        let file = dir.join("f.safetensors");
+        std::fs::write(parts_folder(&file), b"a file").unwrap();
+        assert!(check_parts_folder(&file).unwrap_err().to_string().contains(".parts, which is in the way ("));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -156,7 +156,9 @@ pub struct TrainArgs {
 
     /// Abort the job when an exchange, or a collective between exchanges, makes no progress for
     /// this many seconds (a cut link or a dead node), after every rank logs what it waits for;
-    /// keep it above rank 0's longest checkpoint write, which the others wait for; 0: off.
+    /// a checkpoint write longer than this (the slowest rank's part of a sharded one, rank 0's
+    /// whole one) aborts the job too, the previous checkpoint kept: keep it above the longest
+    /// write; 0: off.
     #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S)]
     pub exchange_timeout_s: f64,
 
@@ -191,7 +193,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub save_weights: Option<PathBuf>,
 
-    /// Folder for checkpoints (weights and optimizer state; rank 0 writes them).
+    /// Folder for checkpoints (weights and optimizer state; every rank writes its part, so every
+    /// rank must see it; with --strategy ps rank 0 writes them whole).
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
 
@@ -199,11 +202,14 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 500)]
     pub checkpoint_every: u64,
 
-    /// Complete checkpoints kept (older ones are removed once a newer one is complete).
+    /// Good checkpoints kept, the newest written counted (older ones are removed once a newer one
+    /// is complete; the one resumed from stays).
     #[arg(long, default_value_t = 3)]
     pub keep_checkpoints: usize,
 
-    /// Continue from the newest complete checkpoint in --checkpoint-dir (from the start when there is none).
+    /// Continue from the newest complete checkpoint in --checkpoint-dir (from the start when there
+    /// is none; refused when every one there is damaged). Without it, a --checkpoint-dir that
+    /// holds checkpoints is refused.
     #[arg(long)]
     pub resume: bool,
 

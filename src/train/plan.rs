@@ -9,6 +9,7 @@ use std::time::Duration;
 use mpi::traits::*;
 use tch::Device;
 
+use crate::checkpoint;
 use crate::data::DatasetInfo;
 use crate::data::loader::memory_available;
 use crate::error::{Error, Result};
@@ -286,7 +287,8 @@ pub(super) fn check_threads(threads: usize, cores_online: usize) -> Result<()> {
 
 /// Refuses an output of the run that is one of its inputs (`--save-weights` on the `--data`
 /// file overwrote the dataset): the files the run writes against the ones it reads, compared
-/// as canonical paths and, when the output exists, as the same inode (a hard link).
+/// as canonical paths and, when the output exists, as the same inode (a hard link). An output
+/// in a checkpoint folder is refused too, and a `--checkpoint-dir` that is one.
 pub(super) fn check_outputs_are_not_inputs(args: &TrainArgs) -> Result<()> {
     check_outputs_against_inputs(args, std::env::var_os("HOROVOD_TIMELINE").map(PathBuf::from))
 }
@@ -328,6 +330,22 @@ fn check_outputs_against_inputs(args: &TrainArgs, horovod_timeline_variable: Opt
                 )));
             }
         }
+    }
+    // Checkpoint folders are inputs wherever they are (a part file overwritten by --save-weights
+    // made --resume skip that checkpoint as damaged). --checkpoint-dir naming one is the
+    // usual slip of giving a checkpoint where the folder of checkpoints is meant.
+    if let Some(dir) = &args.checkpoint_dir {
+        if let Some(folder) = checkpoint::files::checkpoint_folder_of(dir).filter(|f| *f == canonical_output(dir)) {
+            let parent = folder.parent().unwrap_or(Path::new("/"));
+            return Err(Error::usage(format!(
+                "--checkpoint-dir {}: it is a checkpoint, not a folder of checkpoints (a run would write its own inside it); to continue from it, give the folder it is in: --checkpoint-dir {} --resume",
+                dir.display(),
+                parent.display()
+            )));
+        }
+    }
+    for &(output_flag, output) in &outputs {
+        checkpoint::check_not_in_checkpoint(output_flag, output)?;
     }
     Ok(())
 }

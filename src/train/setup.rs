@@ -16,7 +16,7 @@ use crate::raw;
 use crate::results::{self};
 use crate::topology::World;
 
-use super::checkpoints::{checkpoint_meta, find_resume_point, lock_checkpoint_dir, restore_state, save_checkpoint_weights, state_reader, CheckpointLog};
+use super::checkpoints::{check_parts_folder, checkpoint_meta, find_resume_point, lock_checkpoint_dir, restore_state, save_checkpoint_weights, state_reader, CheckpointLog};
 use super::collective::broadcast_step;
 use super::fsdp::{FullySharded, UnitWorker};
 use super::net::{input_spec, variable_blocks, InitialValues, Net, NetLayout, TensorPart};
@@ -48,11 +48,11 @@ impl<'a> Run<'a> {
         world.agree(args.profile_dir.as_deref().map_or(Ok(()), |dir| std::fs::create_dir_all(dir).map_err(|e| Error::usage(format!("--profile-dir {}: {e}", dir.display())))))?;
         let faults = world.agree(Faults::from_env(world.size))?;
         // The parameter server's checkpoints are whole, written by rank 0 from its servers'
-        // state: `stall-write` pauses a rank inside its part of a sharded one, which it has none
-        // of. Refused rather than ignored.
-        world.agree(match faults.stalls_a_write() && args.strategy == crate::exchange::StrategyKind::Ps {
-            true => Err(Error::usage(format!("{}: stall-write pauses a rank in its part of a sharded checkpoint; --strategy ps writes whole checkpoints, which it does not reach", crate::faults::FAULT_ENV))),
-            false => Ok(()),
+        // state: `stall-write` and `damage-write` act inside a rank's part of a sharded one,
+        // which it has none of. Refused rather than ignored.
+        world.agree(match (faults.in_a_sharded_write(), args.strategy == crate::exchange::StrategyKind::Ps) {
+            (Some(kind), true) => Err(Error::usage(format!("{}: {kind} acts in a rank's part of a sharded checkpoint; --strategy ps writes whole checkpoints, which it does not reach", crate::faults::FAULT_ENV))),
+            _ => Ok(()),
         })?;
         if faults.terminates_in_setup(world.rank) {
             let _ = signal_hook::low_level::raise(signal_hook::consts::SIGTERM);
@@ -117,6 +117,11 @@ impl<'a> Run<'a> {
             (None, Some((_, _, groups))) => NetLayout::Units(groups),
             (None, None) => NetLayout::Whole,
         };
+        // --save-weights where the model is cut goes through a folder beside the file, which must
+        // be free: checked before the first step rather than after the whole training.
+        if let (Some(out), true) = (&args.save_weights, pipeline.is_some() || tensor_parallel.is_some() || fully_sharded.is_some()) {
+            world.agree(if world.is_root() { check_parts_folder(out) } else { Ok(()) })?;
+        }
         // The checkpoint folder, held for this run alone; the checkpoint to continue from, and
         // whether anything is left to do.
         let checkpoint_lock = world.agree(lock_checkpoint_dir(world, args))?;

@@ -11,6 +11,7 @@ use mpi::traits::*;
 use tch::nn::ModuleT;
 use tch::{Kind, Reduction, Tensor};
 
+use crate::checkpoint::Retention;
 use crate::data::{DatasetInfo, Labels, Split};
 use crate::data::loader::{Batch, Loader, Parts, Schedule};
 use crate::data::reader::SplitReader;
@@ -371,17 +372,18 @@ impl Run<'_> {
         let Some(dir) = &self.args.checkpoint_dir else { return Ok(()) };
         let _phase = super::memory::enter(super::memory::Phase::Checkpoint);
         let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, self.total_steps, last_step, self.optimizer.steps());
-        let keep = self.args.keep_checkpoints;
+        // The checkpoint resumed from stays for the whole run, whatever --keep-checkpoints says.
+        let retention = Retention { keep: self.args.keep_checkpoints, resumed_from: self.resumed_at };
         if self.args.strategy == crate::exchange::StrategyKind::Ps {
-            return match save_checkpoint(self.world, dir, keep, &self.net, self.exchange.as_mut(), &self.optimizer, meta)? {
+            return match save_checkpoint(self.world, dir, retention, &self.net, self.exchange.as_mut(), &self.optimizer, meta)? {
                 Some(written) => self.checkpoints.note(dir, last_step, written),
                 None => Ok(()),
             };
         }
         // The ranks that hold this rank's part alike: the exchange's.
         let replicas = part_replicas(self.pipeline.as_ref(), self.tensor_parallel.as_ref()).unwrap_or(self.world);
-        let pause_midway = self.faults.write_stall(self.world.rank, last_step);
-        let written = save_sharded_checkpoint(self.world, dir, keep, &self.net, self.exchange.as_mut(), &self.optimizer, meta, replicas, self.tensor_parallel.as_ref(), pause_midway)?;
+        let fault = self.faults.in_write(self.world.rank, last_step);
+        let written = save_sharded_checkpoint(self.world, dir, retention, &self.net, self.exchange.as_mut(), &self.optimizer, meta, replicas, self.tensor_parallel.as_ref(), fault)?;
         if let Ok(w) = &written {
             self.checkpoints.count(w);
         }
