@@ -404,7 +404,10 @@ impl Pipeline {
                     }
                     let size: Vec<i64> = std::iter::once(micro[m].len as i64).chain(sample_shape).collect();
                     let buffer = if self.staged() { self.staging.take(&size, Kind::Float, self.device)? } else { Tensor::f_empty(size.as_slice(), (Kind::Float, on))? };
-                    // SAFETY: a new tensor with no other handle; the message owns it until waited for.
+                    // SAFETY: a new tensor (or a pool's host buffer given back after its copy to
+                    // the device) with no other handle, made on this thread's current stream,
+                    // whose queued kernels `receive` waits for on a device; the message owns it
+                    // until waited for.
                     let message = unsafe { TensorMessage::receive(buffer, &self.comm, from, shape.tag(kind, m, boundary))? };
                     receives.insert((kind, m, c), Inbound::Message(message));
                 }
@@ -653,7 +656,9 @@ impl Pipeline {
                     }
                     let size: Vec<i64> = std::iter::once(micro[m].len as i64).chain(self.cut.input_shape(c).iter().copied()).collect();
                     let buffer = Tensor::f_empty(size.as_slice(), (Kind::Float, on))?;
-                    // SAFETY: a new tensor with no other handle; the message owns it until waited for.
+                    // SAFETY: a new tensor with no other handle, made on this thread's current
+                    // stream, whose queued kernels `receive` waits for on a device; the message
+                    // owns it until waited for.
                     let message = unsafe { TensorMessage::receive(buffer, &self.comm, self.peer(c - 1), tag(m, c))? };
                     receives.insert((m, c), Inbound::Message(message));
                 }
