@@ -55,6 +55,9 @@ pub(super) struct Pipeline {
     /// Messages go from and to device memory (CUDA-aware MPI); otherwise through the host.
     cuda_aware: bool,
     recompute: bool,
+    /// Each of this stage's chunks' batch-norm buffers (running statistics), by chunk: put back
+    /// after a recomputed forward ([`Pipeline::hold_buffers`]).
+    chunk_buffers: HashMap<usize, Vec<Tensor>>,
     /// Moves this stage's messages along while it computes (src/progress.rs); None where
     /// set-up's probe found that messages move without their sender, or where the MPI library
     /// gave less than MPI_THREAD_MULTIPLE.
@@ -194,6 +197,7 @@ impl Pipeline {
             device,
             cuda_aware,
             recompute,
+            chunk_buffers: HashMap::new(),
             progress,
             stall,
             figures: PipelineFigures { per_chunk: vec![[Duration::ZERO; 3]; plan.shape.chunks()], ..PipelineFigures::default() },
@@ -206,6 +210,18 @@ impl Pipeline {
 
     pub(super) fn shape(&self) -> &Shape {
         &self.plan.shape
+    }
+
+    /// Takes the stage's buffers (`buffers`, by name) into the chunks that hold them
+    /// (`block_of`: the block that declares each variable), for --recompute: a recomputed
+    /// forward must not count in batch norm's running statistics a second time.
+    pub(super) fn hold_buffers(&mut self, buffers: &[(String, Tensor)], block_of: &HashMap<String, usize>) {
+        for (name, buffer) in buffers {
+            let block = block_of.get(name).copied();
+            let chunk = self.cut.chunks.iter().position(|blocks| block.is_some_and(|b| blocks.contains(&b)));
+            let chunk = chunk.unwrap_or_else(|| panic!("buffer {name} of this stage is in no chunk of the cut"));
+            self.chunk_buffers.entry(chunk).or_default().push(buffer.shallow_clone());
+        }
     }
 
     /// Whether this stage holds the first chunk, which takes the images.
@@ -496,18 +512,27 @@ impl Pipeline {
                     let gradient = self.wait_gradient(&mut receives, m, c, step, &mut blocked)?;
                     let began = self.clock.start(self.now_us())?;
                     let x = inputs.get(&(m, c)).expect("backward after forward");
-                    let out = if self.recompute {
-                        precision.training_forward(self.device, || {
+                    let (out, found) = if self.recompute {
+                        // The recomputed forward updates batch norm's running statistics as the
+                        // first one did: the chunk's buffers are put back as it found them after
+                        // backward (which may read what batch norm saved of them), as --zero 3's
+                        // units do (fsdp.rs), so that they count each micro-batch once.
+                        let found = BuffersAsFound::take(self.chunk_buffers.get(&c).map_or(&[][..], Vec::as_slice))?;
+                        let out = precision.training_forward(self.device, || {
                             let out = module(c).forward_t(x, true);
                             Ok(if c == last { loss_of(&out, m)?.f_mul_scalar(factor)? } else { out })
-                        })?
+                        })?;
+                        (out, Some(found))
                     } else {
-                        outputs.remove(&(m, c)).expect("backward after forward")
+                        (outputs.remove(&(m, c)).expect("backward after forward"), None)
                     };
                     if !self.recompute || c == last {
                         held_bytes -= bytes(&out);
                     }
                     backward_from(&out, gradient.as_ref())?;
+                    if let Some(found) = found {
+                        found.put_back()?;
+                    }
                     self.stop_action(began, Phase::Backward, c, || format!("backward {m} (chunk {c})"), step, measured, &mut compute)?;
                     alive -= 1;
                     if c == 0 {
@@ -863,6 +888,24 @@ impl Pipeline {
                 peak_rss_mb: f[7],
             })
             .collect()
+    }
+}
+
+/// A chunk's buffers as a recomputed forward found them, to put back after its backward.
+struct BuffersAsFound {
+    /// Each buffer and its copy.
+    buffers: Vec<(Tensor, Tensor)>,
+}
+
+impl BuffersAsFound {
+    fn take(buffers: &[Tensor]) -> Result<BuffersAsFound> {
+        let copies = tch::no_grad(|| buffers.iter().map(|b| Ok((b.shallow_clone(), b.f_detach_copy()?))).collect::<Result<Vec<_>>>())?;
+        Ok(BuffersAsFound { buffers: copies })
+    }
+
+    fn put_back(self) -> Result<()> {
+        tch::no_grad(|| self.buffers.iter().try_for_each(|(b, found)| b.shallow_clone().f_copy_(found).map(drop)))?;
+        Ok(())
     }
 }
 
