@@ -27,6 +27,7 @@ use crate::topology::World;
 
 use super::action_clock::{ActionClock, Phase, Started, Timed};
 use super::collective::gather_strings;
+use super::held::HeldBytes;
 use super::options::Precision;
 use super::stages::{Cut, PipelinePlan};
 
@@ -97,7 +98,8 @@ pub(super) struct PipelineFigures {
     pub(super) blocked: Duration,
     /// The most micro-batches (per chunk) whose activations were held at once.
     pub(super) peak_alive: usize,
-    /// The most bytes of boundary activations (inputs kept for backward and outputs) held at once.
+    /// The most bytes of boundary activations (inputs kept for backward, outputs, and what a
+    /// split backward's B keeps for its W) held at once (held.rs says what counts).
     pub(super) peak_boundary_bytes: usize,
     /// The parts of `compute` per chunk of the model (this stage's only; the others stay
     /// zero), indexed by [`FORWARD`], [`BACKWARD`] and [`WEIGHT_GRAD`]: its forwards, its B's
@@ -391,10 +393,9 @@ impl Pipeline {
         let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut deferred: HashMap<(usize, usize), DeferredWeights> = HashMap::new();
         let mut losses: Vec<Tensor> = Vec::new();
-        let (mut compute, mut alive, mut held_bytes) = (Duration::ZERO, 0usize, 0usize);
+        let (mut compute, mut alive, mut held) = (Duration::ZERO, 0usize, HeldBytes::default());
         // Time blocked in MPI waiting for a message to arrive or the step's sends to complete.
         let mut blocked = Duration::ZERO;
-        let bytes = |t: &Tensor| t.numel() * 4;
         // Sends in flight move on while this stage computes; the thread rests between steps.
         let progress = self.progress.clone();
         let _progress = progress.as_deref().map(Progress::active);
@@ -466,13 +467,12 @@ impl Pipeline {
                         Ok(loss.f_mul_scalar(factor)?)
                     })?;
                     self.stop_action(began, Phase::Forward, c, || format!("forward {m} (chunk {c})"), step, measured, &mut compute)?;
-                    held_bytes += bytes(&out) + bytes(&x);
+                    held.forward(m, c, tensor_bytes(&x), tensor_bytes(&out));
                     outputs.insert((m, c), out);
                     inputs.insert((m, c), x);
                     alive += 1;
                     if measured {
                         self.figures.peak_alive = self.figures.peak_alive.max(alive);
-                        self.figures.peak_boundary_bytes = self.figures.peak_boundary_bytes.max(held_bytes);
                     }
                 }
                 Action::SendActivation { micro: m, chunk: c } => {
@@ -481,7 +481,7 @@ impl Pipeline {
                     }
                     let out = if self.recompute { outputs.remove(&(m, c)).expect("sent after its forward") } else { outputs[&(m, c)].shallow_clone() };
                     if self.recompute {
-                        held_bytes -= bytes(&out);
+                        held.output_sent(m, c);
                     }
                     // In f32 whatever autocast made the output (the receiver's buffer is f32):
                     // a 16-bit output goes over and back exactly, and the next chunk's first
@@ -526,18 +526,15 @@ impl Pipeline {
                     } else {
                         (outputs.remove(&(m, c)).expect("backward after forward"), None)
                     };
-                    if !self.recompute || c == last {
-                        held_bytes -= bytes(&out);
-                    }
                     backward_from(&out, gradient.as_ref())?;
                     if let Some(found) = found {
                         found.put_back()?;
                     }
                     self.stop_action(began, Phase::Backward, c, || format!("backward {m} (chunk {c})"), step, measured, &mut compute)?;
+                    held.backward(m, c);
                     alive -= 1;
                     if c == 0 {
-                        let x = inputs.remove(&(m, c)).expect("held");
-                        held_bytes -= bytes(&x);
+                        drop(inputs.remove(&(m, c)).expect("held"));
                     }
                 }
                 Action::BackwardInput { micro: m, chunk: c } => {
@@ -547,19 +544,25 @@ impl Pipeline {
                     let gradient = self.wait_gradient(&mut receives, m, c, step, &mut blocked)?;
                     let began = self.clock.start(self.now_us())?;
                     let out = outputs.remove(&(m, c)).expect("backward after forward");
-                    held_bytes -= bytes(&out);
-                    if c == 0 {
+                    let for_weights = if c == 0 {
                         // The first chunk's input is the images: there is no input gradient
-                        // to compute, and its whole backward is the W.
-                        let x = inputs.remove(&(m, c)).expect("held");
-                        held_bytes -= bytes(&x);
-                        deferred.insert((m, c), DeferredWeights::Whole { out, gradient });
+                        // to compute, and its whole backward is the W, from the output and its
+                        // gradient, both kept until then.
+                        drop(inputs.remove(&(m, c)).expect("held"));
+                        let kept = DeferredWeights::Whole { out, gradient };
+                        let bytes = kept.bytes();
+                        deferred.insert((m, c), kept);
+                        bytes
                     } else {
                         let x = &inputs[&(m, c)];
                         let (dx, kept) = crate::raw::backward_input(&out, gradient.as_ref(), x, params)?;
                         input_grads.insert((m, c), dx);
-                        deferred.insert((m, c), DeferredWeights::Graph(kept));
-                    }
+                        let kept = DeferredWeights::Graph(kept);
+                        let bytes = kept.bytes();
+                        deferred.insert((m, c), kept);
+                        bytes
+                    };
+                    held.input_grad(m, c, for_weights);
                     self.stop_action(began, Phase::InputGrad, c, || format!("B {m} (chunk {c})"), step, measured, &mut compute)?;
                 }
                 Action::BackwardWeight { micro: m, chunk: c } => {
@@ -572,6 +575,7 @@ impl Pipeline {
                         DeferredWeights::Whole { out, gradient } => backward_from(&out, gradient.as_ref())?,
                     }
                     self.stop_action(began, Phase::WeightGrad, c, || format!("W {m} (chunk {c})"), step, measured, &mut compute)?;
+                    held.weight_grad(m, c);
                     alive -= 1;
                 }
                 Action::SendGradient { micro: m, chunk: c } => {
@@ -579,7 +583,7 @@ impl Pipeline {
                         continue;
                     }
                     let x = inputs.remove(&(m, c)).expect("sent after its backward");
-                    held_bytes -= bytes(&x);
+                    held.gradient_sent(m, c);
                     // A split backward's B made the gradient apart; an unsplit one left it in x.
                     let grad = match input_grads.remove(&(m, c)) {
                         Some(dx) => dx,
@@ -630,6 +634,7 @@ impl Pipeline {
             self.count_action(timed, step, measured, &mut compute);
         }
         if measured {
+            self.figures.peak_boundary_bytes = self.figures.peak_boundary_bytes.max(held.peak());
             self.figures.steps += 1;
             self.figures.compute += compute;
             self.figures.phase += started.elapsed();
@@ -917,6 +922,18 @@ enum DeferredWeights {
     Whole { out: Tensor, gradient: Option<Tensor> },
 }
 
+impl DeferredWeights {
+    /// The bytes it holds until W: the gradients B captured (the graph's saved activations,
+    /// held from the forward in every schedule, are not boundary bytes), or the first chunk's
+    /// output and its gradient.
+    fn bytes(&self) -> usize {
+        match self {
+            DeferredWeights::Graph(kept) => kept.captured_bytes(),
+            DeferredWeights::Whole { out, gradient } => tensor_bytes(out) + gradient.as_ref().map_or(0, tensor_bytes),
+        }
+    }
+}
+
 impl Pipeline {
     /// Waits for the gradient of chunk `c`'s output for micro-batch `m` (its receive posted by
     /// the schedule), under the watchdog, naming the stage it comes from; None for the last
@@ -960,6 +977,11 @@ fn backward_from(out: &Tensor, gradient: Option<&Tensor>) -> Result<()> {
         None => out.f_backward()?,
     }
     Ok(())
+}
+
+/// The bytes of a tensor's elements.
+fn tensor_bytes(t: &Tensor) -> usize {
+    t.numel() * t.kind().elt_size_in_bytes()
 }
 
 /// Whether two tensors share their first element's memory (a no-op copy).
