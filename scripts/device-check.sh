@@ -239,9 +239,11 @@ gpu_part() {
     fi
     # 3. The same bf16 run with Open MPI's default binding (one core), to show its cost.
     study_suffix=-bind-core single "single-hpc-train-$bf16-cl-$largest-bind-core" "$bf16-cl" "$largest" --bind-to core
-    # 4. tests/gpu.rs against the CPU, its tests side by side (they share the GPU).
+    # 4. tests/gpu.rs against the CPU, its tests side by side (they share the GPU); the pipeline's
+    #    device receives under the bundle's CUDA-aware Open MPI where it has one (env-cuda.sh).
     # shellcheck disable=SC2086 # GPU_TESTS: test names (filters) for the test binary, or none
-    step gpu-tests 190 env HPC_TRAIN_TEST_BINARY="$B" HPC_TRAIN_TEST_ROOT="$root" "$bundle/tests/gpu" --test-threads 8 ${GPU_TESTS:-}
+    step gpu-tests 190 env HPC_TRAIN_TEST_BINARY="$B" HPC_TRAIN_TEST_ROOT="$root" HPC_TRAIN_CUDA_MPI_ENV="$bundle/env-cuda.sh" \
+        "$bundle/tests/gpu" --test-threads 8 ${GPU_TESTS:-}
     # 5. Two ranks sharing the GPU, the exchange alone: staged, then CUDA-aware where the bundle
     #    has that MPI (CUDA IPC between the two ranks through the smcuda transport).
     local cuda_mpi=() direct=()

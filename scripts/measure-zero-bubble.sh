@@ -3,7 +3,8 @@
 # back in one script: at P stages (default 2: one rank per core of the 2-core VM) for M = 4, 8,
 # 16 micro-batches, the measured bubble of each stage beside the bubble the schedule's replay
 # gives with the run's own measured forward, B and W times (runs.jsonl's replay_bubble), the
-# balanced theory, images/s and each stage's peak resident memory. Two models: ResNet-18
+# balanced theory, images/s, each stage's peak resident memory and the most boundary bytes it
+# held (chunk inputs and outputs, and what a split backward's B keeps for its W). Two models: ResNet-18
 # (convolutions: W cheap against B) and vit-tiny (linear layers: W about B), Fashion-MNIST, a
 # batch of 64 per pipeline, one intra-op thread per rank, the cut balanced by profiled time.
 #
@@ -62,7 +63,7 @@ for line in open(f"{out}/runs.jsonl"):
 pct = lambda x: f"{100 * x:.1f}%"
 mean = lambda v: sum(v) / len(v) if v else float("nan")
 lines = [f"Zero-bubble schedules, P = {stages} ({stages} ranks, {cores} cores), Fashion-MNIST, batch 64 per step, one thread per rank; {host}, {day}.", ""]
-header = ["model", "M", "schedule", "bubble per stage", "mean", "replay (measured F, B, W)", "points off", "replay with messages", "points off", "message ms per step and stage", "theory", "F / B / W ms per micro-batch and stage", "images/s", "peak RSS MiB per stage"]
+header = ["model", "M", "schedule", "bubble per stage", "mean", "replay (measured F, B, W)", "points off", "replay with messages", "points off", "message ms per step and stage", "theory", "F / B / W ms per micro-batch and stage", "images/s", "peak RSS MiB per stage", "held MiB per stage (micro-batches)"]
 lines.append("| " + " | ".join(header) + " |")
 lines.append("|" + "|".join("---:" if i > 2 else "---" for i in range(len(header))) + "|")
 for model in models:
@@ -81,15 +82,16 @@ for model in models:
                 fbw = ", ".join(f"{(c - bi - wi) / m:.1f} / {bi / m:.1f} / {wi / m:.1f}" for c, bi, wi in zip(compute, b, w))
             else:
                 fbw = ", ".join(f"{c / m:.1f} (F+B+W)" for c in compute)
+            held = ", ".join(f"{b / 2**20:.1f} ({a})" for b, a in zip(pl["peak_boundary_activation_bytes"], pl["peak_alive_micro_batches"]))
             rss = {}
             for rank in pl.get("ranks", []):
                 rss[rank["stage"]] = max(rss.get(rank["stage"], 0), rank["peak_rss_mb"])
             lines.append("| " + " | ".join([model, str(m), s + (" V=2" if pl["virtual_stages"] > 1 and s == "interleaved" else ""),
                 ", ".join(pct(x) for x in pl["bubble"]), pct(measured), pct(replay), f"{100 * (measured - replay):+.1f}",
                 pct(with_messages), f"{100 * (measured - with_messages):+.1f}", ", ".join(f"{x:.1f}" for x in pl.get("stage_message_ms", [])), pct(pl["theoretical_bubble"]),
-                fbw, f"{r['images_per_sec']:.1f}", ", ".join(f"{rss[k]:.0f}" for k in sorted(rss))]) + " |")
+                fbw, f"{r['images_per_sec']:.1f}", ", ".join(f"{rss[k]:.0f}" for k in sorted(rss)), held]) + " |")
 lines.append("")
-lines.append("bubble: each stage's idle share of the pipelined part of the step, measured; replay: the schedule replayed (src/plan/pipeline.rs) with the run's own measured forward, B and W times of each chunk (an unsplit backward counted as B), messages free; replay with messages: the same with each message to another stage costing its stage an equal share of the stage's message time; message ms: each stage's host time per step outside computing and outside waiting for messages (making their buffers, posting and testing them); theory: the balanced replay with F = B = W.")
+lines.append("bubble: each stage's idle share of the pipelined part of the step, measured; replay: the schedule replayed (src/plan/pipeline.rs) with the run's own measured forward, B and W times of each chunk (an unsplit backward counted as B), messages free; replay with messages: the same with each message to another stage costing its stage an equal share of the stage's message time; message ms: each stage's host time per step outside computing and outside waiting for messages (making their buffers, posting and testing them); theory: the balanced replay with F = B = W; held: the most bytes of chunk inputs and outputs a stage held at once, with what a split backward's B keeps for its W (the first chunk's output and its gradient, the gradients B captured), and the most micro-batches whose graph it held.")
 open(f"{out}/table.md", "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF

@@ -137,7 +137,9 @@ pub struct PipelineRecord {
     /// P-1 divided by V when interleaved, (P-1)/(3M+P-1) for ZB-H1 (F = B = W).
     pub theoretical_bubble: f64,
     /// Per stage: the most micro-batches (per chunk) held between forward and backward, and
-    /// the most bytes of boundary activations (inputs and outputs of chunks) held at once.
+    /// the most bytes of boundary activations (inputs and outputs of chunks, and what a split
+    /// backward's B keeps for its W) held at once. Records before 2026-11-29 left out what B
+    /// keeps.
     pub peak_alive_micro_batches: Vec<usize>,
     pub peak_boundary_activation_bytes: Vec<usize>,
     /// Set-up's probe (src/progress.rs), slowest over the pipelines: how long a message of

@@ -3,6 +3,9 @@
 //! trains a few steps of a tiny model and must equal the plain run (one process with the same
 //! option) within f32 summation tolerance, weights and the record's loss alike; every refused
 //! pair must be refused before anything starts with the table's reason, naming both options.
+//! The tiny CNN has no batch norm, so the pairs whose options or layouts touch the forward
+//! (recomputation, pipelines, stage 3's units, a resume from a checkpoint) also train ResNet-18,
+//! against data parallelism over the same replicas and micro-batches ([`batch_norm_cell`]).
 //!
 //! The runs go through `hpc-train conform`, which runs them one after another inside one launch
 //! (one MPI start-up for a few hundred runs). A row or a column this test does not know fails
@@ -108,7 +111,7 @@ impl Layout {
             a.push("--fsdp-hybrid");
         }
         if let Some(s) = self.schedule {
-            a.extend(["--pipeline-stages", "2", "--micro-batches", "2", "--schedule", s, "--partition", "params"]);
+            a.extend(["--pipeline-stages", "2", "--micro-batches", MICRO_BATCHES, "--schedule", s, "--partition", "params"]);
             if s == "interleaved" {
                 a.extend(["--virtual-stages", "2"]);
             }
@@ -220,6 +223,8 @@ enum Expect {
 struct Matrix {
     dir: PathBuf,
     data: String,
+    /// The smaller images batch norm's cases train on (see [`BATCH_NORM_MODEL`]).
+    batch_norm_data: String,
     cases: Vec<Case>,
     references: HashMap<String, usize>,
 }
@@ -227,8 +232,9 @@ struct Matrix {
 impl Matrix {
     fn common(&self, model: &str, index: usize, steps: &str) -> Vec<String> {
         let d = self.dir.display();
+        let data = if model == BATCH_NORM_MODEL { &self.batch_norm_data } else { &self.data };
         [
-            "--model", model, "--data", &self.data, "--scaling", "strong", "--global-batch", "8", "--steps", steps, "--seed", "7",
+            "--model", model, "--data", data, "--scaling", "strong", "--global-batch", "8", "--steps", steps, "--seed", "7",
             "--threads", "1", "--log-every", "1000", "--warmup-steps", "1", "--lr", "0.05",
         ]
         .iter()
@@ -273,13 +279,72 @@ impl Matrix {
 
     /// The plain run with `extra` (one process), made once.
     fn reference(&mut self, model: &str, extra: &[String]) -> usize {
-        let key = format!("{model} {}", extra.join(" "));
+        self.reference_on(1, model, extra)
+    }
+
+    /// The plain run with `extra` on `ranks` ranks, made once.
+    fn reference_on(&mut self, ranks: usize, model: &str, extra: &[String]) -> usize {
+        let key = format!("{ranks} x {model} {}", extra.join(" "));
         if let Some(&i) = self.references.get(&key) {
             return i;
         }
-        let i = self.push(1, model, "3", extra, Expect::Runs, format!("plain {key}"));
+        let i = self.push(ranks, model, "3", extra, Expect::Runs, format!("plain {key}"));
         self.references.insert(key, i);
         i
+    }
+
+    /// The plain run a batch-norm case of `layout` must equal: batch norm normalises over each
+    /// replica's micro-batch and each replica updates its own running statistics (DDP's batch
+    /// norm; the record's weights hold the first replica's), so the reference is data
+    /// parallelism (the ring) over the same replicas, each taking its samples in the same
+    /// micro-batches: one process where the layout has one replica.
+    fn batch_norm_reference(&mut self, layout: &Layout) -> usize {
+        let mut extra: Vec<String> = Vec::new();
+        if layout.replicas() > 1 {
+            extra.extend(["--strategy".into(), "ring".into()]);
+        }
+        if layout.schedule.is_some() {
+            extra.extend(["--micro-batches".into(), MICRO_BATCHES.into()]);
+        }
+        self.reference_on(layout.replicas(), BATCH_NORM_MODEL, &extra)
+    }
+
+    /// A supported cell's run of `model` (after its first half where the row resumes), which
+    /// must equal case `reference`.
+    #[allow(clippy::too_many_arguments)]
+    fn push_supported(&mut self, row: &Row, ranks: usize, model: &str, run_args: &[String], reference: usize, tolerance: f64, eval: bool, what: String) {
+        let mut run_args = run_args.to_vec();
+        if let Row::Resume = row {
+            let checkpoints = format!("--checkpoint-dir={}/checkpoints-{}", self.dir.display(), self.cases.len());
+            let first: Vec<String> = run_args.iter().cloned().chain([checkpoints.clone()]).collect();
+            self.push(ranks, model, "2", &first, Expect::Runs, format!("{what}, first 2 steps"));
+            run_args.extend([checkpoints, "--resume".into()]);
+        }
+        self.push(ranks, model, "3", &run_args, Expect::Equals { reference, tolerance, eval }, what);
+    }
+}
+
+/// The model with batch norm that the cells of [`batch_norm_cell`] train too, on 1x12x12 images
+/// (its running statistics and its batch statistics over micro-batches are what the tiny CNN,
+/// which has none, cannot show).
+const BATCH_NORM_MODEL: &str = "resnet18";
+/// A pipeline's micro-batches in every run here (`Layout::args`).
+const MICRO_BATCHES: &str = "2";
+
+/// Whether the supported cell (`row`, `column`) also trains the batch-norm model: the rows whose
+/// options or layouts touch the forward, where batch norm's statistics can go wrong and the tiny
+/// CNN has none to lose. `--recompute` runs every chunk's forward again (its running statistics
+/// must count each micro-batch once); pipelines cut the forward into stages and micro-batches,
+/// `--zero 3` into units it recomputes (each against the ring: the replicas' own statistics, the
+/// first one's written); a resume carries the running statistics through a checkpoint, written
+/// and read (against one column of each family: data parallelism, sharded units, a pipeline).
+/// About 15 runs of ResNet-18 at 12x12, each about a second of CPU time more than the tiny CNN's.
+fn batch_norm_cell(row: &str, column: &str) -> bool {
+    match row {
+        "--recompute" => true,
+        "--resume" => ["ring", "zero 3", "1f1b"].contains(&column),
+        "layout:gpipe" | "layout:1f1b" | "layout:interleaved" | "layout:zb-h1" | "layout:zb-v" | "layout:zero 3" => column == "ring",
+        _ => false,
     }
 }
 
@@ -299,12 +364,21 @@ struct Planned {
     refused: usize,
     skipped: Vec<String>,
     elsewhere: usize,
+    /// Supported pairs that also trained the batch-norm model ([`batch_norm_cell`]).
+    batch_norm: usize,
     reasons: Vec<String>,
 }
 
 fn plan(dir: &Path) -> Planned {
     let data = synth(dir, "data", 64, 16, "1x16x16", 4);
-    let mut m = Matrix { dir: dir.to_path_buf(), data: data.to_str().unwrap().into(), cases: Vec::new(), references: HashMap::new() };
+    let batch_norm_data = synth(dir, "batch-norm-data", 64, 0, "1x12x12", 4);
+    let mut m = Matrix {
+        dir: dir.to_path_buf(),
+        data: data.to_str().unwrap().into(),
+        batch_norm_data: batch_norm_data.to_str().unwrap().into(),
+        cases: Vec::new(),
+        references: HashMap::new(),
+    };
     // Initial weights for --init-weights: one step of each model, written by the first cases.
     for model in ["tiny", "vit-tiny"] {
         let out = format!("--save-weights={}/init-{model}.safetensors", dir.display());
@@ -312,7 +386,7 @@ fn plan(dir: &Path) -> Planned {
         let at = m.cases[i].args.iter().position(|a| a.starts_with("--save-weights=")).unwrap();
         m.cases[i].args[at] = out;
     }
-    let (mut supported, mut refused, mut skipped, mut elsewhere) = (0, 0, Vec::new(), 0);
+    let (mut supported, mut refused, mut skipped, mut elsewhere, mut batch_norm) = (0, 0, Vec::new(), 0, 0);
     let table = table();
     let mut reasons: Vec<String> = table.iter().filter(|c| c.verdict == "no").map(|c| c.why.clone()).collect();
     reasons.dedup();
@@ -379,23 +453,29 @@ fn plan(dir: &Path) -> Planned {
         assert_eq!(cell.verdict, "yes", "{what}");
         let reference = m.reference(model, &reference_extra);
         let eval = extra.iter().any(|a| a == "{eval}");
-        if let Row::Resume = row {
-            let checkpoints = format!("--checkpoint-dir={}/checkpoints-{}", dir.display(), m.cases.len());
-            let first: Vec<String> = run_args.iter().cloned().chain([checkpoints.clone()]).collect();
-            m.push(ranks, model, "2", &first, Expect::Runs, format!("{what}, first 2 steps"));
-            run_args.extend([checkpoints, "--resume".into()]);
-        }
-        m.push(ranks, model, "3", &run_args, Expect::Equals { reference, tolerance, eval }, what);
+        m.push_supported(&row, ranks, model, &run_args, reference, tolerance, eval, what.clone());
         supported += 1;
+        if model == "tiny" && batch_norm_cell(&cell.row, &cell.column) {
+            // The rows batch norm is added to compare with the plain run without options of
+            // their own (same_as_plain, a layout, a resume): the reference is the layout's.
+            assert!(reference_extra.is_empty() && !eval, "{what}: a batch-norm cell's reference takes no options of the row");
+            // F32_TOLERANCE holds as for the tiny CNN: SGD at a small rate for 3 steps, and both
+            // runs normalise the same micro-batches and sum their gradients in micro-batch order
+            // (at most the ring's order differs); a running statistic counted twice or another
+            // replica's is off by far more (0.1 of a batch's statistics per update).
+            let reference = m.batch_norm_reference(&layout);
+            m.push_supported(&row, ranks, BATCH_NORM_MODEL, &run_args, reference, tolerance, false, format!("{what} ({BATCH_NORM_MODEL})"));
+            batch_norm += 1;
+        }
     }
 
-    Planned { matrix: m, supported, refused, skipped, elsewhere, reasons }
+    Planned { matrix: m, supported, refused, skipped, elsewhere, batch_norm, reasons }
 }
 
 #[test]
 fn every_supported_pair_equals_the_plain_run_and_every_refused_pair_is_refused() {
     let dir = scratch("conformance");
-    let Planned { matrix: m, supported, refused, skipped, elsewhere, reasons } = plan(&dir);
+    let Planned { matrix: m, supported, refused, skipped, elsewhere, batch_norm, reasons } = plan(&dir);
     let cases_file = dir.join("cases.txt");
     let text: String = m.cases.iter().map(|c| format!("{} {}\n", c.ranks, c.args.join(" "))).collect();
     std::fs::write(&cases_file, text).unwrap();
@@ -454,7 +534,7 @@ fn every_supported_pair_equals_the_plain_run_and_every_refused_pair_is_refused()
         }
     }
     eprintln!(
-        "conformance: {supported} supported pairs equal to the plain run (largest fp32 difference {worst:e}), {refused} refused pairs refused, {elsewhere} fault pairs in faults_end_every_layout_kind, {} skipped: {skipped:?}; {} runs in one launch of {world} ranks in {:.1} s",
+        "conformance: {supported} supported pairs equal to the plain run ({batch_norm} of them with {BATCH_NORM_MODEL} too; largest fp32 difference {worst:e}), {refused} refused pairs refused, {elsewhere} fault pairs in faults_end_every_layout_kind, {} skipped: {skipped:?}; {} runs in one launch of {world} ranks in {:.1} s",
         skipped.len(),
         m.cases.len(),
         run.elapsed.as_secs_f64()

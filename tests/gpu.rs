@@ -154,6 +154,80 @@ fn pipelines_on_the_gpu_match_the_cpu() {
     }
 }
 
+/// The bundle's CUDA-aware Open MPI (scripts/pack.sh writes env-cuda.sh beside the bundle where
+/// scripts/build-cuda-mpi.sh built one): `HPC_TRAIN_CUDA_MPI_ENV` (scripts/device-check.sh sets
+/// it), else the default bundle's; None where there is none.
+fn cuda_aware_mpi_env() -> Option<std::path::PathBuf> {
+    std::env::var_os("HPC_TRAIN_CUDA_MPI_ENV")
+        .filter(|p| !p.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| Some(root().join("dist/hpc-train/env-cuda.sh")))
+        .filter(|p| p.is_file())
+}
+
+/// `ranks` ranks of hpc-train with `args` under the CUDA-aware Open MPI that `env_file` selects,
+/// over CUDA IPC between the ranks (as scripts/device-check.sh runs it).
+fn mpirun_cuda_aware(env_file: &Path, ranks: usize, args: &[&str]) -> Run {
+    let plain = launcher::command(ranks);
+    let mut cmd = std::process::Command::new("bash");
+    cmd.args(["-c", r#"source "$0" && exec "$@""#]).arg(env_file).arg(plain.get_program()).args(plain.get_args());
+    cmd.args(["--mca", "pml", "ob1", "--mca", "btl", "smcuda,vader,self"]).arg(bin()).args(args).current_dir(root());
+    for (k, v) in plain.get_envs() {
+        if let Some(v) = v {
+            cmd.env(k, v);
+        }
+    }
+    run_with_limit(cmd, std::time::Duration::from_secs(300))
+}
+
+/// A pipeline's device receives (CUDA-aware MPI) against the same pipeline staged through the
+/// host: the same weights. A receive buffer fresh from libtorch's caching allocator may be
+/// memory that kernels queued on the stream still read or write, and MPI writes it outside
+/// every stream, so a receive is posted only once the stream has caught up
+/// (src/raw/messages.rs). The races it prevents come where a receive follows a compute action
+/// without a send (whose own wait for the stream hid them): 1F1B's first stage after a
+/// backward, the last stage after the loss's forward, every W of ZB-H1. ResNet-18 in fp32 on
+/// 224x224 images keeps each kernel on the GPU longer than the host takes to launch it, so
+/// that the host runs ahead of the stream, with M = 4 micro-batches of 8. Both runs compute
+/// the same kernels on the same GPU from the same bytes: only a kernel's own summation order
+/// (cuDNN's atomics) may differ, far below the tolerance, while a receive racing a kernel puts
+/// another tensor's values into a gradient.
+#[test]
+fn cuda_aware_pipeline_receives_match_staged_ones() {
+    needs_gpu!("a pipeline's device receives");
+    let Some(env_file) = cuda_aware_mpi_env() else {
+        eprintln!("skipped: no CUDA-aware MPI in the bundle (scripts/build-cuda-mpi.sh, then scripts/pack.sh) for a pipeline's device receives");
+        return;
+    };
+    let gpu = GpuRuns::new("gpu-pipeline-receives");
+    let data = synth(&gpu.dir, "resnet-224", 64, 0, "3x224x224", 10);
+    let (d, r) = (data.to_str().unwrap(), gpu.dir.to_str().unwrap());
+    for schedule in ["1f1b", "zb-h1"] {
+        let weights = |path: &str| gpu.dir.join(format!("{schedule}-{path}.safetensors"));
+        let (staged, direct) = (weights("staged"), weights("cuda-aware"));
+        let args = |aware: &str, out: &Path| -> Vec<String> {
+            [
+                "--model", "resnet18", "--data", d, "--scaling", "strong", "--global-batch", "32", "--steps", "4", "--lr", "0.05", "--no-eval",
+                "--device", "cuda", "--precision", "fp32", "--pipeline-stages", "2", "--micro-batches", "4", "--schedule", schedule,
+                "--partition", "params", "--allow-gpu-sharing", "--results", r, "--cuda-aware", aware, "--save-weights", out.to_str().unwrap(),
+            ]
+            .map(String::from)
+            .to_vec()
+        };
+        let staged_args = args("no", &staged);
+        let run = mpirun(2, &staged_args.iter().map(String::as_str).collect::<Vec<_>>()).expect_ok();
+        gpu.logs.borrow_mut().push_str(&run.stderr);
+        let direct_args = args("yes", &direct);
+        let run = mpirun_cuda_aware(&env_file, 2, &direct_args.iter().map(String::as_str).collect::<Vec<_>>()).expect_ok();
+        gpu.logs.borrow_mut().push_str(&run.stderr);
+        let records = read_runs(&gpu.dir);
+        let aware: Vec<bool> = records.iter().rev().take(2).map(|record| record["cuda_aware"].as_bool().unwrap()).collect();
+        assert_eq!(aware, vec![true, false], "{schedule}: the second run sent from device memory, the first through the host");
+        let diff = max_relative_difference(&staged, &direct);
+        assert!(diff < 1e-4, "{schedule}: CUDA-aware receives gave weights {diff:e} from the staged run's");
+    }
+}
+
 #[test]
 fn tensor_parallelism_on_the_gpu_matches_the_cpu() {
     needs_gpu!("tensor parallelism's operators");

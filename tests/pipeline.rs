@@ -402,6 +402,9 @@ fn layouts_that_cannot_run_are_refused_with_one_line() {
     expect_refused(3, &["--pipeline-stages", "3", "--partition", "2,2"], "chunk 1 would be empty");
     expect_refused(2, &["--pipeline-stages", "2", "--partition", "4"], "the last chunk would be empty");
     expect_refused(2, &["--pipeline-stages", "2", "--schedule", "interleaved", "--virtual-stages", "3", "--micro-batches", "2"], "6 chunks, but --model tiny has 4 blocks");
+    // ZB-V's two chunks per stage are its schedule's: the refusal does not speak of a
+    // --virtual-stages the run was not given.
+    expect_refused(3, &["--pipeline-stages", "3", "--schedule", "zb-v", "--micro-batches", "3"], "--schedule zb-v puts two chunks on each of --pipeline-stages 3: 6 chunks, but --model tiny has 4 blocks");
     expect_refused(2, &["--pipeline-stages", "2", "--strategy", "ps"], "--strategy ps with --pipeline-stages");
     expect_refused(1, &["--micro-batches", "64"], "--micro-batches 64 with a batch of 32 per pipeline");
     expect_refused(1, &["--schedule", "gpipe"], "--schedule is an option of pipelines");

@@ -127,6 +127,19 @@ impl Shape {
         self.stages * self.virtual_stages
     }
 
+    /// The refusal of a model of `blocks` blocks (`model` names it) cut into more chunks than
+    /// that, saying how the options the run was given make the chunks: ZB-V's two per stage are
+    /// its schedule's, not a --virtual-stages the run may never have been given.
+    pub fn too_many_chunks(&self, model: &str, blocks: usize) -> String {
+        let (p, chunks) = (self.stages, self.chunks());
+        let (made, fewer) = match self.kind {
+            ScheduleKind::Interleaved => (format!("--pipeline-stages x --virtual-stages = {p} x {} = {chunks} chunks", self.virtual_stages), "use fewer stages or virtual stages"),
+            ScheduleKind::ZbV => (format!("--schedule zb-v puts two chunks on each of --pipeline-stages {p}: {chunks} chunks"), "use fewer stages, or --schedule zb-h1 (one chunk per stage)"),
+            kind => (format!("--pipeline-stages {p} with --schedule {kind} = {chunks} chunks"), "use fewer stages"),
+        };
+        format!("{made}, but --model {model} has {blocks} blocks to cut (each chunk needs one): {fewer}")
+    }
+
     /// The stage that holds `chunk`: round robin (interleaved), or in a V for ZB-V (chunk c on
     /// stage c going down, then 2P-1-c coming back up).
     pub fn stage_of(&self, chunk: usize) -> usize {
@@ -1052,6 +1065,22 @@ pub fn replay_forwards(shape: &Shape, micro_batches: usize, forward_cost: &[f64]
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A model with too few blocks for the chunks is refused in the words of the options that
+    /// made the chunks: ZB-V's refusal names its two chunks per stage, not --virtual-stages,
+    /// which its user never gave.
+    #[test]
+    fn too_many_chunks_names_the_options_that_made_them() {
+        let zb_v = Shape::new(ScheduleKind::ZbV, 3, 4, 1).unwrap().too_many_chunks("tiny", 4);
+        assert_eq!(zb_v, "--schedule zb-v puts two chunks on each of --pipeline-stages 3: 6 chunks, but --model tiny has 4 blocks to cut (each chunk needs one): use fewer stages, or --schedule zb-h1 (one chunk per stage)");
+        assert!(!zb_v.contains("--virtual-stages"), "{zb_v}");
+        let interleaved = Shape::new(ScheduleKind::Interleaved, 2, 2, 3).unwrap().too_many_chunks("tiny", 4);
+        assert!(interleaved.starts_with("--pipeline-stages x --virtual-stages = 2 x 3 = 6 chunks, but --model tiny has 4 blocks"), "{interleaved}");
+        for kind in [ScheduleKind::Gpipe, ScheduleKind::OneFOneB, ScheduleKind::ZbH1] {
+            let one_each = Shape::new(kind, 5, 5, 1).unwrap().too_many_chunks("tiny", 4);
+            assert_eq!(one_each, format!("--pipeline-stages 5 with --schedule {kind} = 5 chunks, but --model tiny has 4 blocks to cut (each chunk needs one): use fewer stages"));
+        }
+    }
 
     /// GPipe on 2 stages with one micro-batch, F = B = 1 and every message c: stage 0 posts the
     /// gradient's receive (c), forwards (1) and sends (c); stage 1 waits for it, forwards and

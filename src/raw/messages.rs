@@ -4,7 +4,8 @@
 //! requests cannot outlive the scope that borrows their buffer).
 //!
 //! The invariants its unsafe code relies on: the tensor handed to MPI is contiguous, f32, on the
-//! host or (CUDA-aware MPI) on a device, with its device work finished (the caller's contract);
+//! host or (CUDA-aware MPI) on a device, with its device work finished (the caller's contract
+//! for a send; a receive waits for its stream itself, see [`TensorMessage::receive`]);
 //! the message owns the handle for as long as the request is active, and the program gets the
 //! tensor back only from [`TensorMessage::wait`], after completion; a message dropped while
 //! still active (an error path) never frees the tensor: it cancels a receive, hands the request
@@ -22,6 +23,7 @@ use mpi::Tag;
 use tch::{Kind, Tensor};
 
 use crate::error::{Error, Result};
+use crate::raw::cuda::CudaEvent;
 use crate::raw::mpi::mpi_count;
 
 /// A send or receive of one f32 tensor, in flight.
@@ -63,12 +65,25 @@ impl TensorMessage {
         Ok(TensorMessage { tensor: Some(tensor), request: unsafe { request.assume_init() }, active: true, receiving: false })
     }
 
-    /// Starts receiving into `tensor` (its size is the message's) from `source`.
+    /// Starts receiving into `tensor` (its size is the message's) from `source`. A device
+    /// tensor is handed to MPI only once the work queued so far on the calling thread's current
+    /// stream is done (see below); a host tensor at once.
     ///
     /// # Safety
-    /// As [`TensorMessage::send`], and no other handle reads `tensor` either until `wait`.
+    /// As [`TensorMessage::send`], and no other handle reads `tensor` either until `wait`; a
+    /// device tensor was allocated on the calling thread's current stream (as every tensor the
+    /// thread makes is, unless it switched streams in between).
     pub unsafe fn receive(tensor: Tensor, comm: &SimpleCommunicator, source: Rank, tag: Tag) -> Result<TensorMessage> {
         let count = checked(&tensor)?;
+        // A device buffer fresh from libtorch's caching allocator may be memory that kernels
+        // queued on this stream still read or write: the allocator gives a block freed on a
+        // stream to that stream's next allocation at once, relying on stream order (blocks
+        // another stream used wait for that stream's recorded events in the allocator itself).
+        // MPI writes outside every stream, so it may write only once that stream has caught up.
+        // On the host the buffer's earlier work is done when its call returned: nothing to wait.
+        if let Some(queued) = CudaEvent::record(tensor.device())? {
+            queued.synchronize()?;
+        }
         let mut request = std::mem::MaybeUninit::<mpi::ffi::MPI_Request>::uninit();
         let datatype = f32::equivalent_datatype();
         // SAFETY: as in `send`: the tensor's memory, owned by this message until completion and

@@ -30,12 +30,22 @@ extern "C" {
         error_length: usize,
     ) -> c_int;
     fn hpc_backward_weight(state: *mut c_void, error: *mut c_char, error_length: usize) -> c_int;
+    fn hpc_split_state_bytes(state: *mut c_void) -> usize;
     fn hpc_split_state_free(state: *mut c_void);
 }
 
 /// What B keeps for W: the graph's intermediates (the nodes where parameters join the input's
 /// path) and the gradients B captured for them. Dropped without W, it lets the graph go.
 pub struct KeptGraph(NonNull<c_void>);
+
+impl KeptGraph {
+    /// The bytes of the gradients B captured for W (each storage once): what the kept graph
+    /// holds until W beyond the graph itself, which an unsplit backward lets go at once.
+    pub fn captured_bytes(&self) -> usize {
+        // SAFETY: the live state hpc_backward_input made, owned by this value; only read.
+        unsafe { hpc_split_state_bytes(self.0.as_ptr()) }
+    }
+}
 
 impl Drop for KeptGraph {
     fn drop(&mut self) {
@@ -141,6 +151,8 @@ mod tests {
             let out = forward(&x);
             let (dx, graph) = backward_input(&out, Some(g), &x, &params).unwrap();
             assert!(dx.equal(&unsplit_dx[i]), "micro-batch {i}: B's input gradient");
+            // At least the gradient of fc2's output (the seed, 2 x 5 f32), which W starts from.
+            assert!(graph.captured_bytes() >= 2 * 5 * 4, "micro-batch {i}: {} bytes captured", graph.captured_bytes());
             assert!(params.iter().all(|p| p.grad().abs().sum(Kind::Float).double_value(&[]) == 0.0), "B left the weights' gradients alone");
             kept.push(graph);
         }

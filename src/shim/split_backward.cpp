@@ -204,6 +204,21 @@ int hpc_backward_weight(void *state, char *error, size_t error_length) {
   }
 }
 
+// The bytes of the gradients `state` (hpc_backward_input's) captured for W, each storage counted
+// once (a captured gradient may be the seed itself, or share its storage). Between B and W these
+// are held on top of the graph that an unsplit backward would have let go at once.
+size_t hpc_split_state_bytes(void *state) {
+  const auto *split = static_cast<const SplitState *>(state);
+  std::unordered_set<const void *> seen;
+  size_t bytes = 0;
+  for (const auto &m : split->intermediates) {
+    for (const auto &g : m.captured) {
+      if (g.defined() && g.has_storage() && seen.insert(g.storage().data()).second) bytes += g.storage().nbytes();
+    }
+  }
+  return bytes;
+}
+
 void hpc_split_state_free(void *state) { delete static_cast<SplitState *>(state); }
 
 }  // extern "C"

@@ -20,6 +20,7 @@ mod checkpoints;
 mod collective;
 mod fsdp;
 mod fsdp_step;
+mod held;
 mod memory;
 mod net;
 pub mod options;

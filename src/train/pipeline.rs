@@ -27,6 +27,7 @@ use crate::topology::World;
 
 use super::action_clock::{ActionClock, Phase, Started, Timed};
 use super::collective::gather_strings;
+use super::held::HeldBytes;
 use super::options::Precision;
 use super::stages::{Cut, PipelinePlan};
 
@@ -55,6 +56,9 @@ pub(super) struct Pipeline {
     /// Messages go from and to device memory (CUDA-aware MPI); otherwise through the host.
     cuda_aware: bool,
     recompute: bool,
+    /// Each of this stage's chunks' batch-norm buffers (running statistics), by chunk: put back
+    /// after a recomputed forward ([`Pipeline::hold_buffers`]).
+    chunk_buffers: HashMap<usize, Vec<Tensor>>,
     /// Moves this stage's messages along while it computes (src/progress.rs); None where
     /// set-up's probe found that messages move without their sender, or where the MPI library
     /// gave less than MPI_THREAD_MULTIPLE.
@@ -94,7 +98,8 @@ pub(super) struct PipelineFigures {
     pub(super) blocked: Duration,
     /// The most micro-batches (per chunk) whose activations were held at once.
     pub(super) peak_alive: usize,
-    /// The most bytes of boundary activations (inputs kept for backward and outputs) held at once.
+    /// The most bytes of boundary activations (inputs kept for backward, outputs, and what a
+    /// split backward's B keeps for its W) held at once (held.rs says what counts).
     pub(super) peak_boundary_bytes: usize,
     /// The parts of `compute` per chunk of the model (this stage's only; the others stay
     /// zero), indexed by [`FORWARD`], [`BACKWARD`] and [`WEIGHT_GRAD`]: its forwards, its B's
@@ -194,6 +199,7 @@ impl Pipeline {
             device,
             cuda_aware,
             recompute,
+            chunk_buffers: HashMap::new(),
             progress,
             stall,
             figures: PipelineFigures { per_chunk: vec![[Duration::ZERO; 3]; plan.shape.chunks()], ..PipelineFigures::default() },
@@ -206,6 +212,18 @@ impl Pipeline {
 
     pub(super) fn shape(&self) -> &Shape {
         &self.plan.shape
+    }
+
+    /// Takes the stage's buffers (`buffers`, by name) into the chunks that hold them
+    /// (`block_of`: the block that declares each variable), for --recompute: a recomputed
+    /// forward must not count in batch norm's running statistics a second time.
+    pub(super) fn hold_buffers(&mut self, buffers: &[(String, Tensor)], block_of: &HashMap<String, usize>) {
+        for (name, buffer) in buffers {
+            let block = block_of.get(name).copied();
+            let chunk = self.cut.chunks.iter().position(|blocks| block.is_some_and(|b| blocks.contains(&b)));
+            let chunk = chunk.unwrap_or_else(|| panic!("buffer {name} of this stage is in no chunk of the cut"));
+            self.chunk_buffers.entry(chunk).or_default().push(buffer.shallow_clone());
+        }
     }
 
     /// Whether this stage holds the first chunk, which takes the images.
@@ -375,10 +393,9 @@ impl Pipeline {
         let mut input_grads: HashMap<(usize, usize), Tensor> = HashMap::new();
         let mut deferred: HashMap<(usize, usize), DeferredWeights> = HashMap::new();
         let mut losses: Vec<Tensor> = Vec::new();
-        let (mut compute, mut alive, mut held_bytes) = (Duration::ZERO, 0usize, 0usize);
+        let (mut compute, mut alive, mut held) = (Duration::ZERO, 0usize, HeldBytes::default());
         // Time blocked in MPI waiting for a message to arrive or the step's sends to complete.
         let mut blocked = Duration::ZERO;
-        let bytes = |t: &Tensor| t.numel() * 4;
         // Sends in flight move on while this stage computes; the thread rests between steps.
         let progress = self.progress.clone();
         let _progress = progress.as_deref().map(Progress::active);
@@ -404,7 +421,10 @@ impl Pipeline {
                     }
                     let size: Vec<i64> = std::iter::once(micro[m].len as i64).chain(sample_shape).collect();
                     let buffer = if self.staged() { self.staging.take(&size, Kind::Float, self.device)? } else { Tensor::f_empty(size.as_slice(), (Kind::Float, on))? };
-                    // SAFETY: a new tensor with no other handle; the message owns it until waited for.
+                    // SAFETY: a new tensor (or a pool's host buffer given back after its copy to
+                    // the device) with no other handle, made on this thread's current stream,
+                    // whose queued kernels `receive` waits for on a device; the message owns it
+                    // until waited for.
                     let message = unsafe { TensorMessage::receive(buffer, &self.comm, from, shape.tag(kind, m, boundary))? };
                     receives.insert((kind, m, c), Inbound::Message(message));
                 }
@@ -447,13 +467,12 @@ impl Pipeline {
                         Ok(loss.f_mul_scalar(factor)?)
                     })?;
                     self.stop_action(began, Phase::Forward, c, || format!("forward {m} (chunk {c})"), step, measured, &mut compute)?;
-                    held_bytes += bytes(&out) + bytes(&x);
+                    held.forward(m, c, tensor_bytes(&x), tensor_bytes(&out));
                     outputs.insert((m, c), out);
                     inputs.insert((m, c), x);
                     alive += 1;
                     if measured {
                         self.figures.peak_alive = self.figures.peak_alive.max(alive);
-                        self.figures.peak_boundary_bytes = self.figures.peak_boundary_bytes.max(held_bytes);
                     }
                 }
                 Action::SendActivation { micro: m, chunk: c } => {
@@ -462,7 +481,7 @@ impl Pipeline {
                     }
                     let out = if self.recompute { outputs.remove(&(m, c)).expect("sent after its forward") } else { outputs[&(m, c)].shallow_clone() };
                     if self.recompute {
-                        held_bytes -= bytes(&out);
+                        held.output_sent(m, c);
                     }
                     // In f32 whatever autocast made the output (the receiver's buffer is f32):
                     // a 16-bit output goes over and back exactly, and the next chunk's first
@@ -493,23 +512,29 @@ impl Pipeline {
                     let gradient = self.wait_gradient(&mut receives, m, c, step, &mut blocked)?;
                     let began = self.clock.start(self.now_us())?;
                     let x = inputs.get(&(m, c)).expect("backward after forward");
-                    let out = if self.recompute {
-                        precision.training_forward(self.device, || {
+                    let (out, found) = if self.recompute {
+                        // The recomputed forward updates batch norm's running statistics as the
+                        // first one did: the chunk's buffers are put back as it found them after
+                        // backward (which may read what batch norm saved of them), as --zero 3's
+                        // units do (fsdp.rs), so that they count each micro-batch once.
+                        let found = BuffersAsFound::take(self.chunk_buffers.get(&c).map_or(&[][..], Vec::as_slice))?;
+                        let out = precision.training_forward(self.device, || {
                             let out = module(c).forward_t(x, true);
                             Ok(if c == last { loss_of(&out, m)?.f_mul_scalar(factor)? } else { out })
-                        })?
+                        })?;
+                        (out, Some(found))
                     } else {
-                        outputs.remove(&(m, c)).expect("backward after forward")
+                        (outputs.remove(&(m, c)).expect("backward after forward"), None)
                     };
-                    if !self.recompute || c == last {
-                        held_bytes -= bytes(&out);
-                    }
                     backward_from(&out, gradient.as_ref())?;
+                    if let Some(found) = found {
+                        found.put_back()?;
+                    }
                     self.stop_action(began, Phase::Backward, c, || format!("backward {m} (chunk {c})"), step, measured, &mut compute)?;
+                    held.backward(m, c);
                     alive -= 1;
                     if c == 0 {
-                        let x = inputs.remove(&(m, c)).expect("held");
-                        held_bytes -= bytes(&x);
+                        drop(inputs.remove(&(m, c)).expect("held"));
                     }
                 }
                 Action::BackwardInput { micro: m, chunk: c } => {
@@ -519,19 +544,25 @@ impl Pipeline {
                     let gradient = self.wait_gradient(&mut receives, m, c, step, &mut blocked)?;
                     let began = self.clock.start(self.now_us())?;
                     let out = outputs.remove(&(m, c)).expect("backward after forward");
-                    held_bytes -= bytes(&out);
-                    if c == 0 {
+                    let for_weights = if c == 0 {
                         // The first chunk's input is the images: there is no input gradient
-                        // to compute, and its whole backward is the W.
-                        let x = inputs.remove(&(m, c)).expect("held");
-                        held_bytes -= bytes(&x);
-                        deferred.insert((m, c), DeferredWeights::Whole { out, gradient });
+                        // to compute, and its whole backward is the W, from the output and its
+                        // gradient, both kept until then.
+                        drop(inputs.remove(&(m, c)).expect("held"));
+                        let kept = DeferredWeights::Whole { out, gradient };
+                        let bytes = kept.bytes();
+                        deferred.insert((m, c), kept);
+                        bytes
                     } else {
                         let x = &inputs[&(m, c)];
                         let (dx, kept) = crate::raw::backward_input(&out, gradient.as_ref(), x, params)?;
                         input_grads.insert((m, c), dx);
-                        deferred.insert((m, c), DeferredWeights::Graph(kept));
-                    }
+                        let kept = DeferredWeights::Graph(kept);
+                        let bytes = kept.bytes();
+                        deferred.insert((m, c), kept);
+                        bytes
+                    };
+                    held.input_grad(m, c, for_weights);
                     self.stop_action(began, Phase::InputGrad, c, || format!("B {m} (chunk {c})"), step, measured, &mut compute)?;
                 }
                 Action::BackwardWeight { micro: m, chunk: c } => {
@@ -544,6 +575,7 @@ impl Pipeline {
                         DeferredWeights::Whole { out, gradient } => backward_from(&out, gradient.as_ref())?,
                     }
                     self.stop_action(began, Phase::WeightGrad, c, || format!("W {m} (chunk {c})"), step, measured, &mut compute)?;
+                    held.weight_grad(m, c);
                     alive -= 1;
                 }
                 Action::SendGradient { micro: m, chunk: c } => {
@@ -551,7 +583,7 @@ impl Pipeline {
                         continue;
                     }
                     let x = inputs.remove(&(m, c)).expect("sent after its backward");
-                    held_bytes -= bytes(&x);
+                    held.gradient_sent(m, c);
                     // A split backward's B made the gradient apart; an unsplit one left it in x.
                     let grad = match input_grads.remove(&(m, c)) {
                         Some(dx) => dx,
@@ -602,6 +634,7 @@ impl Pipeline {
             self.count_action(timed, step, measured, &mut compute);
         }
         if measured {
+            self.figures.peak_boundary_bytes = self.figures.peak_boundary_bytes.max(held.peak());
             self.figures.steps += 1;
             self.figures.compute += compute;
             self.figures.phase += started.elapsed();
@@ -653,7 +686,9 @@ impl Pipeline {
                     }
                     let size: Vec<i64> = std::iter::once(micro[m].len as i64).chain(self.cut.input_shape(c).iter().copied()).collect();
                     let buffer = Tensor::f_empty(size.as_slice(), (Kind::Float, on))?;
-                    // SAFETY: a new tensor with no other handle; the message owns it until waited for.
+                    // SAFETY: a new tensor with no other handle, made on this thread's current
+                    // stream, whose queued kernels `receive` waits for on a device; the message
+                    // owns it until waited for.
                     let message = unsafe { TensorMessage::receive(buffer, &self.comm, self.peer(c - 1), tag(m, c))? };
                     receives.insert((m, c), Inbound::Message(message));
                 }
@@ -861,12 +896,42 @@ impl Pipeline {
     }
 }
 
+/// A chunk's buffers as a recomputed forward found them, to put back after its backward.
+struct BuffersAsFound {
+    /// Each buffer and its copy.
+    buffers: Vec<(Tensor, Tensor)>,
+}
+
+impl BuffersAsFound {
+    fn take(buffers: &[Tensor]) -> Result<BuffersAsFound> {
+        let copies = tch::no_grad(|| buffers.iter().map(|b| Ok((b.shallow_clone(), b.f_detach_copy()?))).collect::<Result<Vec<_>>>())?;
+        Ok(BuffersAsFound { buffers: copies })
+    }
+
+    fn put_back(self) -> Result<()> {
+        tch::no_grad(|| self.buffers.iter().try_for_each(|(b, found)| b.shallow_clone().f_copy_(found).map(drop)))?;
+        Ok(())
+    }
+}
+
 /// What a split backward's W needs of its micro-batch: the graph its B kept, or for the first
 /// chunk (no input gradient: B has nothing to do) the output and its gradient, for one whole
 /// backward.
 enum DeferredWeights {
     Graph(crate::raw::KeptGraph),
     Whole { out: Tensor, gradient: Option<Tensor> },
+}
+
+impl DeferredWeights {
+    /// The bytes it holds until W: the gradients B captured (the graph's saved activations,
+    /// held from the forward in every schedule, are not boundary bytes), or the first chunk's
+    /// output and its gradient.
+    fn bytes(&self) -> usize {
+        match self {
+            DeferredWeights::Graph(kept) => kept.captured_bytes(),
+            DeferredWeights::Whole { out, gradient } => tensor_bytes(out) + gradient.as_ref().map_or(0, tensor_bytes),
+        }
+    }
 }
 
 impl Pipeline {
@@ -912,6 +977,11 @@ fn backward_from(out: &Tensor, gradient: Option<&Tensor>) -> Result<()> {
         None => out.f_backward()?,
     }
     Ok(())
+}
+
+/// The bytes of a tensor's elements.
+fn tensor_bytes(t: &Tensor) -> usize {
+    t.numel() * t.kind().elt_size_in_bytes()
 }
 
 /// Whether two tensors share their first element's memory (a no-op copy).

@@ -79,7 +79,7 @@ impl<'a> Run<'a> {
         // A pipeline: the cut of the model, then this rank's stage of it. With tensor
         // parallelism, the pipelines run over the ranks of one place in the groups.
         let pipeline_world = tensor_parallel.as_ref().map_or(world, |tp| &tp.plane);
-        let (pipeline, stage_cut) = match plan.pipeline {
+        let (mut pipeline, stage_cut) = match plan.pipeline {
             Some(pp) => {
                 let micro_batch = plan.batch.div_ceil(pp.shape.micro_batches);
                 let cut = world.agree(choose_cut(world, args.model, input_spec(&info), &args.pipeline.partition, &pp.shape, micro_batch, plan.device))?;
@@ -220,6 +220,10 @@ impl<'a> Run<'a> {
             Role::Worker { index, count } => (index, count),
             Role::Server => (0, plan.workers),
         };
+        // --recompute: each chunk's batch-norm buffers, put back after its recomputed forward.
+        if let Some(pipeline) = pipeline.as_mut().filter(|_| args.pipeline.recompute) {
+            pipeline.hold_buffers(&net.buffers, &variable_blocks(args.model, spec).1);
+        }
         let run = Run {
             world, args, plan, info, labels, cache_data, spec, net, exchange, optimizer, overlap, overlap_choice, pipeline, fsdp, tensor_parallel, faults, stop, workers_comm, worker, workers,
             global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),

@@ -220,11 +220,7 @@ pub(super) fn choose_cut(world: &World, kind: ModelKind, spec: InputSpec, partit
     let scratch = nn::VarStore::new(Device::Cpu);
     let blocks = model::build_blocks(kind, spec, |_| scratch.root());
     if chunks > blocks.len() {
-        return Err(Error::usage(format!(
-            "--pipeline-stages x --virtual-stages = {chunks} chunks, but --model {} has {} blocks to cut (each chunk needs one): use fewer stages or virtual stages",
-            kind.name(),
-            blocks.len()
-        )));
+        return Err(Error::usage(shape.too_many_chunks(kind.name(), blocks.len())));
     }
     let names = blocks.iter().map(|b| b.name.clone()).collect();
     let params = blocks.iter().map(model::Block::parameters).collect();
