@@ -24,6 +24,8 @@
 # | MPIEXEC           | by the binary's MPI (see below)           | the program LAUNCHER=mpirun runs (mpirun, mpiexec.mpich...) |
 # | LAUNCH_EXTRA      | (unset)                                   | more launcher options (e.g. --overcommit) |
 # | EXTRA_ARGS        | (unset)                                   | more hpc-train options for every run |
+# | CHECKPOINT_DIR    | (unset)                                   | checkpoints, one folder per point: DIR/<strategy>-<ranks> |
+# | RESUME            | (unset)                                   | 1: each point continues from its folder's newest checkpoint |
 # | STUDY_ID          | <job name>-<job id>                       | tags the runs; the report selects them |
 
 # A point that fails ends the script (set -e), and so does one a signal stopped: hpc-train
@@ -48,6 +50,8 @@ RESULTS=${RESULTS:-results}
 LAUNCHER=${LAUNCHER:-srun}
 LAUNCH_EXTRA=${LAUNCH_EXTRA:-}
 EXTRA_ARGS=${EXTRA_ARGS:-}
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-}
+RESUME=${RESUME:-}
 STUDY_ID=${STUDY_ID:-${SLURM_JOB_NAME:-hpc-train}-${SLURM_JOB_ID:-local}}
 ALLOC_NODES=${SLURM_JOB_NUM_NODES:-1}
 
@@ -109,6 +113,16 @@ length_args() {
     if [ -n "${STEPS:-}" ]; then echo "--steps $STEPS"; else echo "--epochs $EPOCHS"; fi
 }
 
+# Checkpoint options of one point: a folder of its own under CHECKPOINT_DIR (hpc-train refuses
+# a run from step 0 into a folder that holds another run's checkpoints, and a shared folder
+# would let one point prune another's), and --resume with RESUME=1.
+checkpoint_args() {
+    local point=$1
+    [ -n "$CHECKPOINT_DIR" ] || return 0
+    echo "--checkpoint-dir $CHECKPOINT_DIR/$point"
+    if [ "$RESUME" = 1 ]; then echo "--resume"; fi
+}
+
 # A training sweep: every rank count x every strategy, each a job step of its own.
 run_sweep() {
     local scaling=$1
@@ -124,7 +138,7 @@ run_sweep() {
             # shellcheck disable=SC2046,SC2086
             launch "$ranks" "$HPC_TRAIN" --strategy "$strategy" --model "$MODEL" --data "$DATA" \
                 --scaling "$scaling" $batch_args $(length_args) --results "$RESULTS" \
-                --study-tag "$STUDY_ID" $EXTRA_ARGS
+                --study-tag "$STUDY_ID" $(checkpoint_args "$strategy-$ranks") $EXTRA_ARGS
         done
     done
     make_report
