@@ -20,23 +20,6 @@ pub fn partial_dir(root: &Path, step: u64) -> PathBuf {
     root.join(format!(".{}.partial", folder_name(step)))
 }
 
-/// The size and CRC-32 of a file, read in blocks (a part file may be larger than memory).
-pub fn crc32_of(path: &Path) -> Result<FileCheck> {
-    let mut file = std::fs::File::open(path).at(path)?;
-    let mut hasher = crc32fast::Hasher::new();
-    let mut block = vec![0u8; 1 << 20];
-    let mut bytes = 0u64;
-    loop {
-        let n = file.read(&mut block).at(path)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&block[..n]);
-        bytes += n as u64;
-    }
-    Ok(FileCheck { bytes, crc32: hasher.finalize() })
-}
-
 pub fn sync_dir(dir: &Path) {
     // Makes the rename durable; not every file system supports syncing a folder.
     if let Ok(f) = std::fs::File::open(dir) {
@@ -49,18 +32,6 @@ pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     f.write_all(bytes).and_then(|_| f.sync_all()).at(path)
 }
 
-
-/// Checks that `dir/file` has the size and CRC-32 it was written with; the reason names the file.
-pub fn check_file(dir: &Path, file: &str, expected: &FileCheck) -> std::result::Result<(), String> {
-    let found = crc32_of(&dir.join(file)).map_err(|e| format!("{file}: {e}"))?;
-    if found.bytes != expected.bytes {
-        return Err(format!("{file} holds {} bytes, {} were written (truncated or replaced)", found.bytes, expected.bytes));
-    }
-    if found.crc32 != expected.crc32 {
-        return Err(format!("{file} fails its CRC-32 check (damaged)"));
-    }
-    Ok(())
-}
 
 /// Writes `meta` (its format set to `format`) as meta.json and its check as meta.crc32 into the
 /// partial folder, each synced.
@@ -119,10 +90,10 @@ impl Retention {
 
 /// Called once the checkpoint of step `written` is complete in `root`: removes the good
 /// checkpoints older than it beyond the newest `retention.keep` ([`steps_to_prune`]), good by
-/// [`super::reader::check_sizes`] (no data read). A damaged one is logged and left alone, and
+/// [`super::index::check_sizes`] (no data read). A damaged one is logged and left alone, and
 /// so is a folder that cannot be removed.
 pub fn prune(root: &Path, written: u64, retention: Retention) {
-    let damage = |step: u64| super::reader::check_sizes(&root.join(folder_name(step))).err();
+    let damage = |step: u64| super::index::check_sizes(&root.join(folder_name(step))).err();
     let mut found_damaged = Vec::new();
     let good = |step: u64| match damage(step) {
         None => true,

@@ -10,8 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-use super::files::check_file;
-use super::meta::{CheckpointMeta, FileCheck, META_FILE};
+use super::meta::{check_file, read_checked_meta, CheckpointMeta, FileCheck, META_FILE};
 use super::region::{coverage_gaps, Region};
 
 pub const INDEX_FILE: &str = "index.json";
@@ -167,6 +166,26 @@ pub fn read_index(dir: &Path, meta: &CheckpointMeta) -> Result<ShardIndex> {
     check_file(dir, INDEX_FILE, expected).map_err(bad)?;
     let text = std::fs::read_to_string(dir.join(INDEX_FILE)).map_err(|e| bad(format!("{INDEX_FILE}: {e}")))?;
     serde_json::from_str(&text).map_err(|e| bad(format!("{INDEX_FILE}: {e}")))
+}
+
+/// What pruning trusts a checkpoint folder by without reading its data: meta.json passes its
+/// own check, and every file it covers (through index.json for a sharded one) is there at its
+/// recorded size. A checkpoint that fails this is damaged; one that passes may still fail
+/// reader.rs's `verify`, which reads every byte.
+pub fn check_sizes(dir: &Path) -> Result<()> {
+    let bad = |reason: String| Error::Checkpoint { path: dir.to_path_buf(), reason };
+    let meta = read_checked_meta(dir)?;
+    let files = match meta.is_sharded() {
+        true => read_index(dir, &meta)?.files,
+        false => meta.files.clone(),
+    };
+    for (file, check) in &files {
+        let len = std::fs::metadata(dir.join(file)).map_err(|e| bad(format!("{file}: {e}")))?.len();
+        if len != check.bytes {
+            return Err(bad(format!("{file} holds {len} bytes, {} were written (truncated or replaced)", check.bytes)));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -2,11 +2,12 @@
 //! of its files) and meta.crc32, and whether a run may continue from it.
 
 use std::collections::BTreeMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WithPath};
 use crate::optim::{LrSchedule, OptimizerConfig};
 
 pub const META_FILE: &str = "meta.json";
@@ -193,6 +194,35 @@ pub fn check_compatible(saved: &CheckpointMeta, now: &CheckpointMeta) -> std::re
         accepted.push(format!("binary {} -> {}", saved.git_commit, now.git_commit));
     }
     Ok(accepted)
+}
+
+/// The size and CRC-32 of a file, read in blocks (a part file may be larger than memory).
+pub fn crc32_of(path: &Path) -> Result<FileCheck> {
+    let mut file = std::fs::File::open(path).at(path)?;
+    let mut hasher = crc32fast::Hasher::new();
+    let mut block = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = file.read(&mut block).at(path)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&block[..n]);
+        bytes += n as u64;
+    }
+    Ok(FileCheck { bytes, crc32: hasher.finalize() })
+}
+
+/// Checks that `dir/file` has the size and CRC-32 it was written with; the reason names the file.
+pub fn check_file(dir: &Path, file: &str, expected: &FileCheck) -> std::result::Result<(), String> {
+    let found = crc32_of(&dir.join(file)).map_err(|e| format!("{file}: {e}"))?;
+    if found.bytes != expected.bytes {
+        return Err(format!("{file} holds {} bytes, {} were written (truncated or replaced)", found.bytes, expected.bytes));
+    }
+    if found.crc32 != expected.crc32 {
+        return Err(format!("{file} fails its CRC-32 check (damaged)"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

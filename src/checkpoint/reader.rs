@@ -29,9 +29,9 @@ use tch::{Kind, Tensor};
 use crate::error::{Error, Result};
 use crate::topology::World;
 
-use super::files::{check_file, folder_name, list_steps};
+use super::files::{folder_name, list_steps};
 use super::index::{read_index, Section, ShardIndex, StoredPiece, TensorEntry};
-use super::meta::{read_checked_meta, Checkpoint, CheckpointMeta, OPTIMIZER_FILE, WEIGHTS_FILE};
+use super::meta::{check_file, read_checked_meta, Checkpoint, CheckpointMeta, OPTIMIZER_FILE, WEIGHTS_FILE};
 use super::region::{overlap, Region};
 use super::stream::kind_of;
 use super::whole;
@@ -63,26 +63,6 @@ fn verify_share(dir: &Path, rank: usize, ranks: usize) -> Result<Checkpoint> {
 pub fn verify_written(dir: &Path, rank: usize, ranks: usize) -> Result<()> {
     let meta = read_checked_meta(dir)?;
     verify_parts(dir, &meta, |k| (k + ranks - 1) % ranks == rank).map(|_| ())
-}
-
-/// What pruning trusts a checkpoint folder by without reading its data: meta.json passes its
-/// own check, and every file it covers (through index.json for a sharded one) is there at its
-/// recorded size. A checkpoint that fails this is damaged; one that passes may still fail
-/// [`verify`], which reads every byte.
-pub fn check_sizes(dir: &Path) -> Result<()> {
-    let bad = |reason: String| Error::Checkpoint { path: dir.to_path_buf(), reason };
-    let meta = read_checked_meta(dir)?;
-    let files = match meta.is_sharded() {
-        true => read_index(dir, &meta)?.files,
-        false => meta.files.clone(),
-    };
-    for (file, check) in &files {
-        let len = std::fs::metadata(dir.join(file)).map_err(|e| bad(format!("{file}: {e}")))?.len();
-        if len != check.bytes {
-            return Err(bad(format!("{file} holds {len} bytes, {} were written (truncated or replaced)", check.bytes)));
-        }
-    }
-    Ok(())
 }
 
 /// Checks the part files `mine` picks (by their number in the index's order): size and CRC-32,

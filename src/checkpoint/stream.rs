@@ -139,7 +139,7 @@ mod tests {
         w.write_next(&a.tr().contiguous().tr()).unwrap();
         w.write_next(&b).unwrap();
         let check = w.finish().unwrap();
-        assert_eq!(check, super::super::files::crc32_of(&path).unwrap());
+        assert_eq!(check, super::super::meta::crc32_of(&path).unwrap());
         let read: std::collections::BTreeMap<String, Tensor> = Tensor::read_safetensors(&path).unwrap().into_iter().collect();
         assert!(read["a"].equal(&a) && read["b"].equal(&b));
         let mut short = StreamWriter::create(&path, vec![Entry { key: "a".into(), kind: Kind::Float, shape: vec![2, 3] }]).unwrap();

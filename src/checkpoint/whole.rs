@@ -7,8 +7,8 @@ use tch::Tensor;
 
 use crate::error::{Error, Result, WithPath};
 
-use super::files::{check_file, crc32_of, folder_name, partial_dir, place, prune, write_meta, Retention};
-use super::meta::{CheckpointMeta, META_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, WHOLE_FORMAT};
+use super::files::{folder_name, partial_dir, place, prune, write_meta, Retention};
+use super::meta::{check_file, crc32_of, CheckpointMeta, META_FILE, OPTIMIZER_FILE, WEIGHTS_FILE, WHOLE_FORMAT};
 
 /// The files of a whole checkpoint.
 pub const WHOLE_FILES: [&str; 2] = [WEIGHTS_FILE, OPTIMIZER_FILE];
