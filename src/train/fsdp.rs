@@ -23,6 +23,7 @@ use crate::raw::{CudaStream, CurrentStream};
 use crate::plan::fsdp::{self, Unit, UnitSize};
 use crate::plan::shard::ShardInfo;
 
+use super::net::BuffersAsFound;
 use super::options::Precision;
 use super::stamp_clock::{StampClock, Stamped};
 
@@ -138,7 +139,7 @@ fn run(modules: &[nn::FuncT<'static>], buffers: &[Vec<Tensor>], job: Job) -> Res
             Ok((input_grad(&input, unit), Some(loss.f_detach()?)))
         }
         Job::Backward { unit, input, grad } => {
-            let saved: Vec<Tensor> = tch::no_grad(|| buffers[unit].iter().map(|b| b.f_detach_copy()).collect::<std::result::Result<_, _>>())?;
+            let found = BuffersAsFound::take(&buffers[unit])?;
             let input = with_grad(&input, unit)?;
             let output = modules[unit].forward_t(&input, true);
             if output.requires_grad() {
@@ -147,7 +148,7 @@ fn run(modules: &[nn::FuncT<'static>], buffers: &[Vec<Tensor>], job: Job) -> Res
                 output.f_mul(&grad)?.f_sum(Kind::Float)?.f_backward()?;
             }
             // After backward, which reads the running statistics batch norm saved.
-            tch::no_grad(|| buffers[unit].iter().zip(&saved).try_for_each(|(b, s)| b.shallow_clone().f_copy_(s).map(drop)))?;
+            found.put_back()?;
             Ok((input_grad(&input, unit), None))
         }
     }

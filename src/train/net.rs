@@ -302,3 +302,23 @@ impl Normalizer {
         Ok(raw::pin_memory(&host)?.f_to_device_(self.device, Kind::Int64, true, false)?)
     }
 }
+/// Batch-norm buffers as a recomputed forward found them, to put back after its backward, so
+/// that a micro-batch or unit counts once in the running statistics (`--recompute` in a
+/// pipeline, `--zero 3`'s units).
+pub(super) struct BuffersAsFound {
+    /// Each buffer and its copy.
+    buffers: Vec<(Tensor, Tensor)>,
+}
+
+impl BuffersAsFound {
+    pub(super) fn take(buffers: &[Tensor]) -> Result<BuffersAsFound> {
+        let copies = tch::no_grad(|| buffers.iter().map(|b| Ok((b.shallow_clone(), b.f_detach_copy()?))).collect::<Result<Vec<_>>>())?;
+        Ok(BuffersAsFound { buffers: copies })
+    }
+
+    pub(super) fn put_back(self) -> Result<()> {
+        tch::no_grad(|| self.buffers.iter().try_for_each(|(b, found)| b.shallow_clone().f_copy_(found).map(drop)))?;
+        Ok(())
+    }
+}
+

@@ -28,6 +28,7 @@ use crate::topology::World;
 use super::action_clock::{ActionClock, Phase, Started, Timed};
 use super::collective::gather_strings;
 use super::held::HeldBytes;
+use super::net::BuffersAsFound;
 use super::options::Precision;
 use super::stages::{Cut, PipelinePlan};
 
@@ -893,24 +894,6 @@ impl Pipeline {
                 peak_rss_mb: f[7],
             })
             .collect()
-    }
-}
-
-/// A chunk's buffers as a recomputed forward found them, to put back after its backward.
-struct BuffersAsFound {
-    /// Each buffer and its copy.
-    buffers: Vec<(Tensor, Tensor)>,
-}
-
-impl BuffersAsFound {
-    fn take(buffers: &[Tensor]) -> Result<BuffersAsFound> {
-        let copies = tch::no_grad(|| buffers.iter().map(|b| Ok((b.shallow_clone(), b.f_detach_copy()?))).collect::<Result<Vec<_>>>())?;
-        Ok(BuffersAsFound { buffers: copies })
-    }
-
-    fn put_back(self) -> Result<()> {
-        tch::no_grad(|| self.buffers.iter().try_for_each(|(b, found)| b.shallow_clone().f_copy_(found).map(drop)))?;
-        Ok(())
     }
 }
 
