@@ -8,6 +8,9 @@
 //!   must skip with it),
 //! - `exit`: that rank exits abruptly at that step, without MPI_Finalize (a crash),
 //! - `stall`: that rank sleeps SECONDS before its exchange at that step (a hung node),
+//! - `pace`: that rank sleeps SECONDS before its exchange at that step and at every step after
+//!   it (a slow rank; a test that signals a run at a known stage then needs a few slow steps
+//!   instead of hundreds of fast ones to be sure to find it still running),
 //! - `stall-after`: that rank sleeps SECONDS after its exchange at that step (a node lost
 //!   between two exchanges: the others wait for it in the small collectives that follow),
 //! - `setup`: that rank's set-up fails after the exchange strategy is built (STEP is ignored;
@@ -69,6 +72,7 @@ pub enum Fault {
     Exit,
     Error,
     Stall(Duration),
+    Pace(Duration),
     StallAfter(Duration),
     StallWrite(Duration),
     StallStart(Duration),
@@ -90,7 +94,7 @@ impl Faults {
     /// Parses `spec` for a job of `ranks` ranks: a fault on a rank the job lacks would silently
     /// never happen, and a test relying on it would pass for the wrong reason.
     pub fn parse(spec: &str, ranks: i32) -> Result<Faults> {
-        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, error, stall, stall-after, stall-write, damage-write, stall-start, setup or term)"));
+        let bad = |item: &str| Error::usage(format!("{FAULT_ENV}: {item:?} is not KIND@RANK:STEP[:SECONDS] (KIND nan, nangrad, infgrad, exit, error, stall, pace, stall-after, stall-write, damage-write, stall-start, setup or term)"));
         let pause = |item: &str, secs: &str| -> Result<Duration> {
             let secs: f64 = secs.parse().map_err(|_| bad(item))?;
             if !(0.0..=MAX_STALL_S).contains(&secs) {
@@ -114,6 +118,7 @@ impl Faults {
                 ("error", None, _) => Fault::Error,
                 ("damage-write", None, _) => Fault::DamageWrite,
                 ("stall", Some(secs), 3) => Fault::Stall(pause(item, secs)?),
+                ("pace", Some(secs), 3) => Fault::Pace(pause(item, secs)?),
                 ("stall-after", Some(secs), 3) => Fault::StallAfter(pause(item, secs)?),
                 ("stall-write", Some(secs), 3) => Fault::StallWrite(pause(item, secs)?),
                 ("stall-start", Some(secs), 3) => Fault::StallStart(pause(item, secs)?),
@@ -130,7 +135,10 @@ impl Faults {
     /// The fault planned for `rank` at the training step `step`, if any (set-up's and the
     /// checkpoint writes' are asked for apart).
     pub fn at(&self, rank: i32, step: u64) -> Option<&Fault> {
-        self.0.iter().find(|(f, r, s)| *r == rank && *s == step && !matches!(f, Fault::Setup | Fault::Term | Fault::StallWrite(_) | Fault::StallStart(_) | Fault::DamageWrite)).map(|(f, _, _)| f)
+        let exact = self.0.iter().find(|(f, r, s)| *r == rank && *s == step && !matches!(f, Fault::Setup | Fault::Term | Fault::StallWrite(_) | Fault::StallStart(_) | Fault::DamageWrite | Fault::Pace(_)));
+        // A pace holds from its step on, below any fault of the step itself.
+        let paced = || self.0.iter().find(|(f, r, s)| *r == rank && *s <= step && matches!(f, Fault::Pace(_)));
+        exact.or_else(paced).map(|(f, _, _)| f)
     }
 
     /// The kind of the first fault planned inside a sharded checkpoint write, if any
@@ -198,9 +206,13 @@ mod tests {
         assert_eq!(f.at(1, 9), Some(&Fault::StallAfter(Duration::from_secs(2))));
         assert_eq!(f.at(2, 1), Some(&Fault::Error));
         assert_eq!(f.at(2, 5), Some(&Fault::InfGrad));
+        // A pace holds from its step on, and a fault of the step itself comes first.
+        let paced = Faults::parse("pace@1:4:0.1,nan@1:6", 2).unwrap();
+        let pace = Some(&Fault::Pace(Duration::from_millis(100)));
+        assert_eq!((paced.at(1, 3), paced.at(1, 4), paced.at(1, 5), paced.at(1, 6), paced.at(1, 60), paced.at(0, 5)), (None, pace, pace, Some(&Fault::Nan), pace, None));
         let start = Faults::parse("stall-start@1:0:30", 2).unwrap();
         assert_eq!((start.start_stall(1), start.start_stall(0), start.at(1, 0)), (Some(Duration::from_secs(30)), None, None), "a start-up stall is no step's fault");
-        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "stall-after@1:1", "nan@1:2:3", "stall@1:1:2:3", "error@1:1:2", "stall-write@1:1", "stall-start@1:0", "damage-write@1:1:2"] {
+        for bad in ["nan", "nan@x:1", "boom@1:1", "stall@1:1", "stall-after@1:1", "nan@1:2:3", "stall@1:1:2:3", "error@1:1:2", "stall-write@1:1", "stall-start@1:0", "damage-write@1:1:2", "pace@1:1"] {
             assert!(Faults::parse(bad, 3).is_err(), "{bad}");
         }
     }

@@ -27,7 +27,7 @@ fn sigterm_then_resume(strategy: &[&str], ranks: usize, name: &str) {
     let dir = scratch(&format!("sigterm-{name}"));
     let data = dataset(&dir);
     let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
-    let steps = "600";
+    let steps = "60";
     let full = dir.join("full.safetensors");
     let mut args = base(&d, &r, strategy);
     args.extend(["--steps", steps, "--save-weights", full.to_str().unwrap()]);
@@ -36,9 +36,12 @@ fn sigterm_then_resume(strategy: &[&str], ranks: usize, name: &str) {
     let ckpt = dir.join("ckpt");
     let resumed = dir.join("resumed.safetensors");
     let mut args = base(&d, &r, strategy);
-    args.extend(["--steps", steps, "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "40", "--save-weights", resumed.to_str().unwrap()]);
+    args.extend(["--steps", steps, "--checkpoint-dir", ckpt.to_str().unwrap(), "--checkpoint-every", "10", "--save-weights", resumed.to_str().unwrap()]);
     let log = dir.join("interrupted.log");
-    let mut child = spawn_mpirun(ranks, &args, &[], &log);
+    // Every rank slow from step 11 on (0.1 s a step, asleep): the signal below, sent once the
+    // checkpoint of step 10 is there, finds the run still going without hundreds of steps.
+    let pace: String = (0..ranks).map(|r| format!("pace@{r}:11:0.1")).collect::<Vec<_>>().join(",");
+    let mut child = spawn_mpirun(ranks, &args, &[("HPC_TRAIN_FAULT", pace.as_str())], &log);
     wait_until(Duration::from_secs(120), "a first checkpoint", || !checkpoint_steps(&ckpt).is_empty());
     // What Slurm does before the time limit: SIGTERM to every task.
     for pid in rank_pids(child.id()) {
@@ -54,7 +57,7 @@ fn sigterm_then_resume(strategy: &[&str], ranks: usize, name: &str) {
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("no stop message:\n{text}"));
-    assert!(stopped < 600, "{text}");
+    assert!(stopped < 60, "{text}");
     assert_eq!(*checkpoint_steps(&ckpt).last().unwrap(), stopped, "a checkpoint where it stopped");
 
     args.push("--resume");
@@ -826,8 +829,10 @@ fn a_stalled_pipeline_stage_ends_the_job_naming_stage_and_world_rank() {
     let log = dir.join("stopped.log");
     let mut child = spawn_mpirun(2, &args, &[], &log);
     let rank0 = pid_of_rank(&mut child, 2, 0);
-    // Well into training (start-up takes a second or two; the steps take milliseconds).
-    std::thread::sleep(Duration::from_secs(4));
+    // Well into training: its first line is written (start-up took from one to over four
+    // seconds, by the machine's load), and a second later its steps, of milliseconds, run.
+    wait_until(Duration::from_secs(60), "training to start", || std::fs::read_to_string(&log).unwrap_or_default().contains("steps 0.."));
+    std::thread::sleep(Duration::from_secs(1));
     signal(rank0, "STOP");
     let ended = wait_limited(&mut child, Duration::from_secs(30));
     signal(rank0, "CONT");

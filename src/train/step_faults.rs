@@ -61,10 +61,14 @@ impl StepFaults {
         self.fault == Some(Fault::NanGrad)
     }
 
-    /// `stall`: a hung node, before the step's communication.
+    /// `stall`: a hung node, before the step's communication; `pace`: a slow one, at every step
+    /// from its own on.
     pub(super) fn before_exchange(&self) {
         if let Some(Fault::Stall(pause)) = self.fault {
             eprintln!("rank {}: stalling {:.1} s at step {} (injected fault)", self.rank, pause.as_secs_f64(), self.step);
+            std::thread::sleep(pause);
+        }
+        if let Some(Fault::Pace(pause)) = self.fault {
             std::thread::sleep(pause);
         }
     }
