@@ -5,23 +5,42 @@ use std::path::{Path, PathBuf};
 use ndarray::s;
 
 use crate::data::layout::{open_file, Split};
+use crate::data::synth::{Generator, SyntheticData};
 use crate::error::{Error, Result, WithPath};
 
-/// One split's image dataset, open for reading rows.
+/// One split's image dataset, open for reading rows: from its HDF5 file, or generated
+/// (`--data synthetic:...`, [`SyntheticData`]).
 pub struct SplitReader {
     path: PathBuf,
-    images: hdf5::Dataset,
-    /// The file as opened, and its length then: see `check_not_shrunk`.
-    file: std::fs::File,
-    file_len: u64,
+    source: Source,
     len: usize,
     sample_bytes: usize,
     /// Sorted (index, position in the request) pairs, kept to avoid an allocation per read.
     order: Vec<(usize, usize)>,
 }
 
+enum Source {
+    File {
+        images: hdf5::Dataset,
+        /// The file as opened, and its length then: see `check_not_shrunk`.
+        file: std::fs::File,
+        file_len: u64,
+    },
+    /// Each sample drawn when it is read: memory does not grow with the split's length.
+    Generated(Generator, Split),
+}
+
 impl SplitReader {
     pub fn open(path: &Path, split: Split) -> Result<SplitReader> {
+        if let Some(synthetic) = SyntheticData::from_path(path) {
+            let synthetic = synthetic.map_err(Error::usage)?;
+            let len = match split {
+                Split::Train => synthetic.train,
+                Split::Test => 0,
+            };
+            let g = synthetic.generator;
+            return Ok(SplitReader { path: path.to_path_buf(), source: Source::Generated(g, split), len, sample_bytes: g.sample_bytes(), order: Vec::new() });
+        }
         let file = open_file(path)?;
         let name = format!("{}/images", split.name());
         let images = file.dataset(&name).map_err(|_| Error::data(path, format!("missing dataset `{name}`")))?;
@@ -33,11 +52,9 @@ impl SplitReader {
         let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         Ok(SplitReader {
             path: path.to_path_buf(),
-            file,
-            file_len,
+            source: Source::File { images, file, file_len },
             len: shape[0],
             sample_bytes: shape[1] * shape[2] * shape[3],
-            images,
             order: Vec::new(),
         })
     }
@@ -54,6 +71,15 @@ impl SplitReader {
         if let Some(&bad) = indices.iter().find(|&&i| i >= self.len) {
             return Err(Error::data(&self.path, format!("image {bad} requested, the split holds {}", self.len)));
         }
+        let images = match &self.source {
+            Source::Generated(g, split) => {
+                for (&i, sample) in indices.iter().zip(out.chunks_exact_mut(row)) {
+                    g.sample(*split, i, sample);
+                }
+                return Ok(());
+            }
+            Source::File { images, .. } => images,
+        };
         self.order.clear();
         self.order.extend(indices.iter().enumerate().map(|(pos, &i)| (i, pos)));
         self.order.sort_unstable();
@@ -64,10 +90,7 @@ impl SplitReader {
                 end += 1;
             }
             let (first, last) = (self.order[start].0, self.order[end - 1].0);
-            let block = self
-                .images
-                .read_slice::<u8, _, ndarray::Ix4>(s![first..=last, .., .., ..])
-                .at(&self.path)?;
+            let block = images.read_slice::<u8, _, ndarray::Ix4>(s![first..=last, .., .., ..]).at(&self.path)?;
             let bytes = block.as_slice().expect("a freshly read array is contiguous");
             for (k, &(_, pos)) in self.order[start..end].iter().enumerate() {
                 out[pos * row..(pos + 1) * row].copy_from_slice(&bytes[k * row..(k + 1) * row]);
@@ -79,7 +102,10 @@ impl SplitReader {
 
     /// Every image of the split, in one read (for [`SplitCache`]).
     pub fn read_all(&mut self) -> Result<Vec<u8>> {
-        let all = self.images.read_raw::<u8>().at(&self.path)?;
+        let Source::File { images, .. } = &self.source else {
+            return Err(Error::usage(format!("--data {}: generated samples are made as they are read; there is no file to hold in memory (--cache-data off)", self.path.display())));
+        };
+        let all = images.read_raw::<u8>().at(&self.path)?;
         if all.len() != self.len * self.sample_bytes {
             return Err(Error::data(&self.path, format!("read {} bytes of images, expected {}", all.len(), self.len * self.sample_bytes)));
         }
@@ -94,11 +120,13 @@ impl SplitReader {
     /// file is used. The handle is the file that was opened, so a file replaced under the same
     /// name (written elsewhere and renamed over it) is not mistaken for damage.
     fn check_not_shrunk(&self) -> Result<()> {
-        let len = self.file.metadata().map_err(|e| Error::io(&self.path, e))?.len();
-        if len < self.file_len {
+        let Source::File { file, file_len, .. } = &self.source else { return Ok(()) };
+        let (file, file_len) = (file, *file_len);
+        let len = file.metadata().map_err(|e| Error::io(&self.path, e))?.len();
+        if len < file_len {
             return Err(Error::data(
                 &self.path,
-                format!("the file shrank from {} to {len} bytes while it was being read (truncated or lost on its storage)", self.file_len),
+                format!("the file shrank from {} to {len} bytes while it was being read (truncated or lost on its storage)", file_len),
             ));
         }
         Ok(())

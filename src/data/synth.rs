@@ -6,10 +6,10 @@
 
 use std::path::Path;
 
-use rand::{Rng, SeedableRng};
+use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::data::layout::{Meta, Split};
+use crate::data::layout::{DatasetInfo, Labels, Meta, Split, SplitInfo};
 use crate::data::writer::{Compression, DatasetWriter};
 use crate::error::{Error, Result};
 
@@ -35,32 +35,20 @@ pub struct SynthSpec {
 }
 
 pub fn generate(spec: &SynthSpec, out: &Path, compression: Compression, force: bool) -> Result<()> {
-    if spec.classes == 0 || spec.classes > 65_536 {
-        return Err(Error::usage(format!("--classes {}: expected 1 to 65536", spec.classes)));
-    }
+    check_classes(spec.classes)?;
     let [channels, height, width] = spec.shape;
     let meta = Meta { name: format!("synthetic-{channels}x{height}x{width}"), classes: spec.classes, class_names: Vec::new(), channels, height, width };
     let sample = meta.sample_bytes();
     let mut writer = DatasetWriter::create(out, meta, spec.train, spec.test, compression, force)?;
     let block = (BLOCK_BYTES / sample).max(1);
-    for (split, len, stream) in [(Split::Train, spec.train, 0u64), (Split::Test, spec.test, 1)] {
-        let mut rng = ChaCha8Rng::seed_from_u64(spec.seed);
-        rng.set_stream(stream);
+    let generator = Generator { shape: spec.shape, classes: spec.classes, seed: spec.seed };
+    for (split, len) in [(Split::Train, spec.train), (Split::Test, spec.test)] {
         let mut offset = 0;
         while offset < len {
             let n = block.min(len - offset);
-            let labels: Vec<i64> = (0..n).map(|_| rng.gen_range(0..spec.classes) as i64).collect();
             let mut images = vec![0u8; n * sample];
-            for (img, &label) in images.chunks_exact_mut(sample).zip(&labels) {
-                let plane = height * width;
-                for (c, pixels) in img.chunks_exact_mut(plane).enumerate() {
-                    // A level per (class, channel) spread over 32..224, plus noise of +-31.
-                    let level = 32 + ((label as usize * 7 + c * 3) % spec.classes.max(2)) * 192 / spec.classes.max(2);
-                    for p in pixels {
-                        *p = (level as i32 + rng.gen_range(-31..=31)).clamp(0, 255) as u8;
-                    }
-                }
-            }
+            let labels: Vec<i64> =
+                images.chunks_exact_mut(sample).enumerate().map(|(k, img)| generator.sample(split, offset + k, img)).collect();
             writer.write(split, offset, &images, &labels)?;
             offset += n;
         }
@@ -68,6 +56,152 @@ pub fn generate(spec: &SynthSpec, out: &Path, compression: Compression, force: b
     writer.finish()?;
     Ok(())
 }
+
+fn check_classes(classes: usize) -> Result<()> {
+    if classes == 0 || classes > 65_536 {
+        return Err(Error::usage(format!("--classes {classes}: expected 1 to 65536")));
+    }
+    Ok(())
+}
+
+/// The synthetic images and labels, each sample drawn from (seed, split, index) alone: any rank
+/// can produce any sample, in any order, holding nothing but the one it writes. `data synth`
+/// writes these samples into a file; `--data synthetic:...` serves them without one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Generator {
+    pub shape: [usize; 3],
+    pub classes: usize,
+    pub seed: u64,
+}
+
+impl Generator {
+    pub fn sample_bytes(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The label of sample `index` of `split`.
+    pub fn label(&self, split: Split, index: usize) -> i64 {
+        (mix(self.key(split, index)) % self.classes as u64) as i64
+    }
+
+    /// Writes sample `index` of `split` into `out` (`sample_bytes()` long); returns its label.
+    pub fn sample(&self, split: Split, index: usize, out: &mut [u8]) -> i64 {
+        assert_eq!(out.len(), self.sample_bytes(), "one sample's bytes");
+        let label = self.label(split, index);
+        let mut rng = ChaCha8Rng::seed_from_u64(mix(self.key(split, index) ^ 0x5EED));
+        // The noise first, as raw bytes (the generator's fastest path: a 3x224x224 image is
+        // 150 KB, and the loader makes a batch of them every step), then mapped onto the levels.
+        rng.fill_bytes(out);
+        let plane = self.shape[1] * self.shape[2];
+        let spread = self.classes.max(2);
+        for (c, pixels) in out.chunks_exact_mut(plane).enumerate() {
+            // A level per (class, channel) spread over 32..224, plus noise of -31..=31.
+            let level = 32 + ((label as usize * 7 + c * 3) % spread) * 192 / spread;
+            for p in pixels {
+                *p = (level as i32 + (*p % 63) as i32 - 31).clamp(0, 255) as u8;
+            }
+        }
+        label
+    }
+
+    fn key(&self, split: Split, index: usize) -> u64 {
+        let stream = match split {
+            Split::Train => 0u64,
+            Split::Test => 1,
+        };
+        mix(self.seed ^ mix(stream.wrapping_add(0x9E37_79B9_7F4A_7C15))) ^ (index as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)
+    }
+}
+
+/// SplitMix64's finaliser: a well-spread 64-bit value from any input.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The prefix of a `--data` value naming generated data instead of a file.
+pub const SYNTHETIC_PREFIX: &str = "synthetic:";
+
+/// ImageNet-1k's training split: the nominal length of generated data when none is given, so
+/// that an epoch of `synthetic:3x224x224` is as long as one of ImageNet.
+pub const IMAGENET_TRAIN_SAMPLES: usize = 1_281_167;
+
+/// `--data synthetic:CxHxW[:CLASSES[:SAMPLES]]`: training data generated per sample, with no
+/// file ([`Generator`], seed 0, the same samples as `data synth --seed 0` writes) and no test
+/// split (it would measure nothing: the runs that use it measure throughput).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SyntheticData {
+    pub generator: Generator,
+    pub train: usize,
+}
+
+impl SyntheticData {
+    /// `Some` for a `--data` value that names generated data (a parse error then says what is
+    /// wrong with it), `None` for a file.
+    pub fn from_path(path: &Path) -> Option<std::result::Result<SyntheticData, String>> {
+        let text = path.to_str()?;
+        let spec = text.strip_prefix(SYNTHETIC_PREFIX)?;
+        Some(SyntheticData::parse(spec).map_err(|why| format!("--data {text}: {why}; expected synthetic:CxHxW[:CLASSES[:SAMPLES]], as in synthetic:3x224x224:1000")))
+    }
+
+    fn parse(spec: &str) -> std::result::Result<SyntheticData, String> {
+        let mut parts = spec.split(':');
+        let shape = parse_shape(parts.next().unwrap_or(""))?;
+        let mut count = |what: &str, default: usize, max: usize| -> std::result::Result<usize, String> {
+            match parts.next() {
+                None => Ok(default),
+                Some(s) => s.parse::<usize>().ok().filter(|&n| (1..=max).contains(&n)).ok_or_else(|| format!("{what} {s:?} is not a number from 1 to {max}")),
+            }
+        };
+        let classes = count("CLASSES", 1000, 65_536)?;
+        let train = count("SAMPLES", IMAGENET_TRAIN_SAMPLES, u32::MAX as usize)?;
+        if let Some(extra) = parts.next() {
+            return Err(format!("{extra:?} after SAMPLES"));
+        }
+        Ok(SyntheticData { generator: Generator { shape, classes, seed: 0 }, train })
+    }
+
+    /// What `layout::open` reads from a file: the shape, no test split, the normalisation of a
+    /// few generated samples, and every training label.
+    pub fn info(&self, path: &Path) -> (DatasetInfo, Labels) {
+        let g = &self.generator;
+        let [channels, height, width] = g.shape;
+        let meta = Meta { name: format!("synthetic-{channels}x{height}x{width}"), classes: g.classes, class_names: Vec::new(), channels, height, width };
+        let split = |len| SplitInfo { len, chunk_rows: None, compression: "generated".into() };
+        let (mean, std) = self.normalisation();
+        let labels = Labels { train: (0..self.train).map(|i| g.label(Split::Train, i)).collect(), test: Vec::new() };
+        (DatasetInfo { path: path.to_path_buf(), meta, train: split(self.train), test: split(0), mean, std }, labels)
+    }
+
+    /// Per-channel mean and standard deviation in [0, 1] over the first samples.
+    fn normalisation(&self) -> (Vec<f32>, Vec<f32>) {
+        let g = &self.generator;
+        let channels = g.shape[0];
+        let plane = g.shape[1] * g.shape[2];
+        let (mut sum, mut squares) = (vec![0f64; channels], vec![0f64; channels]);
+        let mut image = vec![0u8; g.sample_bytes()];
+        let samples = self.train.min(NORMALISATION_SAMPLES);
+        for i in 0..samples {
+            g.sample(Split::Train, i, &mut image);
+            for (c, pixels) in image.chunks_exact(plane).enumerate() {
+                for &p in pixels {
+                    let v = p as f64 / 255.0;
+                    sum[c] += v;
+                    squares[c] += v * v;
+                }
+            }
+        }
+        let n = (samples * plane) as f64;
+        let mean: Vec<f32> = sum.iter().map(|s| (s / n) as f32).collect();
+        let std = squares.iter().zip(&sum).map(|(q, s)| ((q / n - (s / n).powi(2)).max(0.0).sqrt().max(1e-6)) as f32).collect();
+        (mean, std)
+    }
+}
+
+/// Samples the normalisation of generated data is measured on.
+const NORMALISATION_SAMPLES: usize = 64;
 
 #[cfg(test)]
 mod tests {
@@ -80,5 +214,83 @@ mod tests {
         assert!(parse_shape("3x224").is_err());
         assert!(parse_shape("0x2x2").is_err());
         assert!(parse_shape("axbxc").is_err());
+    }
+
+    #[test]
+    fn synthetic_data_names_parse_or_say_what_is_wrong() {
+        let parsed = |s: &str| SyntheticData::from_path(Path::new(s));
+        assert_eq!(parsed("datasets/fashion-mnist.h5"), None, "a file");
+        let d = parsed("synthetic:3x224x224").unwrap().unwrap();
+        assert_eq!((d.generator.shape, d.generator.classes, d.train), ([3, 224, 224], 1000, IMAGENET_TRAIN_SAMPLES));
+        let d = parsed("synthetic:1x8x9:10:77").unwrap().unwrap();
+        assert_eq!((d.generator.shape, d.generator.classes, d.train), ([1, 8, 9], 10, 77));
+        for (bad, why) in [("synthetic:3x224", "CxHxW"), ("synthetic:3x8x8:0", "CLASSES \"0\""), ("synthetic:3x8x8:10:x", "SAMPLES \"x\""), ("synthetic:3x8x8:10:5:1", "after SAMPLES")] {
+            let err = parsed(bad).unwrap().unwrap_err();
+            assert!(err.starts_with(&format!("--data {bad}: ")) && err.contains(why) && err.contains("synthetic:3x224x224:1000"), "{err}");
+        }
+    }
+
+    /// A sample depends on its index alone: the same bytes whichever rank draws it and in
+    /// whatever order, others for another index, with its label's level per channel.
+    #[test]
+    fn generated_samples_depend_on_their_index_alone() {
+        let g = Generator { shape: [3, 4, 5], classes: 7, seed: 0 };
+        let draw = |i: usize| {
+            let mut img = vec![0u8; g.sample_bytes()];
+            let label = g.sample(Split::Train, i, &mut img);
+            (label, img)
+        };
+        let forward: Vec<_> = (0..50).map(draw).collect();
+        let backward: Vec<_> = (0..50).rev().map(draw).collect();
+        assert!(forward.iter().eq(backward.iter().rev()), "the same sample in any order");
+        assert_eq!(forward.iter().map(|(_, img)| img).collect::<std::collections::HashSet<_>>().len(), 50, "every index its own image");
+        let labels: std::collections::HashSet<i64> = forward.iter().map(|&(l, _)| l).collect();
+        assert!(labels.iter().all(|l| (0..7).contains(l)) && labels.len() == 7, "{labels:?}");
+        for (i, (label, img)) in forward.iter().enumerate() {
+            assert_eq!(*label, g.label(Split::Train, i));
+            // Each channel's mean is near its (class, channel) level: a model can learn them.
+            for (c, plane) in img.chunks_exact(20).enumerate() {
+                let level = 32 + ((*label as usize * 7 + c * 3) % 7) * 192 / 7;
+                let mean = plane.iter().map(|&p| p as f64).sum::<f64>() / 20.0;
+                assert!((mean - level as f64).abs() < 20.0, "sample {i} channel {c}: mean {mean}, level {level}");
+            }
+        }
+        let mut test = vec![0u8; g.sample_bytes()];
+        g.sample(Split::Test, 0, &mut test);
+        assert_ne!(test, forward[0].1, "the test split is drawn apart");
+        let other_seed = Generator { seed: 1, ..g };
+        let mut img = vec![0u8; g.sample_bytes()];
+        other_seed.sample(Split::Train, 0, &mut img);
+        assert_ne!(img, forward[0].1);
+    }
+
+    /// `--data synthetic:...` serves what `data synth --seed 0` writes, through the same reader
+    /// and `open`, without a file: one generator.
+    #[test]
+    fn generated_data_equals_the_file_data_synth_writes() {
+        use crate::data::layout::open;
+        use crate::data::reader::SplitReader;
+        let dir = std::env::temp_dir().join(format!("hpc-train-synthetic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("synth.h5");
+        generate(&SynthSpec { train: 40, test: 0, shape: [3, 6, 5], classes: 4, seed: 0 }, &file, Compression::None, true).unwrap();
+        let named = Path::new("synthetic:3x6x5:4:40");
+        let ((file_info, file_labels), (info, labels)) = (open(&file).unwrap(), open(named).unwrap());
+        assert_eq!((info.meta, info.train.len, info.test.len), (file_info.meta, 40, 0));
+        assert_eq!(labels.train, file_labels.train);
+        let (mut from_file, mut generated) = (SplitReader::open(&file, Split::Train).unwrap(), SplitReader::open(named, Split::Train).unwrap());
+        let indices = [39, 0, 7, 8, 21];
+        let (mut a, mut b) = (vec![0u8; 5 * 90], vec![1u8; 5 * 90]);
+        from_file.read(&indices, &mut a).unwrap();
+        generated.read(&indices, &mut b).unwrap();
+        assert_eq!(a, b);
+        for (x, y) in info.mean.iter().zip(&file_info.mean).chain(info.std.iter().zip(&file_info.std)) {
+            assert!((x - y).abs() < 1e-4, "normalisation {x} against the file's {y}");
+        }
+        let err = generated.read(&[40], &mut b[..90]).unwrap_err().to_string();
+        assert!(err.contains("image 40 requested, the split holds 40"), "{err}");
+        assert!(generated.read_all().unwrap_err().to_string().contains("no file to hold in memory"));
+        assert!(open(Path::new("synthetic:3x6")).unwrap_err().to_string().contains("expected synthetic:CxHxW"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
