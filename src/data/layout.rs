@@ -146,10 +146,6 @@ fn has_hdf5_signature(path: &Path) -> Result<bool> {
 /// Opens and validates a dataset file: every dataset present with the right dtype and rank,
 /// matching sizes, labels within the class count. Reads the labels (small) to check them.
 pub fn open(path: &Path) -> Result<(DatasetInfo, Labels)> {
-    // `--data synthetic:...`: generated samples, no file.
-    if let Some(synthetic) = crate::data::synth::SyntheticData::from_path(path) {
-        return synthetic.map(|s| s.info(path)).map_err(Error::usage);
-    }
     let file = open_file(path)?;
     let bad = |reason: String| Error::data(path, reason);
 

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 use ndarray::s;
 
 use crate::data::layout::{open_file, Split};
-use crate::data::synth::{Generator, SyntheticData};
+use crate::data::source::SyntheticData;
+use crate::data::synth::Generator;
 use crate::error::{Error, Result, WithPath};
 
 /// One split's image dataset, open for reading rows: from its HDF5 file, or generated
@@ -204,6 +205,35 @@ mod tests {
         assert_eq!(from_file, from_cache);
         let err = cache.read(&[50], &mut from_cache[..105]).unwrap_err().to_string();
         assert!(err.contains("cached.h5") && err.contains("image 50 requested"), "past the end, naming the file: {err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `--data synthetic:...` serves what `data synth --seed 0` writes, through the same reader
+    /// and `open`, without a file: one generator.
+    #[test]
+    fn generated_data_equals_the_file_data_synth_writes() {
+        use crate::data::source::open;
+        let dir = std::env::temp_dir().join(format!("hpc-train-synthetic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("synth.h5");
+        generate(&SynthSpec { train: 40, test: 0, shape: [3, 6, 5], classes: 4, seed: 0 }, &file, Compression::None, true).unwrap();
+        let named = Path::new("synthetic:3x6x5:4:40");
+        let ((file_info, file_labels), (info, labels)) = (open(&file).unwrap(), open(named).unwrap());
+        assert_eq!((info.meta, info.train.len, info.test.len), (file_info.meta, 40, 0));
+        assert_eq!(labels.train, file_labels.train);
+        let (mut from_file, mut generated) = (SplitReader::open(&file, Split::Train).unwrap(), SplitReader::open(named, Split::Train).unwrap());
+        let indices = [39, 0, 7, 8, 21];
+        let (mut a, mut b) = (vec![0u8; 5 * 90], vec![1u8; 5 * 90]);
+        from_file.read(&indices, &mut a).unwrap();
+        generated.read(&indices, &mut b).unwrap();
+        assert_eq!(a, b);
+        for (x, y) in info.mean.iter().zip(&file_info.mean).chain(info.std.iter().zip(&file_info.std)) {
+            assert!((x - y).abs() < 1e-4, "normalisation {x} against the file's {y}");
+        }
+        let err = generated.read(&[40], &mut b[..90]).unwrap_err().to_string();
+        assert!(err.contains("image 40 requested, the split holds 40"), "{err}");
+        assert!(generated.read_all().unwrap_err().to_string().contains("no file to hold in memory"));
+        assert!(open(Path::new("synthetic:3x6")).unwrap_err().to_string().contains("expected synthetic:CxHxW"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -482,13 +482,14 @@ mod tests {
 
     /// Parses a training command line as `hpc-train` does (the options given noted), then
     /// applies its preset.
+    #[derive(clap::Parser)]
+    struct Command {
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+
     fn resolved(extra: &[&str]) -> std::result::Result<TrainArgs, String> {
-        use clap::{CommandFactory, FromArgMatches, Parser};
-        #[derive(Parser)]
-        struct Command {
-            #[command(flatten)]
-            train: TrainArgs,
-        }
+        use clap::{CommandFactory, FromArgMatches};
         let matches = Command::command().try_get_matches_from([&["hpc-train"], extra].concat()).map_err(|e| e.to_string())?;
         let mut train = Command::from_arg_matches(&matches).map_err(|e| e.to_string())?.train;
         train.given = Given::from_matches(&matches);
@@ -533,7 +534,7 @@ mod tests {
     #[test]
     fn every_preset_names_options_of_the_command_line() {
         use clap::CommandFactory;
-        let command = crate::cli::Cli::command();
+        let command = Command::command();
         for preset in Preset::value_variants() {
             let mut argv = vec!["hpc-train".to_string()];
             for &(flag, value) in preset.options() {
@@ -563,7 +564,7 @@ mod tests {
         let job_files = resolved(&["--batch-size", "256", "--epochs", "1"]).unwrap();
         let program = resolved(&[]).unwrap();
         let preset = resolved(&["--preset", "resnet50-throughput"]).unwrap();
-        let synthetic = crate::data::synth::IMAGENET_TRAIN_SAMPLES;
+        let synthetic = crate::data::source::IMAGENET_TRAIN_SAMPLES;
         println!("| ranks | job files' old default: steps / warm-up / measured | program's default (--epochs 5, batch 64) | --preset resnet50-throughput |");
         println!("|---:|---|---|---|");
         for ranks in [1usize, 2, 4, 8, 16, 32, 64] {

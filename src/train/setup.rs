@@ -100,7 +100,7 @@ impl<'a> Run<'a> {
             sum as usize
         };
         // Generated samples (`--data synthetic:...`) are drawn as they are read: nothing to hold.
-        let generated = data::synth::SyntheticData::from_path(&args.data).is_some();
+        let generated = data::source::SyntheticData::from_path(&args.data).is_some();
         let cache_data = world.agree(match (reads_images, generated) {
             (_, true) if args.cache_data == data::loader::CacheData::On => Err(Error::usage(format!(
                 "--cache-data on with --data {}: its samples are generated as they are read, there is no file to hold in memory; drop --cache-data",
@@ -317,7 +317,7 @@ impl<'a> Run<'a> {
             Some(p) if p.plan.grid.stages > 1 => ("the training split's images", "; as on each pipeline's first stage (its last stage reads the labels alone, the stages between read nothing)"),
             _ => ("the training split", ""),
         };
-        if data::synth::SyntheticData::from_path(&args.data).is_some() {
+        if data::source::SyntheticData::from_path(&args.data).is_some() {
             log::info!("the training samples are generated as they are read ({split_mb:.1} MB nominal, none of it held)");
         } else if self.cache_data {
             log::info!("rank 0 holds {what} in memory ({split_mb:.1} MB; --cache-data){pipelined}");
