@@ -67,6 +67,17 @@ fn main() {
         }
         Err(e) => exit_after_parse_error(e),
     };
+    // --preset: its defaults for the options the command line left at theirs.
+    let mut cli = cli;
+    let preset = match &mut cli.command {
+        None => cli.train.apply_preset(),
+        Some(Command::Study(a)) => a.train.apply_preset(),
+        _ => Ok(()),
+    };
+    if let Err(e) = preset {
+        print_error(format_args!("{e}"));
+        std::process::exit(2);
+    }
     // A command that rank 0 carries out alone needs no MPI where nothing launched other
     // processes: Open MPI's start-up of a lone process (a singleton, which forks its own daemon)
     // took 0.7 s of `hpc-train compat`'s 1.6 s, and tests and scripts call these commands often.

@@ -5,23 +5,43 @@ use std::path::{Path, PathBuf};
 use ndarray::s;
 
 use crate::data::layout::{open_file, Split};
+use crate::data::source::SyntheticData;
+use crate::data::synth::Generator;
 use crate::error::{Error, Result, WithPath};
 
-/// One split's image dataset, open for reading rows.
+/// One split's image dataset, open for reading rows: from its HDF5 file, or generated
+/// (`--data synthetic:...`, [`SyntheticData`]).
 pub struct SplitReader {
     path: PathBuf,
-    images: hdf5::Dataset,
-    /// The file as opened, and its length then: see `check_not_shrunk`.
-    file: std::fs::File,
-    file_len: u64,
+    source: Source,
     len: usize,
     sample_bytes: usize,
     /// Sorted (index, position in the request) pairs, kept to avoid an allocation per read.
     order: Vec<(usize, usize)>,
 }
 
+enum Source {
+    File {
+        images: hdf5::Dataset,
+        /// The file as opened, and its length then: see `check_not_shrunk`.
+        file: std::fs::File,
+        file_len: u64,
+    },
+    /// Each sample drawn when it is read: memory does not grow with the split's length.
+    Generated(Generator, Split),
+}
+
 impl SplitReader {
     pub fn open(path: &Path, split: Split) -> Result<SplitReader> {
+        if let Some(synthetic) = SyntheticData::from_path(path) {
+            let synthetic = synthetic.map_err(Error::usage)?;
+            let len = match split {
+                Split::Train => synthetic.train,
+                Split::Test => 0,
+            };
+            let g = synthetic.generator;
+            return Ok(SplitReader { path: path.to_path_buf(), source: Source::Generated(g, split), len, sample_bytes: g.sample_bytes(), order: Vec::new() });
+        }
         let file = open_file(path)?;
         let name = format!("{}/images", split.name());
         let images = file.dataset(&name).map_err(|_| Error::data(path, format!("missing dataset `{name}`")))?;
@@ -33,11 +53,9 @@ impl SplitReader {
         let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         Ok(SplitReader {
             path: path.to_path_buf(),
-            file,
-            file_len,
+            source: Source::File { images, file, file_len },
             len: shape[0],
             sample_bytes: shape[1] * shape[2] * shape[3],
-            images,
             order: Vec::new(),
         })
     }
@@ -54,6 +72,15 @@ impl SplitReader {
         if let Some(&bad) = indices.iter().find(|&&i| i >= self.len) {
             return Err(Error::data(&self.path, format!("image {bad} requested, the split holds {}", self.len)));
         }
+        let images = match &self.source {
+            Source::Generated(g, split) => {
+                for (&i, sample) in indices.iter().zip(out.chunks_exact_mut(row)) {
+                    g.sample(*split, i, sample);
+                }
+                return Ok(());
+            }
+            Source::File { images, .. } => images,
+        };
         self.order.clear();
         self.order.extend(indices.iter().enumerate().map(|(pos, &i)| (i, pos)));
         self.order.sort_unstable();
@@ -64,10 +91,7 @@ impl SplitReader {
                 end += 1;
             }
             let (first, last) = (self.order[start].0, self.order[end - 1].0);
-            let block = self
-                .images
-                .read_slice::<u8, _, ndarray::Ix4>(s![first..=last, .., .., ..])
-                .at(&self.path)?;
+            let block = images.read_slice::<u8, _, ndarray::Ix4>(s![first..=last, .., .., ..]).at(&self.path)?;
             let bytes = block.as_slice().expect("a freshly read array is contiguous");
             for (k, &(_, pos)) in self.order[start..end].iter().enumerate() {
                 out[pos * row..(pos + 1) * row].copy_from_slice(&bytes[k * row..(k + 1) * row]);
@@ -79,7 +103,10 @@ impl SplitReader {
 
     /// Every image of the split, in one read (for [`SplitCache`]).
     pub fn read_all(&mut self) -> Result<Vec<u8>> {
-        let all = self.images.read_raw::<u8>().at(&self.path)?;
+        let Source::File { images, .. } = &self.source else {
+            return Err(Error::usage(format!("--data {}: generated samples are made as they are read; there is no file to hold in memory (--cache-data off)", self.path.display())));
+        };
+        let all = images.read_raw::<u8>().at(&self.path)?;
         if all.len() != self.len * self.sample_bytes {
             return Err(Error::data(&self.path, format!("read {} bytes of images, expected {}", all.len(), self.len * self.sample_bytes)));
         }
@@ -94,11 +121,13 @@ impl SplitReader {
     /// file is used. The handle is the file that was opened, so a file replaced under the same
     /// name (written elsewhere and renamed over it) is not mistaken for damage.
     fn check_not_shrunk(&self) -> Result<()> {
-        let len = self.file.metadata().map_err(|e| Error::io(&self.path, e))?.len();
-        if len < self.file_len {
+        let Source::File { file, file_len, .. } = &self.source else { return Ok(()) };
+        let (file, file_len) = (file, *file_len);
+        let len = file.metadata().map_err(|e| Error::io(&self.path, e))?.len();
+        if len < file_len {
             return Err(Error::data(
                 &self.path,
-                format!("the file shrank from {} to {len} bytes while it was being read (truncated or lost on its storage)", self.file_len),
+                format!("the file shrank from {} to {len} bytes while it was being read (truncated or lost on its storage)", file_len),
             ));
         }
         Ok(())
@@ -176,6 +205,35 @@ mod tests {
         assert_eq!(from_file, from_cache);
         let err = cache.read(&[50], &mut from_cache[..105]).unwrap_err().to_string();
         assert!(err.contains("cached.h5") && err.contains("image 50 requested"), "past the end, naming the file: {err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// `--data synthetic:...` serves what `data synth --seed 0` writes, through the same reader
+    /// and `open`, without a file: one generator.
+    #[test]
+    fn generated_data_equals_the_file_data_synth_writes() {
+        use crate::data::source::open;
+        let dir = std::env::temp_dir().join(format!("hpc-train-synthetic-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("synth.h5");
+        generate(&SynthSpec { train: 40, test: 0, shape: [3, 6, 5], classes: 4, seed: 0 }, &file, Compression::None, true).unwrap();
+        let named = Path::new("synthetic:3x6x5:4:40");
+        let ((file_info, file_labels), (info, labels)) = (open(&file).unwrap(), open(named).unwrap());
+        assert_eq!((info.meta, info.train.len, info.test.len), (file_info.meta, 40, 0));
+        assert_eq!(labels.train, file_labels.train);
+        let (mut from_file, mut generated) = (SplitReader::open(&file, Split::Train).unwrap(), SplitReader::open(named, Split::Train).unwrap());
+        let indices = [39, 0, 7, 8, 21];
+        let (mut a, mut b) = (vec![0u8; 5 * 90], vec![1u8; 5 * 90]);
+        from_file.read(&indices, &mut a).unwrap();
+        generated.read(&indices, &mut b).unwrap();
+        assert_eq!(a, b);
+        for (x, y) in info.mean.iter().zip(&file_info.mean).chain(info.std.iter().zip(&file_info.std)) {
+            assert!((x - y).abs() < 1e-4, "normalisation {x} against the file's {y}");
+        }
+        let err = generated.read(&[40], &mut b[..90]).unwrap_err().to_string();
+        assert!(err.contains("image 40 requested, the split holds 40"), "{err}");
+        assert!(generated.read_all().unwrap_err().to_string().contains("no file to hold in memory"));
+        assert!(open(Path::new("synthetic:3x6")).unwrap_err().to_string().contains("expected synthetic:CxHxW"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -55,6 +55,19 @@ pub struct TrainArgs {
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub steps: Option<u64>,
 
+    /// Train --warmup-steps steps, then this many measured ones (tf_cnn_benchmarks'
+    /// --num_batches): a length that is the same at every rank count.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), conflicts_with_all = ["steps", "epochs"])]
+    pub measured_steps: Option<u64>,
+
+    /// Defaults for a purpose; any option given on the command line wins over the preset's:
+    /// resnet50-throughput (ResNet-50 on generated 3x224x224 images, 1000 classes, batch 64 per
+    /// rank, 10 warm-up and 100 measured steps, no evaluation), cpu-trial (the tiny CNN on
+    /// generated 3x32x32 images, 10 classes, batch 32, 5 warm-up and 20 measured steps: a
+    /// `study` of 1, 2 and 4 ranks in minutes on a laptop).
+    #[arg(long, value_enum)]
+    pub preset: Option<Preset>,
+
     #[command(flatten)]
     pub recipe: RecipeArgs,
 
@@ -247,6 +260,58 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// Steps in all for a training split of `steps_per_epoch` steps: --steps, or --warmup-steps
+    /// and --measured-steps, or --epochs.
+    pub fn total_steps(&self, steps_per_epoch: u64) -> u64 {
+        match (self.steps, self.measured_steps) {
+            (Some(steps), _) => steps,
+            (None, Some(measured)) => self.warmup_steps + measured,
+            (None, None) => self.epochs * steps_per_epoch,
+        }
+    }
+
+    /// The step counts of a run from its first step on a training split of `samples` with
+    /// `workers` x `batch` samples per step: all, warm-up, measured. The warm-up is
+    /// --warmup-steps, leaving at least one step measured, as the step loop counts it
+    /// (src/train/step.rs; `--overlap auto`'s trial on CPU ranks may lengthen it).
+    pub fn step_counts(&self, samples: usize, workers: usize, batch: usize) -> StepCounts {
+        let steps_per_epoch = samples.div_ceil(workers * batch) as u64;
+        let total = self.total_steps(steps_per_epoch);
+        let warmup = self.warmup_steps.min(total.saturating_sub(1));
+        StepCounts { total, warmup, measured: total - warmup }
+    }
+
+    /// Sets the options `--preset` names to its values, each one not given on the command
+    /// line (those win); a length given (--steps, --epochs, --measured-steps) replaces the
+    /// preset's --measured-steps. Call once, after parsing.
+    pub fn apply_preset(&mut self) -> Result<()> {
+        let Some(preset) = self.preset else { return Ok(()) };
+        let length_given = ["steps", "epochs", "measured_steps"].iter().any(|id| self.given.has(id));
+        for &(flag, value) in preset.options() {
+            let id = flag.replace('-', "_");
+            if self.given.has(&id) || (id == "measured_steps" && length_given) {
+                continue;
+            }
+            self.set_option(&id, value).map_err(|why| Error::usage(format!("--preset {}: --{flag} {value}: {why}", preset.name())))?;
+        }
+        Ok(())
+    }
+
+    /// Sets the option of clap id `id` from its command-line text: the options presets name.
+    fn set_option(&mut self, id: &str, value: &str) -> std::result::Result<(), String> {
+        let number = |v: &str| v.parse::<u64>().map_err(|e| format!("{e}"));
+        match id {
+            "model" => self.model = ModelKind::from_str(value, false)?,
+            "data" => self.data = PathBuf::from(value),
+            "batch_size" => self.batch_size = number(value)?,
+            "warmup_steps" => self.warmup_steps = number(value)?,
+            "measured_steps" => self.measured_steps = Some(number(value)?),
+            "no_eval" => self.no_eval = value.parse::<bool>().map_err(|e| format!("{e}"))?,
+            other => return Err(format!("a preset cannot set --{}", other.replace('_', "-"))),
+        }
+        Ok(())
+    }
+
     /// [`check_strategy_options`] for a run of `strategies` (one, or a study's), and the
     /// checkpoint options that mean nothing without --checkpoint-dir.
     pub fn check_unused_options(&self, strategies: &[StrategyKind]) -> Result<Vec<String>> {
@@ -259,6 +324,65 @@ impl TrainArgs {
         }
         self.recipe.check(&self.given)?;
         check_strategy_options(&self.given, strategies, &self.ps)
+    }
+}
+
+/// A run's step counts ([`TrainArgs::step_counts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepCounts {
+    pub total: u64,
+    pub warmup: u64,
+    pub measured: u64,
+}
+
+/// `--preset`: defaults for a purpose, as a table of options and values (command-line flags
+/// without their dashes, and their text) that [`TrainArgs::apply_preset`] sets where the
+/// command line does not.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preset {
+    /// ResNet-50 throughput as tf_cnn_benchmarks measures it: generated ImageNet-sized images.
+    #[value(name = "resnet50-throughput")]
+    Resnet50Throughput,
+    /// A whole path tried on a laptop's CPU cores in minutes.
+    #[value(name = "cpu-trial")]
+    CpuTrial,
+}
+
+impl Preset {
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Resnet50Throughput => "resnet50-throughput",
+            Preset::CpuTrial => "cpu-trial",
+        }
+    }
+
+    /// The options the preset sets. resnet50-throughput takes tf_cnn_benchmarks' defaults
+    /// (--num_warmup_batches 10, --num_batches 100, --batch_size 64 per GPU for ResNet-50 in
+    /// fp32): 10 steps cover cuDNN's algorithm search, the allocator's growth and the first
+    /// exchanges' connections, and 100 measured steps make the mean steady at every rank count
+    /// (an epoch-based length shrinks as ranks are added: one epoch of a small dataset left a
+    /// single measured step at 64 ranks). Images are generated (no file, no reading cost), and
+    /// nothing is evaluated. cpu-trial is sized for two cores: the tiny CNN at batch 32 takes a
+    /// few milliseconds per step, so a 1-2-4 rank study of every strategy takes minutes.
+    pub fn options(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Preset::Resnet50Throughput => &[
+                ("model", "resnet50"),
+                ("data", "synthetic:3x224x224:1000"),
+                ("batch-size", "64"),
+                ("warmup-steps", "10"),
+                ("measured-steps", "100"),
+                ("no-eval", "true"),
+            ],
+            Preset::CpuTrial => &[
+                ("model", "tiny"),
+                ("data", "synthetic:3x32x32:10:50000"),
+                ("batch-size", "32"),
+                ("warmup-steps", "5"),
+                ("measured-steps", "20"),
+                ("no-eval", "true"),
+            ],
+        }
     }
 }
 
@@ -350,4 +474,110 @@ pub(crate) fn parse_train_args(extra: &[&str]) -> TrainArgs {
     let mut argv = vec!["hpc-train"];
     argv.extend(extra);
     Command::try_parse_from(argv).unwrap().train
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Parses a training command line as `hpc-train` does (the options given noted), then
+    /// applies its preset.
+    #[derive(clap::Parser)]
+    struct Command {
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+
+    fn resolved(extra: &[&str]) -> std::result::Result<TrainArgs, String> {
+        use clap::{CommandFactory, FromArgMatches};
+        let matches = Command::command().try_get_matches_from([&["hpc-train"], extra].concat()).map_err(|e| e.to_string())?;
+        let mut train = Command::from_arg_matches(&matches).map_err(|e| e.to_string())?.train;
+        train.given = Given::from_matches(&matches);
+        train.apply_preset().map_err(|e| e.to_string())?;
+        Ok(train)
+    }
+
+    #[test]
+    fn a_preset_sets_what_the_command_line_leaves_and_given_options_win() {
+        let a = resolved(&["--preset", "resnet50-throughput"]).unwrap();
+        assert_eq!((a.model, a.data.to_str().unwrap(), a.batch_size, a.warmup_steps, a.measured_steps, a.no_eval), (ModelKind::Resnet50, "synthetic:3x224x224:1000", 64, 10, Some(100), true));
+        assert_eq!(a.total_steps(1), 110, "10 warm-up and 100 measured steps, whatever the epoch's length");
+        let a = resolved(&["--preset", "resnet50-throughput", "--batch-size", "8", "--data", "x.h5", "--warmup-steps", "3", "--model", "resnet18"]).unwrap();
+        assert_eq!((a.model, a.data.to_str().unwrap(), a.batch_size, a.warmup_steps, a.measured_steps), (ModelKind::Resnet18, "x.h5", 8, 3, Some(100)));
+        // A length given replaces the preset's, whichever it is.
+        let a = resolved(&["--preset", "resnet50-throughput", "--steps", "7"]).unwrap();
+        assert_eq!((a.measured_steps, a.total_steps(1000)), (None, 7));
+        let a = resolved(&["--preset", "cpu-trial", "--epochs", "2"]).unwrap();
+        assert_eq!((a.model, a.measured_steps, a.total_steps(30)), (ModelKind::Tiny, None, 60));
+        let a = resolved(&["--preset", "cpu-trial", "--measured-steps", "3"]).unwrap();
+        assert_eq!((a.warmup_steps, a.measured_steps, a.total_steps(30)), (5, Some(3), 8));
+        // No preset: the program's own defaults, as before.
+        let a = resolved(&[]).unwrap();
+        assert_eq!((a.model, a.data.to_str().unwrap(), a.batch_size, a.epochs, a.measured_steps, a.no_eval), (ModelKind::Resnet50, "datasets/fashion-mnist.h5", 64, 5, None, false));
+        assert_eq!(a.total_steps(938), 5 * 938);
+    }
+
+    #[test]
+    fn measured_steps_with_another_length_is_refused_by_name() {
+        for other in [["--steps", "5"], ["--epochs", "1"]] {
+            let err = resolved(&["--measured-steps", "3", other[0], other[1]]).unwrap_err();
+            assert!(err.contains("--measured-steps") && err.contains(other[0]) && err.contains("cannot be used with"), "{err}");
+            // The same under a preset, whose own length is no conflict.
+            let err = resolved(&["--preset", "cpu-trial", other[0], other[1], "--measured-steps", "3"]).unwrap_err();
+            assert!(err.contains("--measured-steps") && err.contains(other[0]), "{err}");
+        }
+        assert!(resolved(&["--measured-steps", "0"]).unwrap_err().contains("--measured-steps"));
+    }
+
+    /// Every preset's table names flags of the command line with values that parse there (so
+    /// that a preset could be written as a run file of the same keys), and sets each one.
+    #[test]
+    fn every_preset_names_options_of_the_command_line() {
+        use clap::CommandFactory;
+        let command = Command::command();
+        for preset in Preset::value_variants() {
+            let mut argv = vec!["hpc-train".to_string()];
+            for &(flag, value) in preset.options() {
+                let arg = command.get_arguments().find(|a| a.get_long() == Some(flag)).unwrap_or_else(|| panic!("{} names --{flag}, no option", preset.name()));
+                match arg.get_action().takes_values() {
+                    true => argv.extend([format!("--{flag}"), value.to_string()]),
+                    false => {
+                        assert_eq!(value, "true", "a switch is set by naming it");
+                        argv.push(format!("--{flag}"));
+                    }
+                }
+            }
+            let from_flags = resolved(&argv[1..].iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+            let from_preset = resolved(&["--preset", preset.name()]).unwrap();
+            assert_eq!(format!("{:?}", TrainArgs { given: Given::default(), preset: None, ..from_flags }), format!("{:?}", TrainArgs { given: Given::default(), preset: None, ..from_preset }), "{}", preset.name());
+        }
+        let mut args = resolved(&[]).unwrap();
+        assert_eq!(args.set_option("seed", "3").unwrap_err(), "a preset cannot set --seed");
+        assert!(args.set_option("model", "resnet-49").is_err());
+    }
+
+    /// The step counts of the old defaults against the preset's at 1..64 ranks, as
+    /// results/cluster-path/preset-steps.md tabulates them (printed with `--nocapture`).
+    #[test]
+    fn preset_step_table() {
+        const FASHION_MNIST_TRAIN: usize = 60_000;
+        let job_files = resolved(&["--batch-size", "256", "--epochs", "1"]).unwrap();
+        let program = resolved(&[]).unwrap();
+        let preset = resolved(&["--preset", "resnet50-throughput"]).unwrap();
+        let synthetic = crate::data::source::IMAGENET_TRAIN_SAMPLES;
+        println!("| ranks | job files' old default: steps / warm-up / measured | program's default (--epochs 5, batch 64) | --preset resnet50-throughput |");
+        println!("|---:|---|---|---|");
+        for ranks in [1usize, 2, 4, 8, 16, 32, 64] {
+            let row = |c: StepCounts| format!("{} / {} / {}", c.total, c.warmup, c.measured);
+            let (old, default, new) = (job_files.step_counts(FASHION_MNIST_TRAIN, ranks, 256), program.step_counts(FASHION_MNIST_TRAIN, ranks, 64), preset.step_counts(synthetic, ranks, 64));
+            println!("| {ranks} | {} | {} | {} |", row(old), row(default), row(new));
+            assert_eq!(new, StepCounts { total: 110, warmup: 10, measured: 100 }, "the preset measures the same at every rank count");
+            if ranks == 16 {
+                assert_eq!(old, StepCounts { total: 15, warmup: 5, measured: 10 });
+            }
+            if ranks == 64 {
+                assert_eq!(old, StepCounts { total: 4, warmup: 3, measured: 1 }, "one measured step at 64 ranks");
+            }
+        }
+    }
 }

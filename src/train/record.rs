@@ -175,6 +175,13 @@ impl Run<'_> {
             extra.insert("parameter_bytes_held".into(), held.into());
             extra.insert("peak_gathered_parameter_bytes".into(), gathered.into());
         }
+        // The steps the throughput counts, and those before them (warm-up, `--overlap auto`'s
+        // trial): a reader of the record sees how many steps its figures rest on.
+        extra.insert("measured_steps".into(), m.steps.into());
+        extra.insert("warmup_steps".into(), out.totals.steps.saturating_sub(m.steps).into());
+        if let Some(preset) = args.preset {
+            extra.insert("preset".into(), preset.name().into());
+        }
         extra.insert("precision".into(), serde_json::to_value(args.precision).unwrap_or_default());
         extra.insert("channels_last".into(), args.channels_last.into());
         if args.recipe.scale_lr != crate::optim::ScaleLr::None {

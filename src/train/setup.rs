@@ -66,7 +66,7 @@ impl<'a> Run<'a> {
             world.agree::<()>(Err(Error::data(&args.data, why)))?;
         }
         let steps_per_epoch = info.train.len.div_ceil(global_batch) as u64;
-        let total_steps = args.steps.unwrap_or(args.epochs * steps_per_epoch);
+        let total_steps = args.total_steps(steps_per_epoch);
         world.agree(check_model_fits(args, &info, &plan, world))?;
         // --tensor-parallel: the groups, and their all-reduce behind the model's layers.
         let tensor_parallel = match args.tensor_parallel {
@@ -99,9 +99,15 @@ impl<'a> Run<'a> {
             world.local.all_reduce_into(&i32::from(reads_images), &mut sum, mpi::collective::SystemOperation::sum());
             sum as usize
         };
-        let cache_data = world.agree(match reads_images {
-            true => data::loader::cache_decision(args.cache_data, split_bytes, image_ranks_on_node, data::loader::memory_available()),
-            false => Ok(false),
+        // Generated samples (`--data synthetic:...`) are drawn as they are read: nothing to hold.
+        let generated = data::source::SyntheticData::from_path(&args.data).is_some();
+        let cache_data = world.agree(match (reads_images, generated) {
+            (_, true) if args.cache_data == data::loader::CacheData::On => Err(Error::usage(format!(
+                "--cache-data on with --data {}: its samples are generated as they are read, there is no file to hold in memory; drop --cache-data",
+                args.data.display()
+            ))),
+            (true, false) => data::loader::cache_decision(args.cache_data, split_bytes, image_ranks_on_node, data::loader::memory_available()),
+            _ => Ok(false),
         })?;
         // The ranks that hold the same variables: all of them, a stage's replicas, or the ranks
         // of the other groups that hold the same part.
@@ -245,6 +251,10 @@ impl<'a> Run<'a> {
             info.train.len, info.test.len, plan.batch, if self.pipeline.is_some() { "pipeline" } else { "rank" }, self.global_batch, self.first_step, self.total_steps, self.total_steps as f64 / self.steps_per_epoch as f64,
             device_name(plan.device), plan.threads
         );
+        if let Some(preset) = args.preset {
+            let counts = args.step_counts(info.train.len, self.workers, plan.batch);
+            log::info!("--preset {}: {} warm-up and {} measured step(s)", preset.name(), counts.warmup, counts.measured);
+        }
         if let Some(tp) = &self.tensor_parallel {
             log::info!(
                 "tensor parallel: {}; each encoder layer's heads and MLP columns cut over {} ranks, their partial sums all-reduced by {}",
@@ -307,7 +317,9 @@ impl<'a> Run<'a> {
             Some(p) if p.plan.grid.stages > 1 => ("the training split's images", "; as on each pipeline's first stage (its last stage reads the labels alone, the stages between read nothing)"),
             _ => ("the training split", ""),
         };
-        if self.cache_data {
+        if data::source::SyntheticData::from_path(&args.data).is_some() {
+            log::info!("the training samples are generated as they are read ({split_mb:.1} MB nominal, none of it held)");
+        } else if self.cache_data {
             log::info!("rank 0 holds {what} in memory ({split_mb:.1} MB; --cache-data){pipelined}");
         } else if args.cache_data == data::loader::CacheData::Auto {
             match data::loader::memory_available() {
