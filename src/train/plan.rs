@@ -559,9 +559,11 @@ pub fn choose_device(choice: DeviceChoice, allow_sharing: bool, world: &World) -
     };
     // Which GPU each rank took, and what the launcher let it see: rank 0 says it for every rank
     // (the others log warnings only), one line each, in rank order. Nothing on CPU-only runs.
-    let lines = gather_strings(&world.comm, line.as_deref().unwrap_or(""));
+    // Each line ended by a newline: Open MPI refuses an all-gather of no bytes at all, which a
+    // run with no GPU anywhere would be.
+    let lines = gather_strings(&world.comm, &format!("{}\n", line.as_deref().unwrap_or("")));
     if world.is_root() {
-        for line in lines.iter().filter(|l| !l.is_empty()) {
+        for line in lines.iter().map(|l| l.trim_end()).filter(|l| !l.is_empty()) {
             log::info!("{line}");
         }
     }
