@@ -1,5 +1,6 @@
-# Shared by the job files in jobs/: settings from the environment, the launch of one point of a
-# sweep, and the report at the end. Sourced, not run.
+# Shared by the job files in jobs/: settings from the environment, site settings (jobs/site.sh),
+# the output folder, the launch of one point of a sweep, stop-and-requeue, the report at the end.
+# Sourced, not run.
 #
 # Every setting is an environment variable with a default; set it at submission, e.g.
 #   MODEL=resnet18 STRATEGIES="ring horovod" sbatch --nodes=8 jobs/weak_scaling.sbatch
@@ -7,56 +8,98 @@
 # | variable          | default                                   | meaning |
 # |-------------------|-------------------------------------------|---------|
 # | HPC_TRAIN         | $SLURM_SUBMIT_DIR/target/release/hpc-train | the binary (or the packed one, scripts/pack.sh) |
+# | SITE_SH           | jobs/site.sh (sourced when present)       | modules and MPI settings of your site (jobs/site.sh.example) |
+# | OUTPUT_DIR        | $SCRATCH/hpc-train/<job id>, else $HOME/hpc-train/<job id> | the job's log, the points' logs, checkpoints |
+# | RESULTS           | $OUTPUT_DIR                               | runs.jsonl, points.jsonl, bench.jsonl, reports |
+# | JOB_LOG           | $OUTPUT_DIR/slurm-<job id>.out            | where the job's output goes; empty: stay in sbatch's --output |
 # | RANKS_PER_NODE    | $SLURM_NTASKS_PER_NODE, else 1            | ranks (= GPUs) per node |
 # | GPUS_PER_RANK     | 1                                         | 0 for CPU-only nodes |
+# | GPU_BIND          | node                                      | node: every rank sees the node's GPUs (srun --gpus-per-node) and takes its node-local rank's; task: srun --gpus-per-task, each rank sees its own |
 # | NODE_COUNTS       | 1 2 4 ... up to the allocation            | the sweep, in nodes |
 # | RANK_COUNTS       | (NODE_COUNTS x RANKS_PER_NODE)            | the sweep in ranks, instead of nodes |
 # | STRATEGIES        | ring ps allreduce horovod                 | strategies at every point |
-# | MODEL             | resnet50                                  | model |
-# | DATA              | datasets/fashion-mnist.h5                 | dataset file (on a shared file system) |
-# | BATCH             | 256                                       | per-rank batch (weak scaling) |
+# | PRESET            | resnet50-throughput                       | hpc-train --preset (synthetic ImageNet-sized images, fixed steps); empty: none, MODEL etc. below |
+# | MODEL             | (the preset's; resnet50 without one)      | model |
+# | DATA              | (the preset's; datasets/fashion-mnist.h5) | dataset file (on a shared file system) |
+# | BATCH             | (the preset's; 256)                       | per-rank batch (weak scaling) |
 # | GLOBAL_BATCH      | 1024                                      | global batch (strong scaling) |
-# | EPOCHS            | 1                                         | epochs per point (unless STEPS) |
-# | STEPS             | (unset)                                   | steps per point, instead of EPOCHS |
-# | RESULTS           | results                                   | runs.jsonl, bench.jsonl, reports |
+# | EPOCHS            | (the preset's; 1)                         | epochs per point (unless STEPS) |
+# | STEPS             | (the preset's; unset)                     | steps per point, instead of EPOCHS |
 # | LAUNCHER          | srun                                      | srun, or mpirun: the MPI library's own launcher |
 # | SRUN_MPI          | by the binary's MPI (see below)           | srun --mpi= (pmix for Open MPI, pmi2 for the MPICH family) |
 # | MPIEXEC           | by the binary's MPI (see below)           | the program LAUNCHER=mpirun runs (mpirun, mpiexec.mpich...) |
 # | LAUNCH_EXTRA      | (unset)                                   | more launcher options (e.g. --overcommit) |
 # | EXTRA_ARGS        | (unset)                                   | more hpc-train options for every run |
-# | CHECKPOINT_DIR    | (unset)                                   | checkpoints, one folder per point: DIR/<strategy>-<ranks> |
-# | RESUME            | (unset)                                   | 1: each point continues from its folder's newest checkpoint |
+# | CHECKPOINT_DIR    | $OUTPUT_DIR/checkpoints/<study>           | checkpoints, one folder per point: DIR/<point>; empty: none |
+# | RESUME            | 1 in a requeued job, else unset           | 1: each point continues from its folder's newest checkpoint |
+# | REQUEUE           | 1 in a batch job                          | a point stopped by a signal (exit 143) requeues the job (scontrol requeue) |
 # | STUDY_ID          | <job name>-<job id>                       | tags the runs; the report selects them |
-
-# A point that fails ends the script (set -e), and so does one a signal stopped: hpc-train
-# exits 143 when it stopped before its last step (1 when nothing was saved), see jobs/README.md.
+#
+# The points of a sweep: each one's output goes to OUTPUT_DIR/logs/<study>/<point>.log and the job's
+# log, and its exit status to RESULTS/points.jsonl. A point that fails (any non-zero status but
+# 143) is recorded and the sweep goes on; the report lists it, and the job exits 1 at the end.
+# A point stopped by a signal (143: hpc-train wrote a checkpoint; see jobs/README.md) ends the
+# sweep there, and with REQUEUE=1 the job is requeued: the next run skips the points that ended,
+# and continues the stopped one from its checkpoint.
 set -euo pipefail
 
-# Site modules: edit for your cluster (these are typical names).
-# module purge
-# module load gcc/12 openmpi/4.1 cuda/12.4 hdf5/1.12
-
 cd "${SLURM_SUBMIT_DIR:-.}"
+JOBS_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+# Site settings (modules, MPI variables): jobs/site.sh, made from jobs/site.sh.example.
+SITE_SH=${SITE_SH:-$JOBS_DIR/site.sh}
+if [ -f "$SITE_SH" ]; then
+    echo "site settings: $SITE_SH"
+    # shellcheck source=/dev/null
+    source "$SITE_SH"
+fi
+
+JOB_ID=${SLURM_JOB_ID:-local-$$}
+STUDY_ID=${STUDY_ID:-${SLURM_JOB_NAME:-hpc-train}-${JOB_ID}}
+# The output folder: never the checkout, unless asked. RESULTS given alone is the output folder.
+if [ -z "${OUTPUT_DIR:-}" ]; then
+    if [ -n "${RESULTS:-}" ]; then OUTPUT_DIR=$RESULTS
+    elif [ -n "${SCRATCH:-}" ]; then OUTPUT_DIR=$SCRATCH/hpc-train/$JOB_ID
+    else OUTPUT_DIR=$HOME/hpc-train/$JOB_ID
+    fi
+fi
+RESULTS=${RESULTS:-$OUTPUT_DIR}
+mkdir -p "$OUTPUT_DIR/logs/$STUDY_ID" "$RESULTS"
+OUTPUT_DIR=$(cd "$OUTPUT_DIR" && pwd)
+RESULTS=$(cd "$RESULTS" && pwd)
+# The job's output from here on, appended (a requeued job continues it). What sbatch's --output
+# holds is this line and Slurm's own messages.
+JOB_LOG=${JOB_LOG-$OUTPUT_DIR/slurm-$JOB_ID.out}
+if [ -n "$JOB_LOG" ]; then
+    echo "job $JOB_ID: log in $JOB_LOG, results in $RESULTS"
+    exec >> "$JOB_LOG" 2>&1
+fi
+echo "job $JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NODELIST:-$(hostname)}, $(date -u +%FT%TZ): output in $OUTPUT_DIR, results in $RESULTS"
+
 HPC_TRAIN=${HPC_TRAIN:-$PWD/target/release/hpc-train}
 RANKS_PER_NODE=${RANKS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-1}}
 GPUS_PER_RANK=${GPUS_PER_RANK:-1}
+GPU_BIND=${GPU_BIND:-node}
 STRATEGIES=${STRATEGIES:-ring ps allreduce horovod}
-MODEL=${MODEL:-resnet50}
-DATA=${DATA:-datasets/fashion-mnist.h5}
-BATCH=${BATCH:-256}
+PRESET=${PRESET-resnet50-throughput}
 GLOBAL_BATCH=${GLOBAL_BATCH:-1024}
-EPOCHS=${EPOCHS:-1}
-RESULTS=${RESULTS:-results}
 LAUNCHER=${LAUNCHER:-srun}
 LAUNCH_EXTRA=${LAUNCH_EXTRA:-}
 EXTRA_ARGS=${EXTRA_ARGS:-}
-CHECKPOINT_DIR=${CHECKPOINT_DIR:-}
+CHECKPOINT_DIR=${CHECKPOINT_DIR-$OUTPUT_DIR/checkpoints/$STUDY_ID}
+# A requeued job continues every point from its checkpoint.
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=${RESUME:-1}; fi
 RESUME=${RESUME:-}
-STUDY_ID=${STUDY_ID:-${SLURM_JOB_NAME:-hpc-train}-${SLURM_JOB_ID:-local}}
+REQUEUE=${REQUEUE:-$([ -n "${SLURM_JOB_ID:-}" ] && echo 1 || echo 0)}
 ALLOC_NODES=${SLURM_JOB_NUM_NODES:-1}
+POINTS=$RESULTS/points.jsonl
 
 [ -x "$HPC_TRAIN" ] || { echo "HPC_TRAIN=$HPC_TRAIN is not an executable (build it, or pack it with scripts/pack.sh)" >&2; exit 1; }
-mkdir -p "$RESULTS"
+case "$GPU_BIND" in node|task) ;; *) echo "GPU_BIND=$GPU_BIND: expected node or task" >&2; exit 2 ;; esac
+
+# Slurm 22.05 and later: srun in a batch job does not inherit sbatch's --cpus-per-task; without it
+# each rank gets one core (and libtorch one thread's worth).
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK; fi
 
 # The launchers follow the MPI library the binary was built against (`hpc-train --version`, which
 # needs no launcher): a launcher of another MPI would start every rank as a job of its own.
@@ -82,69 +125,223 @@ if [ -z "${RANK_COUNTS:-}" ]; then
     for n in $NODE_COUNTS; do RANK_COUNTS="$RANK_COUNTS $((n * RANKS_PER_NODE))"; done
 fi
 
-# Runs "$@" on RANKS ranks of this allocation, filling nodes RANKS_PER_NODE at a time.
-launch() {
+# LAUNCH_CMD=(launcher ... "$@"): runs "$@" on RANKS ranks of this allocation, filling nodes
+# RANKS_PER_NODE at a time.
+launch_command() {
     local ranks=$1; shift
     local nodes=$(( (ranks + RANKS_PER_NODE - 1) / RANKS_PER_NODE ))
     local per_node=$(( ranks < RANKS_PER_NODE ? ranks : RANKS_PER_NODE ))
+    local extra=()
+    # shellcheck disable=SC2206
+    [ -n "$LAUNCH_EXTRA" ] && extra=($LAUNCH_EXTRA)
     case "$LAUNCHER" in
         srun)
-            local gpus=()
-            [ "$GPUS_PER_RANK" -gt 0 ] && gpus=(--gpus-per-task="$GPUS_PER_RANK")
-            # shellcheck disable=SC2086
-            srun --mpi="$SRUN_MPI" --nodes="$nodes" --ntasks="$ranks" --ntasks-per-node="$per_node" \
-                "${gpus[@]}" --kill-on-bad-exit=1 $LAUNCH_EXTRA "$@" ;;
+            local gpus=() cpus=()
+            if [ "$GPUS_PER_RANK" -gt 0 ]; then
+                # node: every rank of a node sees all the step's GPUs there (Slurm sets the same
+                # CUDA_VISIBLE_DEVICES for each), so that CUDA IPC between them works, and hpc-train
+                # gives each its node-local rank's. No --gpu-bind=none: with it Slurm 22.05 sets no
+                # CUDA_VISIBLE_DEVICES at all, and where no cgroup hides the other jobs' GPUs a
+                # rank would see them too. task: one GPU per rank.
+                if [ "$GPU_BIND" = node ]; then gpus=(--gpus-per-node="$((per_node * GPUS_PER_RANK))")
+                else gpus=(--gpus-per-task="$GPUS_PER_RANK"); fi
+            fi
+            [ -n "${SLURM_CPUS_PER_TASK:-}" ] && cpus=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+            LAUNCH_CMD=(srun --mpi="$SRUN_MPI" --nodes="$nodes" --ntasks="$ranks" --ntasks-per-node="$per_node"
+                "${cpus[@]}" "${gpus[@]}" --kill-on-bad-exit=1 "${extra[@]}" "$@") ;;
         mpirun)
             local hosts
             hosts=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname)}" | head -n "$nodes" | sed "s/\$/:$per_node/" | paste -sd, -)
             if [ "$MPI_FAMILY" = mpich ]; then
-                # Hydra: the first NODES hosts of the allocation, PER_NODE ranks on each.
-                # shellcheck disable=SC2086
-                "$MPIEXEC" -n "$ranks" -hosts "$hosts" -ppn "$per_node" $LAUNCH_EXTRA "$@"
+                # Hydra: the first NODES hosts of the allocation, PER_NODE ranks on each; it binds
+                # no rank to a core unless asked.
+                LAUNCH_CMD=("$MPIEXEC" -n "$ranks" -hosts "$hosts" -ppn "$per_node" "${extra[@]}" "$@")
             else
-                # shellcheck disable=SC2086
-                "$MPIEXEC" -n "$ranks" --host "$hosts" --map-by "ppr:$per_node:node" $LAUNCH_EXTRA "$@"
+                # Open MPI binds each rank to a core by default: a GPU rank's kernel-launching
+                # thread, loader and autograd thread would share it.
+                local bind=()
+                [ "$GPUS_PER_RANK" -gt 0 ] && bind=(--bind-to none)
+                LAUNCH_CMD=("$MPIEXEC" -n "$ranks" --host "$hosts" --map-by "ppr:$per_node:node" "${bind[@]}" "${extra[@]}" "$@")
             fi ;;
         *) echo "LAUNCHER=$LAUNCHER: expected srun or mpirun" >&2; exit 2 ;;
     esac
 }
 
-length_args() {
-    if [ -n "${STEPS:-}" ]; then echo "--steps $STEPS"; else echo "--epochs $EPOCHS"; fi
+# Runs "$@" on RANKS ranks in the foreground (for scripts of your own).
+launch() {
+    launch_command "$@"
+    "${LAUNCH_CMD[@]}"
+}
+
+# The model, data, batch and length of a training point: the preset's, with what the user set
+# on top; without a preset, the defaults of the table above.
+training_args() {
+    local scaling=$1
+    if [ -n "$PRESET" ]; then
+        TRAIN_ARGS=(--preset "$PRESET")
+        [ -n "${MODEL:-}" ] && TRAIN_ARGS+=(--model "$MODEL")
+        [ -n "${DATA:-}" ] && TRAIN_ARGS+=(--data "$DATA")
+        [ -n "${EPOCHS:-}" ] && TRAIN_ARGS+=(--epochs "$EPOCHS")
+        [ -n "${STEPS:-}" ] && TRAIN_ARGS+=(--steps "$STEPS")
+        [ "$scaling" != strong ] && [ -n "${BATCH:-}" ] && TRAIN_ARGS+=(--batch-size "$BATCH")
+    else
+        TRAIN_ARGS=(--model "${MODEL:-resnet50}" --data "${DATA:-datasets/fashion-mnist.h5}")
+        if [ -n "${STEPS:-}" ]; then TRAIN_ARGS+=(--steps "$STEPS"); else TRAIN_ARGS+=(--epochs "${EPOCHS:-1}"); fi
+        [ "$scaling" != strong ] && TRAIN_ARGS+=(--batch-size "${BATCH:-256}")
+    fi
+    case "$scaling" in
+        weak) TRAIN_ARGS+=(--scaling weak) ;;
+        strong) TRAIN_ARGS+=(--scaling strong --global-batch "$GLOBAL_BATCH") ;;
+        *) ;;   # a layout of its own (pipeline.sbatch): no scaling options
+    esac
+    return 0
 }
 
 # Checkpoint options of one point: a folder of its own under CHECKPOINT_DIR (hpc-train refuses
 # a run from step 0 into a folder that holds another run's checkpoints, and a shared folder
 # would let one point prune another's), and --resume with RESUME=1.
 checkpoint_args() {
-    local point=$1
+    CKPT_ARGS=()
     [ -n "$CHECKPOINT_DIR" ] || return 0
-    echo "--checkpoint-dir $CHECKPOINT_DIR/$point"
-    if [ "$RESUME" = 1 ]; then echo "--resume"; fi
+    CKPT_ARGS=(--checkpoint-dir "$CHECKPOINT_DIR/$1")
+    if [ "$RESUME" = 1 ]; then CKPT_ARGS+=(--resume); fi
+    return 0
+}
+
+# --- points, signals, requeue ------------------------------------------------------------------
+
+STEP_PID=""
+SIGNALS=0
+STOPPED=""
+# Slurm's --signal=B:USR1@300 (and SIGTERM at the time limit, or scancel) reach this shell only:
+# pass the signal to the running step (srun and mpirun forward it to every rank), whose ranks
+# write a checkpoint and exit 143. The shell runs a trap only once its foreground command ends,
+# hence the steps run in the background and the shell waits for them.
+on_signal() {
+    SIGNALS=$((SIGNALS + 1))
+    echo "$(date -u +%T) job received SIG$1: passing it to the running step${STEP_PID:+ (PID $STEP_PID)}"
+    if [ -n "$STEP_PID" ]; then kill -s "$1" "$STEP_PID" 2>/dev/null || true; fi
+}
+trap 'on_signal USR1' USR1
+trap 'on_signal TERM' TERM
+
+# How the last try of POINT in this study ended, if it ran: "stopped" (by a signal, with a
+# checkpoint), else its exit status (points.jsonl, one JSON object a line, from record_point).
+last_status() {
+    [ -f "$POINTS" ] || return 0
+    grep -F "\"study\":\"$STUDY_ID\"," "$POINTS" | grep -F "\"point\":\"$1\"," | tail -n 1 \
+        | sed -n 's/.*"exit_code":\([0-9]*\),.*"stopped":\(true\|false\).*/\1 \2/p' \
+        | awk '{ print ($2 == "true" ? "stopped" : $1) }'
+}
+
+json_string() { printf '%s' "$1" | sed 's/\\/\\\\/g; s/"/\\"/g'; }
+
+record_point() {
+    local point=$1 strategy=$2 ranks=$3 code=$4 stopped=$5 start=$6 end=$7 log=$8
+    printf '{"study":"%s","point":"%s","strategy":"%s","ranks":%d,"exit_code":%d,"stopped":%s,"start":"%s","end":"%s","log":"%s","job":"%s","restart":%d}\n' \
+        "$(json_string "$STUDY_ID")" "$(json_string "$point")" "$(json_string "$strategy")" "$ranks" "$code" "$stopped" "$start" "$end" \
+        "$(json_string "$log")" "$JOB_ID" "${SLURM_RESTART_COUNT:-0}" >> "$POINTS"
+}
+
+# run_point POINT STRATEGY RANKS COMMAND...: one point of the sweep, COMMAND on RANKS ranks. A
+# point that ended in an earlier run of this job (requeued) is skipped, unless a signal stopped it.
+# Returns 143 when a signal stopped it (the caller ends the sweep), else 0.
+run_point() {
+    local point=$1 strategy=$2 ranks=$3; shift 3
+    local before
+    before=$(last_status "$point")
+    if [ -n "$before" ] && [ "$before" != stopped ]; then
+        echo "== $point: ended (exit $before) in an earlier run of this job; skipped"
+        return 0
+    fi
+    if [ "$SIGNALS" -gt 0 ]; then
+        # The signal came between two points: stop before this one.
+        echo "== $point: not started (the job was signalled)"; STOPPED=$point; return 143
+    fi
+    local log=$OUTPUT_DIR/logs/$STUDY_ID/$point.log start end rc="" r signals
+    launch_command "$ranks" "$@"
+    echo "== $point: $strategy on $ranks rank(s), log $log"
+    echo "   ${LAUNCH_CMD[*]}"
+    start=$(date -u +%FT%TZ)
+    "${LAUNCH_CMD[@]}" > >(tee -a "$log") 2>&1 &
+    STEP_PID=$!
+    # Wait for the step; a trap cuts a wait short, so wait again for its real status (a wait for
+    # a step already collected answers 127: the status from before stands).
+    while :; do
+        signals=$SIGNALS; r=0
+        wait "$STEP_PID" 2>/dev/null || r=$?
+        if [ "$r" -eq 127 ] && [ -n "$rc" ]; then break; fi
+        rc=$r
+        [ "$SIGNALS" != "$signals" ] || break
+    done
+    STEP_PID=""
+    end=$(date -u +%FT%TZ)
+    # 143 is a stop only after a signal to the job: srun also exits 143 when it terminated the
+    # other ranks of a step one of which failed (--kill-on-bad-exit).
+    local stopped=false
+    [ "$rc" = 143 ] && [ "$SIGNALS" -gt 0 ] && stopped=true
+    record_point "$point" "$strategy" "$ranks" "$rc" "$stopped" "$start" "$end" "$log"
+    if [ "$stopped" = true ]; then
+        echo "== $point: stopped by a signal after writing a checkpoint (exit 143)"; STOPPED=$point; return 143
+    elif [ "$rc" != 0 ]; then
+        echo "== $point: FAILED (exit $rc); recorded in $POINTS, going on with the sweep"
+    fi
+    return 0
+}
+
+# After a point stopped by a signal: requeue the job (REQUEUE=1), so that its next run continues
+# the stopped point from its checkpoint; exits 143 either way.
+stopped_exit() {
+    if [ "$REQUEUE" = 1 ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+        echo "requeueing job $SLURM_JOB_ID: its next run resumes $STOPPED from $CHECKPOINT_DIR/$STOPPED and skips the points that ended"
+        scontrol requeue "$SLURM_JOB_ID" || echo "scontrol requeue failed: submit again with RESUME=1 STUDY_ID=$STUDY_ID OUTPUT_DIR=$OUTPUT_DIR"
+    fi
+    exit 143
+}
+
+# The points of this study whose last try failed, one "point (exit N)" a line.
+failed_points() {
+    [ -f "$POINTS" ] || return 0
+    grep -F "\"study\":\"$STUDY_ID\"," "$POINTS" \
+        | sed -n 's/.*"point":"\([^"]*\)".*"exit_code":\([0-9]*\).*/\1 \2/p' \
+        | awk '{ last[$1] = $2; if (!($1 in seen)) { order[++n] = $1; seen[$1] = 1 } }
+               END { for (i = 1; i <= n; i++) if (last[order[i]] != 0) print order[i] " (exit " last[order[i]] ")" }'
+}
+
+# The end of a sweep: the report, then exit 1 where a point failed.
+finish_sweep() {
+    make_report || echo "the report failed (above); the records are in $RESULTS"
+    local failed
+    failed=$(failed_points)
+    if [ -n "$failed" ]; then
+        echo "study $STUDY_ID: $(echo "$failed" | wc -l) point(s) failed: $(echo "$failed" | paste -sd, - | sed 's/,/, /g')"
+        exit 1
+    fi
+    echo "study $STUDY_ID: every point ran; results in $RESULTS"
 }
 
 # A training sweep: every rank count x every strategy, each a job step of its own.
 run_sweep() {
     local scaling=$1
-    local batch_args
-    if [ "$scaling" = weak ]; then batch_args="--batch-size $BATCH"; else batch_args="--global-batch $GLOBAL_BATCH"; fi
-    echo "study $STUDY_ID: $scaling scaling of $MODEL, ranks:$RANK_COUNTS, strategies: $STRATEGIES"
+    training_args "$scaling"
+    echo "study $STUDY_ID: $scaling scaling, ${PRESET:+preset $PRESET, }ranks:$RANK_COUNTS, strategies: $STRATEGIES"
+    local ranks strategy extra=()
+    # shellcheck disable=SC2206
+    [ -n "$EXTRA_ARGS" ] && extra=($EXTRA_ARGS)
     for ranks in $RANK_COUNTS; do
         for strategy in $STRATEGIES; do
             if [ "$strategy" = ps ] && [ "$ranks" -lt 2 ] && [[ "$EXTRA_ARGS" != *--ps-colocate* ]]; then
                 echo "skipping ps at 1 rank: a dedicated server leaves no worker"; continue
             fi
-            echo "== $strategy on $ranks rank(s)"
-            # shellcheck disable=SC2046,SC2086
-            launch "$ranks" "$HPC_TRAIN" --strategy "$strategy" --model "$MODEL" --data "$DATA" \
-                --scaling "$scaling" $batch_args $(length_args) --results "$RESULTS" \
-                --study-tag "$STUDY_ID" $(checkpoint_args "$strategy-$ranks") $EXTRA_ARGS
+            checkpoint_args "$strategy-$ranks"
+            run_point "$strategy-$ranks" "$strategy" "$ranks" "$HPC_TRAIN" --strategy "$strategy" "${TRAIN_ARGS[@]}" \
+                --results "$RESULTS" --study-tag "$STUDY_ID" "${CKPT_ARGS[@]}" "${extra[@]}" || stopped_exit
         done
     done
-    make_report
+    finish_sweep
 }
 
-# Tables and plots of this study's runs (serial, on the batch host).
+# Tables and plots of this study's runs and failed points (serial, on the batch host).
 make_report() {
     "$HPC_TRAIN" report --input "$RESULTS/runs.jsonl" --study "$STUDY_ID" --out "$RESULTS/report-$STUDY_ID"
 }

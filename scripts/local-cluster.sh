@@ -15,9 +15,12 @@
 #       over the nodes (every node with $(nproc) slots): Open MPI's `mpirun -n 4 --map-by
 #       ppr:2:node hpc-train ...` or MPICH's Hydra, `mpiexec.mpich -n 4 -ppn 2 hpc-train ...`.
 #       Prints only what COMMAND prints; exits with its status.
-#   scripts/local-cluster.sh slurm DIR
+#   scripts/local-cluster.sh slurm DIR [--gpus-per-node G]
 #       a Slurm cluster on the nodes: slurmctld on node1, one slurmd per node (NodeName=nodeK,
-#       NodeAddr its address), one munged; prints the line to export SLURM_CONF.
+#       NodeAddr its address), one munged; prints the line to export SLURM_CONF. --gpus-per-node
+#       declares G GPUs per node as a generic resource (gres/gpu over placeholder device files in
+#       DIR/slurm/dev, no GPU needed), so that Slurm sets CUDA_VISIBLE_DEVICES in jobs as on a GPU
+#       cluster; with TaskPlugin=task/none nothing hides the other GPUs from a task.
 #   scripts/local-cluster.sh link DIR NODE down|up
 #       takes NODE's link (node2 or 2) down or up, as a pulled cable would.
 #   scripts/local-cluster.sh down DIR
@@ -307,16 +310,25 @@ cmd_link() {
 # --- slurm -------------------------------------------------------------------------------------
 
 cmd_slurm() {
+    local gpus=0
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --gpus-per-node) gpus=${2:-}; shift 2 ;;
+            *) usage ;;
+        esac
+    done
+    [[ "$gpus" =~ ^[0-9]+$ ]] && [ "$gpus" -le 16 ] || { echo "$0 slurm: --gpus-per-node expects 0..16" >&2; exit 2; }
     load_conf && [ -f "$dir/nodes" ] || { echo "$0 slurm: $dir is not up" >&2; exit 1; }
     need_packages slurm-wlm munge
     local s="$dir/slurm"
     if [ -f "$s/slurmctld.pid" ]; then echo "$0 slurm: already started in $s" >&2; exit 1; fi
     # A fresh Slurm each time: no jobs or node states of an earlier start.
-    rm -rf "$s/state" "$s/spool" "$s/tmp"
+    rm -rf "$s/state" "$s/spool" "$s/tmp" "$s/dev" "$s/gres.conf"
     mkdir -p "$s/state" "$s/log"
     start_munged "$s"
-    local cpus k
+    local cpus k gres=""
     cpus=$(nproc)
+    [ "$gpus" -gt 0 ] && gres=" Gres=gpu:$gpus"
     # Tasks of jobs get the Open MPI settings that `run` gives mpirun (TCP on this subnet only,
     # yield when idle, session folders in DIR/tmp), and Hydra the address to be called back on:
     # a task prolog's "export NAME=value" lines go into every task's environment.
@@ -331,10 +343,23 @@ cmd_slurm() {
         echo "TmpFS=$s/tmp/%n"
         echo "SlurmdPidFile=$s/slurmd.%n.pid"
         echo "SlurmdLogFile=$s/log/slurmd.%n.log"
+        if [ "$gpus" -gt 0 ]; then echo "GresTypes=gpu"; fi
         for k in $(seq "$NODES"); do
-            echo "NodeName=node$k NodeAddr=$NET.$k NodeHostname=node$k CPUs=$cpus State=UNKNOWN"
+            echo "NodeName=node$k NodeAddr=$NET.$k NodeHostname=node$k CPUs=$cpus${gres} State=UNKNOWN"
         done
     } | write_slurm_conf "$s" hpctraincluster node1 "$NET.1"
+    if [ "$gpus" -gt 0 ]; then
+        # Placeholder device files, one set per node; slurmd reads only their names (the index in
+        # CUDA_VISIBLE_DEVICES is their order), since no cgroup constrains devices here.
+        {
+            echo "AutoDetect=off"
+            for k in $(seq "$NODES"); do
+                mkdir -p "$s/dev/node$k"
+                for g in $(seq 0 $((gpus - 1))); do mknod "$s/dev/node$k/nvidia$g" c 195 "$g"; done
+                echo "NodeName=node$k Name=gpu File=$s/dev/node$k/nvidia[0-$((gpus - 1))]"
+            done
+        } > "$s/gres.conf"
+    fi
     export SLURM_CONF="$s/slurm.conf"
     nsenter -t "$(holder_pid 1)" -n -u -- slurmctld -f "$SLURM_CONF" -i
     for k in $(seq "$NODES"); do
@@ -359,6 +384,6 @@ case "$cmd" in
     down) [ -d "$dir" ] || exit 0; dir=$(cd "$dir" && pwd); cmd_down ;;
     run) dir=$(cd "$dir" && pwd); cmd_run "$@" ;;
     link) dir=$(cd "$dir" && pwd); cmd_link "$@" ;;
-    slurm) dir=$(cd "$dir" && pwd); cmd_slurm ;;
+    slurm) dir=$(cd "$dir" && pwd); cmd_slurm "$@" ;;
     *) usage ;;
 esac

@@ -89,10 +89,11 @@ impl Cluster {
         text
     }
 
-    /// `local-cluster.sh slurm`: the SLURM_CONF of a Slurm with one slurmd per node, or None
-    /// (with the reason) when Slurm could not be installed.
-    fn slurm(&self) -> Option<PathBuf> {
-        let out = Command::new(script()).arg("slurm").arg(&self.dir).output().unwrap();
+    /// `local-cluster.sh slurm --gpus-per-node G`: the SLURM_CONF of a Slurm with one slurmd per
+    /// node, each with G GPUs declared as a generic resource, or None (with the reason) when
+    /// Slurm could not be installed.
+    fn slurm(&self, gpus_per_node: usize) -> Option<PathBuf> {
+        let out = Command::new(script()).arg("slurm").arg(&self.dir).args(["--gpus-per-node", &gpus_per_node.to_string()]).output().unwrap();
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         if !out.status.success() && text.contains("could not install") {
             eprintln!("skipped: Slurm (slurm-wlm, munge) is not installed and could not be:\n{text}");
@@ -217,51 +218,112 @@ fn the_bench_across_two_nodes_records_two_nodes() {
     }
 }
 
+/// The job files on 2 Slurm nodes whose 2 GPUs each are declared as generic resources (over
+/// placeholder devices), so that Slurm sets CUDA_VISIBLE_DEVICES as on a GPU cluster, and the
+/// binary pretends to have those GPUs (HPC_TRAIN_SIMULATE_GPUS) and trains on the CPU. Every
+/// rank's device line says which GPU it would take: node-wide binding (srun --gpus-per-node,
+/// every rank sees both) and per-task binding (--gpus-per-task=1, each sees its own). A point
+/// that fails is recorded and the sweep goes on; the report lists it; the job fails at the end.
+/// Without RESULTS, everything goes to $SCRATCH/hpc-train/<job id>.
 #[test]
 fn job_files_run_across_two_slurm_nodes() {
     let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     let dir = scratch("cluster-slurm");
     let Some(cluster) = Cluster::up(&dir.join("cluster"), 2) else { return };
-    let Some(conf) = cluster.slurm() else { return };
+    let Some(conf) = cluster.slurm(2) else { return };
     let data = synth(&dir, "slurm", 400, 40, "1x16x16", 4);
     let results = dir.join("results");
     let (d, r) = (data.to_str().unwrap(), results.to_str().unwrap());
-    let submit = |job: &str, env: &[(&str, &str)], log: &str| -> String {
+    // Returns whether the job succeeded, and its log (sbatch's --output, or JOB_LOG's file).
+    let submit = |job: &str, options: &[&str], env: &[(&str, &str)], log: &str| -> (bool, String) {
         let log = dir.join(log);
         let run = sbatch_and_wait(
             |cmd| {
-                cmd.args(["--nodes=2", "--ntasks-per-node=2", "--gpus-per-task=0", "--cpus-per-task=1", "--overcommit"])
+                cmd.args(["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--overcommit"])
+                    .args(options)
                     .arg(format!("--output={}", log.display()))
                     .arg(root().join(job))
                     .current_dir(root())
                     .env("SLURM_CONF", &conf)
                     .env("HPC_TRAIN", bin())
+                    .env("HPC_TRAIN_SIMULATE_GPUS", "GPU-a,GPU-b")
                     .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
                     .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
                     .envs(env.iter().copied());
             },
             Duration::from_secs(300),
         );
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        assert!(run.ok(), "{job} failed ({:?}):\n{}{}\n--- job log ---\n{text}", run.status, run.stdout, run.stderr);
-        text
+        (run.ok(), std::fs::read_to_string(&log).unwrap_or_default())
     };
     let common = [
-        ("RESULTS", r), ("DATA", d), ("MODEL", "tiny"), ("STEPS", "6"), ("GPUS_PER_RANK", "0"),
-        ("RANK_COUNTS", "4"), ("EXTRA_ARGS", "--no-eval --threads 1"),
+        ("PRESET", ""), ("DATA", d), ("MODEL", "tiny"), ("STEPS", "4"), ("RANK_COUNTS", "4"),
+        ("EXTRA_ARGS", "--no-eval --threads 1"), ("JOB_LOG", ""),
     ];
-    // Weak scaling through srun --mpi=pmix: 4 tasks on 2 nodes, every strategy.
+    // Every rank's device line, as rank 0 logs it: (rank, node, GPU, index, visible, mask).
+    let device_lines = |text: &str| -> Vec<String> {
+        let mut lines: Vec<String> = text.lines().filter_map(|l| l.split("] ").nth(1)).filter(|l| l.contains(": would take GPU")).map(String::from).collect();
+        lines.dedup();
+        lines
+    };
+    let expect = |rank: usize, node: usize, gpu: &str, index: usize, visible: usize, mask: &str| {
+        format!("rank {rank} on node{node}: would take GPU {gpu} (cuda:{index} of {visible} visible, CUDA_VISIBLE_DEVICES={mask}; simulated, training on the CPU)")
+    };
+
+    // Weak scaling through srun (--mpi=pmix, or pmi2 for MPICH), node-wide binding; a point that
+    // fails (an unknown strategy) first: the sweep goes on with the others.
     let mut env = common.to_vec();
-    env.extend([("STRATEGIES", "ring ps allreduce horovod"), ("LAUNCH_EXTRA", "--overcommit"), ("STUDY_ID", "cluster-weak"), ("BATCH", "8")]);
-    submit("jobs/weak_scaling.sbatch", &env, "weak.out");
+    env.extend([("RESULTS", r), ("STRATEGIES", "bogus ring ps allreduce horovod"), ("LAUNCH_EXTRA", "--overcommit"), ("STUDY_ID", "cluster-weak"), ("BATCH", "8")]);
+    let (ok, log) = submit("jobs/weak_scaling.sbatch", &["--gpus-per-node=2"], &env, "weak.out");
+    assert!(!ok, "a failed point fails the job at its end:\n{log}");
+    assert!(log.contains("== bogus-4: FAILED (exit ") && log.contains("point(s) failed: bogus-4 (exit "), "{log}");
+    let node_wide: Vec<String> = [(0, 1, "GPU-a", 0), (1, 1, "GPU-b", 1), (2, 2, "GPU-a", 0), (3, 2, "GPU-b", 1)]
+        .iter()
+        .map(|&(rank, node, gpu, index)| expect(rank, node, gpu, index, 2, "0,1"))
+        .collect();
+    let ring_log = std::fs::read_to_string(results.join("logs/cluster-weak/ring-4.log")).unwrap();
+    assert_eq!(device_lines(&ring_log), node_wide, "{ring_log}");
+    assert!(log.contains("--cpus-per-task=1") && log.contains("--gpus-per-node=2"), "{log}");
+    let report = std::fs::read_to_string(results.join("report-cluster-weak/report.md")).unwrap();
+    assert!(report.contains("## Failed points") && report.contains("| bogus-4 | bogus | 4 | "), "{report}");
+
+    // Per-task binding (each rank sees one GPU: with task/none, Slurm's global index), through
+    // srun; the output to $SCRATCH/hpc-train/<job id>, JOB_LOG's default.
+    let scratch_dir = dir.join("scratch");
+    let mut env: Vec<(&str, &str)> = common.iter().copied().filter(|(k, _)| *k != "JOB_LOG").collect();
+    env.extend([("SCRATCH", scratch_dir.to_str().unwrap()), ("GPU_BIND", "task"), ("STRATEGIES", "ring"), ("LAUNCH_EXTRA", "--overcommit"), ("STUDY_ID", "cluster-task"), ("BATCH", "8")]);
+    let (ok, stub) = submit("jobs/weak_scaling.sbatch", &["--gpus-per-node=2", "--gpus-per-task=1"], &env, "task.out");
+    let outputs: Vec<PathBuf> = std::fs::read_dir(scratch_dir.join("hpc-train")).map(|d| d.map(|e| e.unwrap().path()).collect()).unwrap_or_default();
+    assert_eq!(outputs.len(), 1, "one folder per job under $SCRATCH/hpc-train: {outputs:?}\n{stub}");
+    let out = &outputs[0];
+    let job = out.file_name().unwrap().to_str().unwrap().to_string();
+    let log = std::fs::read_to_string(out.join(format!("slurm-{job}.out"))).unwrap_or_default();
+    assert!(ok, "{stub}\n--- job log ---\n{log}");
+    assert!(stub.contains(&format!("log in {}", out.join(format!("slurm-{job}.out")).display())), "{stub}");
+    let per_task: Vec<String> = [(0, 1, "GPU-a", "0"), (1, 1, "GPU-b", "1"), (2, 2, "GPU-a", "0"), (3, 2, "GPU-b", "1")]
+        .iter()
+        .map(|&(rank, node, gpu, mask)| expect(rank, node, gpu, 0, 1, mask))
+        .collect();
+    assert_eq!(device_lines(&log), per_task, "{log}");
+    assert_eq!(read_runs(out).len(), 1, "{}", out.display());
+    assert!(out.join("logs/cluster-task/ring-4.log").is_file() && out.join("report-cluster-task/report.md").is_file(), "{log}");
+
     // Strong scaling through mpirun inside the allocation (it starts its daemons with srun).
     let mut env = common.to_vec();
-    env.extend([("STRATEGIES", "ring horovod"), ("LAUNCHER", "mpirun"), ("LAUNCH_EXTRA", launcher::oversubscribe()), ("STUDY_ID", "cluster-strong"), ("GLOBAL_BATCH", "16")]);
-    submit("jobs/strong_scaling.sbatch", &env, "strong.out");
-    // The exchange benchmark.
+    env.extend([("RESULTS", r), ("STRATEGIES", "ring horovod"), ("LAUNCHER", "mpirun"), ("LAUNCH_EXTRA", launcher::oversubscribe()), ("STUDY_ID", "cluster-strong"), ("GLOBAL_BATCH", "16")]);
+    let (ok, log) = submit("jobs/strong_scaling.sbatch", &["--gpus-per-node=2"], &env, "strong.out");
+    assert!(ok, "{log}");
+    let mpirun_log = std::fs::read_to_string(results.join("logs/cluster-strong/ring-4.log")).unwrap();
+    let lines = device_lines(&mpirun_log);
+    eprintln!("under {}:\n{}", launcher::program().to_string_lossy(), lines.join("\n"));
+    assert_eq!(lines.iter().map(|l| l.split(" (").next().unwrap()).collect::<Vec<_>>(), node_wide.iter().map(|l| l.split(" (").next().unwrap()).collect::<Vec<_>>(), "{mpirun_log}");
+    if launcher::mpi() == launcher::Mpi::OpenMpi {
+        assert!(log.contains("--bind-to none"), "GPU ranks bound to no core:\n{log}");
+    }
+    // The exchange benchmark, without GPUs.
     let mut env = common.to_vec();
-    env.extend([("STRATEGIES", "ring allreduce"), ("BENCH_DEVICE", "cpu"), ("MAX_BYTES", "64K"), ("ITERS", "2"), ("LAUNCH_EXTRA", "--overcommit"), ("STUDY_ID", "cluster-bench")]);
-    submit("jobs/bench.sbatch", &env, "bench.out");
+    env.extend([("RESULTS", r), ("GPUS_PER_RANK", "0"), ("STRATEGIES", "ring allreduce"), ("BENCH_DEVICE", "cpu"), ("MAX_BYTES", "64K"), ("ITERS", "2"), ("LAUNCH_EXTRA", "--overcommit"), ("STUDY_ID", "cluster-bench")]);
+    let (ok, log) = submit("jobs/bench.sbatch", &["--gpus-per-node=0"], &env, "bench.out");
+    assert!(ok, "{log}");
 
     let runs = read_runs(&results);
     for (study, count) in [("cluster-weak", 4), ("cluster-strong", 2)] {

@@ -104,7 +104,7 @@ fn a_serial_command_under_srun_runs_once() {
 }
 
 /// Options for the single node: no GPUs, more ranks than cores allowed.
-const NODE: [&str; 5] = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-task=0", "--cpus-per-task=1", "--overcommit"];
+const NODE: [&str; 5] = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--overcommit"];
 
 #[test]
 fn job_files_run_under_slurm_and_write_their_results() {
@@ -115,7 +115,7 @@ fn job_files_run_under_slurm_and_write_their_results() {
     let (d, r) = (data.to_str().unwrap(), results.to_str().unwrap());
     let common = [
         ("RESULTS", r), ("DATA", d), ("MODEL", "tiny"), ("STEPS", "8"), ("GPUS_PER_RANK", "0"),
-        ("RANK_COUNTS", "1 2"), ("EXTRA_ARGS", "--no-eval --threads 1"),
+        ("RANK_COUNTS", "1 2"), ("EXTRA_ARGS", "--no-eval --threads 1"), ("PRESET", ""), ("JOB_LOG", ""),
     ];
 
     // Weak scaling through srun (--mpi=pmix, or pmi2 for MPICH: jobs/common.sh chooses), every strategy.
@@ -161,4 +161,74 @@ fn job_files_run_under_slurm_and_write_their_results() {
         let report = results.join(format!("report-{study}/report.md"));
         assert!(report.exists(), "{} missing", report.display());
     }
+}
+
+/// `--signal=B:USR1@300` and `--requeue`, as the job files have them: USR1 sent to the batch
+/// shell (as Slurm does before the time limit) reaches the running point, which writes a
+/// checkpoint and exits 143; the job requeues itself, and its next run continues that point from
+/// the checkpoint and finishes the study.
+#[test]
+fn a_signalled_job_requeues_itself_and_resumes() {
+    let dir = scratch("slurm-requeue");
+    let Some(slurm) = LocalSlurm::start(&dir.join("cluster")) else { return };
+    let data = synth(&dir, "requeue", 400, 40, "1x16x16", 4);
+    let results = dir.join("results");
+    let log = dir.join("job.out");
+    // Rank 0 sleeps 1 s before each exchange of steps 2-13: the point trains long enough to be
+    // signalled, and the requeued run, which resumes after its stop step, sleeps through the rest.
+    let stalls: Vec<String> = (2..14).map(|step| format!("stall@0:{step}:1")).collect();
+    let mut cmd = Command::new("sbatch");
+    cmd.args(["--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--overcommit"])
+        .arg(format!("--output={}", log.display()))
+        .arg(root().join("jobs/weak_scaling.sbatch"))
+        .current_dir(root())
+        .env("SLURM_CONF", &slurm.conf)
+        .env("HPC_TRAIN", bin())
+        .env("HPC_TRAIN_FAULT", stalls.join(","))
+        .envs([
+            ("RESULTS", results.to_str().unwrap()), ("DATA", data.to_str().unwrap()), ("PRESET", ""), ("MODEL", "tiny"),
+            ("STEPS", "16"), ("BATCH", "8"), ("GPUS_PER_RANK", "0"), ("RANK_COUNTS", "2"), ("STRATEGIES", "ring"),
+            ("EXTRA_ARGS", "--no-eval --threads 1"), ("STUDY_ID", "requeue"), ("JOB_LOG", ""), ("LAUNCH_EXTRA", "--overcommit"),
+        ]);
+    let submitted = run_with_limit(cmd, Duration::from_secs(60)).expect_ok();
+    let id = submitted.stdout.trim().split(';').next().unwrap().to_string();
+    let slurm_cmd = |tool: &str, args: &[&str]| {
+        let mut cmd = Command::new(tool);
+        cmd.args(args).env("SLURM_CONF", &slurm.conf);
+        run_with_limit(cmd, Duration::from_secs(30))
+    };
+    let job = || {
+        let shown = slurm_cmd("scontrol", &["show", "job", "--oneliner", &id]);
+        let field = |name: &str| shown.stdout.split_whitespace().find_map(|w| w.strip_prefix(name)).unwrap_or("").to_string();
+        (field("JobState="), field("Restarts="), field("ExitCode="))
+    };
+    let text = |path: &Path| std::fs::read_to_string(path).unwrap_or_default();
+    let point_log = results.join("logs/requeue/ring-2.log");
+    wait_until(Duration::from_secs(120), "the point to train", || text(&point_log).contains("steps 0.."));
+    std::thread::sleep(Duration::from_secs(2));
+    // What Slurm's --signal=B:USR1@300 does 300 s before the time limit.
+    slurm_cmd("scancel", &["--signal=USR1", "--batch", &id]).expect_ok();
+    let started = std::time::Instant::now();
+    let (state, restarts, code) = loop {
+        let (state, restarts, code) = job();
+        if ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"].contains(&state.as_str()) {
+            break (state, restarts, code);
+        }
+        // Slurm holds a requeued job back for about two minutes (its begin time): start it now.
+        if state == "PENDING" && restarts != "0" {
+            let _ = slurm_cmd("scontrol", &["update", &format!("JobId={id}"), "StartTime=now"]);
+        }
+        assert!(started.elapsed() < Duration::from_secs(300), "job {id} still {state}:\n{}\n--- point ---\n{}", text(&log), text(&point_log));
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    let (log, point) = (text(&log), text(&point_log));
+    assert_eq!((state.as_str(), restarts.as_str(), code.as_str()), ("COMPLETED", "1", "0:0"), "{log}\n--- point ---\n{point}");
+    assert!(log.contains("job received SIGUSR1") && log.contains("exit 143") && log.contains(&format!("requeueing job {id}")), "{log}");
+    assert!(point.contains("resuming from"), "{point}");
+    let points: Vec<serde_json::Value> = text(&results.join("points.jsonl")).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let tries: Vec<(i64, bool, i64)> = points.iter().map(|p| (p["exit_code"].as_i64().unwrap(), p["stopped"].as_bool().unwrap(), p["restart"].as_i64().unwrap())).collect();
+    assert_eq!(tries, vec![(143, true, 0), (0, false, 1)], "{points:#?}");
+    let runs = read_runs(&results);
+    assert_eq!(runs.len(), 1, "{runs:#?}");
+    assert!(results.join("report-requeue/report.md").is_file(), "{log}");
 }

@@ -8,6 +8,7 @@
 
 pub mod busbw;
 pub mod plots;
+pub mod points;
 pub mod tables;
 
 use std::fmt::Write as _;
@@ -32,6 +33,10 @@ pub struct ReportArgs {
     /// skipped when absent].
     #[arg(long)]
     pub bench: Option<PathBuf>,
+    /// How each point of a sweep ended, as the job files in jobs/ record it: the failed ones get a
+    /// section of their own [default: points.jsonl beside --input, skipped when absent].
+    #[arg(long)]
+    pub points: Option<PathBuf>,
     /// Folder for report.md, the CSV files and the plots.
     #[arg(long, default_value = "results/report")]
     pub out: PathBuf,
@@ -42,7 +47,22 @@ const REPORT_FILE: &str = "report.md";
 const BENCH_FILE: &str = crate::bench::BENCH_FILE;
 
 pub fn run(args: &ReportArgs) -> Result<()> {
-    let (records, read) = read_runs(&args.input, args.study.as_deref())?;
+    let points_path = args.points.clone().unwrap_or_else(|| args.input.with_file_name(points::POINTS_FILE));
+    let failed = if points_path.is_file() {
+        points::failed(&points_path, args.study.as_deref())?
+    } else if args.points.is_some() {
+        return Err(Error::Results(format!("{}: no such file (--points)", points_path.display())));
+    } else {
+        Vec::new()
+    };
+    // A sweep whose every point failed has no runs, and its report lists the failures.
+    let (records, read) = match read_runs(&args.input, args.study.as_deref()) {
+        Err(e) if !failed.is_empty() => {
+            log::warn!("{e}: the report lists the failed points only");
+            (Vec::new(), 0)
+        }
+        other => other?,
+    };
     let tables = tables::group(&records)?;
     let bench_path = args.bench.clone().unwrap_or_else(|| args.input.with_file_name(BENCH_FILE));
     let bench = if bench_path.is_file() {
@@ -103,18 +123,23 @@ pub fn run(args: &ReportArgs) -> Result<()> {
         }
         sections.push(bench_section(&bench_path, &lines, wrong));
     }
+    if !failed.is_empty() {
+        log::warn!("{} point(s) of the sweep failed: {}", failed.len(), failed.iter().map(|p| format!("{} (exit {})", p.point, p.exit_code)).collect::<Vec<_>>().join(", "));
+        sections.push(points::section(&points_path, &failed));
+    }
 
     let report = args.out.join(REPORT_FILE);
     let text = document(&args.input, args.study.as_deref(), records.len(), read, &tables, &sections);
     std::fs::write(&report, text).at(&report)?;
     let superseded: usize = tables.iter().map(Table::superseded).sum();
     println!(
-        "wrote {}: {} table{} from {} run{} ({superseded} superseded)",
+        "wrote {}: {} table{} from {} run{} ({superseded} superseded){}",
         report.display(),
         tables.len(),
         plural(tables.len()),
         records.len(),
-        plural(records.len())
+        plural(records.len()),
+        if failed.is_empty() { String::new() } else { format!(", {} failed point{}", failed.len(), plural(failed.len())) }
     );
     for path in written {
         println!("wrote {}", path.display());

@@ -520,38 +520,66 @@ pub const SIMULATED_GPUS_ENV: &str = "HPC_TRAIN_SIMULATE_GPUS";
 /// the identities of the GPUs each one sees, so that ranks share a GPU only with
 /// `--allow-gpu-sharing` however the launcher masks devices (see [`assign_gpus`]).
 pub fn choose_device(choice: DeviceChoice, allow_sharing: bool, world: &World) -> Result<Device> {
-    // Every rank reaches the exchange of identities below, whatever it finds here.
+    // Every rank reaches both exchanges below (the node's identities, then the world's choice
+    // lines), whatever it finds: a rank returning early would leave the others waiting.
+    let mask = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     let (visible, simulated) = match std::env::var(SIMULATED_GPUS_ENV) {
-        Ok(node) if choice != DeviceChoice::Cpu => (Ok(simulated_visible_gpus(&node, std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref())), true),
+        Ok(node) if choice != DeviceChoice::Cpu => (Ok(simulated_visible_gpus(&node, mask.as_deref())), true),
         _ => (visible_gpus(choice), false),
     };
     // One identity per line, each line ended (an all-gather of no bytes at all is refused by
     // Open MPI: a CPU rank still sends its newline).
     let mine: String = visible.as_ref().map(|ids| ids.iter().map(|id| format!("{id}\n")).collect()).unwrap_or_else(|_| "\n".into());
     let all = gather_strings(&world.local, if mine.is_empty() { "\n" } else { &mine });
-    let visible = visible?;
-    if visible.is_empty() {
-        return Ok(Device::Cpu);
+    let (device, line) = match visible {
+        Err(e) => (Err(e), None),
+        Ok(visible) if visible.is_empty() => (Ok(Device::Cpu), None),
+        Ok(visible) => {
+            let lists: Vec<Vec<String>> = all.iter().map(|s| s.lines().filter(|l| !l.is_empty()).map(String::from).collect()).collect();
+            let choices = assign_gpus(&lists);
+            let me = choices[world.local_rank as usize].clone().expect("this rank sees a GPU");
+            let line = device_line(world.rank, &raw::hostname(), &me.id, me.index, visible.len(), mask.as_deref(), simulated);
+            if !me.shared_with.is_empty() && !allow_sharing {
+                let ranks: Vec<String> = std::iter::once(world.local_rank as usize).chain(me.shared_with.iter().copied()).map(|r| r.to_string()).collect();
+                let error = Error::usage(format!(
+                    "node-local ranks {} on {} would share GPU {} ({} rank(s) on the node, {} GPU(s) visible to this one): launch one rank per GPU (srun --gpus-per-task=1, or a CUDA_VISIBLE_DEVICES per rank), or pass --allow-gpu-sharing",
+                    ranks.join(", "),
+                    raw::hostname(),
+                    me.id,
+                    world.local_size,
+                    visible.len()
+                ));
+                (Err(error), Some(line))
+            } else if simulated {
+                (Ok(Device::Cpu), Some(line))
+            } else {
+                (Ok(Device::Cuda(me.index)), Some(line))
+            }
+        }
+    };
+    // Which GPU each rank took, and what the launcher let it see: rank 0 says it for every rank
+    // (the others log warnings only), one line each, in rank order. Nothing on CPU-only runs.
+    // Each line ended by a newline: Open MPI refuses an all-gather of no bytes at all, which a
+    // run with no GPU anywhere would be.
+    let lines = gather_strings(&world.comm, &format!("{}\n", line.as_deref().unwrap_or("")));
+    if world.is_root() {
+        for line in lines.iter().map(|l| l.trim_end()).filter(|l| !l.is_empty()) {
+            log::info!("{line}");
+        }
     }
-    let lists: Vec<Vec<String>> = all.iter().map(|s| s.lines().filter(|l| !l.is_empty()).map(String::from).collect()).collect();
-    let choices = assign_gpus(&lists);
-    let me = choices[world.local_rank as usize].clone().expect("this rank sees a GPU");
-    if !me.shared_with.is_empty() && !allow_sharing {
-        let ranks: Vec<String> = std::iter::once(world.local_rank as usize).chain(me.shared_with.iter().copied()).map(|r| r.to_string()).collect();
-        return Err(Error::usage(format!(
-            "node-local ranks {} on {} would share GPU {} ({} rank(s) on the node, {} GPU(s) visible to this one): launch one rank per GPU (srun --gpus-per-task=1, or a CUDA_VISIBLE_DEVICES per rank), or pass --allow-gpu-sharing",
-            ranks.join(", "),
-            raw::hostname(),
-            me.id,
-            world.local_size,
-            visible.len()
-        )));
-    }
-    log::debug!("rank {}: GPU {} (cuda:{} of {} visible){}", world.rank, me.id, me.index, visible.len(), if simulated { ", simulated: training on the CPU" } else { "" });
+    device
+}
+
+/// The line that says which GPU a rank took: "rank 3 on node2: GPU <id> (cuda:1 of 2 visible,
+/// CUDA_VISIBLE_DEVICES=0,1)", or with simulated GPUs "would take GPU ... (simulated; training on
+/// the CPU)".
+fn device_line(rank: i32, host: &str, id: &str, index: usize, visible: usize, mask: Option<&str>, simulated: bool) -> String {
+    let mask = mask.map_or("CUDA_VISIBLE_DEVICES unset".to_string(), |m| format!("CUDA_VISIBLE_DEVICES={m}"));
     if simulated {
-        return Ok(Device::Cpu);
+        format!("rank {rank} on {host}: would take GPU {id} (cuda:{index} of {visible} visible, {mask}; simulated, training on the CPU)")
+    } else {
+        format!("rank {rank} on {host}: GPU {id} (cuda:{index} of {visible} visible, {mask})")
     }
-    Ok(Device::Cuda(me.index))
 }
 
 /// The identities of the GPUs this rank may train on: none for `--device cpu` or where CUDA is
@@ -700,6 +728,18 @@ mod tests {
         // CUDA stops at the first entry that names no device.
         assert_eq!(simulated_visible_gpus(node, Some("0,7,1")), vec!["GPU-a"]);
         assert!(simulated_visible_gpus(node, Some("")).is_empty());
+    }
+
+    #[test]
+    fn the_device_line_names_rank_node_gpu_and_mask() {
+        assert_eq!(
+            device_line(3, "node2", "GPU-b", 1, 2, Some("0,1"), false),
+            "rank 3 on node2: GPU GPU-b (cuda:1 of 2 visible, CUDA_VISIBLE_DEVICES=0,1)"
+        );
+        assert_eq!(
+            device_line(0, "node1", "GPU-a", 0, 1, None, true),
+            "rank 0 on node1: would take GPU GPU-a (cuda:0 of 1 visible, CUDA_VISIBLE_DEVICES unset; simulated, training on the CPU)"
+        );
     }
 
     #[test]
