@@ -11,13 +11,15 @@
 # packages are hidden there by an overlay on /usr whose whiteouts live in SCRATCH, and the mounts
 # end with the namespace. The modules tree (SCRATCH/modules) holds copies of Debian's installed
 # Open MPI 4.1.4 and HDF5 1.10.8 files under prefixes of their own, with Lua modulefiles that set
-# what Spack's generated modules set (PATH, LD_LIBRARY_PATH, PKG_CONFIG_PATH, MPI_HOME, HDF5_DIR,
-# OPAL_PREFIX). Not CPATH: cc-rs reruns every C crate's build script when CPATH changes, which
-# turns the seeded build into a whole one (torch-sys's C++ wrapper among them: more than 20
-# minutes on this busy 2-core VM); EasyBuild-style modules that set it work the same, only the
-# first build is longer (results/cluster-path/install.md). The Rust toolchain and cargo's
-# registry are shared read-only (bind mounts), the checkout's target folder starts from the main build's (seed_target_folder: only the crates that
-# read MPI or HDF5 rebuild), libtorch is the shared one through LIBTORCH (1.3 GB saved per run),
+# what minimal site modules set (PATH, LD_LIBRARY_PATH, MPI_HOME, HDF5_DIR, OPAL_PREFIX). Not
+# CPATH or PKG_CONFIG_PATH: cc-rs reruns every C crate's build script when CPATH changes, and
+# the pkg-config crate bzip2-sys's when PKG_CONFIG_PATH does; bzip2 is a build dependency of
+# torch-sys (through zip), so either turns the seeded build into a whole one (torch-sys's C++
+# wrapper among them: more than 20 minutes on this busy 2-core VM). Modules that set them work
+# the same; only the first build is longer (results/cluster-path/install.md). The Rust toolchain
+# and cargo's registry are shared read-only (bind mounts), the checkout's target folder starts
+# from the main build's (seed_target_folder: only the crates that read MPI or HDF5 rebuild),
+# libtorch is the shared one through LIBTORCH (1.3 GB saved per run),
 # and Fashion-MNIST comes from a local HTTP mirror through FASHION_MNIST_URL (the download path,
 # without the network). Environment: ROOT (the checkout to copy; default this one), LIBTORCH.
 set -euo pipefail
@@ -128,7 +130,6 @@ setenv("MPI_HOME", root)
 prepend_path("PATH", pathJoin(root, "bin"))
 prepend_path("LD_LIBRARY_PATH", pathJoin(root, "lib/x86_64-linux-gnu"))
 prepend_path("LD_LIBRARY_PATH", pathJoin(root, "lib/x86_64-linux-gnu/openmpi/lib"))
-prepend_path("PKG_CONFIG_PATH", pathJoin(root, "lib/x86_64-linux-gnu/pkgconfig"))
 LUA
 cat > "$S/modules/modulefiles/hdf5/1.10.8.lua" <<LUA
 whatis("HDF5 1.10.8 (serial)")
@@ -136,7 +137,6 @@ local root = "$hdf5"
 setenv("HDF5_DIR", root)
 setenv("HDF5_ROOT", root)
 prepend_path("LD_LIBRARY_PATH", pathJoin(root, "lib"))
-prepend_path("PKG_CONFIG_PATH", pathJoin(root, "lib/pkgconfig"))
 LUA
 
 # What the namespace hides: every file of the system's MPI and HDF5 packages and of the dataset
