@@ -73,7 +73,7 @@ fn setup_as_a_user_without_root_finds_mpi_and_hdf5_in_modules() {
     // With them: libtorch from LIBTORCH, the build, the dataset from the mirror, the short job.
     let setup = log("setup");
     assert_eq!(read(&out, "setup.rc").trim(), "0", "{setup}");
-    for line in [&format!("libtorch 2.11.0+cu130 present in {libtorch}") as &str, "downloading Fashion-MNIST", "training: 2 ranks"] {
+    for line in [&format!(" present in {libtorch}") as &str, "downloading Fashion-MNIST", "training: 2 ranks"] {
         assert!(setup.contains(line), "set-up's log lacks {line:?}:\n{setup}");
     }
     assert!(setup.contains("MPI: Open MPI 4.1.4") && setup.contains(&modules.display().to_string()), "not built against the module's MPI:\n{setup}");
