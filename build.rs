@@ -4,8 +4,10 @@
 //!
 //! torch-sys (declared `links = "tch"`) exports the libtorch folder it linked against as
 //! `DEP_TCH_LIBTORCH_LIB`. That folder comes first; then folders relative to the binary, used by the
-//! bundle that `scripts/pack.sh` makes for machines without Rust; then the usual place of the
-//! Python torch on the GPU test machines.
+//! bundle that `scripts/pack.sh` makes for machines without Rust; then those `HPC_TRAIN_EXTRA_RPATH`
+//! names (pack.sh names the torch of the GPU test machines there). No other machine's path is
+//! compiled in: a binary built elsewhere finds libtorch where set-up put it, or where `LIBTORCH`
+//! pointed at build time.
 
 use std::env;
 
@@ -22,7 +24,6 @@ fn main() {
     }
     run_paths.push("$ORIGIN/lib".into());
     run_paths.push("$ORIGIN/../lib".into());
-    run_paths.push("/opt/torch/.venv/lib/python3.12/site-packages/torch/lib".into());
     if let Ok(extra) = env::var("HPC_TRAIN_EXTRA_RPATH") {
         run_paths.extend(extra.split(':').filter(|p| !p.is_empty()).map(String::from));
     }

@@ -4,7 +4,8 @@
 HPC_TRAIN_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export HPC_TRAIN_ROOT
 
-# libtorch 2.11.0 for tch 0.24, from the torch wheel in the repository's venv.
+# libtorch 2.11.0 for tch 0.24: the one LIBTORCH names where it holds one (a site's or a shared
+# install), else the torch wheel in the repository's venv, where scripts/setup.sh puts it.
 HPC_TRAIN_VENV="${HPC_TRAIN_VENV:-$HPC_TRAIN_ROOT/.venv}"
 HPC_TRAIN_TORCH_VERSION="2.11.0"
 hpc_train_torch_dir() {
@@ -14,7 +15,9 @@ hpc_train_torch_dir() {
     done
     return 1
 }
-if torch_dir="$(hpc_train_torch_dir)"; then
+if [ -n "${LIBTORCH:-}" ] && [ -f "$LIBTORCH/lib/libtorch_cpu.so" ]; then
+    export LIBTORCH
+elif torch_dir="$(hpc_train_torch_dir)"; then
     export LIBTORCH="$torch_dir"
 fi
 unset torch_dir

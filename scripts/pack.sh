@@ -3,9 +3,11 @@
 #   scripts/pack.sh [--tests NAME,...] [OUT]   (default dist/hpc-train; also writes OUT.tar.gz)
 # The bundle holds the binary, Open MPI (launcher, libraries, plugins, help files) and the HDF5
 # runtime with their dependencies, laid out as Debian installs them, so that Open MPI finds its
-# plugins through OPAL_PREFIX. libtorch is not packed: the binary's run path covers the torch of
-# the GPU machines (/opt/torch/.venv/.../torch/lib) and a `lib/` folder beside it, where another
-# libtorch 2.11.0 can be put. On the target:
+# plugins through OPAL_PREFIX. libtorch is not packed: the packed binary's run path covers the
+# torch of the GPU machines (/opt/torch/.venv/.../torch/lib, given to the build through
+# HPC_TRAIN_EXTRA_RPATH, so cargo relinks hpc-train when the last build lacked it; PACK_TORCH_LIB
+# names another folder) and a `lib/` folder beside it, where another libtorch 2.11.0 can be put.
+# On the target:
 #   source OUT/env.sh && mpirun -n 2 hpc-train --device cuda --allow-gpu-sharing ...
 # Where scripts/build-cuda-mpi.sh has built a CUDA-aware Open MPI 4.1.4 (in
 # ${HPC_TRAIN_CACHE:-$HOME/.cache/hpc-train}/openmpi-4.1.4-cuda, or the install that
@@ -34,6 +36,19 @@ out=${1:-dist/hpc-train}
 default_cuda_mpi=${HPC_TRAIN_CACHE:-$HOME/.cache/hpc-train}/openmpi-4.1.4-cuda
 if [ -z "$cuda_mpi" ] && [ -f "$default_cuda_mpi/.complete" ]; then cuda_mpi=$default_cuda_mpi; fi
 [ -x "$HPC_TRAIN_BIN" ] || { echo "build first: scripts/setup.sh --no-run" >&2; exit 1; }
+
+# The torch of the GPU machines, in the packed binary's run path. build.rs compiles in no
+# machine's path of its own: this one comes through HPC_TRAIN_EXTRA_RPATH (added to any the
+# caller set), and cargo rebuilds hpc-train when its last build had another run path.
+torch_lib=${PACK_TORCH_LIB:-/opt/torch/.venv/lib/python3.12/site-packages/torch/lib}
+case ":${HPC_TRAIN_EXTRA_RPATH:-}:" in
+    *":$torch_lib:"*) ;;
+    *) export HPC_TRAIN_EXTRA_RPATH="${HPC_TRAIN_EXTRA_RPATH:+$HPC_TRAIN_EXTRA_RPATH:}$torch_lib" ;;
+esac
+echo "pack.sh: building hpc-train with run path $torch_lib (HPC_TRAIN_EXTRA_RPATH)"
+cargo build --release --locked 2>&1 | { grep -vE '^\s+(Compiling|Downloaded|Downloading)' || true; }
+readelf -d "$HPC_TRAIN_BIN" | grep -E 'R(UN)?PATH' | grep -qF "$torch_lib" \
+    || { echo "pack.sh: $HPC_TRAIN_BIN has no run path $torch_lib after the build" >&2; exit 1; }
 
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"

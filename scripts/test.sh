@@ -51,7 +51,7 @@ source scripts/env.sh
 # The Slurm test (tests/slurm.rs) runs the job files on a single-node Slurm it starts itself.
 # shellcheck source=scripts/lib/daemons.sh
 source scripts/lib/daemons.sh
-need_packages slurm-wlm munge || echo "the Slurm test will be skipped" >&2
+need_packages slurm-wlm munge lmod || echo "the Slurm test will be skipped" >&2
 
 # The integration tests launch hpc-train and link no MPI: under the second MPI, Open MPI's build
 # of them runs against MPICH's hpc-train (HPC_TRAIN_TEST_BINARY), told its family, instead of
