@@ -94,4 +94,11 @@ fn setup_as_a_user_without_root_finds_mpi_and_hdf5_in_modules() {
     assert_eq!(read(&out, "system-before"), read(&out, "system-after"), "/etc/passwd, /etc/group or dpkg's status changed");
     assert_eq!(read(&out, "stray-files").trim(), "", "the account left files outside its home");
     eprintln!("set-up as a user without root: --check {} s, set-up {} s, second run {} s", read(&out, "check.seconds").trim(), read(&out, "setup.seconds").trim(), read(&out, "again.seconds").trim());
+    // What results/cluster-path/install.md records of the run.
+    for lib in ["libmpi.so.40", "libhdf5_serial.so.103", "libtorch_cpu.so"] {
+        eprintln!("  ldd: {}", resolved(lib).trim());
+    }
+    for line in setup.lines().filter(|l| l.starts_with("==>") || l.contains("images/s") || l.contains("test accuracy")) {
+        eprintln!("  set-up: {}", line.trim());
+    }
 }

@@ -178,8 +178,11 @@ class Quiet(handler.func):
     def log_message(self, *a): pass
 server = http.server.HTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=sys.argv[1]))
 open(sys.argv[2], "w").write(str(server.server_address[1]))
-server.serve_forever()' "$S/mirror" "$S/mirror.port" &
+server.serve_forever()' "$S/mirror" "$S/mirror.port" > "$S/mirror.log" 2>&1 < /dev/null &
+# Its own output, not this script's: the test reads this script's output to its end, which a
+# server still holding it would never give. It ends with this script, whatever ends that.
 echo $! > "$S/mirror.pid"
+trap 'kill "$(cat "$S/mirror.pid")" 2>/dev/null || true' EXIT
 for _ in $(seq 50); do [ -s "$S/mirror.port" ] && break; sleep 0.1; done
 port=$(cat "$S/mirror.port")
 
