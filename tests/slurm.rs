@@ -209,13 +209,18 @@ fn a_signalled_job_requeues_itself_and_resumes() {
     // What Slurm's --signal=B:USR1@300 does 300 s before the time limit.
     slurm_cmd("scancel", &["--signal=USR1", "--batch", &id]).expect_ok();
     let started = std::time::Instant::now();
+    let mut requeued: Option<std::time::Instant> = None;
     let (state, restarts, code) = loop {
         let (state, restarts, code) = job();
         if ["COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"].contains(&state.as_str()) {
             break (state, restarts, code);
         }
-        // Slurm holds a requeued job back for about two minutes (its begin time): start it now.
-        if state == "PENDING" && restarts != "0" {
+        // Slurm holds a requeued job back for about two minutes (its begin time): start it now,
+        // once the first run's step has gone. The requeued run's first step has the same id
+        // (job.0): started while slurmd still ends the old one, srun said "aborted before step
+        // completely launched" and exited 0 without running it, on a loaded machine.
+        let old_steps_gone = || slurm_cmd("squeue", &["--steps", "--noheader", "--jobs", &id]).stdout.trim().is_empty();
+        if state == "PENDING" && restarts != "0" && requeued.get_or_insert_with(std::time::Instant::now).elapsed() > Duration::from_secs(3) && old_steps_gone() {
             let _ = slurm_cmd("scontrol", &["update", &format!("JobId={id}"), "StartTime=now"]);
         }
         assert!(started.elapsed() < Duration::from_secs(300), "job {id} still {state}:\n{}\n--- point ---\n{}", text(&log), text(&point_log));
