@@ -13,7 +13,7 @@
 # | RESULTS           | $OUTPUT_DIR                               | runs.jsonl, points.jsonl, bench.jsonl, reports |
 # | JOB_LOG           | $OUTPUT_DIR/slurm-<job id>.out            | where the job's output goes; empty: stay in sbatch's --output |
 # | RANKS_PER_NODE    | $SLURM_NTASKS_PER_NODE, else 1            | ranks (= GPUs) per node |
-# | GPUS_PER_RANK     | 1                                         | 0 for CPU-only nodes |
+# | GPUS_PER_RANK     | 1                                         | 0 for CPU-only nodes (submit with --gpus-per-node=0: the job files ask for GPUs) |
 # | GPU_BIND          | node                                      | node: every rank sees the node's GPUs (srun --gpus-per-node) and takes its node-local rank's; task: srun --gpus-per-task, each rank sees its own |
 # | NODE_COUNTS       | 1 2 4 ... up to the allocation            | the sweep, in nodes |
 # | RANK_COUNTS       | (NODE_COUNTS x RANKS_PER_NODE)            | the sweep in ranks, instead of nodes |
