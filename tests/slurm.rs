@@ -178,7 +178,8 @@ fn a_signalled_job_requeues_itself_and_resumes() {
     // signalled, and the requeued run, which resumes after its stop step, sleeps through the rest.
     let stalls: Vec<String> = (2..14).map(|step| format!("stall@0:{step}:1")).collect();
     let mut cmd = Command::new("sbatch");
-    cmd.args(["--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--overcommit"])
+    cmd.arg("--parsable")
+        .args(NODE)
         .arg(format!("--output={}", log.display()))
         .arg(root().join("jobs/weak_scaling.sbatch"))
         .current_dir(root())
