@@ -63,7 +63,7 @@ fn main() {
         // The MPI libraries hpc-train was built against and runs with; no launcher needed.
         Err(e) if e.kind() == clap::error::ErrorKind::DisplayVersion => {
             print!("{}", mpi_library::version_text());
-            std::process::exit(0);
+            raw::exit_process(0);
         }
         Err(e) => exit_after_parse_error(e),
     };
@@ -76,7 +76,7 @@ fn main() {
     };
     if let Err(e) = preset {
         print_error(format_args!("{e}"));
-        std::process::exit(2);
+        raw::exit_process(2);
     }
     // A command that rank 0 carries out alone needs no MPI where nothing launched other
     // processes: Open MPI's start-up of a lone process (a singleton, which forks its own daemon)
@@ -94,7 +94,7 @@ fn main() {
                     1
                 }
             };
-            std::process::exit(code);
+            raw::exit_process(code);
         }
     }
     faults::stall_before_start_up();
@@ -104,7 +104,7 @@ fn main() {
     let start_up = watchdog::watch_start_up(cli.start_up_timeout());
     let Some((universe, _threading)) = mpi::initialize_with_threading(cli.mpi_threading()) else {
         print_error(format_args!("MPI was already initialised"));
-        std::process::exit(1);
+        raw::exit_process(1);
     };
     drop(start_up);
     let world = match mpi_library::check_launch(&universe.world()).and_then(|()| World::new(universe.world())) {
@@ -186,7 +186,7 @@ fn main() {
         raw::abort_world(code.max(1));
     }
     drop(universe); // MPI_Finalize
-    std::process::exit(code);
+    raw::exit_process(code);
 }
 
 /// The work of a command that rank 0 carries out alone, the other ranks waiting for its
@@ -214,7 +214,7 @@ fn serial_work(command: &Option<Command>) -> Option<Box<dyn FnOnce() -> error::R
 fn exit_after_parse_error(e: clap::Error) -> ! {
     if !e.use_stderr() {
         let _ = e.print();
-        std::process::exit(e.exit_code());
+        raw::exit_process(e.exit_code());
     }
     let universe = if mpi_library::launched_processes() > 1 {
         let _start_up = watchdog::watch_start_up(std::time::Duration::from_secs_f64(train::options::DEFAULT_EXCHANGE_TIMEOUT_S));
@@ -245,7 +245,7 @@ fn exit_once_reported(universe: Option<mpi::environment::Universe>, print: impl 
         }
         drop(universe); // MPI_Finalize
     }
-    std::process::exit(code);
+    raw::exit_process(code);
 }
 
 /// The exit status of a run stopped by a signal before its last step: `EXIT_STOPPED` when a

@@ -26,7 +26,7 @@
 //!   backward), as autograd functions calling back into the group's all-reduce;
 //! - [`messages`]: whole tensors in flight between two ranks (a pipeline's activations);
 //! - [`process`]: this process and its host: resident memory, the allocator, free disk space,
-//!   the host name, the stop signals held from before main;
+//!   the host name, the stop signals held from before main, the exit without libtorch's teardown;
 //! - [`profiler`]: libtorch's profiler (Kineto) and its step marks, for `--profile-dir`;
 //! - [`mapped`]: files mapped read-only (checkpoint part files read a slice at a time);
 //! - [`split_backward`]: zero-bubble's backward in two passes over autograd's graph.
@@ -60,7 +60,7 @@ pub use mapped::{map_read_only, release_pages};
 pub use messages::TensorMessage;
 pub use self::mpi::{abort_world, any_tag, exit_now, int_control_variable, mpi_cuda_support, mpix_gpu_query_support_cuda, tag_upper_bound, PeerComm, PointToPoint, SendComm};
 pub use regions::{register_group, RegionAllReduce, RegionGroup, RegisteredGroup};
-pub use process::{current_rss_mb, free_bytes, hostname, keep_freed_memory, peak_rss_mb, peak_rss_since_restart_mb, release_stop_signals, restart_peak_rss, stop_signal_held};
+pub use process::{current_rss_mb, exit_process, free_bytes, hostname, keep_freed_memory, peak_rss_mb, peak_rss_since_restart_mb, release_stop_signals, restart_peak_rss, stop_signal_held};
 pub use profiler::{profiler_start, profiler_stop, StepMark, ThreadState};
 pub use requests::{completed_requests, with_segments, Backoff, Segments};
 pub use split_backward::{backward_input, backward_weight, KeptGraph};
