@@ -457,6 +457,34 @@ fn data_bench_fails_cleanly() {
 /// Runs `hpc-train <command> FILE <extra>` on each file; every run must end with 0 (damage that
 /// goes unnoticed, as in pixel data) or the program's own error exit 1 naming the file, never a
 /// signal or a panic (101). Returns the files that gave an error.
+/// `data info` over every file in one process (one libtorch load instead of one per file): the
+/// files it found unusable, each named in an error line of its own, the exit status 1 exactly
+/// when there are some. A crash or a hang gives no verdicts: then each file alone
+/// ([`check_no_crash`]), which names the file that crashes.
+fn unusable_files(files: &[PathBuf]) -> Vec<PathBuf> {
+    let mut args = vec!["data", "info"];
+    args.extend(files.iter().map(|f| f.to_str().unwrap()));
+    let run = hpc(&args);
+    if run.timed_out || !matches!(run.status, Some(0) | Some(1)) {
+        eprintln!("data info over {} files ended with {:?} (timed out: {}): each file alone", files.len(), run.status, run.timed_out);
+        return check_no_crash(files, &["data", "info"], &[]);
+    }
+    let error_lines: Vec<&str> = run.stderr.lines().filter(|l| l.starts_with("error: ")).collect();
+    let named = |f: &PathBuf, line: &str| line.contains(&format!("/{}", f.file_name().unwrap().to_str().unwrap()));
+    let errors: Vec<PathBuf> = files.iter().filter(|f| error_lines.iter().any(|l| named(f, l))).cloned().collect();
+    assert_eq!(run.status == Some(1), !errors.is_empty(), "exit status {:?} with {} unusable files:\n{}", run.status, errors.len(), run.stderr);
+    // One line per unusable file, each naming one file, and the count at the end.
+    if !errors.is_empty() {
+        let per_file = &error_lines[..error_lines.len() - 1];
+        assert_eq!(per_file.len(), errors.len(), "{}", run.stderr);
+        for line in per_file {
+            assert_eq!(files.iter().filter(|f| named(f, line)).count(), 1, "{line}");
+        }
+        assert!(error_lines.last().unwrap().contains(&format!("{} of {} dataset files cannot be used", errors.len(), files.len())), "{}", run.stderr);
+    }
+    errors
+}
+
 fn check_no_crash(files: &[PathBuf], command: &[&str], extra: &[&str]) -> Vec<PathBuf> {
     let mut errors = Vec::new();
     // Two at a time: the machine has two cores.
@@ -522,7 +550,7 @@ fn damaged_hdf5_files_are_errors_not_crashes() {
     let f = dir.join("garbage.h5");
     std::fs::write(&f, &garbage).unwrap();
     files.push(f);
-    let errors = check_no_crash(&files, &["data", "info"], &[]);
+    let errors = unusable_files(&files);
     for cut in &cuts {
         assert!(errors.contains(cut), "{}: a cut file was accepted", cut.display());
     }

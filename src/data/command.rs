@@ -16,10 +16,12 @@ use crate::error::{Error, Result};
 pub enum DataCommand {
     /// Convert a dataset into the project's HDF5 layout.
     Import(ImportArgs),
-    /// Print what a dataset file holds, or why it cannot be used.
+    /// Print what a dataset file holds, or why it cannot be used. Several files: each in
+    /// turn (a blank line between); the exit status is 1 when any cannot be used.
     Info {
-        /// Dataset file.
-        file: PathBuf,
+        /// Dataset file(s).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
     },
     /// Write a synthetic dataset (noise around class-dependent levels) of any image size.
     Synth(SynthArgs),
@@ -127,10 +129,30 @@ pub struct SynthArgs {
 /// `data::bench`).
 pub fn run(cmd: &DataCommand) -> Result<()> {
     match cmd {
-        DataCommand::Info { file } => {
-            let (info, labels) = open(file)?;
-            print!("{}", describe(&info, &labels));
-            Ok(())
+        DataCommand::Info { files } => {
+            if let [file] = files.as_slice() {
+                let (info, labels) = open(file)?;
+                print!("{}", describe(&info, &labels));
+                return Ok(());
+            }
+            // Every file is checked, whatever the ones before it held: a user checking a
+            // folder of files (and the damaged-file tests, in one process) wants each verdict.
+            let mut unusable = 0;
+            for (i, file) in files.iter().enumerate() {
+                match open(file) {
+                    Ok((info, labels)) => print!("{}{}", if i > 0 { "\n" } else { "" }, describe(&info, &labels)),
+                    Err(e) => {
+                        unusable += 1;
+                        // One write per line (formatted first): output may interleave.
+                        let line = format!("error: {e}\n");
+                        eprint!("{line}");
+                    }
+                }
+            }
+            match unusable {
+                0 => Ok(()),
+                n => Err(Error::usage(format!("{n} of {} dataset files cannot be used (each named above)", files.len()))),
+            }
         }
         DataCommand::Import(a) => {
             let class_names = a.class_names.as_deref().map(writer::parse_class_names).unwrap_or_default();
