@@ -3,11 +3,11 @@
 # (scripts/setup.sh --no-run, once per MPI: Open MPI into target/, MPICH into target/mpich/, the
 # libtorch venv and the dataset shared), then
 #   1. with Open MPI: the unit tests and every test that launches hpc-train;
-#   2. with MPICH: every test whose subject depends on the MPI library (the unit tests, and the
-#      tests of optimizer arithmetic, datasets, reports, projections and the source's layout,
-#      run once; the few tests that cannot run under MPICH say so and why: README, "MPI
-#      libraries"), by Open MPI's build of the test binaries run against MPICH's hpc-train
-#      (they link no MPI; HPC_TRAIN_TEST_MPI_FAMILY tells them the launcher).
+#   2. with MPICH: the tests whose outcome can depend on the MPI library (its launcher, aborts
+#      and signals, progress and threads, shared memory, its collectives as the reference, and
+#      every layout pair of the conformance matrix), as scripts/lib/mpich-tests.sh lists them,
+#      by Open MPI's build of the test binaries run against MPICH's hpc-train (they link no
+#      MPI; HPC_TRAIN_TEST_MPI_FAMILY tells them the launcher).
 #   scripts/test.sh                       both, as CI runs it
 #   scripts/test.sh --test horovod        cargo test's own selection, under both MPIs
 #   HPC_TRAIN_TEST_MPI=mpich scripts/test.sh   one MPI only (openmpi or mpich)
@@ -32,37 +32,90 @@ if [ $# -eq 0 ] && [[ " ${libraries[*]} " == *" openmpi "* ]]; then
     mkdir -p target
     ensure_pytorch_venv "${PYTORCH_VENV:-$HPC_TRAIN_ROOT/.venv-pytorch}" > target/pytorch-venv.log 2>&1 &
     venv_job=$!
-    # A failed set-up ends this script: pip goes with it rather than on in the background.
-    trap '[ -z "$venv_job" ] || { pkill -TERM -P "$venv_job"; kill "$venv_job"; } 2>/dev/null || true' EXIT
 fi
+# A failed set-up ends this script: what runs in the background (pip, the second MPI's build)
+# goes with it rather than on.
+second_setup=""
+beside_job=""
+stop_background() {
+    local job
+    for job in "$venv_job" "$second_setup" "$beside_job"; do
+        [ -z "$job" ] || { pkill -TERM -P "$job"; kill "$job"; } 2>/dev/null || true
+    done
+}
+trap stop_background EXIT
 
-for mpi in "${libraries[@]}"; do
-    scripts/setup.sh --no-run --mpi "$mpi"
-done
-if [ -n "$venv_job" ]; then
-    wait "$venv_job" || { echo "test.sh: the PyTorch venv's installation failed (tests/optim_pytorch.rs tries again):" >&2; cat target/pytorch-venv.log >&2; }
-    venv_job=""
-fi
+# The first MPI's set-up (it installs libtorch, the dataset and the Debian packages), and the
+# packages of the Slurm test (tests/slurm.rs runs the job files on a single-node Slurm it starts
+# itself) and of the install test (Lmod), before anything runs beside apt.
+scripts/setup.sh --no-run --mpi "${libraries[0]}"
+# shellcheck source=scripts/lib/daemons.sh
+source scripts/lib/daemons.sh
+need_packages slurm-wlm munge lmod || echo "the Slurm test will be skipped" >&2
 # setup.sh may have just installed libtorch into .venv: read the environment again so that cargo
 # below finds it (LIBTORCH) the same way the build in setup.sh did.
 source scripts/env.sh
 [ -n "${LIBTORCH:-}" ] || { echo "test.sh: libtorch not found under $HPC_TRAIN_VENV after setup" >&2; exit 1; }
+# shellcheck source=scripts/lib/cargo.sh
+source scripts/lib/cargo.sh
 
-# The Slurm test (tests/slurm.rs) runs the job files on a single-node Slurm it starts itself.
-# shellcheck source=scripts/lib/daemons.sh
-source scripts/lib/daemons.sh
-need_packages slurm-wlm munge lmod || echo "the Slurm test will be skipped" >&2
+# The second MPI's build beside the compilation of the first's test binaries: each is mostly one
+# rustc compiling the hpc-train crate, whose front end runs on one core, so the two together
+# keep both of CI's cores busy where one after the other left one idle for minutes. The second's
+# target folder is seeded here, before the test binaries' compilation writes into the first's.
+if [ $# -eq 0 ] && [ ${#libraries[@]} -gt 1 ]; then
+    second=${libraries[1]}
+    seed_target_folder "$HPC_TRAIN_ROOT/target" "$(HPC_TRAIN_MPI=$second; source scripts/env.sh; echo "$CARGO_TARGET_DIR")"
+    scripts/setup.sh --no-run --mpi "$second" > "target/setup-$second.log" 2>&1 &
+    second_setup=$!
+    printf '\n==> %s: compiling the test binaries (while %s builds beside, target/setup-%s.log)\n' "${libraries[0]}" "$second" "$second"
+    (HPC_TRAIN_MPI=${libraries[0]}; source scripts/env.sh; cargo test --release --locked --no-run 2>&1 | { grep -vE '^\s+(Compiling|Executable)' || true; })
+    wait "$second_setup" || { second_setup=""; cat "target/setup-$second.log" >&2; echo "test.sh: $second's set-up failed" >&2; exit 1; }
+    second_setup=""
+    cat "target/setup-$second.log"
+else
+    for mpi in "${libraries[@]:1}"; do
+        scripts/setup.sh --no-run --mpi "$mpi"
+    done
+fi
+if [ -n "$venv_job" ]; then
+    wait "$venv_job" || { echo "test.sh: the PyTorch venv's installation failed (tests/optim_pytorch.rs tries again):" >&2; cat target/pytorch-venv.log >&2; }
+    venv_job=""
+fi
 
 # The integration tests launch hpc-train and link no MPI: under the second MPI, Open MPI's build
 # of them runs against MPICH's hpc-train (HPC_TRAIN_TEST_BINARY), told its family, instead of
 # being compiled again (about 1.5 of CI's minutes).
-# shellcheck source=scripts/lib/cargo.sh
-source scripts/lib/cargo.sh
 
 # Every test binary runs to its end under every MPI, and the failures are listed together at the
 # end: one failing binary must not hide the state of the others (cargo test stops at the first
 # failing binary unless told --no-fail-fast).
 failures=()
+
+# tests/reliability.rs mostly waits (for timeouts, watchdogs, stalls and signals): under CI it
+# kept about a quarter of the two cores busy over its two and a half minutes. So it runs beside
+# the other test binaries of each pass, its output kept in target/beside-MPI.log and shown when it
+# ends. Its tests bound how long a job may take after a fault with margins of several times what
+# they take (and the other binaries' with as much), which the extra load leaves standing.
+BESIDE=reliability
+# start_beside MPI EXECUTABLE ARGS...: starts the binary in the background, as beside_job.
+start_beside() {
+    local mpi=$1 executable=$2; shift 2
+    printf '\n     Running tests/%s.rs beside the others (%s, output in target/beside-%s.log)\n' "$BESIDE" "$executable" "$mpi"
+    "$executable" "$@" > "target/beside-$mpi.log" 2>&1 &
+    beside_job=$!
+}
+# wait_beside MPI: waits for the binary started beside, shows its output, notes a failure.
+wait_beside() {
+    local mpi=$1 rc=0
+    [ -n "$beside_job" ] || return 0
+    wait "$beside_job" || rc=$?
+    beside_job=""
+    printf '\n     tests/%s.rs (run beside the others):\n' "$BESIDE"
+    cat "target/beside-$mpi.log"
+    [ "$rc" -eq 0 ] || failures+=("$mpi: tests/$BESIDE.rs")
+}
+
 for mpi in "${libraries[@]}"; do
     HPC_TRAIN_MPI=$mpi
     source scripts/env.sh
@@ -71,17 +124,29 @@ for mpi in "${libraries[@]}"; do
         cargo test --release --locked --no-fail-fast "$@" || failures+=("$mpi: cargo test $*")
     elif [ "$mpi" = openmpi ]; then
         printf '\n==> %s: cargo test --release --no-fail-fast (unit tests and every test that launches hpc-train)\n' "$mpi"
-        cargo test --release --locked --no-fail-fast || failures+=("$mpi: cargo test (its summary above names the failing binaries)")
+        selection=(--bins)
+        for t in tests/*.rs; do
+            name=$(basename "$t" .rs)
+            [ "$name" = "$BESIDE" ] || selection+=(--test "$name")
+        done
+        start_beside "$mpi" "$(test_executables --test "$BESIDE")"
+        cargo test --release --locked --no-fail-fast "${selection[@]}" || failures+=("$mpi: cargo test (its summary above names the failing binaries)")
+        wait_beside "$mpi"
     else
-        # Under the second MPI, every test whose subject depends on the MPI library. Left to
-        # the first: the optimizers' arithmetic against torch.optim (optim_pytorch), dataset
-        # import and conversion (datasets), reports and projections from records (report,
-        # projection) and the source's layout (architecture), which no MPI call changes and
-        # which took about 7 of the suite's minutes a second time.
+        # Under the second MPI, the tests whose outcome can depend on the MPI library, as
+        # scripts/lib/mpich-tests.sh lists them per binary (and says why).
+        # shellcheck source=scripts/lib/mpich-tests.sh
+        source scripts/lib/mpich-tests.sh
         selection=()
         for t in tests/*.rs; do
             name=$(basename "$t" .rs)
-            case "$name" in optim_pytorch|datasets|report|projection|architecture) ;; *) selection+=(--test "$name") ;; esac
+            rc=0; mpich_test_args "$name" > /dev/null || rc=$?
+            case $rc in
+                0) selection+=(--test "$name") ;;
+                1) ;;
+                *) echo "test.sh: scripts/lib/mpich-tests.sh does not say what MPICH's pass runs of tests/$name.rs" >&2
+                   failures+=("$mpi: tests/$name.rs (not in scripts/lib/mpich-tests.sh)") ;;
+            esac
         done
         mpich_binary=$HPC_TRAIN_BIN
         if [ "${libraries[0]}" = openmpi ]; then
@@ -89,12 +154,38 @@ for mpi in "${libraries[@]}"; do
         else
             executables=$(test_executables "${selection[@]}")
         fi
-        printf '\n==> %s: %d test binaries against %s (every test whose subject depends on the MPI library)\n' "$mpi" "$(wc -w <<< "$executables")" "$mpich_binary"
+        # The binary that runs beside the others first, so that it overlaps them all.
+        executables=$(printf '%s\n' $executables | awk -v b="/$BESIDE-" 'index($0, b) { print; next } { rest = rest $0 "\n" } END { printf "%s", rest }')
+        printf '\n==> %s: %d test binaries against %s (the tests whose outcome can depend on the MPI library)\n' "$mpi" "$(wc -w <<< "$executables")" "$mpich_binary"
         for executable in $executables; do
             name=$(basename "$executable"); name=${name%-*}
-            printf '\n     Running tests/%s.rs (%s)\n' "$name" "$executable"
-            HPC_TRAIN_TEST_BINARY=$mpich_binary HPC_TRAIN_TEST_MPI_FAMILY=mpich "$executable" || failures+=("$mpi: tests/$name.rs")
+            read -r -a args <<< "$(mpich_test_args "$name")"
+            # A name in the table that the binary does not have would silently run or skip
+            # nothing: each --exact name must be one of the binary's tests, each --skip filter
+            # part of one.
+            listed=$("$executable" --list --format terse 2>/dev/null | sed 's/: test$//')
+            missing=""
+            for word in "${args[@]}"; do
+                case "$word" in --*) continue ;; esac
+                if [[ " ${args[*]} " == *" --exact "* ]]; then
+                    grep -qxF -- "$word" <<< "$listed" || missing+=" $word"
+                else
+                    grep -qF -- "$word" <<< "$listed" || missing+=" $word"
+                fi
+            done
+            if [ -n "$missing" ]; then
+                echo "test.sh: scripts/lib/mpich-tests.sh names tests of tests/$name.rs that it does not have: $missing" >&2
+                failures+=("$mpi: tests/$name.rs (scripts/lib/mpich-tests.sh names tests it does not have)")
+                continue
+            fi
+            if [ "$name" = "$BESIDE" ]; then
+                HPC_TRAIN_TEST_BINARY=$mpich_binary HPC_TRAIN_TEST_MPI_FAMILY=mpich start_beside "$mpi" "$executable" "${args[@]}"
+                continue
+            fi
+            printf '\n     Running tests/%s.rs %s(%s)\n' "$name" "${args[*]:+${args[*]} }" "$executable"
+            HPC_TRAIN_TEST_BINARY=$mpich_binary HPC_TRAIN_TEST_MPI_FAMILY=mpich "$executable" "${args[@]}" || failures+=("$mpi: tests/$name.rs")
         done
+        wait_beside "$mpi"
     fi
 done
 if [ ${#failures[@]} -gt 0 ]; then
