@@ -49,8 +49,9 @@ pub struct FitArgs {
 /// Options of `hpc-train project`.
 #[derive(Args, Debug, Clone)]
 pub struct ProjectArgs {
-    /// Cluster profile (TOML; see jobs/clusters/).
-    #[arg(long)]
+    /// The cluster's description (TOML; see jobs/clusters/); formerly --profile (not the
+    /// profiler: that is training's --profile-dir).
+    #[arg(long = "cluster", aliases = ["profile"], value_name = "FILE.toml")]
     pub profile: PathBuf,
     /// Model whose gradients are exchanged.
     #[arg(long, value_enum, default_value_t = ModelKind::Resnet50)]
@@ -872,6 +873,7 @@ fn projected_record(args: &ProjectArgs, profile: &Profile, p: Point, layout: Lay
         epoch_to_target: None,
         pipeline: None,
         extra,
+        rerun: Default::default(),
     }
 }
 
