@@ -100,10 +100,10 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Fusion bucket size in MiB for multi-tensor layouts.
-    #[arg(long = "bucket-mib", aliases = ["bucket-mb"], default_value_t = 25.0)]
+    #[arg(long = "bucket-mib", value_name = "MIB", aliases = ["bucket-mb"], default_value_t = 25.0)]
     pub bucket_mb: f64,
     /// Ring segment size in KiB.
-    #[arg(long = "segment-kib", aliases = ["segment-kb"], default_value_t = 4096)]
+    #[arg(long = "segment-kib", value_name = "KIB", aliases = ["segment-kb"], default_value_t = 4096)]
     pub segment_kb: u64,
     /// How the ring's ranks reach each other: node-shared memory when all are on one node (auto).
     #[arg(long, value_enum, default_value_t = RingTransport::Auto)]

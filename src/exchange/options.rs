@@ -166,7 +166,7 @@ pub struct HorovodArgs {
     #[arg(long)]
     pub cycle_time_ms: Option<f64>,
     /// Fusion buffer, MiB; 0 = no fusion [env HOROVOD_FUSION_THRESHOLD in bytes; default 128].
-    #[arg(long = "fusion-threshold-mib", aliases = ["fusion-threshold-mb"])]
+    #[arg(long = "fusion-threshold-mib", value_name = "MIB", aliases = ["fusion-threshold-mb"])]
     pub fusion_threshold_mb: Option<f64>,
     /// Response cache entries, least recently used evicted; 0 = no cache (every cycle
     /// negotiates through rank 0) [env HOROVOD_CACHE_CAPACITY; default 1024].

@@ -88,7 +88,7 @@ pub struct TrainArgs {
 
     /// Steps at the start left out of the throughput figures (the learning-rate warm-up is
     /// --warmup-epochs); formerly --warmup-steps.
-    #[arg(long = "skip-steps", aliases = ["warmup-steps"], default_value_t = 5, help_heading = "Data")]
+    #[arg(long = "skip-steps", value_name = "STEPS", aliases = ["warmup-steps"], default_value_t = 5, help_heading = "Data")]
     pub warmup_steps: u64,
 
     /// Batches the loader thread reads ahead.
@@ -139,7 +139,7 @@ pub struct TrainArgs {
     pub strategy: StrategyKind,
 
     /// Gradient bucket size, MiB; 0 = one exchange per parameter tensor (the naive variant).
-    #[arg(long = "bucket-mib", aliases = ["bucket-mb"], default_value_t = 25.0, help_heading = "Exchange")]
+    #[arg(long = "bucket-mib", value_name = "MIB", aliases = ["bucket-mb"], default_value_t = 25.0, help_heading = "Exchange")]
     pub bucket_mb: f64,
 
     /// Exchange gradient buckets while backward is still running (gradient-ready hooks).
@@ -148,7 +148,7 @@ pub struct TrainArgs {
 
     /// Ring all-reduce segment size, KiB (the pipelining grain of the ring; the default is the
     /// best measured in results/strategies/README.md).
-    #[arg(long = "segment-kib", aliases = ["segment-kb"], default_value_t = 4096, help_heading = "Exchange")]
+    #[arg(long = "segment-kib", value_name = "KIB", aliases = ["segment-kb"], default_value_t = 4096, help_heading = "Exchange")]
     pub segment_kb: u64,
 
     /// How the ring's ranks reach each other: `auto` reads and adds a neighbour's chunk straight
@@ -252,7 +252,7 @@ pub struct TrainArgs {
 
     /// The study id that tags this run's record in runs.jsonl, as `study` and `report --study`
     /// name it (job scripts group their runs so) [default: none; a study makes one].
-    #[arg(long = "study", aliases = ["study-tag", "study-id"], help_heading = "Output")]
+    #[arg(long = "study", value_name = "ID", aliases = ["study-tag", "study-id"], help_heading = "Output")]
     pub study_tag: Option<String>,
 
     /// Profile --profile-steps steps from the first measured one (after --skip-steps) with
