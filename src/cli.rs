@@ -238,6 +238,12 @@ mod tests {
                 at += found + 1;
             }
         }
+        for (sub, headings) in [("bench", &["Sweep", "Exchange", "Output", "Parameter server", "Horovod"][..]), ("project", &["Cluster and model", "Sweep", "Plan (--plan)", "Output"][..])] {
+            let help = command.find_subcommand_mut(sub).unwrap().render_long_help().to_string();
+            for heading in headings {
+                assert!(help.contains(&format!("\n{heading}:\n")), "{sub}: {heading} missing in\n{help}");
+            }
+        }
         for arg in crate::config::train_command().get_arguments().filter(|a| !a.is_hide_set()) {
             assert!(arg.get_help_heading().is_some(), "--{} has no heading", arg.get_long().unwrap_or_default());
         }

@@ -553,4 +553,53 @@ bucket_mb = 0.5
         let err = a.check_unused_options(&[a.strategy]).unwrap_err().to_string();
         assert_eq!(a.run_config.attribute(&err), err);
     }
+
+    /// jobs/configs/ holds the presets as run files (and ViT-B/16 with tensor parallelism): each
+    /// reads, passes the option checks, and is the run its flags make.
+    #[test]
+    fn the_golden_run_files_are_the_runs_they_name() {
+        let golden: &[(&str, &[&str])] = &[
+            ("resnet50-throughput", &["--preset", "resnet50-throughput"]),
+            ("cpu-study", &["--preset", "cpu-trial", "--device", "cpu"]),
+            ("vit-b16-tp", &["--model", "vit-b16", "--data", "synthetic:3x224x224:1000", "--tensor-parallel", "4", "--batch-size", "32", "--skip-steps", "10", "--measured-steps", "50", "--no-eval", "--precision", "bf16"]),
+        ];
+        for (name, flags) in golden {
+            let path = format!("{}/jobs/configs/{name}.toml", env!("CARGO_MANIFEST_DIR"));
+            let from_file = parse(&["--config", &path]).unwrap_or_else(|e| panic!("{name}: {e}"));
+            from_file.check_unused_options(&[from_file.strategy]).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(options(&from_file), options(&parse(flags).unwrap()), "{name}");
+        }
+    }
+
+    /// `study --config` gives the file's options to every point, the study's command line winning.
+    #[test]
+    fn study_takes_the_run_file() {
+        let dir = Scratch::new("study");
+        let path = dir.file("run.toml", FILE);
+        let cli = Cli::parse_from_noting_given(["hpc-train", "study", "--config", &path, "--ranks", "1,2", "--batch-size", "2", "--study", "s1"]).unwrap();
+        let Some(crate::cli::Command::Study(study)) = cli.command else { panic!("a study") };
+        let a = study.train;
+        assert_eq!((study.ranks.as_str(), a.study_tag.as_deref(), a.batch_size), ("1,2", Some("s1"), 2));
+        assert_eq!(options(&TrainArgs { batch_size: 4, study_tag: None, ..a }), options(&parse(FLAGS).unwrap()));
+        // A study's own option is not a run file's.
+        let path = dir.file("study.toml", "ranks = \"1,2\"\n");
+        let err = Cli::parse_from_noting_given(["hpc-train", "study", "--config", &path]).unwrap_err().to_string();
+        assert!(err.contains("unknown key `ranks`"), "{err}");
+    }
+
+    #[test]
+    fn old_names_work_and_the_deprecated_one_warns() {
+        let a = parse(&["--warmup-steps", "3", "--study-tag", "t", "--bucket-mb", "2", "--segment-kb", "8", "--strategy", "horovod", "--fusion-threshold-mb", "4", "--timeline-filename", "t.json", "--hierarchical-allreduce"]).unwrap();
+        assert_eq!((a.warmup_steps, a.study_tag.as_deref(), a.bucket_mb, a.segment_kb), (3, Some("t"), 2.0, 8));
+        assert_eq!((a.horovod.fusion_threshold_mb, a.horovod.timeline.as_deref(), a.horovod.hierarchical), (Some(4.0), Some(Path::new("t.json")), Some(true)));
+        let argv: Vec<OsString> = ["hpc-train", "--warmup-steps=3", "--skip-steps", "2", "--bucket-mb", "1"].iter().map(OsString::from).collect();
+        let warnings = deprecated_names(&argv);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].starts_with("--warmup-steps is deprecated: use --skip-steps"), "{warnings:?}");
+        let dir = Scratch::new("deprecated");
+        let path = dir.file("old.toml", "warmup_steps = 3\n");
+        let a = parse(&["--config", &path]).unwrap();
+        assert_eq!(a.warmup_steps, 3);
+        assert!(a.run_config.warnings[0].contains("key `warmup_steps` is deprecated: use `skip_steps`"), "{:?}", a.run_config.warnings);
+    }
 }

@@ -35,3 +35,15 @@ fn a_run_file_and_a_records_config_train_to_the_same_weights_as_the_flags() {
     assert_eq!(read_weights(&by_flags), read_weights(&rerun), "a record's config");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `hpc-train` alone prints how to train and trains nothing (it started a five-epoch ResNet-50
+/// run); `train` is the same as no subcommand.
+#[test]
+fn no_arguments_print_the_usage_and_train_nothing() {
+    let run = hpc_train(&[]);
+    assert_eq!(run.status, Some(2), "{}", run.all_output());
+    assert!(run.stderr.starts_with("Usage: hpc-train [train] [OPTIONS]") && run.stderr.contains("study"), "{}", run.stderr);
+    assert!(run.elapsed < std::time::Duration::from_secs(10) && run.stdout.is_empty() && !run.stderr.contains("images/s"), "{}", run.all_output());
+    let run = hpc_train(&["train", "--steps", "2", "--print-config"]).expect_ok();
+    assert!(run.stdout.contains("steps = 2"), "{}", run.stdout);
+}
