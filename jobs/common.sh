@@ -18,6 +18,7 @@
 # | NODE_COUNTS       | 1 2 4 ... up to the allocation            | the sweep, in nodes |
 # | RANK_COUNTS       | (NODE_COUNTS x RANKS_PER_NODE)            | the sweep in ranks, instead of nodes |
 # | STRATEGIES        | ring ps allreduce horovod                 | strategies at every point |
+# | CONFIG            | (none)                                    | a run file of the training options (hpc-train --config; jobs/configs/), instead of PRESET and the variables below; MODEL etc. still override it |
 # | PRESET            | resnet50-throughput                       | hpc-train --preset (synthetic ImageNet-sized images, fixed steps); empty: none, MODEL etc. below |
 # | MODEL             | (the preset's; resnet50 without one)      | model |
 # | DATA              | (the preset's; datasets/fashion-mnist.h5) | dataset file (on a shared file system) |
@@ -177,8 +178,9 @@ launch() {
 # on top; without a preset, the defaults of the table above.
 training_args() {
     local scaling=$1
-    if [ -n "$PRESET" ]; then
-        TRAIN_ARGS=(--preset "$PRESET")
+    if [ -n "${CONFIG:-}" ] || [ -n "$PRESET" ]; then
+        # A run file holds every option it needs (and may name a preset itself).
+        if [ -n "${CONFIG:-}" ]; then TRAIN_ARGS=(--config "$CONFIG"); else TRAIN_ARGS=(--preset "$PRESET"); fi
         [ -n "${MODEL:-}" ] && TRAIN_ARGS+=(--model "$MODEL")
         [ -n "${DATA:-}" ] && TRAIN_ARGS+=(--data "$DATA")
         [ -n "${EPOCHS:-}" ] && TRAIN_ARGS+=(--epochs "$EPOCHS")
@@ -335,7 +337,7 @@ run_sweep() {
             fi
             checkpoint_args "$strategy-$ranks"
             run_point "$strategy-$ranks" "$strategy" "$ranks" "$HPC_TRAIN" --strategy "$strategy" "${TRAIN_ARGS[@]}" \
-                --results "$RESULTS" --study-tag "$STUDY_ID" "${CKPT_ARGS[@]}" "${extra[@]}" || stopped_exit
+                --results "$RESULTS" --study "$STUDY_ID" "${CKPT_ARGS[@]}" "${extra[@]}" || stopped_exit
         done
     done
     finish_sweep

@@ -59,90 +59,90 @@ fn at_least_one(s: &str) -> Result<usize, String> {
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
     /// Strategies to measure, comma-separated.
-    #[arg(long, default_value = "ring,allreduce")]
+    #[arg(long, default_value = "ring,allreduce", help_heading = "Sweep")]
     pub strategies: String,
     /// Smallest message (bytes; K, M, G suffixes).
-    #[arg(long, default_value = "4K")]
+    #[arg(long, default_value = "4K", help_heading = "Sweep")]
     pub min_bytes: String,
     /// Largest message.
-    #[arg(long, default_value = "256M")]
+    #[arg(long, default_value = "256M", help_heading = "Sweep")]
     pub max_bytes: String,
     /// Size multiplier between rows.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, help_heading = "Sweep")]
     pub factor: usize,
     /// Exact element counts instead of the sweep, comma-separated.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', help_heading = "Sweep")]
     pub counts: Option<Vec<usize>>,
     /// Timed iterations per size (at least 1: a row of no iterations would record a time of 0).
-    #[arg(long, default_value_t = 20, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 20, value_parser = at_least_one, help_heading = "Sweep")]
     pub iters: usize,
     /// Untimed iterations first.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, help_heading = "Sweep")]
     pub warmup: usize,
     /// Sweeps over all strategies, each starting one strategy later than the one before; each
     /// row is the median of every round's timed iterations. On a shared or drifting machine,
     /// no strategy is then always the one measured first.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1000), help_heading = "Sweep")]
     pub rounds: u16,
     /// Where the buffers live.
-    #[arg(long, value_enum, default_value_t = BenchDevice::Cpu)]
+    #[arg(long, value_enum, default_value_t = BenchDevice::Cpu, help_heading = "Sweep")]
     pub device: BenchDevice,
     /// Element type.
-    #[arg(long, value_enum, default_value_t = Dtype::F32)]
+    #[arg(long, value_enum, default_value_t = Dtype::F32, help_heading = "Sweep")]
     pub dtype: Dtype,
     /// One tensor, or ResNet-50's 161 tensors.
-    #[arg(long, value_enum, default_value_t = Layout::Single)]
+    #[arg(long, value_enum, default_value_t = Layout::Single, help_heading = "Sweep")]
     pub layout: Layout,
     /// How results are checked.
-    #[arg(long, value_enum, default_value_t = Verify::ClosedForm)]
+    #[arg(long, value_enum, default_value_t = Verify::ClosedForm, help_heading = "Sweep")]
     pub verify: Verify,
     /// Seed of the random input (--verify allreduce).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = "Sweep")]
     pub seed: u64,
     /// Fusion bucket size in MiB for multi-tensor layouts.
-    #[arg(long, default_value_t = 25.0)]
+    #[arg(long = "bucket-mib", value_name = "MIB", aliases = ["bucket-mb"], default_value_t = 25.0, help_heading = "Exchange")]
     pub bucket_mb: f64,
     /// Ring segment size in KiB.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long = "segment-kib", value_name = "KIB", aliases = ["segment-kb"], default_value_t = 4096, help_heading = "Exchange")]
     pub segment_kb: u64,
     /// How the ring's ranks reach each other: node-shared memory when all are on one node (auto).
-    #[arg(long, value_enum, default_value_t = RingTransport::Auto)]
+    #[arg(long, value_enum, default_value_t = RingTransport::Auto, help_heading = "Exchange")]
     pub ring_transport: RingTransport,
 
     /// The MPI call of `allreduce` and `horovod` on host buffers: `blocking` (MPI_Allreduce, as
     /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, this
     /// program's path before issue 32, for comparison). Device buffers always take the blocking
     /// call.
-    #[arg(long, value_enum, default_value_t = MpiAllreduceCall::Blocking)]
+    #[arg(long, value_enum, default_value_t = MpiAllreduceCall::Blocking, help_heading = "Exchange")]
     pub mpi_allreduce: MpiAllreduceCall,
     /// Whether MPI can read GPU memory.
-    #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
+    #[arg(long, value_enum, default_value_t = CudaAware::Auto, help_heading = "Exchange")]
     pub cuda_aware: CudaAware,
     /// Folder for bench.jsonl.
-    #[arg(long, default_value = "results")]
+    #[arg(long, default_value = "results", help_heading = "Output")]
     pub results: PathBuf,
     /// Change one element of rank 0's result before the check (tests that the check works).
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, help_heading = "Output")]
     pub corrupt_result: bool,
     /// Write rank 0's summed buffers, every strategy and size in turn (as f32, little-endian,
     /// after the last iteration), to this file: for comparing two runs bit for bit.
-    #[arg(long)]
+    #[arg(long, help_heading = "Output")]
     pub save_result: Option<PathBuf>,
     /// Abort when an exchange makes no progress for this many seconds; 0: never.
-    #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S)]
+    #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S, help_heading = "Exchange")]
     pub exchange_timeout_s: f64,
     /// Cost model for `auto` (see the training option).
-    #[arg(long)]
+    #[arg(long, help_heading = "Exchange")]
     pub cost_model: Option<PathBuf>,
     /// The rate of the links between nodes, in Mbit/s, recorded in bench.jsonl for
     /// `hpc-train model fit` (the bench cannot measure it apart from the exchange).
-    #[arg(long)]
+    #[arg(long, help_heading = "Exchange")]
     pub link_mbit: Option<f64>,
 
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Parameter server")]
     pub ps: PsArgs,
 
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Horovod")]
     pub horovod: HorovodArgs,
 
     /// The options given on the command line.

@@ -24,7 +24,8 @@ use crate::train::options::{DeviceChoice, TrainArgs, DEFAULT_EXCHANGE_TIMEOUT_S}
     about = "Data-parallel training over MPI with from-scratch gradient-exchange strategies",
     long_about = "Trains a network data-parallel over MPI ranks (launch with mpirun or srun; one rank per GPU, \
                   or CPU ranks) and measures how each gradient-exchange strategy scales.\n\n\
-                  Without a subcommand it trains: mpirun -n 16 hpc-train --strategy ring",
+                  Without a subcommand (or with `train`) it trains: mpirun -n 16 hpc-train --strategy ring; \
+                  --config FILE.toml reads the options from a run file (--print-config writes one).",
     args_conflicts_with_subcommands = true
 )]
 pub struct Cli {
@@ -80,18 +81,66 @@ pub enum ModelCommand {
 }
 
 impl Cli {
-    /// Parses the command line, noting which options it gave (see [`Given`]).
+    /// Parses the command line, noting which options it gave (see [`Given`]), with the run
+    /// file of `--config` and the `--preset` applied where it gave none (crate::config).
     pub fn parse_noting_given() -> Result<Cli, clap::Error> {
+        Cli::parse_from_noting_given(std::env::args_os())
+    }
+
+    /// [`Cli::parse_noting_given`] of `argv` (its first item the program's name).
+    pub fn parse_from_noting_given<T: Into<std::ffi::OsString>>(argv: impl IntoIterator<Item = T>) -> Result<Cli, clap::Error> {
         use clap::{CommandFactory, FromArgMatches};
-        let matches = Cli::command().try_get_matches()?;
+        let mut argv: Vec<std::ffi::OsString> = argv.into_iter().map(Into::into).collect();
+        // `hpc-train train [OPTIONS]` is `hpc-train [OPTIONS]`.
+        if argv.get(1).is_some_and(|a| a == "train") {
+            argv.remove(1);
+        }
+        let mut matches = Cli::command().try_get_matches_from(&argv)?;
+        let train_matches = match matches.subcommand() {
+            None => Some(&matches),
+            Some(("study", m)) => Some(m),
+            _ => None,
+        };
+        let mut preset_ids = Vec::new();
+        let mut file = None;
+        let mut warnings = Vec::new();
+        if let Some(m) = train_matches {
+            // One line that names the file and the key (clap's usage text would bury it).
+            let additions = crate::config::additions(m).map_err(|e| clap::Error::raw(clap::error::ErrorKind::ValueValidation, format!("{e}\n")))?;
+            if !additions.args.is_empty() {
+                // The command line gives none of these, so where they go does not matter: at
+                // the end, they are the training command's (or study's) own.
+                argv.extend(additions.args);
+                matches = Cli::command().try_get_matches_from(&argv)?;
+            }
+            preset_ids = additions.preset_ids;
+            file = additions.file;
+            warnings = additions.warnings;
+        }
         let mut cli = Cli::from_arg_matches(&matches)?;
+        let preset_ids: Vec<&str> = preset_ids.iter().map(String::as_str).collect();
+        let note = |train: &mut TrainArgs, m: &clap::ArgMatches| {
+            train.given = Given::from_matches(m).without(&preset_ids);
+            train.run_config = crate::config::resolved(m);
+            train.run_config.file = file.clone();
+            train.run_config.warnings = warnings.clone();
+        };
         match (&mut cli.command, matches.subcommand()) {
-            (None, _) => cli.train.given = Given::from_matches(&matches),
-            (Some(Command::Study(a)), Some((_, m))) => a.train.given = Given::from_matches(m),
+            (None, _) => note(&mut cli.train, &matches),
+            (Some(Command::Study(a)), Some((_, m))) => note(&mut a.train, m),
             (Some(Command::Bench(a)), Some((_, m))) => a.given = Given::from_matches(m),
             _ => {}
         }
         Ok(cli)
+    }
+
+    /// The training options of a command that trains (`hpc-train [OPTIONS]`, `study`).
+    pub fn train_args(&self) -> Option<&TrainArgs> {
+        match &self.command {
+            None => Some(&self.train),
+            Some(Command::Study(a)) => Some(&a.train),
+            _ => None,
+        }
     }
 
     /// The MPI thread level this command needs: `MPI_THREAD_MULTIPLE` where a strategy runs a
@@ -140,6 +189,23 @@ impl Cli {
     }
 }
 
+/// What `hpc-train` with no arguments prints: how to train and the commands, not a run.
+pub fn short_usage() -> String {
+    use clap::CommandFactory;
+    let command = Cli::command();
+    let mut text = String::from(
+        "Usage: hpc-train [train] [OPTIONS]   train, e.g. mpirun -n 4 hpc-train --preset cpu-trial\n       \
+         hpc-train [train] --config FILE.toml [OPTIONS]   train from a run file (jobs/configs/)\n       \
+         hpc-train <COMMAND> [OPTIONS]\n\nCommands:\n",
+    );
+    for sub in command.get_subcommands().filter(|c| !c.is_hide_set()) {
+        let about = sub.get_about().map(|a| a.to_string()).unwrap_or_default();
+        text.push_str(&format!("  {:<11}{}\n", sub.get_name(), about.split(". ").next().unwrap_or_default().trim_end_matches('.')));
+    }
+    text.push_str("\nhpc-train --help: every training option, by group; hpc-train <COMMAND> --help: the command's.\n");
+    text
+}
+
 /// Whether `--device` may put the run on a GPU, asked before MPI starts: not with `cpu` or
 /// simulated GPUs (which train on the CPU), else where libtorch sees CUDA. A GPU run that got
 /// less than MULTIPLE all the same is refused by name when its backward calls the exchange
@@ -155,6 +221,33 @@ fn may_train_on_a_gpu(device: DeviceChoice) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--help` of training and of `study` groups the options under the headings of issue 66,
+    /// and every visible training option has one (and so a section in run files).
+    #[test]
+    fn help_groups_the_options_under_headings() {
+        use clap::CommandFactory;
+        let headings = ["Run", "Data", "Model and optimizer", "Exchange", "Horovod", "Parameter server", "Pipeline", "Sharding and tensor parallelism", "Checkpoints and faults", "Output"];
+        let mut command = Cli::command();
+        let top = command.render_long_help().to_string();
+        let study = command.find_subcommand_mut("study").unwrap().render_long_help().to_string();
+        for help in [&top, &study] {
+            let mut at = 0;
+            for heading in headings {
+                let found = help[at..].find(&format!("\n{heading}:\n")).unwrap_or_else(|| panic!("{heading}: missing or out of order in\n{help}"));
+                at += found + 1;
+            }
+        }
+        for (sub, headings) in [("bench", &["Sweep", "Exchange", "Output", "Parameter server", "Horovod"][..]), ("project", &["Cluster and model", "Sweep", "Plan (--plan)", "Output"][..])] {
+            let help = command.find_subcommand_mut(sub).unwrap().render_long_help().to_string();
+            for heading in headings {
+                assert!(help.contains(&format!("\n{heading}:\n")), "{sub}: {heading} missing in\n{help}");
+            }
+        }
+        for arg in crate::config::train_command().get_arguments().filter(|a| !a.is_hide_set()) {
+            assert!(arg.get_help_heading().is_some(), "--{} has no heading", arg.get_long().unwrap_or_default());
+        }
+    }
 
     /// A CPU tensor-parallel run asked for MPI_THREAD_MULTIPLE, which only a GPU's backward
     /// needs (issue 48): every call then takes a lock in some libraries.

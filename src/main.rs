@@ -8,6 +8,7 @@ use std::io::Write;
 mod bench;
 mod checkpoint;
 mod cli;
+mod config;
 mod conform;
 mod cost;
 mod data;
@@ -49,6 +50,13 @@ const REPORTED_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_mill
 
 fn main() {
     raw::keep_freed_memory();
+    // No arguments: what to type, not a five-epoch ResNet-50 run.
+    if std::env::args_os().len() == 1 {
+        if mpi_library::launcher_rank() == 0 {
+            eprint!("{}", cli::short_usage());
+        }
+        raw::exit_process(2);
+    }
     let parsed = Cli::parse_noting_given();
     // SIGTERM and SIGUSR1 have been held since before main (raw::process says why). Training and
     // studies turn them into a stop request, from MPI's start-up on, since one during start-up
@@ -67,16 +75,21 @@ fn main() {
         }
         Err(e) => exit_after_parse_error(e),
     };
-    // --preset: its defaults for the options the command line left at theirs.
-    let mut cli = cli;
-    let preset = match &mut cli.command {
-        None => cli.train.apply_preset(),
-        Some(Command::Study(a)) => a.train.apply_preset(),
-        _ => Ok(()),
-    };
-    if let Err(e) = preset {
-        print_error(format_args!("{e}"));
-        raw::exit_process(2);
+    // Renamed options: the old name works, and says what replaced it, once.
+    if mpi_library::launcher_rank() == 0 {
+        let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+        let from_file = cli.train_args().map(|t| t.run_config.warnings.clone()).unwrap_or_default();
+        for warning in config::deprecated_names(&argv).into_iter().chain(from_file) {
+            let _ = std::io::stderr().write_all(format!("warning: {warning}\n").as_bytes());
+        }
+    }
+    // --print-config: the resolved options (command line, run file, preset), before anything
+    // starts; printed once under a launcher of several processes.
+    if let Some(train) = cli.train_args().filter(|t| t.print_config) {
+        if mpi_library::launcher_rank() == 0 {
+            print!("{}", train.run_config.to_toml());
+        }
+        raw::exit_process(0);
     }
     // A command that rank 0 carries out alone needs no MPI where nothing launched other
     // processes: Open MPI's start-up of a lone process (a singleton, which forks its own daemon)
@@ -162,14 +175,14 @@ fn main() {
             1
         }
         Err(Error::Agreed(e)) => {
-            print_error(format_args!("{e}"));
+            print_error(format_args!("{}", attribute(&cli, e.to_string())));
             let _ = std::io::stderr().flush();
             world.sleeping_barrier_within(Some(REPORTED_ERROR_GRACE));
             1
         }
         Err(e) => {
             // Only this rank knows: the others may be blocked in communication with it.
-            print_error(format_args!("rank {} of {}: {e}", world.rank, world.size));
+            print_error(format_args!("rank {} of {}: {}", world.rank, world.size, attribute(&cli, e.to_string())));
             let _ = std::io::stderr().flush();
             if world.size > 1 {
                 raw::abort_world(1);
@@ -246,6 +259,11 @@ fn exit_once_reported(universe: Option<mpi::environment::Universe>, print: impl 
         drop(universe); // MPI_Finalize
     }
     raw::exit_process(code);
+}
+
+/// An error's message with the run file named where it is about an option the file set.
+fn attribute(cli: &Cli, message: String) -> String {
+    cli.train_args().map_or(message.clone(), |train| train.run_config.attribute(&message))
 }
 
 /// The exit status of a run stopped by a signal before its last step: `EXIT_STOPPED` when a

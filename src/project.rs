@@ -49,93 +49,94 @@ pub struct FitArgs {
 /// Options of `hpc-train project`.
 #[derive(Args, Debug, Clone)]
 pub struct ProjectArgs {
-    /// Cluster profile (TOML; see jobs/clusters/).
-    #[arg(long)]
+    /// The cluster's description (TOML; see jobs/clusters/); formerly --profile (not the
+    /// profiler: that is training's --profile-dir).
+    #[arg(long = "cluster", aliases = ["profile"], value_name = "FILE.toml", help_heading = "Cluster and model")]
     pub profile: PathBuf,
     /// Model whose gradients are exchanged.
-    #[arg(long, value_enum, default_value_t = ModelKind::Resnet50)]
+    #[arg(long, value_enum, default_value_t = ModelKind::Resnet50, help_heading = "Cluster and model")]
     pub model: ModelKind,
     /// One rank's forward, backward and optimizer per step, in ms.
-    #[arg(long)]
+    #[arg(long, help_heading = "Cluster and model")]
     pub compute_ms: Option<f64>,
     /// Take the compute time from the 1-rank run of the model at --batch in this runs.jsonl.
-    #[arg(long)]
+    #[arg(long, help_heading = "Cluster and model")]
     pub from_runs: Option<PathBuf>,
     /// Samples per rank per step (weak scaling).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, help_heading = "Cluster and model")]
     pub batch: usize,
     /// Rank counts.
-    #[arg(long, default_value = "1,2,4,8,16,32,64,128,256,512,1024")]
+    #[arg(long, default_value = "1,2,4,8,16,32,64,128,256,512,1024", help_heading = "Sweep")]
     pub ranks: String,
     /// Ranks per node [default: the profile's].
-    #[arg(long)]
+    #[arg(long, help_heading = "Sweep")]
     pub ranks_per_node: Option<usize>,
     /// Gradient buckets in MiB.
-    #[arg(long, default_value_t = 25.0)]
+    #[arg(long = "bucket-mib", aliases = ["bucket-mb"], value_name = "MIB", default_value_t = 25.0, help_heading = "Sweep")]
     pub bucket_mb: f64,
     /// Share of compute that backward takes (what overlap can hide the exchange behind).
-    #[arg(long, default_value_t = 0.67)]
+    #[arg(long, default_value_t = 0.67, help_heading = "Cluster and model")]
     pub backward_share: f64,
     /// Parameter servers of the measured ps rows (validation).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = "Sweep")]
     pub servers: usize,
     /// Folder for the tables, the projected records and their report, and validation.csv.
-    #[arg(long, default_value = "results/projection")]
+    #[arg(long, default_value = "results/projection", help_heading = "Output")]
     pub out: PathBuf,
     /// Measured bench rows to compare the model with (validation.csv).
-    #[arg(long)]
+    #[arg(long, help_heading = "Output")]
     pub validate_bench: Option<PathBuf>,
     /// Measured training runs to compare the model with (validation.csv).
-    #[arg(long)]
+    #[arg(long, help_heading = "Output")]
     pub validate_runs: Option<PathBuf>,
     /// Pipeline stages to project besides data parallelism, e.g. `2,4` (issue 36): each at every
     /// rank count it divides, a pipeline on consecutive ranks, the stages' replicas averaging
     /// with the ring.
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", help_heading = "Sweep")]
     pub pipeline_stages: String,
     /// Micro-batches per step of the projected pipelines (each pipeline takes --batch).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, help_heading = "Sweep")]
     pub micro_batches: usize,
     /// The pipelines' schedule, for --pipeline-stages and --plan: gpipe, 1f1b, zb-h1 or zb-v
     /// (interleaved needs --virtual-stages, which project does not take).
-    #[arg(long, value_enum, default_value_t = crate::plan::pipeline::ScheduleKind::OneFOneB)]
+    #[arg(long, value_enum, default_value_t = crate::plan::pipeline::ScheduleKind::OneFOneB, help_heading = "Sweep")]
     pub schedule: crate::plan::pipeline::ScheduleKind,
     /// Instead of scaling tables: the 3D layouts (data x pipeline x tensor, micro-batch size) of
     /// --transformer on --gpus GPUs of the profile that fit --gpu-memory-gb, each with its
     /// projected step split into compute, bubble and the three kinds of communication (issue 38).
-    #[arg(long)]
+    #[arg(long, help_heading = "Plan (--plan)")]
     pub plan: bool,
     /// With --plan: the transformer (its shape; --layers, --hidden, --heads, --tokens, --vocab
     /// change it).
-    #[arg(long, value_enum, default_value_t = TransformerKind::Gpt3)]
+    #[arg(long, value_enum, default_value_t = TransformerKind::Gpt3, help_heading = "Plan (--plan)")]
     pub transformer: TransformerKind,
-    #[arg(long)]
+    #[arg(long, help_heading = "Plan (--plan)")]
     pub layers: Option<usize>,
-    #[arg(long)]
+    #[arg(long, help_heading = "Plan (--plan)")]
     pub hidden: Option<usize>,
-    #[arg(long)]
+    #[arg(long, help_heading = "Plan (--plan)")]
     pub heads: Option<usize>,
     /// Sequence length, or a ViT's tokens.
-    #[arg(long)]
+    #[arg(long, help_heading = "Plan (--plan)")]
     pub tokens: Option<usize>,
     /// Vocabulary, or a ViT's classes.
-    #[arg(long)]
+    #[arg(long, help_heading = "Plan (--plan)")]
     pub vocab: Option<usize>,
     /// With --plan: GPUs (ranks) in all.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, help_heading = "Plan (--plan)")]
     pub gpus: usize,
     /// With --plan: sequences (or images) per step over all replicas.
-    #[arg(long, default_value_t = 1536)]
+    #[arg(long, default_value_t = 1536, help_heading = "Plan (--plan)")]
     pub global_batch: usize,
     /// With --plan: memory per GPU, GB (10^9 bytes).
-    #[arg(long, default_value_t = 80.0)]
+    #[arg(long, default_value_t = 80.0, help_heading = "Plan (--plan)")]
     pub gpu_memory_gb: f64,
     /// With --plan: what one GPU sustains on the model's layers, TFLOP/s [default: 156, half the
     /// A100's 312 dense fp16/bf16 peak].
-    #[arg(long, default_value_t = 156.0)]
+    #[arg(long, default_value_t = 156.0, help_heading = "Plan (--plan)")]
     pub gpu_tflops: f64,
     /// With --plan: layouts shown in the table (all of them go to the JSON lines).
-    #[arg(long, default_value_t = 12)]
+    #[arg(long, default_value_t = 12, help_heading = "Plan (--plan)")]
     pub show: usize,
 }
 
@@ -872,6 +873,7 @@ fn projected_record(args: &ProjectArgs, profile: &Profile, p: Point, layout: Lay
         epoch_to_target: None,
         pipeline: None,
         extra,
+        rerun: Default::default(),
     }
 }
 

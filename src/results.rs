@@ -92,6 +92,20 @@ pub struct RunRecord {
     /// Strategy-specific figures (staleness, cache hits, ...).
     #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub extra: serde_json::Map<String, serde_json::Value>,
+    /// What re-runs it: `config` and `argv` (absent from older records).
+    #[serde(flatten)]
+    pub rerun: Rerun,
+}
+
+/// A record's options: `config`, the resolved options as the table that `--config` reads
+/// (write it to a .toml file and run with `--config FILE` for the same run), and `argv`, the
+/// command line that made it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Rerun {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub argv: Vec<String>,
 }
 
 /// A pipelined run: its layout, the cut, and per stage (index = stage) the measured figures.

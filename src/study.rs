@@ -20,20 +20,19 @@ use crate::train::{self, RunContext};
 /// Options of `hpc-train study`.
 #[derive(Args, Debug, Clone)]
 pub struct StudyArgs {
-    /// Rank counts of the sweep, comma-separated (each at most the launched ranks).
-    #[arg(long, default_value = "1,2,4")]
+    /// Rank counts of the sweep, comma-separated (each at most the launched ranks); the study's
+    /// id is --study [default: scaling mode and UTC time].
+    #[arg(long, default_value = "1,2,4", help_heading = "Study")]
     pub ranks: String,
     /// Strategies, comma-separated.
-    #[arg(long, default_value = "ring,ps,allreduce,horovod")]
+    #[arg(long, default_value = "ring,ps,allreduce,horovod", help_heading = "Study")]
     pub strategies: String,
-    /// Id tagging the study's runs in runs.jsonl [default: scaling mode and UTC time].
-    #[arg(long)]
-    pub study_id: Option<String>,
     /// Pipeline stages per point, each run at every rank count it divides (issue 36): 1 is
     /// plain data parallelism, P > 1 pipelines of P stages with --micro-batches and --schedule.
-    #[arg(long, default_value = "1")]
+    #[arg(long, default_value = "1", help_heading = "Study")]
     pub stages: String,
-    /// Training options for every run (--strategy is set by the sweep).
+    /// Training options for every run (--strategy is set by the sweep), from the command line
+    /// and from --config's run file as for one run.
     #[command(flatten)]
     pub train: TrainArgs,
 }
@@ -69,7 +68,8 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
         world.agree::<()>(Err(Error::usage("--scaling strong needs --global-batch (the samples per step at every point)")))?;
     }
     // One id for every run of the study: given, or made on rank 0.
-    let id = broadcast_string(world, args.study_id.clone().unwrap_or_else(|| {
+    // --study (formerly --study-id here): the id of every run, as training's --study tags one.
+    let id = broadcast_string(world, args.train.study_tag.clone().unwrap_or_else(|| {
         format!("{}-{}", match args.train.scaling { Scaling::Weak => "weak", Scaling::Strong => "strong" }, chrono::Utc::now().format("%Y%m%dT%H%M%SZ"))
     }));
     if world.is_root() {
@@ -91,6 +91,8 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
             let pipeline = if stages > 1 { format!("-{stages}stages") } else { String::new() };
             dir.join(format!("{}-{n}ranks{pipeline}", strategy.name()))
         });
+        let profile_dir = point.profile_dir.as_ref().map(|d| toml::Value::String(d.display().to_string()));
+        point.run_config.set("profile-dir", profile_dir);
         let inside = (world.rank as usize) < n;
         let sub = world.comm.split_by_color(if inside { Color::with_value(0) } else { Color::undefined() });
         let outcome = match sub {
@@ -159,15 +161,25 @@ fn point_args(train: &TrainArgs, strategy: StrategyKind, stages: usize, stage_co
         point.horovod.compression = crate::exchange::config::Compression::None;
         point.horovod.hierarchical = None;
         point.given = point.given.without(&["timeline", "compression", "hierarchical"]);
+        for long in ["timeline", "hierarchical"] {
+            point.run_config.set(long, None);
+        }
+        point.run_config.set("compression", Some("none".into()));
     }
+    // The point's record re-runs as a training run of the point's own options.
+    point.run_config.set("strategy", Some(strategy.name().into()));
     if stage_counts != [1] {
         point.pipeline.pipeline_stages = stages as u64;
+        point.run_config.set("pipeline-stages", Some(toml::Value::Integer(stages as i64)));
         if stages == 1 {
             // The plain point of a pipeline study: the pipeline's own options do not apply.
             point.pipeline.micro_batches = 1;
             point.pipeline.recompute = false;
             point.pipeline.pipeline_timeline = None;
             point.given = point.given.without(&["schedule", "virtual_stages", "partition", "recompute", "pipeline_timeline", "micro_batches"]);
+            point.run_config.set("micro-batches", Some(toml::Value::Integer(1)));
+            point.run_config.set("recompute", Some(false.into()));
+            point.run_config.set("pipeline-timeline", None);
         }
     }
     point

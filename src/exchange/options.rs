@@ -44,7 +44,7 @@ const STRATEGY_OPTIONS: &[(&str, &str, &[StrategyKind])] = {
     use StrategyKind::*;
     &[
         ("cycle_time_ms", "--cycle-time-ms", &[Horovod]),
-        ("fusion_threshold_mb", "--fusion-threshold-mb", &[Horovod]),
+        ("fusion_threshold_mb", "--fusion-threshold-mib", &[Horovod]),
         ("compression", "--compression", &[Horovod]),
         ("hierarchical", "--hierarchical", &[Horovod]),
         ("timeline", "--timeline", &[Horovod]),
@@ -65,9 +65,9 @@ const STRATEGY_OPTIONS: &[(&str, &str, &[StrategyKind])] = {
 const TUNING_OPTIONS: &[(&str, &str, &[StrategyKind])] = {
     use StrategyKind::*;
     &[
-        ("segment_kb", "--segment-kb", &[Ring, Rhd, Auto]),
+        ("segment_kb", "--segment-kib", &[Ring, Rhd, Auto]),
         ("ring_transport", "--ring-transport", &[Ring, Auto]),
-        ("bucket_mb", "--bucket-mb", &[Ring, Rhd, Auto, Allreduce, Horovod]),
+        ("bucket_mb", "--bucket-mib", &[Ring, Rhd, Auto, Allreduce, Horovod]),
     ]
 };
 
@@ -161,12 +161,12 @@ impl PsArgs {
 /// environment variables, then to Horovod's defaults (README, Horovod's variables).
 #[derive(Args, Debug, Clone)]
 pub struct HorovodArgs {
-    /// Background cycle in milliseconds: tensors enqueued during a cycle are negotiated and
+    /// Background cycle, ms: tensors enqueued during a cycle are negotiated and
     /// fused at the next [env HOROVOD_CYCLE_TIME; default 1].
     #[arg(long)]
     pub cycle_time_ms: Option<f64>,
-    /// Fusion buffer in MiB, 0 = no fusion [env HOROVOD_FUSION_THRESHOLD in bytes; default 128].
-    #[arg(long)]
+    /// Fusion buffer, MiB; 0 = no fusion [env HOROVOD_FUSION_THRESHOLD in bytes; default 128].
+    #[arg(long = "fusion-threshold-mib", value_name = "MIB", aliases = ["fusion-threshold-mb"])]
     pub fusion_threshold_mb: Option<f64>,
     /// Response cache entries, least recently used evicted; 0 = no cache (every cycle
     /// negotiates through rank 0) [env HOROVOD_CACHE_CAPACITY; default 1024].
@@ -176,11 +176,13 @@ pub struct HorovodArgs {
     #[arg(long, value_enum, default_value_t = Compression::None)]
     pub compression: Compression,
     /// Reduce within nodes, all-reduce across nodes, broadcast within nodes; ignored when every
-    /// rank is on one node, as Horovod does [env HOROVOD_HIERARCHICAL_ALLREDUCE=1].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    /// rank is on one node, as Horovod does [env HOROVOD_HIERARCHICAL_ALLREDUCE=1; horovodrun's
+    /// --hierarchical-allreduce].
+    #[arg(long, visible_alias = "hierarchical-allreduce", num_args = 0..=1, default_missing_value = "true")]
     pub hierarchical: Option<bool>,
-    /// Stream rank 0's Horovod timeline (Chrome tracing JSON) to this file [env HOROVOD_TIMELINE].
-    #[arg(long)]
+    /// Stream rank 0's Horovod timeline (Chrome tracing JSON) to this file [env HOROVOD_TIMELINE;
+    /// horovodrun's --timeline-filename].
+    #[arg(long, visible_alias = "timeline-filename")]
     pub timeline: Option<PathBuf>,
     /// Warn about tensors that some ranks enqueued and others not, after this many seconds
     /// [env HOROVOD_STALL_CHECK_TIME_SECONDS; default 60; HOROVOD_STALL_CHECK_DISABLE=1: never].
@@ -260,7 +262,7 @@ mod tests {
         let check = |ids: &[&str], strategies: &[StrategyKind], ps: PsArgs| check_strategy_options(&Given::of(ids), strategies, &ps);
         let refused = |ids: &[&str], strategies: &[StrategyKind], ps: PsArgs| check(ids, strategies, ps).unwrap_err().to_string();
         assert!(refused(&["timeline"], &[Ring], ps(Sync, false)).contains("--timeline is an option of --strategy horovod; --strategy ring writes nothing"));
-        for (id, flag) in [("compression", "--compression"), ("hierarchical", "--hierarchical"), ("cycle_time_ms", "--cycle-time-ms"), ("fusion_threshold_mb", "--fusion-threshold-mb")] {
+        for (id, flag) in [("compression", "--compression"), ("hierarchical", "--hierarchical"), ("cycle_time_ms", "--cycle-time-ms"), ("fusion_threshold_mb", "--fusion-threshold-mib")] {
             assert!(refused(&[id], &[Allreduce], ps(Sync, false)).starts_with(&format!("{flag} is an option of --strategy horovod")));
         }
         for id in ["servers", "ps_mode", "ps_colocate", "max_staleness", "ps_timeout_s"] {

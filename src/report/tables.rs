@@ -681,6 +681,7 @@ pub(crate) mod tests {
             epoch_to_target: None,
             pipeline: None,
             extra: Default::default(),
+            rerun: Default::default(),
         }
     }
 

@@ -23,244 +23,261 @@ pub const DEFAULT_EXCHANGE_TIMEOUT_S: f64 = 300.0;
 /// Options of a training run.
 #[derive(Args, Debug, Clone)]
 pub struct TrainArgs {
-    /// Gradient-exchange strategy.
-    #[arg(long, value_enum, default_value_t = StrategyKind::Ring)]
-    pub strategy: StrategyKind,
+    /// Read the training options from this run file (TOML; sections as --print-config writes
+    /// them, a key being an option's long name with _ for -). Options on the command line win
+    /// over the file's, the file's over --preset's.
+    #[arg(long, value_name = "FILE.toml", help_heading = "Run")]
+    pub config: Option<PathBuf>,
 
-    /// Model to train.
-    #[arg(long, value_enum, default_value_t = ModelKind::Resnet50)]
-    pub model: ModelKind,
-
-    /// Dataset file in the project's HDF5 layout (see `hpc-train data`).
-    #[arg(long, default_value = "datasets/fashion-mnist.h5")]
-    pub data: PathBuf,
-
-    /// Samples per rank per step (weak scaling).
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
-    pub batch_size: u64,
-
-    /// Weak scaling keeps --batch-size per rank; strong scaling splits --global-batch over the ranks.
-    #[arg(long, value_enum, default_value_t = Scaling::Weak)]
-    pub scaling: Scaling,
-
-    /// Samples per step over all ranks (strong scaling).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-    pub global_batch: Option<u64>,
-
-    /// Epochs to train.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
-    pub epochs: u64,
-
-    /// Stop after this many steps in all (overrides --epochs).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-    pub steps: Option<u64>,
-
-    /// Train --warmup-steps steps, then this many measured ones (tf_cnn_benchmarks'
-    /// --num_batches): a length that is the same at every rank count.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), conflicts_with_all = ["steps", "epochs"])]
-    pub measured_steps: Option<u64>,
+    /// Print the resolved training options as a run file that --config reads, and exit.
+    #[arg(long, help_heading = "Run")]
+    pub print_config: bool,
 
     /// Defaults for a purpose; any option given on the command line wins over the preset's:
     /// resnet50-throughput (ResNet-50 on generated 3x224x224 images, 1000 classes, batch 64 per
     /// rank, 10 warm-up and 100 measured steps, no evaluation), cpu-trial (the tiny CNN on
     /// generated 3x32x32 images, 10 classes, batch 32, 5 warm-up and 20 measured steps: a
     /// `study` of 1, 2 and 4 ranks in minutes on a laptop).
-    #[arg(long, value_enum)]
+    #[arg(long, value_enum, help_heading = "Run")]
     pub preset: Option<Preset>,
 
-    #[command(flatten)]
-    pub recipe: RecipeArgs,
-
     /// Seed for weights and data order (the same on every rank).
-    #[arg(long, default_value_t = 42)]
+    #[arg(long, default_value_t = 42, help_heading = "Run")]
     pub seed: u64,
 
-    /// Gradient bucket size in MiB; 0 = one exchange per parameter tensor (the naive variant).
-    #[arg(long, default_value_t = 25.0)]
+    /// Intra-op threads per rank; 0 = the cores this rank may use divided by the ranks on its node.
+    #[arg(long, default_value_t = 0, help_heading = "Run")]
+    pub threads: usize,
+
+    /// Where to train.
+    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto, help_heading = "Run")]
+    pub device: DeviceChoice,
+
+    /// Let several ranks of a node share one GPU (for testing on a machine with fewer GPUs).
+    #[arg(long, help_heading = "Run")]
+    pub allow_gpu_sharing: bool,
+
+    /// Dataset file in the project's HDF5 layout (see `hpc-train data`).
+    #[arg(long, default_value = "datasets/fashion-mnist.h5", help_heading = "Data")]
+    pub data: PathBuf,
+
+    /// Samples per rank per step (weak scaling).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Data")]
+    pub batch_size: u64,
+
+    /// Weak scaling keeps --batch-size per rank; strong scaling splits --global-batch over the ranks.
+    #[arg(long, value_enum, default_value_t = Scaling::Weak, help_heading = "Data")]
+    pub scaling: Scaling,
+
+    /// Samples per step over all ranks (strong scaling).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Data")]
+    pub global_batch: Option<u64>,
+
+    /// Epochs to train.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Data")]
+    pub epochs: u64,
+
+    /// Stop after this many steps in all (overrides --epochs).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Data")]
+    pub steps: Option<u64>,
+
+    /// Train --skip-steps steps, then this many measured ones (tf_cnn_benchmarks'
+    /// --num_batches): a length that is the same at every rank count.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), conflicts_with_all = ["steps", "epochs"], help_heading = "Data")]
+    pub measured_steps: Option<u64>,
+
+    /// Steps at the start left out of the throughput figures (the learning-rate warm-up is
+    /// --warmup-epochs); formerly --warmup-steps.
+    #[arg(long = "skip-steps", value_name = "STEPS", aliases = ["warmup-steps"], default_value_t = 5, help_heading = "Data")]
+    pub warmup_steps: u64,
+
+    /// Batches the loader thread reads ahead.
+    #[arg(long, default_value_t = 4, help_heading = "Data")]
+    pub prefetch: usize,
+
+    /// Hold the training split in memory, read once, instead of reading each batch's samples
+    /// from the file.
+    #[arg(long, value_enum, default_value_t = CacheData::Auto, help_heading = "Data")]
+    pub cache_data: CacheData,
+
+    /// Skip the test-set evaluation at the end of each epoch.
+    #[arg(long, help_heading = "Data")]
+    pub no_eval: bool,
+
+    /// Record the sample indices each rank trains on, one file per rank in this folder (checks).
+    #[arg(long, hide = true, help_heading = "Data")]
+    pub trace_samples: Option<PathBuf>,
+
+    /// Model to train.
+    #[arg(long, value_enum, default_value_t = ModelKind::Resnet50, help_heading = "Model and optimizer")]
+    pub model: ModelKind,
+
+    #[command(flatten, next_help_heading = "Model and optimizer")]
+    pub recipe: RecipeArgs,
+
+    /// Arithmetic: fp32, tf32 (TF32 matrix units, CUDA only), bf16 or fp16 (training forwards
+    /// under autocast, on CUDA or the CPU; fp16 with a dynamic loss scaler). Evaluation is fp32.
+    #[arg(long, value_enum, default_value_t = Precision::Fp32, help_heading = "Model and optimizer")]
+    pub precision: Precision,
+
+    /// With --precision fp16: the loss scaler's first scale (torch.amp.GradScaler's
+    /// init_scale); it halves on every overflow and doubles after 2000 steps without one.
+    #[arg(long, default_value_t = 65536.0, help_heading = "Model and optimizer")]
+    pub loss_scale: f64,
+
+    /// Keep activations and convolution weights in channels-last (NHWC) memory order.
+    #[arg(long, help_heading = "Model and optimizer")]
+    pub channels_last: bool,
+
+    /// Start from these weights instead of the seeded ones: a safetensors file of the model's
+    /// variables by their torchvision names, as --save-weights and checkpoints write them.
+    #[arg(long, help_heading = "Model and optimizer")]
+    pub init_weights: Option<PathBuf>,
+
+    /// Gradient-exchange strategy.
+    #[arg(long, value_enum, default_value_t = StrategyKind::Ring, help_heading = "Exchange")]
+    pub strategy: StrategyKind,
+
+    /// Gradient bucket size, MiB; 0 = one exchange per parameter tensor (the naive variant).
+    #[arg(long = "bucket-mib", value_name = "MIB", aliases = ["bucket-mb"], default_value_t = 25.0, help_heading = "Exchange")]
     pub bucket_mb: f64,
 
     /// Exchange gradient buckets while backward is still running (gradient-ready hooks).
-    #[arg(long, value_enum, default_value_t = OnOff::Auto)]
+    #[arg(long, value_enum, default_value_t = OnOff::Auto, help_heading = "Exchange")]
     pub overlap: OnOff,
 
-    /// Ring all-reduce segment size in KiB (the pipelining grain of the ring; the default is the
+    /// Ring all-reduce segment size, KiB (the pipelining grain of the ring; the default is the
     /// best measured in results/strategies/README.md).
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long = "segment-kib", value_name = "KIB", aliases = ["segment-kb"], default_value_t = 4096, help_heading = "Exchange")]
     pub segment_kb: u64,
 
     /// How the ring's ranks reach each other: `auto` reads and adds a neighbour's chunk straight
     /// from node-shared memory when every rank is on one node, and sends MPI messages otherwise.
-    #[arg(long, value_enum, default_value_t = RingTransport::Auto)]
+    #[arg(long, value_enum, default_value_t = RingTransport::Auto, help_heading = "Exchange")]
     pub ring_transport: RingTransport,
 
     /// The MPI call of `allreduce` and `horovod` on host buffers: `blocking` (MPI_Allreduce, as
     /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, this
     /// program's path before issue 32, for comparison). Device buffers always take the blocking
     /// call.
-    #[arg(long, value_enum, default_value_t = MpiAllreduceCall::Blocking)]
+    #[arg(long, value_enum, default_value_t = MpiAllreduceCall::Blocking, help_heading = "Exchange")]
     pub mpi_allreduce: MpiAllreduceCall,
-
-    /// Folder for runs.jsonl and other results.
-    #[arg(long, default_value = "results")]
-    pub results: PathBuf,
-
-    /// Intra-op threads per rank; 0 = the cores this rank may use divided by the ranks on its node.
-    #[arg(long, default_value_t = 0)]
-    pub threads: usize,
-
-    /// Where to train.
-    #[arg(long, value_enum, default_value_t = DeviceChoice::Auto)]
-    pub device: DeviceChoice,
 
     /// Whether the MPI library can read GPU memory; auto asks it (MPIX_GPU_query_support,
     /// MPIX_Query_cuda_support or MVAPICH2's MV2_USE_CUDA; none answering: no).
-    #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
+    #[arg(long, value_enum, default_value_t = CudaAware::Auto, help_heading = "Exchange")]
     pub cuda_aware: CudaAware,
 
-    /// Arithmetic: fp32, tf32 (TF32 matrix units, CUDA only), bf16 or fp16 (training forwards
-    /// under autocast, on CUDA or the CPU; fp16 with a dynamic loss scaler). Evaluation is fp32.
-    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
-    pub precision: Precision,
+    /// Cost model (JSON, from `hpc-train model fit`) with which `--strategy auto` picks ring,
+    /// rhd or recursive doubling per bucket [default: built-in link costs].
+    #[arg(long, help_heading = "Exchange")]
+    pub cost_model: Option<PathBuf>,
 
-    /// With --precision fp16: the loss scaler's first scale (torch.amp.GradScaler's
-    /// init_scale); it halves on every overflow and doubles after 2000 steps without one.
-    #[arg(long, default_value_t = 65536.0)]
-    pub loss_scale: f64,
+    #[command(flatten, next_help_heading = "Horovod")]
+    pub horovod: HorovodArgs,
 
-    /// Keep activations and convolution weights in channels-last (NHWC) memory order.
-    #[arg(long)]
-    pub channels_last: bool,
+    #[command(flatten, next_help_heading = "Parameter server")]
+    pub ps: PsArgs,
+
+    #[command(flatten, next_help_heading = "Pipeline")]
+    pub pipeline: PipelineArgs,
 
     /// ZeRO stage (ring, rhd on a power of two of ranks, auto): 1 shards the optimizer state
     /// (momentum) over the ranks, 2 also the gradients held between steps, 3 also the
     /// parameters (fully sharded data parallelism: each unit gathered while it computes); 0
     /// keeps everything on every rank.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3), help_heading = "Sharding and tensor parallelism")]
     pub zero: u8,
 
     /// With --zero 3: what a unit of sharding is (gathered whole while it computes): each
     /// block (ResNet's stem, residual blocks and head), each stage (layer1..layer4), or the model.
-    #[arg(long, value_enum, default_value_t = UnitSize::Block)]
+    #[arg(long, value_enum, default_value_t = UnitSize::Block, help_heading = "Sharding and tensor parallelism")]
     pub fsdp_unit: UnitSize,
 
     /// With --zero 3: shard over each node's ranks and keep one copy of the shards per node
     /// (FSDP's HYBRID_SHARD): gathers stay inside the node, only reduced shards cross nodes.
-    #[arg(long)]
+    #[arg(long, help_heading = "Sharding and tensor parallelism")]
     pub fsdp_hybrid: bool,
 
     /// Tensor parallelism (Megatron-LM) over groups of this many consecutive ranks: each
     /// encoder layer of a transformer (--model vit-b16, vit-tiny) cut by attention heads and
     /// MLP columns, the ranks of a group computing one replica together; --strategy averages
     /// the gradients over the groups. 1: off.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), help_heading = "Sharding and tensor parallelism")]
     pub tensor_parallel: u32,
 
     /// With --tensor-parallel: the all-reduce of the groups' partial sums and gradients.
-    #[arg(long, value_enum, default_value_t = TpAllreduce::Auto)]
+    #[arg(long, value_enum, default_value_t = TpAllreduce::Auto, help_heading = "Sharding and tensor parallelism")]
     pub tp_allreduce: TpAllreduce,
-
-    /// Let several ranks of a node share one GPU (for testing on a machine with fewer GPUs).
-    #[arg(long)]
-    pub allow_gpu_sharing: bool,
-
-    /// Steps at the start excluded from throughput figures.
-    #[arg(long, default_value_t = 5)]
-    pub warmup_steps: u64,
 
     /// Abort the job when an exchange, or a collective between exchanges, makes no progress for
     /// this many seconds (a cut link or a dead node), after every rank logs what it waits for;
     /// a checkpoint write longer than this (the slowest rank's part of a sharded one, rank 0's
     /// whole one) aborts the job too, the previous checkpoint kept: keep it above the longest
     /// write; 0: off.
-    #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S)]
+    #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S, help_heading = "Checkpoints and faults")]
     pub exchange_timeout_s: f64,
-
-    /// Cost model (JSON, from `hpc-train model fit`) with which `--strategy auto` picks ring,
-    /// rhd or recursive doubling per bucket [default: built-in link costs].
-    #[arg(long)]
-    pub cost_model: Option<PathBuf>,
-
-    /// Log a progress line every this many steps (when no progress bar is shown).
-    #[arg(long, default_value_t = 50)]
-    pub log_every: u64,
-
-    /// Batches the loader thread reads ahead.
-    #[arg(long, default_value_t = 4)]
-    pub prefetch: usize,
-
-    /// Hold the training split in memory, read once, instead of reading each batch's samples
-    /// from the file.
-    #[arg(long, value_enum, default_value_t = CacheData::Auto)]
-    pub cache_data: CacheData,
-
-    /// Skip the test-set evaluation at the end of each epoch.
-    #[arg(long)]
-    pub no_eval: bool,
-
-    /// Start from these weights instead of the seeded ones: a safetensors file of the model's
-    /// variables by their torchvision names, as --save-weights and checkpoints write them.
-    #[arg(long)]
-    pub init_weights: Option<PathBuf>,
-
-    /// Write the final weights (safetensors, loadable from PyTorch) to this file.
-    #[arg(long)]
-    pub save_weights: Option<PathBuf>,
 
     /// Folder for checkpoints (weights and optimizer state; every rank writes its part, so every
     /// rank must see it; with --strategy ps rank 0 writes them whole).
-    #[arg(long)]
+    #[arg(long, help_heading = "Checkpoints and faults")]
     pub checkpoint_dir: Option<PathBuf>,
 
     /// Steps between checkpoints (a checkpoint is also written at the end, or when a signal stops training).
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, default_value_t = 500, help_heading = "Checkpoints and faults")]
     pub checkpoint_every: u64,
 
     /// Good checkpoints kept, the newest written counted (older ones are removed once a newer one
     /// is complete; the one resumed from stays).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, help_heading = "Checkpoints and faults")]
     pub keep_checkpoints: usize,
 
     /// Continue from the newest complete checkpoint in --checkpoint-dir (from the start when there
     /// is none; refused when every one there is damaged). Without it, a --checkpoint-dir that
     /// holds checkpoints is refused.
-    #[arg(long)]
+    #[arg(long, help_heading = "Checkpoints and faults")]
     pub resume: bool,
 
-    /// Tag this run's record in runs.jsonl with a study id (job scripts group their runs so).
-    #[arg(long)]
+    /// Folder for runs.jsonl and other results.
+    #[arg(long, default_value = "results", help_heading = "Output")]
+    pub results: PathBuf,
+
+    /// Log a progress line every this many steps (when no progress bar is shown).
+    #[arg(long, default_value_t = 50, help_heading = "Output")]
+    pub log_every: u64,
+
+    /// Write the final weights (safetensors, loadable from PyTorch) to this file.
+    #[arg(long, help_heading = "Output")]
+    pub save_weights: Option<PathBuf>,
+
+    /// The study id that tags this run's record in runs.jsonl, as `study` and `report --study`
+    /// name it (job scripts group their runs so) [default: none; a study makes one].
+    #[arg(long = "study", value_name = "ID", aliases = ["study-tag", "study-id"], help_heading = "Output")]
     pub study_tag: Option<String>,
 
-    /// Profile --profile-steps steps from the first measured one (after --warmup-steps) with
+    /// Profile --profile-steps steps from the first measured one (after --skip-steps) with
     /// libtorch's profiler, as torch.profiler does: host ops and, on a GPU, CUDA kernels and
     /// copies; one Chrome trace per rank in this folder (rank-R.json: Perfetto, TensorBoard,
     /// scripts/trace_summary.py).
-    #[arg(long)]
+    #[arg(long, help_heading = "Output")]
     pub profile_dir: Option<PathBuf>,
 
     /// Steps profiled with --profile-dir.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Output")]
     pub profile_steps: u64,
 
-    /// Record the sample indices each rank trains on, one file per rank in this folder (checks).
-    #[arg(long, hide = true)]
-    pub trace_samples: Option<PathBuf>,
-
-    #[command(flatten)]
-    pub pipeline: PipelineArgs,
-
-    #[command(flatten)]
-    pub ps: PsArgs,
-
-    #[command(flatten)]
-    pub horovod: HorovodArgs,
-
-    /// The options given on the command line.
+    /// The options given on the command line or in the run file.
     #[arg(skip)]
     pub given: Given,
+
+    /// The resolved options as a run file, and the file read (see crate::config).
+    #[arg(skip)]
+    pub run_config: crate::config::RunConfig,
+
 }
 
 impl TrainArgs {
-    /// Steps in all for a training split of `steps_per_epoch` steps: --steps, or --warmup-steps
+    /// Steps in all for a training split of `steps_per_epoch` steps: --steps, or --skip-steps
     /// and --measured-steps, or --epochs.
     pub fn total_steps(&self, steps_per_epoch: u64) -> u64 {
         match (self.steps, self.measured_steps) {
@@ -272,44 +289,13 @@ impl TrainArgs {
 
     /// The step counts of a run from its first step on a training split of `samples` with
     /// `workers` x `batch` samples per step: all, warm-up, measured. The warm-up is
-    /// --warmup-steps, leaving at least one step measured, as the step loop counts it
+    /// --skip-steps, leaving at least one step measured, as the step loop counts it
     /// (src/train/step.rs; `--overlap auto`'s trial on CPU ranks may lengthen it).
     pub fn step_counts(&self, samples: usize, workers: usize, batch: usize) -> StepCounts {
         let steps_per_epoch = samples.div_ceil(workers * batch) as u64;
         let total = self.total_steps(steps_per_epoch);
         let warmup = self.warmup_steps.min(total.saturating_sub(1));
         StepCounts { total, warmup, measured: total - warmup }
-    }
-
-    /// Sets the options `--preset` names to its values, each one not given on the command
-    /// line (those win); a length given (--steps, --epochs, --measured-steps) replaces the
-    /// preset's --measured-steps. Call once, after parsing.
-    pub fn apply_preset(&mut self) -> Result<()> {
-        let Some(preset) = self.preset else { return Ok(()) };
-        let length_given = ["steps", "epochs", "measured_steps"].iter().any(|id| self.given.has(id));
-        for &(flag, value) in preset.options() {
-            let id = flag.replace('-', "_");
-            if self.given.has(&id) || (id == "measured_steps" && length_given) {
-                continue;
-            }
-            self.set_option(&id, value).map_err(|why| Error::usage(format!("--preset {}: --{flag} {value}: {why}", preset.name())))?;
-        }
-        Ok(())
-    }
-
-    /// Sets the option of clap id `id` from its command-line text: the options presets name.
-    fn set_option(&mut self, id: &str, value: &str) -> std::result::Result<(), String> {
-        let number = |v: &str| v.parse::<u64>().map_err(|e| format!("{e}"));
-        match id {
-            "model" => self.model = ModelKind::from_str(value, false)?,
-            "data" => self.data = PathBuf::from(value),
-            "batch_size" => self.batch_size = number(value)?,
-            "warmup_steps" => self.warmup_steps = number(value)?,
-            "measured_steps" => self.measured_steps = Some(number(value)?),
-            "no_eval" => self.no_eval = value.parse::<bool>().map_err(|e| format!("{e}"))?,
-            other => return Err(format!("a preset cannot set --{}", other.replace('_', "-"))),
-        }
-        Ok(())
     }
 
     /// [`check_strategy_options`] for a run of `strategies` (one, or a study's), and the
@@ -370,7 +356,7 @@ impl Preset {
                 ("model", "resnet50"),
                 ("data", "synthetic:3x224x224:1000"),
                 ("batch-size", "64"),
-                ("warmup-steps", "10"),
+                ("skip-steps", "10"),
                 ("measured-steps", "100"),
                 ("no-eval", "true"),
             ],
@@ -378,7 +364,7 @@ impl Preset {
                 ("model", "tiny"),
                 ("data", "synthetic:3x32x32:10:50000"),
                 ("batch-size", "32"),
-                ("warmup-steps", "5"),
+                ("skip-steps", "5"),
                 ("measured-steps", "20"),
                 ("no-eval", "true"),
             ],
@@ -480,21 +466,12 @@ pub(crate) fn parse_train_args(extra: &[&str]) -> TrainArgs {
 mod tests {
     use super::*;
 
-    /// Parses a training command line as `hpc-train` does (the options given noted), then
-    /// applies its preset.
-    #[derive(clap::Parser)]
-    struct Command {
-        #[command(flatten)]
-        train: TrainArgs,
-    }
-
+    /// Parses a training command line as `hpc-train` does: the options given noted, the run
+    /// file and the preset applied.
     fn resolved(extra: &[&str]) -> std::result::Result<TrainArgs, String> {
-        use clap::{CommandFactory, FromArgMatches};
-        let matches = Command::command().try_get_matches_from([&["hpc-train"], extra].concat()).map_err(|e| e.to_string())?;
-        let mut train = Command::from_arg_matches(&matches).map_err(|e| e.to_string())?.train;
-        train.given = Given::from_matches(&matches);
-        train.apply_preset().map_err(|e| e.to_string())?;
-        Ok(train)
+        let cli = crate::cli::Cli::parse_from_noting_given([&["hpc-train"], extra].concat()).map_err(|e| e.to_string())?;
+        assert!(cli.command.is_none());
+        Ok(cli.train)
     }
 
     #[test]
@@ -502,7 +479,7 @@ mod tests {
         let a = resolved(&["--preset", "resnet50-throughput"]).unwrap();
         assert_eq!((a.model, a.data.to_str().unwrap(), a.batch_size, a.warmup_steps, a.measured_steps, a.no_eval), (ModelKind::Resnet50, "synthetic:3x224x224:1000", 64, 10, Some(100), true));
         assert_eq!(a.total_steps(1), 110, "10 warm-up and 100 measured steps, whatever the epoch's length");
-        let a = resolved(&["--preset", "resnet50-throughput", "--batch-size", "8", "--data", "x.h5", "--warmup-steps", "3", "--model", "resnet18"]).unwrap();
+        let a = resolved(&["--preset", "resnet50-throughput", "--batch-size", "8", "--data", "x.h5", "--skip-steps", "3", "--model", "resnet18"]).unwrap();
         assert_eq!((a.model, a.data.to_str().unwrap(), a.batch_size, a.warmup_steps, a.measured_steps), (ModelKind::Resnet18, "x.h5", 8, 3, Some(100)));
         // A length given replaces the preset's, whichever it is.
         let a = resolved(&["--preset", "resnet50-throughput", "--steps", "7"]).unwrap();
@@ -533,8 +510,7 @@ mod tests {
     /// that a preset could be written as a run file of the same keys), and sets each one.
     #[test]
     fn every_preset_names_options_of_the_command_line() {
-        use clap::CommandFactory;
-        let command = Command::command();
+        let command = crate::config::train_command();
         for preset in Preset::value_variants() {
             let mut argv = vec!["hpc-train".to_string()];
             for &(flag, value) in preset.options() {
@@ -549,11 +525,9 @@ mod tests {
             }
             let from_flags = resolved(&argv[1..].iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
             let from_preset = resolved(&["--preset", preset.name()]).unwrap();
-            assert_eq!(format!("{:?}", TrainArgs { given: Given::default(), preset: None, ..from_flags }), format!("{:?}", TrainArgs { given: Given::default(), preset: None, ..from_preset }), "{}", preset.name());
+            let plain = |a: TrainArgs| format!("{:?}", TrainArgs { given: Given::default(), preset: None, run_config: Default::default(), ..a });
+            assert_eq!(plain(from_flags), plain(from_preset), "{}", preset.name());
         }
-        let mut args = resolved(&[]).unwrap();
-        assert_eq!(args.set_option("seed", "3").unwrap_err(), "a preset cannot set --seed");
-        assert!(args.set_option("model", "resnet-49").is_err());
     }
 
     /// The step counts of the old defaults against the preset's at 1..64 ranks, as

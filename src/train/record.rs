@@ -252,6 +252,7 @@ impl Run<'_> {
             epoch_to_target: out.reached_target.map(|r| r.1),
             pipeline,
             extra,
+            rerun: results::Rerun { config: Some(args.run_config.to_json()), argv: std::env::args().collect() },
         })
     }
 }
