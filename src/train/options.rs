@@ -230,6 +230,12 @@ pub struct TrainArgs {
     #[arg(long)]
     pub study_tag: Option<String>,
 
+    /// Which run of its point this is, with --study-tag (job scripts' REPEATS): the report
+    /// takes a point's runs of distinct repeat indices as repeats (median with range), and a
+    /// later run of the same index as a replacement.
+    #[arg(long, requires = "study_tag")]
+    pub repeat_index: Option<u32>,
+
     /// Profile --profile-steps steps from the first measured one (after --warmup-steps) with
     /// libtorch's profiler, as torch.profiler does: host ops and, on a GPU, CUDA kernels and
     /// copies; one Chrome trace per rank in this folder (rank-R.json: Perfetto, TensorBoard,
