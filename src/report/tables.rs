@@ -382,7 +382,7 @@ pub fn peak_per_rank(r: &RunRecord) -> Option<(f64, String)> {
     let cores = r.hardware.cores_per_node;
     let threads = r.threads.max(1) as f64;
     let share = if cores > 0 { threads.min(cores as f64 / ranks_per_node(r) as f64) } else { threads };
-    Some((core * 1e9 * share, format!("measured: one core's f32 matmul {core:.1} GFLOP/s x {share:.2} core(s) per rank")))
+    Some((core * 1e9 * share, format!("measured on the spot: one core's f32 matmul, {core:.1} GFLOP/s, x the cores a rank has (its threads, at most the node's cores / its ranks)")))
 }
 
 /// A run's --target-accuracy and when it was reached (None: not within the run).
@@ -580,6 +580,7 @@ impl<'a> Table<'a> {
                 .join(", ")
         };
         let known = |n: usize| if n > 0 { n.to_string() } else { NOT_COMPUTED.to_string() };
+        let at = format!("at {} rank{}", self.ranks.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(", "), if self.ranks == [1] { "" } else { "s" });
         let extra_u64 = |r: &RunRecord, key: &str| r.extra.get(key).and_then(|v| v.as_u64());
         let mut lines = vec![
             format!("Nodes x ranks per node: {}", by_ranks(&|r| format!("{}x{}", r.nodes.max(1), ranks_per_node(r)))),
@@ -590,16 +591,17 @@ impl<'a> Table<'a> {
                     if r.device.starts_with("cuda") {
                         format!("{}{model}, {} GPUs per node", r.device, known(r.hardware.gpus_per_node))
                     } else {
-                        format!("{}{model}, {} cores per node, {} thread(s) per rank", r.device, known(r.hardware.cores_per_node), r.threads)
+                        format!("{}{model}, {} cores per node", r.device, known(r.hardware.cores_per_node))
                     }
                 })
             ),
+            format!("Threads per rank: {}", by_ranks(&|r| known(r.threads))),
             format!(
                 "MPI library and data path: {}",
                 distinct(&|r| format!("{}, {}{}", r.mpi_library, r.data_path.as_deref().unwrap_or(NOT_COMPUTED), if r.cuda_aware { ", CUDA-aware" } else { "" }))
             ),
             format!("Precision: {}", distinct(&|r| precision(r))),
-            format!("Global batch: {} (at {} ranks)", by_ranks(&|r| r.global_batch.to_string()), self.ranks.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(", ")),
+            format!("Global batch: {} ({at})", by_ranks(&|r| r.global_batch.to_string())),
             format!(
                 "Measured steps per run: {}",
                 distinct(&|r| match (extra_u64(r, "measured_steps"), extra_u64(r, "warmup_steps")) {
@@ -622,7 +624,14 @@ impl<'a> Table<'a> {
             "Model FLOPs: {} forward per image, counted from the model's layers for this input; training taken as 3x forward",
             distinct(&|r| if r.hardware.forward_flops_per_image > 0.0 { format!("{}FLOP", si(r.hardware.forward_flops_per_image)) } else { NOT_COMPUTED.to_string() })
         ));
-        lines.push(format!("Peak for MFU: {}", distinct(&|r| peak_per_rank(r).map_or(format!("{NOT_COMPUTED} (no datasheet peak for this device and no measured one)"), |(peak, what)| format!("{}FLOP/s per rank, {what}", si(peak))))));
+        lines.push(match records.iter().any(|r| peak_per_rank(r).is_some()) {
+            true => format!(
+                "Peak for MFU: {} FLOP/s per rank ({at}); {}",
+                by_ranks(&|r| peak_per_rank(r).map_or(NOT_COMPUTED.to_string(), |(peak, _)| si(peak).trim_end().to_string())),
+                distinct(&|r| peak_per_rank(r).map_or(format!("{NOT_COMPUTED}: no datasheet peak for this device and no measured one"), |(_, what)| what))
+            ),
+            false => format!("Peak for MFU: {NOT_COMPUTED} (no datasheet peak for this device and no measured one)"),
+        });
         lines
     }
 
@@ -1366,11 +1375,12 @@ pub(crate) mod tests {
         let t = &group(&runs).unwrap()[0];
         let context = t.context();
         assert_eq!(context[0], "Nodes x ranks per node: 1x1, 1x2");
-        assert_eq!(context[1], "Device: cpu, 2 cores per node, 1 thread(s) per rank");
-        assert_eq!(context[2], "MPI library and data path: Open MPI, n/a");
-        assert_eq!(context[3], "Precision: fp32");
-        assert_eq!(context[4], "Global batch: 64, 128 (at 1, 2 ranks)");
-        assert_eq!(context[5], "Measured steps per run: 6 after 5 warm-up");
+        assert_eq!(context[1], "Device: cpu, 2 cores per node");
+        assert_eq!(context[2], "Threads per rank: 1, 1");
+        assert_eq!(context[3], "MPI library and data path: Open MPI, n/a");
+        assert_eq!(context[4], "Precision: fp32");
+        assert_eq!(context[5], "Global batch: 64, 128 (at 1, 2 ranks)");
+        assert_eq!(context[6], "Measured steps per run: 6 after 5 warm-up");
         assert_eq!(t.summary_line(), "Weak scaling: tiny on fashion-mnist (1x28x28), cpu, batch 64 per rank: ring keeps 90.0% scaling efficiency at 2 ranks (1 run, 16.7% of the step exchanging)");
         let only_one = [record("ring", 1, 100.0)];
         assert!(group(&only_one).unwrap()[0].summary_line().ends_with("no scaling efficiency (no 1-rank run, or 1 rank only)"));
