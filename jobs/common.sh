@@ -35,6 +35,7 @@
 # | RESUME            | 1 in a requeued job, else unset           | 1: each point continues from its folder's newest checkpoint |
 # | REQUEUE           | 1 in a batch job                          | a point stopped by a signal (exit 143) requeues the job (scontrol requeue) |
 # | STUDY_ID          | <job name>-<job id>                       | tags the runs; the report selects them |
+# | REPEATS           | 1                                         | runs of every point; repeat r starts each rank count's strategies at offset r; points are named <strategy>-<ranks>-r<r> when above 1 |
 #
 # The points of a sweep: each one's output goes to OUTPUT_DIR/logs/<study>/<point>.log and the job's
 # log, and its exit status to RESULTS/points.jsonl. A point that fails (any non-zero status but
@@ -82,6 +83,8 @@ RANKS_PER_NODE=${RANKS_PER_NODE:-${SLURM_NTASKS_PER_NODE:-1}}
 GPUS_PER_RANK=${GPUS_PER_RANK:-1}
 GPU_BIND=${GPU_BIND:-node}
 STRATEGIES=${STRATEGIES:-ring ps allreduce horovod}
+REPEATS=${REPEATS:-1}
+[[ "$REPEATS" =~ ^[1-9][0-9]*$ ]] || { echo "error: REPEATS=$REPEATS: give the runs of every point, 1 or more" >&2; exit 2; }
 PRESET=${PRESET-resnet50-throughput}
 GLOBAL_BATCH=${GLOBAL_BATCH:-1024}
 LAUNCHER=${LAUNCHER:-srun}
@@ -330,14 +333,24 @@ run_sweep() {
     local ranks strategy extra=()
     # shellcheck disable=SC2206
     [ -n "$EXTRA_ARGS" ] && extra=($EXTRA_ARGS)
-    for ranks in $RANK_COUNTS; do
-        for strategy in $STRATEGIES; do
-            if [ "$strategy" = ps ] && [ "$ranks" -lt 2 ] && [[ "$EXTRA_ARGS" != *--ps-colocate* ]]; then
-                echo "skipping ps at 1 rank: a dedicated server leaves no worker"; continue
-            fi
-            checkpoint_args "$strategy-$ranks"
-            run_point "$strategy-$ranks" "$strategy" "$ranks" "$HPC_TRAIN" --strategy "$strategy" "${TRAIN_ARGS[@]}" \
-                --results "$RESULTS" --study "$STUDY_ID" "${CKPT_ARGS[@]}" "${extra[@]}" || stopped_exit
+    # shellcheck disable=SC2206
+    local strategies=($STRATEGIES) repeat rotated point repeat_args=()
+    for ((repeat = 0; repeat < REPEATS; repeat++)); do
+        # Repeat r starts at strategy r (mod their count): drift over the job (a warming node,
+        # a neighbour's traffic) does not always favour the same strategy.
+        rotated=("${strategies[@]:repeat % ${#strategies[@]}}" "${strategies[@]:0:repeat % ${#strategies[@]}}")
+        [ "$REPEATS" -gt 1 ] && repeat_args=(--repeat-index "$repeat")
+        for ranks in $RANK_COUNTS; do
+            for strategy in "${rotated[@]}"; do
+                if [ "$strategy" = ps ] && [ "$ranks" -lt 2 ] && [[ "$EXTRA_ARGS" != *--ps-colocate* ]]; then
+                    echo "skipping ps at 1 rank: a dedicated server leaves no worker"; continue
+                fi
+                point=$strategy-$ranks
+                [ "$REPEATS" -gt 1 ] && point=$point-r$repeat
+                checkpoint_args "$point"
+                run_point "$point" "$strategy" "$ranks" "$HPC_TRAIN" --strategy "$strategy" "${TRAIN_ARGS[@]}" \
+                    --results "$RESULTS" --study "$STUDY_ID" "${repeat_args[@]}" "${CKPT_ARGS[@]}" "${extra[@]}" || stopped_exit
+            done
         done
     done
     finish_sweep

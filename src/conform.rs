@@ -68,7 +68,7 @@ fn parse_cases(text: &str, world_size: usize) -> Result<Vec<(usize, TrainArgs)>>
 pub fn run(world: &World, args: &ConformArgs) -> Result<()> {
     let text = world.agree(std::fs::read_to_string(&args.cases).map_err(|e| Error::io(&args.cases, e)))?;
     let cases = world.agree(parse_cases(&text, world.size as usize))?;
-    let context = RunContext { study: Some("conform".into()) };
+    let context = RunContext { study: Some("conform".into()), ..Default::default() };
     let mut report = String::new();
     for (index, (ranks, train)) in cases.iter().enumerate() {
         let inside = (world.rank as usize) < *ranks;

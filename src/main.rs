@@ -130,7 +130,10 @@ fn main() {
 
     let result = match &cli.command {
         None => {
-            let context = train::RunContext { study: cli.train.study_tag.clone() };
+            // A study's point (the job files tag them) measures the CPU's matmul peak for its
+            // record's MFU; an untagged run does not spend the 0.2 s.
+            let core_gflops = cli.train.study_tag.as_ref().and_then(|_| study::measure_core_gflops(&world));
+            let context = train::RunContext { study: cli.train.study_tag.clone(), core_gflops, repeat: cli.train.repeat_index };
             world
                 .agree(cli.train.check_unused_options(&[cli.train.strategy]))
                 .map(|warnings| world.log_warnings(&warnings))

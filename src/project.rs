@@ -742,7 +742,7 @@ pub fn project(args: &ProjectArgs) -> Result<()> {
     }
     print!("{text}");
     println!("wrote {} and {}", md.display(), runs.display());
-    crate::report::run(&ReportArgs { input: runs, study: None, bench: None, points: None, out: args.out.join(&slug) })?;
+    crate::report::run(&ReportArgs { input: runs, study: None, bench: None, points: None, statistic: Default::default(), out: args.out.join(&slug) })?;
 
     if args.validate_bench.is_some() || args.validate_runs.is_some() {
         validate(predictor, args)?;
@@ -874,6 +874,7 @@ fn projected_record(args: &ProjectArgs, profile: &Profile, p: Point, layout: Lay
         pipeline: None,
         extra,
         rerun: Default::default(),
+        hardware: Default::default(),
     }
 }
 

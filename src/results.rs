@@ -95,6 +95,9 @@ pub struct RunRecord {
     /// What re-runs it: `config` and `argv` (absent from older records).
     #[serde(flatten)]
     pub rerun: Rerun,
+    /// What the report's context block, FLOP/s and MFU need (flat in the JSON line).
+    #[serde(flatten)]
+    pub hardware: HardwareRecord,
 }
 
 /// A record's options: `config`, the resolved options as the table that `--config` reads
@@ -106,6 +109,32 @@ pub struct Rerun {
     pub config: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub argv: Vec<String>,
+}
+
+/// The machine and the model's arithmetic, as a report needs them to put a run in context.
+/// Absent in records of older binaries: every field defaults, and the report says n/a.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct HardwareRecord {
+    /// Logical cores of rank 0's node, and the GPUs it sees: a point with more ranks per node
+    /// than these is oversubscribed.
+    #[serde(default)]
+    pub cores_per_node: usize,
+    #[serde(default)]
+    pub gpus_per_node: usize,
+    /// The device's model as its driver names it ("NVIDIA H100 80GB HBM3", a CPU's model name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_model: Option<String>,
+    /// Forward FLOPs of one image, counted from the model for the run's input (model/flops.rs).
+    #[serde(default)]
+    pub forward_flops_per_image: f64,
+    /// One CPU core's f32 matmul GFLOP/s, measured at the start of a study or a tagged point on
+    /// CPUs: the peak of MFU where no datasheet applies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub core_gflops: Option<f64>,
+    /// Which run of its point in its study this is (`study --repeats`, the jobs' REPEATS):
+    /// records of one point and study with distinct indices are repeats, not replacements.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repeat: Option<u32>,
 }
 
 /// A pipelined run: its layout, the cut, and per stage (index = stage) the measured figures.

@@ -31,6 +31,12 @@ pub struct StudyArgs {
     /// plain data parallelism, P > 1 pipelines of P stages with --micro-batches and --schedule.
     #[arg(long, default_value = "1", help_heading = "Study")]
     pub stages: String,
+    /// Runs of each point: the sweep runs this many times, each repeat starting the strategies
+    /// of a rank count one further along (repeat r at offset r), so that drift over the study
+    /// (a warming node, a neighbour's job) does not always favour the same strategy. The report
+    /// shows each point's median with its range.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeats: u32,
     /// Training options for every run (--strategy is set by the sweep), from the command line
     /// and from --config's run file as for one run.
     #[command(flatten)]
@@ -81,9 +87,12 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
             log::log!(*level, "study {id}: {note}");
         }
     }
-    let context = RunContext { study: Some(id.clone()) };
+    let points = repeat_order(&points, args.repeats as usize);
+    let core_gflops = measure_core_gflops(world);
     let mut done = 0usize;
-    for &Point { ranks: n, strategy, stages } in &points {
+    for (i, &Point { ranks: n, strategy, stages }) in points.iter().enumerate() {
+        let repeat = (args.repeats > 1).then_some((i / (points.len() / args.repeats as usize)) as u32);
+        let context = RunContext { study: Some(id.clone()), core_gflops, repeat };
         let mut point = point_args(&args.train, strategy, stages, &stage_counts);
         // Each point's traces in a folder of their own: the next point's rank-R.json would
         // overwrite them.
@@ -132,6 +141,33 @@ pub fn run(world: &World, args: &StudyArgs) -> Result<()> {
         println!("study {id}: {done} run(s) appended to {}; tables and plots: hpc-train report --study {id}", crate::results::runs_path(&args.train.results).display());
     }
     Ok(())
+}
+
+/// The points of `repeats` sweeps in the order they run: each repeat keeps the rank counts in
+/// order, and starts the points of each rank count (its strategies and stage counts) at offset
+/// r of repeat r, so that every strategy runs first at a rank count as often as the others.
+fn repeat_order(points: &[Point], repeats: usize) -> Vec<Point> {
+    let mut out = Vec::with_capacity(points.len() * repeats);
+    for r in 0..repeats {
+        for group in points.chunk_by(|a, b| a.ranks == b.ranks) {
+            let mut group = group.to_vec();
+            let len = group.len();
+            group.rotate_left(r % len);
+            out.extend(group);
+        }
+    }
+    out
+}
+
+/// One CPU core's f32 matmul GFLOP/s (model/flops.rs), measured by rank 0 while the other
+/// ranks sleep (so that none competes for its core), where no GPU is present: about 0.2 s,
+/// once per launch of a study or of one of its points. None on the other ranks and on GPU
+/// nodes (the datasheet table applies there). Collective over `world`.
+pub fn measure_core_gflops(world: &World) -> Option<f64> {
+    let cpu = !tch::Cuda::is_available();
+    let value = (world.is_root() && cpu).then(crate::model::flops::measure_core_gflops);
+    world.sleeping_barrier();
+    value
 }
 
 /// Refuses stage counts (given by `flag`) that divide none of `ranks`: a pipeline of P stages
@@ -297,6 +333,22 @@ mod tests {
     }
 
     use crate::train::options::parse_train_args as train_args;
+
+    #[test]
+    fn repeats_rotate_the_strategies_of_each_rank_count() {
+        let all = parse_strategies("ring,ps,allreduce").unwrap();
+        let (points, _) = plan_points(&[1, 2], &all, &[1], &train_args(&["--ps-colocate"]), false).unwrap();
+        let order: Vec<String> = repeat_order(&points, 3).iter().map(|p| format!("{}{}", p.strategy.name(), p.ranks)).collect();
+        assert_eq!(
+            order,
+            [
+                "ring1", "ps1", "allreduce1", "ring2", "ps2", "allreduce2", // repeat 0: as planned
+                "ps1", "allreduce1", "ring1", "ps2", "allreduce2", "ring2", // repeat 1: offset 1
+                "allreduce1", "ring1", "ps1", "allreduce2", "ring2", "ps2", // repeat 2: offset 2
+            ]
+        );
+        assert_eq!(repeat_order(&points, 1), points);
+    }
 
     #[test]
     fn a_strong_study_checks_its_global_batch_at_every_point_before_the_first() {

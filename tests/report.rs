@@ -28,6 +28,8 @@ fn expected_tables() -> BTreeMap<&'static str, Vec<(&'static str, usize)>> {
     ])
 }
 
+const EXCHANGE_SHARE: &str = "**Exchange share of the step** (exchange ms / step ms: the communication not hidden behind computing; with overlap, the exposed part only)";
+
 const BUSBW_PLOTS: [&str; 2] = ["busbw-2ranks-cpu-float-single", "busbw-4ranks-cpu-float-single"];
 
 /// `hpc-train report <args>` without mpirun, with extra environment variables.
@@ -147,8 +149,10 @@ fn each_section_has_a_narrow_table_per_figure_and_a_detail_table_per_strategy() 
         strategies.dedup();
         let detail_columns = ["Ranks", "Global batch", "images/s", "images/s per rank", "speedup", "efficiency", "compute ms", "exchange ms"];
         let detail_columns = if section.slug.starts_with("strong") { [&detail_columns[..], &["epoch s"]].concat() } else { detail_columns.to_vec() };
-        // Every fixture record has a test accuracy, so every section has the accuracy table.
-        let mut want: Vec<(String, Vec<&str>)> = ["**Images/s**", "**Scaling efficiency**", "**Speedup**", "**Test accuracy after the last epoch**"]
+        let detail_columns = [&detail_columns[..], &["runs", "images/s min–max", "exchange share", "TFLOP/s per rank", "MFU"]].concat();
+        // Every fixture record has a test accuracy, so every section has the accuracy table;
+        // no fixture record counts its model's FLOPs (older binaries), so none has the FLOP/s table.
+        let mut want: Vec<(String, Vec<&str>)> = ["**Images/s**", "**Scaling efficiency**", "**Speedup**", "**Test accuracy after the last epoch**", EXCHANGE_SHARE]
             .iter()
             .map(|c| (c.to_string(), [&["Ranks", "Global batch"][..], &strategies].concat()))
             .collect();
@@ -160,10 +164,10 @@ fn each_section_has_a_narrow_table_per_figure_and_a_detail_table_per_strategy() 
                 assert!(row[1].parse::<usize>().is_ok(), "{}, {}: global batch {:?}", section.slug, t.caption, row[1]);
             }
         }
-        for t in &section.tables[..4] {
+        for t in &section.tables[..5] {
             assert!(t.rows.iter().flat_map(|r| &r[2..]).all(|c| is_one_figure(c)), "{}, {}: {:?}", section.slug, t.caption, t.rows);
         }
-        for (s, t) in strategies.iter().zip(&section.tables[4..]) {
+        for (s, t) in strategies.iter().zip(&section.tables[5..]) {
             let ranks: Vec<usize> = t.rows.iter().map(|r| r[0].parse().unwrap()).collect();
             let ran: Vec<usize> = cells_run.iter().filter(|&&(c, _)| c == *s).map(|&(_, n)| n).collect();
             assert_eq!(ranks, ran, "{}, {s}", section.slug);
@@ -176,7 +180,7 @@ fn each_section_has_a_narrow_table_per_figure_and_a_detail_table_per_strategy() 
     assert_eq!(tiny.tables[1].rows[2], ["4", "256", "86.6%", "n/a†", "90.0%"]);
     assert!(tiny.text.contains("\n- † ps (sync) ran with global batch 192 at 4 ranks\n"), "{}", tiny.text);
     assert_eq!(tiny.tables[3].rows[2], ["4", "256", "78.0%", "78.0%†", "78.0%"]);
-    assert_eq!(tiny.tables[5].rows, [["4", "192", "2400.0", "600.0", "n/a", "n/a", "61.0", "30.0"]]);
+    assert_eq!(tiny.tables[6].rows, [["4", "192", "2400.0", "600.0", "n/a", "n/a", "61.0", "30.0", "1", "2400.0–2400.0", "33.0%", "n/a", "n/a"]]);
     // Strong scaling holds the global batch: nothing differs, nothing is marked.
     assert!(!sections.iter().find(|s| s.slug.starts_with("strong")).unwrap().text.contains('†'));
     std::fs::remove_dir_all(&out).unwrap();
@@ -367,4 +371,35 @@ fn under_mpirun_rank_0_reports_once() {
     let run = mpirun_env(2, &["report", "--input", RUNS, "--study", "nope", "--out", out.to_str().unwrap()], &[], Duration::from_secs(120));
     expect_error(&run, "no runs of study \"nope\"");
     std::fs::remove_dir_all(&out).unwrap();
+}
+
+/// `study --repeats`: each point runs that many times, the strategies of a rank count rotated
+/// from one repeat to the next, every record with its repeat index, the node's cores, the
+/// model's FLOPs and the measured core rate; the report counts the runs per point. One launch
+/// of one rank, the tiny model, one measured step per run.
+#[test]
+fn a_study_with_repeats_records_each_run_and_the_report_counts_them() {
+    let dir = scratch("report-repeats");
+    let results = dir.join("results");
+    let args = [
+        "study", "--ranks", "1", "--strategies", "ring,allreduce", "--repeats", "2", "--study-id", "rep", "--model", "tiny",
+        "--data", "synthetic:1x8x8:4:64", "--batch-size", "4", "--warmup-steps", "0", "--measured-steps", "1", "--no-eval",
+        "--results", results.to_str().unwrap(),
+    ];
+    mpirun_env(1, &args, &[], Duration::from_secs(120)).expect_ok();
+    let records: Vec<serde_json::Value> =
+        std::fs::read_to_string(results.join("runs.jsonl")).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let order: Vec<(&str, u64)> = records.iter().map(|r| (r["strategy"].as_str().unwrap(), r["repeat"].as_u64().unwrap())).collect();
+    assert_eq!(order, [("ring", 0), ("allreduce", 0), ("allreduce", 1), ("ring", 1)]);
+    for r in &records {
+        assert!(r["cores_per_node"].as_u64().unwrap() >= 1, "{r}");
+        // The tiny CNN on 1x8x8: conv1 2x1x16x9x64, conv2 (4x4) 2x16x32x9x16, fc 2x32x4.
+        assert_eq!(r["forward_flops_per_image"].as_f64(), Some((2 * 16 * 9 * 64 + 2 * 16 * 32 * 9 * 16 + 2 * 32 * 4) as f64), "{r}");
+        assert!(r["core_gflops"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let out = dir.join("report");
+    report(&["--input", results.join("runs.jsonl").to_str().unwrap(), "--out", out.to_str().unwrap()], &[]).expect_ok();
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("- Runs per point: 2; shown: the median run's images/s"), "{md}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -2,6 +2,7 @@
 //! adapted to the data's channels, image size and class count), the Vision Transformer
 //! ([`vit`]: torchvision's ViT-B/16 and a small one for tests) and a tiny CNN for tests.
 
+pub mod flops;
 pub mod layers;
 mod parts;
 pub mod vars;

@@ -7,8 +7,10 @@
 //! Serial: rank 0 runs it.
 
 pub mod busbw;
+pub mod peaks;
 pub mod plots;
 pub mod points;
+pub mod stats;
 pub mod tables;
 
 use std::fmt::Write as _;
@@ -37,6 +39,10 @@ pub struct ReportArgs {
     /// section of their own [default: points.jsonl beside --input, skipped when absent].
     #[arg(long)]
     pub points: Option<PathBuf>,
+    /// How the runs of a point (`study --repeats`) make its images/s: the median (with the
+    /// range beside it), or MLPerf's mean without the fastest and slowest run (3 runs or more).
+    #[arg(long, value_enum, default_value_t = stats::Statistic::Median)]
+    pub statistic: stats::Statistic,
     /// Folder for report.md, the CSV files and the plots.
     #[arg(long, default_value = "results/report")]
     pub out: PathBuf,
@@ -63,7 +69,7 @@ pub fn run(args: &ReportArgs) -> Result<()> {
         }
         other => other?,
     };
-    let tables = tables::group(&records)?;
+    let tables = tables::group_with(&records, args.statistic)?;
     let bench_path = args.bench.clone().unwrap_or_else(|| args.input.with_file_name(BENCH_FILE));
     let bench = if bench_path.is_file() {
         Some(results::read_json_lines::<busbw::BenchRecord>(&bench_path)?)
@@ -221,6 +227,13 @@ fn document(input: &Path, study: Option<&str>, used: usize, read: usize, tables:
         None => format!("{read} record{}", plural(read)),
     };
     let _ = writeln!(out, "From `{}`: {which}, in {} section{}.\n", input.display(), tables.len(), plural(tables.len()));
+    if !tables.is_empty() {
+        out.push_str("In one line each:\n");
+        for t in tables {
+            let _ = writeln!(out, "- {}", t.summary_line());
+        }
+        out.push('\n');
+    }
     out.push_str(READING_GUIDE);
     for section in sections {
         out.push('\n');
@@ -248,7 +261,16 @@ gives it, and the strategy's detail table shows its own in every row.
 steps / epochs: the records do not hold the training-set size.
 - N counts every rank, dedicated parameter servers included: efficiency is measured against the resources used.
 - — : no run at that rank count (never interpolated); n/a: not computable (no 1-rank run of the strategy).
-- Where a strategy ran more than once at a rank count, the most recent run is shown (by timestamp; on a tie, the later line).
+- Where a strategy ran more than once at a rank count, the most recent run is shown (by timestamp; on a tie, the later line), \
+with the other repeats of its study (`study --repeats`, the job files' REPEATS): images/s is then their median \
+(`report --statistic trimmed`: MLPerf's mean without the fastest and slowest run), the fastest and slowest in brackets, \
+and speedup and efficiency are taken from it.
+- Context: the nodes and ranks per node, device, MPI library and data path, precision, global batch and measured steps \
+the figures rest on. ‡ marks points whose ranks outnumber the node's cores (ranks x threads) or GPUs.
+- exchange share = exchange ms / step ms: the communication not hidden behind computing.
+- TFLOP/s per rank = 3 x the model's forward FLOPs per image (counted from its layers) x images/s per rank; \
+MFU = that over one rank's peak: the device's dense datasheet peak for the run's precision on GPUs, \
+a matmul measured on the spot on CPUs (the context says which).
 ";
 
 fn plural(n: usize) -> &'static str {

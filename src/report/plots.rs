@@ -40,8 +40,10 @@ const REFERENCE: RGBColor = RGBColor(128, 128, 128);
 /// How x values are labelled.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum XAxis {
-    /// Rank counts, linear: whole numbers only.
+    /// Counts on a linear axis: whole numbers only.
     Ranks,
+    /// log2 of a rank count: labelled 1, 2, 4, 8 at whole powers of two.
+    Log2Ranks,
     /// log2 of a byte count: labelled as sizes (4K, 1M) at whole powers of two.
     Log2Bytes,
 }
@@ -80,49 +82,54 @@ fn scaling_title(table: &Table, what: &str) -> String {
     format!("{what}, {mode}: {} on {}, {}", table.key.model, table.key.dataset, table.key.device)
 }
 
-/// Images/s against ranks per strategy, each with its ideal: linear from its 1-rank point to
-/// its largest rank count.
+/// Images/s against ranks (log2 axis) per strategy, and one ideal: linear scaling of the
+/// fastest 1-rank run, drawn at every rank count of the table.
 pub fn throughput_chart(table: &Table) -> LineChart {
     let mut series = Vec::new();
     for (i, s) in table.strategies.iter().enumerate() {
-        let points: Vec<(f64, f64)> = table.present().filter(|(name, _)| name == s).map(|(_, f)| (f.ranks as f64, f.images_per_sec)).collect();
-        let max_ranks = points.last().map_or(1.0, |p| p.0);
-        series.push(Series { label: s.clone(), points, colour: Some(i), reference: false });
-        if let Some(base) = table.one_rank(s) {
-            series.push(Series { label: format!("{s} ideal"), points: vec![(1.0, base), (max_ranks, max_ranks * base)], colour: Some(i), reference: true });
-        }
+        let points: Vec<(f64, f64)> = table.present().filter(|(name, _)| name == s).map(|(_, f)| (log2(f.ranks), f.images_per_sec)).collect();
+        series.push(Series { label: s.clone(), points, colour: Some(i % COLOURS.len()), reference: false });
+    }
+    let best = table.strategies.iter().filter_map(|s| Some((s, table.one_rank(s)?))).max_by(|a, b| a.1.total_cmp(&b.1));
+    if let Some((s, base)) = best {
+        let points = table.ranks.iter().map(|&n| (log2(n), n as f64 * base)).collect();
+        series.push(Series { label: format!("ideal (linear from {s} at 1 rank)"), points, colour: None, reference: true });
     }
     LineChart {
         title: scaling_title(table, "Throughput"),
         x_desc: "ranks".into(),
         y_desc: "images/s".into(),
-        x_axis: XAxis::Ranks,
+        x_axis: XAxis::Log2Ranks,
         y_axis: YAxis::Plain,
         series,
     }
 }
 
-/// Scaling efficiency (%) against ranks, for the strategies with a 1-rank run; None when no
-/// strategy has one.
+fn log2(ranks: usize) -> f64 {
+    (ranks.max(1) as f64).log2()
+}
+
+/// Scaling efficiency (%) against ranks (log2 axis), for the strategies with a 1-rank run, and
+/// the one ideal of 100%; None when no strategy has a 1-rank run.
 pub fn efficiency_chart(table: &Table) -> Option<LineChart> {
     let mut series = Vec::new();
     for (i, s) in table.strategies.iter().enumerate() {
         let points: Vec<(f64, f64)> =
-            table.present().filter(|(name, _)| name == s).filter_map(|(_, f)| Some((f.ranks as f64, f.efficiency? * 100.0))).collect();
+            table.present().filter(|(name, _)| name == s).filter_map(|(_, f)| Some((log2(f.ranks), f.efficiency? * 100.0))).collect();
         if !points.is_empty() {
-            series.push(Series { label: s.clone(), points, colour: Some(i), reference: false });
+            series.push(Series { label: s.clone(), points, colour: Some(i % COLOURS.len()), reference: false });
         }
     }
     if series.is_empty() {
         return None;
     }
-    let max_ranks = table.ranks.last().copied().unwrap_or(1) as f64;
-    series.push(Series { label: "ideal (100%)".into(), points: vec![(1.0, 100.0), (max_ranks, 100.0)], colour: None, reference: true });
+    let max_ranks = table.ranks.last().copied().unwrap_or(1);
+    series.push(Series { label: "ideal (100%)".into(), points: vec![(0.0, 100.0), (log2(max_ranks), 100.0)], colour: None, reference: true });
     Some(LineChart {
         title: scaling_title(table, "Efficiency"),
         x_desc: "ranks".into(),
         y_desc: "scaling efficiency".into(),
-        x_axis: XAxis::Ranks,
+        x_axis: XAxis::Log2Ranks,
         y_axis: YAxis::Percent,
         series,
     })
@@ -134,7 +141,7 @@ pub fn efficiency_chart(table: &Table) -> Option<LineChart> {
 pub fn accuracy_chart(table: &Table) -> Option<LineChart> {
     let mut series = Vec::new();
     for (i, s) in table.strategies.iter().enumerate() {
-        let points: Vec<(f64, f64)> = table.present().filter(|(name, _)| name == s).filter_map(|(_, f)| Some((f.ranks as f64, f.test_accuracy? * 100.0))).collect();
+        let points: Vec<(f64, f64)> = table.present().filter(|(name, _)| name == s).filter_map(|(_, f)| Some((log2(f.ranks), f.test_accuracy? * 100.0))).collect();
         if !points.is_empty() {
             series.push(Series { label: s.clone(), points, colour: Some(i % COLOURS.len()), reference: false });
         }
@@ -143,7 +150,7 @@ pub fn accuracy_chart(table: &Table) -> Option<LineChart> {
         title: scaling_title(table, "Test accuracy"),
         x_desc: "ranks".into(),
         y_desc: "test accuracy after the last epoch".into(),
-        x_axis: XAxis::Ranks,
+        x_axis: XAxis::Log2Ranks,
         y_axis: YAxis::Percent,
         series,
     })
@@ -260,7 +267,7 @@ fn ranges(chart: &LineChart) -> (std::ops::Range<f64>, std::ops::Range<f64>) {
     let y_max = points().map(|p| p.1).filter(|y| y.is_finite()).fold(0.0, f64::max);
     let x = match chart.x_axis {
         XAxis::Ranks => 0.0..x_max * 1.05 + 0.2,
-        XAxis::Log2Bytes => {
+        XAxis::Log2Bytes | XAxis::Log2Ranks => {
             let x_min = points().map(|p| p.0).fold(f64::INFINITY, f64::min);
             let x_min = if x_min.is_finite() { x_min } else { 0.0 };
             x_min.floor() - 0.5..x_max.ceil() + 0.5
@@ -280,15 +287,28 @@ fn x_label(axis: XAxis, x: f64) -> String {
     }
     match axis {
         XAxis::Ranks => format!("{x:.0}"),
+        XAxis::Log2Ranks => format!("{:.0}", x.round().exp2()),
         XAxis::Log2Bytes => human_bytes(x.round().exp2()),
     }
 }
 
+/// Short labels: 950, 1.2k, 12k, 3.4M, 0.25; percentages whole.
 fn y_label(axis: YAxis, y: f64) -> String {
-    match axis {
-        YAxis::Plain if y.abs() >= 100.0 || y == 0.0 => format!("{y:.0}"),
-        YAxis::Plain => format!("{y:.2}"),
-        YAxis::Percent => format!("{y:.0}%"),
+    if axis == YAxis::Percent {
+        return format!("{y:.0}%");
+    }
+    let trim = |s: String| if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s };
+    let a = y.abs();
+    if a >= 1e6 {
+        format!("{}M", trim(format!("{:.1}", y / 1e6)))
+    } else if a >= 1e4 {
+        format!("{:.0}k", y / 1e3)
+    } else if a >= 1e3 {
+        format!("{}k", trim(format!("{:.1}", y / 1e3)))
+    } else if a >= 10.0 || y == 0.0 {
+        format!("{y:.0}")
+    } else {
+        trim(format!("{y:.2}"))
     }
 }
 
@@ -378,7 +398,7 @@ mod tests {
         let chart = accuracy_chart(&tables[0]).unwrap();
         let labels: Vec<&str> = chart.series.iter().map(|s| s.label.as_str()).collect();
         assert_eq!(labels, vec!["ring", "ring (lars, constant)"], "the AdamW column has no accuracy to plot");
-        assert_eq!(chart.series[0].points, vec![(1.0, 90.0), (8.0, 80.0)]);
+        assert_eq!(chart.series[0].points, vec![(0.0, 90.0), (3.0, 80.0)]);
         assert!(accuracy_chart(&group(&runs[3..]).unwrap()[0]).is_none());
     }
 
@@ -388,10 +408,12 @@ mod tests {
         let tables = group(&runs).unwrap();
         let chart = throughput_chart(&tables[0]);
         let labels: Vec<&str> = chart.series.iter().map(|s| s.label.as_str()).collect();
-        assert_eq!(labels, vec!["allreduce", "ring", "ring ideal"]);
-        assert_eq!(chart.series[2].points, vec![(1.0, 100.0), (4.0, 400.0)]);
+        assert_eq!(labels, vec!["allreduce", "ring", "ideal (linear from ring at 1 rank)"]);
+        // One ideal, at every rank count, x on a log2 axis.
+        assert_eq!(chart.series[2].points, vec![(0.0, 100.0), (1.0, 200.0), (2.0, 400.0)]);
+        assert_eq!(chart.series[1].points, vec![(0.0, 100.0), (2.0, 360.0)]);
         let efficiency = efficiency_chart(&tables[0]).unwrap();
-        assert_eq!(efficiency.series[0].points, vec![(1.0, 100.0), (4.0, 90.0)]);
+        assert_eq!(efficiency.series[0].points, vec![(0.0, 100.0), (2.0, 90.0)]);
         assert_eq!(efficiency.series.len(), 2, "ring and the 100% line; allreduce has no 1-rank run");
         let no_base = group(&runs[2..]).unwrap();
         assert!(efficiency_chart(&no_base[0]).is_none());
@@ -404,5 +426,9 @@ mod tests {
         assert_eq!(x_label(XAxis::Log2Bytes, 20.0), "1M");
         assert_eq!(x_label(XAxis::Log2Bytes, 12.5), "");
         assert_eq!(y_label(YAxis::Percent, 90.0), "90%");
+        assert_eq!(x_label(XAxis::Log2Ranks, 3.0), "8");
+        assert_eq!(x_label(XAxis::Log2Ranks, 2.5), "");
+        let labels: Vec<String> = [0.0, 0.25, 80.0, 950.0, 1200.0, 1000.0, 12_500.0, 3_400_000.0].iter().map(|&y| y_label(YAxis::Plain, y)).collect();
+        assert_eq!(labels, ["0", "0.25", "80", "950", "1.2k", "1k", "12k", "3.4M"]);
     }
 }

@@ -2,11 +2,13 @@
 //! cell, the speedup and efficiency arithmetic, and the Markdown and CSV forms of a table.
 //! Pure: the caller reads and writes the files.
 
-use std::collections::btree_map::{BTreeMap, Entry};
+use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use serde::Serialize;
 
+use super::peaks;
+use super::stats::{self, Statistic, Summary};
 use crate::error::{Error, Result};
 use crate::results::RunRecord;
 
@@ -16,6 +18,8 @@ pub const NO_RUN: &str = "—";
 pub const NOT_COMPUTED: &str = "n/a";
 /// Marks a strategy's cell in a row whose global batch is not its own.
 pub const OTHER_BATCH: &str = "†";
+/// Marks a cell whose ranks outnumber the node's cores (or GPUs).
+pub const OVERSUBSCRIBED: &str = "‡";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Scaling {
@@ -198,11 +202,16 @@ fn warmup_in_epochs(schedule: &str, record: &RunRecord) -> String {
     }
 }
 
-/// The record shown in a cell: the most recent of its strategy and rank count.
-#[derive(Clone, Copy, Debug)]
+/// The runs of a cell: the most recent of its strategy and rank count, and with it the other
+/// repeats of its study (distinct repeat indices, `study --repeats`).
+#[derive(Clone, Debug)]
 pub struct Cell<'a> {
+    /// The most recent run: the one whose context (batch, device, steps) the row shows.
     pub record: &'a RunRecord,
-    /// Older records of the same cell that this one replaces.
+    /// Every run the cell's figures rest on, `record` among them, oldest first.
+    pub runs: Vec<&'a RunRecord>,
+    /// Older records of the same cell that these replace (another study, or the same repeat
+    /// run again).
     pub superseded: usize,
 }
 
@@ -217,14 +226,23 @@ pub struct Table<'a> {
     /// Every rank count any strategy ran at, ascending.
     pub ranks: Vec<usize>,
     cells: BTreeMap<(String, usize), Cell<'a>>,
+    /// How a cell's runs make its images/s.
+    pub statistic: Statistic,
 }
 
-/// Sorts records into tables and keeps the most recent record of each (strategy, ranks) cell.
-/// "Most recent" compares timestamps; on a tie the later record in `records` (the later line
-/// of runs.jsonl) wins.
+/// Sorts records into tables with [`Statistic::Median`]; see [`group_with`].
+#[cfg(test)]
 pub fn group(records: &[RunRecord]) -> Result<Vec<Table<'_>>> {
+    group_with(records, Statistic::Median)
+}
+
+/// Sorts records into tables. A cell (strategy, ranks) shows its most recent record ("most
+/// recent" compares timestamps; on a tie the later line of runs.jsonl wins) and the repeats of
+/// it: the records of the same study with other repeat indices (the most recent of each
+/// index). Every other record of the cell is superseded.
+pub fn group_with(records: &[RunRecord], statistic: Statistic) -> Result<Vec<Table<'_>>> {
     type Recency = (chrono::DateTime<chrono::FixedOffset>, usize);
-    let mut by_key: BTreeMap<TableKey, BTreeMap<(String, usize), (Cell<'_>, Recency)>> = BTreeMap::new();
+    let mut by_key: BTreeMap<TableKey, BTreeMap<(String, usize), Vec<(&RunRecord, Recency)>>> = BTreeMap::new();
     for (index, record) in records.iter().enumerate() {
         let time = chrono::DateTime::parse_from_rfc3339(&record.timestamp).map_err(|e| {
             Error::Results(format!(
@@ -232,26 +250,12 @@ pub fn group(records: &[RunRecord]) -> Result<Vec<Table<'_>>> {
                 record.strategy, record.ranks, record.timestamp
             ))
         })?;
-        let recency = (time, index);
-        let cells = by_key.entry(TableKey::of(record)?).or_default();
-        match cells.entry((strategy_label(record), record.ranks)) {
-            Entry::Vacant(slot) => {
-                slot.insert((Cell { record, superseded: 0 }, recency));
-            }
-            Entry::Occupied(mut slot) => {
-                let (cell, kept) = slot.get_mut();
-                cell.superseded += 1;
-                if recency > *kept {
-                    cell.record = record;
-                    *kept = recency;
-                }
-            }
-        }
+        by_key.entry(TableKey::of(record)?).or_default().entry((strategy_label(record), record.ranks)).or_default().push((record, (time, index)));
     }
     let mut tables = Vec::new();
     let mut slugs_taken: BTreeMap<String, usize> = BTreeMap::new();
     for (key, cells) in by_key {
-        let cells: BTreeMap<_, _> = cells.into_iter().map(|(k, (cell, _))| (k, cell)).collect();
+        let cells: BTreeMap<_, _> = cells.into_iter().map(|(k, all)| (k, cell_of(all))).collect();
         let mut strategies: Vec<String> = cells.keys().map(|(s, _)| s.clone()).collect();
         strategies.dedup();
         let mut ranks: Vec<usize> = cells.keys().map(|&(_, n)| n).collect();
@@ -262,9 +266,29 @@ pub fn group(records: &[RunRecord]) -> Result<Vec<Table<'_>>> {
         let seen = slugs_taken.entry(base.clone()).or_insert(0);
         *seen += 1;
         let slug = if *seen == 1 { base } else { format!("{base}-{seen}") };
-        tables.push(Table { key, slug, strategies, ranks, cells });
+        tables.push(Table { key, slug, strategies, ranks, cells, statistic });
     }
     Ok(tables)
+}
+
+/// The cell of one (strategy, ranks): the most recent record, its study's other repeats (the
+/// most recent of each repeat index), the rest superseded.
+fn cell_of<R: Ord + Copy>(mut all: Vec<(&RunRecord, R)>) -> Cell<'_> {
+    all.sort_by_key(|&(_, recency)| recency);
+    let latest = all.last().expect("a cell has a record").0;
+    let mut runs: Vec<&RunRecord> = Vec::new();
+    if let (Some(study), Some(_)) = (&latest.study, latest.hardware.repeat) {
+        // Newest first, so that the first of each index is the one kept.
+        for &(r, _) in all.iter().rev() {
+            if r.study.as_ref() == Some(study) && r.hardware.repeat.is_some() && !runs.iter().any(|k| k.hardware.repeat == r.hardware.repeat) {
+                runs.push(r);
+            }
+        }
+        runs.reverse();
+    } else {
+        runs.push(latest);
+    }
+    Cell { record: latest, superseded: all.len() - runs.len(), runs }
 }
 
 /// speedup(N) = images/s at N ranks / images/s at 1 rank. None without a usable 1-rank figure.
@@ -307,6 +331,58 @@ pub struct Figures {
     pub target: Option<TargetReached>,
     /// A pipelined run's measured bubble (mean over its stages) and the balanced theory's.
     pub bubble: Option<(f64, f64)>,
+    /// The cell's runs and their images/s: count, median, range (images_per_sec is `value`).
+    pub spread: Summary,
+    /// Exchange time over step time (medians over the runs): the share of the step spent
+    /// communicating and not hidden behind computing.
+    pub exchange_share: Option<f64>,
+    /// Achieved training FLOP/s per rank (3 x the model's forward FLOPs per image x images/s
+    /// per rank), and that over the peak of one rank (MFU).
+    pub flops_per_rank: Option<f64>,
+    pub mfu: Option<f64>,
+    /// Why the point's ranks share cores or GPUs ("4 ranks x 1 thread on 2 cores"), if they do.
+    pub oversubscribed: Option<String>,
+}
+
+/// The ranks on the busiest node (ranks spread evenly over the nodes, rounded up).
+pub fn ranks_per_node(r: &RunRecord) -> usize {
+    r.ranks.div_ceil(r.nodes.max(1))
+}
+
+/// Whether the ranks of a node outnumber its cores (CPU runs: ranks x threads) or its GPUs,
+/// said in words; None when they fit or the record does not know the node (older binaries).
+pub fn oversubscription(r: &RunRecord) -> Option<String> {
+    let per_node = ranks_per_node(r);
+    let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+    if r.device.starts_with("cuda") {
+        let gpus = r.hardware.gpus_per_node;
+        return (gpus > 0 && per_node > gpus).then(|| format!("{} on {}", plural(per_node, "rank"), plural(gpus, "GPU")));
+    }
+    let cores = r.hardware.cores_per_node;
+    let threads = r.threads.max(1);
+    (cores > 0 && per_node * threads > cores).then(|| format!("{} x {} on {}", plural(per_node, "rank"), plural(threads, "thread"), plural(cores, "core")))
+}
+
+/// The run's `--precision` (records before it was recorded ran fp32).
+pub fn precision(r: &RunRecord) -> String {
+    r.extra.get("precision").and_then(|v| v.as_str()).unwrap_or("fp32").to_string()
+}
+
+/// One rank's peak FLOP/s and where it comes from: a GPU's dense datasheet peak for the run's
+/// precision (peaks.rs), or on CPUs the measured core rate times the cores a rank has (its
+/// threads, or its share of the node's cores where ranks x threads exceed them). None where
+/// neither is known.
+pub fn peak_per_rank(r: &RunRecord) -> Option<(f64, String)> {
+    if r.device.starts_with("cuda") {
+        let model = r.hardware.device_model.as_deref()?;
+        let (tflops, what) = peaks::for_precision(&peaks::lookup(model)?, &precision(r))?;
+        return Some((tflops * 1e12, what));
+    }
+    let core = r.hardware.core_gflops.filter(|g| *g > 0.0)?;
+    let cores = r.hardware.cores_per_node;
+    let threads = r.threads.max(1) as f64;
+    let share = if cores > 0 { threads.min(cores as f64 / ranks_per_node(r) as f64) } else { threads };
+    Some((core * 1e9 * share, format!("measured on the spot: one core's f32 matmul, {core:.1} GFLOP/s, x the cores a rank has (its threads, at most the node's cores / its ranks)")))
 }
 
 /// A run's --target-accuracy and when it was reached (None: not within the run).
@@ -323,26 +399,42 @@ impl<'a> Table<'a> {
 
     /// The 1-rank throughput of `strategy`, the base of its speedup and efficiency.
     pub fn one_rank(&self, strategy: &str) -> Option<f64> {
-        self.cell(strategy, 1).map(|c| c.record.images_per_sec)
+        self.cell(strategy, 1).and_then(|c| self.spread(c)).map(|s| s.value)
+    }
+
+    /// The images/s of a cell's runs, reduced by the table's statistic.
+    fn spread(&self, cell: &Cell) -> Option<Summary> {
+        stats::summarise(&cell.runs.iter().map(|r| r.images_per_sec).collect::<Vec<_>>(), self.statistic)
     }
 
     pub fn figures(&self, strategy: &str, ranks: usize) -> Option<Figures> {
-        let r = self.cell(strategy, ranks)?.record;
+        let cell = self.cell(strategy, ranks)?;
+        let r = cell.record;
+        let spread = self.spread(cell)?;
+        let images_per_sec = spread.value;
+        let median_of = |f: fn(&RunRecord) -> f64| stats::median(&cell.runs.iter().map(|r| f(r)).collect::<Vec<_>>()).unwrap_or(f64::NAN);
+        let (compute_ms, comm_ms, step_ms) = (median_of(|r| r.compute_ms), median_of(|r| r.comm_ms), median_of(|r| r.step_ms));
         let base = self.one_rank(strategy);
+        let flops_per_rank = (r.hardware.forward_flops_per_image > 0.0).then(|| crate::model::flops::TRAINING_FACTOR * r.hardware.forward_flops_per_image * images_per_sec / ranks.max(1) as f64);
         Some(Figures {
             ranks,
             workers: r.workers,
             global_batch: r.global_batch,
-            images_per_sec: r.images_per_sec,
-            images_per_sec_per_rank: r.images_per_sec / ranks.max(1) as f64,
-            speedup: base.and_then(|b| speedup(r.images_per_sec, b)),
-            efficiency: base.and_then(|b| efficiency(r.images_per_sec, ranks, b)),
-            compute_ms: r.compute_ms,
-            comm_ms: r.comm_ms,
+            images_per_sec,
+            images_per_sec_per_rank: images_per_sec / ranks.max(1) as f64,
+            speedup: base.and_then(|b| speedup(images_per_sec, b)),
+            efficiency: base.and_then(|b| efficiency(images_per_sec, ranks, b)),
+            compute_ms,
+            comm_ms,
             epoch_s: match self.key.scaling {
-                Scaling::Strong => epoch_seconds(r.steps, r.epochs, r.global_batch, r.images_per_sec),
+                Scaling::Strong => epoch_seconds(r.steps, r.epochs, r.global_batch, images_per_sec),
                 Scaling::Weak => None,
             },
+            spread,
+            exchange_share: (step_ms > 0.0 && comm_ms.is_finite()).then(|| comm_ms / step_ms),
+            flops_per_rank,
+            mfu: flops_per_rank.zip(peak_per_rank(r)).map(|(f, (peak, _))| f / peak),
+            oversubscribed: oversubscription(r),
             test_accuracy: r.test_accuracy,
             bubble: r.pipeline.as_ref().filter(|p| !p.bubble.is_empty()).map(|p| (p.bubble.iter().sum::<f64>() / p.bubble.len() as f64, p.theoretical_bubble)),
             target: r.target_accuracy.map(|accuracy| TargetReached { accuracy, reached: r.time_to_target_s.zip(r.epoch_to_target) }),
@@ -399,6 +491,13 @@ impl<'a> Table<'a> {
                 ));
             }
         }
+        let shared: Vec<String> = self
+            .present()
+            .filter_map(|(s, f)| Some(format!("{s} at {} ranks: {}", f.ranks, f.oversubscribed?)))
+            .collect();
+        if !shared.is_empty() {
+            notes.push(format!("{OVERSUBSCRIBED} oversubscribed, the ranks share cores or GPUs, which the throughput reflects ({})", shared.join("; ")));
+        }
         let total = self.superseded();
         if total > 0 {
             let which: Vec<String> = self
@@ -452,11 +551,102 @@ impl<'a> Table<'a> {
 
     /// A strategy's figure at `ranks`, marked where its global batch is not the row's.
     fn summary_cell(&self, strategy: &str, ranks: usize, figure: &impl Fn(&Figures) -> String) -> String {
-        match self.figures(strategy, ranks) {
-            None => NO_RUN.to_string(),
-            Some(f) if self.batch_differs(strategy, ranks) => format!("{}{OTHER_BATCH}", figure(&f)),
-            Some(f) => figure(&f),
-        }
+        let Some(f) = self.figures(strategy, ranks) else { return NO_RUN.to_string() };
+        let batch = if self.batch_differs(strategy, ranks) { OTHER_BATCH } else { "" };
+        let shared = if f.oversubscribed.is_some() { OVERSUBSCRIBED } else { "" };
+        format!("{}{batch}{shared}", figure(&f))
+    }
+
+    /// The table's context, one line each: what a reader needs to judge its figures, from the
+    /// records (n/a where the records of older binaries do not say).
+    pub fn context(&self) -> Vec<String> {
+        let records: Vec<&RunRecord> = self.cells.values().flat_map(|c| c.runs.iter().copied()).collect();
+        let distinct = |f: &dyn Fn(&RunRecord) -> String| {
+            let mut v: Vec<String> = records.iter().map(|r| f(r)).collect();
+            v.sort();
+            v.dedup();
+            v.join("; ")
+        };
+        let by_ranks = |f: &dyn Fn(&RunRecord) -> String| {
+            self.ranks
+                .iter()
+                .map(|&n| {
+                    let mut v: Vec<String> = records.iter().filter(|r| r.ranks == n).map(|r| f(r)).collect();
+                    v.sort();
+                    v.dedup();
+                    v.join(" or ")
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let known = |n: usize| if n > 0 { n.to_string() } else { NOT_COMPUTED.to_string() };
+        let at = format!("at {} rank{}", self.ranks.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(", "), if self.ranks == [1] { "" } else { "s" });
+        let extra_u64 = |r: &RunRecord, key: &str| r.extra.get(key).and_then(|v| v.as_u64());
+        let mut lines = vec![
+            format!("Nodes x ranks per node: {}", by_ranks(&|r| format!("{}x{}", r.nodes.max(1), ranks_per_node(r)))),
+            format!(
+                "Device: {}",
+                distinct(&|r| {
+                    let model = r.hardware.device_model.as_deref().map_or(String::new(), |m| format!(" ({m})"));
+                    if r.device.starts_with("cuda") {
+                        format!("{}{model}, {} GPUs per node", r.device, known(r.hardware.gpus_per_node))
+                    } else {
+                        format!("{}{model}, {} cores per node", r.device, known(r.hardware.cores_per_node))
+                    }
+                })
+            ),
+            format!("Threads per rank: {}", by_ranks(&|r| known(r.threads))),
+            format!(
+                "MPI library and data path: {}",
+                distinct(&|r| format!("{}, {}{}", r.mpi_library, r.data_path.as_deref().unwrap_or(NOT_COMPUTED), if r.cuda_aware { ", CUDA-aware" } else { "" }))
+            ),
+            format!("Precision: {}", distinct(&|r| precision(r))),
+            format!("Global batch: {} ({at})", by_ranks(&|r| r.global_batch.to_string())),
+            format!(
+                "Measured steps per run: {}",
+                distinct(&|r| match (extra_u64(r, "measured_steps"), extra_u64(r, "warmup_steps")) {
+                    (Some(m), Some(w)) => format!("{m} after {w} warm-up"),
+                    (Some(m), None) => m.to_string(),
+                    _ => format!("{NOT_COMPUTED} ({} steps in all)", r.steps),
+                })
+            ),
+        ];
+        let runs: Vec<usize> = self.cells.values().map(|c| c.runs.len()).collect();
+        let (fewest, most) = (runs.iter().min().copied().unwrap_or(0), runs.iter().max().copied().unwrap_or(0));
+        let statistic = match self.statistic {
+            Statistic::Median => "the median run's images/s, with the fastest and slowest run's".to_string(),
+            Statistic::Trimmed if fewest >= 3 => format!("images/s: the {}", self.statistic.name()),
+            Statistic::Trimmed => format!("images/s: the {} where a point has 3 runs or more, else the median (marked)", self.statistic.name()),
+        };
+        let count = if fewest == most { fewest.to_string() } else { format!("{fewest} to {most}") };
+        lines.push(format!("Runs per point: {count}; shown: {statistic}"));
+        lines.push(format!(
+            "Model FLOPs: {} forward per image, counted from the model's layers for this input; training taken as 3x forward",
+            distinct(&|r| if r.hardware.forward_flops_per_image > 0.0 { format!("{}FLOP", si(r.hardware.forward_flops_per_image)) } else { NOT_COMPUTED.to_string() })
+        ));
+        lines.push(match records.iter().any(|r| peak_per_rank(r).is_some()) {
+            true => format!(
+                "Peak for MFU: {} FLOP/s per rank ({at}); {}",
+                by_ranks(&|r| peak_per_rank(r).map_or(NOT_COMPUTED.to_string(), |(peak, _)| si(peak).trim_end().to_string())),
+                distinct(&|r| peak_per_rank(r).map_or(format!("{NOT_COMPUTED}: no datasheet peak for this device and no measured one"), |(_, what)| what))
+            ),
+            false => format!("Peak for MFU: {NOT_COMPUTED} (no datasheet peak for this device and no measured one)"),
+        });
+        lines
+    }
+
+    /// The table in one line: the strategy with the best efficiency at the largest rank count
+    /// that has one, with the runs it rests on and whether the ranks shared cores.
+    pub fn summary_line(&self) -> String {
+        let title = self.key.title();
+        let best = self.ranks.iter().rev().find_map(|&n| {
+            self.strategies.iter().filter_map(|s| Some((s, self.figures(s, n)?))).filter(|(_, f)| f.efficiency.is_some() && n > 1).max_by(|a, b| a.1.efficiency.unwrap().total_cmp(&b.1.efficiency.unwrap()))
+        });
+        let Some((s, f)) = best else { return format!("{title}: no scaling efficiency (no 1-rank run, or 1 rank only)") };
+        let runs = if f.spread.runs == 1 { "1 run".to_string() } else { format!("{} of {} runs", if f.spread.trimmed { "trimmed mean" } else { "median" }, f.spread.runs) };
+        let shared = f.oversubscribed.as_ref().map_or(String::new(), |o| format!("; oversubscribed: {o}"));
+        let exchange = f.exchange_share.map_or(String::new(), |e| format!(", {} of the step exchanging", percent(e)));
+        format!("{title}: {s} keeps {} scaling efficiency at {} ranks ({runs}{exchange}{shared})", percent(f.efficiency.unwrap()), f.ranks)
     }
 
     /// Every figure of one strategy, a row per rank count it ran at.
@@ -468,6 +658,7 @@ impl<'a> Table<'a> {
         if self.key.scaling == Scaling::Strong {
             header.push("epoch s".to_string());
         }
+        header.extend(["runs", "images/s min–max", "exchange share", "TFLOP/s per rank", "MFU"].map(String::from));
         let rows = self.ranks.iter().filter_map(|&n| self.figures(strategy, n)).map(|f| self.detail_row(&f));
         markdown_table(&format!("**Detail: {strategy}**"), &header, rows)
     }
@@ -486,6 +677,11 @@ impl<'a> Table<'a> {
         if self.key.scaling == Scaling::Strong {
             row.push(f.epoch_s.map_or(NOT_COMPUTED.to_string(), |v| fixed(v, 1)));
         }
+        row.push(format!("{}{}", f.spread.runs, if self.statistic == Statistic::Trimmed && !f.spread.trimmed { " (median)" } else { "" }));
+        row.push(format!("{}–{}", fixed(f.spread.min, 1), fixed(f.spread.max, 1)));
+        row.push(f.exchange_share.map_or(NOT_COMPUTED.to_string(), percent));
+        row.push(f.flops_per_rank.map_or(NOT_COMPUTED.to_string(), |v| significant(v / 1e12)));
+        row.push(f.mfu.map_or(NOT_COMPUTED.to_string(), percent));
         row
     }
 
@@ -493,9 +689,15 @@ impl<'a> Table<'a> {
     /// a narrow table with a column per strategy; notes; then every figure of each strategy.
     /// Numbers have fixed decimals so that the same records always give the same text.
     pub fn markdown(&self) -> String {
+        let context: String = self.context().iter().map(|l| format!("- {l}\n")).collect();
+        let images_caption = match self.statistic {
+            Statistic::Median => "**Images/s**",
+            Statistic::Trimmed => "**Images/s** (MLPerf: mean without the fastest and slowest run; range in brackets)",
+        };
         let mut blocks = vec![
             format!("## {}\n", self.key.title()),
-            self.summary_table("**Images/s**", |f| fixed(f.images_per_sec, 1)),
+            format!("**Context**\n\n{context}"),
+            self.summary_table(images_caption, |f| images_cell(f)),
             self.summary_table("**Scaling efficiency**", |f| efficiency_cell(f.efficiency)),
             self.summary_table("**Speedup**", |f| speedup_cell(f.speedup)),
         ];
@@ -509,6 +711,19 @@ impl<'a> Table<'a> {
         if let Some(target) = self.present().find_map(|(_, f)| f.target) {
             let caption = format!("**Time to {} test accuracy** (seconds of training, evaluations excluded; epoch)", percent(target.accuracy));
             blocks.push(self.summary_table(&caption, |f| target_cell(f, target.accuracy)));
+        }
+        blocks.push(self.summary_table(
+            "**Exchange share of the step** (exchange ms / step ms: the communication not hidden behind computing; with overlap, the exposed part only)",
+            |f| f.exchange_share.map_or(NOT_COMPUTED.to_string(), percent),
+        ));
+        if self.present().any(|(_, f)| f.flops_per_rank.is_some()) {
+            blocks.push(self.summary_table("**Achieved TFLOP/s per rank (MFU)** (3 x forward FLOPs per image x images/s per rank; MFU against the peak in the context)", |f| {
+                match (f.flops_per_rank, f.mfu) {
+                    (Some(v), Some(m)) => format!("{} ({})", significant(v / 1e12), percent(m)),
+                    (Some(v), None) => format!("{} (MFU n/a)", significant(v / 1e12)),
+                    _ => NOT_COMPUTED.to_string(),
+                }
+            }));
         }
         let notes = self.notes();
         if !notes.is_empty() {
@@ -546,6 +761,15 @@ impl<'a> Table<'a> {
                     target_accuracy: f.target.map(|t| t.accuracy),
                     time_to_target_s: f.target.and_then(|t| t.reached).map(|r| r.0),
                     epoch_to_target: f.target.and_then(|t| t.reached).map(|r| r.1),
+                    runs: f.spread.runs,
+                    images_per_sec_median: f.spread.median,
+                    images_per_sec_min: f.spread.min,
+                    images_per_sec_max: f.spread.max,
+                    statistic: if f.spread.trimmed { "trimmed" } else { "median" },
+                    exchange_share: f.exchange_share,
+                    tflops_per_rank: f.flops_per_rank.map(|v| v / 1e12),
+                    mfu: f.mfu,
+                    oversubscribed: f.oversubscribed.clone().unwrap_or_default(),
                     superseded: cell.superseded,
                     timestamp: cell.record.timestamp.clone(),
                     git_commit: cell.record.git_commit.clone(),
@@ -582,6 +806,18 @@ pub struct CsvRow {
     pub target_accuracy: Option<f64>,
     pub time_to_target_s: Option<f64>,
     pub epoch_to_target: Option<u64>,
+    /// The point's runs, and their images/s: images_per_sec is the median, or the trimmed mean
+    /// where `statistic` says so.
+    pub runs: usize,
+    pub images_per_sec_median: f64,
+    pub images_per_sec_min: f64,
+    pub images_per_sec_max: f64,
+    pub statistic: &'static str,
+    pub exchange_share: Option<f64>,
+    pub tflops_per_rank: Option<f64>,
+    pub mfu: Option<f64>,
+    /// Empty, or why the ranks shared cores or GPUs.
+    pub oversubscribed: String,
     pub superseded: usize,
     pub timestamp: String,
     pub git_commit: String,
@@ -613,6 +849,37 @@ fn target_cell(f: &Figures, caption_target: f64) -> String {
         None => format!("not reached{other}"),
         Some((seconds, epoch)) => format!("{} s (epoch {epoch}{other})", fixed(seconds, 1)),
     }
+}
+
+/// images/s of a cell: the statistic, with the range where the point ran more than once.
+fn images_cell(f: &Figures) -> String {
+    let value = fixed(f.images_per_sec, 1);
+    if f.spread.runs > 1 {
+        format!("{value} ({}–{})", fixed(f.spread.min, 1), fixed(f.spread.max, 1))
+    } else {
+        value
+    }
+}
+
+/// Three significant digits, plain notation: 0.0123, 1.23, 123.
+fn significant(value: f64) -> String {
+    if !value.is_finite() {
+        return NOT_COMPUTED.to_string();
+    }
+    if value == 0.0 {
+        return "0".to_string();
+    }
+    let decimals = (2 - value.abs().log10().floor() as i32).max(0) as usize;
+    format!("{value:.decimals$}")
+}
+
+/// A count with an SI prefix and three significant digits: 1.23 G, 456 k.
+pub fn si(value: f64) -> String {
+    let (scaled, prefix) = [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")]
+        .iter()
+        .find(|(f, _)| value.abs() >= *f)
+        .map_or((value, ""), |&(f, p)| (value / f, p));
+    format!("{} {prefix}", significant(scaled))
 }
 
 fn speedup_cell(speedup: Option<f64>) -> String {
@@ -682,6 +949,7 @@ pub(crate) mod tests {
             pipeline: None,
             extra: Default::default(),
             rerun: Default::default(),
+            hardware: Default::default(),
         }
     }
 
@@ -864,8 +1132,8 @@ pub(crate) mod tests {
         assert_eq!(f.epoch_s, Some(20.0 * 256.0 / 300.0));
         let md = tables[0].markdown();
         let detail = table_under(&md, "**Detail: ring**");
-        assert_eq!(detail[0], "| Ranks | Global batch | images/s | images/s per rank | speedup | efficiency | compute ms | exchange ms | epoch s |");
-        assert_eq!(detail[3], "| 4 | 256 | 300.0 | 75.0 | 3.00 | 75.0% | 10.0 | 2.0 | 17.1 |", "{md}");
+        assert_eq!(detail[0], "| Ranks | Global batch | images/s | images/s per rank | speedup | efficiency | compute ms | exchange ms | epoch s | runs | images/s min–max | exchange share | TFLOP/s per rank | MFU |");
+        assert_eq!(detail[3], "| 4 | 256 | 300.0 | 75.0 | 3.00 | 75.0% | 10.0 | 2.0 | 17.1 | 1 | 300.0–300.0 | 16.7% | n/a | n/a |", "{md}");
     }
 
     #[test]
@@ -881,7 +1149,7 @@ pub(crate) mod tests {
         assert_eq!(table_under(&md, "**Images/s**")[2..], ["| 1 | 64 | — | 100.0 |", "| 2 | 128 | 180.0 | 190.0 |", "| 4 | 256 | 350.0 | 360.0 |"], "{md}");
         assert_eq!(table_under(&md, "**Scaling efficiency**")[2..], ["| 1 | 64 | — | 100.0% |", "| 2 | 128 | n/a | 95.0% |", "| 4 | 256 | n/a | 90.0% |"], "{md}");
         assert_eq!(table_under(&md, "**Speedup**")[2..], ["| 1 | 64 | — | 1.00 |", "| 2 | 128 | n/a | 1.90 |", "| 4 | 256 | n/a | 3.60 |"], "{md}");
-        assert_eq!(table_under(&md, "**Detail: allreduce**")[2..], ["| 2 | 128 | 180.0 | 90.0 | n/a | n/a | 10.0 | 2.0 |", "| 4 | 256 | 350.0 | 87.5 | n/a | n/a | 10.0 | 2.0 |"], "{md}");
+        assert_eq!(table_under(&md, "**Detail: allreduce**")[2..], ["| 2 | 128 | 180.0 | 90.0 | n/a | n/a | 10.0 | 2.0 | 1 | 180.0–180.0 | 16.7% | n/a | n/a |", "| 4 | 256 | 350.0 | 87.5 | n/a | n/a | 10.0 | 2.0 | 1 | 350.0–350.0 | 16.7% | n/a | n/a |"], "{md}");
     }
 
     #[test]
@@ -942,7 +1210,7 @@ pub(crate) mod tests {
             assert_eq!(table[..2], ["| Ranks | Global batch | allreduce | ps (sync) | ring |", "|---:|---:|---:|---:|---:|"], "{md}");
         }
         for s in ["allreduce", "ps (sync)", "ring"] {
-            assert_eq!(table_under(&md, &format!("**Detail: {s}**"))[0], "| Ranks | Global batch | images/s | images/s per rank | speedup | efficiency | compute ms | exchange ms |", "{md}");
+            assert_eq!(table_under(&md, &format!("**Detail: {s}**"))[0], "| Ranks | Global batch | images/s | images/s per rank | speedup | efficiency | compute ms | exchange ms | runs | images/s min–max | exchange share | TFLOP/s per rank | MFU |", "{md}");
         }
     }
 
@@ -977,5 +1245,161 @@ pub(crate) mod tests {
         assert!(err.contains("unknown scaling \"sideways\""), "{err}");
         let err = group(&[RunRecord { timestamp: "yesterday".into(), ..record("ring", 1, 1.0) }]).unwrap_err().to_string();
         assert!(err.contains("timestamp \"yesterday\""), "{err}");
+    }
+    /// A study run with --repeats: the records of one study with distinct repeat indices.
+    fn repeat(strategy: &str, ranks: usize, images_per_sec: f64, index: u32) -> RunRecord {
+        let mut r = record(strategy, ranks, images_per_sec);
+        r.study = Some("s".into());
+        r.hardware.repeat = Some(index);
+        r.timestamp = format!("2025-01-01T00:00:0{index}Z");
+        r
+    }
+
+    #[test]
+    fn repeats_show_their_median_with_the_range_and_rerun_repeats_supersede() {
+        let mut runs = vec![
+            repeat("ring", 1, 100.0, 0),
+            repeat("ring", 1, 90.0, 1),
+            repeat("ring", 1, 120.0, 2),
+            repeat("ring", 2, 150.0, 0),
+            repeat("ring", 2, 190.0, 1),
+            repeat("ring", 2, 170.0, 2),
+        ];
+        // Repeat 1 at 2 ranks run again later (a requeued job): the later run replaces it.
+        let mut again = repeat("ring", 2, 180.0, 1);
+        again.timestamp = "2025-01-02T00:00:00Z".into();
+        runs.push(again);
+        // Another study's run of the cell is older: superseded, not a repeat.
+        runs.push(RunRecord { study: Some("old".into()), timestamp: "2024-01-01T00:00:00Z".into(), ..record("ring", 2, 10.0) });
+        let tables = group(&runs).unwrap();
+        let t = &tables[0];
+        let cell = t.cell("ring", 2).unwrap();
+        assert_eq!((cell.runs.len(), cell.superseded), (3, 2));
+        let f = t.figures("ring", 2).unwrap();
+        assert_eq!((f.images_per_sec, f.spread.min, f.spread.max, f.spread.runs), (170.0, 150.0, 180.0, 3));
+        // Efficiency from the medians: 170 / (2 x 100).
+        assert_eq!(f.efficiency, Some(0.85));
+        let md = t.markdown();
+        assert_eq!(table_under(&md, "**Images/s**")[2..], ["| 1 | 64 | 100.0 (90.0–120.0) |", "| 2 | 128 | 170.0 (150.0–180.0) |"], "{md}");
+        assert!(md.contains("- Runs per point: 3; shown: the median run's images/s"), "{md}");
+        let csv = t.csv_rows();
+        assert_eq!((csv[1].runs, csv[1].images_per_sec_median, csv[1].images_per_sec_min, csv[1].images_per_sec_max), (3, 170.0, 150.0, 180.0));
+        // MLPerf's rule: the mean without the fastest and slowest, 3 runs here: the middle one.
+        let trimmed = group_with(&runs, Statistic::Trimmed).unwrap();
+        assert_eq!(trimmed[0].figures("ring", 2).unwrap().images_per_sec, 170.0);
+        assert_eq!(trimmed[0].csv_rows()[1].statistic, "trimmed");
+        // Records without repeat indices keep the most recent run only, as before.
+        let plain = vec![record("ring", 2, 1.0), RunRecord { timestamp: "2025-02-01T00:00:00Z".into(), ..record("ring", 2, 2.0) }];
+        let t = &group(&plain).unwrap()[0];
+        assert_eq!((t.cell("ring", 2).unwrap().runs.len(), t.figures("ring", 2).unwrap().images_per_sec), (1, 2.0));
+    }
+
+    #[test]
+    fn the_trimmed_mean_falls_back_to_the_median_below_three_runs() {
+        let runs = vec![repeat("ring", 1, 100.0, 0), repeat("ring", 1, 200.0, 1)];
+        let t = &group_with(&runs, Statistic::Trimmed).unwrap()[0];
+        let f = t.figures("ring", 1).unwrap();
+        assert_eq!((f.images_per_sec, f.spread.trimmed), (150.0, false));
+        let md = t.markdown();
+        assert!(md.contains("else the median (marked)"), "{md}");
+        assert!(table_under(&md, "**Detail: ring**")[2].contains("| 2 (median) |"), "{md}");
+    }
+
+    #[test]
+    fn ranks_beyond_the_cores_or_gpus_are_flagged() {
+        let mut r = record("ring", 4, 100.0);
+        r.hardware.cores_per_node = 2;
+        assert_eq!(oversubscription(&r).as_deref(), Some("4 ranks x 1 thread on 2 cores"));
+        r.ranks = 2;
+        assert_eq!(oversubscription(&r), None);
+        r.threads = 2;
+        assert_eq!(oversubscription(&r).as_deref(), Some("2 ranks x 2 threads on 2 cores"));
+        // Two nodes: two ranks on each.
+        r.threads = 1;
+        r.ranks = 4;
+        r.nodes = 2;
+        assert_eq!(oversubscription(&r), None);
+        let mut gpu = record("ring", 8, 100.0);
+        gpu.device = "cuda:0".into();
+        gpu.hardware.gpus_per_node = 4;
+        assert_eq!(oversubscription(&gpu).as_deref(), Some("8 ranks on 4 GPUs"));
+        // An older record does not know the node: nothing claimed.
+        assert_eq!(oversubscription(&record("ring", 64, 1.0)), None);
+        // In the tables: the cells are marked and a note says why.
+        let mut shared = record("ring", 4, 300.0);
+        shared.hardware.cores_per_node = 2;
+        let runs = [record("ring", 1, 100.0), shared];
+        let md = group(&runs).unwrap()[0].markdown();
+        assert_eq!(table_under(&md, "**Images/s**")[3], "| 4 | 256 | 300.0‡ |", "{md}");
+        assert!(md.contains("‡ oversubscribed") && md.contains("ring at 4 ranks: 4 ranks x 1 thread on 2 cores"), "{md}");
+    }
+
+    #[test]
+    fn flops_and_mfu_use_the_datasheet_on_gpus_and_the_measured_core_on_cpus() {
+        // 1 GFLOP forward per image, 1000 images/s on 2 ranks: 3 x 1e9 x 500 = 1.5 TFLOP/s per rank.
+        let mut gpu = record("ring", 2, 1000.0);
+        gpu.device = "cuda:0".into();
+        gpu.hardware.forward_flops_per_image = 1e9;
+        gpu.hardware.device_model = Some("NVIDIA A100-SXM4-80GB".into());
+        gpu.extra.insert("precision".into(), "bf16".into());
+        let runs = [gpu.clone()];
+        let f = group(&runs).unwrap()[0].figures("ring", 2).unwrap();
+        assert_eq!(f.flops_per_rank, Some(1.5e12));
+        assert!((f.mfu.unwrap() - 1.5 / 312.0).abs() < 1e-12);
+        // A model the table lacks: the FLOP/s stand, MFU is n/a.
+        gpu.hardware.device_model = Some("Some GPU".into());
+        assert!(peak_per_rank(&gpu).is_none());
+        // A CPU: 50 GFLOP/s per core; 4 ranks on 2 cores have half a core each.
+        let mut cpu = record("ring", 4, 100.0);
+        cpu.hardware.core_gflops = Some(50.0);
+        cpu.hardware.cores_per_node = 2;
+        let (peak, what) = peak_per_rank(&cpu).unwrap();
+        assert_eq!(peak, 25e9);
+        assert!(what.starts_with("measured"), "{what}");
+        // An older record: neither FLOPs nor a peak, and the report says n/a.
+        let old = [record("ring", 1, 100.0)];
+        let t = &group(&old).unwrap()[0];
+        assert_eq!((t.figures("ring", 1).unwrap().flops_per_rank, peak_per_rank(&old[0])), (None, None));
+        let md = t.markdown();
+        assert!(md.contains("- Model FLOPs: n/a forward per image") && md.contains("- Peak for MFU: n/a"), "{md}");
+        assert!(!md.contains("**Achieved TFLOP/s per rank"), "{md}");
+    }
+
+    #[test]
+    fn a_table_has_its_context_and_a_one_line_summary() {
+        let mut runs = vec![record("ring", 1, 100.0), record("ring", 2, 180.0), record("allreduce", 1, 100.0), record("allreduce", 2, 160.0)];
+        for r in &mut runs {
+            r.extra.insert("measured_steps".into(), 6.into());
+            r.extra.insert("warmup_steps".into(), 5.into());
+            r.hardware.cores_per_node = 2;
+        }
+        let t = &group(&runs).unwrap()[0];
+        let context = t.context();
+        assert_eq!(context[0], "Nodes x ranks per node: 1x1, 1x2");
+        assert_eq!(context[1], "Device: cpu, 2 cores per node");
+        assert_eq!(context[2], "Threads per rank: 1, 1");
+        assert_eq!(context[3], "MPI library and data path: Open MPI, n/a");
+        assert_eq!(context[4], "Precision: fp32");
+        assert_eq!(context[5], "Global batch: 64, 128 (at 1, 2 ranks)");
+        assert_eq!(context[6], "Measured steps per run: 6 after 5 warm-up");
+        assert_eq!(t.summary_line(), "Weak scaling: tiny on fashion-mnist (1x28x28), cpu, batch 64 per rank: ring keeps 90.0% scaling efficiency at 2 ranks (1 run, 16.7% of the step exchanging)");
+        let only_one = [record("ring", 1, 100.0)];
+        assert!(group(&only_one).unwrap()[0].summary_line().ends_with("no scaling efficiency (no 1-rank run, or 1 rank only)"));
+    }
+
+    #[test]
+    fn old_records_without_the_new_fields_load() {
+        // A line of a binary from before the hardware fields and repeats.
+        let line = r#"{"strategy":"ring","ranks":2,"model":"tiny","dataset":"d","batch_per_rank":64,"global_batch":128,"scaling":"weak","steps":10,"epochs":0.5,"images_per_sec":100.0,"step_ms":12.0,"compute_ms":10.0,"comm_ms":2.0,"final_loss":1.0,"test_accuracy":null,"device":"cpu","mpi_library":"Open MPI","cuda_aware":false,"host":"h","git_commit":"abc","timestamp":"2025-01-01T00:00:00Z"}"#;
+        let r: RunRecord = serde_json::from_str(line).unwrap();
+        assert_eq!(r.hardware, crate::results::HardwareRecord::default());
+        // And a new record goes out flat and comes back the same.
+        let mut new = record("ring", 2, 1.0);
+        new.hardware.cores_per_node = 2;
+        new.hardware.core_gflops = Some(40.0);
+        new.hardware.repeat = Some(1);
+        let json = serde_json::to_string(&new).unwrap();
+        assert!(json.contains(r#""cores_per_node":2"#) && json.contains(r#""repeat":1"#), "{json}");
+        assert_eq!(serde_json::from_str::<RunRecord>(&json).unwrap(), new);
     }
 }

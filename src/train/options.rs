@@ -255,6 +255,12 @@ pub struct TrainArgs {
     #[arg(long = "study", value_name = "ID", aliases = ["study-tag", "study-id"], help_heading = "Output")]
     pub study_tag: Option<String>,
 
+    /// Which run of its point this is, with --study (job scripts' REPEATS): the report
+    /// takes a point's runs of distinct repeat indices as repeats (median with range), and a
+    /// later run of the same index as a replacement.
+    #[arg(long, value_name = "N", requires = "study_tag", help_heading = "Output")]
+    pub repeat_index: Option<u32>,
+
     /// Profile --profile-steps steps from the first measured one (after --skip-steps) with
     /// libtorch's profiler, as torch.profiler does: host ops and, on a GPU, CUDA kernels and
     /// copies; one Chrome trace per rank in this folder (rank-R.json: Perfetto, TensorBoard,

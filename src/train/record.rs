@@ -253,6 +253,14 @@ impl Run<'_> {
             pipeline,
             extra,
             rerun: results::Rerun { config: Some(args.run_config.to_json()), argv: std::env::args().collect() },
+            hardware: crate::results::HardwareRecord {
+                cores_per_node: crate::model::flops::node_cores(),
+                gpus_per_node: tch::Cuda::device_count().max(0) as usize,
+                device_model: crate::model::flops::device_model(plan.device.is_cuda()),
+                forward_flops_per_image: crate::model::flops::forward_flops(args.model, self.spec),
+                core_gflops: context.core_gflops,
+                repeat: context.repeat,
+            },
         })
     }
 }

@@ -31,6 +31,11 @@ use super::tensor::TensorParallel;
 #[derive(Clone, Debug, Default)]
 pub struct RunContext {
     pub study: Option<String>,
+    /// One CPU core's measured f32 matmul GFLOP/s (model/flops.rs), for the record: measured
+    /// once per launch of a study or a study's point, not per run.
+    pub core_gflops: Option<f64>,
+    /// Which run of its point this is (`study --repeats`, `--repeat-index`).
+    pub repeat: Option<u32>,
 }
 
 /// Everything a run needs once it is set up.
