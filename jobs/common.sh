@@ -241,6 +241,12 @@ last_status() {
 
 json_string() { printf '%s' "$1" | sed 's/\\/\\\\/g; s/"/\\"/g'; }
 
+# run_records: the number of records in runs.jsonl and bench.jsonl (training runs append to the
+# first, benchmarks to the second).
+run_records() {
+    cat "$RESULTS/runs.jsonl" "$RESULTS/bench.jsonl" 2>/dev/null | wc -l
+}
+
 record_point() {
     local point=$1 strategy=$2 ranks=$3 code=$4 stopped=$5 start=$6 end=$7 log=$8
     printf '{"study":"%s","point":"%s","strategy":"%s","ranks":%d,"exit_code":%d,"stopped":%s,"start":"%s","end":"%s","log":"%s","job":"%s","restart":%d}\n' \
@@ -268,6 +274,8 @@ run_point() {
     echo "== $point: $strategy on $ranks rank(s), log $log"
     echo "   ${LAUNCH_CMD[*]}"
     start=$(date -u +%FT%TZ)
+    local records_before
+    records_before=$(run_records)
     "${LAUNCH_CMD[@]}" > >(tee -a "$log") 2>&1 &
     STEP_PID=$!
     # Wait for the step; a trap cuts a wait short, so wait again for its real status (a wait for
@@ -281,6 +289,14 @@ run_point() {
     done
     STEP_PID=""
     end=$(date -u +%FT%TZ)
+    # srun can exit 0 for a step that never started ("task 0 launch failed", seen with a PMIx
+    # plugin that could not make its directory): a run that ends well appends its record (a
+    # benchmark its rows) or says its checkpoint already covers the steps, so a 0 without
+    # either is a failed launch.
+    if [ "$rc" = 0 ] && [ "$(run_records)" = "$records_before" ] && ! grep -q "already covers the" "$log" 2>/dev/null; then
+        echo "== $point: the launcher exited 0 but the run wrote no record: its step did not start ($(tail -n 1 "$log" 2>/dev/null))"
+        rc=1
+    fi
     # 143 is a stop only after a signal to the job: srun also exits 143 when it terminated the
     # other ranks of a step one of which failed (--kill-on-bad-exit).
     local stopped=false

@@ -26,12 +26,13 @@ for tool in munged slurmctld slurmd sbatch; do
 done
 
 dir=$(mkdir -p "$dir" && cd "$dir" && pwd)
-mkdir -p "$dir/state" "$dir/spool" "$dir/log"
+mkdir -p "$dir/state" "$dir/spool" "$dir/log" "$dir/tmp"
 start_munged "$dir"
 
 host=$(hostname)
 write_slurm_conf "$dir" hpctraintest "$host" 127.0.0.1 <<CONF
 SlurmdSpoolDir=$dir/spool
+TmpFS=$dir/tmp
 SlurmdPidFile=$dir/slurmd.pid
 SlurmdLogFile=$dir/log/slurmd.log
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$(nproc) State=UNKNOWN

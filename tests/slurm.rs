@@ -32,6 +32,13 @@ impl LocalSlurm {
     /// A job file submitted with the given environment and options, waited for
     /// ([`sbatch_and_wait`]); returns the log.
     fn submit(&self, job: &str, env: &[(&str, &str)], options: &[&str], log: &Path) -> String {
+        let (run, text) = self.submit_any(job, env, options, log);
+        assert!(run.ok(), "{job} failed ({:?}):\n{}{}\n--- job log ---\n{text}", run.status, run.stdout, run.stderr);
+        text
+    }
+
+    /// [`LocalSlurm::submit`] for a job that may fail: how sbatch ended, and the job's log.
+    fn submit_any(&self, job: &str, env: &[(&str, &str)], options: &[&str], log: &Path) -> (Run, String) {
         let run = sbatch_and_wait(
             |cmd| {
                 cmd.args(options)
@@ -47,9 +54,7 @@ impl LocalSlurm {
             },
             Duration::from_secs(600),
         );
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        assert!(run.ok(), "{job} failed ({:?}):\n{}{}\n--- job log ---\n{text}", run.status, run.stdout, run.stderr);
-        text
+        (run, std::fs::read_to_string(log).unwrap_or_default())
     }
 }
 
@@ -161,6 +166,15 @@ fn job_files_run_under_slurm_and_write_their_results() {
         let report = results.join(format!("report-{study}/report.md"));
         assert!(report.exists(), "{} missing", report.display());
     }
+
+    // A launch that exits 0 without training (srun did, for a step whose PMIx directory it could
+    // not make): --print-config ends the run at once, status 0, no record. The job counts the
+    // point as failed, not as run, and exits non-zero.
+    let mut env = common.to_vec();
+    env.extend([("STRATEGIES", "ring"), ("RANK_COUNTS", "1"), ("LAUNCH_EXTRA", "--overcommit"), ("STUDY_ID", "slurm-unlaunched"), ("EXTRA_ARGS", "--no-eval --threads 1 --print-config")]);
+    let (run, log) = slurm.submit_any("jobs/weak_scaling.sbatch", &env, &NODE, &dir.join("unlaunched.out"));
+    assert!(!run.ok() || !log.contains("every point ran"), "{log}");
+    assert!(log.contains("== ring-1: the launcher exited 0 but the run wrote no record") && log.contains("point(s) failed: ring-1"), "{log}");
 }
 
 /// `--signal=B:USR1@300` and `--requeue`, as the job files have them: USR1 sent to the batch
