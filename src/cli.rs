@@ -58,7 +58,7 @@ pub enum Command {
     Project(ProjectArgs),
     /// What combines: every option that changes a step against every layout kind (strategies,
     /// ZeRO stages, pipeline schedules, tensor parallelism), supported or refused with the
-    /// reason, as Markdown (README's compatibility table is this output).
+    /// reason, as Markdown (docs/combinations.md's table is this output).
     Compat(CompatArgs),
     /// Many short training runs in one launch (tests/conformance.rs's walk of the table).
     #[command(hide = true)]
@@ -259,5 +259,328 @@ mod tests {
         assert_eq!(level(&["--model", "vit-tiny", "--tensor-parallel", "2", "--device", "cpu", "--strategy", "horovod"]), mpi::Threading::Multiple);
         let on_a_gpu = if tch::Cuda::is_available() { mpi::Threading::Multiple } else { mpi::Threading::Funneled };
         assert_eq!(level(&["--model", "vit-tiny", "--tensor-parallel", "2"]), on_a_gpu);
+    }
+}
+
+/// Presets through the whole command line.
+#[cfg(test)]
+mod preset_tests {
+    use clap::ValueEnum;
+
+    use crate::exchange::options::Given;
+    use crate::model::ModelKind;
+    use crate::train::options::*;
+
+    /// Parses a training command line as `hpc-train` does: the options given noted, the run
+    /// file and the preset applied.
+    fn resolved(extra: &[&str]) -> std::result::Result<TrainArgs, String> {
+        let cli = super::Cli::parse_from_noting_given([&["hpc-train"], extra].concat()).map_err(|e| e.to_string())?;
+        assert!(cli.command.is_none());
+        Ok(cli.train)
+    }
+
+    #[test]
+    fn a_preset_sets_what_the_command_line_leaves_and_given_options_win() {
+        let a = resolved(&["--preset", "resnet50-throughput"]).unwrap();
+        assert_eq!((a.model, a.data.to_str().unwrap(), a.batch_size, a.warmup_steps, a.measured_steps, a.no_eval), (ModelKind::Resnet50, "synthetic:3x224x224:1000", 64, 10, Some(100), true));
+        assert_eq!(a.total_steps(1), 110, "10 warm-up and 100 measured steps, whatever the epoch's length");
+        let a = resolved(&["--preset", "resnet50-throughput", "--batch-size", "8", "--data", "x.h5", "--skip-steps", "3", "--model", "resnet18"]).unwrap();
+        assert_eq!((a.model, a.data.to_str().unwrap(), a.batch_size, a.warmup_steps, a.measured_steps), (ModelKind::Resnet18, "x.h5", 8, 3, Some(100)));
+        // A length given replaces the preset's, whichever it is.
+        let a = resolved(&["--preset", "resnet50-throughput", "--steps", "7"]).unwrap();
+        assert_eq!((a.measured_steps, a.total_steps(1000)), (None, 7));
+        let a = resolved(&["--preset", "cpu-trial", "--epochs", "2"]).unwrap();
+        assert_eq!((a.model, a.measured_steps, a.total_steps(30)), (ModelKind::Tiny, None, 60));
+        let a = resolved(&["--preset", "cpu-trial", "--measured-steps", "3"]).unwrap();
+        assert_eq!((a.warmup_steps, a.measured_steps, a.total_steps(30)), (5, Some(3), 8));
+        // No preset: the program's own defaults, as before.
+        let a = resolved(&[]).unwrap();
+        assert_eq!((a.model, a.data.to_str().unwrap(), a.batch_size, a.epochs, a.measured_steps, a.no_eval), (ModelKind::Resnet50, "datasets/fashion-mnist.h5", 64, 5, None, false));
+        assert_eq!(a.total_steps(938), 5 * 938);
+    }
+
+    #[test]
+    fn measured_steps_with_another_length_is_refused_by_name() {
+        for other in [["--steps", "5"], ["--epochs", "1"]] {
+            let err = resolved(&["--measured-steps", "3", other[0], other[1]]).unwrap_err();
+            assert!(err.contains("--measured-steps") && err.contains(other[0]) && err.contains("cannot be used with"), "{err}");
+            // The same under a preset, whose own length is no conflict.
+            let err = resolved(&["--preset", "cpu-trial", other[0], other[1], "--measured-steps", "3"]).unwrap_err();
+            assert!(err.contains("--measured-steps") && err.contains(other[0]), "{err}");
+        }
+        assert!(resolved(&["--measured-steps", "0"]).unwrap_err().contains("--measured-steps"));
+    }
+
+    /// Every preset's table names flags of the command line with values that parse there (so
+    /// that a preset could be written as a run file of the same keys), and sets each one.
+    #[test]
+    fn every_preset_names_options_of_the_command_line() {
+        let command = crate::config::train_command();
+        for preset in Preset::value_variants() {
+            let mut argv = vec!["hpc-train".to_string()];
+            for &(flag, value) in preset.options() {
+                let arg = command.get_arguments().find(|a| a.get_long() == Some(flag)).unwrap_or_else(|| panic!("{} names --{flag}, no option", preset.name()));
+                match arg.get_action().takes_values() {
+                    true => argv.extend([format!("--{flag}"), value.to_string()]),
+                    false => {
+                        assert_eq!(value, "true", "a switch is set by naming it");
+                        argv.push(format!("--{flag}"));
+                    }
+                }
+            }
+            let from_flags = resolved(&argv[1..].iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+            let from_preset = resolved(&["--preset", preset.name()]).unwrap();
+            let plain = |a: TrainArgs| format!("{:?}", TrainArgs { given: Given::default(), preset: None, run_config: Default::default(), ..a });
+            assert_eq!(plain(from_flags), plain(from_preset), "{}", preset.name());
+        }
+    }
+
+    /// The step counts of the old defaults against the preset's at 1..64 ranks, as
+    /// results/cluster-path/preset-steps.md tabulates them (printed with `--nocapture`).
+    #[test]
+    fn preset_step_table() {
+        const FASHION_MNIST_TRAIN: usize = 60_000;
+        let job_files = resolved(&["--batch-size", "256", "--epochs", "1"]).unwrap();
+        let program = resolved(&[]).unwrap();
+        let preset = resolved(&["--preset", "resnet50-throughput"]).unwrap();
+        let synthetic = crate::data::source::IMAGENET_TRAIN_SAMPLES;
+        println!("| ranks | job files' old default: steps / warm-up / measured | program's default (--epochs 5, batch 64) | --preset resnet50-throughput |");
+        println!("|---:|---|---|---|");
+        for ranks in [1usize, 2, 4, 8, 16, 32, 64] {
+            let row = |c: StepCounts| format!("{} / {} / {}", c.total, c.warmup, c.measured);
+            let (old, default, new) = (job_files.step_counts(FASHION_MNIST_TRAIN, ranks, 256), program.step_counts(FASHION_MNIST_TRAIN, ranks, 64), preset.step_counts(synthetic, ranks, 64));
+            println!("| {ranks} | {} | {} | {} |", row(old), row(default), row(new));
+            assert_eq!(new, StepCounts { total: 110, warmup: 10, measured: 100 }, "the preset measures the same at every rank count");
+            if ranks == 16 {
+                assert_eq!(old, StepCounts { total: 15, warmup: 5, measured: 10 });
+            }
+            if ranks == 64 {
+                assert_eq!(old, StepCounts { total: 4, warmup: 3, measured: 1 }, "one measured step at 64 ranks");
+            }
+        }
+    }
+}
+
+/// Run files through the whole command line (here, above crate::config, so that its tests
+/// import no file above it).
+#[cfg(test)]
+mod run_file_tests {
+    use std::ffi::OsString;
+    use std::path::{Path, PathBuf};
+
+    use super::Cli;
+    use crate::config::*;
+    use crate::train::options::TrainArgs;
+
+    /// A file in a folder of this test process's own, removed with it.
+    struct Scratch(PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Scratch {
+            let dir = std::env::temp_dir().join(format!("hpc-train-config-{}-{name}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+
+        fn file(&self, name: &str, text: &str) -> String {
+            let path = self.0.join(name);
+            std::fs::write(&path, text).unwrap();
+            path.to_str().unwrap().to_string()
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn parse(args: &[&str]) -> Result<TrainArgs, String> {
+        let cli = Cli::parse_from_noting_given([&["hpc-train"], args].concat()).map_err(|e| e.to_string())?;
+        Ok(cli.train)
+    }
+
+    /// The options themselves, without what notes where they came from.
+    fn options(a: &TrainArgs) -> String {
+        format!("{:?}", TrainArgs { given: Default::default(), run_config: Default::default(), config: None, print_config: false, ..a.clone() })
+    }
+
+    const FLAGS: &[&str] = &["--model", "tiny", "--data", "synthetic:3x16x16:10:256", "--batch-size", "4", "--steps", "3", "--no-eval", "--lr", "0.1", "--seed", "7", "--bucket-mb", "0.5", "--lr-steps", "1,2"];
+
+    const FILE: &str = r#"
+[data]
+data = "synthetic:3x16x16:10:256"
+batch_size = 4
+steps = 3
+no_eval = true
+
+[model]
+model = "tiny"
+lr = 0.1
+lr_steps = [1, 2]
+
+[run]
+seed = 7
+
+[exchange]
+bucket_mb = 0.5
+"#;
+
+    #[test]
+    fn a_file_and_the_same_flags_give_the_same_options() {
+        let dir = Scratch::new("same");
+        let path = dir.file("run.toml", FILE);
+        let from_flags = parse(FLAGS).unwrap();
+        let from_file = parse(&["--config", &path]).unwrap();
+        assert_eq!(options(&from_flags), options(&from_file));
+        // The file's options count as given (the layout checks apply to them), as flags do.
+        for id in ["model", "batch_size", "steps", "no_eval", "lr", "seed", "bucket_mb", "lr_steps"] {
+            assert!(from_file.given.has(id), "{id}");
+        }
+        assert_eq!(from_flags.run_config.table, from_file.run_config.table);
+    }
+
+    #[test]
+    fn the_command_line_wins_over_the_file_and_the_file_over_the_preset() {
+        let dir = Scratch::new("precedence");
+        let path = dir.file("run.toml", "preset = \"cpu-trial\"\n[data]\nbatch_size = 8\nno_eval = false\n");
+        let a = parse(&["--config", &path]).unwrap();
+        // The file's batch and evaluation, the preset's model and length.
+        assert_eq!((a.batch_size, a.no_eval, a.model, a.measured_steps), (8, false, crate::model::ModelKind::Tiny, Some(20)));
+        assert!(!a.given.has("model"), "a preset's option is a default, not given");
+        let a = parse(&["--config", &path, "--batch-size", "2", "--steps", "3"]).unwrap();
+        // A length on the command line replaces the preset's --measured-steps.
+        assert_eq!((a.batch_size, a.steps, a.measured_steps), (2, Some(3), None));
+        // A file's length gives way to the command line's where the two cannot go together.
+        let path = dir.file("length.toml", "measured_steps = 4\n");
+        let a = parse(&["--config", &path, "--steps", "3"]).unwrap();
+        assert_eq!((a.steps, a.measured_steps), (Some(3), None));
+    }
+
+    #[test]
+    fn print_config_reads_back_as_the_same_run() {
+        let dir = Scratch::new("print");
+        for args in [FLAGS, &["--preset", "cpu-trial", "--strategy", "horovod", "--timeline", "t.json", "--lr-schedule", "cosine"][..], &["--zero", "3", "--fsdp-unit", "stage", "--pipeline-stages", "1"][..]] {
+            let first = parse(args).unwrap();
+            let text = first.run_config.to_toml();
+            let path = dir.file("printed.toml", &text);
+            let again = parse(&["--config", &path]).unwrap();
+            assert_eq!(options(&first), options(&again), "{args:?}");
+            assert_eq!(again.run_config.to_toml(), text, "{args:?}: printed again, the same file");
+            // Defaults in the file are not "given" (no check refuses them); the rest is.
+            assert!(!again.given.has("checkpoint_every") && !again.given.has("epochs"), "{args:?}");
+        }
+        // Sections named after the help headings.
+        let text = parse(FLAGS).unwrap().run_config.to_toml();
+        for section in ["[data]", "[model]", "[exchange]", "[run]", "[checkpoint]", "[output]", "[pipeline]", "[ps]", "[sharding]"] {
+            assert!(text.contains(section), "{section} in\n{text}");
+        }
+    }
+
+    /// The record's `config` (JSON in runs.jsonl) is what --config reads; older records
+    /// without `config` and `argv` still load.
+    #[test]
+    fn a_record_holds_a_run_file_and_old_records_load() {
+        let dir = Scratch::new("record");
+        let first = parse(FLAGS).unwrap();
+        let rerun = crate::results::Rerun { config: Some(first.run_config.to_json()), argv: vec!["hpc-train".into(), "--steps".into(), "3".into()] };
+        let line = serde_json::to_string(&rerun).unwrap();
+        let back: crate::results::Rerun = serde_json::from_str(&line).unwrap();
+        let text = toml::to_string(&back.config.unwrap()).unwrap();
+        let path = dir.file("record.toml", &text);
+        assert_eq!(options(&parse(&["--config", &path]).unwrap()), options(&first));
+        assert_eq!(back.argv, rerun.argv);
+        let old: crate::results::Rerun = serde_json::from_str(r#"{"strategy": "ring"}"#).unwrap();
+        assert_eq!(old, crate::results::Rerun::default());
+    }
+
+    #[test]
+    fn a_bad_file_is_refused_in_one_line_naming_the_key_and_the_file() {
+        let dir = Scratch::new("bad");
+        let cases: &[(&str, &str)] = &[
+            ("[data]\nbatch_sise = 4\n", "unknown key `batch_sise` in [data]"),
+            ("[data]\nbatch_size = \"four\"\n", "key `batch_size` = \"four\": invalid value 'four' for '--batch-size"),
+            ("[data]\nbatch_size = 0\n", "key `batch_size` = 0"),
+            ("no_eval = 1\n", "key `no_eval` = 1: expected true or false"),
+            ("model = \"resnet-49\"\n", "key `model` = \"resnet-49\": invalid value"),
+            ("seed = [1, 2]\n", "key `seed` = [1, 2]: expected one value, not a list"),
+            ("steps = 3\nmeasured_steps = 4\n", "keys `measured_steps` and `steps` cannot be used together"),
+            ("config = \"other.toml\"\n", "key `config`: a run file cannot name another run file"),
+            ("[data.more]\nsteps = 3\n", "[data.more]: sections are one level deep"),
+            ("steps = 3\n[data]\nsteps = 4\n", "key `steps` sets --steps a second time"),
+            ("steps = \n", "not TOML"),
+        ];
+        for (text, expected) in cases {
+            let path = dir.file("bad.toml", text);
+            let err = parse(&["--config", &path]).unwrap_err();
+            assert!(err.contains(&format!("--config {path}: ")) && err.contains(expected), "{text:?}: {err}");
+            assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+        }
+        assert!(parse(&["--config", "/nonexistent/run.toml"]).unwrap_err().contains("--config /nonexistent/run.toml: "));
+    }
+
+    /// A layout's refusal of an option (the checks run after parsing, from plan/compat.rs and
+    /// the strategies' tables) names the key and the file when the file set it.
+    #[test]
+    fn a_refusal_of_a_files_option_names_the_key_and_the_file() {
+        let dir = Scratch::new("refusal");
+        let path = dir.file("run.toml", "[horovod]\ntimeline = \"t.json\"\n");
+        let a = parse(&["--config", &path]).unwrap();
+        let err = a.check_unused_options(&[a.strategy]).unwrap_err().to_string();
+        let said = a.run_config.attribute(&err);
+        assert!(said.starts_with("--timeline is an option of --strategy horovod") && said.ends_with(&format!("(key `timeline` of {path})")), "{said}");
+        // Given on the command line, the message is the flag's, as before.
+        let a = parse(&["--config", &path, "--timeline", "u.json"]).unwrap();
+        let err = a.check_unused_options(&[a.strategy]).unwrap_err().to_string();
+        assert_eq!(a.run_config.attribute(&err), err);
+    }
+
+    /// jobs/configs/ holds the presets as run files (and ViT-B/16 with tensor parallelism): each
+    /// reads, passes the option checks, and is the run its flags make.
+    #[test]
+    fn the_golden_run_files_are_the_runs_they_name() {
+        let golden: &[(&str, &[&str])] = &[
+            ("resnet50-throughput", &["--preset", "resnet50-throughput"]),
+            ("cpu-study", &["--preset", "cpu-trial", "--device", "cpu"]),
+            ("vit-b16-tp", &["--model", "vit-b16", "--data", "synthetic:3x224x224:1000", "--tensor-parallel", "4", "--batch-size", "32", "--skip-steps", "10", "--measured-steps", "50", "--no-eval", "--precision", "bf16"]),
+        ];
+        for (name, flags) in golden {
+            let path = format!("{}/jobs/configs/{name}.toml", env!("CARGO_MANIFEST_DIR"));
+            let from_file = parse(&["--config", &path]).unwrap_or_else(|e| panic!("{name}: {e}"));
+            from_file.check_unused_options(&[from_file.strategy]).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(options(&from_file), options(&parse(flags).unwrap()), "{name}");
+        }
+    }
+
+    /// `study --config` gives the file's options to every point, the study's command line winning.
+    #[test]
+    fn study_takes_the_run_file() {
+        let dir = Scratch::new("study");
+        let path = dir.file("run.toml", FILE);
+        let cli = Cli::parse_from_noting_given(["hpc-train", "study", "--config", &path, "--ranks", "1,2", "--batch-size", "2", "--study", "s1"]).unwrap();
+        let Some(crate::cli::Command::Study(study)) = cli.command else { panic!("a study") };
+        let a = study.train;
+        assert_eq!((study.ranks.as_str(), a.study_tag.as_deref(), a.batch_size), ("1,2", Some("s1"), 2));
+        assert_eq!(options(&TrainArgs { batch_size: 4, study_tag: None, ..a }), options(&parse(FLAGS).unwrap()));
+        // A study's own option is not a run file's.
+        let path = dir.file("study.toml", "ranks = \"1,2\"\n");
+        let err = Cli::parse_from_noting_given(["hpc-train", "study", "--config", &path]).unwrap_err().to_string();
+        assert!(err.contains("unknown key `ranks`"), "{err}");
+    }
+
+    #[test]
+    fn old_names_work_and_the_deprecated_one_warns() {
+        let a = parse(&["--warmup-steps", "3", "--study-tag", "t", "--bucket-mb", "2", "--segment-kb", "8", "--strategy", "horovod", "--fusion-threshold-mb", "4", "--timeline-filename", "t.json", "--hierarchical-allreduce"]).unwrap();
+        assert_eq!((a.warmup_steps, a.study_tag.as_deref(), a.bucket_mb, a.segment_kb), (3, Some("t"), 2.0, 8));
+        assert_eq!((a.horovod.fusion_threshold_mb, a.horovod.timeline.as_deref(), a.horovod.hierarchical), (Some(4.0), Some(Path::new("t.json")), Some(true)));
+        let argv: Vec<OsString> = ["hpc-train", "--warmup-steps=3", "--skip-steps", "2", "--bucket-mb", "1"].iter().map(OsString::from).collect();
+        let warnings = deprecated_names(&argv);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].starts_with("--warmup-steps is deprecated: use --skip-steps"), "{warnings:?}");
+        let dir = Scratch::new("deprecated");
+        let path = dir.file("old.toml", "warmup_steps = 3\n");
+        let a = parse(&["--config", &path]).unwrap();
+        assert_eq!(a.warmup_steps, 3);
+        assert!(a.run_config.warnings[0].contains("key `warmup_steps` is deprecated: use `skip_steps`"), "{:?}", a.run_config.warnings);
     }
 }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use clap::{Arg, ArgAction, ArgMatches, Args, Command};
 
-use crate::train::options::TrainArgs;
+use crate::train::options::{run_file_key, RunConfig, TrainArgs};
 
 /// The section of a run file that holds the options of each help heading (torchtitan-style
 /// `[data]`, `[model]`, ...). An option without a heading goes to `[run]`.
@@ -56,30 +56,9 @@ pub fn deprecated_names(argv: &[OsString]) -> Vec<String> {
     warnings
 }
 
-/// Where the run's options came from, beside the parsed [`TrainArgs`]: the resolved table (what
-/// `--print-config` prints and a record holds) and the options that a run file set.
-#[derive(Clone, Debug, Default)]
-pub struct RunConfig {
-    /// The resolved options by section, as a run file holds them.
-    pub table: toml::Table,
-    /// The run file read, if any, and the long names of the options it set (an error about one
-    /// of them names the file).
-    pub file: Option<(PathBuf, BTreeSet<String>)>,
-    /// Deprecated names the file used (one warning each).
-    pub warnings: Vec<String>,
-}
-
+/// A study's point changes a few of the study's options (crate::train::options::RunConfig
+/// holds the table; setting a key needs the options' sections, which this file knows).
 impl RunConfig {
-    /// The table as TOML text that `--config` reads back.
-    pub fn to_toml(&self) -> String {
-        toml::to_string(&self.table).expect("a table of strings, numbers, booleans and arrays serializes")
-    }
-
-    /// The table as JSON, for runs.jsonl.
-    pub fn to_json(&self) -> serde_json::Value {
-        serde_json::to_value(&self.table).expect("a TOML table of plain values is JSON")
-    }
-
     /// Sets option `long` (its long name) to `value` in its section, or removes it (None): a
     /// study's point changes a few options of the study's.
     pub fn set(&mut self, long: &str, value: Option<toml::Value>) {
@@ -99,18 +78,6 @@ impl RunConfig {
         }
     }
 
-    /// `message` (an error about the run's options) with the run file named where it is about
-    /// an option that the file set and the command line did not: "the key that a layout cannot
-    /// use is refused, naming the key and the file".
-    pub fn attribute(&self, message: &str) -> String {
-        let Some((path, longs)) = &self.file else { return message.to_string() };
-        // The flag the message is about: the first one it names.
-        let named = message.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-')).find(|w| w.starts_with("--") && w.len() > 2);
-        match named.map(|flag| &flag[2..]) {
-            Some(long) if longs.contains(long) => format!("{message} (key `{}` of {})", key_of(long), path.display()),
-            _ => message.to_string(),
-        }
-    }
 }
 
 /// The training options alone, as clap defines them (the command line's and every file's).
@@ -120,7 +87,7 @@ pub fn train_command() -> Command {
 
 /// An option's key in a run file: its long name with `_` for `-`.
 fn key_of(long: &str) -> String {
-    long.replace('-', "_")
+    run_file_key(long)
 }
 
 fn section_of(arg: &Arg) -> String {
@@ -383,223 +350,5 @@ fn typed(text: &str) -> toml::Value {
         "true" => toml::Value::Boolean(true),
         "false" => toml::Value::Boolean(false),
         _ => toml::Value::String(text.to_string()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cli::Cli;
-
-    /// A file in a folder of this test process's own, removed with it.
-    struct Scratch(PathBuf);
-
-    impl Scratch {
-        fn new(name: &str) -> Scratch {
-            let dir = std::env::temp_dir().join(format!("hpc-train-config-{}-{name}", std::process::id()));
-            std::fs::create_dir_all(&dir).unwrap();
-            Scratch(dir)
-        }
-
-        fn file(&self, name: &str, text: &str) -> String {
-            let path = self.0.join(name);
-            std::fs::write(&path, text).unwrap();
-            path.to_str().unwrap().to_string()
-        }
-    }
-
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-
-    fn parse(args: &[&str]) -> Result<TrainArgs, String> {
-        let cli = Cli::parse_from_noting_given([&["hpc-train"], args].concat()).map_err(|e| e.to_string())?;
-        Ok(cli.train)
-    }
-
-    /// The options themselves, without what notes where they came from.
-    fn options(a: &TrainArgs) -> String {
-        format!("{:?}", TrainArgs { given: Default::default(), run_config: Default::default(), config: None, print_config: false, ..a.clone() })
-    }
-
-    const FLAGS: &[&str] = &["--model", "tiny", "--data", "synthetic:3x16x16:10:256", "--batch-size", "4", "--steps", "3", "--no-eval", "--lr", "0.1", "--seed", "7", "--bucket-mb", "0.5", "--lr-steps", "1,2"];
-
-    const FILE: &str = r#"
-[data]
-data = "synthetic:3x16x16:10:256"
-batch_size = 4
-steps = 3
-no_eval = true
-
-[model]
-model = "tiny"
-lr = 0.1
-lr_steps = [1, 2]
-
-[run]
-seed = 7
-
-[exchange]
-bucket_mb = 0.5
-"#;
-
-    #[test]
-    fn a_file_and_the_same_flags_give_the_same_options() {
-        let dir = Scratch::new("same");
-        let path = dir.file("run.toml", FILE);
-        let from_flags = parse(FLAGS).unwrap();
-        let from_file = parse(&["--config", &path]).unwrap();
-        assert_eq!(options(&from_flags), options(&from_file));
-        // The file's options count as given (the layout checks apply to them), as flags do.
-        for id in ["model", "batch_size", "steps", "no_eval", "lr", "seed", "bucket_mb", "lr_steps"] {
-            assert!(from_file.given.has(id), "{id}");
-        }
-        assert_eq!(from_flags.run_config.table, from_file.run_config.table);
-    }
-
-    #[test]
-    fn the_command_line_wins_over_the_file_and_the_file_over_the_preset() {
-        let dir = Scratch::new("precedence");
-        let path = dir.file("run.toml", "preset = \"cpu-trial\"\n[data]\nbatch_size = 8\nno_eval = false\n");
-        let a = parse(&["--config", &path]).unwrap();
-        // The file's batch and evaluation, the preset's model and length.
-        assert_eq!((a.batch_size, a.no_eval, a.model, a.measured_steps), (8, false, crate::model::ModelKind::Tiny, Some(20)));
-        assert!(!a.given.has("model"), "a preset's option is a default, not given");
-        let a = parse(&["--config", &path, "--batch-size", "2", "--steps", "3"]).unwrap();
-        // A length on the command line replaces the preset's --measured-steps.
-        assert_eq!((a.batch_size, a.steps, a.measured_steps), (2, Some(3), None));
-        // A file's length gives way to the command line's where the two cannot go together.
-        let path = dir.file("length.toml", "measured_steps = 4\n");
-        let a = parse(&["--config", &path, "--steps", "3"]).unwrap();
-        assert_eq!((a.steps, a.measured_steps), (Some(3), None));
-    }
-
-    #[test]
-    fn print_config_reads_back_as_the_same_run() {
-        let dir = Scratch::new("print");
-        for args in [FLAGS, &["--preset", "cpu-trial", "--strategy", "horovod", "--timeline", "t.json", "--lr-schedule", "cosine"][..], &["--zero", "3", "--fsdp-unit", "stage", "--pipeline-stages", "1"][..]] {
-            let first = parse(args).unwrap();
-            let text = first.run_config.to_toml();
-            let path = dir.file("printed.toml", &text);
-            let again = parse(&["--config", &path]).unwrap();
-            assert_eq!(options(&first), options(&again), "{args:?}");
-            assert_eq!(again.run_config.to_toml(), text, "{args:?}: printed again, the same file");
-            // Defaults in the file are not "given" (no check refuses them); the rest is.
-            assert!(!again.given.has("checkpoint_every") && !again.given.has("epochs"), "{args:?}");
-        }
-        // Sections named after the help headings.
-        let text = parse(FLAGS).unwrap().run_config.to_toml();
-        for section in ["[data]", "[model]", "[exchange]", "[run]", "[checkpoint]", "[output]", "[pipeline]", "[ps]", "[sharding]"] {
-            assert!(text.contains(section), "{section} in\n{text}");
-        }
-    }
-
-    /// The record's `config` (JSON in runs.jsonl) is what --config reads; older records
-    /// without `config` and `argv` still load.
-    #[test]
-    fn a_record_holds_a_run_file_and_old_records_load() {
-        let dir = Scratch::new("record");
-        let first = parse(FLAGS).unwrap();
-        let rerun = crate::results::Rerun { config: Some(first.run_config.to_json()), argv: vec!["hpc-train".into(), "--steps".into(), "3".into()] };
-        let line = serde_json::to_string(&rerun).unwrap();
-        let back: crate::results::Rerun = serde_json::from_str(&line).unwrap();
-        let text = toml::to_string(&back.config.unwrap()).unwrap();
-        let path = dir.file("record.toml", &text);
-        assert_eq!(options(&parse(&["--config", &path]).unwrap()), options(&first));
-        assert_eq!(back.argv, rerun.argv);
-        let old: crate::results::Rerun = serde_json::from_str(r#"{"strategy": "ring"}"#).unwrap();
-        assert_eq!(old, crate::results::Rerun::default());
-    }
-
-    #[test]
-    fn a_bad_file_is_refused_in_one_line_naming_the_key_and_the_file() {
-        let dir = Scratch::new("bad");
-        let cases: &[(&str, &str)] = &[
-            ("[data]\nbatch_sise = 4\n", "unknown key `batch_sise` in [data]"),
-            ("[data]\nbatch_size = \"four\"\n", "key `batch_size` = \"four\": invalid value 'four' for '--batch-size"),
-            ("[data]\nbatch_size = 0\n", "key `batch_size` = 0"),
-            ("no_eval = 1\n", "key `no_eval` = 1: expected true or false"),
-            ("model = \"resnet-49\"\n", "key `model` = \"resnet-49\": invalid value"),
-            ("seed = [1, 2]\n", "key `seed` = [1, 2]: expected one value, not a list"),
-            ("steps = 3\nmeasured_steps = 4\n", "keys `measured_steps` and `steps` cannot be used together"),
-            ("config = \"other.toml\"\n", "key `config`: a run file cannot name another run file"),
-            ("[data.more]\nsteps = 3\n", "[data.more]: sections are one level deep"),
-            ("steps = 3\n[data]\nsteps = 4\n", "key `steps` sets --steps a second time"),
-            ("steps = \n", "not TOML"),
-        ];
-        for (text, expected) in cases {
-            let path = dir.file("bad.toml", text);
-            let err = parse(&["--config", &path]).unwrap_err();
-            assert!(err.contains(&format!("--config {path}: ")) && err.contains(expected), "{text:?}: {err}");
-            assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
-        }
-        assert!(parse(&["--config", "/nonexistent/run.toml"]).unwrap_err().contains("--config /nonexistent/run.toml: "));
-    }
-
-    /// A layout's refusal of an option (the checks run after parsing, from plan/compat.rs and
-    /// the strategies' tables) names the key and the file when the file set it.
-    #[test]
-    fn a_refusal_of_a_files_option_names_the_key_and_the_file() {
-        let dir = Scratch::new("refusal");
-        let path = dir.file("run.toml", "[horovod]\ntimeline = \"t.json\"\n");
-        let a = parse(&["--config", &path]).unwrap();
-        let err = a.check_unused_options(&[a.strategy]).unwrap_err().to_string();
-        let said = a.run_config.attribute(&err);
-        assert!(said.starts_with("--timeline is an option of --strategy horovod") && said.ends_with(&format!("(key `timeline` of {path})")), "{said}");
-        // Given on the command line, the message is the flag's, as before.
-        let a = parse(&["--config", &path, "--timeline", "u.json"]).unwrap();
-        let err = a.check_unused_options(&[a.strategy]).unwrap_err().to_string();
-        assert_eq!(a.run_config.attribute(&err), err);
-    }
-
-    /// jobs/configs/ holds the presets as run files (and ViT-B/16 with tensor parallelism): each
-    /// reads, passes the option checks, and is the run its flags make.
-    #[test]
-    fn the_golden_run_files_are_the_runs_they_name() {
-        let golden: &[(&str, &[&str])] = &[
-            ("resnet50-throughput", &["--preset", "resnet50-throughput"]),
-            ("cpu-study", &["--preset", "cpu-trial", "--device", "cpu"]),
-            ("vit-b16-tp", &["--model", "vit-b16", "--data", "synthetic:3x224x224:1000", "--tensor-parallel", "4", "--batch-size", "32", "--skip-steps", "10", "--measured-steps", "50", "--no-eval", "--precision", "bf16"]),
-        ];
-        for (name, flags) in golden {
-            let path = format!("{}/jobs/configs/{name}.toml", env!("CARGO_MANIFEST_DIR"));
-            let from_file = parse(&["--config", &path]).unwrap_or_else(|e| panic!("{name}: {e}"));
-            from_file.check_unused_options(&[from_file.strategy]).unwrap_or_else(|e| panic!("{name}: {e}"));
-            assert_eq!(options(&from_file), options(&parse(flags).unwrap()), "{name}");
-        }
-    }
-
-    /// `study --config` gives the file's options to every point, the study's command line winning.
-    #[test]
-    fn study_takes_the_run_file() {
-        let dir = Scratch::new("study");
-        let path = dir.file("run.toml", FILE);
-        let cli = Cli::parse_from_noting_given(["hpc-train", "study", "--config", &path, "--ranks", "1,2", "--batch-size", "2", "--study", "s1"]).unwrap();
-        let Some(crate::cli::Command::Study(study)) = cli.command else { panic!("a study") };
-        let a = study.train;
-        assert_eq!((study.ranks.as_str(), a.study_tag.as_deref(), a.batch_size), ("1,2", Some("s1"), 2));
-        assert_eq!(options(&TrainArgs { batch_size: 4, study_tag: None, ..a }), options(&parse(FLAGS).unwrap()));
-        // A study's own option is not a run file's.
-        let path = dir.file("study.toml", "ranks = \"1,2\"\n");
-        let err = Cli::parse_from_noting_given(["hpc-train", "study", "--config", &path]).unwrap_err().to_string();
-        assert!(err.contains("unknown key `ranks`"), "{err}");
-    }
-
-    #[test]
-    fn old_names_work_and_the_deprecated_one_warns() {
-        let a = parse(&["--warmup-steps", "3", "--study-tag", "t", "--bucket-mb", "2", "--segment-kb", "8", "--strategy", "horovod", "--fusion-threshold-mb", "4", "--timeline-filename", "t.json", "--hierarchical-allreduce"]).unwrap();
-        assert_eq!((a.warmup_steps, a.study_tag.as_deref(), a.bucket_mb, a.segment_kb), (3, Some("t"), 2.0, 8));
-        assert_eq!((a.horovod.fusion_threshold_mb, a.horovod.timeline.as_deref(), a.horovod.hierarchical), (Some(4.0), Some(Path::new("t.json")), Some(true)));
-        let argv: Vec<OsString> = ["hpc-train", "--warmup-steps=3", "--skip-steps", "2", "--bucket-mb", "1"].iter().map(OsString::from).collect();
-        let warnings = deprecated_names(&argv);
-        assert_eq!(warnings.len(), 1, "{warnings:?}");
-        assert!(warnings[0].starts_with("--warmup-steps is deprecated: use --skip-steps"), "{warnings:?}");
-        let dir = Scratch::new("deprecated");
-        let path = dir.file("old.toml", "warmup_steps = 3\n");
-        let a = parse(&["--config", &path]).unwrap();
-        assert_eq!(a.warmup_steps, 3);
-        assert!(a.run_config.warnings[0].contains("key `warmup_steps` is deprecated: use `skip_steps`"), "{:?}", a.run_config.warnings);
     }
 }

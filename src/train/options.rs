@@ -278,7 +278,7 @@ pub struct TrainArgs {
 
     /// The resolved options as a run file, and the file read (see crate::config).
     #[arg(skip)]
-    pub run_config: crate::config::RunConfig,
+    pub run_config: RunConfig,
 
 }
 
@@ -468,96 +468,46 @@ pub(crate) fn parse_train_args(extra: &[&str]) -> TrainArgs {
     Command::try_parse_from(argv).unwrap().train
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Where the run's options came from, beside the parsed [`TrainArgs`]: the resolved table (what
+/// `--print-config` prints and a record holds) and the options that a run file set. Made by
+/// crate::config, which reads and writes run files.
+#[derive(Clone, Debug, Default)]
+pub struct RunConfig {
+    /// The resolved options by section, as a run file holds them.
+    pub table: toml::Table,
+    /// The run file read, if any, and the long names of the options it set (an error about one
+    /// of them names the file).
+    pub file: Option<(PathBuf, std::collections::BTreeSet<String>)>,
+    /// Deprecated names the file used (one warning each).
+    pub warnings: Vec<String>,
+}
 
-    /// Parses a training command line as `hpc-train` does: the options given noted, the run
-    /// file and the preset applied.
-    fn resolved(extra: &[&str]) -> std::result::Result<TrainArgs, String> {
-        let cli = crate::cli::Cli::parse_from_noting_given([&["hpc-train"], extra].concat()).map_err(|e| e.to_string())?;
-        assert!(cli.command.is_none());
-        Ok(cli.train)
+impl RunConfig {
+    /// The table as TOML text that `--config` reads back.
+    pub fn to_toml(&self) -> String {
+        toml::to_string(&self.table).expect("a table of strings, numbers, booleans and arrays serializes")
     }
 
-    #[test]
-    fn a_preset_sets_what_the_command_line_leaves_and_given_options_win() {
-        let a = resolved(&["--preset", "resnet50-throughput"]).unwrap();
-        assert_eq!((a.model, a.data.to_str().unwrap(), a.batch_size, a.warmup_steps, a.measured_steps, a.no_eval), (ModelKind::Resnet50, "synthetic:3x224x224:1000", 64, 10, Some(100), true));
-        assert_eq!(a.total_steps(1), 110, "10 warm-up and 100 measured steps, whatever the epoch's length");
-        let a = resolved(&["--preset", "resnet50-throughput", "--batch-size", "8", "--data", "x.h5", "--skip-steps", "3", "--model", "resnet18"]).unwrap();
-        assert_eq!((a.model, a.data.to_str().unwrap(), a.batch_size, a.warmup_steps, a.measured_steps), (ModelKind::Resnet18, "x.h5", 8, 3, Some(100)));
-        // A length given replaces the preset's, whichever it is.
-        let a = resolved(&["--preset", "resnet50-throughput", "--steps", "7"]).unwrap();
-        assert_eq!((a.measured_steps, a.total_steps(1000)), (None, 7));
-        let a = resolved(&["--preset", "cpu-trial", "--epochs", "2"]).unwrap();
-        assert_eq!((a.model, a.measured_steps, a.total_steps(30)), (ModelKind::Tiny, None, 60));
-        let a = resolved(&["--preset", "cpu-trial", "--measured-steps", "3"]).unwrap();
-        assert_eq!((a.warmup_steps, a.measured_steps, a.total_steps(30)), (5, Some(3), 8));
-        // No preset: the program's own defaults, as before.
-        let a = resolved(&[]).unwrap();
-        assert_eq!((a.model, a.data.to_str().unwrap(), a.batch_size, a.epochs, a.measured_steps, a.no_eval), (ModelKind::Resnet50, "datasets/fashion-mnist.h5", 64, 5, None, false));
-        assert_eq!(a.total_steps(938), 5 * 938);
+    /// The table as JSON, for runs.jsonl.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(&self.table).expect("a TOML table of plain values is JSON")
     }
 
-    #[test]
-    fn measured_steps_with_another_length_is_refused_by_name() {
-        for other in [["--steps", "5"], ["--epochs", "1"]] {
-            let err = resolved(&["--measured-steps", "3", other[0], other[1]]).unwrap_err();
-            assert!(err.contains("--measured-steps") && err.contains(other[0]) && err.contains("cannot be used with"), "{err}");
-            // The same under a preset, whose own length is no conflict.
-            let err = resolved(&["--preset", "cpu-trial", other[0], other[1], "--measured-steps", "3"]).unwrap_err();
-            assert!(err.contains("--measured-steps") && err.contains(other[0]), "{err}");
-        }
-        assert!(resolved(&["--measured-steps", "0"]).unwrap_err().contains("--measured-steps"));
-    }
-
-    /// Every preset's table names flags of the command line with values that parse there (so
-    /// that a preset could be written as a run file of the same keys), and sets each one.
-    #[test]
-    fn every_preset_names_options_of_the_command_line() {
-        let command = crate::config::train_command();
-        for preset in Preset::value_variants() {
-            let mut argv = vec!["hpc-train".to_string()];
-            for &(flag, value) in preset.options() {
-                let arg = command.get_arguments().find(|a| a.get_long() == Some(flag)).unwrap_or_else(|| panic!("{} names --{flag}, no option", preset.name()));
-                match arg.get_action().takes_values() {
-                    true => argv.extend([format!("--{flag}"), value.to_string()]),
-                    false => {
-                        assert_eq!(value, "true", "a switch is set by naming it");
-                        argv.push(format!("--{flag}"));
-                    }
-                }
-            }
-            let from_flags = resolved(&argv[1..].iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
-            let from_preset = resolved(&["--preset", preset.name()]).unwrap();
-            let plain = |a: TrainArgs| format!("{:?}", TrainArgs { given: Given::default(), preset: None, run_config: Default::default(), ..a });
-            assert_eq!(plain(from_flags), plain(from_preset), "{}", preset.name());
+    /// `message` (an error about the run's options) with the run file named where it is about
+    /// an option that the file set and the command line did not: "the key that a layout cannot
+    /// use is refused, naming the key and the file".
+    pub fn attribute(&self, message: &str) -> String {
+        let Some((path, longs)) = &self.file else { return message.to_string() };
+        // The flag the message is about: the first one it names.
+        let named = message.split(|c: char| !(c.is_ascii_alphanumeric() || c == '-')).find(|w| w.starts_with("--") && w.len() > 2);
+        match named.map(|flag| &flag[2..]) {
+            Some(long) if longs.contains(long) => format!("{message} (key `{}` of {})", run_file_key(long), path.display()),
+            _ => message.to_string(),
         }
     }
+}
 
-    /// The step counts of the old defaults against the preset's at 1..64 ranks, as
-    /// results/cluster-path/preset-steps.md tabulates them (printed with `--nocapture`).
-    #[test]
-    fn preset_step_table() {
-        const FASHION_MNIST_TRAIN: usize = 60_000;
-        let job_files = resolved(&["--batch-size", "256", "--epochs", "1"]).unwrap();
-        let program = resolved(&[]).unwrap();
-        let preset = resolved(&["--preset", "resnet50-throughput"]).unwrap();
-        let synthetic = crate::data::source::IMAGENET_TRAIN_SAMPLES;
-        println!("| ranks | job files' old default: steps / warm-up / measured | program's default (--epochs 5, batch 64) | --preset resnet50-throughput |");
-        println!("|---:|---|---|---|");
-        for ranks in [1usize, 2, 4, 8, 16, 32, 64] {
-            let row = |c: StepCounts| format!("{} / {} / {}", c.total, c.warmup, c.measured);
-            let (old, default, new) = (job_files.step_counts(FASHION_MNIST_TRAIN, ranks, 256), program.step_counts(FASHION_MNIST_TRAIN, ranks, 64), preset.step_counts(synthetic, ranks, 64));
-            println!("| {ranks} | {} | {} | {} |", row(old), row(default), row(new));
-            assert_eq!(new, StepCounts { total: 110, warmup: 10, measured: 100 }, "the preset measures the same at every rank count");
-            if ranks == 16 {
-                assert_eq!(old, StepCounts { total: 15, warmup: 5, measured: 10 });
-            }
-            if ranks == 64 {
-                assert_eq!(old, StepCounts { total: 4, warmup: 3, measured: 1 }, "one measured step at 64 ranks");
-            }
-        }
-    }
+/// An option's key in a run file: its long name with `_` for `-`.
+pub fn run_file_key(long: &str) -> String {
+    long.replace('-', "_")
 }
