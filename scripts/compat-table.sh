@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Writes `hpc-train compat` (the table of src/plan/compat.rs) into README.md between its markers,
+# Writes `hpc-train compat` (the table of src/plan/compat.rs) into docs/combinations.md between its markers,
 # which a unit test compares with the table: run it after changing the table.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -10,9 +10,9 @@ trap 'rm -f "$table"' EXIT
 python3 - "$table" <<'PY'
 import sys
 begin, end = "<!-- compat:begin (hpc-train compat) -->\n", "<!-- compat:end -->"
-readme = open("README.md").read()
+readme = open("docs/combinations.md").read()
 start = readme.index(begin) + len(begin)
 stop = readme.index(end, start)
-open("README.md", "w").write(readme[:start] + open(sys.argv[1]).read() + readme[stop:])
+open("docs/combinations.md", "w").write(readme[:start] + open(sys.argv[1]).read() + readme[stop:])
 PY
-echo "README.md: compatibility table updated"
+echo "docs/combinations.md: compatibility table updated"

@@ -22,8 +22,8 @@ elif torch_dir="$(hpc_train_torch_dir)"; then
 fi
 unset torch_dir
 
-# The MPI library to build against and launch with where several are installed (README, "MPI
-# libraries"): HPC_TRAIN_MPI=openmpi (Debian's default) or mpich. Each gets its own target folder,
+# The MPI library to build against and launch with where several are installed (docs/mpi.md):
+# HPC_TRAIN_MPI=openmpi (Debian's default) or mpich. Each gets its own target folder,
 # target/ and target/mpich/, since the mpi crate's bindings are never rebuilt when the MPI
 # changes; the launcher goes to HPC_TRAIN_MPIEXEC, which the tests and hpc_train_mpirun use.
 # Unset: what the build finds (a user's own MPICC, MPI_PKG_CONFIG or CRAY_MPICH_DIR, else

@@ -72,8 +72,7 @@ node_number() {
 
 # shape DEV MBIT [NETNS]: a token bucket of MBIT Mbit/s on DEV's egress. Both ends of a node's
 # link are shaped: the node's eth0 (its uplink) and the bridge side (its downlink, where traffic
-# from several nodes meets, as at a switch port). Measured here (README, "Many nodes on one
-# machine"): the bucket needs about 0.2-0.5 ms of traffic, or the rate is not reached above
+# from several nodes meets, as at a switch port). Measured here (docs/local-cluster.md): the bucket needs about 0.2-0.5 ms of traffic, or the rate is not reached above
 # 1 Gbit/s (64 KiB at 10 Gbit/s gave 370 MB/s); a larger one lets the first bytes of every message
 # pass at memory speed (a 5 MB bucket gave 1.85 GB/s for 1 MiB on a 10 Gbit/s link). The queue
 # holds 10 ms: 50 ms made TCP's round trips, and the 2 x 2 ranks' times, longer (bufferbloat).
@@ -243,7 +242,7 @@ exec nsenter -t "\$pid" -n -u -- /bin/sh -c "\$*"
 AGENT
     chmod +x "$dir/rsh-agent"
 
-    # The Open MPI settings a launch on these nodes needs (see README, "Many nodes on one machine"):
+    # The Open MPI settings a launch on these nodes needs (see docs/local-cluster.md):
     # routed direct (the agent is no ssh that tree-routing could use), TCP on this subnet only,
     # yield when idle (every node claims the machine's cores: polling ranks would starve the
     # network), the hostfile as default, oversubscription and no binding (all nodes share cores).

@@ -156,7 +156,7 @@ pub fn check_launch(world: &SimpleCommunicator) -> Result<()> {
     if built != Family::Unknown && running != Family::Unknown && built != running {
         return Err(Error::usage(format!(
             "hpc-train was built against {} but runs with {}: a binary from two MPI libraries (a target folder rebuilt \
-             with another MPICC); build each MPI into its own target folder (README, \"MPI libraries\")",
+             with another MPICC); build each MPI into its own target folder (docs/mpi.md, \"One target folder per MPI\")",
             built_library(),
             first_line(&version)
         )));

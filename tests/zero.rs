@@ -98,7 +98,7 @@ fn every_stage_trains_to_the_weights_of_allreduce() {
 fn auto_keeps_each_buckets_algorithm_when_the_ring_leaves_shared_memory() {
     if launcher::mpi() == launcher::Mpi::Mpich {
         // MPICH maps its own start-up segments from /dev/shm too, so it cannot start 4 ranks in
-        // the 8 KiB that make this test's windows not fit (README, "MPI libraries").
+        // the 8 KiB that make this test's windows not fit (docs/mpi.md).
         eprintln!("skipped under MPICH: it needs more room in /dev/shm to start than this test leaves");
         return;
     }

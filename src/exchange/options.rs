@@ -158,7 +158,7 @@ impl PsArgs {
 }
 
 /// Horovod-style options (training and bench). Unset flags fall back to Horovod's
-/// environment variables, then to Horovod's defaults (README, Horovod's variables).
+/// environment variables, then to Horovod's defaults (docs/strategies.md, "Horovod's variables").
 #[derive(Args, Debug, Clone)]
 pub struct HorovodArgs {
     /// Background cycle, ms: tensors enqueued during a cycle are negotiated and

@@ -6,7 +6,7 @@
 //! A run is in several kinds at once (a ring exchange among the replicas of a 1F1B pipeline of
 //! tensor-parallel groups is in `ring`, `1f1b`, `tensor-parallel` and `tp+pipeline`): each of
 //! its options must be supported in every kind it is in, and each of its kinds in every other
-//! (the layout rows). train/plan.rs refuses from this table and from nowhere else; README's
+//! (the layout rows). train/plan.rs refuses from this table and from nowhere else; docs/combinations.md's
 //! compatibility table and `hpc-train compat` are printed from it.
 //!
 //! Size checks (a power of two of ranks for ZeRO with rhd, micro-batches against the batch,
@@ -360,7 +360,7 @@ pub fn counts() -> (usize, usize, usize) {
 }
 
 /// The table in Markdown: a row per option, a column per kind, the reasons numbered below it.
-/// README's compatibility section is this text (a unit test compares them).
+/// docs/combinations.md's table is this text (a unit test compares them).
 pub fn markdown() -> String {
     let mut reasons: Vec<&'static str> = Vec::new();
     let mut out = String::new();
@@ -460,11 +460,11 @@ mod tests {
     }
 
     #[test]
-    fn readme_shows_this_table() {
-        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    fn the_combinations_page_shows_this_table() {
+        let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/combinations.md")).unwrap();
         let (begin, end) = ("<!-- compat:begin (hpc-train compat) -->\n", "<!-- compat:end -->");
-        let start = readme.find(begin).expect("README has the compatibility table's markers") + begin.len();
-        let stop = readme[start..].find(end).expect("the end marker") + start;
-        assert_eq!(&readme[start..stop], markdown(), "README's compatibility table differs from the table in src/plan/compat.rs: paste `hpc-train compat` between the markers");
+        let start = page.find(begin).expect("docs/combinations.md has the compatibility table's markers") + begin.len();
+        let stop = page[start..].find(end).expect("the end marker") + start;
+        assert_eq!(&page[start..stop], markdown(), "docs/combinations.md's table differs from the table in src/plan/compat.rs: run scripts/compat-table.sh");
     }
 }

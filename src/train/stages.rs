@@ -18,7 +18,7 @@ use crate::plan::pipeline::{self, BlockCost, Grid, ScheduleKind, Shape};
 use crate::topology::World;
 
 
-/// Pipeline parallelism (README, "Pipeline parallelism").
+/// Pipeline parallelism (docs/parallelism.md, "Pipeline parallelism").
 #[derive(Args, Debug, Clone)]
 pub struct PipelineArgs {
     /// Pipeline stages per model replica: N ranks form N/P pipelines of P consecutive ranks, and

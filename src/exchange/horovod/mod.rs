@@ -55,7 +55,7 @@ use cache::{CacheState, Response, ResponseCache};
 use negotiation::{fuse, fusion_threshold, MessageTable};
 use timeline::Timeline;
 
-/// The HOROVOD_* variables hpc-train reads (README, "Horovod's variables", says what each does
+/// The HOROVOD_* variables hpc-train reads (docs/strategies.md, "Horovod's variables", says what each does
 /// and where it differs from Horovod). Others in the environment get one warning.
 pub const VARIABLES: [&str; 8] = [
     "HOROVOD_CYCLE_TIME",
@@ -83,7 +83,7 @@ fn warn_about_unsupported_variables() {
         let ignored = unsupported_variables(std::env::vars_os().filter_map(|(k, _)| k.into_string().ok()));
         if !ignored.is_empty() {
             log::warn!(
-                "horovod: {} set but not read by hpc-train's Horovod-style strategy, which reads only {} (README, Horovod's variables)",
+                "horovod: {} set but not read by hpc-train's Horovod-style strategy, which reads only {} (docs/strategies.md, Horovod's variables)",
                 ignored.join(", "),
                 VARIABLES.join(", ")
             );
