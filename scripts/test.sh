@@ -36,10 +36,10 @@ fi
 # A failed set-up ends this script: what runs in the background (pip, the second MPI's build)
 # goes with it rather than on.
 second_setup=""
-beside_job=""
+beside_jobs=()
 stop_background() {
     local job
-    for job in "$venv_job" "$second_setup" "$beside_job"; do
+    for job in "$venv_job" "$second_setup" "${beside_jobs[@]}"; do
         [ -z "$job" ] || { pkill -TERM -P "$job"; kill "$job"; } 2>/dev/null || true
     done
 }
@@ -92,28 +92,40 @@ fi
 # failing binary unless told --no-fail-fast).
 failures=()
 
-# tests/reliability.rs mostly waits (for timeouts, watchdogs, stalls and signals): under CI it
-# kept about a quarter of the two cores busy over its two and a half minutes. So it runs beside
-# the other test binaries of each pass, its output kept in target/beside-MPI.log and shown when it
-# ends. Its tests bound how long a job may take after a fault with margins of several times what
-# they take (and the other binaries' with as much), which the extra load leaves standing.
+# Binaries that run in the background beside the others, their output kept in
+# target/beside-NAME-MPI.log and shown when they end:
+# - tests/reliability.rs mostly waits (for timeouts, watchdogs, stalls and signals): under CI it
+#   kept about a quarter of the two cores busy over its two and a half minutes. It runs beside
+#   each pass's other binaries. Its tests bound how long a job may take after a fault with
+#   margins of several times what they take, which the extra load leaves standing.
+# - tests/install.rs (Open MPI only) is mostly a build of hpc-train in a test account's
+#   checkout: it runs beside LATE_BINARIES, the second half of Open MPI's pass, whose checks are
+#   of weights, files and records, not of how long something took (the cut link, the watchdogs,
+#   Horovod's cycle and the parameter servers' staleness run before it starts).
 BESIDE=reliability
-# start_beside MPI EXECUTABLE ARGS...: starts the binary in the background, as beside_job.
+LATE_BINARIES=(optim_pytorch overlap pipeline precision preset projection recipe report run_file slurm tensor training zero)
+beside_jobs=()
+beside_names=()
+# start_beside NAME MPI EXECUTABLE ARGS...: starts tests/NAME.rs's binary in the background.
 start_beside() {
-    local mpi=$1 executable=$2; shift 2
-    printf '\n     Running tests/%s.rs beside the others (%s, output in target/beside-%s.log)\n' "$BESIDE" "$executable" "$mpi"
-    "$executable" "$@" > "target/beside-$mpi.log" 2>&1 &
-    beside_job=$!
+    local name=$1 mpi=$2 executable=$3; shift 3
+    printf '\n     Running tests/%s.rs beside the others (%s, output in target/beside-%s-%s.log)\n' "$name" "$executable" "$name" "$mpi"
+    "$executable" "$@" > "target/beside-$name-$mpi.log" 2>&1 &
+    beside_jobs+=($!)
+    beside_names+=("$name")
 }
-# wait_beside MPI: waits for the binary started beside, shows its output, notes a failure.
+# wait_beside MPI: waits for every binary started beside, shows their output, notes failures.
 wait_beside() {
-    local mpi=$1 rc=0
-    [ -n "$beside_job" ] || return 0
-    wait "$beside_job" || rc=$?
-    beside_job=""
-    printf '\n     tests/%s.rs (run beside the others):\n' "$BESIDE"
-    cat "target/beside-$mpi.log"
-    [ "$rc" -eq 0 ] || failures+=("$mpi: tests/$BESIDE.rs")
+    local mpi=$1 i rc
+    for i in "${!beside_jobs[@]}"; do
+        rc=0
+        wait "${beside_jobs[$i]}" || rc=$?
+        printf '\n     tests/%s.rs (run beside the others):\n' "${beside_names[$i]}"
+        cat "target/beside-${beside_names[$i]}-$mpi.log"
+        [ "$rc" -eq 0 ] || failures+=("$mpi: tests/${beside_names[$i]}.rs")
+    done
+    beside_jobs=()
+    beside_names=()
 }
 
 for mpi in "${libraries[@]}"; do
@@ -124,13 +136,23 @@ for mpi in "${libraries[@]}"; do
         cargo test --release --locked --no-fail-fast "$@" || failures+=("$mpi: cargo test $*")
     elif [ "$mpi" = openmpi ]; then
         printf '\n==> %s: cargo test --release --no-fail-fast (unit tests and every test that launches hpc-train)\n' "$mpi"
-        selection=(--bins)
+        early=(--bins)
+        late=()
         for t in tests/*.rs; do
             name=$(basename "$t" .rs)
-            [ "$name" = "$BESIDE" ] || selection+=(--test "$name")
+            case " $BESIDE install ${LATE_BINARIES[*]} " in
+                *" $name "*) [ "$name" = "$BESIDE" ] || [ "$name" = install ] || late+=(--test "$name") ;;
+                *) early+=(--test "$name") ;;
+            esac
         done
-        start_beside "$mpi" "$(test_executables --test "$BESIDE")"
-        cargo test --release --locked --no-fail-fast "${selection[@]}" || failures+=("$mpi: cargo test (its summary above names the failing binaries)")
+        start_beside "$BESIDE" "$mpi" "$(test_executables --test "$BESIDE")"
+        cargo test --release --locked --no-fail-fast "${early[@]}" || failures+=("$mpi: cargo test (its summary above names the failing binaries)")
+        if [ -f tests/install.rs ]; then
+            start_beside install "$mpi" "$(test_executables --test install)"
+        fi
+        if [ ${#late[@]} -gt 0 ]; then
+            cargo test --release --locked --no-fail-fast "${late[@]}" || failures+=("$mpi: cargo test (its summary above names the failing binaries)")
+        fi
         wait_beside "$mpi"
     else
         # Under the second MPI, the tests whose outcome can depend on the MPI library, as
@@ -179,7 +201,7 @@ for mpi in "${libraries[@]}"; do
                 continue
             fi
             if [ "$name" = "$BESIDE" ]; then
-                HPC_TRAIN_TEST_BINARY=$mpich_binary HPC_TRAIN_TEST_MPI_FAMILY=mpich start_beside "$mpi" "$executable" "${args[@]}"
+                HPC_TRAIN_TEST_BINARY=$mpich_binary HPC_TRAIN_TEST_MPI_FAMILY=mpich start_beside "$BESIDE" "$mpi" "$executable" "${args[@]}"
                 continue
             fi
             printf '\n     Running tests/%s.rs %s(%s)\n' "$name" "${args[*]:+${args[*]} }" "$executable"
