@@ -86,6 +86,13 @@ fn main() {
     // --print-config: the resolved options (command line, run file, preset), before anything
     // starts; printed once under a launcher of several processes.
     if let Some(train) = cli.train_args().filter(|t| t.print_config) {
+        // A run file that a run would refuse is refused here, as the run would, naming the key.
+        if let Err(e) = train::check_combination(train) {
+            if mpi_library::launcher_rank() == 0 {
+                print_error(format_args!("{}", attribute(&cli, e.to_string())));
+            }
+            raw::exit_process(2);
+        }
         if mpi_library::launcher_rank() == 0 {
             print!("{}", train.run_config.to_toml());
         }

@@ -46,4 +46,12 @@ fn no_arguments_print_the_usage_and_train_nothing() {
     assert!(run.elapsed < std::time::Duration::from_secs(10) && run.stdout.is_empty() && !run.stderr.contains("images/s"), "{}", run.all_output());
     let run = hpc_train(&["train", "--steps", "2", "--print-config"]).expect_ok();
     assert!(run.stdout.contains("steps = 2"), "{}", run.stdout);
+    // A combination a run would refuse is refused by --print-config too, naming the file's key.
+    let dir = scratch("run-file-refused");
+    let file = dir.join("ps-zero3.toml");
+    std::fs::write(&file, "[exchange]\nstrategy = \"ps\"\n\n[sharding]\nzero = 3\n").unwrap();
+    let run = hpc_train(&["--config", file.to_str().unwrap(), "--model", "tiny", "--print-config"]);
+    let errors: Vec<&str> = run.stderr.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert!(run.status == Some(2) && run.stdout.is_empty() && errors.len() == 1, "{}", run.all_output());
+    assert!(errors[0].contains("--strategy ps with --zero 3") && errors[0].contains(&format!("(key `strategy` of {})", file.display())), "{}", errors[0]);
 }

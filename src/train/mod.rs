@@ -54,7 +54,7 @@ use options::TrainArgs;
 use progress::{LossWindow, Timings};
 use run::{Outcome, Run};
 
-pub use plan::{choose_device, features_and_kinds, make_current, training_ranks, watchdog_timeout, SIMULATED_GPUS_ENV};
+pub use plan::{check_combination, choose_device, features_and_kinds, make_current, training_ranks, watchdog_timeout, SIMULATED_GPUS_ENV};
 pub use record::mpi_library;
 pub use run::RunContext;
 

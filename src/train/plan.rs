@@ -50,6 +50,14 @@ pub fn training_ranks(args: &TrainArgs, strategy: exchange::StrategyKind, ranks:
     exchange::worker_count(strategy, ranks, &args.ps.roles())
 }
 
+/// Whether `args` combine, as a run checks before it starts (the compatibility table, and the
+/// options the strategy reads): `--print-config` prints no run file that a run would refuse.
+pub fn check_combination(args: &TrainArgs) -> Result<()> {
+    let (features, kinds) = features_and_kinds(args, crate::faults::injected());
+    compat::check(&features, &kinds).map_err(Error::usage)?;
+    args.check_unused_options(&[args.strategy]).map(|_| ())
+}
+
 impl Plan {
     pub(super) fn resolve(args: &TrainArgs, world: &World) -> Result<Plan> {
         // First: choosing the device is collective over the node's ranks (before any early return).
