@@ -68,7 +68,7 @@ impl RunConfig {
             return;
         };
         let section = section_of(arg);
-        let key = key_of(long);
+        let key = run_file_key(long);
         let table = self.table.entry(section).or_insert_with(|| toml::Value::Table(toml::Table::new()));
         if let toml::Value::Table(table) = table {
             match value {
@@ -85,14 +85,9 @@ pub fn train_command() -> Command {
     TrainArgs::augment_args(Command::new("hpc-train").no_binary_name(true))
 }
 
-/// An option's key in a run file: its long name with `_` for `-`.
-fn key_of(long: &str) -> String {
-    run_file_key(long)
-}
-
 fn section_of(arg: &Arg) -> String {
     let heading = arg.get_help_heading().unwrap_or("Run");
-    SECTIONS.iter().find(|(h, _)| *h == heading).map_or_else(|| key_of(&heading.to_lowercase().replace(' ', "-")), |(_, s)| s.to_string())
+    SECTIONS.iter().find(|(h, _)| *h == heading).map_or_else(|| run_file_key(&heading.to_lowercase().replace(' ', "-")), |(_, s)| s.to_string())
 }
 
 /// What a run file and a preset add to a command line: the extra arguments, and which options
@@ -134,8 +129,8 @@ pub fn additions(matches: &ArgMatches) -> Result<Additions, String> {
             format!("--config {}: not TOML (line {line}): {}", path.display(), e.message().trim().replace('\n', "; "))
         })?;
         for (key, value, arg) in keys(&command, path, &table)? {
-            if let Some((_, new, why)) = DEPRECATED.iter().find(|(old, _, _)| key_of(old) == key) {
-                warnings.push(format!("{}: key `{key}` is deprecated: use `{}` ({why})", path.display(), key_of(new)));
+            if let Some((_, new, why)) = DEPRECATED.iter().find(|(old, _, _)| run_file_key(old) == key) {
+                warnings.push(format!("{}: key `{key}` is deprecated: use `{}` ({why})", path.display(), run_file_key(new)));
             }
             from_file.push((arg.get_id().as_str().to_string(), argument_text(&command, path, &key, arg, &value)?));
         }
@@ -166,8 +161,8 @@ pub fn additions(matches: &ArgMatches) -> Result<Additions, String> {
                     return Err(format!(
                         "--config {}: keys `{}` and `{}` cannot be used together",
                         path.display(),
-                        key_of(a.get_long().unwrap_or_default()),
-                        key_of(b.get_long().unwrap_or_default())
+                        run_file_key(a.get_long().unwrap_or_default()),
+                        run_file_key(b.get_long().unwrap_or_default())
                     ));
                 }
             }
@@ -327,7 +322,7 @@ pub fn resolved(matches: &ArgMatches) -> RunConfig {
         };
         let section = table.entry(section_of(arg)).or_insert_with(|| toml::Value::Table(toml::Table::new()));
         if let toml::Value::Table(section) = section {
-            section.insert(key_of(arg.get_long().expect("checked")), value);
+            section.insert(run_file_key(arg.get_long().expect("checked")), value);
         }
     }
     RunConfig { table, file: None, warnings: Vec::new() }
