@@ -27,7 +27,7 @@ pub struct StudyArgs {
     /// Strategies, comma-separated.
     #[arg(long, default_value = "ring,ps,allreduce,horovod", help_heading = "Study")]
     pub strategies: String,
-    /// Pipeline stages per point, each run at every rank count it divides (issue 36): 1 is
+    /// Pipeline stages per point, each run at every rank count it divides: 1 is
     /// plain data parallelism, P > 1 pipelines of P stages with --micro-batches and --schedule.
     #[arg(long, default_value = "1", help_heading = "Study")]
     pub stages: String,

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum DecayKind {
-    /// The peak rate after warm-up (as before issue 35).
+    /// The peak rate after warm-up, unchanged to the end.
     #[default]
     Constant,
     /// Multiplied by --lr-gamma at each epoch of --lr-steps (ResNet's classic 30, 60, 80).

@@ -111,6 +111,10 @@ pub fn run(args: &ReportArgs) -> Result<()> {
             written.extend(plots::write(&chart, &args.out.join(format!("{}-accuracy", table.slug)), png)?);
             links.push(format!("[accuracy]({}-accuracy.svg)", table.slug));
         }
+        if let Some(chart) = plots::time_to_accuracy_chart(table) {
+            written.extend(plots::write(&chart, &args.out.join(format!("{}-time-to-accuracy", table.slug)), png)?);
+            links.push(format!("[time to accuracy]({}-time-to-accuracy.svg)", table.slug));
+        }
         sections.push(format!("{}\nData: [{slug}.csv]({slug}.csv). Plots: {}.\n", table.markdown(), links.join(", "), slug = table.slug));
     }
     if let Some(rows) = &bench {

@@ -62,6 +62,8 @@ pub struct Series {
     pub colour: Option<usize>,
     /// Dashed without markers (an ideal or a reference), else solid with a marker per point.
     pub reference: bool,
+    /// Range bars (x, lowest, highest): the spread of a point's repeated runs.
+    pub ranges: Vec<(f64, f64, f64)>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -82,18 +84,21 @@ fn scaling_title(table: &Table, what: &str) -> String {
     format!("{what}, {mode}: {} on {}, {}", table.key.model, table.key.dataset, table.key.device)
 }
 
-/// Images/s against ranks (log2 axis) per strategy, and one ideal: linear scaling of the
-/// fastest 1-rank run, drawn at every rank count of the table.
+/// Images/s against ranks (log2 axis) per strategy, with a bar from the slowest to the fastest
+/// run where a point ran more than once, and one ideal: linear scaling of the fastest 1-rank
+/// run, drawn at every rank count of the table.
 pub fn throughput_chart(table: &Table) -> LineChart {
     let mut series = Vec::new();
     for (i, s) in table.strategies.iter().enumerate() {
-        let points: Vec<(f64, f64)> = table.present().filter(|(name, _)| name == s).map(|(_, f)| (log2(f.ranks), f.images_per_sec)).collect();
-        series.push(Series { label: s.clone(), points, colour: Some(i % COLOURS.len()), reference: false });
+        let figures: Vec<_> = table.present().filter(|(name, _)| name == s).map(|(_, f)| f).collect();
+        let points = figures.iter().map(|f| (log2(f.ranks), f.images_per_sec)).collect();
+        let ranges = figures.iter().filter(|f| f.spread.runs > 1).map(|f| (log2(f.ranks), f.spread.min, f.spread.max)).collect();
+        series.push(Series { label: s.clone(), points, colour: Some(i % COLOURS.len()), reference: false, ranges });
     }
     let best = table.strategies.iter().filter_map(|s| Some((s, table.one_rank(s)?))).max_by(|a, b| a.1.total_cmp(&b.1));
     if let Some((s, base)) = best {
         let points = table.ranks.iter().map(|&n| (log2(n), n as f64 * base)).collect();
-        series.push(Series { label: format!("ideal (linear from {s} at 1 rank)"), points, colour: None, reference: true });
+        series.push(Series { label: format!("ideal (linear from {s} at 1 rank)"), points, colour: None, reference: true, ranges: Vec::new() });
     }
     LineChart {
         title: scaling_title(table, "Throughput"),
@@ -114,17 +119,26 @@ fn log2(ranks: usize) -> f64 {
 pub fn efficiency_chart(table: &Table) -> Option<LineChart> {
     let mut series = Vec::new();
     for (i, s) in table.strategies.iter().enumerate() {
-        let points: Vec<(f64, f64)> =
-            table.present().filter(|(name, _)| name == s).filter_map(|(_, f)| Some((log2(f.ranks), f.efficiency? * 100.0))).collect();
+        let figures: Vec<_> = table.present().filter(|(name, f)| name == s && f.efficiency.is_some()).map(|(_, f)| f).collect();
+        let points: Vec<(f64, f64)> = figures.iter().map(|f| (log2(f.ranks), f.efficiency.unwrap_or(f64::NAN) * 100.0)).collect();
+        // The runs' spread on the same scale: each run's images/s over the median 1-rank base.
+        let ranges = figures
+            .iter()
+            .filter(|f| f.spread.runs > 1)
+            .filter_map(|f| {
+                let per_image = f.efficiency? * 100.0 / f.images_per_sec;
+                Some((log2(f.ranks), f.spread.min * per_image, f.spread.max * per_image))
+            })
+            .collect();
         if !points.is_empty() {
-            series.push(Series { label: s.clone(), points, colour: Some(i % COLOURS.len()), reference: false });
+            series.push(Series { label: s.clone(), points, colour: Some(i % COLOURS.len()), reference: false, ranges });
         }
     }
     if series.is_empty() {
         return None;
     }
     let max_ranks = table.ranks.last().copied().unwrap_or(1);
-    series.push(Series { label: "ideal (100%)".into(), points: vec![(0.0, 100.0), (log2(max_ranks), 100.0)], colour: None, reference: true });
+    series.push(Series { label: "ideal (100%)".into(), points: vec![(0.0, 100.0), (log2(max_ranks), 100.0)], colour: None, reference: true, ranges: Vec::new() });
     Some(LineChart {
         title: scaling_title(table, "Efficiency"),
         x_desc: "ranks".into(),
@@ -143,7 +157,7 @@ pub fn accuracy_chart(table: &Table) -> Option<LineChart> {
     for (i, s) in table.strategies.iter().enumerate() {
         let points: Vec<(f64, f64)> = table.present().filter(|(name, _)| name == s).filter_map(|(_, f)| Some((log2(f.ranks), f.test_accuracy? * 100.0))).collect();
         if !points.is_empty() {
-            series.push(Series { label: s.clone(), points, colour: Some(i % COLOURS.len()), reference: false });
+            series.push(Series { label: s.clone(), points, colour: Some(i % COLOURS.len()), reference: false, ranges: Vec::new() });
         }
     }
     (!series.is_empty()).then(|| LineChart {
@@ -156,9 +170,35 @@ pub fn accuracy_chart(table: &Table) -> Option<LineChart> {
     })
 }
 
+/// Seconds of training to the target accuracy against ranks (log2 axis), a series per column,
+/// at the points whose median run reached it, with the range of the runs that did. None when no
+/// point reached its target.
+pub fn time_to_accuracy_chart(table: &Table) -> Option<LineChart> {
+    let mut series = Vec::new();
+    let mut target = None;
+    for (i, s) in table.strategies.iter().enumerate() {
+        let reached: Vec<_> = table.present().filter(|(name, _)| name == s).filter_map(|(_, f)| Some((f.ranks, f.target?))).filter(|(_, t)| t.reached.is_some()).collect();
+        let points = reached.iter().filter_map(|(n, t)| Some((log2(*n), t.reached?.0))).collect::<Vec<_>>();
+        let ranges = reached.iter().filter(|(_, t)| t.runs > 1).filter_map(|(n, t)| Some((log2(*n), t.range?.0, t.range?.1))).collect();
+        if let Some((_, t)) = reached.first() {
+            target.get_or_insert(t.accuracy);
+            series.push(Series { label: s.clone(), points, colour: Some(i % COLOURS.len()), reference: false, ranges });
+        }
+    }
+    let target = target?;
+    Some(LineChart {
+        title: scaling_title(table, &format!("Time to {:.1}% accuracy", target * 100.0)),
+        x_desc: "ranks".into(),
+        y_desc: "seconds of training to the target".into(),
+        x_axis: XAxis::Log2Ranks,
+        y_axis: YAxis::Plain,
+        series,
+    })
+}
+
 /// The pipelines' measured bubble (%, mean over the stages) against the micro-batches per step,
 /// a series per stage count, schedule and rank count, with the balanced theory of each stage
-/// count and interleaving dashed (issue 36). None when no run of the table is pipelined.
+/// count and interleaving dashed. None when no run of the table is pipelined.
 pub fn bubble_chart(table: &Table) -> Option<LineChart> {
     use std::collections::BTreeMap;
     let mut measured: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
@@ -181,8 +221,8 @@ pub fn bubble_chart(table: &Table) -> Option<LineChart> {
         points
     };
     let mut series: Vec<Series> =
-        measured.into_iter().enumerate().map(|(i, (label, points))| Series { label, points: tidy(points), colour: Some(i % COLOURS.len()), reference: false }).collect();
-    series.extend(theory.into_iter().map(|(label, points)| Series { label, points: tidy(points), colour: None, reference: true }));
+        measured.into_iter().enumerate().map(|(i, (label, points))| Series { label, points: tidy(points), colour: Some(i % COLOURS.len()), reference: false, ranges: Vec::new() }).collect();
+    series.extend(theory.into_iter().map(|(label, points)| Series { label, points: tidy(points), colour: None, reference: true, ranges: Vec::new() }));
     Some(LineChart {
         title: scaling_title(table, "Pipeline bubble"),
         x_desc: "micro-batches per step".into(),
@@ -204,6 +244,7 @@ pub fn busbw_chart(group: &BenchGroup) -> LineChart {
             points: points.iter().map(|&(bytes, busbw)| ((bytes.max(1) as f64).log2(), busbw)).collect(),
             colour: Some(i),
             reference: false,
+            ranges: Vec::new(),
         })
         .collect();
     LineChart {
@@ -264,7 +305,8 @@ type DrawResult<DB> = std::result::Result<(), DrawingAreaErrorKind<<DB as Drawin
 fn ranges(chart: &LineChart) -> (std::ops::Range<f64>, std::ops::Range<f64>) {
     let points = || chart.series.iter().flat_map(|s| s.points.iter());
     let x_max = points().map(|p| p.0).fold(1.0, f64::max);
-    let y_max = points().map(|p| p.1).filter(|y| y.is_finite()).fold(0.0, f64::max);
+    let bar_tops = chart.series.iter().flat_map(|s| s.ranges.iter().map(|r| r.2));
+    let y_max = points().map(|p| p.1).chain(bar_tops).filter(|y| y.is_finite()).fold(0.0, f64::max);
     let x = match chart.x_axis {
         XAxis::Ranks => 0.0..x_max * 1.05 + 0.2,
         XAxis::Log2Bytes | XAxis::Log2Ranks => {
@@ -337,6 +379,10 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &LineChart) ->
         .y_label_formatter(&|y| y_label(y_axis, *y))
         .draw()?;
 
+    // Bars of different series at one x are set a little apart, so that they do not hide each
+    // other: a twentieth of a doubling per series, centred on the point.
+    let with_bars = chart.series.iter().filter(|s| !s.ranges.is_empty()).count();
+    let mut bar_series = 0;
     for s in &chart.series {
         let colour = s.colour.map_or(REFERENCE, |i| COLOURS[i % COLOURS.len()]);
         if s.reference {
@@ -344,6 +390,15 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &LineChart) ->
         } else {
             cc.draw_series(LineSeries::new(s.points.iter().copied(), colour.stroke_width(2)))?;
             cc.draw_series(s.points.iter().map(|&p| Circle::new(p, 4, colour.filled())))?;
+            // A range bar: a vertical line from the slowest to the fastest run, capped.
+            // Caps are a tenth of a doubling wide (the x axes with bars are log2 ranks).
+            let dodge = (bar_series as f64 - (with_bars as f64 - 1.0) / 2.0) * 0.05;
+            bar_series += usize::from(!s.ranges.is_empty());
+            for &(x, lo, hi) in s.ranges.iter().filter(|r| r.2 > r.1) {
+                let x = x + dodge;
+                let style = colour.stroke_width(2);
+                cc.draw_series([(x, lo, x, hi), (x - 0.05, lo, x + 0.05, lo), (x - 0.05, hi, x + 0.05, hi)].map(|(x0, y0, x1, y1)| PathElement::new(vec![(x0, y0), (x1, y1)], style)))?;
+            }
         }
     }
 
@@ -367,7 +422,7 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &LineChart) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::tables::{group, tests::record};
+    use crate::report::tables::{group, tests::record, tests::repeat};
 
     #[test]
     fn the_bubble_is_plotted_against_the_micro_batches_with_its_theory() {
@@ -400,6 +455,37 @@ mod tests {
         assert_eq!(labels, vec!["ring", "ring (lars, constant)"], "the AdamW column has no accuracy to plot");
         assert_eq!(chart.series[0].points, vec![(0.0, 90.0), (3.0, 80.0)]);
         assert!(accuracy_chart(&group(&runs[3..]).unwrap()[0]).is_none());
+    }
+
+    /// Points that ran more than once get a bar from the slowest to the fastest run, on the
+    /// throughput and the efficiency plots alike; time to accuracy gets one from the runs that
+    /// reached it. The bars are drawn (an SVG without a font).
+    #[test]
+    fn repeated_points_get_range_bars_and_time_to_accuracy_a_plot() {
+        let mut runs = vec![repeat("ring", 1, 100.0, 0), repeat("ring", 1, 80.0, 1), repeat("ring", 1, 120.0, 2), repeat("ring", 2, 180.0, 0)];
+        for (r, reached) in runs.iter_mut().zip([Some(30.0), Some(10.0), Some(20.0), None]) {
+            r.target_accuracy = Some(0.8);
+            r.time_to_target_s = reached;
+            r.epoch_to_target = reached.map(|_| 2);
+        }
+        let tables = group(&runs).unwrap();
+        let throughput = throughput_chart(&tables[0]);
+        assert_eq!(throughput.series[0].ranges, vec![(0.0, 80.0, 120.0)], "one run at 2 ranks: no bar there");
+        let efficiency = efficiency_chart(&tables[0]).unwrap();
+        assert_eq!(efficiency.series[0].ranges, vec![(0.0, 80.0, 120.0)]);
+        let tta = time_to_accuracy_chart(&tables[0]).unwrap();
+        assert_eq!(tta.title, "Time to 80.0% accuracy, weak scaling: tiny on fashion-mnist, cpu");
+        assert_eq!((tta.series[0].points.clone(), tta.series[0].ranges.clone()), (vec![(0.0, 20.0)], vec![(0.0, 10.0, 30.0)]));
+        // The y axis reaches the top of the highest bar.
+        assert!(ranges(&throughput).1.end >= 120.0 * 1.1 - 1e-9);
+        let dir = std::env::temp_dir().join(format!("hpc-train-plots-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let written = write(&throughput, &dir.join("t"), false).unwrap();
+        let svg = std::fs::read_to_string(&written[0]).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(svg.matches("<polyline").count() >= 3 + 3, "the bar and its two caps beside the lines:\n{svg}");
+        // Without a target reached anywhere there is no plot.
+        assert!(time_to_accuracy_chart(&group(&runs[3..]).unwrap()[0]).is_none());
     }
 
     #[test]

@@ -166,7 +166,7 @@ fn recipe_label(record: &RunRecord) -> Option<String> {
     Some(parts.join(", "))
 }
 
-/// A pipelined run's layout as part of its column's name (issue 36), so that a pipeline never
+/// A pipelined run's layout as part of its column's name so that a pipeline never
 /// takes the cell of the plain run with the same strategy and ranks: `P=2, M=8 1f1b`.
 fn pipeline_label(record: &RunRecord) -> Option<String> {
     let p = record.pipeline.as_ref()?;
@@ -385,11 +385,50 @@ pub fn peak_per_rank(r: &RunRecord) -> Option<(f64, String)> {
     Some((core * 1e9 * share, format!("measured on the spot: one core's f32 matmul, {core:.1} GFLOP/s, x the cores a rank has (its threads, at most the node's cores / its ranks)")))
 }
 
-/// A run's --target-accuracy and when it was reached (None: not within the run).
+/// A point's --target-accuracy and when its runs reached it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TargetReached {
     pub accuracy: f64,
+    /// The median time to the target (seconds of training) and the epoch of the run at that
+    /// median; None when the median run did not reach it. A run that never reached the target
+    /// counts as slower than every run that did, so the median is the time by which half the
+    /// runs had reached it.
     pub reached: Option<(f64, u64)>,
+    /// How many of the point's runs had the target, and how many reached it.
+    pub runs: usize,
+    pub runs_reached: usize,
+    /// The fastest and slowest time of the runs that reached it.
+    pub range: Option<(f64, f64)>,
+    /// The smallest and largest epoch the runs reached it at.
+    pub epochs: Option<(u64, u64)>,
+}
+
+impl TargetReached {
+    /// The target of `runs` (the latest run's, which the others share as repeats of one study)
+    /// summarised; None when the latest run had no target.
+    pub fn of(latest: &RunRecord, runs: &[&RunRecord]) -> Option<TargetReached> {
+        let accuracy = latest.target_accuracy?;
+        let with_target: Vec<&RunRecord> = runs.iter().copied().filter(|r| r.target_accuracy == Some(accuracy)).collect();
+        let mut reached: Vec<(f64, u64)> = with_target.iter().filter_map(|r| r.time_to_target_s.zip(r.epoch_to_target)).collect();
+        reached.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (n, k) = (with_target.len(), reached.len());
+        // Sorted times with the runs that did not reach it last (as infinitely slow): the
+        // median is defined while the middle run (or both middle runs) reached the target.
+        let at = |i: usize| reached.get(i).copied();
+        let median = if n % 2 == 1 {
+            at(n / 2)
+        } else {
+            at(n / 2 - 1).zip(at(n / 2)).map(|(a, b)| ((a.0 + b.0) / 2.0, b.1))
+        };
+        Some(TargetReached {
+            accuracy,
+            reached: median,
+            runs: n,
+            runs_reached: k,
+            range: (k > 0).then(|| (reached[0].0, reached[k - 1].0)),
+            epochs: reached.iter().map(|r| r.1).min().zip(reached.iter().map(|r| r.1).max()),
+        })
+    }
 }
 
 impl<'a> Table<'a> {
@@ -435,9 +474,9 @@ impl<'a> Table<'a> {
             flops_per_rank,
             mfu: flops_per_rank.zip(peak_per_rank(r)).map(|(f, (peak, _))| f / peak),
             oversubscribed: oversubscription(r),
-            test_accuracy: r.test_accuracy,
+            test_accuracy: stats::median(&cell.runs.iter().filter_map(|r| r.test_accuracy).collect::<Vec<_>>()),
             bubble: r.pipeline.as_ref().filter(|p| !p.bubble.is_empty()).map(|p| (p.bubble.iter().sum::<f64>() / p.bubble.len() as f64, p.theoretical_bubble)),
-            target: r.target_accuracy.map(|accuracy| TargetReached { accuracy, reached: r.time_to_target_s.zip(r.epoch_to_target) }),
+            target: TargetReached::of(r, &cell.runs),
         })
     }
 
@@ -706,10 +745,13 @@ impl<'a> Table<'a> {
             blocks.push(self.summary_table("**Pipeline bubble** (measured idle share of the stages' pipelined phase, mean over the stages; balanced theory in brackets)", cell));
         }
         if self.present().any(|(_, f)| f.test_accuracy.is_some()) {
-            blocks.push(self.summary_table("**Test accuracy after the last epoch**", |f| f.test_accuracy.map_or(NOT_COMPUTED.to_string(), percent)));
+            let caption = if self.present().any(|(_, f)| f.spread.runs > 1) { "**Test accuracy after the last epoch** (median over the runs)" } else { "**Test accuracy after the last epoch**" };
+            blocks.push(self.summary_table(caption, |f| f.test_accuracy.map_or(NOT_COMPUTED.to_string(), percent)));
         }
         if let Some(target) = self.present().find_map(|(_, f)| f.target) {
-            let caption = format!("**Time to {} test accuracy** (seconds of training, evaluations excluded; epoch)", percent(target.accuracy));
+            let repeated = self.present().any(|(_, f)| f.target.is_some_and(|t| t.runs > 1));
+            let how = if repeated { "median over the runs, a run that never reached it counting as the slowest; range of those that did" } else { "epoch" };
+            let caption = format!("**Time to {} test accuracy** (seconds of training, evaluations excluded; {how})", percent(target.accuracy));
             blocks.push(self.summary_table(&caption, |f| target_cell(f, target.accuracy)));
         }
         blocks.push(self.summary_table(
@@ -761,6 +803,9 @@ impl<'a> Table<'a> {
                     target_accuracy: f.target.map(|t| t.accuracy),
                     time_to_target_s: f.target.and_then(|t| t.reached).map(|r| r.0),
                     epoch_to_target: f.target.and_then(|t| t.reached).map(|r| r.1),
+                    time_to_target_min_s: f.target.and_then(|t| t.range).map(|r| r.0),
+                    time_to_target_max_s: f.target.and_then(|t| t.range).map(|r| r.1),
+                    runs_reaching_target: f.target.map(|t| t.runs_reached),
                     runs: f.spread.runs,
                     images_per_sec_median: f.spread.median,
                     images_per_sec_min: f.spread.min,
@@ -804,8 +849,13 @@ pub struct CsvRow {
     pub epoch_s: Option<f64>,
     pub test_accuracy: Option<f64>,
     pub target_accuracy: Option<f64>,
+    /// The median over the point's runs (see [`TargetReached`]), the epoch of the median run,
+    /// the fastest and slowest run that reached the target, and how many did.
     pub time_to_target_s: Option<f64>,
     pub epoch_to_target: Option<u64>,
+    pub time_to_target_min_s: Option<f64>,
+    pub time_to_target_max_s: Option<f64>,
+    pub runs_reaching_target: Option<usize>,
     /// The point's runs, and their images/s: images_per_sec is the median, or the trimmed mean
     /// where `statistic` says so.
     pub runs: usize,
@@ -840,14 +890,28 @@ fn markdown_table(caption: &str, header: &[String], rows: impl Iterator<Item = V
     out
 }
 
-/// When a run reached its target accuracy: `412.0 s (epoch 3)`, naming the target where it is
-/// not the caption's; `not reached`, or `n/a` for a run without a target.
+/// When a point reached its target accuracy: `412.0 s (epoch 3)` for one run; with repeats the
+/// median, the range and epochs of the runs that reached it and how many did:
+/// `412.0 s (398.1–430.2; epochs 3–4; 3 of 3 runs)`. The target is named where it is not the
+/// caption's; `not reached`, or `n/a` for a run without a target.
 fn target_cell(f: &Figures, caption_target: f64) -> String {
     let Some(target) = f.target else { return NOT_COMPUTED.to_string() };
     let other = (target.accuracy != caption_target).then(|| format!(", target {}", percent(target.accuracy))).unwrap_or_default();
-    match target.reached {
-        None => format!("not reached{other}"),
-        Some((seconds, epoch)) => format!("{} s (epoch {epoch}{other})", fixed(seconds, 1)),
+    if target.runs <= 1 {
+        return match target.reached {
+            None => format!("not reached{other}"),
+            Some((seconds, epoch)) => format!("{} s (epoch {epoch}{other})", fixed(seconds, 1)),
+        };
+    }
+    let of = format!("{} of {} runs", target.runs_reached, target.runs);
+    let epochs = match target.epochs {
+        Some((lo, hi)) if lo == hi => format!("epoch {lo}"),
+        Some((lo, hi)) => format!("epochs {lo}–{hi}"),
+        None => String::new(),
+    };
+    match (target.reached, target.range) {
+        (Some((seconds, _)), Some((lo, hi))) => format!("{} s ({}–{}; {epochs}; {of} reached it{other})", fixed(seconds, 1), fixed(lo, 1), fixed(hi, 1)),
+        _ => format!("not reached ({of} reached it{other})"),
     }
 }
 
@@ -1247,7 +1311,7 @@ pub(crate) mod tests {
         assert!(err.contains("timestamp \"yesterday\""), "{err}");
     }
     /// A study run with --repeats: the records of one study with distinct repeat indices.
-    fn repeat(strategy: &str, ranks: usize, images_per_sec: f64, index: u32) -> RunRecord {
+    pub(crate) fn repeat(strategy: &str, ranks: usize, images_per_sec: f64, index: u32) -> RunRecord {
         let mut r = record(strategy, ranks, images_per_sec);
         r.study = Some("s".into());
         r.hardware.repeat = Some(index);
@@ -1292,6 +1356,55 @@ pub(crate) mod tests {
         let plain = vec![record("ring", 2, 1.0), RunRecord { timestamp: "2025-02-01T00:00:00Z".into(), ..record("ring", 2, 2.0) }];
         let t = &group(&plain).unwrap()[0];
         assert_eq!((t.cell("ring", 2).unwrap().runs.len(), t.figures("ring", 2).unwrap().images_per_sec), (1, 2.0));
+    }
+
+    /// Time to accuracy over repeats: the median with a run that never reached the target as
+    /// the slowest, the range and epochs of those that did, and the test accuracy's median.
+    #[test]
+    fn time_to_accuracy_over_repeats_is_the_median_with_unreached_runs_slowest() {
+        let with = |ranks: usize, index: u32, accuracy: f64, reached: Option<(f64, u64)>| {
+            let mut r = repeat("ring", ranks, 100.0, index);
+            r.test_accuracy = Some(accuracy);
+            r.target_accuracy = Some(0.8);
+            r.time_to_target_s = reached.map(|x| x.0);
+            r.epoch_to_target = reached.map(|x| x.1);
+            r
+        };
+        let runs = vec![
+            // 1 rank: all three reached it; the median is the middle time, its run's epoch.
+            with(1, 0, 0.84, Some((30.0, 3))),
+            with(1, 1, 0.82, Some((10.0, 1))),
+            with(1, 2, 0.83, Some((20.0, 2))),
+            // 2 ranks: two of three reached it; the median is the slower of the two.
+            with(2, 0, 0.81, Some((12.0, 2))),
+            with(2, 1, 0.70, None),
+            with(2, 2, 0.85, Some((8.0, 2))),
+            // 4 ranks: one of three; the median run never reached it.
+            with(4, 0, 0.79, None),
+            with(4, 1, 0.81, Some((5.0, 1))),
+            with(4, 2, 0.78, None),
+        ];
+        let t = &group(&runs).unwrap()[0];
+        let target = |n| t.figures("ring", n).unwrap().target.unwrap();
+        assert_eq!((target(1).reached, target(1).range, target(1).epochs), (Some((20.0, 2)), Some((10.0, 30.0)), Some((1, 3))));
+        assert_eq!((target(2).reached, target(2).runs_reached, target(2).runs), (Some((12.0, 2)), 2, 3));
+        assert_eq!((target(4).reached, target(4).runs_reached, target(4).range), (None, 1, Some((5.0, 5.0))));
+        assert_eq!(t.figures("ring", 2).unwrap().test_accuracy, Some(0.81));
+        let md = t.markdown();
+        let rows = table_under(&md, "**Time to 80.0% test accuracy** (seconds of training, evaluations excluded; median over the runs, a run that never reached it counting as the slowest; range of those that did)");
+        assert_eq!(
+            rows[2..],
+            [
+                "| 1 | 64 | 20.0 s (10.0–30.0; epochs 1–3; 3 of 3 runs reached it) |",
+                "| 2 | 128 | 12.0 s (8.0–12.0; epoch 2; 2 of 3 runs reached it) |",
+                "| 4 | 256 | not reached (1 of 3 runs reached it) |",
+            ],
+            "{md}"
+        );
+        assert!(table_under(&md, "**Test accuracy after the last epoch** (median over the runs)")[3].contains("81.0%"), "{md}");
+        let csv = t.csv_rows();
+        assert_eq!((csv[0].time_to_target_s, csv[0].time_to_target_min_s, csv[0].time_to_target_max_s, csv[0].runs_reaching_target), (Some(20.0), Some(10.0), Some(30.0), Some(3)));
+        assert_eq!((csv[2].time_to_target_s, csv[2].runs_reaching_target), (None, Some(1)));
     }
 
     #[test]
