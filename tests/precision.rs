@@ -1,7 +1,7 @@
 //! Mixed precision (`--precision bf16|fp16`) on CPU ranks, in every layout: a bf16 pipeline
 //! (with and without recomputation) and `--zero 3` compute their steps as one bf16 process does,
 //! and every layout evaluates in fp32; fp16 tensor-parallel ranks skip an overflow of one rank's
-//! slice together; LARS under tensor parallelism takes the whole layers' norms; tf32 on the CPU
+//! slice together, and fp16 pipeline stages one stage's overflow; LARS under tensor parallelism takes the whole layers' norms; tf32 on the CPU
 //! is refused by name.
 
 mod common;
@@ -118,6 +118,42 @@ fn fp16_tensor_parallel_ranks_skip_an_overflow_together() {
     // fp16 rounds each rank's partial sums of a row-parallel layer before they are added: the
     // patch embedding's bias ends 1.3e-3 away after 4 steps (a step more or less is O(1)).
     assert!(diff < 1e-2, "fp16 T = 2: {diff:e} from one fp16 process");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// fp16 through a pipeline of 2 stages (1F1B): the loss scaler's scale reaches every stage's
+/// gradients, and an overflow on the second stage alone (the `infgrad` fault on rank 1 at step
+/// 1) makes both stages skip that step and halve the scale, as one fp16 process whose gradients
+/// overflow there does. Without the agreement the first stage steps alone and its weights part
+/// from the reference by a whole step's update. The one process runs the same micro-batches
+/// (its forwards are the stages' forwards, in the same order: activations cross stages in f32,
+/// which holds an fp16 value exactly), so the pipeline is compared tightly, far inside fp16's
+/// distance from fp32; that process is compared with the plain fp16 step (no micro-batches,
+/// the step the scaler was first written for) within fp16 rounding of sums taken in another
+/// order.
+#[test]
+fn fp16_pipeline_stages_skip_an_overflow_together() {
+    let dir = scratch("precision-fp16-pipeline");
+    let data = cnn_data(&dir);
+    let d = data.to_str().unwrap();
+    let fp16 = ["--no-eval", "--precision", "fp16", "--loss-scale", "1024"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> { fp16.iter().chain(extra).copied().collect() };
+    // Rank 0 at step 1 in one process; rank 1, the second stage, in the pipeline.
+    let (rank0, rank1) = ([("HPC_TRAIN_FAULT", "infgrad@0:1")], [("HPC_TRAIN_FAULT", "infgrad@1:1")]);
+    let (plain, plain_log) = train_saving_weights_env(&dir, "one-fp16", 1, &cnn_args(d, &with(&[])), &rank0);
+    let (reference, one_log) = train_saving_weights_env(&dir, "one-fp16-m4", 1, &cnn_args(d, &with(&["--micro-batches", "4"])), &rank0);
+    let fp32 = train_saving_weights(&dir, "one-fp32-m4", 1, &cnn_args(d, &["--no-eval", "--micro-batches", "4"]));
+    let pipelined = with(&["--pipeline-stages", "2", "--micro-batches", "4", "--partition", "params", "--schedule", "1f1b"]);
+    let (p2, log) = train_saving_weights_env(&dir, "p2-fp16", 2, &cnn_args(d, &pipelined), &rank1);
+    for (name, log) in [("one process", &plain_log), ("one process, micro-batches", &one_log), ("2 stages", &log)] {
+        assert_eq!(log.matches("gradients overflowed at step 1;").count(), 1, "{name}: {log}");
+    }
+    let fp16_to_fp32 = max_relative_difference(&fp32, &reference);
+    assert!(fp16_to_fp32 > 1e-4, "fp16 gave fp32's weights ({fp16_to_fp32:e}): autocast did not run");
+    let diff = max_relative_difference(&reference, &p2);
+    assert!(diff < 1e-5 && diff * 100.0 < fp16_to_fp32, "fp16 P = 2: {diff:e} from one fp16 process (fp32 is {fp16_to_fp32:e} away)");
+    let diff = max_relative_difference(&plain, &reference);
+    assert!(diff < 1e-2, "fp16 with micro-batches: {diff:e} from the plain fp16 step");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

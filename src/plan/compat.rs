@@ -246,7 +246,6 @@ pub enum Verdict {
 
 const FP16_SHARDED: &str = "the loss scaler checks and unscales whole gradients before the optimizer step, which ZeRO shards; use bf16";
 const FP16_PS: &str = "the loss scaler unscales gradients before the optimizer step, which the servers own; use bf16";
-const FP16_PIPELINE: &str = "the loss scaler's skip decision would have to be agreed by every stage; use bf16";
 const ASYNC_NOT_SGD: &str =
     "asynchronous servers split SGD's update over the gradients as they arrive, which only SGD's linear update allows; use --ps-mode sync";
 const OVERLAP_PS: &str = "the parameter servers take whole shares after backward; use --overlap off or auto";
@@ -275,7 +274,6 @@ pub fn verdict(feature: Feature, kind: Kind) -> Verdict {
     match (feature, kind) {
         (Feature::Fp16, k) if k.is_sharded() => Refused(FP16_SHARDED),
         (Feature::Fp16, k) if k.is_parameter_server() => Refused(FP16_PS),
-        (Feature::Fp16, k) if k.is_pipeline() => Refused(FP16_PIPELINE),
         (Feature::Lars | Feature::Adamw, Kind::PsAsync) => Refused(ASYNC_NOT_SGD),
         (Feature::Overlap, k) if k.is_parameter_server() => Refused(OVERLAP_PS),
         (Feature::Overlap, k) if k.is_pipeline() => Refused(OVERLAP_PIPELINE),
@@ -449,9 +447,13 @@ mod tests {
 
     #[test]
     fn a_run_is_checked_in_every_kind_it_is_in() {
-        // ring among the replicas of a 1F1B pipeline: fp16 refused through the pipeline.
-        let err = check(&[Feature::Fp16], &[Kind::Ring, Kind::OneFOneB]).unwrap_err();
-        assert!(err.starts_with("--precision fp16 with --pipeline-stages (--schedule 1f1b):"), "{err}");
+        // ring among the replicas of a 1F1B pipeline: overlap refused through the pipeline.
+        let err = check(&[Feature::Overlap], &[Kind::Ring, Kind::OneFOneB]).unwrap_err();
+        assert!(err.starts_with("--overlap on with --pipeline-stages (--schedule 1f1b):"), "{err}");
+        // fp16 is refused through ZeRO, not through the pipeline it shares a run with.
+        let err = check(&[Feature::Fp16], &[Kind::Ring, Kind::Zero1, Kind::OneFOneB]).unwrap_err();
+        assert!(err.starts_with("--precision fp16 with --zero 1:"), "{err}");
+        assert!(check(&[Feature::Fp16], &[Kind::Ring, Kind::OneFOneB]).is_ok());
         let err = check(&[], &[Kind::Ring, Kind::Zero3, Kind::Gpipe]).unwrap_err();
         assert!(err.starts_with("--zero 3 with --pipeline-stages (--schedule gpipe):"), "{err}");
         let err = check(&[Feature::Recompute], &[Kind::Ring]).unwrap_err();

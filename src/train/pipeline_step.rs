@@ -11,6 +11,7 @@ use crate::data::reader::SplitReader;
 use crate::data::{DatasetInfo, Labels, Split};
 use crate::error::{Error, Result};
 use crate::exchange::staging::synchronize_device;
+use crate::exchange::ReduceOp;
 use crate::optim;
 use crate::plan::shard::ShardInfo;
 
@@ -19,7 +20,7 @@ use super::net::Normalizer;
 use super::progress::Timings;
 use super::run::Run;
 use super::progress::StepLoss;
-use super::step::{LoopState, StepDone};
+use super::step::{inject_inf, LoopState, StepDone};
 use super::step_faults::StepFaults;
 
 impl Run<'_> {
@@ -43,7 +44,9 @@ impl Run<'_> {
         pipeline.data_read.train_labels += labels_read as u64;
         let images = if pipeline.first_stage() && n > 0 { Some(state.norm.images(batch.images(), n)?) } else { None };
         let labels = if pipeline.last_stage() && n > 0 { Some(state.norm.labels(batch.labels())?) } else { None };
-        let factor = self.workers as f64 / batch.global_samples.max(1) as f64;
+        // With fp16's loss scaler the last stage's loss is scaled, and so every gradient that
+        // flows back through the stages.
+        let factor = self.workers as f64 / batch.global_samples.max(1) as f64 * state.scaler.as_ref().map_or(1.0, |s| s.scale);
         let measured = step >= state.warmup;
         let loss_sum = pipeline.run_schedule(&self.net.chunks, &self.net.params, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, self.args.precision, step, measured, &faults)?;
         let last_stage = pipeline.last_stage();
@@ -57,16 +60,41 @@ impl Run<'_> {
             // reaches only the last stage's). A stage without parameters has none to spoil.
             tch::no_grad(|| grads.iter().filter(|g| g.defined()).try_for_each(|g| g.shallow_clone().f_fill_(f64::NAN).map(drop)))?;
         }
-        if !optim::grads_finite(&mut grads)? {
+        if state.scaler.is_some() && faults.inf_gradient() {
+            inject_inf(&grads)?;
+        }
+        // Without a loss scaler a gradient that is not finite ends the run; with one, the
+        // scaler skips the step (below).
+        if state.scaler.is_none() && !optim::grads_finite(&mut grads)? {
             return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
         }
         let compute = compute_start.elapsed();
         let comm_start = Instant::now();
         // A stage without parameters (the tiny CNN's pooling) has nothing to exchange or step.
-        if !self.net.params.is_empty() {
+        let has_params = !self.net.params.is_empty();
+        {
             let exchange = &mut self.exchange;
             let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
-            exchange.update(&mut self.net.params, &mut grads, &mut self.optimizer)?;
+            match &mut state.scaler {
+                None if has_params => exchange.update(&mut self.net.params, &mut grads, &mut self.optimizer)?,
+                None => {}
+                Some(scaler) => {
+                    // The stage's replicas average first (the same gradients on each), then
+                    // every rank of every stage (and tensor-parallel group) agrees whether to
+                    // step: each stage holds other parameters, any of which may overflow, and
+                    // one stage stepping while another skips would part the model's halves.
+                    if has_params {
+                        exchange.all_reduce(&mut grads, ReduceOp::Mean)?;
+                    }
+                    if scaler.unscale_or_skip(&mut grads, Some(self.world))? {
+                        if has_params {
+                            self.optimizer.step(&mut self.net.params, &mut grads)?;
+                        }
+                    } else if self.world.is_root() {
+                        state.progress.suspend(|| log::info!("fp16: gradients overflowed at step {step}; step skipped, loss scale now {}", scaler.scale));
+                    }
+                }
+            }
         }
         faults.after_exchange();
         synchronize_device(self.plan.device);

@@ -39,7 +39,8 @@ pub(super) struct LoopState {
     /// The first step whose time counts in throughput figures.
     pub(super) warmup: u64,
     pub(super) profile: StepProfile,
-    scaler: Option<LossScaler>,
+    /// fp16's dynamic loss scaler; None at other precisions.
+    pub(super) scaler: Option<LossScaler>,
     /// The one-rank GPU step's checks, left on the device ([`DeferredChecks`]); None elsewhere.
     deferred: Option<DeferredChecks>,
 }
@@ -456,7 +457,7 @@ impl LossScaler {
 }
 
 /// Test hook (`infgrad` fault): one element of the first gradient that has any becomes +inf.
-fn inject_inf(grads: &[Tensor]) -> Result<()> {
+pub(super) fn inject_inf(grads: &[Tensor]) -> Result<()> {
     if let Some(g) = grads.iter().find(|g| g.defined() && g.numel() > 0) {
         tch::no_grad(|| g.f_view([-1])?.f_get(0)?.f_fill_(f64::INFINITY).map(drop))?;
     }
