@@ -204,7 +204,7 @@ impl Ring {
         );
         if self.shared_required {
             // Every rank stops here alike (the answer came from an all-reduce): rank 0 says why.
-            let error = Error::usage(format!("--ring-transport shm: {what}; use --ring-transport auto or mpi, or smaller --bucket-mb"));
+            let error = Error::usage(format!("--ring-transport shm: {what}; use --ring-transport auto or mpi, or a smaller --bucket-mib"));
             return Err(if self.comm.rank() == 0 { Error::Agreed(Box::new(error)) } else { Error::Reported(0) });
         }
         if self.pos == 0 {

@@ -436,10 +436,10 @@ impl TpAllreduce {
 /// `--overlap`.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnOff {
-    /// On where something is free to run the exchange while backward computes: a GPU rank (the
-    /// GPU computes, the CPU exchanges) or a CPU rank with cores beyond its intra-op threads;
-    /// off where backward already uses every core the rank has (the exchange's copies and
-    /// additions would take them from backward: measured slower on such CPU runs, results/).
+    /// On for a GPU rank (the GPU computes backward while the CPU exchanges); on CPU ranks both
+    /// modes are timed over the first steps, every rank alike, and the faster kept (the exchange's
+    /// copies and additions compete with backward for the cores). The log and the record's
+    /// `overlap_reason` say which and why.
     Auto,
     On,
     Off,
