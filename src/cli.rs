@@ -584,3 +584,58 @@ bucket_mb = 0.5
         assert!(a.run_config.warnings[0].contains("key `warmup_steps` is deprecated: use `skip_steps`"), "{:?}", a.run_config.warnings);
     }
 }
+
+/// Training command lines that are refused before any step, as `hpc-train` parses and checks
+/// them (`Cli::parse_from_noting_given`, then the options no part of the run reads, which main
+/// checks before the run starts): each refusal's own message, one per check. tests/bad_input.rs
+/// launches one of each kind to show how the refused job ends on every rank.
+#[cfg(test)]
+mod refusal_tests {
+    use super::Cli;
+
+    /// clap's refusal of `extra`, or the first of the run's own checks; None: accepted.
+    fn refusal(extra: &[&str]) -> Option<String> {
+        let argv = [&["hpc-train", "--data", "d.h5"][..], extra].concat();
+        match Cli::parse_from_noting_given(argv) {
+            Err(e) => Some(e.to_string()),
+            Ok(cli) => cli.train.check_unused_options(&[cli.train.strategy]).err().map(|e| e.to_string()),
+        }
+    }
+
+    fn refused(extra: &[&str], message: &str) {
+        let said = refusal(extra).unwrap_or_else(|| panic!("{extra:?} was accepted"));
+        assert!(said.contains(message), "{extra:?}: expected {message:?} in {said:?}");
+    }
+
+    #[test]
+    fn values_the_parser_does_not_take_are_usage_errors() {
+        assert_eq!(refusal(&["--batch-size", "1", "--strategy", "allreduce", "--profile-steps", "1"]), None);
+        refused(&["--batch-size", "0"], "invalid value '0' for '--batch-size");
+        refused(&["--strategy", "butterfly"], "invalid value 'butterfly' for '--strategy");
+        refused(&["--model", "vgg"], "invalid value 'vgg' for '--model");
+        refused(&["--profile-steps", "0"], "invalid value '0' for '--profile-steps");
+        refused(&["--zero", "4"], "invalid value '4' for '--zero");
+    }
+
+    /// Out-of-range SGD settings exited 0 with test losses of 1e10; NaN ended in an unnamed
+    /// "non-finite loss"; values beyond f32 too, naming no flag (issue 48).
+    #[test]
+    fn sgd_settings_out_of_range_are_refused_naming_the_flag() {
+        assert_eq!(refusal(&["--momentum", "0.9", "--weight-decay", "0.001", "--lr", "0.1"]), None);
+        refused(&["--momentum", "1.5"], "--momentum 1.5: expected 0 <= momentum < 1");
+        refused(&["--momentum", "NaN"], "--momentum NaN: expected 0 <= momentum < 1");
+        refused(&["--weight-decay=-100"], "--weight-decay -100: expected a finite weight decay of 0 or more");
+        refused(&["--lr", "1e39"], "--lr 1e39: beyond the largest f32");
+        refused(&["--weight-decay", "1e300"], "--weight-decay 1e300: beyond the largest f32");
+    }
+
+    /// Options that the chosen strategy never reads were silently ignored (`--timeline` with
+    /// ring wrote nothing).
+    #[test]
+    fn options_the_strategy_does_not_read_are_refused() {
+        assert_eq!(refusal(&["--strategy", "horovod", "--timeline", "t.json", "--compression", "fp16"]), None);
+        refused(&["--strategy", "ring", "--timeline", "t.json"], "--timeline is an option of --strategy horovod; --strategy ring writes nothing");
+        refused(&["--strategy", "ring", "--compression", "fp16"], "--compression is an option of --strategy horovod; --strategy ring would ignore it");
+        refused(&["--strategy", "ps", "--max-staleness", "3", "--ps-colocate"], "--max-staleness bounds asynchronous parameter servers");
+    }
+}

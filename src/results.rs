@@ -354,3 +354,23 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+#[cfg(test)]
+mod writable_tests {
+    use super::check_writable;
+
+    /// A results folder that cannot be made (its parent is a file) is refused before training,
+    /// naming it.
+    #[test]
+    fn a_results_folder_that_cannot_be_created_is_refused() {
+        let dir = std::env::temp_dir().join(format!("hpc-train-results-writable-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let blocker = dir.join("file");
+        std::fs::write(&blocker, b"").unwrap();
+        let err = check_writable(&blocker.join("results")).unwrap_err().to_string();
+        let fine = check_writable(&dir.join("results"));
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(err.contains(&format!("results folder {}: cannot create it", blocker.join("results").display())), "{err}");
+        assert!(fine.is_ok(), "{fine:?}");
+    }
+}

@@ -3,6 +3,9 @@
 //! trains a few steps of a tiny model and must equal the plain run (one process with the same
 //! option) within f32 summation tolerance, weights and the record's loss alike; every refused
 //! pair must be refused before anything starts with the table's reason, naming both options.
+//! Each unordered pair of layout kinds runs once (the table lists it both ways), and the options
+//! that only the optimizer reads train against one layout kind of each family of optimizer
+//! steps ([`optimizer_family`]); every refused pair is refused.
 //! The tiny CNN has no batch norm, so the pairs whose options or layouts touch the forward
 //! (recomputation, pipelines, stage 3's units, a resume from a checkpoint) also train ResNet-18,
 //! against data parallelism over the same replicas and micro-batches ([`batch_norm_cell`]).
@@ -150,6 +153,45 @@ const MPICH_MOST_RANKS: usize = 4;
 /// layout does not depend on the MPI library, and Open MPI's run trains every pair; MPICH's
 /// run still trains every pair of layouts, and refuses every refused pair.
 const MPICH_OPTION_COLUMNS: [&str; 6] = ["ring", "allreduce", "ps", "zero 3", "1f1b", "tensor-parallel"];
+/// The rows that only the optimizer reads: what they change is the update computed from a
+/// step's averaged gradients (LARS's trust ratios, AdamW's moments, the learning rate of each
+/// step). The gradients a layout hands its optimizer are what the other rows compare against
+/// the plain run in every column; what a layout changes in the update itself is where it steps
+/// the optimizer and over what, and the columns of one family below share that code. So these
+/// rows train against one column of each family ([`optimizer_family`]); their refused cells are
+/// all kept (a refusal costs no training).
+const OPTIMIZER_ONLY_ROWS: [&str; 3] = ["--optimizer lars", "--optimizer adamw", "--lr-schedule/--warmup-epochs/--scale-lr"];
+
+/// The column of `column`'s family that the optimizer-only rows train against (of the columns
+/// MPICH's run trains, [`MPICH_OPTION_COLUMNS`], where the family has one), by where the family
+/// steps its optimizer:
+/// - ring, rhd, auto, allreduce, horovod: `Strategy::update`'s default, the mean of the
+///   gradients and then `Optimizer::step` over whole tensors on every rank (only the mean's
+///   messages differ, and every other row trains them all);
+/// - ps: the synchronous servers' `step_pieces` over their share; ps async: each gradient as
+///   it arrives (a column of its own: LARS and AdamW are refused there, the schedule is not);
+/// - zero 1, zero 2: exchange/zero.rs's `step_pieces` over a bucket's shard, LARS's norms
+///   summed over the ranks (stage 2 differs in when it lets go of the full gradients, before
+///   the same step);
+/// - zero 3, fsdp-hybrid: exchange/fsdp.rs's `step_pieces` over a unit's shard (the hybrid
+///   run sums over the node's shards, one node here);
+/// - the five schedules: the stage's parameters through the run's strategy after the schedule
+///   (src/train/pipeline_step.rs, one for all schedules), whole layers per stage;
+/// - tensor-parallel, tp+pipeline: `Optimizer::step` with LARS's per-layer figures summed
+///   over the group's parts (train/tensor.rs's `layer_parts`, by name, whatever the stage).
+fn optimizer_family(column: &str) -> &'static str {
+    match column {
+        "ring" | "rhd" | "auto" | "allreduce" | "horovod" => "ring",
+        "ps" => "ps",
+        "ps async" => "ps async",
+        "zero 1" | "zero 2" => "zero 1",
+        "zero 3" | "fsdp-hybrid" => "zero 3",
+        "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-v" => "1f1b",
+        "tensor-parallel" | "tp+pipeline" => "tensor-parallel",
+        other => panic!("the table has a layout kind {other:?} that optimizer_family does not know: say which family's optimizer step it takes"),
+    }
+}
+
 /// bf16 and fp16 runs against a one-process run at the same precision: autocast's 16-bit
 /// products summed in another order (the batch split over ranks and micro-batches).
 const HALF_TOLERANCE: f64 = 1e-2;
@@ -227,6 +269,12 @@ struct Matrix {
     batch_norm_data: String,
     cases: Vec<Case>,
     references: HashMap<String, usize>,
+    /// The supported cases by what they run and what they must equal: a cell whose run is one
+    /// made already (`--save-weights` and `--scaling strong` are every run's plain case, and
+    /// `layout:zero 3` with fsdp-hybrid is fsdp-hybrid's) is checked on that run.
+    trained: HashMap<String, usize>,
+    /// Cells checked on another cell's run.
+    shared: usize,
 }
 
 impl Matrix {
@@ -320,7 +368,18 @@ impl Matrix {
             self.push(ranks, model, "2", &first, Expect::Runs, format!("{what}, first 2 steps"));
             run_args.extend([checkpoints, "--resume".into()]);
         }
-        self.push(ranks, model, "3", &run_args, Expect::Equals { reference, tolerance, eval }, what);
+        // Options with a placeholder are filled per case (its own folder or file), and a
+        // resume's first half is a case of its own: those are never shared.
+        let key = format!("{ranks} {model} {} = {reference} {tolerance} {eval}", run_args.join(" "));
+        let fresh = matches!(row, Row::Resume) || run_args.iter().any(|a| a.contains('{'));
+        if let (false, Some(&index)) = (fresh, self.trained.get(&key)) {
+            let case = &mut self.cases[index];
+            case.what = format!("{}; {what}", case.what);
+            self.shared += 1;
+            return;
+        }
+        let index = self.push(ranks, model, "3", &run_args, Expect::Equals { reference, tolerance, eval }, what);
+        self.trained.insert(key, index);
     }
 }
 
@@ -340,11 +399,13 @@ const MICRO_BATCHES: &str = "2";
 /// and read (against one column of each family: data parallelism, sharded units, a pipeline).
 /// About 15 runs of ResNet-18 at 12x12, each about a second of CPU time more than the tiny CNN's.
 fn batch_norm_cell(row: &str, column: &str) -> bool {
+    // A pair of layouts trains once, in whichever order the table lists it first (`plan`).
+    let forward_layout = |kind: &str| ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "zero 3"].contains(&kind);
     match row {
         "--recompute" => true,
         "--resume" => ["ring", "zero 3", "1f1b"].contains(&column),
-        "layout:gpipe" | "layout:1f1b" | "layout:interleaved" | "layout:zb-h1" | "layout:zb-v" | "layout:zero 3" => column == "ring",
-        _ => false,
+        "layout:ring" => forward_layout(column),
+        _ => row.strip_prefix("layout:").is_some_and(|kind| forward_layout(kind) && column == "ring"),
     }
 }
 
@@ -364,6 +425,8 @@ struct Planned {
     refused: usize,
     skipped: Vec<String>,
     elsewhere: usize,
+    /// Layout pairs met a second time in the other order (trained or refused once).
+    mirrored: usize,
     /// Supported pairs that also trained the batch-norm model ([`batch_norm_cell`]).
     batch_norm: usize,
     reasons: Vec<String>,
@@ -378,6 +441,8 @@ fn plan(dir: &Path) -> Planned {
         batch_norm_data: batch_norm_data.to_str().unwrap().into(),
         cases: Vec::new(),
         references: HashMap::new(),
+        trained: HashMap::new(),
+        shared: 0,
     };
     // Initial weights for --init-weights: one step of each model, written by the first cases.
     for model in ["tiny", "vit-tiny"] {
@@ -390,8 +455,30 @@ fn plan(dir: &Path) -> Planned {
     let table = table();
     let mut reasons: Vec<String> = table.iter().filter(|c| c.verdict == "no").map(|c| c.why.clone()).collect();
     reasons.dedup();
+    // Each unordered pair of layout kinds once. The table lists {a, b} as row a, column b and
+    // as row b, column a; src/plan/compat.rs's `pair` gives both the same verdict (its unit test
+    // pairs_of_kinds_are_symmetric), and `Layout::with` builds the same command line from
+    // either order (each kind sets its own options; tp+pipeline's schedule only where none is
+    // set), so the second cell would train the very run of the first, or be refused by the same
+    // check with the same reason. The second cell's verdict and reason are still compared with
+    // the first's here, so that a table that stops being symmetric fails rather than losing a case.
+    let mut pairs_seen: HashMap<(String, String), (String, String)> = HashMap::new();
+    let mut mirrored = 0;
     for cell in table {
         if cell.verdict == "n/a" {
+            continue;
+        }
+        if let Some(kind) = cell.row.strip_prefix("layout:") {
+            let key = if kind <= cell.column.as_str() { (kind.to_string(), cell.column.clone()) } else { (cell.column.clone(), kind.to_string()) };
+            if let Some((verdict, why)) = pairs_seen.get(&key) {
+                assert_eq!((verdict, why), (&cell.verdict, &cell.why), "{} x {}: the pair's other order has another verdict", cell.row, cell.column);
+                mirrored += 1;
+                continue;
+            }
+            pairs_seen.insert(key, (cell.verdict.clone(), cell.why.clone()));
+        }
+        if cell.verdict == "yes" && OPTIMIZER_ONLY_ROWS.contains(&cell.row.as_str()) && optimizer_family(&cell.column) != cell.column {
+            skipped.push(format!("{} x {}: an optimizer-only option, trained against {}", cell.row, cell.column, optimizer_family(&cell.column)));
             continue;
         }
         let layout = Layout::default().with(&cell.column);
@@ -472,13 +559,13 @@ fn plan(dir: &Path) -> Planned {
         }
     }
 
-    Planned { matrix: m, supported, refused, skipped, elsewhere, batch_norm, reasons }
+    Planned { matrix: m, supported, refused, skipped, elsewhere, mirrored, batch_norm, reasons }
 }
 
 #[test]
 fn every_supported_pair_equals_the_plain_run_and_every_refused_pair_is_refused() {
     let dir = scratch("conformance");
-    let Planned { matrix: m, supported, refused, skipped, elsewhere, batch_norm, reasons } = plan(&dir);
+    let Planned { matrix: m, supported, refused, skipped, elsewhere, mirrored, batch_norm, reasons } = plan(&dir);
     let cases_file = dir.join("cases.txt");
     let text: String = m.cases.iter().map(|c| format!("{} {}\n", c.ranks, c.args.join(" "))).collect();
     std::fs::write(&cases_file, text).unwrap();
@@ -533,11 +620,16 @@ fn every_supported_pair_equals_the_plain_run_and_every_refused_pair_is_refused()
                 if status != "refused" || !reason || !named {
                     failures.push(format!("{}: expected a refusal naming {naming:?} because {why:?}; got {status} {message}", case.what));
                 }
+                // Refused before anything starts: no record appended, no weights written.
+                if dir.join(format!("results/{index}/runs.jsonl")).exists() || dir.join(format!("weights/{index}.safetensors")).exists() {
+                    failures.push(format!("{}: refused, but it wrote a record or weights", case.what));
+                }
             }
         }
     }
     eprintln!(
-        "conformance: {supported} supported pairs equal to the plain run ({batch_norm} of them with {BATCH_NORM_MODEL} too; largest fp32 difference {worst:e}), {refused} refused pairs refused, {elsewhere} fault pairs in faults_end_every_layout_kind, {} skipped: {skipped:?}; {} runs in one launch of {world} ranks in {:.1} s",
+        "conformance: {supported} supported pairs equal to the plain run ({batch_norm} of them with {BATCH_NORM_MODEL} too; largest fp32 difference {worst:e}), {refused} refused pairs refused, {mirrored} layout pairs the other way round, {} cells checked on another cell's identical run, {elsewhere} fault pairs in faults_end_every_layout_kind, {} skipped: {skipped:?}; {} runs in one launch of {world} ranks in {:.1} s",
+        m.shared,
         skipped.len(),
         m.cases.len(),
         run.elapsed.as_secs_f64()
@@ -587,9 +679,14 @@ fn faults_end_every_layout_kind() {
     }
 }
 
-/// One refused pair per reason of the table, launched as a user launches it: one line names
-/// both options, every rank exits non-zero, at once (before any step: nothing is appended to
-/// runs.jsonl and no weights are written).
+/// A refused pair launched as a user launches it: one line names both options, every rank
+/// exits non-zero, at once (before any step: nothing is appended to runs.jsonl and no weights
+/// are written). One of each kind of refusal, an option with a layout kind and a pair of
+/// layout kinds: every reason of the table is refused by the same check (src/plan/compat.rs's
+/// `check`, which train/plan.rs calls before any MPI collective of the run), and the matrix
+/// above has each refused pair refused inside `conform` with its reason, both options named,
+/// agreed by every rank (a rank's own error ends the conform launch) and nothing written. What
+/// a launch adds is how the refused job ends, which does not depend on the reason.
 #[test]
 fn a_refused_pair_ends_the_launch_at_once_with_one_line() {
     let dir = scratch("conformance-launches");
@@ -597,14 +694,11 @@ fn a_refused_pair_ends_the_launch_at_once_with_one_line() {
     let mut seen = Vec::new();
     for (index, case) in m.cases.iter().enumerate() {
         let Expect::Refused { why, naming } = &case.expect else { continue };
-        // Which pairs are refused, and with what words, is planning that runs before any MPI
-        // call; what the launcher adds is how the refused launch ends (one line, every rank
-        // non-zero, at once). MPICH's run shows that for the first few reasons, Open MPI's for
-        // every one (common::launcher::every_row).
-        if seen.contains(why) || (!common::launcher::every_row() && seen.len() == MPICH_REFUSED_LAUNCHES) {
+        let of_layouts = case.what.starts_with("layout:");
+        if seen.contains(&of_layouts) {
             continue;
         }
-        seen.push(why.clone());
+        seen.push(of_layouts);
         let args: Vec<&str> = case.args.iter().map(String::as_str).collect();
         let run = mpirun_env(case.ranks, &args, &[], Duration::from_secs(60));
         let output = run.all_output();
@@ -615,12 +709,8 @@ fn a_refused_pair_ends_the_launch_at_once_with_one_line() {
         assert!(run.elapsed < Duration::from_secs(20), "{}: {:?}", case.what, run.elapsed);
         assert!(!dir.join(format!("results/{index}/runs.jsonl")).exists() && !dir.join(format!("weights/{index}.safetensors")).exists(), "{}", case.what);
     }
-    let expected = if common::launcher::every_row() { 10 } else { MPICH_REFUSED_LAUNCHES };
-    assert!(seen.len() >= expected, "{seen:?}");
+    assert_eq!(seen.len(), 2, "a refused option with a layout and a refused pair of layouts: {seen:?}");
 }
-
-/// How many refusals with distinct reasons MPICH's run launches (Open MPI's launches every one).
-const MPICH_REFUSED_LAUNCHES: usize = 4;
 
 /// The flags a refusal may name for an option or kind of the table: its own, or those of the
 /// kinds it implies.

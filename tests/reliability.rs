@@ -168,7 +168,6 @@ fn checkpoints_of_another_run_are_refused_or_accepted_with_reason() {
     }
     let dir = scratch("compat");
     let data = dataset(&dir);
-    let other = synth(&dir, "other", 600, 30, "1x16x16", 5);
     let (d, r) = (data.to_str().unwrap().to_string(), dir.to_str().unwrap().to_string());
     let ckpt = dir.join("ckpt");
     let c = ckpt.to_str().unwrap();
@@ -183,8 +182,9 @@ fn checkpoints_of_another_run_are_refused_or_accepted_with_reason() {
         assert!(!run.ok(), "resumed despite {reason}");
         assert_eq!(run.all_output().matches(reason).count(), 1, "{}", run.all_output());
     };
+    // One refusal launched; the other settings a checkpoint is compared on (dataset, batch,
+    // optimizer, ...): src/checkpoint/meta.rs's unit tests of check_compatible.
     refused(&["--strategy", "ring", "--model", "resnet18"], &d, "refused: it was made with model tiny, this run uses resnet18");
-    refused(&["--strategy", "ring"], other.to_str().unwrap(), "refused: it was made with dataset");
     // Another synchronous strategy and rank count with the same global batch: accepted, logged.
     let mut a = base(&d, &r, &["--strategy", "allreduce"]);
     a.extend(["--steps", "20", "--checkpoint-dir", c, "--resume"]);
@@ -912,9 +912,8 @@ fn every_step_kind_honours_the_injected_faults() {
     let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "nan@7:1")], Duration::from_secs(60));
     assert!(!run.ok() && !run.timed_out);
     assert_eq!(run.stderr.matches("HPC_TRAIN_FAULT: \"nan@7:1\" names rank 7, but the job has ranks 0 to 1").count(), 1, "{}", run.stderr);
-    let run = mpirun_env(2, &args, &[("HPC_TRAIN_FAULT", "stall@0:2:-1")], Duration::from_secs(60));
-    assert!(!run.ok() && !run.timed_out && !run.stderr.contains("panicked"), "{}", run.stderr);
-    assert!(run.stderr.contains("SECONDS must be a number from 0 to 86400"), "{}", run.stderr);
+    // The variable's other refusals (seconds out of range, unknown kinds): src/faults.rs's
+    // unit tests, through the same parse.
 }
 
 /// An error inside a stage's schedule (an out-of-memory at the last forward, injected by

@@ -155,31 +155,11 @@ fn a_zero_checkpoint_resumes_with_another_rank_count_and_stage() {
     assert_eq!(checkpoint_steps(&ckpt).last(), Some(&14));
 }
 
-/// --zero with a strategy that cannot shard, or fp16 loss scaling, is refused once, naming it.
-#[test]
-fn zero_with_another_strategy_is_refused() {
-    let dir = scratch("zero-refused");
-    let data = dataset(&dir);
-    let d = data.to_str().unwrap();
-    for (strategy, reason) in [
-        ("allreduce", "--strategy allreduce with --zero 1"),
-        ("ps", "--strategy ps with --zero 1"),
-        ("horovod", "--strategy horovod with --zero 1"),
-        ("rhd", "--zero 1 with --strategy rhd on 3 ranks"),
-    ] {
-        let mut a = args(d, "2", &["--strategy", strategy, "--zero", "1"]);
-        a.extend(["--results", dir.to_str().unwrap()]);
-        let run = mpirun(3, &a);
-        assert!(!run.ok(), "{strategy} accepted --zero");
-        assert_eq!(run.all_output().matches(reason).count(), 1, "{}", run.all_output());
-    }
-    let run = hpc_train(&["--data", d, "--zero", "4"]);
-    assert!(!run.ok() && run.all_output().contains("--zero"), "{}", run.all_output());
-}
-
 /// `--zero` with rhd and pipelines was checked against the world, not the D replicas the
 /// exchange runs on (issue 48): 6 ranks in 3 stages are D = 2, a power of two, and train; in 2
-/// stages they are D = 3, refused naming the 3 ranks.
+/// stages they are D = 3, refused naming the 3 ranks, once, on every rank. (The strategies
+/// ZeRO cannot shard with are the compatibility table's, refused in tests/conformance.rs's
+/// matrix; rhd's rank counts and `--zero 4` are unit tests in src/train/plan.rs and src/cli.rs.)
 #[test]
 fn zero_with_rhd_is_checked_against_the_stages_replicas() {
     let dir = scratch("zero-rhd-stages");

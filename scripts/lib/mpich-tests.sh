@@ -4,7 +4,7 @@
 # library: its launcher (Hydra, srun --mpi=pmi2), its aborts, signals and exit codes, its
 # progress engine and thread support, its shared-memory windows, its own collectives as the
 # reference, and every layout pair of the compatibility table (tests/conformance.rs trains each
-# pair of layouts under MPICH and refuses each refused pair). Left to Open MPI's pass: what a
+# unordered pair of layouts once under MPICH and refuses each refused pair). Left to Open MPI's pass: what a
 # layout's arithmetic, a file format or a report does, which no MPI call changes and which the
 # conformance matrix's MPICH walk trains once per layout anyway. CI has 40 minutes on 2 cores
 # for set-up, both builds and both passes.
@@ -19,8 +19,9 @@ mpich_test_args() {
         mpi_library|cluster|slurm) ;;
         # One line from one rank and every rank non-zero, under Hydra: for a command line that
         # does not parse, an error found before MPI starts, one agreed after it, a study's, and
-        # the inputs that could hang a rank. Not every other message of the same paths (what
-        # an option's or a file's check says does not depend on the library).
+        # the inputs that could hang a rank. Not the other kinds' launches (what an option's or
+        # a file's check says does not depend on the library; the values each check refuses are
+        # unit tests).
         bad_input)
             echo --exact missing_and_unreadable_files bad_options options_the_strategy_does_not_read_are_refused \
                 a_strong_study_whose_batch_does_not_split_at_a_point_stops_before_it_starts \
@@ -41,7 +42,8 @@ mpich_test_args() {
                 --skip a_diverged_step_writes_no_checkpoint \
                 --skip checks_read_late_give_the_same_weights_and_errors_as_every_step \
                 --skip every_step_kind_honours_the_injected_faults ;;
-        # Every layout pair against one process, under MPICH's own messages.
+        # Every unordered layout pair against one process, under MPICH's own messages, and one
+        # refused launch of each kind.
         conformance) ;;
         # The parameter server's matching of any-source messages and its servers' threads.
         ps) ;;

@@ -351,3 +351,130 @@ pub fn describe(info: &DatasetInfo, labels: &Labels) -> String {
     let _ = writeln!(out, "std:         [{}]", fmt(&info.std));
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A folder of its own under the system's temporary folder, removed when dropped (also when
+    /// a test fails).
+    struct Scratch(std::path::PathBuf);
+
+    impl Scratch {
+        fn new(name: &str) -> Scratch {
+            let dir = std::env::temp_dir().join(format!("hpc-train-layout-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            Scratch(dir)
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// `name` in `dir`, written by `build`.
+    fn h5(dir: &Scratch, name: &str, build: impl FnOnce(&hdf5::File) -> hdf5::Result<()>) -> std::path::PathBuf {
+        let path = dir.0.join(name);
+        let f = hdf5::File::create(&path).unwrap();
+        build(&f).unwrap();
+        path
+    }
+
+    /// A split of `n` blank 1x8x8 images labelled 0, 1, 2, 0, ...
+    fn images(f: &hdf5::Group, split: &str, n: usize) -> hdf5::Result<()> {
+        let g = f.create_group(split)?;
+        g.new_dataset::<u8>().shape([n, 1, 8, 8]).create("images")?;
+        let labels: Vec<i64> = (0..n as i64).map(|i| i % 3).collect();
+        g.new_dataset_builder().with_data(&labels).create("labels")?;
+        Ok(())
+    }
+
+    /// The message `open` refuses `path` with.
+    fn refusal(path: &Path) -> String {
+        open(path).map(|_| ()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn paths_that_are_no_hdf5_file_are_refused_before_hdf5_opens_them() {
+        let dir = Scratch::new("paths");
+        assert!(refusal(&dir.0.join("absent.h5")).contains("no such file"));
+        let text = dir.0.join("not.h5");
+        std::fs::write(&text, b"this is text").unwrap();
+        assert!(refusal(&text).ends_with("not an HDF5 file"), "{}", refusal(&text));
+        assert!(refusal(&dir.0).contains("is a directory, not an HDF5 file"));
+        // Neither a regular file nor a folder (a FIFO, launched in tests/bad_input.rs, would need
+        // a child process here, which would inherit the lock of an HDF5 file another test holds).
+        let socket = dir.0.join("socket.h5");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        assert!(refusal(&socket).contains("is a socket, not a regular file"), "{}", refusal(&socket));
+        let good = h5(&dir, "good.h5", |f| images(f, "train", 10).and_then(|_| images(f, "test", 4)));
+        let (info, labels) = open(&good).unwrap();
+        assert_eq!((info.train.len, info.test.len, info.meta.classes, labels.test.len()), (10, 4, 3, 4));
+    }
+
+    #[test]
+    fn malformed_datasets_are_refused_naming_the_dataset() {
+        let dir = Scratch::new("malformed");
+        let no_test = h5(&dir, "no_test.h5", |f| images(f, "train", 10));
+        assert!(refusal(&no_test).contains("missing dataset `test/images`"), "{}", refusal(&no_test));
+        let float_images = h5(&dir, "float.h5", |f| {
+            for split in ["train", "test"] {
+                let g = f.create_group(split)?;
+                g.new_dataset::<f32>().shape([10, 1, 8, 8]).create("images")?;
+                g.new_dataset::<i64>().shape([10]).create("labels")?;
+            }
+            Ok(())
+        });
+        let said = refusal(&float_images);
+        assert!(said.contains("`train/images` has type") && said.ends_with("expected uint8"), "{said}");
+        let rank3 = h5(&dir, "rank3.h5", |f| {
+            for split in ["train", "test"] {
+                let g = f.create_group(split)?;
+                g.new_dataset::<u8>().shape([10, 8, 8]).create("images")?;
+                g.new_dataset::<i64>().shape([10]).create("labels")?;
+            }
+            Ok(())
+        });
+        assert!(refusal(&rank3).contains("expected 4 dimensions N x C x H x W"), "{}", refusal(&rank3));
+        let wrong_count = h5(&dir, "count.h5", |f| {
+            images(f, "test", 4)?;
+            let g = f.create_group("train")?;
+            g.new_dataset::<u8>().shape([10, 1, 8, 8]).create("images")?;
+            g.new_dataset::<i64>().shape([9]).create("labels")?;
+            Ok(())
+        });
+        assert!(refusal(&wrong_count).contains("`train/labels` has shape [9], expected [10] (one label per image)"), "{}", refusal(&wrong_count));
+        let out_of_range = h5(&dir, "range.h5", |f| {
+            images(f, "train", 10)?;
+            images(f, "test", 4)?;
+            f.new_attr::<i64>().create("num_classes")?.write_scalar(&2i64)
+        });
+        assert!(refusal(&out_of_range).contains("`train/labels` [2] is 2, outside 0..2"), "{}", refusal(&out_of_range));
+    }
+
+    /// An infinite `std` trained on blank inputs and exited 0 at chance accuracy; a NaN `mean`
+    /// ended in an unnamed "non-finite loss". Refused when the file is opened (by training and
+    /// by `data info` alike), naming the attribute.
+    #[test]
+    fn normalisation_attributes_are_checked_when_the_file_is_opened() {
+        let dir = Scratch::new("normalisation");
+        let cases: [(&str, f32, f32, &str); 4] = [
+            ("inf-std", 0.5, f32::INFINITY, "attribute `std` [0] is inf, expected a finite value"),
+            ("nan-mean", f32::NAN, 0.5, "attribute `mean` [0] is NaN, expected a finite value"),
+            ("zero-std", 0.5, 0.0, "attribute `std` [0] is 0, expected a standard deviation > 0"),
+            ("inf-mean", f32::NEG_INFINITY, 0.5, "attribute `mean` [0] is -inf"),
+        ];
+        for (name, mean, std, message) in cases {
+            let file = h5(&dir, &format!("{name}.h5"), |f| {
+                images(f, "train", 10)?;
+                images(f, "test", 4)?;
+                f.new_attr::<f32>().shape(1).create("mean")?.write(&[mean])?;
+                f.new_attr::<f32>().shape(1).create("std")?.write(&[std])
+            });
+            assert!(refusal(&file).contains(message), "{name}: {}", refusal(&file));
+        }
+    }
+}

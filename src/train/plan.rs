@@ -73,25 +73,7 @@ impl Plan {
             Some(p) => p.grid.replicas,
             None => training_ranks(args, args.strategy, world.size as usize, 1)?,
         };
-        let batch = match args.scaling {
-            Scaling::Weak => {
-                if args.global_batch.is_some() {
-                    return Err(Error::usage("--global-batch goes with --scaling strong; weak scaling uses --batch-size per rank"));
-                }
-                args.batch_size as usize
-            }
-            Scaling::Strong => {
-                let global = args.global_batch.ok_or_else(|| {
-                    Error::usage("--scaling strong needs --global-batch (the samples per step over all ranks)")
-                })? as usize;
-                if global % workers != 0 {
-                    return Err(Error::usage(format!(
-                        "--global-batch {global} is not divisible by the {workers} training ranks (strong scaling splits it evenly)"
-                    )));
-                }
-                global / workers
-            }
-        };
+        let batch = batch_per_worker(args, workers)?;
         if let Some(p) = &pipeline {
             check_pipeline(p, batch)?;
         }
@@ -383,6 +365,30 @@ fn same_file(a: &Path, b: &Path) -> bool {
     match (std::fs::metadata(a), std::fs::metadata(b)) {
         (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
         _ => false,
+    }
+}
+
+/// Samples per step of each of the `workers` training ranks: --batch-size (weak scaling), or
+/// --global-batch split evenly over them (strong).
+fn batch_per_worker(args: &TrainArgs, workers: usize) -> Result<usize> {
+    match args.scaling {
+        Scaling::Weak => {
+            if args.global_batch.is_some() {
+                return Err(Error::usage("--global-batch goes with --scaling strong; weak scaling uses --batch-size per rank"));
+            }
+            Ok(args.batch_size as usize)
+        }
+        Scaling::Strong => {
+            let global = args.global_batch.ok_or_else(|| {
+                Error::usage("--scaling strong needs --global-batch (the samples per step over all ranks)")
+            })? as usize;
+            if global % workers != 0 {
+                return Err(Error::usage(format!(
+                    "--global-batch {global} is not divisible by the {workers} training ranks (strong scaling splits it evenly)"
+                )));
+            }
+            Ok(global / workers)
+        }
     }
 }
 
@@ -748,6 +754,106 @@ mod tests {
             device_line(0, "node1", "GPU-a", 0, 1, None, true),
             "rank 0 on node1: would take GPU GPU-a (cuda:0 of 1 visible, CUDA_VISIBLE_DEVICES unset; simulated, training on the CPU)"
         );
+    }
+
+    #[test]
+    fn a_batch_that_does_not_split_over_the_training_ranks_is_refused() {
+        assert_eq!(batch_per_worker(&train_args(&["--batch-size", "4"]), 2).unwrap(), 4);
+        assert_eq!(batch_per_worker(&train_args(&["--scaling", "strong", "--global-batch", "8"]), 2).unwrap(), 4);
+        let err = batch_per_worker(&train_args(&["--scaling", "strong", "--global-batch", "3"]), 2).unwrap_err().to_string();
+        assert!(err.contains("--global-batch 3 is not divisible by the 2 training ranks"), "{err}");
+        let err = batch_per_worker(&train_args(&["--scaling", "strong"]), 2).unwrap_err().to_string();
+        assert!(err.contains("--scaling strong needs --global-batch"), "{err}");
+        let err = batch_per_worker(&train_args(&["--global-batch", "8"]), 2).unwrap_err().to_string();
+        assert!(err.contains("--global-batch goes with --scaling strong"), "{err}");
+    }
+
+    /// `--device cuda` where CUDA is absent is refused, naming the node (on a GPU machine it
+    /// finds the GPUs).
+    #[test]
+    fn cuda_asked_for_where_there_is_none_is_refused() {
+        match visible_gpus(DeviceChoice::Cuda) {
+            Err(e) => assert!(!tch::Cuda::is_available() && e.to_string().contains("--device cuda: CUDA is not available on"), "{e}"),
+            Ok(gpus) => assert!(tch::Cuda::is_available() && !gpus.is_empty()),
+        }
+        assert!(visible_gpus(DeviceChoice::Cpu).unwrap().is_empty());
+    }
+
+    /// The training options of `extra` with the options given noted, as `hpc-train` parses them.
+    fn given_args(extra: &[&str]) -> TrainArgs {
+        use clap::{CommandFactory, FromArgMatches, Parser};
+        #[derive(Parser)]
+        struct Command {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let matches = Command::command().try_get_matches_from([&["hpc-train"], extra].concat()).unwrap();
+        let mut train = Command::from_arg_matches(&matches).unwrap().train;
+        train.given = crate::exchange::options::Given::from_matches(&matches);
+        train
+    }
+
+    /// Layouts whose sizes cannot run, refused before any rank starts on them (which layout
+    /// kinds combine is plan/compat.rs's table, which tests/conformance.rs walks): the checks
+    /// of `Plan::resolve` that need the world's size alone. tests/tensor.rs, tests/zero.rs,
+    /// tests/fsdp.rs and tests/pipeline.rs launch one each.
+    #[test]
+    fn layouts_whose_sizes_cannot_run_are_refused() {
+        let tp = |ranks: usize, extra: &[&str]| {
+            let model: &[&str] = if extra.contains(&"--model") { &[] } else { &["--model", "vit-tiny"] };
+            check_tensor_parallel(&given_args(&[model, extra].concat()), ranks).err().map(|e| e.to_string())
+        };
+        assert_eq!(tp(2, &["--tensor-parallel", "2"]), None);
+        assert_eq!(tp(4, &["--tensor-parallel", "2", "--pipeline-stages", "2"]), None);
+        for (ranks, extra, reason) in [
+            (3, &["--tensor-parallel", "3"][..], "--tensor-parallel 3 does not divide the 4 attention heads of --model vit-tiny"),
+            (3, &["--tensor-parallel", "2"], "--tensor-parallel 2 x --pipeline-stages 1 = 2 does not divide the 3 ranks"),
+            (2, &["--tensor-parallel", "2", "--model", "tiny"], "--tensor-parallel 2 splits a transformer's attention heads and MLP over ranks; --model tiny has none"),
+            (4, &["--tensor-parallel", "2", "--pipeline-stages", "3"], "--tensor-parallel 2 x --pipeline-stages 3 = 6 does not divide the 4 ranks"),
+            (2, &["--tp-allreduce", "ring"], "--tp-allreduce is an option of --tensor-parallel"),
+        ] {
+            let said = tp(ranks, extra).unwrap_or_else(|| panic!("{extra:?} accepted"));
+            assert!(said.contains(reason), "{extra:?}: {said}");
+        }
+        let vit_b16 = check_tensor_parallel(&given_args(&["--model", "vit-b16", "--tensor-parallel", "8"]), 8).unwrap_err().to_string();
+        assert!(vit_b16.contains("does not divide the 12 attention heads"), "{vit_b16}");
+
+        use exchange::StrategyKind::{Auto, Rhd, Ring};
+        assert!(exchange::check_zero(Rhd, 1, 4).is_ok() && exchange::check_zero(Ring, 3, 3).is_ok() && exchange::check_zero(Auto, 2, 3).is_ok());
+        for stage in [1, 3] {
+            let err = exchange::check_zero(Rhd, stage, 3).unwrap_err().to_string();
+            assert!(err.contains(&format!("--zero {stage} with --strategy rhd on 3 ranks")), "{err}");
+        }
+        assert!(check_fully_sharded_options(&given_args(&["--zero", "3", "--fsdp-unit", "stage"])).is_ok());
+        for flag in ["--fsdp-unit", "--fsdp-hybrid"] {
+            let extra: &[&str] = if flag == "--fsdp-unit" { &["--fsdp-unit", "stage"] } else { &["--fsdp-hybrid"] };
+            let err = check_fully_sharded_options(&given_args(extra)).unwrap_err().to_string();
+            assert!(err.contains(&format!("{flag} is an option of --zero 3")), "{err}");
+        }
+
+        // A pipeline's grid and schedule against the ranks, and its micro-batches against the
+        // batch. (A partition or a chunk count the model's blocks cannot take is refused when the
+        // stages are cut: src/plan/pipeline.rs's an_explicit_partition_is_checked and
+        // too_many_chunks_names_the_options_that_made_them.)
+        let pipeline = |ranks: usize, extra: &[&str]| {
+            let args = given_args(&[&["--model", "tiny"][..], extra].concat());
+            args.pipeline.plan(&args.given, ranks, args.model).map(|_| ()).err().map(|e| e.to_string())
+        };
+        assert_eq!(pipeline(2, &["--pipeline-stages", "2", "--micro-batches", "2"]), None);
+        for (ranks, extra, reason) in [
+            (3, &["--pipeline-stages", "2"][..], "--pipeline-stages 2 does not divide the 3 ranks"),
+            (4, &["--pipeline-stages", "4", "--micro-batches", "2", "--schedule", "interleaved", "--virtual-stages", "2"], "--micro-batches 2 is not a multiple of --pipeline-stages 4"),
+            (2, &["--pipeline-stages", "2", "--schedule", "interleaved"], "--schedule interleaved needs --virtual-stages of at least 2"),
+            (1, &["--schedule", "gpipe"], "--schedule is an option of pipelines"),
+        ] {
+            let said = pipeline(ranks, extra).unwrap_or_else(|| panic!("{extra:?} accepted"));
+            assert!(said.contains(reason), "{extra:?}: {said}");
+        }
+        let args = given_args(&["--model", "tiny", "--pipeline-stages", "2", "--micro-batches", "64"]);
+        let plan = args.pipeline.plan(&args.given, 2, args.model).unwrap().unwrap();
+        assert!(check_pipeline(&plan, 64).is_ok());
+        let err = check_pipeline(&plan, 32).unwrap_err().to_string();
+        assert!(err.contains("--micro-batches 64 with a batch of 32 per pipeline"), "{err}");
     }
 
     #[test]
