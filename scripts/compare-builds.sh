@@ -17,7 +17,9 @@ DATA=datasets/fashion-mnist.h5
 mpi() { mpirun -n 2 --oversubscribe "$@"; }
 version() { "$1" --version | head -n 1; }
 started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-# Each row's options; rows that name no --model train the tiny CNN (TINY). The pipeline rows are
+# Each row's options; rows that name no --model train the tiny CNN (TINY). The Horovod-style rows
+# negotiate every cycle (no cache) or evict from a cache of 2, with the timeline's bookkeeping
+# on (its file is timed, so not compared). The pipeline rows are
 # one pipeline of 2 stages cut by parameters (--partition time would cut by measured times, which
 # differ from run to run); the tensor-parallel rows split vit-tiny's heads and MLP over both ranks.
 TINY=(--model tiny --batch-size 32 --steps 20)
@@ -26,6 +28,8 @@ configs=("--strategy ring" "--strategy rhd" "--strategy auto" "--strategy allred
     "--strategy ring --overlap on --bucket-mb 1" "--strategy allreduce --overlap on --bucket-mb 1"
     "--strategy ring --overlap on --bucket-mb 0.001" "--strategy horovod --overlap on --bucket-mb 0.001"
     "--strategy ring --zero 2 --overlap on --bucket-mb 0.001" "--strategy ring --zero 3 --overlap on --bucket-mb 0.001"
+    "--strategy horovod --cache-capacity 0 --fusion-threshold-mib 0"
+    "--strategy horovod --cache-capacity 2 --overlap on --bucket-mb 0.001 --timeline /dev/null"
     "--pipeline-stages 2 --micro-batches 4 --schedule gpipe --partition params"
     "--pipeline-stages 2 --micro-batches 4 --schedule 1f1b --partition params"
     "--pipeline-stages 2 --micro-batches 4 --schedule interleaved --virtual-stages 2 --partition params"
