@@ -23,12 +23,20 @@
 //! all-reduce issued right after the previous one takes about a cycle (issue 32 measured the
 //! real Horovod's 1 MiB all-reduce at 1.51 ms with a 1 ms cycle, 20.45 ms with 20 ms).
 //! `--timeline FILE` (HOROVOD_TIMELINE) streams rank 0's view in Horovod's format (timeline.rs).
+//!
+//! As Horovod keeps its controller (controller.cc) apart from its operations (ops/), the
+//! cycle's decision, steps 1 and 2, is controller.rs's, and the bytes of step 3 move in ops.rs;
+//! this file is the training loop's side and the background thread's loop (operations.cc's
+//! RunLoopOnce), queue.rs what they all share.
 
 mod cache;
+mod controller;
 mod negotiation;
+mod ops;
+mod queue;
 mod timeline;
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::time::Instant;
@@ -36,23 +44,21 @@ use std::time::Instant;
 use mpi::collective::SystemOperation;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
-use serde::Serialize;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::element::Dtype;
 use crate::error::{Error, Result};
-use crate::exchange::allreduce::SumOps;
-use crate::exchange::buckets::{pack, unpack};
 use crate::exchange::comm_thread::CommThread;
 use crate::exchange::config::{Compression, ExchangeConfig, HorovodConfig};
-use crate::exchange::staging::{wait_for_stream, Staging};
 use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
-use crate::plan::buckets::{Bucket, BucketPlan, Slot};
-use crate::raw::{self, CudaEvent, SendComm};
+use crate::plan::buckets::BucketPlan;
+use crate::raw::{CudaEvent, SendComm};
 use crate::topology::World;
 
-use cache::{CacheState, Response, ResponseCache};
-use negotiation::{fuse, fusion_threshold, MessageTable};
+use controller::{Controller, IDLE, SHUTTING_DOWN};
+use negotiation::fusion_threshold;
+use ops::Ops;
+use queue::{name_of, Counters, FromBackground, Ready, ToBackground};
 use timeline::Timeline;
 
 /// The HOROVOD_* variables hpc-train reads (docs/strategies.md, "Horovod's variables", says what each does
@@ -89,47 +95,6 @@ fn warn_about_unsupported_variables() {
             );
         }
     });
-}
-
-/// Messages from the training loop to the background thread.
-enum ToBackground {
-    /// `prescale`: multiply the tensor by this before it is cast down for the wire (a mean
-    /// under compression, so that the 16-bit sum over many ranks cannot overflow).
-    ///
-    /// `ready`: on a GPU, an event recorded on the enqueuing thread's stream after the tensor's
-    /// last write (Horovod's ready event): the background thread's stream is another one, so
-    /// waiting on its own stream would not cover that work.
-    Enqueue { id: usize, tensor: Tensor, prescale: Option<f64>, ready: Option<CudaEvent> },
-    /// The timeline's row names of tensor ids (rank 0, with a timeline only).
-    Names(Vec<(usize, Arc<str>)>),
-    Shutdown,
-}
-
-/// Messages back: one more tensor done, or the thread's failure.
-enum FromBackground {
-    Done,
-    Failed(Error),
-}
-
-/// Counters reported in runs.jsonl.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
-struct Counters {
-    cycles: u64,
-    negotiations: u64,
-    cache_hits: u64,
-    cache_evictions: u64,
-    fused_allreduces: u64,
-    tensors: u64,
-}
-
-impl Counters {
-    fn to_array(self) -> [u64; 6] {
-        [self.cycles, self.negotiations, self.cache_hits, self.cache_evictions, self.fused_allreduces, self.tensors]
-    }
-
-    fn from_array(a: [u64; 6]) -> Counters {
-        Counters { cycles: a[0], negotiations: a[1], cache_hits: a[2], cache_evictions: a[3], fused_allreduces: a[4], tensors: a[5] }
-    }
 }
 
 /// Tensor ids of overlap's buckets: bucket `key`'s tensors, above every plain tensor index.
@@ -223,26 +188,15 @@ impl Horovod {
         // Built on the thread: MPI's user operations (SumOps) stay on the thread that uses them.
         let thread = CommThread::spawn("horovod-background", config.device, move || {
             let mut bg = Background {
-                coord,
-                data,
-                local,
-                cross,
-                rank,
-                size,
-                cache: ResponseCache::new(bg_config.cache_capacity),
+                controller: Controller::new(coord, rank, size, &bg_config),
+                ops: Ops::new(data, local, cross, rank, path, &bg_config, call),
                 config: bg_config,
-                path,
                 inbox: bg_rx,
                 outbox: bg_tx.clone(),
                 queue: Vec::new(),
-                table: MessageTable::new(size),
                 names: HashMap::new(),
                 timeline,
-                fusion: None,
-                staging: Staging::new(),
-                sums: SumOps::new(call),
                 counters: Counters::default(),
-                last_stall_check: Instant::now(),
                 shutting_down: false,
             };
             let result = bg.run();
@@ -439,50 +393,19 @@ impl Exchange for Horovod {
     }
 }
 
-/// A tensor this rank has ready, waiting to be reduced.
-struct Ready {
-    id: usize,
-    tensor: Tensor,
-    prescale: Option<f64>,
-    /// The enqueuing thread's event after the tensor's last write (GPU only).
-    ready: Option<CudaEvent>,
-    since: Instant,
-    /// Sent to rank 0 in a negotiation (each request goes once, as Horovod's queue pops it).
-    reported: bool,
-}
-
-/// Status bits of a cycle, each set by a rank where it holds for that rank: the AND over the
-/// ranks says whether it holds for all.
-const SHUTTING_DOWN: u64 = 1;
-const IDLE: u64 = 1 << 1;
-const ALL_CACHED: u64 = 1 << 2;
-const NONE_INVALID: u64 = 1 << 3;
-
-/// The background thread's state.
+/// The background thread's state: the controller, the operations, and what both work on.
 struct Background {
-    coord: SendComm,
-    data: SendComm,
-    local: SendComm,
-    cross: Option<SendComm>,
-    rank: usize,
-    size: usize,
+    controller: Controller,
+    ops: Ops,
+    /// The cycle's time and whether the timeline marks each cycle.
     config: HorovodConfig,
-    path: DataPath,
     inbox: Receiver<ToBackground>,
     outbox: Sender<FromBackground>,
     queue: Vec<Ready>,
-    /// The response cache, the same on every rank.
-    cache: ResponseCache,
-    /// Rank 0's table of tensors reported by some ranks and not yet all.
-    table: MessageTable,
     /// Timeline rows of tensor ids (rank 0, with a timeline).
     names: HashMap<usize, Arc<str>>,
     timeline: Option<Timeline>,
-    fusion: Option<Tensor>,
-    staging: Staging,
-    sums: SumOps,
     counters: Counters,
-    last_stall_check: Instant,
     shutting_down: bool,
 }
 
@@ -505,7 +428,7 @@ impl Background {
             }
             self.take_enqueued();
             self.counters.cycles += 1;
-            let (responses, agreed) = self.compute_responses()?;
+            let (responses, agreed) = self.controller.compute_responses(&mut self.queue, self.shutting_down, &mut self.timeline, &self.names, &mut self.counters)?;
             if agreed & (SHUTTING_DOWN | IDLE) == SHUTTING_DOWN | IDLE {
                 // Every rank is shutting down with nothing queued: all leave together.
                 return Ok(());
@@ -516,7 +439,7 @@ impl Background {
                 return Err(Error::exchange("horovod", "this rank stopped while other ranks wait for its tensors"));
             }
             if !responses.is_empty() {
-                self.execute(&responses)?;
+                self.ops.execute(&mut self.queue, &responses, &mut self.timeline, &self.names, &mut self.counters, &self.outbox)?;
             }
         }
     }
@@ -532,7 +455,7 @@ impl Background {
                     for (id, name) in names {
                         // A row under way under the old name (or the stand-in for none) goes on
                         // under the new one.
-                        let old = self.name_of(id);
+                        let old = name_of(&self.names, id);
                         self.names.insert(id, name.clone());
                         if let Some(timeline) = self.timeline.as_mut() {
                             timeline.rename(&old, &name);
@@ -547,420 +470,6 @@ impl Background {
                 Err(TryRecvError::Empty) => break,
             }
         }
-    }
-
-    fn name_of(&self, id: usize) -> Arc<str> {
-        self.names.get(&id).cloned().unwrap_or_else(|| Arc::from(format!("allreduce.noname.{id}")))
-    }
-
-    /// Horovod's `Controller::ComputeResponseList`: which tensors to reduce this cycle, in one
-    /// order on every rank, and the status bits agreed over the ranks.
-    fn compute_responses(&mut self) -> Result<(Vec<Response>, u64)> {
-        let caching = self.cache.capacity() > 0;
-        // A cached tensor held back past the stall warning is renegotiated (Horovod's
-        // InvalidateStalledCachedTensors), so that rank 0 can say which ranks hold it back.
-        let stall_check = self.config.stall_check && self.last_stall_check.elapsed() >= self.config.stall_warning;
-        let mut hits = BTreeSet::new();
-        let mut invalid = BTreeSet::new();
-        let mut uncached = false;
-        if caching {
-            for r in &self.queue {
-                match self.cache.cached(r.id, r.tensor.numel()) {
-                    CacheState::Hit(bit) if stall_check && r.since.elapsed() >= self.config.stall_warning => {
-                        invalid.insert(bit);
-                        uncached = true;
-                    }
-                    CacheState::Hit(bit) => {
-                        hits.insert(bit);
-                    }
-                    CacheState::Invalid(bit) => {
-                        invalid.insert(bit);
-                        uncached = true;
-                    }
-                    CacheState::Miss => uncached = true,
-                }
-            }
-        }
-        let mut status = 0;
-        if self.shutting_down {
-            status |= SHUTTING_DOWN;
-        }
-        if self.queue.is_empty() {
-            status |= IDLE;
-        }
-        if !uncached {
-            status |= ALL_CACHED;
-        }
-        if invalid.is_empty() {
-            status |= NONE_INVALID;
-        }
-
-        // 1. Coordination through the cache: one AND of status and hit bits.
-        let mut agreed = status;
-        let mut common: Vec<usize> = Vec::new();
-        if caching {
-            let (flags, found) = self.coordinate_cache(status, &hits, &invalid)?;
-            agreed = flags;
-            common = found;
-        }
-
-        // 2. Negotiation through rank 0, unless every ready tensor is cached everywhere.
-        let responses: Vec<Response>;
-        if caching && agreed & ALL_CACHED != 0 {
-            // Every rank takes the hits in bit order, each becoming the most recently used.
-            responses = common.iter().map(|&bit| self.cache.get(bit)).collect();
-        } else {
-            self.counters.negotiations += 1;
-            let hit_responses: Vec<Response> = common.iter().map(|&bit| self.cache.peek(bit)).collect();
-            let mut requests: Vec<u64> = Vec::new();
-            for r in self.queue.iter_mut().filter(|r| !r.reported) {
-                if !matches!(self.cache.cached(r.id, r.tensor.numel()), CacheState::Hit(_)) {
-                    r.reported = true;
-                    requests.extend([r.id as u64, r.tensor.numel() as u64]);
-                }
-            }
-            let (flags, list) = self.negotiate(status, &requests, &hit_responses)?;
-            if !caching {
-                agreed = flags;
-            }
-            responses = list;
-            // Every rank caches the same responses in the same order: the caches stay equal.
-            for &response in &responses {
-                if self.cache.put(response).is_some() && self.cache.evictions() == 1 && self.rank == 0 {
-                    // Horovod's warning, once.
-                    log::warn!(
-                        "horovod: a response was evicted from the cache of {} entries, which may reduce performance: raise HOROVOD_CACHE_CAPACITY (or --cache-capacity), or set it to 0",
-                        self.cache.capacity()
-                    );
-                }
-            }
-            self.counters.cache_evictions = self.cache.evictions();
-        }
-        self.cache.compact();
-        if stall_check {
-            self.last_stall_check = Instant::now();
-        }
-        self.counters.cache_hits += common.len() as u64;
-        Ok((responses, agreed))
-    }
-
-    /// One AND over the ranks of the status word and the cache's hit bits (with a timeline, a
-    /// second section tells rank 0 which tensors any rank has ready, for NEGOTIATE_ALLREDUCE);
-    /// then, if any rank has invalid entries, one OR of them, and every rank erases them.
-    /// Returns the agreed status and the bits every rank has ready.
-    fn coordinate_cache(&mut self, status: u64, hits: &BTreeSet<usize>, invalid: &BTreeSet<usize>) -> Result<(u64, Vec<usize>)> {
-        let words = self.cache.bits().div_ceil(64);
-        let with_timeline = self.config.timeline.is_some();
-        let mut vector = vec![0u64; 1 + words * if with_timeline { 2 } else { 1 }];
-        vector[0] = status;
-        if with_timeline {
-            vector[1 + words..].fill(!0);
-        }
-        for &bit in hits {
-            vector[1 + bit / 64] |= 1 << (bit % 64);
-            if with_timeline {
-                vector[1 + words + bit / 64] ^= 1 << (bit % 64);
-            }
-        }
-        let mut and = vec![0u64; vector.len()];
-        self.coord.comm().all_reduce_into(&vector[..], &mut and[..], SystemOperation::bitwise_and());
-        let agreed = and[0];
-        let bits_of = |section: &[u64], set: bool| -> Vec<usize> {
-            (0..words * 64).filter(|&b| (section[b / 64] >> (b % 64) & 1 == 1) == set).collect()
-        };
-        let mut erased = BTreeSet::new();
-        if agreed & NONE_INVALID == 0 {
-            let mut mine = vec![0u64; words];
-            for &bit in invalid {
-                mine[bit / 64] |= 1 << (bit % 64);
-            }
-            let mut any = vec![0u64; words];
-            self.coord.comm().all_reduce_into(&mine[..], &mut any[..], SystemOperation::bitwise_or());
-            erased = bits_of(&any, true).into_iter().filter(|&b| b < self.cache.bits()).collect();
-        }
-        let common: Vec<usize> = bits_of(&and[1..1 + words], true).into_iter().filter(|b| *b < self.cache.bits() && !erased.contains(b)).collect();
-        if with_timeline && self.timeline.is_some() {
-            // Some rank has it ready: negotiation has begun; every rank has: it has ended.
-            let started: Vec<Arc<str>> = bits_of(&and[1 + words..], false)
-                .into_iter()
-                .filter(|b| *b < self.cache.bits() && !erased.contains(b))
-                .map(|b| self.name_of(self.cache.peek(b).id))
-                .collect();
-            let ended: Vec<Arc<str>> = common.iter().map(|&b| self.name_of(self.cache.peek(b).id)).collect();
-            if let Some(timeline) = self.timeline.as_mut() {
-                started.iter().for_each(|n| timeline.negotiate_start(n));
-                ended.iter().for_each(|n| timeline.negotiate_end(n));
-            }
-        }
-        for &bit in &erased {
-            self.cache.erase(bit);
-        }
-        Ok((agreed, common))
-    }
-
-    /// Rank 0 gathers every rank's status and new requests, and answers every rank with the
-    /// agreed status and the responses: `hits` (the cycle's common cache hits) first, then the
-    /// tensors every rank has now reported, in the order they became ready.
-    fn negotiate(&mut self, status: u64, requests: &[u64], hits: &[Response]) -> Result<(u64, Vec<Response>)> {
-        let comm = self.coord.comm();
-        let root = comm.process_at_rank(0);
-        let mut message = Vec::with_capacity(requests.len() + 1);
-        message.push(status);
-        message.extend_from_slice(requests);
-        let count = message.len() as i32;
-        let mut answer: Vec<u64>;
-        if self.rank == 0 {
-            let mut counts = vec![0i32; self.size];
-            root.gather_into_root(&count, &mut counts[..]);
-            let displs: Vec<i32> = counts.iter().scan(0, |acc, &c| { let d = *acc; *acc += c; Some(d) }).collect();
-            let mut all = vec![0u64; counts.iter().sum::<i32>() as usize];
-            {
-                let mut partition = mpi::datatype::PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
-                root.gather_varcount_into_root(&message[..], &mut partition);
-            }
-            let mut agreed = !0u64;
-            let mut ready: Vec<Response> = Vec::new();
-            let now = Instant::now();
-            for (r, (&c, &d)) in counts.iter().zip(&displs).enumerate() {
-                let part = &all[d as usize..(d + c) as usize];
-                agreed &= part[0];
-                for pair in part[1..].chunks_exact(2) {
-                    let (id, len) = (pair[0] as usize, pair[1] as usize);
-                    let reported = self.table.report(r, id, len, now).map_err(|e| Error::exchange("horovod", e))?;
-                    let name = self.timeline.as_ref().map(|_| self.name_of(id));
-                    if let (Some(timeline), Some(name)) = (self.timeline.as_mut(), name) {
-                        if reported.first {
-                            timeline.negotiate_start(&name);
-                        }
-                        timeline.negotiate_rank_ready(&name, r);
-                        if reported.complete {
-                            timeline.negotiate_end(&name);
-                        }
-                    }
-                    if reported.complete {
-                        ready.push(Response { id, len });
-                    }
-                }
-            }
-            answer = vec![agreed];
-            answer.extend(hits.iter().chain(&ready).flat_map(|r| [r.id as u64, r.len as u64]));
-            let mut n = answer.len() as u64;
-            root.broadcast_into(&mut n);
-            root.broadcast_into(&mut answer[..]);
-            self.report_stalls();
-        } else {
-            root.gather_into(&count);
-            root.gather_varcount_into(&message[..]);
-            let mut n = 0u64;
-            root.broadcast_into(&mut n);
-            answer = vec![0u64; n as usize];
-            root.broadcast_into(&mut answer[..]);
-        }
-        let responses = answer[1..].chunks_exact(2).map(|p| Response { id: p[0] as usize, len: p[1] as usize }).collect();
-        Ok((answer[0], responses))
-    }
-
-    /// Rank 0: tensors some ranks have reported and others not, for longer than the warning
-    /// (Horovod's stall inspector), at most once per warning period.
-    fn report_stalls(&mut self) {
-        if !self.config.stall_check {
-            return;
-        }
-        let stalled = self.table.stalled(Instant::now(), self.config.stall_warning);
-        if stalled.is_empty() || self.last_stall_check.elapsed() < self.config.stall_warning {
-            return;
-        }
-        let listed: Vec<String> = stalled
-            .iter()
-            .map(|(id, missing, waited)| format!("{} (waiting {:.0} s) missing on ranks {missing:?}", self.name_of(*id), waited.as_secs_f64()))
-            .collect();
-        log::warn!(
-            "horovod: stall: {} tensor(s) enqueued on some ranks but not all for over {:.0} s: {}",
-            listed.len(),
-            self.config.stall_warning.as_secs_f64(),
-            listed.join("; ")
-        );
-        self.last_stall_check = Instant::now();
-    }
-
-    /// Reduces the tensors of `responses`, fused in that order, then tells the training loop.
-    fn execute(&mut self, responses: &[Response]) -> Result<()> {
-        // This rank's tensors, in the agreed order.
-        let mut items: Vec<Ready> = Vec::with_capacity(responses.len());
-        for response in responses {
-            let at = self.queue.iter().position(|r| r.id == response.id).ok_or_else(|| {
-                Error::exchange("horovod", format!("tensor {} was agreed but is not queued on rank {}", response.id, self.rank))
-            })?;
-            items.push(self.queue.swap_remove(at));
-        }
-        // Fuse consecutive tensors up to the threshold (dtype is one per exchange).
-        let kind = items[0].tensor.kind();
-        let wire_kind = self.config.compression.kind().unwrap_or(kind);
-        let elem = wire_kind.elt_size_in_bytes();
-        let bytes: Vec<usize> = items.iter().map(|r| r.tensor.numel() * elem).collect();
-        let mut items: VecDeque<Ready> = items.into();
-        for group in fuse(&bytes, self.config.fusion_threshold) {
-            let group: Vec<Ready> = items.drain(..group.len()).collect();
-            self.execute_group(group, wire_kind)?;
-        }
-        Ok(())
-    }
-
-    /// Horovod's `PerformOperation` and `MPIAllreduce::Execute` for one fused group.
-    fn execute_group(&mut self, group: Vec<Ready>, wire_kind: Kind) -> Result<()> {
-        let elem = wire_kind.elt_size_in_bytes();
-        let names: Vec<Arc<str>> = match self.timeline {
-            Some(_) => group.iter().map(|r| self.name_of(r.id)).collect(),
-            None => Vec::new(),
-        };
-        let len: usize = group.iter().map(|r| r.tensor.numel()).sum();
-        let device = group[0].tensor.device();
-        self.each(&names, |t, n| t.start(n, "ALLREDUCE"));
-        if device.is_cuda() {
-            // The kernels that wrote the gradients, on the enqueuing thread's stream, must be
-            // done before MPI or a copy reads them.
-            self.each(&names, |t, n| t.activity_start(n, "WAIT_FOR_DATA"));
-            for r in &group {
-                if let Some(event) = &r.ready {
-                    event.synchronize()?;
-                }
-            }
-            self.each(&names, |t, n| t.activity_end(n));
-        }
-        let tensors: Vec<Tensor> = group.iter().map(|r| r.tensor.shallow_clone()).collect();
-        for (r, t) in group.iter().zip(&tensors) {
-            if let Some(factor) = r.prescale {
-                let _ = t.shallow_clone().f_mul_scalar_(factor)?;
-            }
-        }
-        // One tensor is reduced where it lies, as Horovod's MPIAllreduce::Execute does for a
-        // single entry; several go through the fusion buffer.
-        let alone = in_place(&group, wire_kind);
-        let fused = alone.is_none();
-        let bucket = Bucket {
-            slots: group
-                .iter()
-                .scan(0, |at, r| {
-                    let slot = Slot { tensor: 0, offset: *at, len: r.tensor.numel() };
-                    *at += slot.len;
-                    Some(slot)
-                })
-                .enumerate()
-                .map(|(i, s)| Slot { tensor: i, ..s })
-                .collect(),
-            len,
-        };
-        let mut buffer = match alone {
-            Some(view) => view,
-            None => {
-                let fusion_fits = self.fusion.as_ref().is_some_and(|f| f.numel() >= len && f.kind() == wire_kind && f.device() == device);
-                if !fusion_fits {
-                    let capacity = len.max(self.config.fusion_threshold / elem).max(1);
-                    self.fusion = Some(Tensor::f_zeros([capacity as i64], (wire_kind, device))?);
-                }
-                let mut buffer = self.fusion.as_ref().expect("made above").f_narrow(0, 0, len as i64)?;
-                // Tensors in and out of the fusion buffer: a memory copy for host tensors,
-                // libtorch's copy (which also casts, when compressing) otherwise.
-                self.each(&names, |t, n| t.activity_start(n, "MEMCPY_IN_FUSION_BUFFER"));
-                pack(&bucket, &tensors, &mut buffer);
-                self.each(&names, |t, n| t.activity_end(n));
-                buffer
-            }
-        };
-
-        self.all_reduce_buffer(&mut buffer, &names)?;
-        self.counters.fused_allreduces += 1;
-
-        if fused {
-            self.each(&names, |t, n| t.activity_start(n, "MEMCPY_OUT_FUSION_BUFFER"));
-            let mut tensors = tensors;
-            unpack(&bucket, &buffer, &mut tensors);
-        }
-        // The training loop may read the tensors once told they are done.
-        wait_for_stream(device)?;
-        let dtype = horovod_dtype_name(group[0].tensor.kind());
-        for (r, name) in group.iter().zip(names.iter().map(Some).chain(std::iter::repeat(None))) {
-            if let (Some(timeline), Some(name)) = (self.timeline.as_mut(), name) {
-                timeline.end(name, dtype, &r.tensor.size());
-            }
-            self.counters.tensors += 1;
-            let _ = self.outbox.send(FromBackground::Done);
-        }
-        Ok(())
-    }
-
-    /// Runs `f` on the timeline for every tensor named (rank 0 with a timeline; else nothing).
-    fn each(&mut self, names: &[Arc<str>], f: impl Fn(&mut Timeline, &Arc<str>)) {
-        if let Some(timeline) = self.timeline.as_mut() {
-            names.iter().for_each(|n| f(timeline, n));
-        }
-    }
-
-    /// Sums one fusion buffer over all ranks: flat, or node-reduce + cross all-reduce + node
-    /// broadcast.
-    fn all_reduce_buffer(&mut self, buffer: &mut Tensor, names: &[Arc<str>]) -> Result<()> {
-        let mut one = [buffer.shallow_clone()];
-        let (data, local, cross, sums, hierarchical) = (&self.data, &self.local, &self.cross, &self.sums, self.config.hierarchical);
-        let timeline = &mut self.timeline;
-        let mut activity = |name: Option<&str>| {
-            if let Some(t) = timeline.as_mut() {
-                for n in names {
-                    match name {
-                        Some(a) => t.activity_start(n, a),
-                        None => t.activity_end(n),
-                    }
-                }
-            }
-        };
-        let path = self.path.for_mpi_reduction(common_dtype(&one)?);
-        self.staging.run(path, &mut one, |_, b| {
-            if !hierarchical {
-                activity(Some("MPI_ALLREDUCE"));
-                let result = sums.all_reduce_sum(data.comm(), b);
-                activity(None);
-                return result;
-            }
-            // Reduce within the node to its first rank, all-reduce among the nodes' first
-            // ranks, broadcast within the node.
-            let local = local.comm();
-            activity(Some("MPI_REDUCE"));
-            sums.reduce_sum_to_root(local, b, 0)?;
-            if let Some(cross) = cross {
-                activity(Some("MPI_ALLREDUCE"));
-                sums.all_reduce_sum(cross.comm(), b)?;
-            }
-            activity(Some("MPI_BCAST"));
-            let dtype = common_dtype(std::slice::from_ref(b))?;
-            crate::with_element!(dtype, E => {
-                // SAFETY: `b` is this thread's fusion buffer (or its staging copy), which nothing
-                // else touches; on the device the path is direct only with a CUDA-aware MPI, and
-                // the staging run waited for the stream.
-                let mut view = unsafe { raw::mpi_buffer_mut::<E>(b)? };
-                local.process_at_rank(0).broadcast_into(&mut view);
-            });
-            activity(None);
-            Ok(())
-        })
-    }
-}
-
-/// Horovod's names of the element types, for the timeline's end events.
-fn horovod_dtype_name(kind: Kind) -> &'static str {
-    match kind {
-        Kind::Float => "HOROVOD_FLOAT32",
-        Kind::Half => "HOROVOD_FLOAT16",
-        Kind::BFloat16 => "HOROVOD_BFLOAT16",
-        Kind::Double => "HOROVOD_FLOAT64",
-        _ => "HOROVOD_OTHER",
-    }
-}
-
-/// A flat view of a group's one tensor when it can be reduced where it lies: alone, already of
-/// the wire's kind (no compression cast), dense in memory. None: it goes through the fusion buffer.
-fn in_place(group: &[Ready], wire_kind: Kind) -> Option<Tensor> {
-    match group {
-        [r] if r.tensor.kind() == wire_kind => raw::flat_dense_view(&r.tensor).ok(),
-        _ => None,
     }
 }
 

@@ -1,50 +1,22 @@
-//! `hpc-train model fit` (the cost model's unknowns from measured bench rows) and
-//! `hpc-train project` (scaling tables for clusters larger than the one measured, from a
-//! cluster profile, with every prediction checked against the measurements it is given).
-//!
-//! The formulas are cost.rs's; this file reads rows, fits, and lays out results. Projected runs
-//! are written as run records marked `projected` and handed to `hpc-train report`, so that they
-//! come out in the report's own tables and plots.
+//! `hpc-train project`: scaling tables for clusters larger than the one measured, from a
+//! cluster profile (link costs, or a model file from `model fit`), with every prediction
+//! checked against the measurements it is given. Projected runs are written as run records
+//! marked `projected` and handed to `hpc-train report`, so that they come out in the report's
+//! own tables and plots.
 
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
-use crate::cost::{coefficients, fit_network, fit_two, Algorithm, Coefficients, CostModel, Layout, LinkCost, MeasuredCurve, MeasuredPoint};
+use crate::cost::{CostModel, Layout, LinkCost, MeasuredCurve};
 use crate::error::{Error, Result, WithPath};
 use crate::layouts::{self, Setting, Transformer};
 use crate::model::ModelKind;
 use crate::plan::pipeline::ScheduleKind;
+use crate::project::predict::{median, residual, BenchRow, Predictor, Residual, HOROVOD_HIERARCHICAL};
 use crate::report::ReportArgs;
 use crate::results::{self, RunRecord};
-
-/// Options of `hpc-train model fit`.
-#[derive(Args, Debug, Clone)]
-pub struct FitArgs {
-    /// Bench rows (host f32, one tensor): ring, rhd and ps within a node and, for the network
-    /// link and the fabric, across nodes; MPI_Allreduce's rows become its measured curve; every
-    /// row is predicted and shown beside its measurement (MPI_Allreduce's from the others).
-    #[arg(long, default_value = "results/bench.jsonl")]
-    pub bench: PathBuf,
-    /// Only the rows across nodes recorded with this --link-mbit (rows within one node all count).
-    #[arg(long)]
-    pub link_mbit: Option<f64>,
-    /// The model file to write (JSON).
-    #[arg(long, default_value = "results/cost-model.json")]
-    pub out: PathBuf,
-    /// Parameter servers in the ps rows (as bench --servers).
-    #[arg(long, default_value_t = 1)]
-    pub servers: usize,
-    /// Network links per node in the rows across nodes: the node's ranks that cross the network
-    /// in the same step share them (rhd's steps between nodes; the node-aware ring crosses with
-    /// one flow each way). Written into the model. [default: a link per rank]
-    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
-    pub nics_per_node: Option<u16>,
-    /// Horovod cycle time of the horovod rows (as bench --cycle-time-ms).
-    #[arg(long, default_value_t = 1.0)]
-    pub cycle_time_ms: f64,
-}
 
 /// Options of `hpc-train project`.
 #[derive(Args, Debug, Clone)]
@@ -155,282 +127,6 @@ pub enum TransformerKind {
     /// ViT-B/16 at 224x224 (hpc-train's vit-b16).
     #[value(name = "vit-b16")]
     VitB16,
-}
-
-/// The bench.jsonl fields the fit reads.
-#[derive(Clone, Debug, Deserialize)]
-struct BenchRow {
-    size: usize,
-    strategy: String,
-    ranks: usize,
-    #[serde(default)]
-    nodes: usize,
-    time_us: f64,
-    wrong: u64,
-    #[serde(rename = "type")]
-    dtype: String,
-    #[serde(default)]
-    layout: String,
-    device: String,
-    #[serde(default)]
-    memory_add_gbs: Option<f64>,
-    #[serde(default)]
-    link_mbit: Option<f64>,
-    /// "shared-memory" for a ring that ran through node-shared memory (not MPI messages).
-    #[serde(default)]
-    ring_transport: Option<String>,
-    /// Horovod-style rows: a hierarchical all-reduce (absent: flat).
-    #[serde(default)]
-    hierarchical: Option<bool>,
-}
-
-impl BenchRow {
-    fn layout(&self) -> Layout {
-        let nodes = self.nodes.max(1);
-        Layout { ranks: self.ranks, per_node: self.ranks.div_ceil(nodes) }
-    }
-
-    /// Rows the model describes: host f32, one tensor, right results, more than one rank.
-    fn usable(&self) -> bool {
-        self.device == "cpu" && self.dtype == "float" && (self.layout.is_empty() || self.layout == "single") && self.wrong == 0 && self.ranks > 1 && self.size > 0
-    }
-
-    /// The strategy as the model knows it: Horovod's hierarchical all-reduce apart from its flat one.
-    fn strategy(&self) -> &str {
-        match (self.strategy.as_str(), self.hierarchical) {
-            ("horovod", Some(true)) => HOROVOD_HIERARCHICAL,
-            (s, _) => s,
-        }
-    }
-
-    /// Whether the row's ring ran through node-shared memory rather than MPI messages.
-    fn shared_ring(&self) -> bool {
-        self.ring_transport.as_deref() == Some("shared-memory")
-    }
-}
-
-/// Horovod-style with `--hierarchical`, as the model and the tables name it.
-const HOROVOD_HIERARCHICAL: &str = "horovod-hierarchical";
-
-/// What `model fit` writes.
-#[derive(Serialize, Deserialize)]
-pub struct ModelFile {
-    pub model: CostModel,
-    /// MPI_Allreduce's measured times (absent in files fitted before it was kept).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mpi_allreduce: Option<MeasuredCurve>,
-    pub link_mbit: Option<f64>,
-    pub fitted_from: String,
-    pub rows: usize,
-    pub residuals: Vec<Residual>,
-}
-
-#[derive(Clone, Serialize, Deserialize)]
-pub struct Residual {
-    pub strategy: String,
-    pub ranks: usize,
-    pub nodes: usize,
-    pub link_mbit: Option<f64>,
-    pub size_bytes: Option<usize>,
-    pub measured_us: f64,
-    pub predicted_us: f64,
-    pub error_pct: f64,
-}
-
-/// The algorithm of a strategy's rows; `shared_ring` when the ring ran through node-shared
-/// memory.
-fn algorithm_of(strategy: &str, servers: usize, shared_ring: bool) -> Option<Algorithm> {
-    match strategy {
-        "ring" if shared_ring => Some(Algorithm::SharedRing),
-        "ring" => Some(Algorithm::Ring),
-        "rhd" => Some(Algorithm::Rhd),
-        "ps" => Some(Algorithm::Ps { servers }),
-        _ => None,
-    }
-}
-
-/// What predicts a strategy's exchange time: the formulas of cost.rs, MPI_Allreduce's measured
-/// curve where there is one, the parameter servers' count and Horovod's cycle.
-#[derive(Clone, Copy)]
-struct Predictor<'a> {
-    model: &'a CostModel,
-    mpi_allreduce: Option<&'a MeasuredCurve>,
-    servers: usize,
-    cycle_s: f64,
-    /// The share of a cycle a Horovod-style exchange waits for it: half on average in a
-    /// training step (the tensors come at any point of a cycle), a whole one in a bench row,
-    /// whose exchange is enqueued just after the cycle that ended the previous one (so the real
-    /// Horovod's 1 MiB all-reduce took 20.45 ms at a 20 ms cycle, issue 32).
-    cycle_share: f64,
-}
-
-impl Predictor<'_> {
-    /// Predicted seconds of a strategy's all-reduce of `bytes`. MPI_Allreduce is its measured
-    /// curve, or without one MPI's choice between the algorithms taken as the faster; Horovod
-    /// is MPI_Allreduce plus its wait for the cycle (`cycle_share`), and hierarchical Horovod a
-    /// reduce within the node (an all-reduce's bytes), MPI_Allreduce among the nodes' first
-    /// ranks and a broadcast within the node; auto picks the fastest itself, with its ring
-    /// through node-shared memory when `shared_ring`. `held_out`: a measured row being
-    /// checked, which MPI's curve must not contain.
-    fn exchange(&self, strategy: &str, layout: Layout, bytes: f64, shared_ring: bool, held_out: bool) -> Option<f64> {
-        let model = self.model;
-        let best = |ring, layout, bytes| model.predict(model.choose(ring, layout, bytes), layout, bytes);
-        let mpi = |layout: Layout, held_out| {
-            let formula = |l, b| best(Algorithm::Ring, l, b);
-            self.mpi_allreduce.and_then(|c| c.predict(layout, bytes, held_out, formula)).unwrap_or_else(|| formula(layout, bytes))
-        };
-        let hierarchical = || {
-            let per_node = layout.per_node.clamp(1, layout.ranks);
-            let node = Layout { ranks: per_node, per_node };
-            let leaders = Layout { ranks: layout.nodes(), per_node: 1 };
-            let broadcast = model.intra.alpha_s * (per_node as f64).log2().ceil() + bytes * model.intra.beta_s_per_byte;
-            let within = if per_node > 1 { mpi(node, false) + broadcast } else { 0.0 };
-            within + if leaders.ranks > 1 { mpi(leaders, false) } else { 0.0 }
-        };
-        match strategy {
-            "allreduce" => Some(mpi(layout, held_out)),
-            "horovod" => Some(mpi(layout, held_out) + self.cycle_s * self.cycle_share),
-            HOROVOD_HIERARCHICAL => Some(hierarchical() + self.cycle_s * self.cycle_share),
-            "auto" => Some(best(if shared_ring { Algorithm::SharedRing } else { Algorithm::Ring }, layout, bytes)),
-            s => algorithm_of(s, self.servers, shared_ring).map(|a| model.predict(a, layout, bytes)),
-        }
-    }
-}
-
-/// `hpc-train model fit`.
-pub fn fit(args: &FitArgs) -> Result<()> {
-    let rows: Vec<(usize, BenchRow)> = results::read_numbered_json_lines(&args.bench)?;
-    // --link-mbit picks the network rows; rows within one node never crossed it and all count.
-    let rows: Vec<(usize, BenchRow)> = rows.into_iter().filter(|(_, r)| r.usable() && (args.link_mbit.is_none() || r.nodes <= 1 || r.link_mbit == args.link_mbit)).collect();
-    // A time of 0 (a bench of no iterations) would fit links that cost nothing.
-    for (line, r) in &rows {
-        let bad_add = r.memory_add_gbs.filter(|g| !(g.is_finite() && *g > 0.0));
-        if !(r.time_us.is_finite() && r.time_us > 0.0) || bad_add.is_some() {
-            let (what, value) = match bad_add {
-                Some(g) => ("memory_add_gbs", g),
-                None => ("time_us", r.time_us),
-            };
-            return Err(Error::usage(format!(
-                "{}:{line}: the {} row of {} bytes on {} rank(s) has {what} {value}, not a positive measurement; remove the row (or measure again)",
-                args.bench.display(), r.strategy, r.size, r.ranks
-            )));
-        }
-    }
-    let rows: Vec<BenchRow> = rows.into_iter().map(|(_, r)| r).collect();
-    let adds: Vec<f64> = rows.iter().filter_map(|r| r.memory_add_gbs).collect();
-    if adds.is_empty() {
-        return Err(Error::usage(format!(
-            "{}: no usable row with memory_add_gbs (host f32 rows from `hpc-train bench` on more than one rank{})",
-            args.bench.display(),
-            args.link_mbit.map_or(String::new(), |m| format!(" at --link-mbit {m}"))
-        )));
-    }
-    let gamma = 1.0 / (median(adds) * 1e9);
-    // The algorithms' own rows (ring over MPI, rhd, ps), with their coefficients and seconds.
-    let algorithm_rows = |inter: bool| -> Vec<(Coefficients, f64)> {
-        rows.iter()
-            .filter(|r| (r.nodes > 1) == inter && matches!(r.strategy.as_str(), "ring" | "rhd" | "ps") && !r.shared_ring())
-            .map(|r| {
-                let algorithm = algorithm_of(&r.strategy, args.servers, false).expect("ring, rhd or ps");
-                (coefficients(algorithm, r.layout(), r.size as f64, args.nics_per_node.map(usize::from)), r.time_us * 1e-6)
-            })
-            .collect()
-    };
-    let mut model = CostModel { gamma_s_per_byte: gamma, nics_per_node: args.nics_per_node.map(usize::from), ..CostModel::default() };
-    // Relative errors: every size counts alike.
-    let node_rows: Vec<(f64, f64, f64, f64)> = algorithm_rows(false).iter().map(|(c, t)| (c[0], c[1], t - c[4] * gamma, 1.0 / t)).collect();
-    let intra = fit_two(&node_rows).ok_or_else(|| Error::usage("no ring, rhd or ps rows within one node to fit the node's links"))?;
-    model.intra = LinkCost { alpha_s: intra.0, beta_s_per_byte: intra.1 };
-    match fit_network(&algorithm_rows(true), &model) {
-        Some((inter, fabric)) => (model.inter, model.fabric_s_per_byte) = (inter, fabric),
-        None => log::warn!("no ring, rhd or ps rows across nodes: the network link keeps the built-in default"),
-    }
-    // The ring through node-shared memory, from its own rows (the adds known).
-    let shared_rows: Vec<(f64, f64, f64, f64)> = rows
-        .iter()
-        .filter(|r| r.strategy == "ring" && r.shared_ring() && r.nodes <= 1)
-        .map(|r| {
-            let c = coefficients(Algorithm::SharedRing, r.layout(), r.size as f64, None);
-            let t = r.time_us * 1e-6;
-            (c[5], c[6], t - c[4] * gamma, 1.0 / t)
-        })
-        .collect();
-    model.shared = fit_two(&shared_rows).map(|(alpha, beta)| LinkCost { alpha_s: alpha, beta_s_per_byte: beta });
-    let mpi_allreduce = measured_curve(&rows);
-    // Every row predicted; MPI_Allreduce's from the curve without that row (held out).
-    let predictor = Predictor { model: &model, mpi_allreduce: mpi_allreduce.as_ref(), servers: args.servers, cycle_s: args.cycle_time_ms * 1e-3, cycle_share: 1.0 };
-    let residuals: Vec<Residual> = rows
-        .iter()
-        .filter_map(|r| {
-            let predicted = predictor.exchange(r.strategy(), r.layout(), r.size as f64, r.shared_ring(), true)?;
-            Some(residual(r.strategy(), r.ranks, r.nodes.max(1), r.link_mbit, Some(r.size), r.time_us, predicted * 1e6))
-        })
-        .collect();
-    print_fit(&model, mpi_allreduce.as_ref(), &residuals);
-    let file = ModelFile { model, mpi_allreduce, link_mbit: args.link_mbit, fitted_from: args.bench.display().to_string(), rows: rows.len(), residuals };
-    write_json(&args.out, &file)?;
-    println!("wrote {}", args.out.display());
-    Ok(())
-}
-
-/// MPI_Allreduce's rows as its measured curve (None without such rows).
-fn measured_curve(rows: &[BenchRow]) -> Option<MeasuredCurve> {
-    let points: Vec<MeasuredPoint> = rows
-        .iter()
-        .filter(|r| r.strategy == "allreduce")
-        .map(|r| {
-            let layout = r.layout();
-            MeasuredPoint { ranks: layout.ranks, per_node: layout.per_node, size_bytes: r.size as f64, time_s: r.time_us * 1e-6 }
-        })
-        .collect();
-    (!points.is_empty()).then_some(MeasuredCurve { points })
-}
-
-fn residual(strategy: &str, ranks: usize, nodes: usize, link_mbit: Option<f64>, size: Option<usize>, measured_us: f64, predicted_us: f64) -> Residual {
-    Residual {
-        strategy: strategy.into(),
-        ranks,
-        nodes,
-        link_mbit,
-        size_bytes: size,
-        measured_us,
-        predicted_us,
-        error_pct: (predicted_us - measured_us) / measured_us * 100.0,
-    }
-}
-
-fn print_fit(model: &CostModel, mpi_allreduce: Option<&MeasuredCurve>, residuals: &[Residual]) {
-    println!("# cost model: alpha (us), bandwidth 1/beta (GB/s), add rate 1/gamma (GB/s)");
-    for (name, l) in [("within a node", model.intra), ("between nodes", model.inter)] {
-        println!("#   {name:<14} alpha {:>8.2}  bandwidth {:>7.3}", l.alpha_s * 1e6, 1e-9 / l.beta_s_per_byte.max(1e-30));
-    }
-    if let Some(l) = model.shared {
-        println!("#   {:<14} alpha {:>8.2}  bandwidth {:>7.3}", "shared memory", l.alpha_s * 1e6, 1e-9 / l.beta_s_per_byte.max(1e-30));
-    }
-    match model.fabric_s_per_byte {
-        Some(f) => println!("#   the network as a whole carries {:.3} GB/s (all nodes' traffic together)", 1e-9 / f),
-        None => println!("#   a non-blocking network (no fabric limit fits the rows better)"),
-    }
-    println!("#   adds {:.3} GB/s", 1e-9 / model.gamma_s_per_byte);
-    match model.nics_per_node {
-        Some(k) => println!("#   {k} network link(s) per node, shared by the node's ranks crossing at once"),
-        None => println!("#   a network link per rank"),
-    }
-    match mpi_allreduce {
-        Some(c) => println!("#   MPI_Allreduce: a measured curve of {} point(s); its rows below are each predicted from the others", c.points.len()),
-        None => println!("#   MPI_Allreduce: no rows, taken as the faster of the algorithms"),
-    }
-    println!("# {:>10} {:>6} {:>6} {:>12} {:>12} {:>12} {:>8}", "strategy", "ranks", "nodes", "size (B)", "measured us", "predicted", "error %");
-    for r in residuals {
-        println!(
-            "  {:>10} {:>6} {:>6} {:>12} {:>12.1} {:>12.1} {:>8.1}",
-            r.strategy, r.ranks, r.nodes, r.size_bytes.map_or("-".into(), |s| s.to_string()), r.measured_us, r.predicted_us, r.error_pct
-        );
-    }
-    let errors: Vec<f64> = residuals.iter().map(|r| r.error_pct.abs()).collect();
-    if !errors.is_empty() {
-        println!("# median |error| {:.1}%, max {:.1}%, {} rows", median(errors.clone()), errors.iter().cloned().fold(0.0, f64::max), errors.len());
-    }
 }
 
 /// A cluster profile (jobs/clusters/*.toml): link costs with their sources.
@@ -954,41 +650,9 @@ fn validate(predictor: Predictor, args: &ProjectArgs) -> Result<()> {
     Ok(())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        return 0.0;
-    }
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 }
-}
-
-fn write_json(path: &Path, value: &impl Serialize) -> Result<()> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).at(dir)?;
-    }
-    let text = serde_json::to_string_pretty(value).map_err(|e| Error::Results(e.to_string()))?;
-    std::fs::write(path, text).at(path)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn row(extra: &str) -> BenchRow {
-        let text = format!(r#"{{"size":1024,"strategy":"ring","ranks":2,"nodes":1,"time_us":10.0,"wrong":0,"type":"float","layout":"single","device":"cpu"{extra}}}"#);
-        serde_json::from_str(&text).unwrap()
-    }
-
-    #[test]
-    fn rows_say_whether_their_ring_sent_mpi_messages() {
-        // Rows recorded before the field existed went over MPI.
-        assert!(!row("").shared_ring());
-        assert!(!row(r#","ring_transport":"mpi""#).shared_ring());
-        assert!(row(r#","ring_transport":"shared-memory""#).shared_ring());
-        assert_eq!(algorithm_of("ring", 1, true), Some(Algorithm::SharedRing));
-        assert_eq!(algorithm_of("rhd", 1, true), Some(Algorithm::Rhd));
-    }
 
     #[test]
     fn profiles_with_rates_of_zero_or_less_are_refused_by_name() {
@@ -1005,32 +669,6 @@ mod tests {
         let zero_link: Profile = toml::from_str("name = \"p\"\nranks_per_node = 8\nadd_gbs = 100.0\n[intra]\ngbs = 0.0\nalpha_us = 2.0\n[inter]\ngbs = 10.0\nalpha_us = -5.0\n").unwrap();
         let message = zero_link.model(Path::new(".")).unwrap_err().to_string();
         assert!(message.contains("[intra] gbs is 0"), "{message}");
-    }
-
-    #[test]
-    fn hierarchical_horovod_reduces_on_the_node_then_among_the_nodes_first_ranks() {
-        let horovod = |hierarchical| BenchRow { strategy: "horovod".into(), hierarchical, ..row("") };
-        assert_eq!(horovod(None).strategy(), "horovod");
-        assert_eq!(horovod(Some(false)).strategy(), "horovod");
-        assert_eq!(horovod(Some(true)).strategy(), HOROVOD_HIERARCHICAL);
-        let model = CostModel::default();
-        let p = Predictor { model: &model, mpi_allreduce: None, servers: 1, cycle_s: 1e-3, cycle_share: 0.5 };
-        let s = 1e7;
-        let best = |l: Layout| model.predict(model.choose(Algorithm::Ring, l, s), l, s);
-        let (node, leaders) = (Layout { ranks: 4, per_node: 4 }, Layout { ranks: 8, per_node: 1 });
-        let broadcast = 2.0 * model.intra.alpha_s + s * model.intra.beta_s_per_byte;
-        let expected = best(node) + broadcast + best(leaders) + 0.5e-3;
-        let got = p.exchange(HOROVOD_HIERARCHICAL, Layout { ranks: 32, per_node: 4 }, s, false, false).unwrap();
-        assert!((got - expected).abs() < 1e-12, "{got} {expected}");
-        // One rank per node: only the nodes' all-reduce; one node: only the node's work.
-        let one_each = p.exchange(HOROVOD_HIERARCHICAL, leaders, s, false, false).unwrap();
-        assert!((one_each - best(leaders) - 0.5e-3).abs() < 1e-12);
-        let one_node = p.exchange(HOROVOD_HIERARCHICAL, node, s, false, false).unwrap();
-        assert!((one_node - best(node) - broadcast - 0.5e-3).abs() < 1e-12);
-        // A bench row's lone all-reduce waits a whole cycle.
-        let lone = Predictor { cycle_share: 1.0, ..p };
-        let flat = lone.exchange("horovod", leaders, s, false, false).unwrap();
-        assert!((flat - best(leaders) - 1e-3).abs() < 1e-12);
     }
 
     /// A projected pipeline: the bubble's M + P - 1 slots with their messages, then the
