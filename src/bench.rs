@@ -110,9 +110,9 @@ pub struct BenchArgs {
     pub ring_transport: RingTransport,
 
     /// The MPI call of `allreduce` and `horovod` on host buffers: `blocking` (MPI_Allreduce, as
-    /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, this
-    /// program's path before issue 32, for comparison). Device buffers always take the blocking
-    /// call.
+    /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, the
+    /// call hpc-train's earlier versions made, for comparison). Device buffers always take the
+    /// blocking call.
     #[arg(long, value_enum, default_value_t = MpiAllreduceCall::Blocking, help_heading = "Exchange")]
     pub mpi_allreduce: MpiAllreduceCall,
     /// Whether MPI can read GPU memory.

@@ -11,7 +11,7 @@
 //!   backward) or 4 with activation recomputation (their equation 3 for m = 4h);
 //! - compute: the FLOPs over N GPUs at the rate the GPU sustains on the model's layers;
 //!   bubble: (P - 1) / m of it with m micro-batches per pipeline under 1F1B, (P - 1) / 3m under
-//!   ZB-H1 and (P - 1) / 6m under ZB-V (plan/pipeline.rs's idle_per_busy, `--schedule`);
+//!   ZB-H1 and (P - 1) / 6m under ZB-V (plan/pipeline/schedule.rs's idle_per_busy, `--schedule`);
 //! - tensor parallelism: per layer and micro-batch, 2 all-reduces in forward and 2 in backward
 //!   (2 more when the forward is recomputed) of b s h half-precision values over the T ranks;
 //! - pipelines: per micro-batch an activation forward and its gradient back, b s h / T values

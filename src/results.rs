@@ -176,7 +176,7 @@ pub struct PipelineRecord {
     pub stage_message_ms: Vec<f64>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub replay_bubble_with_messages: Vec<f64>,
-    /// The balanced schedule's bubble (plan/pipeline.rs's theoretical_bubble): (P-1)/(M+P-1),
+    /// The balanced schedule's bubble (plan/pipeline/schedule.rs's theoretical_bubble): (P-1)/(M+P-1),
     /// P-1 divided by V when interleaved, (P-1)/(3M+P-1) for ZB-H1 (F = B = W).
     pub theoretical_bubble: f64,
     /// Per stage: the most micro-batches (per chunk) held between forward and backward, and

@@ -154,8 +154,8 @@ pub enum MpiAllreduceCall {
     /// `MPI_Allreduce`, as users of MPI (and Horovod) call it.
     #[default]
     Blocking,
-    /// `MPI_Iallreduce` and a wait that yields the core between tests (this program's path
-    /// before issue 32).
+    /// `MPI_Iallreduce` and a wait that yields the core between tests (the call hpc-train's
+    /// earlier versions made).
     Nonblocking,
 }
 

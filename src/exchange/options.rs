@@ -219,7 +219,7 @@ impl HorovodArgs {
         let timeline_mark_cycles = env_or(None, "HOROVOD_TIMELINE_MARK_CYCLES", switch, false)?;
         let stall = env_or(self.stall_warning_s, "HOROVOD_STALL_CHECK_TIME_SECONDS", positive, 60.0)?;
         let stall_check = !env_or(None, "HOROVOD_STALL_CHECK_DISABLE", switch, false)?;
-        for (flag, v) in [("--cycle-time-ms", cycle_ms), ("--fusion-threshold-mb", fusion_mb), ("--stall-warning-s", stall)] {
+        for (flag, v) in [("--cycle-time-ms", cycle_ms), ("--fusion-threshold-mib", fusion_mb), ("--stall-warning-s", stall)] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(Error::usage(format!("{flag} {v}: expected a number of 0 or more")));
             }

@@ -313,7 +313,7 @@ pub struct RhdAllreduce {
 impl RhdAllreduce {
     pub fn new(world: &World, config: &ExchangeConfig) -> Result<RhdAllreduce> {
         if config.segment_bytes == 0 {
-            return Err(Error::usage("--segment-kb 0: messages need segments of at least 1 KiB"));
+            return Err(Error::usage("--segment-kib 0: messages need segments of at least 1 KiB"));
         }
         Ok(RhdAllreduce {
             halving: Halving {

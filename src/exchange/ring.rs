@@ -254,7 +254,7 @@ impl RingAllreduce {
         let n = order.len();
         let pos = order.iter().position(|&r| r == world.rank).expect("every rank is on the ring");
         if config.segment_bytes == 0 {
-            return Err(Error::usage("--segment-kb 0: the ring needs segments of at least 1 KiB"));
+            return Err(Error::usage("--segment-kib 0: the ring needs segments of at least 1 KiB"));
         }
         let right = order[(pos + 1) % n];
         // Where this rank sits, for checking a launch's layout (RUST_LOG=debug on every rank):

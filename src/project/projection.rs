@@ -61,7 +61,7 @@ pub struct ProjectArgs {
     /// Measured training runs to compare the model with (validation.csv).
     #[arg(long, help_heading = "Output")]
     pub validate_runs: Option<PathBuf>,
-    /// Pipeline stages to project besides data parallelism, e.g. `2,4` (issue 36): each at every
+    /// Pipeline stages to project besides data parallelism, e.g. `2,4`: each at every
     /// rank count it divides, a pipeline on consecutive ranks, the stages' replicas averaging
     /// with the ring.
     #[arg(long, default_value = "", help_heading = "Sweep")]
@@ -75,7 +75,7 @@ pub struct ProjectArgs {
     pub schedule: crate::plan::pipeline::ScheduleKind,
     /// Instead of scaling tables: the 3D layouts (data x pipeline x tensor, micro-batch size) of
     /// --transformer on --gpus GPUs of the profile that fit --gpu-memory-gb, each with its
-    /// projected step split into compute, bubble and the three kinds of communication (issue 38).
+    /// projected step split into compute, bubble and the three kinds of communication.
     #[arg(long, help_heading = "Plan (--plan)")]
     pub plan: bool,
     /// With --plan: the transformer (its shape; --layers, --hidden, --heads, --tokens, --vocab
@@ -330,7 +330,7 @@ fn check_flags(args: &ProjectArgs) -> Result<Vec<usize>> {
         return Err(Error::usage(format!("--backward-share {}: expected a share of compute from 0 to 1", args.backward_share)));
     }
     if !(args.bucket_mb.is_finite() && args.bucket_mb > 0.0) {
-        return Err(Error::usage(format!("--bucket-mb {}: expected a positive number of MiB", args.bucket_mb)));
+        return Err(Error::usage(format!("--bucket-mib {}: expected a positive number of MiB", args.bucket_mb)));
     }
     at_least_one(args.batch, "batch")?;
     at_least_one(args.micro_batches, "micro-batches")?;
@@ -731,7 +731,7 @@ mod tests {
             (&["--compute-ms", "inf"], "--compute-ms inf: expected"),
             (&["--backward-share", "2"], "--backward-share 2: expected a share of compute from 0 to 1"),
             (&["--backward-share", "NaN"], "--backward-share NaN:"),
-            (&["--bucket-mb", "0"], "--bucket-mb 0: expected a positive number of MiB"),
+            (&["--bucket-mb", "0"], "--bucket-mib 0: expected a positive number of MiB"),
             (&["--micro-batches", "0"], "--micro-batches 0: expected at least 1"),
             (&["--batch", "0"], "--batch 0: expected at least 1"),
             (&["--servers", "0"], "--servers 0: expected at least 1"),

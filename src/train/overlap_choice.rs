@@ -66,7 +66,7 @@ pub(super) fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &N
     // One bucket is exchanged after the last gradient however backward runs; on a thread of
     // its own, backward would only add hand-overs (measured on the tiny CNN, results/).
     if one_bucket(&net.params, bucket_bytes) {
-        return off("every gradient fits one bucket (--bucket-mb), which is exchanged after backward; backward runs on the MPI thread");
+        return off("every gradient fits one bucket (--bucket-mib), which is exchanged after backward; backward runs on the MPI thread");
     }
     let choice = match (args.overlap, plan.device.is_cuda(), OverlapTrial::new(steps.0, steps.1, TRIAL_ROUNDS)) {
         (OnOff::On, ..) => OverlapChoice::fixed("--overlap on"),

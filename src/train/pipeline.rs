@@ -1,4 +1,4 @@
-//! Pipeline parallelism's executor: one stage runs its schedule (plan/pipeline.rs) action by
+//! Pipeline parallelism's executor: one stage runs its schedule (plan/pipeline/) action by
 //! action, its activations and their gradients travelling as non-blocking MPI messages to the
 //! neighbouring stages; then the D ranks that hold the stage average its gradients with the
 //! run's exchange and step the optimizer, as a plain step does. Also the pipelined evaluation
@@ -648,7 +648,7 @@ impl Pipeline {
         Ok(loss_sum)
     }
 
-    /// Evaluation's forward-only schedule (plan/pipeline.rs's `forward_schedule`) over the
+    /// Evaluation's forward-only schedule (plan/pipeline/'s `forward_schedule`) over the
     /// micro-batches `micro` (the same sample ranges on every stage of the pipeline): chunk 0
     /// takes `input(m)` (the first stage reads the images), the last chunk's logits go to
     /// `score(m, logits)` (the last stage holds the labels). Forwards run with `train` false
@@ -776,7 +776,7 @@ impl Pipeline {
 }
 
 impl Pipeline {
-    /// Per stage, the bubble the schedule's replay (plan/pipeline.rs) gives with this run's
+    /// Per stage, the bubble the schedule's replay (plan/pipeline/) gives with this run's
     /// measured times: each chunk's own forward, backward (or B) and W per micro-batch (a
     /// stage's chunks differ: under ZB-V the first chunk's B is empty, while the last chunk's
     /// B is on the step's critical path); first with messages free, then with each message costing its

@@ -87,7 +87,7 @@ impl Plan {
             return Err(Error::usage("nothing to train: --steps and --epochs must be at least 1"));
         }
         if args.bucket_mb < 0.0 || !args.bucket_mb.is_finite() {
-            return Err(Error::usage(format!("--bucket-mb {}: expected 0 or more", args.bucket_mb)));
+            return Err(Error::usage(format!("--bucket-mib {}: expected 0 or more", args.bucket_mb)));
         }
         args.recipe.check(&args.given)?;
         if args.recipe.target_accuracy.is_some() && args.no_eval {
@@ -833,7 +833,7 @@ mod tests {
 
         // A pipeline's grid and schedule against the ranks, and its micro-batches against the
         // batch. (A partition or a chunk count the model's blocks cannot take is refused when the
-        // stages are cut: src/plan/pipeline.rs's an_explicit_partition_is_checked and
+        // stages are cut: src/plan/pipeline/cuts.rs's an_explicit_partition_is_checked and
         // too_many_chunks_names_the_options_that_made_them.)
         let pipeline = |ranks: usize, extra: &[&str]| {
             let args = given_args(&[&["--model", "tiny"][..], extra].concat());

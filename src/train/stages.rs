@@ -1,7 +1,7 @@
 //! Pipeline parallelism's options ([`PipelineArgs`]) and the choice of the cut: which blocks
 //! each chunk holds, balanced by measured time (torchgpipe's balance by time: a few profiling
 //! passes of every block on this rank's device, averaged over the ranks so that every rank
-//! computes the same cut), by parameters, or as given. The schedules are plan/pipeline.rs; the
+//! computes the same cut), by parameters, or as given. The schedules are plan/pipeline/; the
 //! executor is pipeline.rs.
 
 use std::path::PathBuf;
