@@ -176,7 +176,8 @@ impl Run<'_> {
         let n = batch.samples();
         let images = if n > 0 { Some(state.norm.images(batch.images(), n)?) } else { None };
         let labels = if n > 0 { Some(state.norm.labels(batch.labels())?) } else { None };
-        let factor = if faults.nan_gradients() { f64::NAN } else { self.workers as f64 / batch.global_samples.max(1) as f64 };
+        // fp16 is refused with ZeRO: no loss scale.
+        let factor = if faults.nan_gradients() { f64::NAN } else { self.loss_factor(batch.global_samples, None) };
         let label_smoothing = self.args.recipe.label_smoothing;
         let fsdp = self.fsdp.as_ref().expect("a --zero 3 run");
         let (worker, prefetch, last) = (&fsdp.worker, fsdp.prefetch, fsdp.units.len() - 1);

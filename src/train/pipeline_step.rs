@@ -38,15 +38,15 @@ impl Run<'_> {
         optim::zero_grads(&mut grads)?;
         // Every stage takes the same samples; the loader read only the parts this stage uses.
         let n = batch.samples();
+        // With fp16's loss scaler the last stage's loss is scaled, and so every gradient that
+        // flows back through the stages.
+        let factor = self.loss_factor(batch.global_samples, state.scaler.as_ref());
         let pipeline = self.pipeline.as_mut().expect("a pipelined run");
         let (image_bytes, labels_read) = batch.read();
         pipeline.data_read.train_image_bytes += image_bytes as u64;
         pipeline.data_read.train_labels += labels_read as u64;
         let images = if pipeline.first_stage() && n > 0 { Some(state.norm.images(batch.images(), n)?) } else { None };
         let labels = if pipeline.last_stage() && n > 0 { Some(state.norm.labels(batch.labels())?) } else { None };
-        // With fp16's loss scaler the last stage's loss is scaled, and so every gradient that
-        // flows back through the stages.
-        let factor = self.workers as f64 / batch.global_samples.max(1) as f64 * state.scaler.as_ref().map_or(1.0, |s| s.scale);
         let measured = step >= state.warmup;
         let loss_sum = pipeline.run_schedule(&self.net.chunks, &self.net.params, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, self.args.precision, step, measured, &faults)?;
         let last_stage = pipeline.last_stage();
@@ -86,12 +86,9 @@ impl Run<'_> {
                     if has_params {
                         exchange.all_reduce(&mut grads, ReduceOp::Mean)?;
                     }
-                    if scaler.unscale_or_skip(&mut grads, Some(self.world))? {
-                        if has_params {
-                            self.optimizer.step(&mut self.net.params, &mut grads)?;
-                        }
-                    } else if self.world.is_root() {
-                        state.progress.suspend(|| log::info!("fp16: gradients overflowed at step {step}; step skipped, loss scale now {}", scaler.scale));
+                    let stepped = scaler.unscale_or_skip(&mut grads, Some(self.world), step, self.world.is_root().then_some(&state.progress))?;
+                    if stepped && has_params {
+                        self.optimizer.step(&mut self.net.params, &mut grads)?;
                     }
                 }
             }

@@ -167,7 +167,7 @@ impl Run<'_> {
         }
         let mut grads = self.net.grads();
         let n = batch.samples();
-        let loss_factor = self.workers as f64 / batch.global_samples.max(1) as f64 * state.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let loss_factor = self.loss_factor(batch.global_samples, state.scaler.as_ref());
         let losses = if n == 0 {
             None
         } else {
@@ -192,10 +192,8 @@ impl Run<'_> {
             // A tensor-parallel group's ranks hold different slices of its parameters, each of
             // which may overflow alone: they skip or step together.
             let sharing = self.tensor_parallel.as_ref().map(|tp| &tp.group);
-            if scaler.unscale_or_skip(&mut grads, sharing)? {
+            if scaler.unscale_or_skip(&mut grads, sharing, step, self.world.is_root().then_some(&state.progress))? {
                 self.optimizer.step(&mut self.net.params, &mut grads)?;
-            } else if self.world.is_root() {
-                state.progress.suspend(|| log::info!("fp16: gradients overflowed at step {step}; step skipped, loss scale now {}", scaler.scale));
             }
         }
         faults.after_exchange();
@@ -206,6 +204,13 @@ impl Run<'_> {
         }
         let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total, exchange_exposed };
         Ok(StepDone { timings, loss, samples: n, epoch: batch.epoch })
+    }
+
+    /// What a rank's summed loss is multiplied by before backward: workers / global samples, so
+    /// that the mean over workers of the gradients is the gradient of the global batch's mean
+    /// loss however the last step of an epoch is split, times fp16's loss scale where it has one.
+    pub(super) fn loss_factor(&self, global_samples: usize, scaler: Option<&LossScaler>) -> f64 {
+        self.workers as f64 / global_samples.max(1) as f64 * scaler.map_or(1.0, |s| s.scale)
     }
 
     /// What every step starts with: the watchdog and the optimizer told the step, and the
@@ -428,8 +433,9 @@ impl Default for LossScaler {
 
 impl LossScaler {
     /// Unscales `grads` and returns true, or returns false (skip this step) on an overflow here
-    /// or, given `sharing`, on any of its ranks (collective over it).
-    pub(super) fn unscale_or_skip(&mut self, grads: &mut [Tensor], sharing: Option<&World>) -> Result<bool> {
+    /// or, given `sharing`, on any of its ranks (collective over it); a skip is logged to
+    /// `progress` where given (rank 0's).
+    pub(super) fn unscale_or_skip(&mut self, grads: &mut [Tensor], sharing: Option<&World>, step: u64, progress: Option<&Progress>) -> Result<bool> {
         let finite = match sharing {
             None => optim::unscale_if_finite(grads, 1.0 / self.scale)?,
             Some(group) => {
@@ -445,6 +451,9 @@ impl LossScaler {
             self.scale = (self.scale / 2.0).max(1.0);
             self.good_steps = 0;
             self.skipped += 1;
+            if let Some(progress) = progress {
+                progress.suspend(|| log::info!("fp16: gradients overflowed at step {step}; step skipped, loss scale now {}", self.scale));
+            }
             return Ok(false);
         }
         self.good_steps += 1;
