@@ -5,7 +5,8 @@
 # and projections, compared by what they print and write; then the same bench with each,
 # alternating. Writes OUT/README.md (the verdicts and busbw side by side, machine, date,
 # commits), OUT/logs/ and OUT/weights/ (removed after the comparison). Run it on an otherwise
-# idle machine; exits 1 if any weights or outputs differ.
+# idle machine; exits 1 if any weights or outputs differ. NO_BENCH=1 leaves the bench out (a
+# check of the weights alone, on a machine too busy for its figures to mean anything).
 #   scripts/compare-builds.sh BEFORE_BINARY AFTER_BINARY OUT_DIR
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -19,7 +20,8 @@ version() { "$1" --version | head -n 1; }
 started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 # Each row's options; rows that name no --model train the tiny CNN (TINY). The Horovod-style rows
 # negotiate every cycle (no cache) or evict from a cache of 2, with the timeline's bookkeeping
-# on (its file is timed, so not compared). The pipeline rows are
+# on (its file is timed, so not compared). fp16 rows with a loss scale of 2^30 overflow and skip
+# their first steps, then train: the loss scaler's both paths. The pipeline rows are
 # one pipeline of 2 stages cut by parameters (--partition time would cut by measured times, which
 # differ from run to run); the tensor-parallel rows split vit-tiny's heads and MLP over both ranks.
 TINY=(--model tiny --batch-size 32 --steps 20)
@@ -37,7 +39,11 @@ configs=("--strategy ring" "--strategy rhd" "--strategy auto" "--strategy allred
     "--pipeline-stages 2 --micro-batches 4 --schedule zb-v --partition params"
     "--pipeline-stages 2 --micro-batches 2 --schedule 1f1b --partition 1"
     "--model vit-tiny --batch-size 16 --steps 6 --tensor-parallel 2"
-    "--model vit-tiny --batch-size 16 --steps 6 --tensor-parallel 2 --tp-allreduce ring")
+    "--model vit-tiny --batch-size 16 --steps 6 --tensor-parallel 2 --tp-allreduce ring"
+    "--strategy ring --zero 3 --optimizer lars" "--strategy ring --zero 1 --overlap on --bucket-mb 0.001 --optimizer adamw"
+    "--precision fp16" "--precision fp16 --loss-scale 1073741824" "--precision fp16 --overlap on --bucket-mb 0.001" "--precision bf16 --strategy ring --zero 2"
+    "--precision fp16 --loss-scale 1073741824 --pipeline-stages 2 --micro-batches 4 --schedule 1f1b --partition params"
+    "--model vit-tiny --batch-size 16 --steps 6 --tensor-parallel 2 --precision fp16")
 rows=()
 differ=0
 for i in "${!configs[@]}"; do
@@ -80,12 +86,13 @@ for i in "${!cost_configs[@]}"; do
     cost_rows+=("| \`$cfg\` | $verdict |")
 done
 B_ARGS=(bench --strategies ring,allreduce,horovod --min-bytes 1M --max-bytes 64M --factor 4 --iters 10 --warmup 3 --rounds 3)
-for round in 1 2; do
+rounds=(1 2); [ "${NO_BENCH:-0}" = 1 ] && rounds=()
+for round in "${rounds[@]}"; do
     mpi "$BEFORE" "${B_ARGS[@]}" --results "$OUT/weights/before-bench" > "$OUT/logs/bench-before-$round.txt" 2>&1
     mpi "$AFTER" "${B_ARGS[@]}" --results "$OUT/weights/after-bench" > "$OUT/logs/bench-after-$round.txt" 2>&1
 done
 rm -rf "$OUT/weights"
-busbw() { cat "$OUT"/logs/bench-"$1"-*.txt | awk -v s="$2" -v b="$3" '$1 !~ /^#/ && NF == 9 && $4 == s && $1 == b { print $8 }' | sort -g |
+busbw() { cat "$OUT"/logs/bench-"$1"-*.txt 2>/dev/null | awk -v s="$2" -v b="$3" '$1 !~ /^#/ && NF == 9 && $4 == s && $1 == b { print $8 }' | sort -g |
     awk '{ v[NR] = $1 } END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.3f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 {
     echo "# Two builds side by side"

@@ -1,5 +1,5 @@
-//! The `--zero 3` run's own steps on the [`Run`]: one step unit by unit, the evaluation unit by
-//! unit, and the whole model made for a checkpoint or --save-weights. The compute thread and
+//! `--zero 3`'s part of the one step (step.rs) on the [`Run`]: forward and backward unit by
+//! unit, and the evaluation unit by unit. The compute thread and
 //! the units are fsdp.rs; the shards and their collectives exchange/fsdp.rs.
 //!
 //! One step, for units 0..L (every rank makes the same collectives in the same order):
@@ -8,19 +8,20 @@
 //! - the last unit computes forward, loss and backward in one job while unit L-2 gathers again;
 //! - backward, for u from L-2 down to 0: recompute and backward unit u while the gradients of
 //!   unit u+1 are reduce-scattered and unit u-1 gathers; then pack u's gradients, let it go;
-//! - the last reduce-scatter, then the optimizer on every shard.
+//! - the last reduce-scatter; the step then decides and steps the optimizer on every shard.
 //!
 //! Without prefetch (`--overlap off`) each unit is let go, and its gradients reduced, before
 //! the next gather, so that one buffer serves the whole step. Every rank decides prefetch alike
 //! (setup agrees on it): the two orders make their collectives in different orders.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tch::{Kind, Reduction, Tensor};
 
 use crate::data::reader::SplitReader;
 use crate::data::Split;
-use crate::error::{Error, Result};
+use crate::data::loader::Batch;
+use crate::error::Result;
 use crate::exchange::staging::{synchronize_device, wait_for_stream};
 use crate::exchange::strategy::{UnitShards, UnitTimes};
 use crate::plan::fsdp::{exposure, WindowSpans};
@@ -30,10 +31,8 @@ use crate::plan::shard::ShardInfo;
 use super::collective::sum_pair;
 use super::fsdp::{Done, Job, UnitWorker};
 use super::net::Normalizer;
-use super::progress::Timings;
 use super::run::Run;
-use super::progress::StepLoss;
-use super::step::{LoopState, StepDone};
+use super::step::{Backward, Gradients, LoopState, PassLoss};
 use super::stamp_clock::{Stamp, StampClock, Stamped};
 use super::step_faults::StepFaults;
 
@@ -164,22 +163,18 @@ fn pack_and_let_go<'a>(u: usize, params: &'a [Tensor], finite: &'a mut FiniteChe
 }
 
 impl Run<'_> {
-    /// One fully sharded step (see the file's comment).
-    pub(super) fn fsdp_step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
-        let (batch, data_wait) = self.begin_step(step, state)?;
-        // Test hooks (HPC_TRAIN_FAULT), as in the plain step: every unit's gathers are the
-        // step's communication, so a stall comes before the first and a forward failure too.
-        let faults = StepFaults::begin(&self.faults, self.world.rank, step);
-        faults.before_exchange();
+    /// `--zero 3`'s forward and backward, unit by unit (see the file's comment): the gradients
+    /// end reduce-scattered into this rank's shards, for the step's optimizer.
+    pub(super) fn units_pass(&mut self, batch: &Batch, factor: f64, faults: &StepFaults, state: &LoopState) -> Result<Backward> {
+        // `error`: every unit's gathers are the step's communication, so a forward failure comes
+        // before the first, on every rank that has it whether or not it has samples.
         faults.forward()?;
-        let compute_start = Instant::now();
         let n = batch.samples();
         let images = if n > 0 { Some(state.norm.images(batch.images(), n)?) } else { None };
         let labels = if n > 0 { Some(state.norm.labels(batch.labels())?) } else { None };
-        // fp16 is refused with ZeRO: no loss scale.
-        let factor = if faults.nan_gradients() { f64::NAN } else { self.loss_factor(batch.global_samples, None) };
+        let factor = faults.loss_factor(factor);
         let label_smoothing = self.args.recipe.label_smoothing;
-        let fsdp = self.fsdp.as_ref().expect("a --zero 3 run");
+        let fsdp = self.layout.fsdp().expect("a --zero 3 run");
         let (worker, prefetch, last) = (&fsdp.worker, fsdp.prefetch, fsdp.units.len() - 1);
         let on_comm_stream = fsdp.collectives_stream()?;
         let params = &self.net.params;
@@ -232,47 +227,15 @@ impl Run<'_> {
         if let Some(u) = pending {
             log.alone(Collective::ReduceScatter, || shards.reduce(u))?;
         }
-        synchronize_device(self.plan.device);
-        let times = log.finish()?;
-
-        let loss_sum = match loss {
-            Some(_) if faults.nan_loss() => f64::NAN,
-            Some(l) => l.f_double_value(&[])?,
-            None => 0.0,
-        };
-        if !loss_sum.is_finite() {
-            return Err(Error::NonFinite { what: "loss", step, epoch: batch.epoch });
-        }
-        if !finite.all_finite()? {
-            return Err(Error::NonFinite { what: "gradient", step, epoch: batch.epoch });
-        }
-        let step_time = compute_start.elapsed();
-        // `stall-after`: after the last reduce-scatter, before the optimizer, whose LARS norms
-        // are the collectives that follow it (the other step kinds' optimizers make none).
-        faults.after_exchange();
-        let started = Instant::now();
-        shards.step(&mut self.optimizer)?;
         if let Some(stream) = on_comm_stream {
             stream.restore()?;
         }
         synchronize_device(self.plan.device);
-        let optimizer_time = started.elapsed();
-        let _ = self.optimizer.take_busy();
+        let times = log.finish()?;
         shards.note_step(times);
-        let comm = times.exposed_gather + times.exposed_reduce;
-        let compute = step_time.saturating_sub(comm);
-        let timings = Timings {
-            steps: 1,
-            samples: batch.global_samples as u64,
-            data_wait,
-            compute,
-            comm,
-            optimizer: optimizer_time,
-            step: Duration::ZERO,
-            exchange_total: times.gather + times.reduce,
-            exchange_exposed: comm,
-        };
-        Ok(StepDone { timings, loss: StepLoss::Read(loss_sum), samples: n, epoch: batch.epoch })
+        let loss = loss.map_or(PassLoss::Read(0.0), PassLoss::Tensor);
+        let (exchange_total, exchange_exposed) = (times.gather + times.reduce, times.exposed_gather + times.exposed_reduce);
+        Ok(Backward { loss, samples: n, gradients: Gradients::Shards(finite), exchange_total, exchange_exposed })
     }
 
     /// Test loss and accuracy, unit by unit per batch of the test set (every rank gathers every
@@ -285,7 +248,7 @@ impl Run<'_> {
         let mut reader = SplitReader::open(&self.args.data, Split::Test)?;
         let (mut loss_sum, mut correct) = (0.0, 0.0);
         let mut images = Vec::new();
-        let fsdp = self.fsdp.as_ref().expect("a --zero 3 run");
+        let fsdp = self.layout.fsdp().expect("a --zero 3 run");
         let (worker, prefetch, units) = (&fsdp.worker, fsdp.prefetch, fsdp.units.len());
         let on_comm_stream = fsdp.collectives_stream()?;
         let params = &self.net.params;

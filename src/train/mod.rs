@@ -4,9 +4,11 @@
 //!   device; setup.rs: set-up checked on every rank, which builds the [`Run`] (run.rs) from the
 //!   plan, the network (net.rs), the exchange, overlap and the resume point (checkpoints.rs);
 //!   overlap_choice.rs: what `--overlap` comes to, with auto's trial of the first steps;
-//! - step.rs: one step (data, forward, backward with the exchange, optimizer, timings) and what
-//!   follows a step at some steps; step_faults.rs: the injected faults every step kind calls;
-//!   progress.rs: timings, progress lines, the sample trace;
+//! - layout.rs: the run's layout as one value (the tensor-parallel cut; whole layers, a
+//!   pipeline stage or `--zero 3`'s units); step.rs: the one step of every layout and what
+//!   follows a step at some steps; whole_step.rs, pipeline_step.rs, fsdp_step.rs: each layout's
+//!   forward and backward; step_faults.rs: the injected faults, at the same points in every
+//!   layout; progress.rs: timings, progress lines, the sample trace;
 //!   collective.rs: the collectives besides the exchange; tensor.rs: tensor parallelism's
 //!   groups, their all-reduce, and the model cut into a rank's part;
 //! - record.rs: the end of the run and its record.
@@ -21,6 +23,7 @@ mod collective;
 mod fsdp;
 mod fsdp_step;
 mod held;
+mod layout;
 mod memory;
 mod net;
 pub mod options;
@@ -40,6 +43,7 @@ mod step;
 mod step_faults;
 mod tensor;
 mod weights_file;
+mod whole_step;
 
 use std::time::Instant;
 
@@ -82,7 +86,7 @@ pub fn run(world: &World, args: &TrainArgs, context: &RunContext) -> Result<Opti
     };
     memory::switch(memory::Phase::End);
     run.exchange.finish(&mut run.net.params)?;
-    if let Some(tensor_parallel) = &run.tensor_parallel {
+    if let Some(tensor_parallel) = &run.layout.tensor {
         tensor_parallel.finish()?;
     }
     run.agree_on_profile(&outcome)?;
@@ -132,7 +136,7 @@ impl Run<'_> {
     fn train(&mut self) -> Result<Outcome> {
         let mut out = self.outcome();
         let mut state = step::LoopState::new(self)?;
-        if let Some(pipeline) = &mut self.pipeline {
+        if let Some(pipeline) = self.layout.pipeline_mut() {
             pipeline.start_timeline(state.warmup);
         }
         // The losses since the last progress line, and the last step's (the record's final
@@ -157,7 +161,7 @@ impl Run<'_> {
             let t = Timings { step: started.elapsed(), ..done.timings };
             // `--overlap auto`'s trial on CPU ranks: at its end, overlap stays only where it paid.
             if self.overlap_choice.note_step(step, t.step, self.world) == Some(false) {
-                self.overlap = None;
+                self.layout.stop_overlapping();
             }
             drop(mark);
             state.profile.after_step(step)?;

@@ -31,10 +31,10 @@ impl Run<'_> {
         if let Some(path) = &args.save_weights {
             self.save_weights(path, out.last_step)?;
         }
-        if let (Some(pipeline), Some(path)) = (&self.pipeline, &args.pipeline.pipeline_timeline) {
+        if let (Some(pipeline), Some(path)) = (self.layout.pipeline(), &args.pipeline.pipeline_timeline) {
             // With tensor parallelism, the timeline of the groups' first ranks (the others run
             // the same schedule).
-            let first_place = self.tensor_parallel.as_ref().is_none_or(|tp| tp.rank == 0);
+            let first_place = self.layout.tensor.as_ref().is_none_or(|tp| tp.rank == 0);
             world.agree(if first_place { pipeline.write_timeline(self.pipeline_world(), path) } else { Ok(()) })?;
         }
         let last_step = broadcast_step(&world.comm, Some(out.last_step)).unwrap_or(out.last_step);
@@ -91,7 +91,7 @@ impl Run<'_> {
         let (peak_rss_mb, rss_warmup_mb, rss_end_mb) = (world.max_f64(raw::peak_rss_mb()), world.max_f64(out.rss_warmup), world.max_f64(rss_end));
         // With overlap: exchange time per step, and the share of it that ran while backward was
         // still going (the rest is exposed after backward).
-        let overlap_figures = self.overlap.as_ref().map(|o| {
+        let overlap_figures = self.layout.overlap().map(|o| {
             let total = mean_over_workers(m.mean_ms(m.exchange_total));
             let exposed = mean_over_workers(m.mean_ms(m.exchange_exposed));
             let hidden = if total > 0.0 { ((total - exposed.min(total)) / total).max(0.0) } else { 0.0 };
@@ -102,8 +102,8 @@ impl Run<'_> {
         let held = self.exchange.held_bytes(&self.net.params, &self.optimizer);
         let (optimizer_state_bytes, gradient_bytes) = (world.max_f64(held.optimizer_state as f64), world.max_f64(held.gradients as f64));
         let cached_image_bytes = if self.cache_data { (self.info.train.len * self.info.sample_bytes()) as u64 } else { 0 };
-        let pipeline = self.pipeline.as_ref().map(|p| crate::results::PipelineRecord { ranks: p.ranks_record(world, cached_image_bytes), ..p.record(self.pipeline_world(), args) });
-        let parameters = match (&self.tensor_parallel, &self.pipeline, &self.fsdp) {
+        let pipeline = self.layout.pipeline().map(|p| crate::results::PipelineRecord { ranks: p.ranks_record(world, cached_image_bytes), ..p.record(self.pipeline_world(), args) });
+        let parameters = match (&self.layout.tensor, self.layout.pipeline(), self.layout.fsdp()) {
             // A rank holds its part of each cut parameter: the whole model's count.
             (Some(_), _, _) => self.args.model.parameters_for(self.spec) as usize,
             // Each stage's parameters once (from the first pipeline).
@@ -113,13 +113,13 @@ impl Run<'_> {
             (None, None, None) => self.net.params.iter().map(|p| p.numel()).sum::<usize>(),
         };
         // Stage 3: the largest over the ranks of what each holds and gathers.
-        let fsdp_bytes = self.fsdp.as_ref().map(|_| {
+        let fsdp_bytes = self.layout.fsdp().map(|_| {
             let max_of = |key: &str| world.max_f64(report.extra.get(key).and_then(|v| v.as_f64()).unwrap_or(0.0)) as u64;
             (max_of("parameter_bytes_held"), max_of("peak_gathered_parameter_bytes"))
         });
         // --tensor-parallel: the parameters this rank holds (its part), the largest over the
         // ranks, and the group's all-reduces per measured step.
-        let tensor_parallel = self.tensor_parallel.as_ref().map(|tp| {
+        let tensor_parallel = self.layout.tensor.as_ref().map(|tp| {
             let held = world.max_f64((self.net.params.iter().map(|p| p.numel()).sum::<usize>() * 4) as f64) as u64;
             let steps = tp.measured_steps.max(1) as f64;
             let ms = mean_over_workers(tp.measured.time.as_secs_f64() * 1e3 / steps);
@@ -164,13 +164,13 @@ impl Run<'_> {
         extra.entry("zero").or_insert(0.into());
         extra.insert("optimizer_state_bytes".into(), (optimizer_state_bytes as u64).into());
         extra.insert("gradient_bytes".into(), (gradient_bytes as u64).into());
-        extra.insert("overlap".into(), (self.overlap.is_some() || self.fsdp.as_ref().is_some_and(|f| f.prefetch)).into());
+        extra.insert("overlap".into(), (self.layout.overlap().is_some() || self.layout.fsdp().is_some_and(|f| f.prefetch)).into());
         extra.insert("overlap_reason".into(), self.overlap_choice.reason.clone().into());
         if let Some(trial) = self.overlap_choice.measured {
             extra.insert("overlap_trial_with_ms".into(), trial.with_overlap_ms.into());
             extra.insert("overlap_trial_without_ms".into(), trial.without_ms.into());
         }
-        if let (Some(f), Some((held, gathered))) = (&self.fsdp, fsdp_bytes) {
+        if let (Some(f), Some((held, gathered))) = (self.layout.fsdp(), fsdp_bytes) {
             extra.insert("fsdp_unit".into(), f.size.name().into());
             extra.insert("parameter_bytes_held".into(), held.into());
             extra.insert("peak_gathered_parameter_bytes".into(), gathered.into());

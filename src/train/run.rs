@@ -14,18 +14,15 @@ use crate::exchange::Exchange;
 use crate::faults::Faults;
 use crate::model::InputSpec;
 use crate::optim::Optimizer;
-use crate::overlap::Overlap;
 use crate::topology::World;
 
 use super::checkpoints::CheckpointLog;
 use super::net::Net;
 use super::options::TrainArgs;
 use super::overlap_choice::OverlapChoice;
-use super::fsdp::FullySharded;
-use super::pipeline::Pipeline;
+use super::layout::RunLayout;
 use super::plan::Plan;
 use super::progress::Timings;
-use super::tensor::TensorParallel;
 
 /// What a caller outside the command line adds to a run (a study tags its runs).
 #[derive(Clone, Debug, Default)]
@@ -50,17 +47,13 @@ pub(super) struct Run<'a> {
     pub(super) cache_data: bool,
     pub(super) spec: InputSpec,
     pub(super) net: Net,
+    /// How the model is cut and held here, and so what a step computes (layout.rs).
+    pub(super) layout: RunLayout,
+    /// How gradients are averaged: the strategy, ZeRO 1/2's sharded update, stage 3's shards.
     pub(super) exchange: Box<dyn Exchange>,
     pub(super) optimizer: Optimizer,
-    pub(super) overlap: Option<Overlap>,
     /// What `--overlap` came to and why, with auto's trial of the first steps on CPU ranks.
     pub(super) overlap_choice: OverlapChoice,
-    /// This rank's pipeline stage (--pipeline-stages, --micro-batches), or None for a plain run.
-    pub(super) pipeline: Option<Pipeline>,
-    /// `--zero 3`: the units and the thread that computes them.
-    pub(super) fsdp: Option<FullySharded>,
-    /// `--tensor-parallel`: the groups, their all-reduce and its counts.
-    pub(super) tensor_parallel: Option<TensorParallel>,
     pub(super) faults: Faults,
     pub(super) stop: StopSignal,
     /// Workers only: dedicated parameter servers take no part in evaluation or the loss.
@@ -102,18 +95,6 @@ pub(super) struct Outcome {
     /// This rank's --profile-dir trace: where it went, or why it could not be written (None:
     /// no trace, as on a parameter server).
     pub(super) profile: Option<std::result::Result<String, String>>,
-}
-
-/// The ranks that hold this rank's part of the model alike, where the model is cut: a stage's
-/// replicas in a pipeline (with tensor parallelism, those of the same part), the replicas of
-/// this rank's part under tensor parallelism alone; None where every worker holds the whole
-/// model. One rule for set-up's exchange, the checkpoints' writers and evaluation's averages.
-pub(super) fn part_replicas<'a>(pipeline: Option<&'a Pipeline>, tensor_parallel: Option<&'a TensorParallel>) -> Option<&'a World> {
-    match (pipeline, tensor_parallel) {
-        (Some(p), _) => Some(&p.stage_world),
-        (None, Some(tp)) => Some(&tp.replicas),
-        (None, None) => None,
-    }
 }
 
 /// SIGTERM (what Slurm sends before the time limit) and SIGUSR1 (what `--signal` jobs often

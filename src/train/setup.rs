@@ -27,7 +27,8 @@ use super::tensor::TensorParallel;
 use super::options::{OnOff, Precision, TrainArgs};
 use super::overlap_choice::{make_overlap, OverlapChoice};
 use super::plan::{check_model_fits, check_same_config, device_name, make_current, num_cpus_online, watchdog_timeout, Plan};
-use super::run::{part_replicas, Run, StopSignal};
+use super::layout::{part_replicas, Part, RunLayout};
+use super::run::{Run, StopSignal};
 
 impl<'a> Run<'a> {
     /// Everything a run needs, or None when the checkpoint it resumes from already covers the
@@ -230,8 +231,14 @@ impl<'a> Run<'a> {
         if let Some(pipeline) = pipeline.as_mut().filter(|_| args.pipeline.recompute) {
             pipeline.hold_buffers(&net.buffers, &variable_blocks(args.model, spec).1);
         }
+        let part = match (pipeline, fsdp) {
+            (Some(stage), _) => Part::Stage(stage),
+            (None, Some(units)) => Part::Units(units),
+            (None, None) => Part::Whole { overlap },
+        };
+        let layout = RunLayout { tensor: tensor_parallel, part };
         let run = Run {
-            world, args, plan, info, labels, cache_data, spec, net, exchange, optimizer, overlap, overlap_choice, pipeline, fsdp, tensor_parallel, faults, stop, workers_comm, worker, workers,
+            world, args, plan, info, labels, cache_data, spec, net, layout, exchange, optimizer, overlap_choice, faults, stop, workers_comm, worker, workers,
             global_batch, steps_per_epoch, first_step, total_steps, resumed_at: resume_from.as_ref().map(|c| c.meta.step),
             dataset_fingerprint, checkpoints: CheckpointLog { newest_good: resume_from.as_ref().map(|c| c.meta.step), resume_read, ..CheckpointLog::default() },
             _checkpoint_lock: checkpoint_lock,
@@ -247,15 +254,15 @@ impl<'a> Run<'a> {
         let (args, info, plan) = (self.args, &self.info, &self.plan);
         log::info!(
             "{} on {} rank(s) ({} {}, {} node(s)), {} on {} {}x{}x{} ({} train / {} test), batch {}/{} = {} global, steps {}..{} ({:.2} epochs), device {}, {} thread(s)/rank",
-            args.strategy, self.world.size, self.workers, if self.pipeline.is_some() { "pipeline(s)" } else { "worker(s)" }, self.world.nodes(), args.model.name(), info.meta.name, info.meta.channels, info.meta.height, info.meta.width,
-            info.train.len, info.test.len, plan.batch, if self.pipeline.is_some() { "pipeline" } else { "rank" }, self.global_batch, self.first_step, self.total_steps, self.total_steps as f64 / self.steps_per_epoch as f64,
+            args.strategy, self.world.size, self.workers, if self.layout.pipeline().is_some() { "pipeline(s)" } else { "worker(s)" }, self.world.nodes(), args.model.name(), info.meta.name, info.meta.channels, info.meta.height, info.meta.width,
+            info.train.len, info.test.len, plan.batch, if self.layout.pipeline().is_some() { "pipeline" } else { "rank" }, self.global_batch, self.first_step, self.total_steps, self.total_steps as f64 / self.steps_per_epoch as f64,
             device_name(plan.device), plan.threads
         );
         if let Some(preset) = args.preset {
             let counts = args.step_counts(info.train.len, self.workers, plan.batch);
             log::info!("--preset {}: {} warm-up and {} measured step(s)", preset.name(), counts.warmup, counts.measured);
         }
-        if let Some(tp) = &self.tensor_parallel {
+        if let Some(tp) = &self.layout.tensor {
             log::info!(
                 "tensor parallel: {}; each encoder layer's heads and MLP columns cut over {} ranks, their partial sums all-reduced by {}",
                 tp.layout.describe(),
@@ -263,11 +270,11 @@ impl<'a> Run<'a> {
                 tp.strategy
             );
         }
-        if let Some(f) = &self.fsdp {
+        if let Some(f) = self.layout.fsdp() {
             let sharing = if self.args.fsdp_hybrid { self.world.local_size } else { self.world.size };
             log::info!("{}", f.describe(sharing as usize));
         }
-        if let Some(p) = &self.pipeline {
+        if let Some(p) = self.layout.pipeline() {
             let shape = &p.plan.shape;
             log::info!(
                 "pipeline: {} replica(s) x {} stage(s), {} micro-batch(es) of about {} samples, schedule {}{}, --partition {}{}",
@@ -313,7 +320,7 @@ impl<'a> Run<'a> {
         let split_mb = (info.train.len * info.sample_bytes()) as f64 / 1e6;
         // Rank 0 says what it holds; in a pipeline it is a first stage, which reads the images
         // alone, and the other stages read less.
-        let (what, pipelined) = match &self.pipeline {
+        let (what, pipelined) = match self.layout.pipeline() {
             Some(p) if p.plan.grid.stages > 1 => ("the training split's images", "; as on each pipeline's first stage (its last stage reads the labels alone, the stages between read nothing)"),
             _ => ("the training split", ""),
         };

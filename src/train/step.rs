@@ -1,33 +1,34 @@
-//! One training step (data, forward, backward with the exchange, optimizer, timings), and what
-//! follows a step at some steps: a progress line, an evaluation, a checkpoint, a stop request.
+//! The one training step of every layout ([`Run::step`]: the batch, the layout's forward and
+//! backward, the loss checked, the gradients averaged, one decision whether they step the
+//! optimizer, the optimizer, the times), what the loop keeps between steps, fp16's loss scaler,
+//! and what follows a step at some steps: a progress line, an evaluation, a checkpoint, a stop
+//! request. What differs between layouts is theirs: whole_step.rs (whole layers, with or
+//! without overlap), pipeline_step.rs (a pipeline stage's schedule), fsdp_step.rs (`--zero 3`'s
+//! units); layout.rs says which a run has.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mpi::collective::SystemOperation;
-use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
-use tch::nn::ModuleT;
-use tch::{Kind, Reduction, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::checkpoint::Retention;
-use crate::data::{DatasetInfo, Labels, Split};
 use crate::data::loader::{Batch, Loader, Parts, Schedule};
-use crate::data::reader::SplitReader;
 use crate::error::{Error, Result};
-use crate::exchange::{self, ReduceOp};
-use crate::optim::{self};
-use crate::plan::shard::ShardInfo;
+use crate::exchange::staging::synchronize_device;
+use crate::exchange::ReduceOp;
+use crate::optim::{self, FiniteCheck};
 use crate::topology::World;
 
 use super::checkpoints::{checkpoint_meta, save_checkpoint, save_sharded_checkpoint, save_weights, save_weights_in_parts};
 use super::collective::{average_over, sum_pair};
-use super::net::{Net, Normalizer};
+use super::layout::Part;
+use super::net::Normalizer;
 use super::options::Precision;
 use super::profile::StepProfile;
 use super::progress::{finite_loss, LossWindow, PendingLoss, Progress, SampleTrace, StepLoss, Timings};
-use super::run::{part_replicas, Run};
+use super::run::Run;
 use super::step_faults::StepFaults;
 
 /// What the loop keeps from step to step.
@@ -42,7 +43,7 @@ pub(super) struct LoopState {
     /// fp16's dynamic loss scaler; None at other precisions.
     pub(super) scaler: Option<LossScaler>,
     /// The one-rank GPU step's checks, left on the device ([`DeferredChecks`]); None elsewhere.
-    deferred: Option<DeferredChecks>,
+    pub(super) deferred: Option<DeferredChecks>,
 }
 
 /// On one GPU rank, what the step would read from the device every step, the loss and whether
@@ -55,14 +56,14 @@ pub(super) struct LoopState {
 /// the host does not yet know, and the read names the first such step (issue 52).
 pub(super) struct DeferredChecks {
     /// 1 once a step's gradients held a value that is not finite.
-    not_finite: Tensor,
+    pub(super) not_finite: Tensor,
 }
 
 impl DeferredChecks {
     /// Where they apply: a GPU, one rank (the exchange is the identity, with nothing to wait
     /// for), no fp16 loss scaler (which decides on the host whether to step).
     fn for_run(run: &Run, fp16: bool) -> Result<Option<DeferredChecks>> {
-        let plain = run.pipeline.is_none() && run.fsdp.is_none() && run.tensor_parallel.is_none() && run.overlap.is_none();
+        let plain = run.layout.is_plain();
         // Test hook: the same path on a CPU rank, where a read costs no idle device, so that the
         // CPU-only test suite checks it (tests/reliability.rs).
         let cuda_or_test = run.plan.device.is_cuda() || std::env::var_os("HPC_TRAIN_TEST_DEFER_CHECKS").is_some();
@@ -83,7 +84,7 @@ impl LoopState {
         let settled = run.overlap_choice.trial_end().map_or(0, |end| (end + 1).min(total.saturating_sub(1)).max(end));
         let warmup = (first + args.warmup_steps.min(total.saturating_sub(first + 1))).max(settled);
         // A pipeline's stages read only what they use (the first the images, the last the labels).
-        let parts = run.pipeline.as_ref().map_or(Parts::ALL, |p| p.data_parts());
+        let parts = run.layout.pipeline().map_or(Parts::ALL, |p| p.data_parts());
         let labels = Arc::new(if parts.labels { run.labels.train.clone() } else { Vec::new() });
         Ok(LoopState {
             norm: Normalizer::new(&run.info, run.plan.device, args.channels_last)?,
@@ -103,32 +104,45 @@ impl LoopState {
     }
 }
 
-/// A step's loss on the device: the rank's summed loss (read once the step's backward has run)
-/// and the scaled one that backward starts from.
-pub(super) struct Losses {
-    loss: Tensor,
-    scaled: Tensor,
-    /// Test hook (`nan` fault): the loss reads as NaN.
-    injected_nan: bool,
-    step: u64,
-    epoch: u64,
+/// A step's loss as a layout's forward and backward leave it, before the step checks it.
+pub(super) enum PassLoss {
+    /// Read on the host (0 where this rank computed none).
+    Read(f64),
+    /// On the device, read once backward has run (where the host waits for the device anyway:
+    /// read after forward, it made the GPU idle between forward and backward).
+    Tensor(Tensor),
+    /// Left on the device with the gradients' flag until the loop reads both ([`DeferredChecks`]).
+    Deferred(PendingLoss),
 }
 
-impl Losses {
-    /// The summed loss, refused when it is not finite.
-    fn read(&self) -> Result<f64> {
-        finite_loss(self.loss.f_double_value(&[])?, self.injected_nan, self.step, self.epoch)
-    }
+/// Where a layout's forward and backward leave the gradients, and so what of the step is left.
+pub(super) enum Gradients {
+    /// This rank's own, not yet averaged over the ranks that hold its part alike.
+    Local(Vec<Tensor>),
+    /// Averaged beside backward (overlap's buckets with the loss scaler, which must see them
+    /// all before any step), not yet applied.
+    Reduced(Vec<Tensor>),
+    /// `--zero 3`: reduce-scattered unit by unit beside backward into this rank's shards (in
+    /// the exchange), the local gradients' finiteness gathered as they were packed.
+    Shards(FiniteCheck),
+    /// Averaged and applied bucket by bucket beside backward (overlap without the scaler),
+    /// their finiteness gathered as they went.
+    Applied(FiniteCheck),
+    /// Checked and applied on the device under [`DeferredChecks`]' flag: nothing to read now.
+    AppliedOnDevice,
 }
 
-/// What backward and the exchange took, and the loss read after them.
-struct Exchanged {
-    compute: Duration,
-    /// The exchange not hidden behind backward.
-    comm: Duration,
-    exchange_total: Duration,
-    exchange_exposed: Duration,
-    loss: StepLoss,
+/// What a layout's forward and backward (whole layers, a pipeline stage's schedule, `--zero 3`'s
+/// units) leave for the rest of the step.
+pub(super) struct Backward {
+    pub(super) loss: PassLoss,
+    /// The samples whose loss this rank counts (in a pipeline, the last stage's).
+    pub(super) samples: usize,
+    pub(super) gradients: Gradients,
+    /// The exchange beside backward (overlap's buckets, stage 3's gathers and reduce-scatters):
+    /// its time in all, and the part compute did not hide, which the pass's time includes.
+    pub(super) exchange_total: Duration,
+    pub(super) exchange_exposed: Duration,
 }
 
 /// One step's figures (its total time is the caller's to measure).
@@ -139,71 +153,154 @@ pub(super) struct StepDone {
     pub(super) epoch: u64,
 }
 
+/// The step's one clock: laps of the host's time, each ending once the device has done what
+/// was queued (on a CPU, the host's time alone). Under [`DeferredChecks`] nothing waits for the
+/// device: the laps are the host's, and the device's time shows where the loop next reads.
+struct StepClock {
+    device: Option<Device>,
+    last: Instant,
+}
+
+impl StepClock {
+    fn start(device: Device, waits: bool) -> StepClock {
+        StepClock { device: waits.then_some(device), last: Instant::now() }
+    }
+
+    fn lap(&mut self) -> Duration {
+        if let Some(device) = self.device {
+            synchronize_device(device);
+        }
+        let now = Instant::now();
+        now - std::mem::replace(&mut self.last, now)
+    }
+}
+
 impl Run<'_> {
-    /// Data, forward, backward overlapped with (or followed by) the exchange, optimizer.
+    /// One training step, whatever the layout (layout.rs): the batch; forward and backward as
+    /// the layout computes them (whole layers, a pipeline stage's schedule, `--zero 3`'s units),
+    /// with the exchange where the layout runs it beside backward; the loss checked; the
+    /// gradients averaged where backward did not; one decision whether they step the optimizer
+    /// (fp16's loss scaler: agreed by every rank that holds a part); the optimizer; the times.
+    /// The test hooks of `HPC_TRAIN_FAULT` act at the same points in every layout.
     pub(super) fn step(&mut self, step: u64, state: &mut LoopState) -> Result<StepDone> {
-        if self.pipeline.is_some() {
-            return self.pipeline_step(step, state);
-        }
-        if self.fsdp.is_some() {
-            return self.fsdp_step(step, state);
-        }
-        let tensor_parallel_before = self.tensor_parallel.as_ref().map(|tp| tp.counts());
+        let tensor_counts = self.layout.tensor.as_ref().map(|tp| tp.counts());
+        // The watchdog and the optimizer told the step; the batch; `exit` ends the process here,
+        // `stall` and `pace` wait before the step's first communication.
         let (batch, data_wait) = self.begin_step(step, state)?;
         let faults = StepFaults::begin(&self.faults, self.world.rank, step);
-
-        // Forward on this rank's share of the global batch. The loss is the sum over the rank's
-        // samples scaled by workers / global samples, so that the mean over workers of the
-        // gradients is the gradient of the global batch's mean loss, however the last step of
-        // an epoch is split.
-        let compute_start = Instant::now();
-        // Backward hands its gradients over (none are zeroed to be added into), but those that
-        // are views into the overlap's bucket buffers, zeroed there. The handles live for this
-        // step only: after ZeRO stage 2 lets go of a gradient, no handle may keep its memory.
-        let overlapped = self.overlap.is_some() && self.overlap_choice.overlaps_at(step);
-        match (&self.overlap, overlapped) {
-            (Some(overlap), true) => overlap.prepare_grads(&self.net.params)?,
-            _ => optim::release_grads(&self.net.params)?,
-        }
-        let mut grads = self.net.grads();
-        let n = batch.samples();
-        let loss_factor = self.loss_factor(batch.global_samples, state.scaler.as_ref());
-        let losses = if n == 0 {
-            None
-        } else {
-            faults.forward()?;
-            let loss = self.forward(&state.norm, &batch)?;
-            let factor = if faults.nan_gradients() { f64::NAN } else { loss_factor };
-            let scaled = loss.f_mul_scalar(factor)?;
-            Some(Losses { loss: loss.f_detach()?, scaled, injected_nan: faults.nan_loss(), step, epoch: batch.epoch })
-        };
         faults.before_exchange();
+        let mut clock = StepClock::start(self.plan.device, !state.defers_checks());
+        let factor = self.loss_factor(batch.global_samples, state.scaler.as_ref());
 
-        // Backward and the exchange. With the fp16 loss scaler the optimizer steps after the
-        // exchange, once the averaged gradients (the same on every rank) are known to be finite.
-        let optimize_in_exchange = state.scaler.is_none();
-        let deferred = state.deferred.as_ref().map(|d| &d.not_finite);
-        let Exchanged { compute, comm, exchange_total, exchange_exposed, loss } =
-            self.backward_and_exchange(losses, &mut grads, compute_start, step, batch.epoch, optimize_in_exchange, deferred, overlapped)?;
-        if let Some(scaler) = &mut state.scaler {
-            if faults.inf_gradient() {
-                inject_inf(&grads)?;
-            }
-            // A tensor-parallel group's ranks hold different slices of its parameters, each of
-            // which may overflow alone: they skip or step together.
-            let sharing = self.tensor_parallel.as_ref().map(|tp| &tp.group);
-            if scaler.unscale_or_skip(&mut grads, sharing, step, self.world.is_root().then_some(&state.progress))? {
-                self.optimizer.step(&mut self.net.params, &mut grads)?;
-            }
+        let backward = match &self.layout.part {
+            Part::Whole { .. } => self.whole_pass(&batch, factor, &faults, state, step)?,
+            Part::Stage(_) => self.stage_pass(&batch, factor, &faults, state, step)?,
+            Part::Units(_) => self.units_pass(&batch, factor, &faults, state)?,
+        };
+        let compute = clock.lap().saturating_sub(backward.exchange_exposed);
+        let loss = match backward.loss {
+            PassLoss::Read(sum) => StepLoss::Read(finite_loss(sum, faults.nan_loss(), step, batch.epoch)?),
+            PassLoss::Tensor(sum) => StepLoss::Read(finite_loss(sum.f_double_value(&[])?, faults.nan_loss(), step, batch.epoch)?),
+            PassLoss::Deferred(pending) => StepLoss::OnDevice(pending),
+        };
+
+        let mut gradients = self.reduce_for_scaler(backward.gradients, state.scaler.is_some())?;
+        if let (Gradients::Reduced(grads), true) = (&gradients, faults.inf_gradient()) {
+            inject_inf(grads)?;
         }
-        faults.after_exchange();
+        if self.decide(&mut gradients, state.scaler.as_mut(), &state.progress, step, batch.epoch)? {
+            self.apply(gradients, &faults)?;
+        } else {
+            faults.after_exchange();
+        }
+
+        // The exchange's time, beside backward and after it, less the optimizer's, which the
+        // exchange's update and overlap's buckets run inside theirs.
+        let after_backward = clock.lap();
         let optimizer = self.optimizer.take_busy();
-        let comm = comm.saturating_sub(optimizer);
-        if let (Some(tp), Some(before)) = (&mut self.tensor_parallel, tensor_parallel_before) {
+        let comm = (backward.exchange_exposed + after_backward).saturating_sub(optimizer);
+        let exchange_total = (backward.exchange_total + after_backward).saturating_sub(optimizer);
+        if let (Some(tp), Some(before)) = (&mut self.layout.tensor, tensor_counts) {
             tp.note_step(&before, step >= state.warmup);
         }
-        let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total, exchange_exposed };
-        Ok(StepDone { timings, loss, samples: n, epoch: batch.epoch })
+        let timings = Timings { steps: 1, samples: batch.global_samples as u64, data_wait, compute, comm, optimizer, step: Duration::ZERO, exchange_total, exchange_exposed: comm };
+        Ok(StepDone { timings, loss, samples: backward.samples, epoch: batch.epoch })
+    }
+
+    /// With fp16's loss scaler, this rank's gradients averaged over the ranks that hold its part
+    /// alike, so that the scaler decides on what the optimizer would take; without it, left for
+    /// the exchange's update, which averages and steps in one call (ps's servers step, ZeRO 1/2
+    /// step each rank's shard then gather the weights).
+    fn reduce_for_scaler(&mut self, gradients: Gradients, scaler: bool) -> Result<Gradients> {
+        match gradients {
+            Gradients::Local(mut grads) if scaler => {
+                // A stage without parameters (the tiny CNN's pooling) has nothing to average.
+                if !grads.is_empty() {
+                    let exchange = &mut self.exchange;
+                    let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
+                    exchange.all_reduce(&mut grads, ReduceOp::Mean)?;
+                }
+                Ok(Gradients::Reduced(grads))
+            }
+            other => Ok(other),
+        }
+    }
+
+    /// The one decision whether this step's gradients step the optimizer. Without fp16's loss
+    /// scaler, gradients that are not finite end the run: this rank's own, checked before the
+    /// exchange (no collective), or those the exchange gathered beside backward. With it, the
+    /// averaged gradients are unscaled and step, or, where any rank of the layout's decision
+    /// group overflowed, every one of them skips the step (layout.rs: `decision_group`).
+    fn decide(&mut self, gradients: &mut Gradients, scaler: Option<&mut LossScaler>, progress: &Progress, step: u64, epoch: u64) -> Result<bool> {
+        let finite = match (gradients, scaler) {
+            (Gradients::Reduced(grads), Some(scaler)) => {
+                let group = self.layout.decision_group(self.world);
+                return scaler.unscale_or_skip(grads, group, step, self.world.is_root().then_some(progress));
+            }
+            (Gradients::Local(grads), None) => optim::grads_finite(grads)?,
+            (Gradients::Shards(check) | Gradients::Applied(check), None) => check.all_finite()?,
+            (Gradients::AppliedOnDevice, None) => true,
+            (Gradients::Reduced(_), None) => unreachable!("gradients are averaged before the step only for the loss scaler"),
+            (_, Some(_)) => unreachable!("the loss scaler decides on averaged gradients (reduce_for_scaler)"),
+        };
+        match finite {
+            true => Ok(true),
+            false => Err(Error::NonFinite { what: "gradient", step, epoch }),
+        }
+    }
+
+    /// The optimizer's step on what the gradients came to. `stall-after` acts once the
+    /// gradients are averaged, before the collectives that follow (LARS's norms under ZeRO 3;
+    /// the next step's): after the exchange's update where that averages and steps in one call.
+    fn apply(&mut self, gradients: Gradients, faults: &StepFaults) -> Result<()> {
+        match gradients {
+            Gradients::Local(mut grads) => {
+                if !grads.is_empty() {
+                    let exchange = &mut self.exchange;
+                    let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
+                    exchange.update(&mut self.net.params, &mut grads, &mut self.optimizer)?;
+                }
+                faults.after_exchange();
+            }
+            Gradients::Reduced(mut grads) => {
+                faults.after_exchange();
+                if !grads.is_empty() {
+                    self.optimizer.step(&mut self.net.params, &mut grads)?;
+                }
+            }
+            Gradients::Shards(_) => {
+                faults.after_exchange();
+                let fsdp = self.layout.fsdp().expect("stage 3's shards come from its units");
+                // The optimizer on the collectives' stream, as the shards it reads.
+                let on_comm_stream = fsdp.collectives_stream()?;
+                self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange").step(&mut self.optimizer)?;
+                if let Some(stream) = on_comm_stream {
+                    stream.restore()?;
+                }
+            }
+            Gradients::Applied(_) | Gradients::AppliedOnDevice => faults.after_exchange(),
+        }
+        Ok(())
     }
 
     /// What a rank's summed loss is multiplied by before backward: workers / global samples, so
@@ -225,99 +322,6 @@ impl Run<'_> {
         Ok((batch, data_wait))
     }
 
-    /// The summed loss of the rank's samples (with --label-smoothing), in f32 (the forward under
-    /// autocast for bf16 and fp16).
-    fn forward(&self, norm: &Normalizer, batch: &Batch) -> Result<Tensor> {
-        let x = norm.images(batch.images(), batch.samples())?;
-        let y = norm.labels(batch.labels())?;
-        self.args.precision.training_forward(self.plan.device, || {
-            let logits = self.net.model().forward_t(&x, true);
-            Ok(logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, self.args.recipe.label_smoothing)?.f_to_kind(Kind::Float)?)
-        })
-    }
-
-    /// Backward overlapped with the exchange and the optimizer bucket by bucket, or backward
-    /// then the exchange (every strategy leaves the parameters updated for the next step).
-    ///
-    /// The loss is read (and checked) once backward has run, where the host waits for the
-    /// device anyway: read after forward, it made the GPU idle between forward and backward.
-    /// The gradients' finiteness is checked before the exchange without overlap, and gathered
-    /// on the device during an overlapped step and read once at its end. Given `deferred` (the
-    /// flag of [`DeferredChecks`]), neither is read: the check sets the flag, the optimizer
-    /// skips under it, and the loop reads both later.
-    #[allow(clippy::too_many_arguments)]
-    fn backward_and_exchange(
-        &mut self,
-        losses: Option<Losses>,
-        grads: &mut Vec<Tensor>,
-        compute_start: Instant,
-        step: u64,
-        epoch: u64,
-        optimize: bool,
-        deferred: Option<&Tensor>,
-        overlapped: bool,
-    ) -> Result<Exchanged> {
-        let device = self.plan.device;
-        if let (Some(overlap), Some(losses), true) = (&mut self.overlap, losses.as_ref(), overlapped) {
-            let forward = compute_start.elapsed();
-            let (times, finite) = overlap.step(losses.scaled.shallow_clone(), &mut self.net.params, grads, self.exchange.as_mut(), &mut self.optimizer, step, epoch, optimize)?;
-            exchange::staging::synchronize_device(device);
-            let loss_sum = losses.read()?;
-            if !finite.all_finite()? {
-                return Err(Error::NonFinite { what: "gradient", step, epoch });
-            }
-            return Ok(Exchanged { compute: forward + times.backward, comm: times.exposed, exchange_total: times.exchange, exchange_exposed: times.exposed, loss: StepLoss::Read(loss_sum) });
-        }
-        if let Some(losses) = &losses {
-            losses.scaled.f_backward()?;
-        }
-        if let (Some(flag), true) = (deferred, optimize) {
-            return self.optimize_unread(losses, grads, flag, compute_start);
-        }
-        let loss_sum = losses.as_ref().map_or(Ok(0.0), Losses::read)?;
-        // What backward handed over, zeros where it made none.
-        *grads = optim::defined_grads(&self.net.params)?;
-        if optimize && !optim::grads_finite(grads)? {
-            return Err(Error::NonFinite { what: "gradient", step, epoch });
-        }
-        exchange::staging::synchronize_device(device);
-        let compute = compute_start.elapsed();
-        let comm_start = Instant::now();
-        {
-            let exchange = &mut self.exchange;
-            let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
-            if optimize {
-                exchange.update(&mut self.net.params, grads, &mut self.optimizer)?;
-            } else {
-                exchange.all_reduce(grads, ReduceOp::Mean)?;
-            }
-        }
-        exchange::staging::synchronize_device(device);
-        let comm = comm_start.elapsed();
-        Ok(Exchanged { compute, comm, exchange_total: comm, exchange_exposed: comm, loss: StepLoss::Read(loss_sum) })
-    }
-
-    /// After backward on one GPU rank ([`DeferredChecks`]): the gradients' check into `flag`,
-    /// the update under it, nothing read and no wait for the device. The times are the host's:
-    /// compute ends when backward's kernels are queued, and the device's time shows where the
-    /// host next waits (the loop's reads).
-    fn optimize_unread(&mut self, losses: Option<Losses>, grads: &mut Vec<Tensor>, flag: &Tensor, compute_start: Instant) -> Result<Exchanged> {
-        *grads = optim::defined_grads(&self.net.params)?;
-        optim::flag_not_finite(grads, flag)?;
-        let compute = compute_start.elapsed();
-        let comm_start = Instant::now();
-        self.optimizer.skip_if(Some(flag.shallow_clone()));
-        let updated = self.exchange.update(&mut self.net.params, grads, &mut self.optimizer);
-        self.optimizer.skip_if(None);
-        updated?;
-        let comm = comm_start.elapsed();
-        let loss = match losses {
-            Some(l) => StepLoss::OnDevice(PendingLoss { loss: l.loss, not_finite: flag.f_detach_copy()?, injected_nan: l.injected_nan, step: l.step, epoch: l.epoch }),
-            None => StepLoss::Read(0.0),
-        };
-        Ok(Exchanged { compute, comm, exchange_total: comm, exchange_exposed: comm, loss })
-    }
-
     /// The mean training loss since the last report, over all workers; logged by rank 0.
     pub(super) fn report_progress(&self, step: u64, epoch: u64, window: &mut LossWindow, totals: &Timings, progress: &Progress) {
         let (loss, samples) = sum_pair(&self.workers_comm, window.sum, window.samples);
@@ -334,19 +338,15 @@ impl Run<'_> {
         // (a group's other ranks hold other parts, whose buffers need not even have this
         // part's sizes: issue 48, item 4), else every worker (not ps's dedicated servers).
         let buffers: Vec<Tensor> = self.net.buffers.iter().map(|(_, t)| t.shallow_clone()).collect();
-        let (holders, count) = match part_replicas(self.pipeline.as_ref(), self.tensor_parallel.as_ref()) {
+        let (holders, count) = match self.layout.part_replicas() {
             Some(replicas) => (&replicas.comm, replicas.size as usize),
             None => (&self.workers_comm, self.workers),
         };
         average_over(holders, &buffers, true, count)?;
-        let (test_loss, accuracy) = if self.pipeline.is_some() {
-            self.pipeline_evaluate(&state.norm)?
-        } else if self.fsdp.is_some() {
-            self.fsdp_evaluate(&state.norm)?
-        } else {
-            // A tensor-parallel group's ranks evaluate the same samples; the first counts them.
-            let counted = self.tensor_parallel.as_ref().is_none_or(|tp| tp.rank == 0);
-            evaluate(&self.net, &state.norm, &self.args.data, &self.info, &self.labels, &self.workers_comm, self.worker, self.workers, self.plan.batch, counted)?
+        let (test_loss, accuracy) = match &self.layout.part {
+            Part::Whole { .. } => self.whole_evaluate(&state.norm)?,
+            Part::Stage(_) => self.pipeline_evaluate(&state.norm)?,
+            Part::Units(_) => self.fsdp_evaluate(&state.norm)?,
         };
         if self.world.is_root() {
             state.progress.suspend(|| log::info!("epoch {} done at step {}: test loss {test_loss:.4}, accuracy {:.2}%", epoch + 1, step + 1, accuracy * 100.0));
@@ -387,9 +387,9 @@ impl Run<'_> {
             };
         }
         // The ranks that hold this rank's part alike: the exchange's.
-        let replicas = part_replicas(self.pipeline.as_ref(), self.tensor_parallel.as_ref()).unwrap_or(self.world);
+        let replicas = self.layout.part_replicas().unwrap_or(self.world);
         let fault = self.faults.in_write(self.world.rank, last_step);
-        let written = save_sharded_checkpoint(self.world, dir, retention, &self.net, self.exchange.as_mut(), &self.optimizer, meta, replicas, self.tensor_parallel.as_ref(), fault)?;
+        let written = save_sharded_checkpoint(self.world, dir, retention, &self.net, self.exchange.as_mut(), &self.optimizer, meta, replicas, self.layout.tensor.as_ref(), fault)?;
         if let Ok(w) = &written {
             self.checkpoints.count(w);
         }
@@ -403,11 +403,11 @@ impl Run<'_> {
     /// 0 writes it; where the model is cut, every rank writes what it holds and rank 0 streams
     /// the parts into the file, so that no rank holds the whole model (issue 49).
     pub(super) fn save_weights(&mut self, path: &std::path::Path, last_step: u64) -> Result<()> {
-        let Some(replicas) = part_replicas(self.pipeline.as_ref(), self.tensor_parallel.as_ref()).or(self.fsdp.as_ref().map(|_| self.world)) else {
+        let Some(replicas) = self.layout.part_replicas().or(self.layout.fsdp().map(|_| self.world)) else {
             return self.world.agree(if self.world.is_root() { save_weights(&self.net, path) } else { Ok(()) });
         };
         let meta = checkpoint_meta(self.args, self.world, &self.plan, &self.info, &self.dataset_fingerprint, self.steps_per_epoch, self.total_steps, last_step, self.optimizer.steps());
-        save_weights_in_parts(self.world, path, &self.net, self.exchange.as_mut(), &self.optimizer, meta, replicas, self.tensor_parallel.as_ref())
+        save_weights_in_parts(self.world, path, &self.net, self.exchange.as_mut(), &self.optimizer, meta, replicas, self.layout.tensor.as_ref())
     }
 }
 
@@ -471,43 +471,4 @@ pub(super) fn inject_inf(grads: &[Tensor]) -> Result<()> {
         tch::no_grad(|| g.f_view([-1])?.f_get(0)?.f_fill_(f64::INFINITY).map(drop))?;
     }
     Ok(())
-}
-
-/// Test loss and accuracy over all workers' shards of the test set.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn evaluate(
-    net: &Net,
-    norm: &Normalizer,
-    path: &Path,
-    info: &DatasetInfo,
-    labels: &Labels,
-    workers_comm: &SimpleCommunicator,
-    worker: usize,
-    workers: usize,
-    batch: usize,
-    counted: bool,
-) -> Result<(f64, f64)> {
-    let shard = ShardInfo::split(info.test.len, workers, worker);
-    let mut reader = SplitReader::open(path, Split::Test)?;
-    let (mut loss_sum, mut correct) = (0.0, 0.0);
-    let mut images = Vec::new();
-    let eval_batch = batch.max(1) * 2;
-    tch::no_grad(|| -> Result<()> {
-        for start in (shard.offset..shard.end()).step_by(eval_batch) {
-            let end = (start + eval_batch).min(shard.end());
-            let indices: Vec<usize> = (start..end).collect();
-            images.resize(indices.len() * info.sample_bytes(), 0);
-            reader.read(&indices, &mut images)?;
-            let x = norm.images_from_bytes(&images, indices.len())?;
-            let y = norm.labels(&labels.test[start..end])?;
-            let logits = net.model().forward_t(&x, false);
-            loss_sum += logits.f_cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0)?.f_double_value(&[])?;
-            correct += logits.f_argmax(-1, false)?.f_eq_tensor(&y)?.f_sum(Kind::Float)?.f_double_value(&[])?;
-        }
-        Ok(())
-    })?;
-    let (loss_sum, correct) = if counted { (loss_sum, correct) } else { (0.0, 0.0) };
-    let (loss_sum, correct) = sum_pair(workers_comm, loss_sum, correct);
-    let n = info.test.len as f64;
-    Ok((loss_sum / n, correct / n))
 }

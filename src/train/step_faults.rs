@@ -1,15 +1,16 @@
-//! The test hooks of `HPC_TRAIN_FAULT` for one training step, apart from the steps that call
-//! them (step.rs, pipeline_step.rs with pipeline.rs, fsdp_step.rs), so that each step kind
-//! imports them without importing another.
+//! The test hooks of `HPC_TRAIN_FAULT` for one training step, apart from the step that calls
+//! them (step.rs) and the layouts' passes that act on some (whole_step.rs, pipeline_step.rs
+//! with pipeline.rs, fsdp_step.rs), so that each imports them without importing another.
 
 use crate::error::{Error, Result};
 use crate::faults::{Fault, Faults, FAULT_ENV};
 
-/// The test hooks of `HPC_TRAIN_FAULT` (faults.rs) for one step, called at the same points by
-/// every step kind (plain, pipelined, `--zero 3`), so that a fault cannot reach one kind and
-/// silently miss another: `exit` at the step's start, `error` at the forward, `nan` and
-/// `nangrad` on the loss and the gradients, `stall` before the step's communication and
-/// `stall-after` after it.
+/// The test hooks of `HPC_TRAIN_FAULT` (faults.rs) for one step, called at the same points of
+/// the one step whatever the layout, so that a fault cannot reach one layout and silently miss
+/// another: `exit` at the step's start, `stall` and `pace` before its first communication,
+/// `error` at the forward, `nangrad` on the gradients backward makes, `nan` on the loss as the
+/// step reads it, `infgrad` on the averaged gradients before the loss scaler's decision, and
+/// `stall-after` once the gradients are averaged, before the optimizer.
 pub(super) struct StepFaults {
     fault: Option<Fault>,
     rank: i32,
@@ -59,6 +60,13 @@ impl StepFaults {
     /// `nangrad`: the gradients become NaN while the loss stays finite.
     pub(super) fn nan_gradients(&self) -> bool {
         self.fault == Some(Fault::NanGrad)
+    }
+
+    /// The factor backward starts from: `factor`, or NaN under `nangrad`, so that every gradient
+    /// backward makes is NaN (a pipeline stage spoils its own instead: the factor reaches only
+    /// the last stage).
+    pub(super) fn loss_factor(&self, factor: f64) -> f64 {
+        if self.nan_gradients() { f64::NAN } else { factor }
     }
 
     /// `stall`: a hung node, before the step's communication; `pace`: a slow one, at every step
