@@ -1,7 +1,8 @@
 //! Mixed precision (`--precision bf16|fp16`) on CPU ranks, in every layout: a bf16 pipeline
 //! (with and without recomputation) and `--zero 3` compute their steps as one bf16 process does,
 //! and every layout evaluates in fp32; fp16 tensor-parallel ranks skip an overflow of one rank's
-//! slice together, and fp16 pipeline stages one stage's overflow; LARS under tensor parallelism takes the whole layers' norms; tf32 on the CPU
+//! slice together, fp16 pipeline stages one stage's overflow, and ZeRO 1/2/3's ranks one rank's
+//! overflow; LARS under tensor parallelism takes the whole layers' norms; tf32 on the CPU
 //! is refused by name.
 
 mod common;
@@ -154,6 +155,36 @@ fn fp16_pipeline_stages_skip_an_overflow_together() {
     assert!(diff < 1e-5 && diff * 100.0 < fp16_to_fp32, "fp16 P = 2: {diff:e} from one fp16 process (fp32 is {fp16_to_fp32:e} away)");
     let diff = max_relative_difference(&plain, &reference);
     assert!(diff < 1e-2, "fp16 with micro-batches: {diff:e} from the plain fp16 step");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// fp16 with ZeRO 1, 2 and 3 on 2 ranks: rank 1's gradients overflow alone at step 1 (the
+/// `infgrad` fault); both ranks skip that step and halve the scale, as the plain exchange's
+/// ranks do, and every other step unscales the shards as the plain step unscales the averaged
+/// gradients. Each rank steps its own shard, so without the agreement rank 0 steps its shard
+/// alone and the weights part from the reference by a step's update. The ranks compute the
+/// same fp16 forwards and backwards in both (same weights, same samples); only the averages
+/// differ, ZeRO's reduce-scatter against the ring's all-reduce, by f32 rounding: hence 1e-5,
+/// far inside fp16's distance from fp32 (checked, so that the autocast ran).
+#[test]
+fn fp16_zero_ranks_skip_an_overflow_together() {
+    let dir = scratch("precision-fp16-zero");
+    let data = cnn_data(&dir);
+    let d = data.to_str().unwrap();
+    let fault = [("HPC_TRAIN_FAULT", "infgrad@1:1")];
+    let fp16 = ["--no-eval", "--precision", "fp16", "--loss-scale", "1024", "--strategy", "ring"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> { fp16.iter().chain(extra).copied().collect() };
+    let (reference, log) = train_saving_weights_env(&dir, "ring-fp16", 2, &cnn_args(d, &with(&[])), &fault);
+    assert_eq!(log.matches("gradients overflowed at step 1;").count(), 1, "{log}");
+    let fp32 = train_saving_weights(&dir, "ring-fp32", 2, &cnn_args(d, &["--no-eval", "--strategy", "ring"]));
+    let fp16_to_fp32 = max_relative_difference(&fp32, &reference);
+    assert!(fp16_to_fp32 > 1e-4, "fp16 gave fp32's weights ({fp16_to_fp32:e}): autocast did not run");
+    for zero in ["1", "2", "3"] {
+        let (got, log) = train_saving_weights_env(&dir, &format!("zero{zero}-fp16"), 2, &cnn_args(d, &with(&["--zero", zero])), &fault);
+        assert_eq!(log.matches("gradients overflowed at step 1;").count(), 1, "--zero {zero}: {log}");
+        let diff = max_relative_difference(&reference, &got);
+        assert!(diff < 1e-5 && diff * 100.0 < fp16_to_fp32, "fp16 --zero {zero}: {diff:e} from the plain exchange (fp32 is {fp16_to_fp32:e} away)");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -29,7 +29,7 @@ use tch::Tensor;
 use crate::error::Result;
 
 pub use config::{OptimizerConfig, OptimizerKind};
-pub use finite::{all_finite, define_grads, defined_grad, defined_grads, flag_not_finite, grads_finite, release_grads, unscale_if_finite, zero_grads, FiniteCheck};
+pub use finite::{all_finite, define_grads, defined_grad, defined_grads, flag_not_finite, grads_finite, release_grads, zero_grads, FiniteCheck};
 pub use rule::Pieces;
 use rule::Step;
 pub use schedule::{DecayKind, LrSchedule, ScaleLr};
@@ -50,6 +50,8 @@ pub struct Optimizer {
     layer_parts: Option<LayerParts>,
     /// A flag on the device under which updates change nothing ([`Optimizer::skip_if`]).
     skip_if: Option<Tensor>,
+    /// What gradients are multiplied by before they update ([`Optimizer::unscale_by`]).
+    unscale: Option<f64>,
 }
 
 /// Tensor parallelism's parameter tensors, for LARS: some are this rank's part of a layer whose
@@ -70,7 +72,7 @@ impl Optimizer {
     pub fn new(config: OptimizerConfig, schedule: LrSchedule, exempt: Vec<bool>) -> Optimizer {
         let lr = schedule.lr_at(0);
         let slots = config.kind.slots().len();
-        Optimizer { config, schedule, lr, exempt, state: (0..slots).map(|_| Vec::new()).collect(), steps: 0, busy: Duration::ZERO, layer_parts: None, skip_if: None }
+        Optimizer { config, schedule, lr, exempt, state: (0..slots).map(|_| Vec::new()).collect(), steps: 0, busy: Duration::ZERO, layer_parts: None, skip_if: None, unscale: None }
     }
 
     /// Makes LARS's norms those of whole layers where this rank holds parts of them (tensor
@@ -95,6 +97,14 @@ impl Optimizer {
     /// rare tensor that the fused kernels cannot take, read it on the host. None: always update.
     pub fn skip_if(&mut self, flag: Option<Tensor>) {
         self.skip_if = flag;
+    }
+
+    /// Makes the updates that follow first multiply their gradients by `inv_scale` (fp16's loss
+    /// scaler, as GradScaler's unscale), wherever the gradients are by then: averaged whole, or in
+    /// ZeRO's and stage 3's shards. The one place that unscales, so that every
+    /// layout's update takes the same values. None: as they are.
+    pub fn unscale_by(&mut self, inv_scale: Option<f64>) {
+        self.unscale = inv_scale;
     }
 
     /// Sets the rate for global step `step` (0-based): the schedule follows the global step,
@@ -146,6 +156,9 @@ impl Optimizer {
         if self.config.kind == OptimizerKind::Lars && step.skipped()? {
             self.busy += started.elapsed();
             return Ok(());
+        }
+        if let Some(inv_scale) = self.unscale {
+            tch::no_grad(|| which.iter().map(|&i| &grads[i]).filter(|g| g.defined()).try_for_each(|g| g.shallow_clone().f_mul_scalar_(inv_scale).map(drop)))?;
         }
         tch::no_grad(|| -> Result<()> {
             match self.config.kind {

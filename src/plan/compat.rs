@@ -244,7 +244,6 @@ pub enum Verdict {
     NotApplicable,
 }
 
-const FP16_SHARDED: &str = "the loss scaler checks and unscales whole gradients before the optimizer step, which ZeRO shards; use bf16";
 const FP16_PS: &str = "the loss scaler unscales gradients before the optimizer step, which the servers own; use bf16";
 const ASYNC_NOT_SGD: &str =
     "asynchronous servers split SGD's update over the gradients as they arrive, which only SGD's linear update allows; use --ps-mode sync";
@@ -272,7 +271,6 @@ pub fn verdict(feature: Feature, kind: Kind) -> Verdict {
         return Na;
     }
     match (feature, kind) {
-        (Feature::Fp16, k) if k.is_sharded() => Refused(FP16_SHARDED),
         (Feature::Fp16, k) if k.is_parameter_server() => Refused(FP16_PS),
         (Feature::Lars | Feature::Adamw, Kind::PsAsync) => Refused(ASYNC_NOT_SGD),
         (Feature::Overlap, k) if k.is_parameter_server() => Refused(OVERLAP_PS),
@@ -432,7 +430,8 @@ mod tests {
 
     #[test]
     fn the_known_refusals_are_in_the_table() {
-        assert!(matches!(verdict(Feature::Fp16, Kind::Zero2), Verdict::Refused(_)));
+        assert!(matches!(verdict(Feature::Fp16, Kind::Ps), Verdict::Refused(_)));
+        assert_eq!(verdict(Feature::Fp16, Kind::Zero3), Verdict::Supported);
         assert!(matches!(verdict(Feature::Layout(Kind::Zero3), Kind::OneFOneB), Verdict::Refused(_)));
         assert!(matches!(verdict(Feature::Layout(Kind::TensorParallel), Kind::Zero1), Verdict::Refused(_)));
         assert!(matches!(verdict(Feature::Layout(Kind::Ps), Kind::Gpipe), Verdict::Refused(_)));
@@ -450,10 +449,10 @@ mod tests {
         // ring among the replicas of a 1F1B pipeline: overlap refused through the pipeline.
         let err = check(&[Feature::Overlap], &[Kind::Ring, Kind::OneFOneB]).unwrap_err();
         assert!(err.starts_with("--overlap on with --pipeline-stages (--schedule 1f1b):"), "{err}");
-        // fp16 is refused through ZeRO, not through the pipeline it shares a run with.
-        let err = check(&[Feature::Fp16], &[Kind::Ring, Kind::Zero1, Kind::OneFOneB]).unwrap_err();
-        assert!(err.starts_with("--precision fp16 with --zero 1:"), "{err}");
-        assert!(check(&[Feature::Fp16], &[Kind::Ring, Kind::OneFOneB]).is_ok());
+        // fp16 combines with ZeRO and pipelines, and is refused through the parameter server.
+        assert!(check(&[Feature::Fp16], &[Kind::Ring, Kind::Zero1, Kind::OneFOneB]).is_ok());
+        let err = check(&[Feature::Fp16], &[Kind::Ps]).unwrap_err();
+        assert!(err.starts_with("--precision fp16 with --strategy ps:"), "{err}");
         let err = check(&[], &[Kind::Ring, Kind::Zero3, Kind::Gpipe]).unwrap_err();
         assert!(err.starts_with("--zero 3 with --pipeline-stages (--schedule gpipe):"), "{err}");
         let err = check(&[Feature::Recompute], &[Kind::Ring]).unwrap_err();

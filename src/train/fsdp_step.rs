@@ -32,7 +32,7 @@ use super::collective::sum_pair;
 use super::fsdp::{Done, Job, UnitWorker};
 use super::net::Normalizer;
 use super::run::Run;
-use super::step::{Backward, Gradients, LoopState, PassLoss};
+use super::step::{inject_inf, Backward, Gradients, LoopState, PassLoss};
 use super::stamp_clock::{Stamp, StampClock, Stamped};
 use super::step_faults::StepFaults;
 
@@ -155,8 +155,13 @@ fn compute_beside<R>(
 }
 
 /// After a unit's backward: its gradients packed (for the reduce-scatter), the unit let go.
-fn pack_and_let_go<'a>(u: usize, params: &'a [Tensor], finite: &'a mut FiniteCheck) -> impl FnOnce(&mut dyn UnitShards) -> Result<()> + 'a {
+/// `overflow` (the `infgrad` test hook): one of them becomes +inf first, as an fp16 overflow.
+fn pack_and_let_go<'a>(u: usize, params: &'a [Tensor], finite: &'a mut FiniteCheck, overflow: bool) -> impl FnOnce(&mut dyn UnitShards) -> Result<()> + 'a {
     move |s| {
+        if overflow {
+            // Only the unit just computed has gradients now.
+            inject_inf(&params.iter().map(Tensor::grad).collect::<Vec<_>>())?;
+        }
         s.pack_grads(u, params, finite)?;
         s.release(u, params)
     }
@@ -173,6 +178,7 @@ impl Run<'_> {
         let images = if n > 0 { Some(state.norm.images(batch.images(), n)?) } else { None };
         let labels = if n > 0 { Some(state.norm.labels(batch.labels())?) } else { None };
         let factor = faults.loss_factor(factor);
+        let overflow = faults.inf_gradient() && state.scaler.is_some();
         let label_smoothing = self.args.recipe.label_smoothing;
         let fsdp = self.layout.fsdp().expect("a --zero 3 run");
         let (worker, prefetch, last) = (&fsdp.worker, fsdp.prefetch, fsdp.units.len() - 1);
@@ -204,7 +210,7 @@ impl Run<'_> {
         // once (one buffer serves its gather, its gradients, and the next gather).
         let reduce_now = |u: usize| (!prefetch).then_some(u);
         let window = Window { reduce: reduce_now(last), gather: last.checked_sub(1) };
-        let (done, mut next, ()) = compute_beside(worker, shards, job, window, prefetch, &mut log, pack_and_let_go(last, params, &mut finite))?;
+        let (done, mut next, ()) = compute_beside(worker, shards, job, window, prefetch, &mut log, pack_and_let_go(last, params, &mut finite, overflow))?;
         let (loss, mut grad) = match done {
             Some(d) => (d.loss, d.output),
             None => (None, None),
@@ -219,7 +225,7 @@ impl Run<'_> {
                 _ => None,
             };
             let window = Window { reduce: pending.take().or(reduce_now(u)), gather: u.checked_sub(1) };
-            let (done, gathered, ()) = compute_beside(worker, shards, job, window, prefetch, &mut log, pack_and_let_go(u, params, &mut finite))?;
+            let (done, gathered, ()) = compute_beside(worker, shards, job, window, prefetch, &mut log, pack_and_let_go(u, params, &mut finite, false))?;
             next = gathered;
             grad = done.and_then(|d| d.output);
             pending = prefetch.then_some(u);

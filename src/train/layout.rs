@@ -85,21 +85,6 @@ impl RunLayout {
     pub(super) fn part_replicas(&self) -> Option<&World> {
         part_replicas(self.pipeline(), self.tensor.as_ref())
     }
-
-    /// The ranks whose gradients' verdicts must agree before anyone steps (fp16's loss scaler:
-    /// skip on all, or step on all). The exchange gives the replicas of a part the same
-    /// averaged gradients, so the ranks to ask are those that hold other parts of the same
-    /// model: every rank where it is cut into stages or shards (any stage, any shard may
-    /// overflow alone, and one stepping while another skips would part the model), a
-    /// tensor-parallel group where only layers are cut (as Megatron's found-inf all-reduce over
-    /// its model-parallel group), none where every rank holds the whole model.
-    pub(super) fn decision_group<'w>(&'w self, world: &'w World) -> Option<&'w World> {
-        match (&self.part, &self.tensor) {
-            (Part::Stage(_) | Part::Units(_), _) => Some(world),
-            (Part::Whole { .. }, Some(tp)) => Some(&tp.group),
-            (Part::Whole { .. }, None) => None,
-        }
-    }
 }
 
 /// The ranks that hold this rank's part of the model alike, where the model is cut: a stage's

@@ -59,6 +59,11 @@ pub(super) fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &N
     if args.strategy == exchange::StrategyKind::Ps {
         return off("the parameter server takes whole shares after backward");
     }
+    // ZeRO's overlap steps each shard during backward, before fp16's loss scaler has seen
+    // every gradient (an explicit --overlap on is refused: train/plan.rs).
+    if args.precision == super::options::Precision::Fp16 && exchange.zero().is_some() {
+        return off("fp16's loss scaler decides before any shard steps, which ZeRO's overlap would step during backward");
+    }
     // One rank exchanges nothing: backward on a thread of its own would only cost a hand-over.
     if world.size == 1 {
         return off("one rank has nothing to exchange; backward runs on the MPI thread");

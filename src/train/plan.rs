@@ -55,6 +55,7 @@ pub fn training_ranks(args: &TrainArgs, strategy: exchange::StrategyKind, ranks:
 pub fn check_combination(args: &TrainArgs) -> Result<()> {
     let (features, kinds) = features_and_kinds(args, crate::faults::injected());
     compat::check(&features, &kinds).map_err(Error::usage)?;
+    check_fp16_overlap(args)?;
     args.check_unused_options(&[args.strategy]).map(|_| ())
 }
 
@@ -77,6 +78,7 @@ impl Plan {
         if let Some(p) = &pipeline {
             check_pipeline(p, batch)?;
         }
+        check_fp16_overlap(args)?;
         if args.given.has("loss_scale") && args.precision != Precision::Fp16 {
             return Err(Error::usage("--loss-scale is an option of --precision fp16 (the loss scaler); drop it, or add --precision fp16"));
         }
@@ -242,6 +244,20 @@ fn check_fully_sharded_options(args: &TrainArgs) -> Result<()> {
         if let Some(flag) = [("fsdp_unit", "--fsdp-unit"), ("fsdp_hybrid", "--fsdp-hybrid")].iter().find(|(id, _)| args.given.has(id)).map(|(_, f)| f) {
             return Err(Error::usage(format!("{flag} is an option of --zero 3 (fully sharded data parallelism); add --zero 3 or drop it")));
         }
+    }
+    Ok(())
+}
+
+/// fp16 with ZeRO 1/2 and `--overlap on`: a combination of three, which the table of pairs
+/// (plan/compat.rs) cannot state. ZeRO's overlap steps each bucket's shard as soon as the
+/// bucket is reduced, while backward still runs; the loss scaler must see every gradient
+/// before any step. (`--overlap auto` chooses off there: overlap_choice.rs.)
+fn check_fp16_overlap(args: &TrainArgs) -> Result<()> {
+    if args.precision == Precision::Fp16 && matches!(args.zero, 1 | 2) && args.overlap == super::options::OnOff::On {
+        return Err(Error::usage(format!(
+            "--precision fp16 with --zero {} and --overlap on: ZeRO's overlap steps each bucket's shard as soon as it is reduced, before the loss scaler has seen every gradient; use --overlap off or auto, or --precision bf16",
+            args.zero
+        )));
     }
     Ok(())
 }
@@ -730,6 +746,17 @@ mod tests {
         assert!(err.contains("HOROVOD_TIMELINE") && err.contains("it is the --data file"), "{err}");
         assert!(check_outputs_against_inputs(&train_args(&["--data", d, "--strategy", "ring"]), Some(data.clone())).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn fp16_with_zero_and_overlap_on_is_refused_and_the_rest_of_that_corner_is_not() {
+        for zero in ["1", "2"] {
+            let err = check_combination(&train_args(&["--precision", "fp16", "--zero", zero, "--overlap", "on"])).unwrap_err().to_string();
+            assert!(err.contains(&format!("--precision fp16 with --zero {zero} and --overlap on:")) && err.contains("use --overlap off or auto"), "{err}");
+        }
+        for ok in [&["--precision", "fp16", "--zero", "2"][..], &["--precision", "fp16", "--zero", "3", "--overlap", "on"], &["--precision", "bf16", "--zero", "1", "--overlap", "on"], &["--precision", "fp16", "--overlap", "on"]] {
+            assert!(check_combination(&train_args(ok)).is_ok(), "{ok:?}");
+        }
     }
 
     #[test]

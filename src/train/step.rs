@@ -17,7 +17,6 @@ use crate::checkpoint::Retention;
 use crate::data::loader::{Batch, Loader, Parts, Schedule};
 use crate::error::{Error, Result};
 use crate::exchange::staging::synchronize_device;
-use crate::exchange::ReduceOp;
 use crate::optim::{self, FiniteCheck};
 use crate::topology::World;
 
@@ -204,12 +203,19 @@ impl Run<'_> {
             PassLoss::Deferred(pending) => StepLoss::OnDevice(pending),
         };
 
-        let mut gradients = self.reduce_for_scaler(backward.gradients, state.scaler.is_some())?;
-        if let (Gradients::Reduced(grads), true) = (&gradients, faults.inf_gradient()) {
+        // The one decision whether the gradients step the optimizer, then the step: the exchange
+        // averages them and the optimizer steps, where backward did not (`infgrad`: an fp16
+        // overflow of this rank's gradients, which the scaler must see).
+        let mut gradients = backward.gradients;
+        if let (Gradients::Local(grads) | Gradients::Reduced(grads), true) = (&gradients, faults.inf_gradient() && state.scaler.is_some()) {
             inject_inf(grads)?;
         }
+        let inv_scale = state.scaler.as_ref().map(|s| 1.0 / s.scale);
         if self.decide(&mut gradients, state.scaler.as_mut(), &state.progress, step, batch.epoch)? {
-            self.apply(gradients, &faults)?;
+            self.optimizer.unscale_by(inv_scale);
+            let applied = self.apply(gradients, &faults);
+            self.optimizer.unscale_by(None);
+            applied?;
         } else {
             faults.after_exchange();
         }
@@ -227,51 +233,32 @@ impl Run<'_> {
         Ok(StepDone { timings, loss, samples: backward.samples, epoch: batch.epoch })
     }
 
-    /// With fp16's loss scaler, this rank's gradients averaged over the ranks that hold its part
-    /// alike, so that the scaler decides on what the optimizer would take; without it, left for
-    /// the exchange's update, which averages and steps in one call (ps's servers step, ZeRO 1/2
-    /// step each rank's shard then gather the weights).
-    fn reduce_for_scaler(&mut self, gradients: Gradients, scaler: bool) -> Result<Gradients> {
-        match gradients {
-            Gradients::Local(mut grads) if scaler => {
-                // A stage without parameters (the tiny CNN's pooling) has nothing to average.
-                if !grads.is_empty() {
-                    let exchange = &mut self.exchange;
-                    let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
-                    exchange.all_reduce(&mut grads, ReduceOp::Mean)?;
-                }
-                Ok(Gradients::Reduced(grads))
-            }
-            other => Ok(other),
-        }
-    }
-
-    /// The one decision whether this step's gradients step the optimizer. Without fp16's loss
-    /// scaler, gradients that are not finite end the run: this rank's own, checked before the
-    /// exchange (no collective), or those the exchange gathered beside backward. With it, the
-    /// averaged gradients are unscaled and step, or, where any rank of the layout's decision
-    /// group overflowed, every one of them skips the step (layout.rs: `decision_group`).
+    /// The one decision whether this step's gradients step the optimizer, from this rank's
+    /// own gradients (before the exchange averages them, as backward packed them for stage 3's
+    /// reduce-scatter, or as the exchange gathered them beside backward). Without fp16's loss
+    /// scaler, gradients that are not finite end the run (no collective). With it, every rank
+    /// steps or every rank skips: any rank's overflow reaches the average of its part's
+    /// replicas, and one part stepping while another skips would part the model (stages,
+    /// shards, tensor-parallel slices), so the verdicts are agreed over the world.
     fn decide(&mut self, gradients: &mut Gradients, scaler: Option<&mut LossScaler>, progress: &Progress, step: u64, epoch: u64) -> Result<bool> {
-        let finite = match (gradients, scaler) {
-            (Gradients::Reduced(grads), Some(scaler)) => {
-                let group = self.layout.decision_group(self.world);
-                return scaler.unscale_or_skip(grads, group, step, self.world.is_root().then_some(progress));
-            }
-            (Gradients::Local(grads), None) => optim::grads_finite(grads)?,
-            (Gradients::Shards(check) | Gradients::Applied(check), None) => check.all_finite()?,
-            (Gradients::AppliedOnDevice, None) => true,
-            (Gradients::Reduced(_), None) => unreachable!("gradients are averaged before the step only for the loss scaler"),
-            (_, Some(_)) => unreachable!("the loss scaler decides on averaged gradients (reduce_for_scaler)"),
+        let finite = match gradients {
+            Gradients::Local(grads) | Gradients::Reduced(grads) => optim::grads_finite(grads)?,
+            Gradients::Shards(check) | Gradients::Applied(check) => check.all_finite()?,
+            // Checked on the device; the loop reads the flag with the loss.
+            Gradients::AppliedOnDevice => true,
         };
-        match finite {
-            true => Ok(true),
-            false => Err(Error::NonFinite { what: "gradient", step, epoch }),
+        match scaler {
+            Some(scaler) => Ok(scaler.agree(finite, self.world, step, self.world.is_root().then_some(progress))),
+            None if finite => Ok(true),
+            None => Err(Error::NonFinite { what: "gradient", step, epoch }),
         }
     }
 
-    /// The optimizer's step on what the gradients came to. `stall-after` acts once the
-    /// gradients are averaged, before the collectives that follow (LARS's norms under ZeRO 3;
-    /// the next step's): after the exchange's update where that averages and steps in one call.
+    /// The optimizer's step on what the gradients came to: the exchange's update where they are
+    /// this rank's own (the average and the step in one call: ZeRO 1/2 step each rank's shard
+    /// then gather the weights, ps's servers step). `stall-after` acts once the gradients are
+    /// averaged, before the collectives that follow (LARS's norms under ZeRO 3; the next
+    /// step's): after the exchange's update where that averages and steps in one call.
     fn apply(&mut self, gradients: Gradients, faults: &StepFaults) -> Result<()> {
         match gradients {
             Gradients::Local(mut grads) => {
@@ -412,12 +399,10 @@ impl Run<'_> {
 }
 
 /// Dynamic loss scaling for fp16, as torch.cuda.amp.GradScaler: the loss is multiplied by
-/// `scale` so that small gradients survive fp16; after the exchange the averaged gradients are
-/// checked: finite, they are unscaled for the optimizer, and the scale doubles after
-/// `growth_interval` good steps; not finite, the step is skipped and the scale halves. Every
-/// rank must decide alike: the exchange gives the replicas of a part the same gradients, and
-/// the ranks that hold other parts of the same parameters (a tensor-parallel group) agree on
-/// one verdict, as Megatron's found-inf all-reduce over its model-parallel group does.
+/// `scale` so that small gradients survive fp16's backward; the optimizer unscales the averaged
+/// gradients as it steps (`Optimizer::unscale_by`). Where any rank's gradients are not finite,
+/// every rank skips the step and the scale halves; after `growth_interval` good steps in a row
+/// it doubles. Every rank decides alike (the step's `decide`).
 pub(super) struct LossScaler {
     pub(super) scale: f64,
     pub(super) good_steps: u32,
@@ -432,36 +417,29 @@ impl Default for LossScaler {
 }
 
 impl LossScaler {
-    /// Unscales `grads` and returns true, or returns false (skip this step) on an overflow here
-    /// or, given `sharing`, on any of its ranks (collective over it); a skip is logged to
-    /// `progress` where given (rank 0's).
-    pub(super) fn unscale_or_skip(&mut self, grads: &mut [Tensor], sharing: Option<&World>, step: u64, progress: Option<&Progress>) -> Result<bool> {
-        let finite = match sharing {
-            None => optim::unscale_if_finite(grads, 1.0 / self.scale)?,
-            Some(group) => {
-                let here = i32::from(optim::grads_finite(grads)?);
-                let mut everywhere = 0;
-                let comm = &group.comm;
-                crate::watchdog::collective("the loss scaler's overflow agreement", comm, || comm.all_reduce_into(&here, &mut everywhere, SystemOperation::min()));
-                // Finite everywhere, so finite here: the unscaling always applies.
-                everywhere == 1 && optim::unscale_if_finite(grads, 1.0 / self.scale)?
-            }
-        };
-        if !finite {
+    /// Whether this step steps: `finite_here` (this rank's gradients) on every rank of `world`
+    /// (collective over it). A skip halves the scale and is logged to `progress` where given
+    /// (rank 0's); a run of good steps doubles it.
+    pub(super) fn agree(&mut self, finite_here: bool, world: &World, step: u64, progress: Option<&Progress>) -> bool {
+        let here = i32::from(finite_here);
+        let mut everywhere = 0;
+        let comm = &world.comm;
+        crate::watchdog::collective("the loss scaler's overflow agreement", comm, || comm.all_reduce_into(&here, &mut everywhere, SystemOperation::min()));
+        if everywhere == 0 {
             self.scale = (self.scale / 2.0).max(1.0);
             self.good_steps = 0;
             self.skipped += 1;
             if let Some(progress) = progress {
                 progress.suspend(|| log::info!("fp16: gradients overflowed at step {step}; step skipped, loss scale now {}", self.scale));
             }
-            return Ok(false);
+            return false;
         }
         self.good_steps += 1;
         if self.good_steps == self.growth_interval {
             self.scale *= 2.0;
             self.good_steps = 0;
         }
-        Ok(true)
+        true
     }
 }
 

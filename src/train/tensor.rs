@@ -97,8 +97,9 @@ impl RegionAllReduce for GroupAllReduce {
 pub(super) struct TensorParallel {
     pub(super) layout: Layout,
     pub(super) rank: usize,
-    /// The T ranks that compute one replica's layers together.
-    pub(super) group: World,
+    /// The T ranks that compute one replica's layers together: held for the run, as the
+    /// group's all-reduce was built on its communicator.
+    _group: World,
     /// The D ranks that hold this rank's part: the data-parallel exchange runs on them (with a
     /// pipeline, the stage's replicas among `plane` do).
     pub(super) replicas: World,
@@ -143,7 +144,7 @@ impl TensorParallel {
         Ok(TensorParallel {
             layout,
             rank: layout.tensor_rank(rank),
-            group,
+            _group: group,
             replicas,
             plane,
             strategy,
