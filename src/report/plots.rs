@@ -74,6 +74,11 @@ pub struct LineChart {
     pub x_axis: XAxis,
     pub y_axis: YAxis,
     pub series: Vec<Series>,
+    /// The x values where a series may have a point (a table's rank counts). Two points of a
+    /// series are joined only where no such x lies between them: a rank count a series lacks,
+    /// or one whose median run did not reach the target, shows as a gap, not as a line across
+    /// it. Empty: every point is joined to the next.
+    pub x_grid: Vec<f64>,
 }
 
 fn scaling_title(table: &Table, what: &str) -> String {
@@ -107,11 +112,30 @@ pub fn throughput_chart(table: &Table) -> LineChart {
         x_axis: XAxis::Log2Ranks,
         y_axis: YAxis::Plain,
         series,
+        x_grid: rank_grid(table),
     }
 }
 
 fn log2(ranks: usize) -> f64 {
     (ranks.max(1) as f64).log2()
+}
+
+/// The table's rank counts on the plots' log2 axis ([`LineChart::x_grid`]).
+fn rank_grid(table: &Table) -> Vec<f64> {
+    table.ranks.iter().map(|&n| log2(n)).collect()
+}
+
+/// `points` cut where an x of `grid` lies strictly between two of them: the runs of points a
+/// line joins.
+fn joined_runs(points: &[(f64, f64)], grid: &[f64]) -> Vec<Vec<(f64, f64)>> {
+    let mut runs: Vec<Vec<(f64, f64)>> = Vec::new();
+    for &p in points {
+        match runs.last_mut() {
+            Some(run) if !grid.iter().any(|&x| run.last().is_some_and(|last| last.0 < x && x < p.0)) => run.push(p),
+            _ => runs.push(vec![p]),
+        }
+    }
+    runs
 }
 
 /// Scaling efficiency (%) against ranks (log2 axis), for the strategies with a 1-rank run, and
@@ -146,6 +170,7 @@ pub fn efficiency_chart(table: &Table) -> Option<LineChart> {
         x_axis: XAxis::Log2Ranks,
         y_axis: YAxis::Percent,
         series,
+        x_grid: rank_grid(table),
     })
 }
 
@@ -167,6 +192,7 @@ pub fn accuracy_chart(table: &Table) -> Option<LineChart> {
         x_axis: XAxis::Log2Ranks,
         y_axis: YAxis::Percent,
         series,
+        x_grid: rank_grid(table),
     })
 }
 
@@ -193,6 +219,7 @@ pub fn time_to_accuracy_chart(table: &Table) -> Option<LineChart> {
         x_axis: XAxis::Log2Ranks,
         y_axis: YAxis::Plain,
         series,
+        x_grid: rank_grid(table),
     })
 }
 
@@ -230,6 +257,7 @@ pub fn bubble_chart(table: &Table) -> Option<LineChart> {
         x_axis: XAxis::Ranks,
         y_axis: YAxis::Percent,
         series,
+        x_grid: Vec::new(),
     })
 }
 
@@ -254,6 +282,7 @@ pub fn busbw_chart(group: &BenchGroup) -> LineChart {
         x_axis: XAxis::Log2Bytes,
         y_axis: YAxis::Plain,
         series,
+        x_grid: Vec::new(),
     }
 }
 
@@ -388,7 +417,9 @@ fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, chart: &LineChart) ->
         if s.reference {
             cc.draw_series(DashedLineSeries::new(s.points.iter().copied(), 8, 6, colour.stroke_width(2)))?;
         } else {
-            cc.draw_series(LineSeries::new(s.points.iter().copied(), colour.stroke_width(2)))?;
+            for run in joined_runs(&s.points, &chart.x_grid) {
+                cc.draw_series(LineSeries::new(run, colour.stroke_width(2)))?;
+            }
             cc.draw_series(s.points.iter().map(|&p| Circle::new(p, 4, colour.filled())))?;
             // A range bar: a vertical line from the slowest to the fastest run, capped.
             // Caps are a tenth of a doubling wide (the x axes with bars are log2 ranks).
@@ -498,11 +529,30 @@ mod tests {
         // One ideal, at every rank count, x on a log2 axis.
         assert_eq!(chart.series[2].points, vec![(0.0, 100.0), (1.0, 200.0), (2.0, 400.0)]);
         assert_eq!(chart.series[1].points, vec![(0.0, 100.0), (2.0, 360.0)]);
+        // ring has no 2-rank run: its line stops at 1 rank and starts again at 4.
+        assert_eq!(joined_runs(&chart.series[1].points, &chart.x_grid), vec![vec![(0.0, 100.0)], vec![(2.0, 360.0)]]);
         let efficiency = efficiency_chart(&tables[0]).unwrap();
         assert_eq!(efficiency.series[0].points, vec![(0.0, 100.0), (2.0, 90.0)]);
         assert_eq!(efficiency.series.len(), 2, "ring and the 100% line; allreduce has no 1-rank run");
         let no_base = group(&runs[2..]).unwrap();
         assert!(efficiency_chart(&no_base[0]).is_none());
+    }
+
+    #[test]
+    fn a_line_joins_neighbouring_rank_counts_only() {
+        let grid = [0.0, 1.0, 2.0, 3.0];
+        assert_eq!(joined_runs(&[(0.0, 1.0), (1.0, 2.0), (3.0, 4.0)], &grid), vec![vec![(0.0, 1.0), (1.0, 2.0)], vec![(3.0, 4.0)]]);
+        assert_eq!(joined_runs(&[(0.0, 1.0), (3.0, 4.0)], &[]), vec![vec![(0.0, 1.0), (3.0, 4.0)]], "no grid: all joined");
+        assert!(joined_runs(&[], &grid).is_empty());
+        // A point whose median run missed the target leaves a gap in time to accuracy.
+        let mut runs = vec![record("ring", 1, 100.0), record("ring", 2, 180.0), record("ring", 4, 300.0)];
+        for (r, reached) in runs.iter_mut().zip([Some(30.0), None, Some(12.0)]) {
+            r.target_accuracy = Some(0.8);
+            r.time_to_target_s = reached;
+            r.epoch_to_target = reached.map(|_| 2);
+        }
+        let tta = time_to_accuracy_chart(&group(&runs).unwrap()[0]).unwrap();
+        assert_eq!(joined_runs(&tta.series[0].points, &tta.x_grid), vec![vec![(0.0, 30.0)], vec![(2.0, 12.0)]]);
     }
 
     #[test]
