@@ -2,10 +2,10 @@
 # Two builds of hpc-train side by side, for a change meant to keep behaviour (a refactor): the
 # same short training runs with each (every strategy and ZeRO stage, every pipeline schedule, a
 # tensor-parallel layout), compared byte for byte by their saved weights; the cost model's fit
-# and projections, compared by what they print and write; then the same bench with each,
-# alternating. Writes OUT/README.md (the verdicts and busbw side by side, machine, date,
+# and projections, compared by what they print and write; then the step's speed and the same
+# bench with each, alternating. Writes OUT/README.md (the verdicts and busbw side by side, machine, date,
 # commits), OUT/logs/ and OUT/weights/ (removed after the comparison). Run it on an otherwise
-# idle machine; exits 1 if any weights or outputs differ. NO_BENCH=1 leaves the bench out (a
+# idle machine; exits 1 if any weights or outputs differ. NO_BENCH=1 leaves the speed and the bench out (a
 # check of the weights alone, on a machine too busy for its figures to mean anything).
 #   scripts/compare-builds.sh BEFORE_BINARY AFTER_BINARY OUT_DIR
 set -euo pipefail
@@ -91,6 +91,30 @@ for round in "${rounds[@]}"; do
     mpi "$BEFORE" "${B_ARGS[@]}" --results "$OUT/weights/before-bench" > "$OUT/logs/bench-before-$round.txt" 2>&1
     mpi "$AFTER" "${B_ARGS[@]}" --results "$OUT/weights/after-bench" > "$OUT/logs/bench-after-$round.txt" 2>&1
 done
+# The step's speed: the same short training runs with each build, alternating, three rounds;
+# images/s from each run's record (the steps after the skipped ones), the median per side.
+SPEED_CONFIGS=("--strategy ring" "--strategy ring --overlap on --bucket-mib 0.001" "--strategy ring --zero 3"
+    "--pipeline-stages 2 --micro-batches 4 --schedule 1f1b --partition params" "--precision fp16")
+speed_rows=()
+[ "${NO_BENCH:-0}" = 1 ] && SPEED_CONFIGS=()
+for i in "${!SPEED_CONFIGS[@]}"; do
+    cfg=${SPEED_CONFIGS[$i]}
+    for round in 1 2 3; do
+        for side in before after; do
+            bin=$BEFORE; [ $side = after ] && bin=$AFTER
+            # shellcheck disable=SC2086
+            mpi "$bin" --model tiny --batch-size 32 --steps 60 --skip-steps 10 $cfg --data "$DATA" --threads 1 --no-eval \
+                --results "$OUT/weights/speed-$i-$side" > "$OUT/logs/speed-$i-$side-$round.txt" 2>&1
+        done
+    done
+    medians=$(python3 - "$OUT/weights/speed-$i-before/runs.jsonl" "$OUT/weights/speed-$i-after/runs.jsonl" <<'PY'
+import json, statistics, sys
+m = [statistics.median(json.loads(line)["images_per_sec"] for line in open(path) if line.strip()) for path in sys.argv[1:]]
+print(f"{m[0]:.0f} | {m[1]:.0f} | {m[1] / m[0]:.3f}")
+PY
+)
+    speed_rows+=("| \`$cfg\` | $medians |")
+done
 rm -rf "$OUT/weights"
 busbw() { cat "$OUT"/logs/bench-"$1"-*.txt 2>/dev/null | awk -v s="$2" -v b="$3" '$1 !~ /^#/ && NF == 9 && $4 == s && $1 == b { print $8 }' | sort -g |
     awk '{ v[NR] = $1 } END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.3f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
@@ -113,6 +137,12 @@ busbw() { cat "$OUT"/logs/bench-"$1"-*.txt 2>/dev/null | awk -v s="$2" -v b="$3"
     echo "| run | output |"
     echo "|---|---|"
     printf '%s\n' "${cost_rows[@]}"
+    echo
+    echo "Step speed: the tiny CNN, 2 ranks x batch 32, 1 thread each, 60 steps of which the first 10 are skipped, each build three times, alternating; images/s, the median of the three (logs: \`logs/speed-*\`)."
+    echo
+    echo "| run | before | after | after / before |"
+    echo "|---|---:|---:|---:|"
+    printf '%s\n' "${speed_rows[@]}"
     echo
     echo "Bench: \`${B_ARGS[*]}\`, each build twice, alternating; busbw GB/s, the median of the two runs (logs: \`logs/bench-*\`)."
     echo
