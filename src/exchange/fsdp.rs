@@ -282,6 +282,15 @@ impl FullyShardedExchange {
     }
 }
 
+/// Whether channels-last order differs from the standard one for a 4-d tensor of `shape`: it
+/// does not where C or H x W is 1 (only the strides of dimensions of size 1 differ), which
+/// libtorch's `contiguous(channels_last)` then leaves as it is.
+fn reorders(shape: &[i64]) -> bool {
+    let Ok(channels_last) = raw::channels_last_strides(shape) else { return false };
+    let standard = [shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1];
+    shape.iter().zip(channels_last.iter().zip(standard)).any(|(&size, (&cl, st))| size != 1 && cl != st)
+}
+
 /// Rewrites a 4-d parameter's `elements` (a flat range, in the standard contiguous order of
 /// `shape`) into channels-last order in the same memory, through `scratch` (at least as long).
 fn reorder_to_channels_last(elements: &Tensor, shape: &[i64], scratch: &Tensor) -> Result<()> {
@@ -333,6 +342,13 @@ impl UnitShards for FullyShardedExchange {
         }
         if self.channels_last.len() != shapes.len() {
             return Err(Error::exchange("zero 3", format!("a memory order for {} parameters, {} to shard", self.channels_last.len(), shapes.len())));
+        }
+        // Where a 4-d parameter's channels-last order is its standard one (C or H x W of 1),
+        // it keeps its standard strides, as libtorch's `contiguous(channels_last)` leaves such a
+        // tensor in a plain run: a convolution picks its kernel's memory format from the
+        // strides, and channels-last ones would take another kernel than the plain run's.
+        for (channels_last, shape) in self.channels_last.iter_mut().zip(shapes) {
+            *channels_last = *channels_last && reorders(shape);
         }
         let covered: usize = units.iter().flat_map(|u| &u.slots).map(|s| s.len).sum();
         if covered != elements {
@@ -676,6 +692,21 @@ mod tests {
         assert_eq!(Vec::<f32>::try_from(gathered.narrow(0, 3, 6)).unwrap(), [3.0, 7.0, 11.0, 4.0, 8.0, 12.0]);
         let bias = parameter_view(&gathered, &layout.slots[0], &shapes[0], false).unwrap();
         assert_eq!(Vec::<f32>::try_from(&bias).unwrap(), [0.0, 1.0, 2.0]);
+    }
+
+    /// Channels-last moves elements only where C and H x W exceed 1: a plain run's
+    /// `contiguous(channels_last)` leaves the others' standard strides, and so does stage 3.
+    #[test]
+    fn only_weights_whose_order_changes_are_reordered() {
+        assert!(reorders(&[2, 3, 2, 2]));
+        assert!(reorders(&[1, 3, 2, 2]), "one filter: its elements still move");
+        assert!(!reorders(&[64, 1, 7, 7]), "one input channel (a grey image's first convolution)");
+        assert!(!reorders(&[128, 64, 1, 1]), "a 1x1 convolution");
+        assert!(!reorders(&[10, 3]));
+        let plain = raw::channels_last(&Tensor::zeros([64, 1, 7, 7], (Kind::Float, Device::Cpu))).unwrap();
+        assert_eq!(plain.stride(), [49, 49, 7, 1], "libtorch leaves a weight of one input channel as it is");
+        let plain = raw::channels_last(&Tensor::zeros([2, 3, 2, 2], (Kind::Float, Device::Cpu))).unwrap();
+        assert_eq!(plain.stride(), raw::channels_last_strides(&[2, 3, 2, 2]).unwrap());
     }
 
     /// Backward through a convolution gives a channels-last weight a channels-last gradient;
