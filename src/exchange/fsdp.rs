@@ -24,6 +24,19 @@
 //! after the first large free), and the resident memory of stage 3 exceeded stage 2's
 //! (results/zero3/). Only the whole model made for a checkpoint is allocated apart, and freed.
 //!
+//! `--channels-last`: the 4-d parameters compute in channels-last (NHWC) memory order, as FSDP2
+//! keeps each parameter's memory format. Everything that leaves a rank or outlives a step stays
+//! in the standard contiguous order: the shards, the gathers' and reduce-scatters' wire, the
+//! checkpoints' flat ranges (which any layout resumes from) and `range` in [`UnitShards::shard`].
+//! Only a gathered buffer is reordered, in place, parameter by parameter, once its all-gather is
+//! done: each parameter's elements are copied to a scratch tensor of the largest such
+//! parameter's size (made once, the only memory this costs) and written back in channels-last
+//! order, which `install` then points the parameter at with channels-last strides. The gradients
+//! (channels-last too: autograd gives a parameter's gradient its layout) are packed back into
+//! the standard order by a strided copy. Keeping the shards in memory order instead would make a
+//! shard's piece of a parameter a scattered set of its standard elements: a checkpoint's flat
+//! ranges, and a resume's reads of them, would need the whole parameter.
+//!
 //! `--fsdp-hybrid` (FSDP's HYBRID_SHARD, ZeRO++'s hpZ): the shards are cut over the ranks of a
 //! node only, and the same shard lives on every node. The all-gathers stay inside the node; a
 //! reduce-scatter inside the node is followed by an all-reduce of the shard among the ranks that
@@ -36,12 +49,12 @@ use tch::{Device, Kind, Tensor};
 
 use crate::element::Dtype;
 use crate::error::{Error, Result};
-use crate::exchange::buckets::unpack;
+use crate::exchange::buckets::{pack_slot, unpack};
 use crate::exchange::staging::{wait_for_stream, HostPool};
 use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, FlatPiece, HeldBytes, HeldShards, ReduceOp, Role, StateSource, UnitShards, UnitTimes, WholeSource, WholeState};
-use crate::exchange::zero::{cut_pieces, flat_pieces, pack_grads, pieces, ready_for_mpi, Piece, ShardAlgorithm, ShardedCollectives};
+use crate::exchange::zero::{cut_pieces, flat_pieces, pieces, ready_for_mpi, Piece, ShardAlgorithm, ShardedCollectives};
 use crate::optim::{FiniteCheck, Optimizer, Pieces};
-use crate::plan::buckets::Bucket;
+use crate::plan::buckets::{Bucket, Slot};
 use crate::raw;
 
 /// One unit's layout and this rank's part of it.
@@ -90,6 +103,12 @@ pub struct FullyShardedExchange {
     kind: Kind,
     device: Device,
     dtype: Dtype,
+    /// Per parameter: whether it computes in channels-last order (`--channels-last`'s 4-d
+    /// parameters), from [`UnitShards::compute_channels_last`].
+    channels_last: Vec<bool>,
+    /// With channels-last parameters: one tensor of the largest one's size, through which a
+    /// gathered parameter is reordered in place.
+    reorder_scratch: Option<Tensor>,
     /// Per piece (a parameter's part in this rank's shard of a unit): where it is, its layer,
     /// and a view of its elements in the unit's shard, which the optimizer updates in place.
     pieces: Vec<Piece>,
@@ -130,6 +149,8 @@ impl FullyShardedExchange {
             kind: Kind::Float,
             device: Device::Cpu,
             dtype: Dtype::F32,
+            channels_last: Vec::new(),
+            reorder_scratch: None,
             pieces: Vec::new(),
             layer_of: Vec::new(),
             weights: Vec::new(),
@@ -154,9 +175,10 @@ impl FullyShardedExchange {
         self.units.iter().map(|u| u.shard.len()).sum::<usize>() * self.elem_bytes()
     }
 
-    /// Bytes of the reused buffers (gathers, packed gradients).
+    /// Bytes of the reused buffers (gathers, packed gradients, the channels-last reorder's
+    /// scratch).
     fn buffer_bytes(&self) -> usize {
-        let pooled = self.free.iter().chain(self.in_use.iter().flatten()).chain(self.packed.iter().flatten());
+        let pooled = self.free.iter().chain(self.in_use.iter().flatten()).chain(self.packed.iter().flatten()).chain(&self.reorder_scratch);
         pooled.map(|t| t.numel()).sum::<usize>() * self.elem_bytes()
     }
 
@@ -246,6 +268,67 @@ impl FullyShardedExchange {
         }
         Ok(whole)
     }
+
+    /// Rewrites unit `u`'s channels-last parameters in `full` (as gathered: standard order)
+    /// into channels-last order, one at a time through the scratch tensor.
+    fn reorder_for_compute(&self, u: usize, full: &Tensor) -> Result<()> {
+        let Some(scratch) = &self.reorder_scratch else { return Ok(()) };
+        tch::no_grad(|| -> Result<()> {
+            for slot in self.units[u].layout.slots.iter().filter(|s| self.channels_last[s.tensor]) {
+                reorder_to_channels_last(&full.f_narrow(0, slot.offset as i64, slot.len as i64)?, &self.shapes[slot.tensor], scratch)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Whether channels-last order differs from the standard one for a 4-d tensor of `shape`: it
+/// does not where C or H x W is 1 (only the strides of dimensions of size 1 differ), which
+/// libtorch's `contiguous(channels_last)` then leaves as it is.
+fn reorders(shape: &[i64]) -> bool {
+    let Ok(channels_last) = raw::channels_last_strides(shape) else { return false };
+    let standard = [shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1];
+    shape.iter().zip(channels_last.iter().zip(standard)).any(|(&size, (&cl, st))| size != 1 && cl != st)
+}
+
+/// Rewrites a 4-d parameter's `elements` (a flat range, in the standard contiguous order of
+/// `shape`) into channels-last order in the same memory, through `scratch` (at least as long).
+fn reorder_to_channels_last(elements: &Tensor, shape: &[i64], scratch: &Tensor) -> Result<()> {
+    let mut copy = scratch.f_narrow(0, 0, elements.numel() as i64)?;
+    copy.f_copy_(elements)?;
+    let mut in_place = elements.f_as_strided(shape, raw::channels_last_strides(shape)?, None::<i64>)?;
+    in_place.f_copy_(&copy.f_view(shape)?)?;
+    Ok(())
+}
+
+/// A parameter's tensor on its elements of a gathered unit: channels-last strides where
+/// [`reorder_to_channels_last`] has laid them out so, the standard shape's view otherwise.
+fn parameter_view(gathered: &Tensor, slot: &Slot, shape: &[i64], channels_last: bool) -> Result<Tensor> {
+    let elements = gathered.f_narrow(0, slot.offset as i64, slot.len as i64)?;
+    if !channels_last {
+        return Ok(elements.f_view(shape)?);
+    }
+    let view = elements.f_as_strided(shape, raw::channels_last_strides(shape)?, None::<i64>)?;
+    debug_assert!(raw::is_channels_last(&view), "a channels-last parameter of sizes {shape:?} installed with strides {:?}", view.stride());
+    Ok(view)
+}
+
+/// Packs a unit's gradients into `buffer` in the parameters' standard contiguous order, which
+/// the shards keep whatever order the parameters computed in: a channels-last gradient by a
+/// strided copy, a contiguous one as it is. A missing gradient is packed as zeros.
+fn pack_grads_in_order(layout: &Bucket, shapes: &[Vec<i64>], params: &[Tensor], buffer: &mut Tensor) -> Result<()> {
+    for slot in &layout.slots {
+        let grad = params[slot.tensor].grad();
+        let mut dst = buffer.f_narrow(0, slot.offset as i64, slot.len as i64)?;
+        if !grad.defined() {
+            drop(dst.f_zero_()?);
+        } else if grad.is_contiguous() {
+            pack_slot(slot, &grad.f_view([-1])?, buffer);
+        } else {
+            dst.f_view(shapes[slot.tensor].as_slice())?.f_copy_(&grad)?;
+        }
+    }
+    Ok(())
 }
 
 impl UnitShards for FullyShardedExchange {
@@ -254,6 +337,19 @@ impl UnitShards for FullyShardedExchange {
         (self.kind, self.device) = params.first().map_or((Kind::Float, Device::Cpu), |p| (p.kind(), p.device()));
         self.shapes = shapes.to_vec();
         let elements: usize = shapes.iter().map(|s| s.iter().product::<i64>() as usize).sum();
+        if self.channels_last.is_empty() {
+            self.channels_last = vec![false; shapes.len()];
+        }
+        if self.channels_last.len() != shapes.len() {
+            return Err(Error::exchange("zero 3", format!("a memory order for {} parameters, {} to shard", self.channels_last.len(), shapes.len())));
+        }
+        // Where a 4-d parameter's channels-last order is its standard one (C or H x W of 1),
+        // it keeps its standard strides, as libtorch's `contiguous(channels_last)` leaves such a
+        // tensor in a plain run: a convolution picks its kernel's memory format from the
+        // strides, and channels-last ones would take another kernel than the plain run's.
+        for (channels_last, shape) in self.channels_last.iter_mut().zip(shapes) {
+            *channels_last = *channels_last && reorders(shape);
+        }
         let covered: usize = units.iter().flat_map(|u| &u.slots).map(|s| s.len).sum();
         if covered != elements {
             return Err(Error::exchange("zero 3", format!("the units cover {covered} elements, the parameters have {elements}")));
@@ -293,6 +389,8 @@ impl UnitShards for FullyShardedExchange {
         self.weights = weights;
         let shard_total: usize = unit_shards.iter().map(|u| u.shard.len()).sum();
         self.shard_grads = Some(Tensor::f_zeros([shard_total as i64], (self.kind, self.device))?);
+        let largest_channels_last = shapes.iter().zip(&self.channels_last).filter(|(_, &cl)| cl).map(|(s, _)| s.iter().product::<i64>()).max();
+        self.reorder_scratch = largest_channels_last.map(|n| Tensor::f_empty([n], (self.kind, self.device))).transpose()?;
         self.in_use = (0..unit_shards.len()).map(|_| None).collect();
         self.packed = (0..unit_shards.len()).map(|_| None).collect();
         self.units = unit_shards;
@@ -318,6 +416,7 @@ impl UnitShards for FullyShardedExchange {
             let unit = &self.units[u];
             tch::no_grad(|| full.f_narrow(0, unit.shard.start as i64, unit.shard.len() as i64)?.f_copy_(&unit.params).map(drop))?;
             self.all_gather_unit(u, &mut full)?;
+            self.reorder_for_compute(u, &full)?;
             // The compute thread reads the unit on a stream of its own: whatever this stream
             // still has queued for it (the shard's copy, a direct path's kernels) is done first.
             wait_for_stream(self.device)?;
@@ -332,11 +431,15 @@ impl UnitShards for FullyShardedExchange {
     fn install(&mut self, u: usize, gathered: &Tensor, params: &[Tensor]) -> Result<()> {
         tch::no_grad(|| -> Result<()> {
             for slot in &self.units[u].layout.slots {
-                let view = gathered.f_narrow(0, slot.offset as i64, slot.len as i64)?.f_view(self.shapes[slot.tensor].as_slice())?;
+                let view = parameter_view(gathered, slot, &self.shapes[slot.tensor], self.channels_last[slot.tensor])?;
                 params[slot.tensor].shallow_clone().f_set_data(&view)?;
             }
             Ok(())
         })
+    }
+
+    fn compute_channels_last(&mut self, channels_last: Vec<bool>) {
+        self.channels_last = channels_last;
     }
 
     fn release(&mut self, u: usize, params: &[Tensor]) -> Result<()> {
@@ -363,7 +466,7 @@ impl UnitShards for FullyShardedExchange {
         };
         let layout = &self.units[u].layout;
         let mut packed = buffer.f_narrow(0, 0, layout.len as i64)?;
-        pack_grads(layout, params, &mut packed)?;
+        tch::no_grad(|| pack_grads_in_order(layout, &self.shapes, params, &mut packed))?;
         finite.add(&packed)?;
         // The gradients were made on the compute thread's stream and are read here on the
         // communication stream (a GPU's): letting them go before that read is done would hand
@@ -558,5 +661,77 @@ impl Exchange for FullyShardedExchange {
             extra.insert("staging_host_buffers".into(), self.staging.made().into());
         }
         report
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A unit of a bias (3) and a conv weight of 2x3x2x2, flat as gathered: standard order.
+    fn gathered_unit() -> (Bucket, Vec<Vec<i64>>, Tensor) {
+        let layout = Bucket { slots: vec![Slot { tensor: 0, offset: 0, len: 3 }, Slot { tensor: 1, offset: 3, len: 24 }], len: 27 };
+        (layout, vec![vec![3], vec![2, 3, 2, 2]], Tensor::arange(27, (Kind::Float, Device::Cpu)))
+    }
+
+    /// A channels-last parameter computes channels-last, in the gathered buffer's own memory
+    /// (no copy made per step), with its standard values; the others are plain views.
+    #[test]
+    fn a_gathered_conv_weight_is_installed_channels_last_in_place() {
+        let (layout, shapes, gathered) = gathered_unit();
+        let scratch = Tensor::full([24], -1.0, (Kind::Float, Device::Cpu));
+        let weight = &layout.slots[1];
+        tch::no_grad(|| reorder_to_channels_last(&gathered.narrow(0, 3, 24), &shapes[1], &scratch)).unwrap();
+        let view = parameter_view(&gathered, weight, &shapes[1], true).unwrap();
+        assert!(raw::is_channels_last(&view), "strides {:?}", view.stride());
+        assert!(!view.is_contiguous(), "a 2x3x2x2 weight channels-last is not contiguous");
+        assert_eq!(view.data_ptr() as usize, gathered.data_ptr() as usize + 3 * 4, "the weight is not the buffer's elements");
+        let standard = Tensor::arange_start(3, 27, (Kind::Float, Device::Cpu)).view([2, 3, 2, 2]);
+        assert!(view.equal(&standard), "the channels-last weight's values are not the gathered ones");
+        // In memory: NHWC, so the buffer's elements moved (channel fastest).
+        assert_eq!(Vec::<f32>::try_from(gathered.narrow(0, 3, 6)).unwrap(), [3.0, 7.0, 11.0, 4.0, 8.0, 12.0]);
+        let bias = parameter_view(&gathered, &layout.slots[0], &shapes[0], false).unwrap();
+        assert_eq!(Vec::<f32>::try_from(&bias).unwrap(), [0.0, 1.0, 2.0]);
+    }
+
+    /// Channels-last moves elements only where C and H x W exceed 1: a plain run's
+    /// `contiguous(channels_last)` leaves the others' standard strides, and so does stage 3.
+    #[test]
+    fn only_weights_whose_order_changes_are_reordered() {
+        assert!(reorders(&[2, 3, 2, 2]));
+        assert!(reorders(&[1, 3, 2, 2]), "one filter: its elements still move");
+        assert!(!reorders(&[64, 1, 7, 7]), "one input channel (a grey image's first convolution)");
+        assert!(!reorders(&[128, 64, 1, 1]), "a 1x1 convolution");
+        assert!(!reorders(&[10, 3]));
+        let plain = raw::channels_last(&Tensor::zeros([64, 1, 7, 7], (Kind::Float, Device::Cpu))).unwrap();
+        assert_eq!(plain.stride(), [49, 49, 7, 1], "libtorch leaves a weight of one input channel as it is");
+        let plain = raw::channels_last(&Tensor::zeros([2, 3, 2, 2], (Kind::Float, Device::Cpu))).unwrap();
+        assert_eq!(plain.stride(), raw::channels_last_strides(&[2, 3, 2, 2]).unwrap());
+    }
+
+    /// Backward through a convolution gives a channels-last weight a channels-last gradient;
+    /// it is packed in the standard order the shards keep (the order a plain run's gradient
+    /// has), and a missing gradient as zeros.
+    #[test]
+    fn a_channels_last_gradient_is_packed_in_the_standard_order() {
+        let (layout, shapes, gathered) = gathered_unit();
+        let scratch = Tensor::zeros([24], (Kind::Float, Device::Cpu));
+        tch::no_grad(|| reorder_to_channels_last(&gathered.narrow(0, 3, 24), &shapes[1], &scratch)).unwrap();
+        let params = [Tensor::zeros([0], (Kind::Float, Device::Cpu)).set_requires_grad(true), Tensor::zeros([0], (Kind::Float, Device::Cpu)).set_requires_grad(true)];
+        tch::no_grad(|| params[1].shallow_clone().set_data(&parameter_view(&gathered, &layout.slots[1], &shapes[1], true).unwrap()));
+        let x = raw::channels_last(&Tensor::arange(2 * 3 * 4 * 4, (Kind::Float, Device::Cpu)).view([2, 3, 4, 4]).sin()).unwrap();
+        x.conv2d(&params[1], None::<Tensor>, [1, 1], [0, 0], [1, 1], 1).square().sum(Kind::Float).backward();
+        let grad = params[1].grad();
+        assert!(raw::is_channels_last(&grad) && !grad.is_contiguous(), "the gradient's strides {:?}", grad.stride());
+        let mut packed = Tensor::full([27], f64::NAN, (Kind::Float, Device::Cpu));
+        tch::no_grad(|| pack_grads_in_order(&layout, &shapes, &params, &mut packed)).unwrap();
+        assert!(packed.narrow(0, 3, 24).equal(&grad.contiguous().view([-1])), "packed in memory order, not the standard one");
+        assert!(packed.narrow(0, 0, 3).equal(&Tensor::zeros([3], (Kind::Float, Device::Cpu))));
+        // The same gradient as a plain (contiguous) weight's, to f32 rounding of another kernel.
+        let plain = Tensor::arange_start(3, 27, (Kind::Float, Device::Cpu)).view([2, 3, 2, 2]).set_requires_grad(true);
+        x.contiguous().conv2d(&plain, None::<Tensor>, [1, 1], [0, 0], [1, 1], 1).square().sum(Kind::Float).backward();
+        let diff = (packed.narrow(0, 3, 24) - plain.grad().view([-1])).abs().max().double_value(&[]);
+        let scale = plain.grad().abs().max().double_value(&[]);
+        assert!(diff <= 1e-5 * scale, "{diff} of {scale}");
     }
 }

@@ -245,12 +245,16 @@ pub trait UnitShards {
     /// for that range only). Once, before the first step; not collective.
     fn shard(&mut self, units: &[Bucket], params: &[Tensor], shapes: &[Vec<i64>], range: &mut dyn FnMut(usize, i64, i64) -> Result<Tensor>, optimizer: &mut Optimizer) -> Result<()>;
 
-    /// Unit `u`'s parameters from every rank's shard, flat on the parameters' device.
-    /// Collective over the ranks that share the shards.
+    /// Unit `u`'s parameters from every rank's shard, flat on the parameters' device, each in
+    /// the memory order it computes in. Collective over the ranks that share the shards.
     fn gather(&mut self, u: usize) -> Result<Tensor>;
 
     /// Points unit `u`'s parameters at the elements of `gathered` (from [`UnitShards::gather`]).
     fn install(&mut self, u: usize, gathered: &Tensor, params: &[Tensor]) -> Result<()>;
+
+    /// Before [`UnitShards::shard`]: which parameters (one flag each) compute in channels-last
+    /// memory order, `--channels-last`'s 4-d ones. All in the standard order if never called.
+    fn compute_channels_last(&mut self, channels_last: Vec<bool>);
 
     /// Lets go of unit `u`'s parameters (their memory goes once no other handle holds it).
     fn release(&mut self, u: usize, params: &[Tensor]) -> Result<()>;

@@ -252,8 +252,6 @@ const OVERLAP_PIPELINE: &str = "a pipeline exchanges each stage's gradients afte
 const OVERLAP_TENSOR: &str =
     "the data-parallel exchange runs after backward, whose own all-reduces run on the run's thread; use --overlap off or auto";
 const RECOMPUTE_SPLIT: &str = "a split backward keeps the forward's graph from its B to its W, which recomputation exists not to keep; use --schedule 1f1b or interleaved with --recompute";
-const ZERO3_CHANNELS_LAST: &str =
-    "stage 3 points parameters at their unit's flat, contiguous buffer, which has no channels-last layout; drop --channels-last";
 const ZERO_STRATEGY: &str = "ZeRO shards the optimizer (and at stage 3 the parameters) along a reduce-scatter and an all-gather, which only the from-scratch all-reduces (ring, rhd, auto) run apart";
 const ZERO3_PIPELINE: &str = "a pipeline stage holds its own blocks whole; use --zero 1 or 2 with pipelines";
 const PS_PIPELINE: &str = "a pipeline's stages average their gradients among themselves; use ring, rhd, auto, allreduce or horovod";
@@ -276,7 +274,6 @@ pub fn verdict(feature: Feature, kind: Kind) -> Verdict {
         (Feature::Overlap, k) if k.is_parameter_server() => Refused(OVERLAP_PS),
         (Feature::Overlap, k) if k.is_pipeline() => Refused(OVERLAP_PIPELINE),
         (Feature::Overlap, Kind::TensorParallel) => Refused(OVERLAP_TENSOR),
-        (Feature::ChannelsLast, Kind::Zero3 | Kind::Zero3Hybrid) => Refused(ZERO3_CHANNELS_LAST),
         (Feature::Recompute, Kind::ZbH1 | Kind::ZbV) => Refused(RECOMPUTE_SPLIT),
         (Feature::Checkpoint | Feature::Resume, Kind::PsAsync) => Refused(CHECKPOINT_ASYNC),
         (Feature::Layout(a), b) => pair(a, b),
@@ -442,6 +439,10 @@ mod tests {
         assert_eq!(verdict(Feature::Layout(Kind::Zero1), Kind::Gpipe), Verdict::Supported);
         assert_eq!(verdict(Feature::Recompute, Kind::Ring), Verdict::NotApplicable);
         assert_eq!(verdict(Feature::Recompute, Kind::Interleaved), Verdict::Supported);
+        // Stage 3 installs each 4-d parameter channels-last (exchange/fsdp.rs), as FSDP2 keeps
+        // each parameter's memory format.
+        assert_eq!(verdict(Feature::ChannelsLast, Kind::Zero3), Verdict::Supported);
+        assert_eq!(verdict(Feature::ChannelsLast, Kind::Zero3Hybrid), Verdict::Supported);
     }
 
     #[test]

@@ -65,7 +65,7 @@ pub use profiler::{profiler_start, profiler_stop, StepMark, ThreadState};
 pub use requests::{completed_requests, with_segments, Backoff, Segments};
 pub use split_backward::{backward_input, backward_weight, KeptGraph};
 pub use tensor::{
-    channels_last, copy_host_elements, copy_into, data_address, device_buffer_mut, flat_dense_view, fused_adamw, fused_sgd, host_bytes, host_slice, host_slice_mut,
-    mpi_buffer_mut, param_to_channels_last, pin_memory, release_grad, set_grad, unscale_and_check, unscale_and_check_into, zero_all,
+    channels_last, channels_last_strides, copy_host_elements, copy_into, data_address, device_buffer_mut, flat_dense_view, fused_adamw, fused_sgd, host_bytes, host_slice, host_slice_mut,
+    is_channels_last, mpi_buffer_mut, param_to_channels_last, pin_memory, release_grad, set_grad, unscale_and_check, unscale_and_check_into, zero_all,
 };
 pub use window::SharedWindow;

@@ -267,6 +267,24 @@ pub fn channels_last(t: &Tensor) -> Result<Tensor> {
     Ok(unsafe { Tensor::from_ptr(out as *mut torch_sys::C_tensor) })
 }
 
+/// The strides of a 4-d tensor of `sizes` (N, C, H, W) laid out channels-last (NHWC): what
+/// `contiguous(memory_format=channels_last)` gives.
+pub fn channels_last_strides(sizes: &[i64]) -> Result<[i64; 4]> {
+    match *sizes {
+        [_, c, h, w] => Ok([h * w * c, 1, w * c, c]),
+        _ => Err(Error::exchange("memory", format!("channels-last needs a 4-d tensor, not one of sizes {sizes:?}"))),
+    }
+}
+
+/// Whether `t` is a 4-d tensor laid out channels-last without gaps (libtorch's
+/// `is_contiguous(at::MemoryFormat::ChannelsLast)`: the stride of a dimension of size 1 does
+/// not count).
+pub fn is_channels_last(t: &Tensor) -> bool {
+    let sizes = t.size();
+    let Ok(expected) = channels_last_strides(&sizes) else { return false };
+    sizes.iter().zip(t.stride()).zip(expected).all(|((&size, stride), want)| size == 1 || stride == want)
+}
+
 /// Moves a 4-d parameter to channels-last memory order in place (other tensors are left).
 pub fn param_to_channels_last(p: &Tensor) -> Result<()> {
     let mut err = [0 as c_char; 256];

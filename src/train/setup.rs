@@ -159,6 +159,8 @@ impl<'a> Run<'a> {
         let part = tensor_parallel.as_ref().map(|tp| TensorPart { split: tp.split(), rank: tp.rank, size: tp.layout.tensor });
         let (mut net, spec) = world.agree(Net::new(args, &info, plan.device, layout, part, &initial_values))?;
 
+        // (--zero 3's parameters are empty until shard_units, which has the exchange lay them
+        // out channels-last.)
         if args.channels_last {
             world.agree(net.params.iter().chain(net.buffers.iter().map(|(_, t)| t)).try_for_each(raw::param_to_channels_last))?;
         }
@@ -383,6 +385,9 @@ fn shard_units(
     let layouts: Vec<_> = units.iter().map(|u| u.layout.clone()).collect();
     let shards = exchange.fully_sharded().ok_or_else(|| Error::usage("--zero 3 needs a fully sharded exchange"))?;
     let shapes: Vec<Vec<i64>> = net.declared.iter().map(|v| v.shape.clone()).collect();
+    // The parameters are empty here, so the channels-last block above left them: the exchange
+    // lays out the 4-d ones (raw::param_to_channels_last's rule) channels-last at each gather.
+    shards.compute_channels_last(shapes.iter().map(|s| args.channels_last && s.len() == 4).collect());
     // This rank's range of each parameter, one at a time: read from a checkpoint for that range
     // only, or drawn whole from the seed and cut.
     shards.shard(&layouts, &net.params, &shapes, &mut |index, at, len| net.initial_range(index, at, len, values), optimizer)?;
