@@ -15,7 +15,7 @@ use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::exchange::config::parse_strategies;
 use crate::exchange::options::{check_strategy_options, ExchangeArgs, Given, HorovodArgs, PsArgs, WatchdogArgs};
-use crate::exchange::{self, ExchangeConfig, ReduceOp, StrategyKind};
+use crate::exchange::{self, ExchangeConfig, Reduce, ReduceOp, StrategyKind};
 use crate::raw;
 use crate::results;
 use crate::topology::World;
@@ -589,7 +589,8 @@ fn measure_strategy(
 ) -> Result<Vec<SizeSample>> {
     let (n, rank) = (world.size as usize, world.rank as usize);
     let kind = args.dtype.kind();
-    let mut exchange = world.agree(exchange::build(strategy, world, config))?;
+    // The bench measures the collective alone.
+    let mut exchange: Box<dyn Reduce> = world.agree(exchange::build(strategy, world, config))?;
     // The ranks whose buffers count in the sum (not dedicated servers').
     let mine = u8::from(exchange.contributes());
     let mut flags = vec![0u8; n];
