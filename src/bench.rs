@@ -13,13 +13,13 @@ use tch::{Device, Kind, Tensor};
 
 use crate::element::Dtype;
 use crate::error::{Error, Result};
-use crate::exchange::config::{parse_strategies, CudaAware, MpiAllreduceCall, RingTransport};
-use crate::exchange::options::{check_strategy_options, Given, HorovodArgs, PsArgs};
-use crate::exchange::{self, ExchangeConfig, ReduceOp, StrategyKind};
+use crate::exchange::config::parse_strategies;
+use crate::exchange::options::{check_strategy_options, ExchangeArgs, Given, HorovodArgs, PsArgs, WatchdogArgs};
+use crate::exchange::{self, ExchangeConfig, Reduce, ReduceOp, StrategyKind};
 use crate::raw;
 use crate::results;
 use crate::topology::World;
-use crate::train::options::{DeviceChoice, DEFAULT_EXCHANGE_TIMEOUT_S};
+use crate::train::options::DeviceChoice;
 
 /// `--device` of the bench: where the buffers live.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,25 +99,10 @@ pub struct BenchArgs {
     /// Seed of the random input (--verify allreduce).
     #[arg(long, default_value_t = 1, help_heading = "Sweep")]
     pub seed: u64,
-    /// Fusion bucket size in MiB for multi-tensor layouts.
-    #[arg(long = "bucket-mib", value_name = "MIB", aliases = ["bucket-mb"], default_value_t = 25.0, help_heading = "Exchange")]
-    pub bucket_mb: f64,
-    /// Ring segment size in KiB.
-    #[arg(long = "segment-kib", value_name = "KIB", aliases = ["segment-kb"], default_value_t = 4096, help_heading = "Exchange")]
-    pub segment_kb: u64,
-    /// How the ring's ranks reach each other: node-shared memory when all are on one node (auto).
-    #[arg(long, value_enum, default_value_t = RingTransport::Auto, help_heading = "Exchange")]
-    pub ring_transport: RingTransport,
-
-    /// The MPI call of `allreduce` and `horovod` on host buffers: `blocking` (MPI_Allreduce, as
-    /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, the
-    /// call hpc-train's earlier versions made, for comparison). Device buffers always take the
-    /// blocking call.
-    #[arg(long, value_enum, default_value_t = MpiAllreduceCall::Blocking, help_heading = "Exchange")]
-    pub mpi_allreduce: MpiAllreduceCall,
-    /// Whether MPI can read GPU memory.
-    #[arg(long, value_enum, default_value_t = CudaAware::Auto, help_heading = "Exchange")]
-    pub cuda_aware: CudaAware,
+    #[command(flatten, next_help_heading = "Exchange")]
+    pub exchange: ExchangeArgs,
+    #[command(flatten, next_help_heading = "Exchange")]
+    pub watchdog: WatchdogArgs,
     /// Folder for bench.jsonl.
     #[arg(long, default_value = "results", help_heading = "Output")]
     pub results: PathBuf,
@@ -128,12 +113,6 @@ pub struct BenchArgs {
     /// after the last iteration), to this file: for comparing two runs bit for bit.
     #[arg(long, help_heading = "Output")]
     pub save_result: Option<PathBuf>,
-    /// Abort when an exchange makes no progress for this many seconds; 0: never.
-    #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S, help_heading = "Exchange")]
-    pub exchange_timeout_s: f64,
-    /// Cost model for `auto` (see the training option).
-    #[arg(long, help_heading = "Exchange")]
-    pub cost_model: Option<PathBuf>,
     /// The rate of the links between nodes, in Mbit/s, recorded in bench.jsonl for
     /// `hpc-train model fit` (the bench cannot measure it apart from the exchange).
     #[arg(long, help_heading = "Exchange")]
@@ -408,6 +387,7 @@ impl MemoryBound {
 pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
     let strategies = world.agree(parse_strategies(&args.strategies))?;
     world.log_warnings(&world.agree(check_strategy_options(&args.given, &strategies, &args.ps))?);
+    world.agree(args.exchange.check())?;
     let elem = args.dtype.size();
     let counts = world.agree(sweep_counts(args, elem))?;
     // The node's ranks may share a GPU here (the bench measures the exchange, and tests run
@@ -418,7 +398,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
     };
     let device = world.agree(crate::train::choose_device(choice, true, world))?;
     world.agree(crate::train::make_current(device))?;
-    crate::watchdog::start(world.rank, world.agree(crate::train::watchdog_timeout(args.exchange_timeout_s))?);
+    crate::watchdog::start(world.rank, world.agree(crate::train::watchdog_timeout(args.watchdog.exchange_timeout_s))?);
     world.agree(if world.is_root() { results::check_writable(&args.results) } else { Ok(()) })?;
     world.agree(match (&args.save_result, world.is_root()) {
         (Some(path), true) => std::fs::File::create(path).map(drop).map_err(|e| Error::io(path, e)),
@@ -433,15 +413,15 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
     let date = results::timestamp();
     let config = ExchangeConfig {
         device,
-        cuda_aware: args.cuda_aware.resolve(),
-        bucket_bytes: (args.bucket_mb * (1 << 20) as f64) as usize,
-        segment_bytes: (args.segment_kb as usize) << 10,
-        ring_transport: args.ring_transport,
+        cuda_aware: args.exchange.cuda_aware.resolve(),
+        bucket_bytes: args.exchange.bucket_bytes(),
+        segment_bytes: args.exchange.segment_bytes(),
+        ring_transport: args.exchange.ring_transport,
         // The parameter server's benchmark round sums; its optimizer is not used.
         ps: args.ps.config(crate::optim::OptimizerConfig::sgd(0.0, 0.0, 0.0), crate::optim::LrSchedule::constant(0.0)),
         horovod: world.agree(args.horovod.config())?,
-        mpi_allreduce: args.mpi_allreduce,
-        cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,
+        mpi_allreduce: args.exchange.mpi_allreduce,
+        cost_model: world.agree(crate::cost::CostModel::from_option(args.exchange.cost_model.as_deref()))?,
         zero: 0,
         fsdp_hybrid: false,
     };
@@ -464,7 +444,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
     let mut bounds: Vec<MemoryBound> = Vec::new();
     for round in 0..usize::from(args.rounds) {
         if is_host_f32 {
-            bounds.push(MemoryBound::measure(world, max_bytes, (args.segment_kb as usize) << 10));
+            bounds.push(MemoryBound::measure(world, max_bytes, args.exchange.segment_bytes()));
         }
         for index in (0..k).map(|i| (i + round) % k) {
             let measured = measure_strategy(world, strategies[index], &config, &counts, &weights, args, device)?;
@@ -554,7 +534,7 @@ pub fn run(world: &World, args: &BenchArgs) -> Result<()> {
             println!(
                 "# Transport bound      : MPI point-to-point moves {:.2} GB/s per rank ({} KiB messages, every rank sending to its right at once): with the add, busbw is at most {:.3} GB/s",
                 b.transport_gbs,
-                args.segment_kb,
+                args.exchange.segment_kb,
                 b.transport_busbw()
             );
         }
@@ -609,7 +589,8 @@ fn measure_strategy(
 ) -> Result<Vec<SizeSample>> {
     let (n, rank) = (world.size as usize, world.rank as usize);
     let kind = args.dtype.kind();
-    let mut exchange = world.agree(exchange::build(strategy, world, config))?;
+    // The bench measures the collective alone.
+    let mut exchange: Box<dyn Reduce> = world.agree(exchange::build(strategy, world, config))?;
     // The ranks whose buffers count in the sum (not dedicated servers').
     let mine = u8::from(exchange.contributes());
     let mut flags = vec![0u8; n];

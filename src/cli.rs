@@ -11,11 +11,11 @@ use crate::bench::BenchArgs;
 use crate::checkpoint::command::CheckpointCommand;
 use crate::data::command::DataCommand;
 use crate::exchange::config::{parse_strategies, PsMode, StrategyKind};
-use crate::exchange::options::{Given, PsArgs};
+use crate::exchange::options::{Given, PsArgs, DEFAULT_EXCHANGE_TIMEOUT_S};
 use crate::project::{FitArgs, ProjectArgs};
 use crate::report::ReportArgs;
 use crate::study::StudyArgs;
-use crate::train::options::{DeviceChoice, TrainArgs, DEFAULT_EXCHANGE_TIMEOUT_S};
+use crate::train::options::{DeviceChoice, TrainArgs};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -180,9 +180,9 @@ impl Cli {
     /// default until then.
     pub fn start_up_timeout(&self) -> std::time::Duration {
         let seconds = match &self.command {
-            None => self.train.exchange_timeout_s,
-            Some(Command::Study(a)) => a.train.exchange_timeout_s,
-            Some(Command::Bench(a)) => a.exchange_timeout_s,
+            None => self.train.watchdog.exchange_timeout_s,
+            Some(Command::Study(a)) => a.train.watchdog.exchange_timeout_s,
+            Some(Command::Bench(a)) => a.watchdog.exchange_timeout_s,
             Some(_) => DEFAULT_EXCHANGE_TIMEOUT_S,
         };
         crate::train::watchdog_timeout(seconds).unwrap_or(std::time::Duration::from_secs_f64(DEFAULT_EXCHANGE_TIMEOUT_S))
@@ -247,6 +247,37 @@ mod tests {
         for arg in crate::config::train_command().get_arguments().filter(|a| !a.is_hide_set()) {
             assert!(arg.get_help_heading().is_some(), "--{} has no heading", arg.get_long().unwrap_or_default());
         }
+    }
+
+    /// An option that `bench` and training both have is one option: the same help, default,
+    /// aliases and values (both flatten crate::exchange::options' groups), apart from the few
+    /// names that mean another thing in the bench. Only a heading may differ: the bench puts
+    /// --exchange-timeout-s under "Exchange", training under "Checkpoints and faults".
+    #[test]
+    fn bench_and_training_declare_their_shared_options_once() {
+        use clap::CommandFactory;
+        // The bench's buffers' device, input seed and bench.jsonl folder.
+        const OTHER_MEANING: &[&str] = &["device", "seed", "results", "help"];
+        let command = Cli::command();
+        let bench = command.find_subcommand("bench").unwrap();
+        let describe = |a: &clap::Arg| {
+            let help = |s: Option<&clap::builder::StyledStr>| s.map(|s| s.to_string());
+            let values: Vec<String> = a.get_possible_values().iter().map(|v| v.get_name().to_string()).collect();
+            let defaults: Vec<String> = a.get_default_values().iter().map(|d| d.to_string_lossy().into_owned()).collect();
+            let aliases: Vec<String> = a.get_all_aliases().unwrap_or_default().iter().map(|s| s.to_string()).collect();
+            format!("{:?} {:?} {:?} {defaults:?} {aliases:?} {values:?} {:?} {:?}", a.get_id(), help(a.get_help()), help(a.get_long_help()), a.get_value_names(), a.get_action())
+        };
+        let mut shared = 0;
+        for b in bench.get_arguments().filter(|a| a.get_long().is_some_and(|l| !OTHER_MEANING.contains(&l))) {
+            let Some(t) = command.get_arguments().find(|t| t.get_long() == b.get_long()) else { continue };
+            assert_eq!(describe(b), describe(t), "--{}: bench and training differ", b.get_long().unwrap());
+            let heading = if b.get_long() == Some("exchange-timeout-s") { "Checkpoints and faults" } else { b.get_help_heading().unwrap() };
+            assert_eq!(t.get_help_heading(), Some(heading), "--{}: training's heading (its run-file section)", b.get_long().unwrap());
+            shared += 1;
+        }
+        // bucket, segment, transport, MPI call, CUDA-awareness, cost model, timeout; the
+        // parameter server's 5 and Horovod's 9.
+        assert_eq!(shared, 7 + 5 + 9);
     }
 
     /// A CPU tensor-parallel run asked for MPI_THREAD_MULTIPLE, which only a GPU's backward
@@ -571,7 +602,7 @@ bucket_mb = 0.5
     #[test]
     fn old_names_work_and_the_deprecated_one_warns() {
         let a = parse(&["--warmup-steps", "3", "--study-tag", "t", "--bucket-mb", "2", "--segment-kb", "8", "--strategy", "horovod", "--fusion-threshold-mb", "4", "--timeline-filename", "t.json", "--hierarchical-allreduce"]).unwrap();
-        assert_eq!((a.warmup_steps, a.study_tag.as_deref(), a.bucket_mb, a.segment_kb), (3, Some("t"), 2.0, 8));
+        assert_eq!((a.warmup_steps, a.study_tag.as_deref(), a.exchange.bucket_mb, a.exchange.segment_kb), (3, Some("t"), 2.0, 8));
         assert_eq!((a.horovod.fusion_threshold_mb, a.horovod.timeline.as_deref(), a.horovod.hierarchical), (Some(4.0), Some(Path::new("t.json")), Some(true)));
         let argv: Vec<OsString> = ["hpc-train", "--warmup-steps=3", "--skip-steps", "2", "--bucket-mb", "1"].iter().map(OsString::from).collect();
         let warnings = deprecated_names(&argv);

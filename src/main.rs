@@ -240,7 +240,7 @@ fn exit_after_parse_error(e: clap::Error) -> ! {
         raw::exit_process(e.exit_code());
     }
     let universe = if mpi_library::launched_processes() > 1 {
-        let _start_up = watchdog::watch_start_up(std::time::Duration::from_secs_f64(train::options::DEFAULT_EXCHANGE_TIMEOUT_S));
+        let _start_up = watchdog::watch_start_up(std::time::Duration::from_secs_f64(exchange::options::DEFAULT_EXCHANGE_TIMEOUT_S));
         mpi::initialize()
     } else {
         None

@@ -219,7 +219,7 @@ impl Overlap {
         self.plan.buckets.len()
     }
 
-    /// The buckets as planned now (see [`Exchange::describe_keys`]).
+    /// The buckets as planned now (see [`Training::describe_keys`](crate::exchange::Training::describe_keys)).
     pub fn plan(&self) -> &BucketPlan {
         &self.plan
     }

@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::config::{ExchangeConfig, MpiAllreduceCall};
 use crate::exchange::staging::Staging;
-use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
+use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, Checkpointed, DataPath, Described, ExchangeReport, Reduce, ReduceOp, Role, Training};
 use crate::raw;
 use crate::topology::World;
 
@@ -43,7 +43,7 @@ impl MpiAllreduce {
     }
 }
 
-impl Exchange for MpiAllreduce {
+impl Described for MpiAllreduce {
     fn name(&self) -> &'static str {
         "allreduce"
     }
@@ -52,10 +52,14 @@ impl Exchange for MpiAllreduce {
         allreduce_bus_factor(self.size)
     }
 
-    fn role(&self) -> Role {
-        Role::Worker { index: self.rank, count: self.size }
+    fn report(&self) -> ExchangeReport {
+        let mut extra = serde_json::Map::new();
+        extra.insert("mpi_allreduce".into(), self.sums.call.name().into());
+        self.staging.report(self.path, extra)
     }
+}
 
+impl Reduce for MpiAllreduce {
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         let dtype = common_dtype(tensors)?;
         if self.size == 1 {
@@ -74,13 +78,15 @@ impl Exchange for MpiAllreduce {
             Ok(())
         })
     }
+}
 
-    fn report(&self) -> ExchangeReport {
-        let mut extra = serde_json::Map::new();
-        extra.insert("mpi_allreduce".into(), self.sums.call.name().into());
-        self.staging.report(self.path, extra)
+impl Training for MpiAllreduce {
+    fn role(&self) -> Role {
+        Role::Worker { index: self.rank, count: self.size }
     }
 }
+
+impl Checkpointed for MpiAllreduce {}
 
 /// The sum operations for every dtype, made once: MPI has no half-precision sum, so user
 /// operations add 16-bit words as f16 or bf16, each addition done in f32. `call` says which

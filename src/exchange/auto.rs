@@ -16,7 +16,7 @@ use crate::exchange::config::ExchangeConfig;
 use crate::exchange::rhd::RhdAllreduce;
 use crate::exchange::ring::RingAllreduce;
 use crate::exchange::staging::Staging;
-use crate::exchange::strategy::{all_reduce_is_identity, allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
+use crate::exchange::strategy::{all_reduce_is_identity, allreduce_bus_factor, common_dtype, Checkpointed, DataPath, Described, ExchangeReport, Reduce, ReduceOp, Role, Training};
 use crate::exchange::zero::{ShardAlgorithm, ShardedCollectives};
 use crate::topology::World;
 
@@ -94,7 +94,7 @@ impl ShardedCollectives for Auto {
     }
 }
 
-impl Exchange for Auto {
+impl Described for Auto {
     fn name(&self) -> &'static str {
         "auto"
     }
@@ -103,14 +103,21 @@ impl Exchange for Auto {
         allreduce_bus_factor(self.layout.ranks)
     }
 
-    fn role(&self) -> Role {
-        Role::Worker { index: self.rank, count: self.layout.ranks }
-    }
-
     fn waits_for(&self) -> String {
         format!("{} or {}", self.ring.waits_for(), self.rhd.waits_for())
     }
 
+    fn report(&self) -> ExchangeReport {
+        let mut extra = serde_json::Map::new();
+        extra.insert("auto_ring_buckets".into(), self.chosen[0].into());
+        extra.insert("auto_rhd_buckets".into(), self.chosen[1].into());
+        extra.insert("auto_doubling_buckets".into(), self.chosen[2].into());
+        extra.insert("ring_transport".into(), self.ring.transport().into());
+        self.staging.report(self.path, extra)
+    }
+}
+
+impl Reduce for Auto {
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         if all_reduce_is_identity(self.layout.ranks) {
             return Ok(());
@@ -141,16 +148,15 @@ impl Exchange for Auto {
         self.ring.finish(params)?;
         self.rhd.finish(params)
     }
+}
 
-    fn report(&self) -> ExchangeReport {
-        let mut extra = serde_json::Map::new();
-        extra.insert("auto_ring_buckets".into(), self.chosen[0].into());
-        extra.insert("auto_rhd_buckets".into(), self.chosen[1].into());
-        extra.insert("auto_doubling_buckets".into(), self.chosen[2].into());
-        extra.insert("ring_transport".into(), self.ring.transport().into());
-        self.staging.report(self.path, extra)
+impl Training for Auto {
+    fn role(&self) -> Role {
+        Role::Worker { index: self.rank, count: self.layout.ranks }
     }
 }
+
+impl Checkpointed for Auto {}
 
 /// The ring as it runs now, for the model: through node-shared memory (one node) or over MPI
 /// (across nodes, or since its window found no room).

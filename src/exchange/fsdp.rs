@@ -51,7 +51,7 @@ use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::exchange::buckets::{pack_slot, unpack};
 use crate::exchange::staging::{wait_for_stream, HostPool};
-use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, FlatPiece, HeldBytes, HeldShards, ReduceOp, Role, StateSource, UnitShards, UnitTimes, WholeSource, WholeState};
+use crate::exchange::strategy::{common_dtype, Checkpointed, DataPath, Described, ExchangeReport, FlatPiece, HeldBytes, HeldShards, Reduce, ReduceOp, Role, StateSource, Training, UnitShards, UnitTimes, WholeSource, WholeState};
 use crate::exchange::zero::{cut_pieces, flat_pieces, pieces, ready_for_mpi, Piece, ShardAlgorithm, ShardedCollectives};
 use crate::optim::{FiniteCheck, Optimizer, Pieces};
 use crate::plan::buckets::{Bucket, Slot};
@@ -93,7 +93,7 @@ pub struct FullyShardedExchange {
     /// The ranks the shards are cut over: all of them, or (hybrid) the node's.
     shards: Box<dyn ShardedCollectives>,
     /// Hybrid sharding: the ranks on other nodes that hold the same shard.
-    replicas: Option<Box<dyn Exchange>>,
+    replicas: Option<Box<dyn Reduce>>,
     role: Role,
     path: DataPath,
     units: Vec<UnitShard>,
@@ -138,7 +138,7 @@ pub struct FullyShardedExchange {
 
 impl FullyShardedExchange {
     /// `role`: this rank among all the ranks that train (not only those it shares shards with).
-    pub fn new(shards: Box<dyn ShardedCollectives>, replicas: Option<Box<dyn Exchange>>, role: Role, path: DataPath, writes_shards: bool) -> FullyShardedExchange {
+    pub fn new(shards: Box<dyn ShardedCollectives>, replicas: Option<Box<dyn Reduce>>, role: Role, path: DataPath, writes_shards: bool) -> FullyShardedExchange {
         FullyShardedExchange {
             shards,
             replicas,
@@ -542,7 +542,7 @@ impl UnitShards for FullyShardedExchange {
     }
 }
 
-impl Exchange for FullyShardedExchange {
+impl Described for FullyShardedExchange {
     fn name(&self) -> &'static str {
         self.shards.name()
     }
@@ -551,6 +551,47 @@ impl Exchange for FullyShardedExchange {
         self.shards.bus_factor()
     }
 
+    fn waits_for(&self) -> String {
+        self.shards.waits_for()
+    }
+
+    /// The gradient shards' buffer counts as gradients held (as PyTorch FSDP keeps the sharded
+    /// `.grad`); the gather and packing buffers are reported apart.
+    fn held_bytes(&self, _params: &[Tensor], optimizer: &Optimizer) -> HeldBytes {
+        let grads = self.shard_grads.as_ref().map_or(0, |g| g.numel()) * self.elem_bytes();
+        HeldBytes { optimizer_state: optimizer.state_bytes(), gradients: grads }
+    }
+
+    fn report(&self) -> ExchangeReport {
+        let mut report = self.shards.report();
+        let f = &self.figures;
+        let per_step = |d: Duration| d.as_secs_f64() * 1e3 / f.steps.max(1) as f64;
+        let hidden = |total: Duration, exposed: Duration| if total.is_zero() { 0.0 } else { 1.0 - exposed.as_secs_f64().min(total.as_secs_f64()) / total.as_secs_f64() };
+        let t = &f.step_times;
+        let extra = &mut report.extra;
+        extra.insert("zero".into(), 3.into());
+        extra.insert("fsdp_units".into(), self.units.len().into());
+        extra.insert("fsdp_hybrid".into(), self.replicas.is_some().into());
+        extra.insert("parameter_bytes_held".into(), self.held_parameter_bytes().into());
+        extra.insert("peak_gathered_parameter_bytes".into(), f.peak_gathered_bytes.into());
+        extra.insert("fsdp_buffer_bytes".into(), self.buffer_bytes().into());
+        extra.insert("fsdp_gathers".into(), f.gathers.into());
+        extra.insert("fsdp_gather_ms_per_step".into(), per_step(t.gather).into());
+        extra.insert("fsdp_exposed_gather_ms_per_step".into(), per_step(t.exposed_gather).into());
+        extra.insert("fsdp_reduce_scatter_ms_per_step".into(), per_step(t.reduce).into());
+        extra.insert("fsdp_exposed_reduce_scatter_ms_per_step".into(), per_step(t.exposed_reduce).into());
+        extra.insert("fsdp_gather_hidden".into(), hidden(t.gather, t.exposed_gather).into());
+        extra.insert("fsdp_reduce_scatter_hidden".into(), hidden(t.reduce, t.exposed_reduce).into());
+        if self.path == DataPath::Staged {
+            extra.insert("staging_copy_ms".into(), (self.copy_time.as_secs_f64() * 1e3).into());
+            // One reused buffer of the largest unit's size, however many units and steps.
+            extra.insert("staging_host_buffers".into(), self.staging.made().into());
+        }
+        report
+    }
+}
+
+impl Reduce for FullyShardedExchange {
     /// Over every rank: the shard group, then (hybrid) the same ranks of the other nodes.
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         self.shards.all_reduce(tensors, op)?;
@@ -558,10 +599,6 @@ impl Exchange for FullyShardedExchange {
             Some(replicas) => replicas.all_reduce(tensors, op),
             None => Ok(()),
         }
-    }
-
-    fn role(&self) -> Role {
-        self.role
     }
 
     /// Every rank is here together: the shard group's exchange and (hybrid) the replicas' free
@@ -574,9 +611,11 @@ impl Exchange for FullyShardedExchange {
             None => Ok(()),
         }
     }
+}
 
-    fn waits_for(&self) -> String {
-        self.shards.waits_for()
+impl Training for FullyShardedExchange {
+    fn role(&self) -> Role {
+        self.role
     }
 
     fn update(&mut self, _params: &mut [Tensor], _grads: &mut [Tensor], _optimizer: &mut Optimizer) -> Result<()> {
@@ -586,7 +625,9 @@ impl Exchange for FullyShardedExchange {
     fn fully_sharded(&mut self) -> Option<&mut dyn UnitShards> {
         Some(self)
     }
+}
 
+impl Checkpointed for FullyShardedExchange {
     /// The whole optimizer state, gathered unit by unit from the shards (every rank takes part).
     fn optimizer_state(&mut self, params: &[Tensor], optimizer: &Optimizer) -> Result<Option<WholeState>> {
         if self.units.is_empty() {
@@ -626,41 +667,6 @@ impl Exchange for FullyShardedExchange {
         let state: Vec<Vec<Option<Tensor>>> = (0..slots).map(|s| optimizer.state(s).iter().map(|t| t.as_ref().map(Tensor::shallow_clone)).collect()).collect();
         let params = self.pieces.iter().zip(&self.weights).map(|(p, w)| FlatPiece { param: p.tensor, at: p.at, data: w.shallow_clone() }).collect();
         Ok(Some(HeldShards { state: flat_pieces(&self.pieces, &state, slots)?, params, writes: self.writes_shards }))
-    }
-
-    /// The gradient shards' buffer counts as gradients held (as PyTorch FSDP keeps the sharded
-    /// `.grad`); the gather and packing buffers are reported apart.
-    fn held_bytes(&self, _params: &[Tensor], optimizer: &Optimizer) -> HeldBytes {
-        let grads = self.shard_grads.as_ref().map_or(0, |g| g.numel()) * self.elem_bytes();
-        HeldBytes { optimizer_state: optimizer.state_bytes(), gradients: grads }
-    }
-
-    fn report(&self) -> ExchangeReport {
-        let mut report = self.shards.report();
-        let f = &self.figures;
-        let per_step = |d: Duration| d.as_secs_f64() * 1e3 / f.steps.max(1) as f64;
-        let hidden = |total: Duration, exposed: Duration| if total.is_zero() { 0.0 } else { 1.0 - exposed.as_secs_f64().min(total.as_secs_f64()) / total.as_secs_f64() };
-        let t = &f.step_times;
-        let extra = &mut report.extra;
-        extra.insert("zero".into(), 3.into());
-        extra.insert("fsdp_units".into(), self.units.len().into());
-        extra.insert("fsdp_hybrid".into(), self.replicas.is_some().into());
-        extra.insert("parameter_bytes_held".into(), self.held_parameter_bytes().into());
-        extra.insert("peak_gathered_parameter_bytes".into(), f.peak_gathered_bytes.into());
-        extra.insert("fsdp_buffer_bytes".into(), self.buffer_bytes().into());
-        extra.insert("fsdp_gathers".into(), f.gathers.into());
-        extra.insert("fsdp_gather_ms_per_step".into(), per_step(t.gather).into());
-        extra.insert("fsdp_exposed_gather_ms_per_step".into(), per_step(t.exposed_gather).into());
-        extra.insert("fsdp_reduce_scatter_ms_per_step".into(), per_step(t.reduce).into());
-        extra.insert("fsdp_exposed_reduce_scatter_ms_per_step".into(), per_step(t.exposed_reduce).into());
-        extra.insert("fsdp_gather_hidden".into(), hidden(t.gather, t.exposed_gather).into());
-        extra.insert("fsdp_reduce_scatter_hidden".into(), hidden(t.reduce, t.exposed_reduce).into());
-        if self.path == DataPath::Staged {
-            extra.insert("staging_copy_ms".into(), (self.copy_time.as_secs_f64() * 1e3).into());
-            // One reused buffer of the largest unit's size, however many units and steps.
-            extra.insert("staging_host_buffers".into(), self.staging.made().into());
-        }
-        report
     }
 }
 

@@ -40,7 +40,7 @@ pub mod strategy;
 pub mod zero;
 
 pub use config::{worker_count, ExchangeConfig, StrategyKind};
-pub use strategy::{Exchange, FlatPiece, ReduceOp, Role, StateSource};
+pub use strategy::{Checkpointed, Exchange, FlatPiece, Reduce, ReduceOp, Role, StateSource, Training};
 
 use crate::error::{Error, Result};
 use mpi::topology::{Color, Communicator};

@@ -1,5 +1,6 @@
 //! The strategies' command-line options: the groups that training and `bench` both flatten
-//! into theirs ([`PsArgs`], [`HorovodArgs`], mapped onto `exchange::config`), and the check
+//! into theirs, each option declared once with one help text and one default ([`ExchangeArgs`],
+//! [`WatchdogArgs`], [`PsArgs`], [`HorovodArgs`], mapped onto `exchange::config`), and the check
 //! that refuses an option no strategy of the run reads ([`check_strategy_options`], with the
 //! options [`Given`] on the command line).
 
@@ -8,7 +9,7 @@ use std::path::PathBuf;
 use clap::Args;
 
 use crate::error::{Error, Result};
-use crate::exchange::config::{Compression, HorovodConfig, PsConfig, PsMode, RoleOptions, StrategyKind, DEFAULT_CACHE_CAPACITY};
+use crate::exchange::config::{Compression, CudaAware, HorovodConfig, MpiAllreduceCall, PsConfig, PsMode, RingTransport, RoleOptions, StrategyKind, DEFAULT_CACHE_CAPACITY};
 use crate::exchange::horovod::env_or;
 use crate::optim::{LrSchedule, OptimizerConfig};
 
@@ -115,6 +116,83 @@ pub fn check_strategy_options(given: &Given, strategies: &[StrategyKind], ps: &P
         .filter(|(id, _, of)| given.has(id) && !strategies.iter().any(|s| of.contains(s)))
         .map(|(_, flag, of)| format!("{flag} is read by --strategy {}; {run} ignores it", readers(of)))
         .collect())
+}
+
+/// Options of the exchange that most strategies read (training and bench). Their help heading
+/// is the flattening command's (training's "Exchange" is also the run file's `[exchange]`).
+#[derive(Args, Debug, Clone)]
+pub struct ExchangeArgs {
+    /// Gradient bucket size, MiB: tensors are fused into buckets of about this size, each
+    /// exchanged as one message (in the bench, the multi-tensor layouts' tensors); 0 = one
+    /// exchange per tensor (the naive variant).
+    #[arg(long = "bucket-mib", value_name = "MIB", aliases = ["bucket-mb"], default_value_t = 25.0)]
+    pub bucket_mb: f64,
+
+    /// Ring all-reduce segment size, KiB (the pipelining grain of the ring; the default is the
+    /// best measured in results/strategies/README.md).
+    #[arg(long = "segment-kib", value_name = "KIB", aliases = ["segment-kb"], default_value_t = 4096)]
+    pub segment_kb: u64,
+
+    /// How the ring's ranks reach each other: `auto` reads and adds a neighbour's chunk straight
+    /// from node-shared memory when every rank is on one node, and sends MPI messages otherwise.
+    #[arg(long, value_enum, default_value_t = RingTransport::Auto)]
+    pub ring_transport: RingTransport,
+
+    /// The MPI call of `allreduce` and `horovod` on host buffers: `blocking` (MPI_Allreduce, as
+    /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, the
+    /// call hpc-train's earlier versions made, for comparison). Device buffers always take the
+    /// blocking call.
+    #[arg(long, value_enum, default_value_t = MpiAllreduceCall::Blocking)]
+    pub mpi_allreduce: MpiAllreduceCall,
+
+    /// Whether the MPI library can read GPU memory; auto asks it (MPIX_GPU_query_support,
+    /// MPIX_Query_cuda_support or MVAPICH2's MV2_USE_CUDA; none answering: no).
+    #[arg(long, value_enum, default_value_t = CudaAware::Auto)]
+    pub cuda_aware: CudaAware,
+
+    /// Cost model (JSON, from `hpc-train model fit`) with which `--strategy auto` picks ring,
+    /// rhd or recursive doubling per bucket [default: built-in link costs].
+    #[arg(long)]
+    pub cost_model: Option<PathBuf>,
+}
+
+impl ExchangeArgs {
+    /// Refuses values that no exchange can use (clap checks the types, not the ranges).
+    pub fn check(&self) -> Result<()> {
+        if self.bucket_mb < 0.0 || !self.bucket_mb.is_finite() {
+            return Err(Error::usage(format!("--bucket-mib {}: expected 0 or more", self.bucket_mb)));
+        }
+        Ok(())
+    }
+
+    /// `--bucket-mib` in bytes.
+    pub fn bucket_bytes(&self) -> usize {
+        (self.bucket_mb * (1 << 20) as f64) as usize
+    }
+
+    /// `--segment-kib` in bytes.
+    pub fn segment_bytes(&self) -> usize {
+        (self.segment_kb as usize) << 10
+    }
+}
+
+/// The exchange watchdog's default: far beyond any one exchange on a working cluster (a 100 MB
+/// bucket over a 1 Gbit/s link takes about a second; the first exchange may also set up
+/// connections), and far below a batch job's time limit.
+pub const DEFAULT_EXCHANGE_TIMEOUT_S: f64 = 300.0;
+
+/// The watchdog over exchanges (training and bench): a group of its own because its help
+/// heading differs, training's being "Checkpoints and faults" (the run file's `[checkpoint]`,
+/// since it also bounds checkpoint writes) and the bench's "Exchange".
+#[derive(Args, Debug, Clone)]
+pub struct WatchdogArgs {
+    /// Abort the job when an exchange, or a collective between exchanges, makes no progress for
+    /// this many seconds (a cut link or a dead node), after every rank logs what it waits for;
+    /// in training, a checkpoint write longer than this (the slowest rank's part of a sharded
+    /// one, rank 0's whole one) aborts the job too, the previous checkpoint kept: keep it above
+    /// the longest write; 0: off.
+    #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S)]
+    pub exchange_timeout_s: f64,
 }
 
 /// Parameter-server options (training and bench).
@@ -253,6 +331,24 @@ mod tests {
 
     fn ps(mode: PsMode, colocate: bool) -> PsArgs {
         PsArgs { servers: 1, ps_colocate: colocate, ps_mode: mode, max_staleness: None, ps_timeout_s: 600.0 }
+    }
+
+    /// Training's check and the bench's are this one: a negative or infinite bucket size is
+    /// refused (the bench used to take it as 0, one exchange per tensor).
+    #[test]
+    fn a_bucket_size_below_zero_is_refused() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Command {
+            #[command(flatten)]
+            exchange: ExchangeArgs,
+        }
+        let check = |mib: &str| Command::try_parse_from(["x", &format!("--bucket-mib={mib}")]).unwrap().exchange.check().map_err(|e| e.to_string());
+        assert_eq!(check("-1").unwrap_err(), "--bucket-mib -1: expected 0 or more");
+        assert!(check("inf").unwrap_err().starts_with("--bucket-mib inf"));
+        assert!(check("0").is_ok() && check("0.5").is_ok());
+        let args = Command::try_parse_from(["x", "--bucket-mb", "0.5", "--segment-kb", "8"]).unwrap().exchange;
+        assert_eq!((args.bucket_bytes(), args.segment_bytes()), (1 << 19, 8192));
     }
 
     #[test]

@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::exchange::buckets::Fusion;
 use crate::exchange::config::ExchangeConfig;
 use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
-use crate::exchange::strategy::{all_reduce_is_identity, allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
+use crate::exchange::strategy::{all_reduce_is_identity, allreduce_bus_factor, common_dtype, Checkpointed, DataPath, Described, ExchangeReport, Reduce, ReduceOp, Role, Training};
 use crate::exchange::zero::{expect_algorithm, Phases, ShardAlgorithm, ShardedCollectives};
 use crate::plan::rhd::{Extra, RhdSchedule};
 use crate::raw;
@@ -342,17 +342,13 @@ impl RhdAllreduce {
     }
 }
 
-impl Exchange for RhdAllreduce {
+impl Described for RhdAllreduce {
     fn name(&self) -> &'static str {
         "rhd"
     }
 
     fn bus_factor(&self) -> f64 {
         allreduce_bus_factor(self.halving.n)
-    }
-
-    fn role(&self) -> Role {
-        Role::Worker { index: self.halving.rank, count: self.halving.n }
     }
 
     fn waits_for(&self) -> String {
@@ -367,6 +363,12 @@ impl Exchange for RhdAllreduce {
         format!("its partners, world ranks {peers:?}")
     }
 
+    fn report(&self) -> ExchangeReport {
+        self.staging.report(self.path, serde_json::Map::new())
+    }
+}
+
+impl Reduce for RhdAllreduce {
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         if all_reduce_is_identity(self.halving.n) {
             return Ok(());
@@ -375,11 +377,15 @@ impl Exchange for RhdAllreduce {
         let halving = &mut self.halving;
         self.staging.reduce_fused(&mut self.fusion, self.path, tensors, |_, bucket| halving.all_reduce(bucket, dtype, op))
     }
+}
 
-    fn report(&self) -> ExchangeReport {
-        self.staging.report(self.path, serde_json::Map::new())
+impl Training for RhdAllreduce {
+    fn role(&self) -> Role {
+        Role::Worker { index: self.halving.rank, count: self.halving.n }
     }
 }
+
+impl Checkpointed for RhdAllreduce {}
 
 /// ZeRO's halves: shards are balanced only among a power of two of ranks (otherwise the ranks
 /// that sit out would own nothing), which `zero_shards_balance` tells.

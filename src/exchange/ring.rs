@@ -29,7 +29,7 @@ use mpi::Tag;
 use crate::exchange::config::{ExchangeConfig, RingTransport};
 use crate::exchange::shared_ring::{Room, SharedRing};
 use crate::exchange::staging::{wait_for_stream, Scratch, Staging};
-use crate::exchange::strategy::{all_reduce_is_identity, allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
+use crate::exchange::strategy::{all_reduce_is_identity, allreduce_bus_factor, common_dtype, Checkpointed, DataPath, Described, ExchangeReport, Reduce, ReduceOp, Role, Training};
 use crate::exchange::zero::{expect_algorithm, Phases, ShardAlgorithm, ShardedCollectives};
 use crate::plan::ring::RingSchedule;
 use crate::plan::shard::ShardInfo;
@@ -326,17 +326,13 @@ impl RingAllreduce {
     }
 }
 
-impl Exchange for RingAllreduce {
+impl Described for RingAllreduce {
     fn name(&self) -> &'static str {
         "ring"
     }
 
     fn bus_factor(&self) -> f64 {
         allreduce_bus_factor(self.ring.n)
-    }
-
-    fn role(&self) -> Role {
-        Role::Worker { index: self.rank, count: self.ring.n }
     }
 
     fn waits_for(&self) -> String {
@@ -347,6 +343,15 @@ impl Exchange for RingAllreduce {
         format!("world rank {} (its left neighbour, sending) and world rank {} (its right, receiving)", of(self.ring.left), of(self.ring.right))
     }
 
+    fn report(&self) -> ExchangeReport {
+        let mut extra = serde_json::Map::new();
+        extra.insert("segment_kb".into(), (self.ring.segment_bytes / 1024).into());
+        extra.insert("ring_transport".into(), self.transport().into());
+        self.staging.report(self.path, extra)
+    }
+}
+
+impl Reduce for RingAllreduce {
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         if all_reduce_is_identity(self.ring.n) {
             return Ok(());
@@ -366,14 +371,15 @@ impl Exchange for RingAllreduce {
         }
         Ok(())
     }
+}
 
-    fn report(&self) -> ExchangeReport {
-        let mut extra = serde_json::Map::new();
-        extra.insert("segment_kb".into(), (self.ring.segment_bytes / 1024).into());
-        extra.insert("ring_transport".into(), self.transport().into());
-        self.staging.report(self.path, extra)
+impl Training for RingAllreduce {
+    fn role(&self) -> Role {
+        Role::Worker { index: self.rank, count: self.ring.n }
     }
 }
+
+impl Checkpointed for RingAllreduce {}
 
 impl ShardedCollectives for RingAllreduce {
     fn choose(&self, _len: usize, _dtype: Dtype) -> ShardAlgorithm {

@@ -1,5 +1,6 @@
-//! What every strategy is and shares: the [`Exchange`] trait that the training loop calls, the
-//! types it speaks in ([`ReduceOp`], [`Role`], [`DataPath`], [`ExchangeReport`], [`HeldBytes`]),
+//! What every strategy is and shares: the [`Exchange`] trait that a training run holds, made of
+//! the parts its callers use ([`Described`], [`Reduce`], [`Training`], [`Checkpointed`]), the
+//! types they speak in ([`ReduceOp`], [`Role`], [`DataPath`], [`ExchangeReport`], [`HeldBytes`]),
 //! and the helpers the strategies share ([`allreduce_bus_factor`], [`common_dtype`],
 //! `with_element!`). The strategies import this file directly; exchange/mod.rs,
 //! which builds them, re-exports it for the layers above.
@@ -75,45 +76,74 @@ pub struct ExchangeReport {
     pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
-/// A gradient-exchange strategy.
-pub trait Exchange {
+/// A gradient-exchange strategy: what a training run holds, made of four parts split by who
+/// calls them, each implemented in an `impl` block of its own and each imported by the callers
+/// that use it alone:
+/// - [`Described`]: what the strategy says about itself (the watchdog's message, the record,
+///   the bench's rows);
+/// - [`Reduce`]: the collective over tensors (the bench measures it, tensor parallelism's groups
+///   and the training step call it);
+/// - [`Training`]: what only a training run calls (the rank's role, the optimizer's step and the
+///   servers' loop, set-up's naming of the tensors, ZeRO's and FSDP's parts);
+/// - [`Checkpointed`]: the optimizer's state, wherever the strategy keeps it, for checkpoints.
+///
+/// Every type with all four parts is one.
+pub trait Exchange: Training + Checkpointed {}
+
+impl<T: Training + Checkpointed + ?Sized> Exchange for T {}
+
+/// What a strategy says about itself: its name and whom it waits for (the watchdog's message),
+/// its figures and held bytes (the record), its bus factor and wire precision (the bench's rows).
+pub trait Described {
     fn name(&self) -> &'static str;
 
     /// Bytes on the busiest link per byte of buffer: 2(n-1)/n for an all-reduce (nccl-tests'
     /// convention), so that bus bandwidths of different strategies compare.
     fn bus_factor(&self) -> f64;
 
-    /// Reduces `tensors` element-wise over the ranks, in place (sum or mean).
-    fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()>;
-
-    /// As [`Exchange::all_reduce`], for a set of tensors that `key` names alike on every rank
-    /// and at every step (overlap's bucket index), for strategies that remember tensors between
-    /// calls (Horovod's response cache).
-    fn all_reduce_keyed(&mut self, _key: usize, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
-        self.all_reduce(tensors, op)
-    }
-
-    /// This rank's role in training.
-    fn role(&self) -> Role;
-
-    /// The names of the parameters whose gradients `all_reduce` and `update` are handed, in
-    /// that order (`names[i]` names tensor i), for strategies that show them (Horovod's
-    /// timeline rows). Called once, after `prepare`.
-    fn name_tensors(&mut self, _names: &[String]) {}
-
-    /// Overlap's buckets before each step: `all_reduce_keyed(k, ..)` reduces the gradients of
-    /// `plan.buckets[k]`'s parameters (indices into the names of [`Exchange::name_tensors`]).
-    fn describe_keys(&mut self, _plan: &BucketPlan) {}
-
     /// Whom an exchange on this rank waits for, in words, for the watchdog's message.
     fn waits_for(&self) -> String {
         "every rank".into()
     }
 
-    /// Called once with the parameters before training, on every rank at the same point (a
-    /// strategy that plans around the tensors checks here that they fit).
+    /// The precision values travel in when it is lower than the buffers' (compression), which
+    /// sets how closely results can match.
+    fn wire_dtype(&self) -> Option<Dtype> {
+        None
+    }
+
+    /// Optimizer state and gradient bytes this rank holds between steps.
+    fn held_bytes(&self, params: &[Tensor], optimizer: &Optimizer) -> HeldBytes {
+        HeldBytes::of(params, optimizer)
+    }
+
+    /// Why an output the strategy was asked to write (Horovod's timeline) is incomplete, on
+    /// the rank that writes it, once [`Reduce::finish`] has run: the run then ends non-zero
+    /// after its record, as one whose checkpoints failed.
+    fn output_failure(&self) -> Option<String> {
+        None
+    }
+
+    fn report(&self) -> ExchangeReport;
+}
+
+/// The collective: tensors reduced element-wise over the ranks, in place.
+pub trait Reduce: Described {
+    /// Called once with the parameters (the bench: its buffers) before the first reduction, on
+    /// every rank at the same point (a strategy that plans around the tensors checks here that
+    /// they fit).
     fn prepare(&mut self, _params: &[Tensor]) -> Result<()> {
         Ok(())
+    }
+
+    /// Reduces `tensors` element-wise over the ranks, in place (sum or mean).
+    fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()>;
+
+    /// As [`Reduce::all_reduce`], for a set of tensors that `key` names alike on every rank
+    /// and at every step (overlap's bucket index), for strategies that remember tensors between
+    /// calls (Horovod's response cache).
+    fn all_reduce_keyed(&mut self, _key: usize, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        self.all_reduce(tensors, op)
     }
 
     /// Whether this rank's buffers count in `all_reduce`'s result (dedicated parameter servers'
@@ -122,6 +152,18 @@ pub trait Exchange {
         true
     }
 
+    /// Called by every rank once training ends (workers done, servers released).
+    fn finish(&mut self, _params: &mut [Tensor]) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// What only a training run calls: the rank's role, the step's update (and a dedicated server's
+/// loop), set-up's naming of the tensors and buckets, and the sharded stages' parts.
+pub trait Training: Reduce {
+    /// This rank's role in training.
+    fn role(&self) -> Role;
+
     /// Whether the workers move in lockstep (every update waits for all of them), so that a
     /// per-step agreement between them costs nothing extra. Asynchronous workers must not be
     /// tied together every step.
@@ -129,11 +171,14 @@ pub trait Exchange {
         true
     }
 
-    /// The precision values travel in when it is lower than the buffers' (compression), which
-    /// sets how closely results can match.
-    fn wire_dtype(&self) -> Option<Dtype> {
-        None
-    }
+    /// The names of the parameters whose gradients `all_reduce` and `update` are handed, in
+    /// that order (`names[i]` names tensor i), for strategies that show them (Horovod's
+    /// timeline rows). Called once, after [`Reduce::prepare`].
+    fn name_tensors(&mut self, _names: &[String]) {}
+
+    /// Overlap's buckets before each step: `all_reduce_keyed(k, ..)` reduces the gradients of
+    /// `plan.buckets[k]`'s parameters (indices into the names of [`Training::name_tensors`]).
+    fn describe_keys(&mut self, _plan: &BucketPlan) {}
 
     /// One training step's update of `params` from the local gradients `grads`: average the
     /// gradients over the workers, then step the optimizer. A parameter server overrides this
@@ -148,11 +193,22 @@ pub trait Exchange {
         Ok(())
     }
 
-    /// Called by every rank once training ends (workers done, servers released).
-    fn finish(&mut self, _params: &mut [Tensor]) -> Result<()> {
-        Ok(())
+    /// ZeRO's per-bucket update, when this strategy shards the optimizer (`--zero 1|2`):
+    /// overlap hands it each bucket instead of all-reducing it.
+    fn zero(&mut self) -> Option<&mut dyn ShardedUpdate> {
+        None
     }
 
+    /// Fully sharded data parallelism's units (`--zero 3`): the training step gathers each
+    /// unit's parameters before it computes and reduces its gradients after it.
+    fn fully_sharded(&mut self) -> Option<&mut dyn UnitShards> {
+        None
+    }
+}
+
+/// The optimizer's state for checkpoints, wherever the strategy keeps it: written (whole, or
+/// as each rank's shards) and restored on resume.
+pub trait Checkpointed {
     /// For a checkpoint, called by every worker at the same step (and after `finish` for the
     /// last one): the optimizer's state buffers of every parameter (`[slot][parameter]`, see
     /// `OptimizerKind::slots`), wherever the state lives. The value matters on rank 0, which
@@ -185,37 +241,11 @@ pub trait Exchange {
     fn held_shards(&mut self, _params: &[Tensor], _optimizer: &Optimizer) -> Result<Option<HeldShards>> {
         Ok(None)
     }
-
-    /// ZeRO's per-bucket update, when this strategy shards the optimizer (`--zero 1|2`):
-    /// overlap hands it each bucket instead of all-reducing it.
-    fn zero(&mut self) -> Option<&mut dyn ShardedUpdate> {
-        None
-    }
-
-    /// Fully sharded data parallelism's units (`--zero 3`): the training step gathers each
-    /// unit's parameters before it computes and reduces its gradients after it.
-    fn fully_sharded(&mut self) -> Option<&mut dyn UnitShards> {
-        None
-    }
-
-    /// Optimizer state and gradient bytes this rank holds between steps.
-    fn held_bytes(&self, params: &[Tensor], optimizer: &Optimizer) -> HeldBytes {
-        HeldBytes::of(params, optimizer)
-    }
-
-    /// Why an output the strategy was asked to write (Horovod's timeline) is incomplete, on
-    /// the rank that writes it, once `finish` has run: the run then ends non-zero after its
-    /// record, as one whose checkpoints failed.
-    fn output_failure(&self) -> Option<String> {
-        None
-    }
-
-    fn report(&self) -> ExchangeReport;
 }
 
 /// ZeRO's update, bucket by bucket (`--zero 1|2`): overlap hands each complete bucket to it
 /// instead of all-reducing it. `exchange::zero::ZeroExchange` implements it; the trait lives
-/// here so that [`Exchange::zero`] can name it without importing that strategy.
+/// here so that [`Training::zero`] can name it without importing that strategy.
 pub trait ShardedUpdate {
     /// Shards along `plan` (unless they already follow it). Collective when momentum must be
     /// re-cut: every rank changes plans at the same step.
@@ -234,7 +264,7 @@ pub trait ShardedUpdate {
 /// Stage 3's calls (`--zero 3`), in the order a step makes them: `gather` then `install` a
 /// unit before it computes, `release` it after; after its backward `pack_grads` then `release`,
 /// later `reduce`; `step` once every unit is reduced. `exchange::fsdp::FullyShardedExchange`
-/// implements it; the trait lives here so that [`Exchange::fully_sharded`] can name it without
+/// implements it; the trait lives here so that [`Training::fully_sharded`] can name it without
 /// importing that strategy.
 pub trait UnitShards {
     /// Cuts every unit's parameters (`units`: their flat layouts) and optimizer state (whole
@@ -357,7 +387,7 @@ pub struct FlatPiece {
     pub data: Tensor,
 }
 
-/// What a sharding exchange holds for a checkpoint ([`Exchange::held_shards`]).
+/// What a sharding exchange holds for a checkpoint ([`Checkpointed::held_shards`]).
 pub struct HeldShards {
     /// Per state slot, this rank's pieces (zeros where the optimizer has made none yet).
     pub state: Vec<Vec<FlatPiece>>,

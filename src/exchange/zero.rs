@@ -22,7 +22,7 @@
 //!
 //! The shards follow the bucket plan. When the plan changes (overlap rebuilds its buckets after
 //! the first step) the optimizer state is made whole by an all-gather and cut again along the new one.
-//! Checkpoints hold it as each rank's flat ranges of the parameters ([`Exchange::held_shards`]),
+//! Checkpoints hold it as each rank's flat ranges of the parameters ([`Checkpointed::held_shards`]),
 //! and a resumed run at any rank count and stage reads only its shards' ranges (the source is
 //! kept until the first plan says which they are).
 //!
@@ -40,7 +40,7 @@ use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::exchange::buckets::{pack_slot, unpack};
 use crate::exchange::staging::{wait_for_stream, Mirror};
-use crate::exchange::strategy::{common_dtype, DataPath, Exchange, ExchangeReport, FlatPiece, HeldShards, ReduceOp, Role, ShardedUpdate, StateSource, WholeSource, WholeState};
+use crate::exchange::strategy::{common_dtype, Checkpointed, DataPath, Described, ExchangeReport, FlatPiece, HeldShards, Reduce, ReduceOp, Role, ShardedUpdate, StateSource, Training, WholeSource, WholeState};
 use crate::optim::{self, Optimizer, Pieces};
 use crate::plan::buckets::{Bucket, BucketPlan};
 use crate::raw;
@@ -60,7 +60,7 @@ pub enum ShardAlgorithm {
 /// and passed back on every call for that bucket: a strategy whose choice can change during a
 /// run (`auto` follows the ring out of node-shared memory when /dev/shm is short) must not
 /// reduce-scatter a bucket along one algorithm's shards while ZeRO steps another's.
-pub trait ShardedCollectives: Exchange {
+pub trait ShardedCollectives: Training {
     /// The algorithm for a bucket of `len` elements of `dtype`, as things stand now.
     fn choose(&self, len: usize, dtype: Dtype) -> ShardAlgorithm;
 
@@ -441,7 +441,7 @@ pub(super) fn pack_grads(bucket: &Bucket, params: &[Tensor], buffer: &mut Tensor
     Ok(())
 }
 
-impl Exchange for ZeroExchange {
+impl Described for ZeroExchange {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
@@ -450,16 +450,28 @@ impl Exchange for ZeroExchange {
         self.inner.bus_factor()
     }
 
-    fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
-        self.inner.all_reduce(tensors, op)
-    }
-
-    fn role(&self) -> Role {
-        self.inner.role()
-    }
-
     fn waits_for(&self) -> String {
         self.inner.waits_for()
+    }
+
+    fn report(&self) -> ExchangeReport {
+        let mut report = self.inner.report();
+        report.extra.insert("zero".into(), self.stage.into());
+        if let Some(buffer) = &self.buffer {
+            // ZeRO's own copies through the host mirror, beside whatever the inner strategy's
+            // all-reduces staged.
+            let inner = report.extra.get("staging_copy_ms").and_then(|v| v.as_f64()).unwrap_or(0.0);
+            if self.path == DataPath::Staged {
+                report.extra.insert("staging_copy_ms".into(), (inner + buffer.copy_time().as_secs_f64() * 1e3).into());
+            }
+        }
+        report
+    }
+}
+
+impl Reduce for ZeroExchange {
+    fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
+        self.inner.all_reduce(tensors, op)
     }
 
     fn prepare(&mut self, params: &[Tensor]) -> Result<()> {
@@ -468,6 +480,12 @@ impl Exchange for ZeroExchange {
 
     fn finish(&mut self, params: &mut [Tensor]) -> Result<()> {
         self.inner.finish(params)
+    }
+}
+
+impl Training for ZeroExchange {
+    fn role(&self) -> Role {
+        self.inner.role()
     }
 
     /// Bucket by bucket: reduce-scatter, step the shard, all-gather the weights.
@@ -493,7 +511,9 @@ impl Exchange for ZeroExchange {
     fn zero(&mut self) -> Option<&mut dyn ShardedUpdate> {
         Some(self)
     }
+}
 
+impl Checkpointed for ZeroExchange {
     /// The whole optimizer state, gathered from the shards (every worker takes part).
     fn optimizer_state(&mut self, params: &[Tensor], optimizer: &Optimizer) -> Result<Option<WholeState>> {
         match self.layout.take() {
@@ -566,20 +586,6 @@ impl Exchange for ZeroExchange {
         let layout = self.layout.as_ref().expect("checked above");
         let state: Vec<Vec<Option<Tensor>>> = (0..slots).map(|s| optimizer.state(s).iter().map(|t| t.as_ref().map(Tensor::shallow_clone)).collect()).collect();
         Ok(Some(HeldShards { state: flat_pieces(&layout.pieces, &state, slots)?, params: Vec::new(), writes: true }))
-    }
-
-    fn report(&self) -> ExchangeReport {
-        let mut report = self.inner.report();
-        report.extra.insert("zero".into(), self.stage.into());
-        if let Some(buffer) = &self.buffer {
-            // ZeRO's own copies through the host mirror, beside whatever the inner strategy's
-            // all-reduces staged.
-            let inner = report.extra.get("staging_copy_ms").and_then(|v| v.as_f64()).unwrap_or(0.0);
-            if self.path == DataPath::Staged {
-                report.extra.insert("staging_copy_ms".into(), (inner + buffer.copy_time().as_secs_f64() * 1e3).into());
-            }
-        }
-        report
     }
 }
 

@@ -33,7 +33,7 @@ use crate::checkpoint::sharded::{save_sharded, Piece, WriteFault, Written};
 use crate::checkpoint::{self, Checkpoint, CheckpointMeta, Retention};
 use crate::data::DatasetInfo;
 use crate::error::{Error, Result};
-use crate::exchange::{Exchange, StateSource};
+use crate::exchange::{Checkpointed, StateSource};
 use crate::optim::{self, Optimizer};
 use crate::plan::tensor::{held, vit_split, Split};
 use crate::results;
@@ -314,7 +314,7 @@ pub(super) fn state_reader(values: &super::net::InitialValues, folder: &Path) ->
 
 /// Restores the optimizer's state and step count from `reader` (every rank): the exchange
 /// reads what it will hold.
-pub(super) fn restore_state(reader: Rc<CheckpointReader>, net: &Net, tp: Option<&TensorParallel>, exchange: &mut dyn Exchange, optimizer: &mut Optimizer) -> Result<()> {
+pub(super) fn restore_state(reader: Rc<CheckpointReader>, net: &Net, tp: Option<&TensorParallel>, exchange: &mut dyn Checkpointed, optimizer: &mut Optimizer) -> Result<()> {
     let steps = reader.checkpoint().meta.optimizer_steps;
     let source = CheckpointState::new(reader, net, optimizer.kind().slots(), tp);
     exchange.restore_state(&net.params, Box::new(source), steps, optimizer)
@@ -373,7 +373,7 @@ pub(super) fn save_sharded_checkpoint(
     dir: &Path,
     retention: Retention,
     net: &Net,
-    exchange: &mut dyn Exchange,
+    exchange: &mut dyn Checkpointed,
     optimizer: &Optimizer,
     meta: CheckpointMeta,
     replicas: &World,
@@ -455,7 +455,7 @@ pub(super) fn save_weights_in_parts(
     world: &World,
     out: &Path,
     net: &Net,
-    exchange: &mut dyn Exchange,
+    exchange: &mut dyn Checkpointed,
     optimizer: &Optimizer,
     meta: CheckpointMeta,
     replicas: &World,
@@ -496,7 +496,7 @@ pub(super) fn save_weights_in_parts(
 /// The pieces this rank writes of what the run holds (see the module's notes): the variables,
 /// and with `with_state` the optimizer's state. `replicas`: the ranks that hold this rank's
 /// part alike. Collective over `replicas` (ZeRO with channels-last parameters, zero.rs says why).
-fn pieces_held(world: &World, net: &Net, exchange: &mut dyn Exchange, optimizer: &Optimizer, replicas: &World, tp: Option<&TensorParallel>, with_state: bool) -> Result<Vec<Piece>> {
+fn pieces_held(world: &World, net: &Net, exchange: &mut dyn Checkpointed, optimizer: &Optimizer, replicas: &World, tp: Option<&TensorParallel>, with_state: bool) -> Result<Vec<Piece>> {
     let shards = world.agree(crate::watchdog::collective("collecting the optimizer state's shards", &replicas.comm, || exchange.held_shards(&net.params, optimizer)))?;
     let shape_of: HashMap<&str, &[i64]> = net.declared.iter().map(|v| (v.name.as_str(), v.shape.as_slice())).collect();
     let param_sharded = shards.as_ref().is_some_and(|s| !s.params.is_empty());
@@ -565,7 +565,7 @@ fn pieces_held(world: &World, net: &Net, exchange: &mut dyn Exchange, optimizer:
 /// state, which rank 0 collects from them (every worker takes part) and writes with the
 /// weights. Rank 0 returns how its write went (the folder written, or why not), the others
 /// None. (Parameter servers are refused with pipelines and tensor parallelism.)
-pub(super) fn save_checkpoint(world: &World, dir: &Path, retention: Retention, net: &Net, exchange: &mut dyn Exchange, optimizer: &Optimizer, meta: CheckpointMeta) -> Result<Option<Result<std::path::PathBuf>>> {
+pub(super) fn save_checkpoint(world: &World, dir: &Path, retention: Retention, net: &Net, exchange: &mut dyn Checkpointed, optimizer: &Optimizer, meta: CheckpointMeta) -> Result<Option<Result<std::path::PathBuf>>> {
     // Collective: the state is held by the servers.
     let state = crate::watchdog::collective("gathering the optimizer state", &world.comm, || exchange.optimizer_state(&net.params, optimizer))?;
     let weights = net.named_variables();

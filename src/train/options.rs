@@ -7,18 +7,13 @@ use clap::{Args, ValueEnum};
 
 use crate::data::loader::CacheData;
 use crate::error::{Error, Result};
-use crate::exchange::config::{CudaAware, MpiAllreduceCall, RingTransport, StrategyKind};
-use crate::exchange::options::{check_strategy_options, Given, HorovodArgs, PsArgs};
+use crate::exchange::config::StrategyKind;
+use crate::exchange::options::{check_strategy_options, ExchangeArgs, Given, HorovodArgs, PsArgs, WatchdogArgs};
 use crate::model::ModelKind;
 
 use super::recipe::RecipeArgs;
 use super::stages::PipelineArgs;
 use crate::plan::fsdp::UnitSize;
-
-/// The exchange watchdog's default: far beyond any one exchange on a working cluster (a 100 MB
-/// bucket over a 1 Gbit/s link takes about a second; the first exchange may also set up
-/// connections), and far below a batch job's time limit.
-pub const DEFAULT_EXCHANGE_TIMEOUT_S: f64 = 300.0;
 
 /// Options of a training run.
 #[derive(Args, Debug, Clone)]
@@ -138,40 +133,12 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = StrategyKind::Ring, help_heading = "Exchange")]
     pub strategy: StrategyKind,
 
-    /// Gradient bucket size, MiB; 0 = one exchange per parameter tensor (the naive variant).
-    #[arg(long = "bucket-mib", value_name = "MIB", aliases = ["bucket-mb"], default_value_t = 25.0, help_heading = "Exchange")]
-    pub bucket_mb: f64,
+    #[command(flatten, next_help_heading = "Exchange")]
+    pub exchange: ExchangeArgs,
 
     /// Exchange gradient buckets while backward is still running (gradient-ready hooks).
     #[arg(long, value_enum, default_value_t = OnOff::Auto, help_heading = "Exchange")]
     pub overlap: OnOff,
-
-    /// Ring all-reduce segment size, KiB (the pipelining grain of the ring; the default is the
-    /// best measured in results/strategies/README.md).
-    #[arg(long = "segment-kib", value_name = "KIB", aliases = ["segment-kb"], default_value_t = 4096, help_heading = "Exchange")]
-    pub segment_kb: u64,
-
-    /// How the ring's ranks reach each other: `auto` reads and adds a neighbour's chunk straight
-    /// from node-shared memory when every rank is on one node, and sends MPI messages otherwise.
-    #[arg(long, value_enum, default_value_t = RingTransport::Auto, help_heading = "Exchange")]
-    pub ring_transport: RingTransport,
-
-    /// The MPI call of `allreduce` and `horovod` on host buffers: `blocking` (MPI_Allreduce, as
-    /// users and Horovod call it) or `nonblocking` (MPI_Iallreduce and a polling wait, the
-    /// call hpc-train's earlier versions made, for comparison). Device buffers always take the
-    /// blocking call.
-    #[arg(long, value_enum, default_value_t = MpiAllreduceCall::Blocking, help_heading = "Exchange")]
-    pub mpi_allreduce: MpiAllreduceCall,
-
-    /// Whether the MPI library can read GPU memory; auto asks it (MPIX_GPU_query_support,
-    /// MPIX_Query_cuda_support or MVAPICH2's MV2_USE_CUDA; none answering: no).
-    #[arg(long, value_enum, default_value_t = CudaAware::Auto, help_heading = "Exchange")]
-    pub cuda_aware: CudaAware,
-
-    /// Cost model (JSON, from `hpc-train model fit`) with which `--strategy auto` picks ring,
-    /// rhd or recursive doubling per bucket [default: built-in link costs].
-    #[arg(long, help_heading = "Exchange")]
-    pub cost_model: Option<PathBuf>,
 
     #[command(flatten, next_help_heading = "Horovod")]
     pub horovod: HorovodArgs,
@@ -210,13 +177,8 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t = TpAllreduce::Auto, help_heading = "Sharding and tensor parallelism")]
     pub tp_allreduce: TpAllreduce,
 
-    /// Abort the job when an exchange, or a collective between exchanges, makes no progress for
-    /// this many seconds (a cut link or a dead node), after every rank logs what it waits for;
-    /// a checkpoint write longer than this (the slowest rank's part of a sharded one, rank 0's
-    /// whole one) aborts the job too, the previous checkpoint kept: keep it above the longest
-    /// write; 0: off.
-    #[arg(long, default_value_t = DEFAULT_EXCHANGE_TIMEOUT_S, help_heading = "Checkpoints and faults")]
-    pub exchange_timeout_s: f64,
+    #[command(flatten, next_help_heading = "Checkpoints and faults")]
+    pub watchdog: WatchdogArgs,
 
     /// Folder for checkpoints (weights and optimizer state; every rank writes its part, so every
     /// rank must see it; with --strategy ps rank 0 writes them whole).

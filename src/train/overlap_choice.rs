@@ -10,7 +10,7 @@ use std::time::Duration;
 use mpi::traits::*;
 
 use crate::error::Result;
-use crate::exchange::{self, Exchange};
+use crate::exchange::{self, Training};
 use crate::overlap::{one_bucket, Overlap};
 use crate::plan::overlap::{OverlapTrial, TrialSteps, TrialTimes, TRIAL_ROUNDS};
 use crate::topology::World;
@@ -50,7 +50,7 @@ fn trial_penalty() -> Option<(bool, f64)> {
 
 /// The overlap of a data-parallel run (not the parameter server's, whose servers take whole
 /// shares after backward) and what decided it; `steps`: the run's first and end steps.
-pub(super) fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &Net, exchange: &mut dyn Exchange, bucket_bytes: usize, steps: (u64, u64)) -> Result<(Option<Overlap>, OverlapChoice)> {
+pub(super) fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &Net, exchange: &mut dyn Training, bucket_bytes: usize, steps: (u64, u64)) -> Result<(Option<Overlap>, OverlapChoice)> {
     let off = |reason: &str| Ok((None, OverlapChoice::fixed(reason)));
     if args.overlap == OnOff::Off {
         return off("--overlap off");

@@ -88,9 +88,7 @@ impl Plan {
         if args.steps == Some(0) || (args.steps.is_none() && args.epochs == 0) {
             return Err(Error::usage("nothing to train: --steps and --epochs must be at least 1"));
         }
-        if args.bucket_mb < 0.0 || !args.bucket_mb.is_finite() {
-            return Err(Error::usage(format!("--bucket-mib {}: expected 0 or more", args.bucket_mb)));
-        }
+        args.exchange.check()?;
         args.recipe.check(&args.given)?;
         if args.recipe.target_accuracy.is_some() && args.no_eval {
             return Err(Error::usage("--target-accuracy with --no-eval: the accuracy is measured by the evaluation at each epoch's end; drop --no-eval"));
@@ -121,14 +119,14 @@ impl Plan {
             if bound { cores } else { (cores / world.local_size as usize).max(1) }
         };
         warn_single_core_gpu_rank(device, world.rank);
-        let cuda_aware = args.cuda_aware.resolve();
+        let cuda_aware = args.exchange.cuda_aware.resolve();
         if device.is_cuda() && world.is_root() {
             // Which path the GPU's bytes take to MPI, said once at start-up: the record says it
             // again at the end, but a run that hangs or fails in its first exchange never gets there.
             log::info!(
                 "GPU buffers go to MPI {} (--cuda-aware {})",
                 if cuda_aware { "directly (CUDA-aware MPI)" } else { "staged through pinned host memory (MPI not CUDA-aware)" },
-                format!("{:?}", args.cuda_aware).to_lowercase()
+                format!("{:?}", args.exchange.cuda_aware).to_lowercase()
             );
         }
         Ok(Plan { device, threads, cuda_aware, workers, batch, pipeline })
@@ -303,7 +301,7 @@ pub(super) fn check_outputs_are_not_inputs(args: &TrainArgs) -> Result<()> {
 /// Horovod-style run without `--timeline` writes its timeline to, as Horovod does.
 fn check_outputs_against_inputs(args: &TrainArgs, horovod_timeline_variable: Option<PathBuf>) -> Result<()> {
     let mut inputs: Vec<(&str, &Path)> = vec![("--data", args.data.as_path())];
-    if let Some(model) = &args.cost_model {
+    if let Some(model) = &args.exchange.cost_model {
         inputs.push(("--cost-model", model));
     }
     if let Some(weights) = &args.init_weights {
@@ -522,8 +520,8 @@ pub(super) fn config_fingerprint(args: &TrainArgs) -> Vec<(String, String)> {
         ("steps".into(), format!("{:?}", args.steps)),
         ("init-weights".into(), format!("{:?}", args.init_weights)),
         ("seed".into(), args.seed.to_string()),
-        ("bucket-mb".into(), args.bucket_mb.to_string()),
-        ("segment-kb".into(), args.segment_kb.to_string()),
+        ("bucket-mb".into(), args.exchange.bucket_mb.to_string()),
+        ("segment-kb".into(), args.exchange.segment_kb.to_string()),
         ("device".into(), format!("{:?}", args.device)),
         ("checkpoint-dir".into(), format!("{:?}", args.checkpoint_dir)),
         ("checkpoint-every".into(), args.checkpoint_every.to_string()),
@@ -533,7 +531,7 @@ pub(super) fn config_fingerprint(args: &TrainArgs) -> Vec<(String, String)> {
         ("zero".into(), args.zero.to_string()),
         ("fsdp-unit".into(), args.fsdp_unit.name().into()),
         ("fsdp-hybrid".into(), args.fsdp_hybrid.to_string()),
-        ("mpi-allreduce".into(), args.mpi_allreduce.name().into()),
+        ("mpi-allreduce".into(), args.exchange.mpi_allreduce.name().into()),
     ];
     out.extend(args.recipe.fingerprint());
     out.sort();

@@ -235,7 +235,7 @@ impl Run<'_> {
             cuda_aware: plan.cuda_aware,
             data_path: report.data_path.map(|p| format!("{p:?}").to_lowercase()),
             threads: plan.threads,
-            bucket_mb: args.bucket_mb,
+            bucket_mb: args.exchange.bucket_mb,
             peak_rss_mb,
             rss_warmup_mb,
             rss_end_mb,

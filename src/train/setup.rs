@@ -38,7 +38,7 @@ impl<'a> Run<'a> {
         world.agree(check_same_config(world, args))?;
         tch::set_num_threads(plan.threads as i32);
         world.agree(make_current(plan.device))?;
-        crate::watchdog::start(world.rank, world.agree(watchdog_timeout(args.exchange_timeout_s))?);
+        crate::watchdog::start(world.rank, world.agree(watchdog_timeout(args.watchdog.exchange_timeout_s))?);
         if plan.device.is_cuda() {
             tch::Cuda::cudnn_set_benchmark(true);
             // PyTorch lets cuDNN use TF32 by default: fp32 means fp32.
@@ -349,13 +349,13 @@ fn exchange_config(world: &World, args: &TrainArgs, plan: &Plan, optimizer: Opti
     Ok(ExchangeConfig {
         device: plan.device,
         cuda_aware: plan.cuda_aware,
-        bucket_bytes: (args.bucket_mb * (1 << 20) as f64) as usize,
-        segment_bytes: (args.segment_kb as usize) << 10,
-        ring_transport: args.ring_transport,
+        bucket_bytes: (args.exchange.bucket_mb * (1 << 20) as f64) as usize,
+        segment_bytes: (args.exchange.segment_kb as usize) << 10,
+        ring_transport: args.exchange.ring_transport,
         ps,
         horovod: world.agree(args.horovod.config())?,
-        mpi_allreduce: args.mpi_allreduce,
-        cost_model: world.agree(crate::cost::CostModel::from_option(args.cost_model.as_deref()))?,
+        mpi_allreduce: args.exchange.mpi_allreduce,
+        cost_model: world.agree(crate::cost::CostModel::from_option(args.exchange.cost_model.as_deref()))?,
         zero: args.zero,
         fsdp_hybrid: args.fsdp_hybrid,
     })

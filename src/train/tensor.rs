@@ -21,7 +21,7 @@ use mpi::topology::{Color, Communicator};
 use tch::Tensor;
 
 use crate::error::{Error, Result};
-use crate::exchange::{self, Exchange, ExchangeConfig, ReduceOp};
+use crate::exchange::{self, ExchangeConfig, Reduce, ReduceOp};
 use crate::model::vit::TensorSplit;
 use crate::optim::LayerParts;
 use crate::plan::tensor::{vit_split, Layout, Split};
@@ -72,7 +72,7 @@ impl RegionCounts {
 /// The group's all-reduce: a strategy instance on the group's communicator, watched by the
 /// watchdog, counted.
 struct GroupAllReduce {
-    exchange: Box<dyn Exchange>,
+    exchange: Box<dyn Reduce>,
     size: i32,
     counts: Arc<Mutex<RegionCounts>>,
 }

@@ -50,7 +50,7 @@ use crate::element::Dtype;
 use crate::error::{Error, Result};
 use crate::exchange::comm_thread::CommThread;
 use crate::exchange::config::{Compression, ExchangeConfig, HorovodConfig};
-use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role};
+use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, Checkpointed, DataPath, Described, ExchangeReport, Reduce, ReduceOp, Role, Training};
 use crate::plan::buckets::BucketPlan;
 use crate::raw::{CudaEvent, SendComm};
 use crate::topology::World;
@@ -118,7 +118,7 @@ pub struct Horovod {
     timeline_failure: Option<String>,
     /// Rank 0 with a timeline: the background thread wants the tensors' names.
     names_wanted: bool,
-    /// The parameters' names (Exchange::name_tensors), and overlap's buckets as last named.
+    /// The parameters' names (Training::name_tensors), and overlap's buckets as last named.
     param_names: Vec<String>,
     named_buckets: Vec<Vec<usize>>,
 }
@@ -302,7 +302,7 @@ impl Drop for Horovod {
     }
 }
 
-impl Exchange for Horovod {
+impl Described for Horovod {
     fn name(&self) -> &'static str {
         "horovod"
     }
@@ -311,14 +311,36 @@ impl Exchange for Horovod {
         allreduce_bus_factor(self.size)
     }
 
-    fn role(&self) -> Role {
-        Role::Worker { index: self.rank, count: self.size }
-    }
-
     fn wire_dtype(&self) -> Option<Dtype> {
         self.config.compression.kind().and_then(Dtype::of_kind)
     }
 
+    fn output_failure(&self) -> Option<String> {
+        self.timeline_failure.clone()
+    }
+
+    fn report(&self) -> ExchangeReport {
+        let mut extra = serde_json::Map::new();
+        let c = self.counters;
+        extra.insert("horovod_cycles".into(), c.cycles.into());
+        extra.insert("horovod_negotiations".into(), c.negotiations.into());
+        extra.insert("horovod_cache_hits".into(), c.cache_hits.into());
+        extra.insert("horovod_cache_evictions".into(), c.cache_evictions.into());
+        extra.insert("horovod_cache_capacity".into(), self.config.cache_capacity.into());
+        extra.insert("horovod_tensors".into(), c.tensors.into());
+        // Tensors reduced straight from the response cache, without negotiation through rank 0.
+        let share = if c.tensors > 0 { c.cache_hits as f64 / c.tensors as f64 } else { 0.0 };
+        extra.insert("horovod_cache_hit_share".into(), share.into());
+        extra.insert("horovod_fused_allreduces".into(), c.fused_allreduces.into());
+        extra.insert("fusion_threshold_mb".into(), (self.config.fusion_threshold as f64 / (1 << 20) as f64).into());
+        extra.insert("cycle_time_ms".into(), (self.config.cycle_time.as_secs_f64() * 1e3).into());
+        extra.insert("compression".into(), serde_json::to_value(self.config.compression).unwrap());
+        extra.insert("hierarchical".into(), self.config.hierarchical.into());
+        ExchangeReport { data_path: Some(self.path), extra }
+    }
+}
+
+impl Reduce for Horovod {
     /// Enqueues every tensor (tensor i as id i) and waits until the background thread has
     /// reduced them all.
     fn all_reduce(&mut self, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
@@ -329,6 +351,16 @@ impl Exchange for Horovod {
     /// that the response cache knows them after the first step.
     fn all_reduce_keyed(&mut self, key: usize, tensors: &mut [Tensor], op: ReduceOp) -> Result<()> {
         self.enqueue_and_wait(keyed_id(key, 0), tensors, op)
+    }
+
+    fn finish(&mut self, _params: &mut [Tensor]) -> Result<()> {
+        self.shut_down()
+    }
+}
+
+impl Training for Horovod {
+    fn role(&self) -> Role {
+        Role::Worker { index: self.rank, count: self.size }
     }
 
     /// Timeline rows named as Horovod's PyTorch optimizer names its all-reduces.
@@ -363,35 +395,9 @@ impl Exchange for Horovod {
         self.send_names(names);
         self.named_buckets = buckets;
     }
-
-    fn finish(&mut self, _params: &mut [Tensor]) -> Result<()> {
-        self.shut_down()
-    }
-
-    fn output_failure(&self) -> Option<String> {
-        self.timeline_failure.clone()
-    }
-
-    fn report(&self) -> ExchangeReport {
-        let mut extra = serde_json::Map::new();
-        let c = self.counters;
-        extra.insert("horovod_cycles".into(), c.cycles.into());
-        extra.insert("horovod_negotiations".into(), c.negotiations.into());
-        extra.insert("horovod_cache_hits".into(), c.cache_hits.into());
-        extra.insert("horovod_cache_evictions".into(), c.cache_evictions.into());
-        extra.insert("horovod_cache_capacity".into(), self.config.cache_capacity.into());
-        extra.insert("horovod_tensors".into(), c.tensors.into());
-        // Tensors reduced straight from the response cache, without negotiation through rank 0.
-        let share = if c.tensors > 0 { c.cache_hits as f64 / c.tensors as f64 } else { 0.0 };
-        extra.insert("horovod_cache_hit_share".into(), share.into());
-        extra.insert("horovod_fused_allreduces".into(), c.fused_allreduces.into());
-        extra.insert("fusion_threshold_mb".into(), (self.config.fusion_threshold as f64 / (1 << 20) as f64).into());
-        extra.insert("cycle_time_ms".into(), (self.config.cycle_time.as_secs_f64() * 1e3).into());
-        extra.insert("compression".into(), serde_json::to_value(self.config.compression).unwrap());
-        extra.insert("hierarchical".into(), self.config.hierarchical.into());
-        ExchangeReport { data_path: Some(self.path), extra }
-    }
 }
+
+impl Checkpointed for Horovod {}
 
 /// The background thread's state: the controller, the operations, and what both work on.
 struct Background {

@@ -39,7 +39,7 @@ use crate::exchange::buckets::{pack, unpack};
 use crate::exchange::comm_thread::CommThread;
 use crate::exchange::config::{ExchangeConfig, PsConfig, PsMode};
 use crate::exchange::staging::wait_for_stream;
-use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, DataPath, Exchange, ExchangeReport, ReduceOp, Role, WholeState};
+use crate::exchange::strategy::{allreduce_bus_factor, common_dtype, Checkpointed, DataPath, Described, ExchangeReport, Reduce, ReduceOp, Role, Training, WholeState};
 use crate::optim::Optimizer;
 use crate::plan::buckets::Bucket;
 use crate::raw::{self, PointToPoint};
@@ -342,7 +342,7 @@ impl ParameterServer {
     }
 }
 
-impl Exchange for ParameterServer {
+impl Described for ParameterServer {
     fn name(&self) -> &'static str {
         "ps"
     }
@@ -351,13 +351,26 @@ impl Exchange for ParameterServer {
         allreduce_bus_factor(self.size)
     }
 
-    fn role(&self) -> Role {
-        match self.roles.workers.iter().position(|&w| w == self.rank) {
-            Some(index) => Role::Worker { index, count: self.roles.workers.len() },
-            None => Role::Server,
-        }
+    fn waits_for(&self) -> String {
+        format!("the server rank(s) {:?}", self.roles.servers)
     }
 
+    fn report(&self) -> ExchangeReport {
+        let mut extra = serde_json::Map::new();
+        extra.insert("ps_mode".into(), serde_json::to_value(self.config.mode).unwrap());
+        extra.insert("ps_servers".into(), self.roles.servers.len().into());
+        extra.insert("ps_colocate".into(), self.config.colocate.into());
+        if self.config.mode == PsMode::Async {
+            let mean = if self.staleness.count > 0 { self.staleness.sum / self.staleness.count as f64 } else { 0.0 };
+            extra.insert("staleness_mean".into(), mean.into());
+            extra.insert("staleness_max".into(), self.staleness.max.into());
+            extra.insert("max_staleness".into(), self.config.max_staleness.map_or(serde_json::Value::Null, |s| s.into()));
+        }
+        ExchangeReport { data_path: Some(self.path), extra }
+    }
+}
+
+impl Reduce for ParameterServer {
     fn prepare(&mut self, params: &[Tensor]) -> Result<()> {
         self.ensure_layout(params)?;
         if self.config.colocate {
@@ -399,8 +412,50 @@ impl Exchange for ParameterServer {
         self.is_worker()
     }
 
-    fn waits_for(&self) -> String {
-        format!("the server rank(s) {:?}", self.roles.servers)
+    /// Workers tell every server they are done and take the final weights; a colocated server
+    /// thread is joined; then the staleness figures are gathered.
+    fn finish(&mut self, params: &mut [Tensor]) -> Result<()> {
+        let server_loops = !(self.config.colocate && self.config.mode == PsMode::Sync);
+        if self.is_worker() && self.trained && server_loops {
+            let (up, down) = (&self.up, &self.down);
+            for &s in &self.roles.servers {
+                up.send(s, &[0u8; 0][..], DONE);
+            }
+            // Copies to the device queued from the receive buffers by the last step must be
+            // done before MPI writes them again.
+            wait_for_stream(self.device)?;
+            let mut recvs: Vec<_> = mpi_buffers(&mut self.recv_bufs)?;
+            for (buf, &s) in recvs.iter_mut().zip(&self.roles.servers) {
+                down.receive_into(s, buf, FINAL);
+            }
+            drop(recvs);
+            self.unpack_from_mpi(params)?;
+            // Synchronous servers follow their final weights with their momentum, for the
+            // checkpoint rank 0 may write at the end.
+            if self.config.mode == PsMode::Sync && self.rank == self.roles.workers[0] {
+                self.final_state = Some(self.collect_state(params, None)?);
+            }
+        }
+        if let Some(thread) = self.thread.take() {
+            self.staleness = thread.join()?;
+        }
+        // Staleness over all servers (every rank calls finish at the same point).
+        let local = [self.staleness.sum, self.staleness.count as f64];
+        let mut total = [0.0f64; 2];
+        self.control.all_reduce_into(&local[..], &mut total[..], SystemOperation::sum());
+        let mut max = 0u64;
+        self.control.all_reduce_into(&self.staleness.max, &mut max, SystemOperation::max());
+        self.staleness = Staleness { sum: total[0], count: total[1] as u64, max };
+        Ok(())
+    }
+}
+
+impl Training for ParameterServer {
+    fn role(&self) -> Role {
+        match self.roles.workers.iter().position(|&w| w == self.rank) {
+            Some(index) => Role::Worker { index, count: self.roles.workers.len() },
+            None => Role::Server,
+        }
     }
 
     fn lockstep(&self) -> bool {
@@ -443,44 +498,9 @@ impl Exchange for ParameterServer {
         tch::no_grad(|| unpack(&layout.buckets[index], &state.weights, params));
         Ok(())
     }
+}
 
-    /// Workers tell every server they are done and take the final weights; a colocated server
-    /// thread is joined; then the staleness figures are gathered.
-    fn finish(&mut self, params: &mut [Tensor]) -> Result<()> {
-        let server_loops = !(self.config.colocate && self.config.mode == PsMode::Sync);
-        if self.is_worker() && self.trained && server_loops {
-            let (up, down) = (&self.up, &self.down);
-            for &s in &self.roles.servers {
-                up.send(s, &[0u8; 0][..], DONE);
-            }
-            // Copies to the device queued from the receive buffers by the last step must be
-            // done before MPI writes them again.
-            wait_for_stream(self.device)?;
-            let mut recvs: Vec<_> = mpi_buffers(&mut self.recv_bufs)?;
-            for (buf, &s) in recvs.iter_mut().zip(&self.roles.servers) {
-                down.receive_into(s, buf, FINAL);
-            }
-            drop(recvs);
-            self.unpack_from_mpi(params)?;
-            // Synchronous servers follow their final weights with their momentum, for the
-            // checkpoint rank 0 may write at the end.
-            if self.config.mode == PsMode::Sync && self.rank == self.roles.workers[0] {
-                self.final_state = Some(self.collect_state(params, None)?);
-            }
-        }
-        if let Some(thread) = self.thread.take() {
-            self.staleness = thread.join()?;
-        }
-        // Staleness over all servers (every rank calls finish at the same point).
-        let local = [self.staleness.sum, self.staleness.count as f64];
-        let mut total = [0.0f64; 2];
-        self.control.all_reduce_into(&local[..], &mut total[..], SystemOperation::sum());
-        let mut max = 0u64;
-        self.control.all_reduce_into(&self.staleness.max, &mut max, SystemOperation::max());
-        self.staleness = Staleness { sum: total[0], count: total[1] as u64, max };
-        Ok(())
-    }
-
+impl Checkpointed for ParameterServer {
     fn optimizer_state(&mut self, params: &[Tensor], _optimizer: &Optimizer) -> Result<Option<WholeState>> {
         if self.config.mode == PsMode::Async {
             return Err(Error::exchange("ps", "asynchronous servers have no consistent optimizer state to checkpoint"));
@@ -513,20 +533,6 @@ impl Exchange for ParameterServer {
             self.own = Some(self.server_state(me, params)?);
         }
         Ok(())
-    }
-
-    fn report(&self) -> ExchangeReport {
-        let mut extra = serde_json::Map::new();
-        extra.insert("ps_mode".into(), serde_json::to_value(self.config.mode).unwrap());
-        extra.insert("ps_servers".into(), self.roles.servers.len().into());
-        extra.insert("ps_colocate".into(), self.config.colocate.into());
-        if self.config.mode == PsMode::Async {
-            let mean = if self.staleness.count > 0 { self.staleness.sum / self.staleness.count as f64 } else { 0.0 };
-            extra.insert("staleness_mean".into(), mean.into());
-            extra.insert("staleness_max".into(), self.staleness.max.into());
-            extra.insert("max_staleness".into(), self.config.max_staleness.map_or(serde_json::Value::Null, |s| s.into()));
-        }
-        ExchangeReport { data_path: Some(self.path), extra }
     }
 }
 

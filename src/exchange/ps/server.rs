@@ -1,7 +1,7 @@
 //! The server side: a server's share of the weights and optimizer state ([`ServerState`]), and
 //! its loops: synchronous rounds (a push from every worker, in worker order, then the result to
 //! each), and asynchronous service with bounded staleness. A dedicated server rank runs them in
-//! `Exchange::serve`; a colocated asynchronous server runs them on a thread of its own beside
+//! `Training::serve`; a colocated asynchronous server runs them on a thread of its own beside
 //! its rank's worker; a colocated synchronous server runs one round inline per step
 //! (`ParameterServer::inline_round`, which combines the pushes through [`ServerState`]).
 
