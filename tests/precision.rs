@@ -185,6 +185,9 @@ fn fp16_zero_ranks_skip_an_overflow_together() {
         let diff = max_relative_difference(&reference, &got);
         assert!(diff < 1e-5 && diff * 100.0 < fp16_to_fp32, "fp16 --zero {zero}: {diff:e} from the plain exchange (fp32 is {fp16_to_fp32:e} away)");
     }
+    // The records say how many steps the scaler skipped (the fp16 runs: one each; fp32: none).
+    let skipped: Vec<Option<u64>> = read_runs(&dir).iter().map(|r| r["extra"]["fp16_skipped_steps"].as_u64()).collect();
+    assert_eq!(skipped, [Some(1), None, Some(1), Some(1), Some(1)]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

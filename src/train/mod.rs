@@ -123,6 +123,7 @@ impl Run<'_> {
             saved_at: self.resumed_at,
             stopped: false,
             profile: None,
+            loss_scaler: None,
         }
     }
 
@@ -206,6 +207,7 @@ impl Run<'_> {
         state.progress.finish();
         state.profile.finish()?;
         out.profile = state.profile.written();
+        out.loss_scaler = state.scaler.as_ref().map(|s| (s.skipped, s.scale));
         // The last step's mean loss over every worker's samples: the same figure whatever
         // --log-every is (the progress lines' means run over the steps since the last line).
         let (sum, samples) = sum_pair(&self.workers_comm, window.last.0, window.last.1);

@@ -178,6 +178,11 @@ impl Run<'_> {
         // The steps the throughput counts, and those before them (warm-up, `--overlap auto`'s
         // trial): a reader of the record sees how many steps its figures rest on.
         extra.insert("measured_steps".into(), m.steps.into());
+        // fp16: the steps the loss scaler skipped count in the time but moved no weight.
+        if let Some((skipped, scale)) = out.loss_scaler {
+            extra.insert("fp16_skipped_steps".into(), skipped.into());
+            extra.insert("loss_scale_final".into(), scale.into());
+        }
         extra.insert("warmup_steps".into(), out.totals.steps.saturating_sub(m.steps).into());
         if let Some(preset) = args.preset {
             extra.insert("preset".into(), preset.name().into());

@@ -95,6 +95,9 @@ pub(super) struct Outcome {
     /// This rank's --profile-dir trace: where it went, or why it could not be written (None:
     /// no trace, as on a parameter server).
     pub(super) profile: Option<std::result::Result<String, String>>,
+    /// fp16's loss scaler at the end: the steps it skipped on an overflow (every rank skips
+    /// alike) and its last scale; None at other precisions.
+    pub(super) loss_scaler: Option<(u64, f64)>,
 }
 
 /// SIGTERM (what Slurm sends before the time limit) and SIGUSR1 (what `--signal` jobs often
