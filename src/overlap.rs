@@ -35,7 +35,7 @@ use mpi::traits::*;
 use tch::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::exchange::{Exchange, ReduceOp};
+use crate::exchange::{ReduceOp, Training};
 use crate::optim::{FiniteCheck, Optimizer};
 use crate::plan::buckets::{Bucket, BucketPlan};
 use crate::raw::{CudaStream, GradReady, GradReadyHooks, ThreadState};
@@ -234,7 +234,7 @@ impl Overlap {
         loss: Tensor,
         params: &mut [Tensor],
         grads: &mut [Tensor],
-        exchange: &mut dyn Exchange,
+        exchange: &mut dyn Training,
         optimizer: &mut Optimizer,
         step: u64,
         epoch: u64,
@@ -286,7 +286,7 @@ impl Overlap {
         &mut self,
         params: &mut [Tensor],
         grads: &mut [Tensor],
-        exchange: &mut dyn Exchange,
+        exchange: &mut dyn Training,
         optimizer: &mut Optimizer,
         mut finite: Option<&mut FiniteCheck>,
         started: Instant,
@@ -366,7 +366,7 @@ impl Overlap {
     /// takes the parameters' gradients of the bucket: views, or what backward handed over, or
     /// zeros for a parameter the step did not use), adding the local ones to `finite` first
     /// (None under a loss scaler, which expects non-finite ones now and then).
-    fn exchange_bucket(&mut self, b: usize, params: &[Tensor], grads: &mut [Tensor], exchange: &mut dyn Exchange, finite: Option<&mut FiniteCheck>) -> Result<()> {
+    fn exchange_bucket(&mut self, b: usize, params: &[Tensor], grads: &mut [Tensor], exchange: &mut dyn Training, finite: Option<&mut FiniteCheck>) -> Result<()> {
         // Views already (a no-op but for a gradient that a step without overlap made).
         self.attach_views(b, params, true)?;
         let bucket = &self.plan.buckets[b];

@@ -349,8 +349,8 @@ fn exchange_config(world: &World, args: &TrainArgs, plan: &Plan, optimizer: Opti
     Ok(ExchangeConfig {
         device: plan.device,
         cuda_aware: plan.cuda_aware,
-        bucket_bytes: (args.exchange.bucket_mb * (1 << 20) as f64) as usize,
-        segment_bytes: (args.exchange.segment_kb as usize) << 10,
+        bucket_bytes: args.exchange.bucket_bytes(),
+        segment_bytes: args.exchange.segment_bytes(),
         ring_transport: args.exchange.ring_transport,
         ps,
         horovod: world.agree(args.horovod.config())?,
