@@ -41,7 +41,6 @@ impl Run<'_> {
             (Some(overlap), true) => overlap.prepare_grads(&self.net.params)?,
             _ => optim::release_grads(&self.net.params)?,
         }
-        let mut grads = self.net.grads();
         let n = batch.samples();
         let scaler = state.scaler.is_some();
         let backward = |loss: Option<Tensor>, gradients: Gradients| Backward { loss: loss.map_or(PassLoss::Read(0.0), PassLoss::Tensor), samples: n, gradients, exchange_total: Default::default(), exchange_exposed: Default::default() };
@@ -54,6 +53,8 @@ impl Run<'_> {
         let loss = loss.f_detach()?;
         if overlapped {
             let Part::Whole { overlap: Some(overlap) } = &mut self.layout.part else { unreachable!("overlapped: the layout has an overlap") };
+            // The bucket buffers' views that prepare_grads attached, reduced in place.
+            let mut grads = self.net.grads();
             let (times, finite) = overlap.step(scaled, &mut self.net.params, &mut grads, self.exchange.as_mut(), &mut self.optimizer, step, batch.epoch, !scaler)?;
             let gradients = if scaler { Gradients::Reduced(grads) } else { Gradients::Applied(finite) };
             return Ok(Backward { exchange_total: times.exchange, exchange_exposed: times.exposed, ..backward(Some(loss), gradients) });
