@@ -130,7 +130,10 @@ fn training_args<'a>(data: &'a str, steps: &'a str, strategy: &[&'a str]) -> Vec
 }
 
 /// Every strategy, each trained on the cluster (`ranks` over `nodes` nodes) and with the same
-/// ranks on one node (plain mpirun): the same final weights, and a record saying `nodes`.
+/// ranks on one node (plain mpirun): the same final weights, and a record saying `nodes`. Each
+/// side is one launch that trains every strategy in turn (`hpc-train conform`, each run on the
+/// whole world): a launch across the nodes is what this test is about, and the nodes' ranks, the
+/// nodes they see and the communicators of each run are those of a launch of its own.
 fn same_weights_as_one_node(nodes: usize, per_node: usize, strategies: &[(&str, &[&str])]) {
     let _one = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
     let dir = scratch(&format!("cluster-{nodes}x{per_node}"));
@@ -146,18 +149,31 @@ fn same_weights_as_one_node(nodes: usize, per_node: usize, strategies: &[(&str, 
     // layout depends on which ranks share a node (hierarchical Horovod, a pipeline or shards per
     // node, the server's node), whose arithmetic on one node it checks elsewhere.
     let node_layout = |name: &str| ["horovod-hierarchical", "ps", "pipeline-hybrid", "zero3-hybrid", "pipeline-3-stages"].contains(&name);
-    for (name, strategy) in strategies.iter().filter(|(name, _)| launcher::every_row() || node_layout(name)) {
-        let args = training_args(d, "6", strategy);
-        let reference = train_saving_weights(&on_one, name, ranks, &args);
-
-        let weights = across.join(format!("{name}.safetensors"));
-        let mut cluster_args = args.clone();
-        cluster_args.extend(["--results", across.to_str().unwrap(), "--save-weights", weights.to_str().unwrap()]);
-        let run = cluster.mpirun(ranks, per_node, &cluster_args).expect_ok();
-        assert!(run.stderr.contains(&format!("{nodes} node(s)")) || run.stdout.contains(&format!("{nodes} node(s)")), "{name}: {}", run.all_output());
-        let diff = max_relative_difference(&reference, &weights);
+    let rows: Vec<&(&str, &[&str])> = strategies.iter().filter(|(name, _)| launcher::every_row() || node_layout(name)).collect();
+    let (mut reference, mut spread) = (Runs::new(&on_one), Runs::new(&across));
+    let compared: Vec<(&str, PathBuf, PathBuf)> = rows
+        .iter()
+        .map(|(name, strategy)| {
+            let args = training_args(d, "6", strategy);
+            (*name, reference.add(name, ranks, &args), spread.add(name, ranks, &args))
+        })
+        .collect();
+    reference.launch();
+    let mut launch = None;
+    spread.launch_through(|world, args| {
+        let run = cluster.mpirun(world, per_node, args);
+        launch = Some(run.all_output());
+        run
+    });
+    let output = launch.expect("one launch across the nodes");
+    assert!(output.contains(&format!("{nodes} node(s)")), "{output}");
+    for (name, reference, weights) in &compared {
+        let diff = max_relative_difference(reference, weights);
         assert!(diff < 1e-5, "{name} on {nodes} nodes differs from one node by {diff:e}");
-        let record = read_runs(&across).pop().unwrap();
+    }
+    let records = read_runs(&across);
+    assert_eq!(records.len(), rows.len(), "one record per strategy");
+    for ((name, _, _), record) in compared.iter().zip(&records) {
         assert_eq!(record["nodes"], nodes, "{name}: {record}");
         assert_eq!(record["ranks"], ranks, "{name}: {record}");
     }

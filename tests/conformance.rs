@@ -126,10 +126,6 @@ impl Layout {
     }
 }
 
-fn leak(s: &str) -> &'static str {
-    Box::leak(s.to_string().into_boxed_str())
-}
-
 /// How a row of the table is exercised.
 enum Row {
     /// Options added to the run (and to its plain reference unless `plain_reference`).

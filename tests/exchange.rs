@@ -45,28 +45,41 @@ fn assert_all_right(run: &Run, rows_expected: usize) {
     }
 }
 
+/// ring, rhd and auto against MPI_Allreduce on random input, and with MPI_Allreduce against the
+/// closed form of small integers (exact in any summation order), at every rank count: one launch
+/// per rank count and check sums the three hand-written algorithms one after another.
 #[test]
-fn ring_equals_mpi_allreduce_for_every_rank_count_and_size() {
+fn ring_rhd_and_auto_equal_mpi_allreduce_for_every_rank_count_and_size() {
     let dir = scratch("ring-vs-mpi");
-    for ranks in rank_counts(&[1, 2, 3, 5, 7]) {
-        // Random input, compared with MPI_Allreduce's result on the same input.
-        let run = bench(ranks, "ring", &["--counts", COUNTS, "--verify", "allreduce"], &dir);
-        assert_all_right(&run, 5);
-        // Small integers, compared with the closed form (exact in any summation order).
-        let run = bench(ranks, "ring,allreduce", &["--counts", COUNTS], &dir);
-        assert_all_right(&run, 10);
+    for ranks in rank_counts(&[1, 2, 3, 4, 5, 6, 7]) {
+        let run = bench(ranks, "ring,rhd,auto", &["--counts", COUNTS, "--verify", "allreduce"], &dir);
+        assert_all_right(&run, 15);
+        // The closed form checks the same schedules' arithmetic again: MPICH's run keeps the
+        // check against its own MPI_Allreduce above, and Open MPI's checks every algorithm at
+        // one rank, a power of two and counts with rhd's pre- and post-steps (six repeats five
+        // on 2 cores' time).
+        if ranks != 6 && (common::launcher::every_row() || ranks <= 3) {
+            let run = bench(ranks, "ring,rhd,auto,allreduce", &["--counts", COUNTS], &dir);
+            assert_all_right(&run, 20);
+        }
     }
 }
 
-#[test]
-fn ring_sums_half_precision_in_f32() {
-    let dir = scratch("ring-halves");
+/// 16-bit gradients summed in f32 by ring, rhd and auto (and by auto's recursive doubling on
+/// every bucket, `model`): against MPI_Allreduce of the same values, and against the closed form.
+fn half_precision_sums(dir: &Path, model: &str) {
     for dtype in ["f16", "bf16"] {
-        for ranks in common::launcher::rows_under_mpich(&[2, 3], |r| r == 3) {
-            let run = bench(ranks, "ring,allreduce", &["--counts", COUNTS, "--dtype", dtype, "--verify", "allreduce"], &dir);
-            assert_all_right(&run, 10);
-            let run = bench(ranks, "ring", &["--counts", COUNTS, "--dtype", dtype], &dir);
+        // Under MPICH a power of two and a count with pre- and post-steps.
+        for ranks in common::launcher::rows_under_mpich(&[2, 3, 4], |r| r >= 3) {
+            let run = bench(ranks, "ring,rhd,auto,allreduce", &["--counts", COUNTS, "--dtype", dtype, "--verify", "allreduce"], dir);
+            assert_all_right(&run, 20);
+            let run = bench(ranks, "auto", &["--counts", COUNTS, "--dtype", dtype, "--verify", "allreduce", "--cost-model", model], dir);
             assert_all_right(&run, 5);
+        }
+        // Small integers: every 16-bit sum of them is exact, so the closed form holds.
+        if common::launcher::every_row() {
+            let run = bench(3, "ring,rhd,auto", &["--counts", COUNTS, "--dtype", dtype], dir);
+            assert_all_right(&run, 15);
         }
     }
 }
@@ -445,45 +458,23 @@ fn one_rank_exchanges_nothing() {
 /// Recursive halving-doubling and the per-bucket choice equal MPI_Allreduce for every rank
 /// count (powers of two and the others, with their pre- and post-steps), every element count
 /// and every element type.
+/// rhd's short-message algorithm on every path, and every algorithm on 16-bit values.
 #[test]
-fn rhd_and_auto_equal_mpi_allreduce() {
+fn recursive_doubling_and_half_precision_equal_mpi_allreduce() {
     let dir = scratch("rhd-vs-mpi");
-    for ranks in rank_counts(&[1, 2, 3, 4, 5, 6, 7]) {
-        let run = bench(ranks, "rhd,auto", &["--counts", COUNTS, "--verify", "allreduce"], &dir);
-        assert_all_right(&run, 10);
-        // The closed form checks the same schedule's arithmetic again: MPICH's run keeps the
-        // check against its own MPI_Allreduce above, and Open MPI's checks it at a power of two
-        // and at two counts with pre- and post-steps (one and two ranks have none to check, six
-        // and seven repeat five's on 2 cores' time).
-        if common::launcher::every_row() && [3, 4, 5].contains(&ranks) {
-            let run = bench(ranks, "rhd,auto", &["--counts", COUNTS], &dir);
-            assert_all_right(&run, 10);
-        }
-    }
-    for dtype in ["f16", "bf16"] {
-        for ranks in [3, 4] {
-            let run = bench(ranks, "rhd,auto", &["--counts", COUNTS, "--dtype", dtype, "--verify", "allreduce"], &dir);
-            assert_all_right(&run, 10);
-        }
-    }
     // A model where only the message count matters sends every bucket, large ones too, to
     // recursive doubling (the fewest messages): the short-message algorithm on every path.
     let doubling = dir.join("messages-only-model.json");
     let link = serde_json::json!({ "alpha_s": 1.0, "beta_s_per_byte": 0.0 });
     std::fs::write(&doubling, serde_json::json!({ "intra": link, "inter": link, "gamma_s_per_byte": 0.0 }).to_string()).unwrap();
     let model = doubling.to_str().unwrap();
-    // Against MPI_Allreduce only: the sums of known values are checked above for auto at every
-    // rank count, and recursive doubling's pre- and post-steps are the same for either check.
-    for ranks in common::launcher::rows_under_mpich(&rank_counts(&[1, 2, 3, 4, 5, 7]), |r| r == 3 || r == 4) {
+    // Against MPI_Allreduce only: the sums of known values are checked for auto at every rank
+    // count, and recursive doubling's pre- and post-steps are the same for either check.
+    for ranks in common::launcher::rows_under_mpich(&rank_counts(&[1, 2, 3, 5, 7]), |r| r == 3) {
         let run = bench(ranks, "auto", &["--counts", COUNTS, "--verify", "allreduce", "--cost-model", model], &dir);
         assert_all_right(&run, 5);
     }
-    for dtype in ["f16", "bf16"] {
-        for ranks in [3, 4] {
-            let run = bench(ranks, "auto", &["--counts", COUNTS, "--dtype", dtype, "--verify", "allreduce", "--cost-model", model], &dir);
-            assert_all_right(&run, 5);
-        }
-    }
+    half_precision_sums(&dir, model);
 }
 
 /// rhd and auto train to allreduce's weights, with overlap on and off, and auto records which

@@ -172,23 +172,30 @@ fn a_fully_sharded_checkpoint_resumes_with_another_rank_count_and_stage() {
     let dir = scratch("fsdp-resume");
     let data = dataset(&dir);
     let d = data.to_str().unwrap();
-    let reference = train_saving_weights(&dir, "uninterrupted", 3, &args(d, "12", &["--strategy", "allreduce", "--optimizer", "adamw", "--lr", "0.01"]));
+    // One launch: its runs go in order, each resume after the run that wrote its checkpoint.
+    let mut runs = Runs::new(&dir);
+    let reference = runs.add("uninterrupted", 3, &args(d, "12", &["--strategy", "allreduce", "--optimizer", "adamw", "--lr", "0.01"]));
+    let mut resumed_runs = Vec::new();
     for (name, first, resumed) in [
         ("z3-to-z3-on-2", (3, "3"), (2, "3")),
         ("z3-to-z0-on-5", (3, "3"), (5, "0")),
         ("z2-to-z3-on-5", (2, "2"), (5, "3")),
     ] {
         let ckpt = dir.join(format!("ckpt-{name}"));
-        let c = ckpt.to_str().unwrap();
+        let c = leak(ckpt.to_str().unwrap());
         let common = ["--strategy", "ring", "--optimizer", "adamw", "--lr", "0.01", "--checkpoint-dir", c];
         let mut a = args(d, "6", &common);
         a.extend(["--zero", first.1, "--checkpoint-every", "6"]);
-        train_saving_weights(&dir, &format!("{name}-first"), first.0, &a);
-        assert_eq!(checkpoint_steps(&ckpt), vec![6]);
+        runs.add(&format!("{name}-first"), first.0, &a);
         let mut a = args(d, "12", &common);
         a.extend(["--zero", resumed.1, "--resume"]);
-        let weights = train_saving_weights(&dir, name, resumed.0, &a);
-        let diff = max_relative_difference(&reference, &weights);
+        resumed_runs.push((name, ckpt, runs.add(name, resumed.0, &a)));
+    }
+    runs.launch();
+    for (name, ckpt, weights) in &resumed_runs {
+        // The first run's checkpoint at step 6, and the resumed run's at its end.
+        assert_eq!(checkpoint_steps(ckpt), vec![6, 12], "{name}");
+        let diff = max_relative_difference(&reference, weights);
         assert!(diff < 1e-5, "{name} differs from the uninterrupted run by {diff:e}");
     }
 
@@ -201,11 +208,11 @@ fn a_fully_sharded_checkpoint_resumes_with_another_rank_count_and_stage() {
     };
     let results = dir.join("eval");
     std::fs::create_dir_all(&results).unwrap();
-    for extra in [&["--zero", "0"][..], &["--zero", "3", "--overlap", "on"][..]] {
-        let mut a = eval_args(extra);
-        a.extend(["--results", results.to_str().unwrap()]);
-        mpirun(7, &a).expect_ok();
+    let mut evaluations = Runs::new(&results);
+    for (name, extra) in [("plain", &["--zero", "0"][..]), ("sharded", &["--zero", "3", "--overlap", "on"][..])] {
+        evaluations.add(name, 7, &eval_args(extra));
     }
+    evaluations.launch();
     let runs = read_runs(&results);
     let (plain, sharded) = (&runs[0], &runs[1]);
     let (a, b) = (plain["test_loss"].as_f64().unwrap(), sharded["test_loss"].as_f64().unwrap());
@@ -263,10 +270,6 @@ fn channels_last_at_stage_3_trains_to_the_plain_weights_and_checkpoints_both_way
     assert_eq!(tensor_headers(&z3_cl), tensor_headers(&z0_cl));
     let channels_last_at_stage_3 = read_runs(&dir).iter().filter(|r| r["extra"]["zero"] == 3 && r["extra"]["channels_last"] == true).count();
     assert_eq!(channels_last_at_stage_3, 4, "the record of every channels-last stage-3 run says so");
-}
-
-fn leak(s: &str) -> &'static str {
-    Box::leak(s.to_string().into_boxed_str())
 }
 
 /// A weight file's tensors: names, shapes and element types.

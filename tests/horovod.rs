@@ -71,14 +71,23 @@ fn enqueue_order_does_not_matter() {
 fn fusion_and_hierarchy_do_not_change_the_weights() {
     let dir = scratch("hvd-fusion");
     let data = synth(&dir, "fusion", 60, 0, "1x12x12", 5);
-    let fused = train(&dir, &data, "fused", 4, &["--strategy", "horovod"], &[]);
-    let unfused = train(&dir, &data, "unfused", 4, &["--strategy", "horovod", "--fusion-threshold-mb", "0"], &[]);
+    let args = |extra: &[&'static str]| -> Vec<&str> {
+        let mut a = vec!["--model", "tiny", "--data", leak(data.to_str().unwrap()), "--scaling", "strong", "--global-batch", "12", "--steps", "6", "--no-eval", "--threads", "1"];
+        a.extend(extra);
+        a
+    };
+    // Two launches, one per environment, each training its runs in turn.
+    let mut runs = Runs::new(&dir);
+    let fused = runs.add("fused", 4, &args(&["--strategy", "horovod"]));
+    let unfused = runs.add("unfused", 4, &args(&["--strategy", "horovod", "--fusion-threshold-mb", "0"]));
+    let reference = runs.add("allreduce", 4, &args(&["--strategy", "allreduce"]));
+    runs.launch();
     let fake_nodes = [("HPC_TRAIN_RANKS_PER_NODE", "2")];
-    let flat = train(&dir, &data, "flat", 4, &["--strategy", "horovod"], &fake_nodes);
-    let hierarchical = train(&dir, &data, "hier", 4, &["--strategy", "horovod", "--hierarchical"], &fake_nodes);
+    let flat = runs.add("flat", 4, &args(&["--strategy", "horovod"]));
+    let hierarchical = runs.add("hier", 4, &args(&["--strategy", "horovod", "--hierarchical"]));
+    runs.launch_env(&fake_nodes);
     assert!(max_relative_difference(&fused, &unfused) < 1e-5);
     assert!(max_relative_difference(&flat, &hierarchical) < 1e-5);
-    let reference = train(&dir, &data, "allreduce", 4, &["--strategy", "allreduce"], &[]);
     assert!(max_relative_difference(&reference, &fused) < 1e-5);
     // Hierarchical sums equal MPI_Allreduce's on 3 fake nodes of 2, 2 and 1 ranks.
     rows_all_right(&bench(5, &["--counts", "1,1001,262147", "--hierarchical", "--verify", "allreduce"], &fake_nodes, &dir), 3);
@@ -406,3 +415,4 @@ fn overlapped_buckets_hit_the_response_cache() {
         assert_eq!(begins, ends, "{name}");
     }
 }
+

@@ -328,6 +328,17 @@ impl Runs {
     }
 
     fn launch_one(&self, cases: Vec<(usize, String, Vec<String>)>, env: &[(&str, &str)]) {
+        self.launch_cases(cases, |world, args| mpirun_env(world, args, env, Duration::from_secs(900)));
+    }
+
+    /// Runs every case added since the last launch in one launch made by `launch(ranks, args)`
+    /// (a launcher of the test's own: tests/cluster.rs's nodes), as [`Runs::launch`] does.
+    pub fn launch_through(&mut self, launch: impl FnOnce(usize, &[&str]) -> Run) {
+        let cases = std::mem::take(&mut self.cases);
+        self.launch_cases(cases, launch);
+    }
+
+    fn launch_cases(&self, cases: Vec<(usize, String, Vec<String>)>, launch: impl FnOnce(usize, &[&str]) -> Run) {
         if cases.is_empty() {
             return;
         }
@@ -336,7 +347,7 @@ impl Runs {
         let report = self.dir.join("report.tsv");
         let _ = std::fs::remove_file(&report);
         let world = cases.iter().map(|c| c.0).max().unwrap();
-        let run = mpirun_env(world, &["conform", "--cases", file.to_str().unwrap(), "--report", report.to_str().unwrap()], env, Duration::from_secs(900));
+        let run = launch(world, &["conform", "--cases", file.to_str().unwrap(), "--report", report.to_str().unwrap()]);
         assert!(run.ok(), "the launch of {} runs failed ({:?}, timed out: {}):\n{}", cases.len(), run.status, run.timed_out, run.all_output());
         let outcomes = std::fs::read_to_string(&report).unwrap();
         let failed: Vec<String> = outcomes
@@ -348,6 +359,12 @@ impl Runs {
         assert_eq!(outcomes.lines().count(), cases.len(), "one outcome per run:\n{outcomes}");
         assert!(failed.is_empty(), "runs that did not end well:\n{}", failed.join("\n"));
     }
+}
+
+/// A string that lives for the test binary's run: for option lists that mix a test's paths with
+/// literals.
+pub fn leak(s: &str) -> &'static str {
+    Box::leak(s.to_string().into_boxed_str())
 }
 
 /// `hpc-train <args>` without mpirun (a singleton MPI process).
