@@ -12,11 +12,12 @@ use mpi::traits::*;
 
 use crate::error::Result;
 use crate::exchange::{self, Training};
+use crate::model::InputSpec;
 use crate::overlap::{one_bucket, Overlap};
 use crate::plan::overlap::{OverlapTrial, TrialSteps, TrialTimes, TRIAL_ROUNDS};
 use crate::topology::World;
 
-use super::net::Net;
+use super::net::{variable_blocks, Net};
 use super::options::{OnOff, TrainArgs};
 use super::pipeline::Pipeline;
 use super::plan::Plan;
@@ -52,9 +53,9 @@ fn trial_penalty() -> Option<(bool, f64)> {
 
 /// The overlap of a data-parallel run (not the parameter server's, whose servers take whole
 /// shares after backward) and what decided it; `steps`: the run's first and end steps. In a
-/// pipeline (`stage`: this rank's, with its parameters' segments and their count), among the
-/// stage's replicas, chunk by chunk; decided alike on every rank of `world` (the trial's
-/// verdict is agreed over it).
+/// pipeline (`stage`: this rank's, and the model's input, which names the blocks that hold its
+/// parameters), among the stage's replicas, chunk by chunk; decided alike on every rank of
+/// `world` (the trial's verdict is agreed over it).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn make_overlap(
     world: &World,
@@ -64,7 +65,7 @@ pub(super) fn make_overlap(
     exchange: &mut dyn Training,
     bucket_bytes: usize,
     steps: (u64, u64),
-    stage: Option<(&Pipeline, (Vec<usize>, usize))>,
+    stage: Option<(&Pipeline, InputSpec)>,
 ) -> Result<(Option<Overlap>, OverlapChoice)> {
     let off = |reason: &str| Ok((None, OverlapChoice::fixed(reason)));
     if args.overlap == OnOff::Off {
@@ -84,10 +85,15 @@ pub(super) fn make_overlap(
     if replicas.size == 1 {
         return off(if stage.is_some() { "one pipeline: a stage has no replica to exchange with; backward runs on the MPI thread" } else { "one rank has nothing to exchange; backward runs on the MPI thread" });
     }
-    // Refused when asked for (plan/compat.rs): the split backward's W's are not overlapped.
-    if stage.as_ref().is_some_and(|(p, _)| p.final_backwards.is_empty()) {
-        return off("the zero-bubble schedules' weight gradients (their W's) are not exchanged beside backward");
-    }
+    // Each parameter's chunk's place among the chunks' last backwards; none under the split
+    // schedules, whose W's are not overlapped (refused when asked for: plan/compat.rs).
+    let segments = match &stage {
+        Some((p, spec)) => match p.param_segments(&net.param_names, &variable_blocks(args.model, *spec).1) {
+            Some(segments) => Some(segments),
+            None => return off("the zero-bubble schedules' weight gradients (their W's) are not exchanged beside backward"),
+        },
+        None => None,
+    };
     // One bucket is exchanged after the last gradient however backward runs; on a thread of
     // its own, backward would only add hand-overs (measured on the tiny CNN, results/). In a
     // pipeline, where the stages' parameters differ, only where every stage's fit one.
@@ -112,8 +118,8 @@ pub(super) fn make_overlap(
     // Gradients as views into the buckets' buffers, but under ZeRO, whose own buffer holds the
     // packed buckets (and stage 2 lets go of the gradients).
     let views = exchange.zero().is_none();
-    let overlap = match stage {
-        Some((_, (segment_of, segments))) => Overlap::with_segments(&net.params, &segment_of, segments, bucket_bytes, replicas.comm.duplicate(), views),
+    let overlap = match segments {
+        Some((segment_of, segments)) => Overlap::with_segments(&net.params, &segment_of, segments, bucket_bytes, replicas.comm.duplicate(), views),
         None => Overlap::new(&net.params, bucket_bytes, world.comm.duplicate(), views),
     };
     let overlap = world.agree(overlap)?;

@@ -261,18 +261,19 @@ impl Pipeline {
 
     /// Each of the stage's parameters' segment for [`Overlap::with_segments`] (its chunk's
     /// place among the chunks' last backwards), from its name (`block_of`: the block that
-    /// declares each variable); and the number of segments.
-    pub(super) fn param_segments(&self, param_names: &[String], block_of: &HashMap<String, usize>) -> (Vec<usize>, usize) {
+    /// declares each variable); and the number of segments. None under the split schedules,
+    /// whose chunks have no last unsplit backward.
+    pub(super) fn param_segments(&self, param_names: &[String], block_of: &HashMap<String, usize>) -> Option<(Vec<usize>, usize)> {
         let segment_of = param_names
             .iter()
             .map(|name| {
                 let block = block_of.get(name).copied();
                 let chunk = self.cut.chunks.iter().position(|blocks| block.is_some_and(|b| blocks.contains(&b)));
                 let chunk = chunk.unwrap_or_else(|| panic!("parameter {name} of this stage is in no chunk of the cut"));
-                self.final_backwards.iter().find(|f| f.chunk == chunk).map(|f| f.segment).unwrap_or_else(|| panic!("chunk {chunk} of this stage has no last backward"))
+                self.final_backwards.iter().find(|f| f.chunk == chunk).map(|f| f.segment)
             })
-            .collect();
-        (segment_of, self.final_backwards.len())
+            .collect::<Option<Vec<usize>>>()?;
+        Some((segment_of, self.final_backwards.len()))
     }
 
     pub(super) fn shape(&self) -> &Shape {

@@ -204,7 +204,7 @@ impl<'a> Run<'a> {
         let (overlap, overlap_choice) = if fsdp.is_some() || tensor_parallel.is_some() {
             (None, OverlapChoice::fixed(if fsdp.is_some() { "--zero 3 overlaps through its units' prefetch" } else { "tensor parallelism exchanges after backward" }))
         } else {
-            let stage = pipeline.as_ref().map(|p| (p, p.param_segments(&net.param_names, &variable_blocks(args.model, spec).1)));
+            let stage = pipeline.as_ref().map(|p| (p, spec));
             make_overlap(world, args, &plan, &net, exchange.as_mut(), config.bucket_bytes, (first_step, total_steps), stage)?
         };
         // (--zero 3 said its prefetch's choice above.)
