@@ -7,6 +7,13 @@
 //! exchanges each bucket the moment it is complete, then steps the optimizer for that bucket's
 //! parameters only, while backward goes on with the earlier layers.
 //!
+//! A pipeline stage (train/pipeline.rs) runs only each chunk's last backward this way, the
+//! one after which the chunk's gradients are final: its buckets are planned per chunk
+//! (segments) and exchanged beside that backward; what is left when it ends waits until the
+//! stage has sent the chunk's input gradient upstream ([`Overlap::backward_segment`],
+//! [`Overlap::finish_segment`]). The earlier micro-batches' backwards fire the hooks too: their
+//! reports are dropped before the last one starts.
+//!
 //! Buckets are exchanged in plan order on every rank (collectives must match), so a bucket that
 //! completes early waits for the ones before it. A parameter that the step did not use never
 //! reports; when backward ends, what is left counts as ready (its gradient stays zero).
@@ -27,6 +34,7 @@
 //! before the next step reads the weights.
 
 use std::sync::mpsc::{channel, Receiver, Sender};
+use std::ops::Range;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -38,6 +46,7 @@ use crate::error::{Error, Result};
 use crate::exchange::{ReduceOp, Training};
 use crate::optim::{FiniteCheck, Optimizer};
 use crate::plan::buckets::{Bucket, BucketPlan};
+use crate::plan::pipeline::segmented_plan;
 use crate::raw::{CudaStream, GradReady, GradReadyHooks, ThreadState};
 
 /// DDP's first bucket: small, so that communication starts early in the backward pass.
@@ -96,6 +105,42 @@ pub struct Overlap {
     arrivals: Option<(Vec<usize>, SimpleCommunicator)>,
     /// On a GPU: the stream this (the MPI) thread queues its work on during a step.
     comm_stream: Option<CudaStream>,
+    /// Each parameter's segment (a pipeline stage's chunk, by the order in which the chunks'
+    /// gradients become final; 0 for all outside pipelines), and each segment's buckets: a
+    /// bucket never mixes segments ([`segmented_plan`]).
+    segment_of: Vec<usize>,
+    segment_buckets: Vec<Range<usize>>,
+    /// Whether this step's plan was handed to the exchange (ZeRO's shards, Horovod's keys).
+    prepared: bool,
+    /// The buckets a pipeline's backward left for [`Overlap::finish_segment`].
+    pending: Option<Pending>,
+}
+
+/// The buckets `next..end` of a segment, complete, not yet exchanged, and whether each one's
+/// gradients recorded their events on the device.
+struct Pending {
+    next: usize,
+    end: usize,
+    recorded: Vec<bool>,
+}
+
+/// What a bucket's exchange works on: the parameters and their gradients, the run's exchange
+/// and optimizer, and where the optimizer steps each bucket's parameters as it is averaged
+/// (`finite` given), the local gradients' finiteness, gathered as the buckets go.
+pub struct BucketWork<'a> {
+    pub params: &'a mut [Tensor],
+    pub grads: &'a mut [Tensor],
+    pub exchange: &'a mut dyn Training,
+    pub optimizer: &'a mut Optimizer,
+    pub finite: Option<&'a mut FiniteCheck>,
+}
+
+/// An error of a step's exchange with the step and epoch it happened at.
+pub fn at_step(e: Error, step: u64, epoch: u64) -> Error {
+    match e {
+        Error::NonFinite { what, .. } => Error::NonFinite { what, step, epoch },
+        other => other,
+    }
 }
 
 /// Whether every gradient falls into one bucket, in any order: its exchange can only start
@@ -109,6 +154,13 @@ impl Overlap {
     /// `comm`: the ranks that train (a collective runs on it after the first step); `views`:
     /// see [`Overlap::views`].
     pub fn new(params: &[Tensor], bucket_bytes: usize, comm: SimpleCommunicator, views: bool) -> Result<Overlap> {
+        Overlap::with_segments(params, &vec![0; params.len()], 1, bucket_bytes, comm, views)
+    }
+
+    /// [`Overlap::new`] for a pipeline stage: `segment_of` gives each parameter's segment (of
+    /// `segments`), its chunk's place in the order the chunks' gradients become final, whose
+    /// buckets [`Overlap::backward_segment`] exchanges.
+    pub fn with_segments(params: &[Tensor], segment_of: &[usize], segments: usize, bucket_bytes: usize, comm: SimpleCommunicator, views: bool) -> Result<Overlap> {
         let (sender, reports) = channel();
         let hooks = GradReadyHooks::register(params, sender.clone())?;
         let sizes: Vec<usize> = params.iter().map(|p| p.numel()).collect();
@@ -128,6 +180,10 @@ impl Overlap {
             bucket_bytes,
             arrivals: Some((Vec::with_capacity(sizes.len()), comm)),
             comm_stream: CudaStream::from_pool(device)?,
+            segment_of: segment_of.to_vec(),
+            segment_buckets: vec![0..0; segments],
+            prepared: false,
+            pending: None,
         };
         let reverse: Vec<usize> = (0..sizes.len()).rev().collect();
         overlap.make_plan(params, &reverse)?;
@@ -139,7 +195,8 @@ impl Overlap {
     fn make_plan(&mut self, params: &[Tensor], order: &[usize]) -> Result<()> {
         let sizes: Vec<usize> = params.iter().map(|p| p.numel()).collect();
         let first = Some(FIRST_BUCKET_BYTES.min(self.bucket_bytes.max(1)));
-        self.plan = BucketPlan::in_order(&sizes, order, self.elem_bytes, self.bucket_bytes, first);
+        let segments = self.segment_buckets.len();
+        (self.plan, self.segment_buckets) = segmented_plan(&sizes, &self.segment_of, segments, order, self.elem_bytes, self.bucket_bytes, first);
         self.bucket_of = self.plan.bucket_of();
         self.hooks.set_slots(&self.bucket_of);
         let fused = |b: &Bucket| self.views && b.slots.len() > 1;
@@ -240,23 +297,84 @@ impl Overlap {
         epoch: u64,
         optimize: bool,
     ) -> Result<(OverlapTimes, FiniteCheck)> {
-        // A backward run without overlap since the last step (`--overlap auto`'s trial) fired
-        // the hooks too: its reports are stale, and counted they would complete buckets early.
+        let mut finite = FiniteCheck::default();
+        let mut work = BucketWork { params, grads, exchange, optimizer, finite: optimize.then_some(&mut finite) };
+        let times = self.run_segment(Some(loss), Some(0), &mut work, false).map_err(|e| at_step(e, step, epoch))?;
+        self.end_step(work.params, work.optimizer, optimize)?;
+        Ok((times, finite))
+    }
+
+    /// A pipeline stage's backward of `loss` (a chunk's output times its gradient, summed) on
+    /// the helper thread, while this thread exchanges first the buckets an earlier backward
+    /// left (complete), then, where this backward makes segment `segment`'s gradients final
+    /// (its chunk's last micro-batch's), that segment's buckets as they complete (with
+    /// `work.finite`, stepping the optimizer for each). Returns once backward has ended,
+    /// leaving the segment's buckets not yet exchanged for the next backward or
+    /// [`Overlap::finish_segment`], so that the caller can first send the chunk's input
+    /// gradient upstream. `loss` None: the micro-batch is empty (no backward to run), and the
+    /// segment's buckets are all left.
+    pub fn backward_segment(&mut self, loss: Option<Tensor>, segment: Option<usize>, work: &mut BucketWork) -> Result<OverlapTimes> {
+        self.run_segment(loss, segment, work, true)
+    }
+
+    /// Whether buckets are left for the next backward or [`Overlap::finish_segment`].
+    pub fn has_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// The buckets [`Overlap::backward_segment`] left (all complete), exchanged now; the time
+    /// it took. Nothing where none are left.
+    pub fn finish_segment(&mut self, work: &mut BucketWork) -> Result<Duration> {
+        let Some(pending) = self.pending.take() else { return Ok(Duration::ZERO) };
+        let started = Instant::now();
+        let on_comm_stream = self.comm_stream.as_ref().map(CudaStream::make_current).transpose()?;
+        for b in pending.next..pending.end {
+            self.exchange_now(b, pending.recorded[b - pending.next], work)?;
+        }
+        on_comm_stream.map(|s| s.restore()).transpose()?;
+        Ok(started.elapsed())
+    }
+
+    /// After the step's last segment: the optimizer's step counted where it stepped per bucket,
+    /// and after the first step the buckets rebuilt from the order gradients arrived in
+    /// (collective over the communicator given to [`Overlap::new`]).
+    pub fn end_step(&mut self, params: &[Tensor], optimizer: &mut Optimizer, optimize: bool) -> Result<()> {
+        debug_assert!(self.pending.is_none(), "a segment's buckets were left unexchanged");
+        if optimize {
+            optimizer.count_step();
+        }
+        self.prepared = false;
+        if self.arrivals.is_some() {
+            self.rebuild_from_arrivals(params)?;
+        }
+        Ok(())
+    }
+
+    /// Backward of `loss` on the helper thread (none: nothing to run) beside the exchange of
+    /// segment `segment`'s buckets; with `leave_rest`, returns as soon as backward has ended
+    /// and leaves the buckets not yet exchanged pending. Returns only once backward has ended,
+    /// also on an error.
+    fn run_segment(&mut self, loss: Option<Tensor>, segment: Option<usize>, work: &mut BucketWork, leave_rest: bool) -> Result<OverlapTimes> {
+        // A backward run without overlap since the last report was read (`--overlap auto`'s
+        // trial; a pipeline's earlier micro-batches, whose gradients were not final) fired the
+        // hooks too: its reports are stale, and counted they would complete buckets early.
         while self.reports.try_recv().is_ok() {}
         let started = Instant::now();
-        // Under this thread's state: the profiler's, so that `--profile-dir` sees backward's ops.
-        let state = ThreadState::capture()?;
-        self.jobs
-            .as_ref()
-            .expect("the backward thread runs while Overlap lives")
-            .send((loss, state))
-            .map_err(|_| Error::exchange("overlap", "the backward thread has stopped"))?;
-        let mut backward_ended = false;
-        let mut finite = FiniteCheck::default();
+        let mut backward_ended = true;
+        if let Some(loss) = loss {
+            // Under this thread's state: the profiler's, so that `--profile-dir` sees backward's ops.
+            let state = ThreadState::capture()?;
+            self.jobs
+                .as_ref()
+                .expect("the backward thread runs while Overlap lives")
+                .send((loss, state))
+                .map_err(|_| Error::exchange("overlap", "the backward thread has stopped"))?;
+            backward_ended = false;
+        }
         let on_comm_stream = self.comm_stream.as_ref().map(CudaStream::make_current).transpose();
         let result = on_comm_stream.and_then(|on_comm_stream| {
-            let times = self.exchange_during_backward(params, grads, exchange, optimizer, optimize.then_some(&mut finite), started, &mut backward_ended)?;
-            // The next step's kernels, on the default stream, read what this stream wrote.
+            let times = self.exchange_during_backward(segment, work, started, &mut backward_ended, leave_rest)?;
+            // The next kernels, on the default stream, read what this stream wrote.
             on_comm_stream.map(|s| s.restore()).transpose()?;
             Ok(times)
         });
@@ -269,52 +387,49 @@ impl Overlap {
                 }
             }
         }
-        let times = result.map_err(|e| match e {
-            Error::NonFinite { what, .. } => Error::NonFinite { what, step, epoch },
-            other => other,
-        })?;
-        if self.arrivals.is_some() {
-            self.rebuild_from_arrivals(params)?;
-        }
-        Ok((times, finite))
+        result
     }
 
-    /// The body of [`Overlap::step`] after backward has been started; sets `backward_ended`
-    /// once backward's end has been received.
-    #[allow(clippy::too_many_arguments)]
-    fn exchange_during_backward(
-        &mut self,
-        params: &mut [Tensor],
-        grads: &mut [Tensor],
-        exchange: &mut dyn Training,
-        optimizer: &mut Optimizer,
-        mut finite: Option<&mut FiniteCheck>,
-        started: Instant,
-        backward_ended: &mut bool,
-    ) -> Result<OverlapTimes> {
-        let optimize = finite.is_some();
-        let device = self.layout.1;
-        let mut missing: Vec<usize> = self.plan.buckets.iter().map(|b| b.slots.len()).collect();
+    /// The body of [`Overlap::run_segment`] after backward has been started; sets
+    /// `backward_ended` once backward's end has been received.
+    fn exchange_during_backward(&mut self, segment: Option<usize>, work: &mut BucketWork, started: Instant, backward_ended: &mut bool, leave_rest: bool) -> Result<OverlapTimes> {
+        if !self.prepared {
+            if let Some(zero) = work.exchange.zero() {
+                zero.use_plan(&self.plan, work.params, work.optimizer)?;
+            }
+            work.exchange.describe_keys(&self.plan);
+            self.prepared = true;
+        }
+        let range = segment.map_or(0..0, |s| self.segment_buckets[s].clone());
+        let ready = *backward_ended;
+        let mut missing: Vec<usize> = self.plan.buckets[range.clone()].iter().map(|b| if ready { 0 } else { b.slots.len() }).collect();
         // Whether a gradient of the bucket recorded its event during this backward.
-        let mut recorded = vec![false; missing.len()];
-        let mut next = 0;
+        let mut recorded = vec![false; range.len()];
+        let mut next = range.start;
         let mut times = OverlapTimes::default();
         let mut backward_end = None;
-        if let Some(zero) = exchange.zero() {
-            zero.use_plan(&self.plan, params, optimizer)?;
+        // What an earlier backward left (complete, in plan order before this segment's).
+        if let Some(pending) = self.pending.take() {
+            for b in pending.next..pending.end {
+                times.exchange += self.exchange_now(b, pending.recorded[b - pending.next], work)?;
+            }
         }
-        exchange.describe_keys(&self.plan);
 
-        while next < missing.len() || !*backward_ended {
+        while !*backward_ended {
             // Blocks until a gradient is final or backward ends: no polling.
             match self.reports.recv().map_err(|_| Error::exchange("overlap", "the gradient hooks are gone"))? {
                 Report::Grad(GradReady { index, recorded: on_device }) => {
-                    if let Some((seen, _)) = &mut self.arrivals {
-                        seen.push(index);
-                    }
                     let b = self.bucket_of[index];
-                    missing[b] = missing[b].saturating_sub(1);
-                    recorded[b] |= on_device.map_err(|e| Error::exchange("overlap", format!("recording bucket {b}'s event: {e}")))?;
+                    let on_device = on_device.map_err(|e| Error::exchange("overlap", format!("recording bucket {b}'s event: {e}")))?;
+                    // A gradient of another segment is not final yet (a pipeline's backward of
+                    // an earlier micro-batch of another chunk): neither counted nor an arrival.
+                    if range.contains(&b) {
+                        if let Some((seen, _)) = &mut self.arrivals {
+                            seen.push(index);
+                        }
+                        missing[b - range.start] = missing[b - range.start].saturating_sub(1);
+                        recorded[b - range.start] |= on_device;
+                    }
                 }
                 Report::BackwardDone { result, took } => {
                     *backward_ended = true;
@@ -325,41 +440,52 @@ impl Overlap {
                     result?;
                     // Parameters the step did not use never report: they are ready now.
                     missing.iter_mut().for_each(|m| *m = 0);
+                    if leave_rest {
+                        break;
+                    }
                 }
             }
             // Exchange, in plan order, every bucket that is complete.
-            while next < missing.len() && missing[next] == 0 {
-                if std::mem::take(&mut recorded[next]) {
-                    // The communication stream (current here) waits for the bucket's gradients,
-                    // on the device.
-                    self.hooks.block_current_on(next, device)?;
-                }
-                let t = Instant::now();
-                let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
-                crate::watchdog::set_bucket(next);
-                if let Some(zero) = exchange.zero() {
-                    // ZeRO: reduce-scatter, step this rank's shard, all-gather the weights.
-                    zero.reduce_bucket(next, params, finite.as_deref_mut())?;
-                    zero.step_bucket(next, params, optimizer)?;
-                    times.exchange += t.elapsed();
-                    next += 1;
-                    continue;
-                }
-                self.exchange_bucket(next, params, grads, exchange, finite.as_deref_mut())?;
-                times.exchange += t.elapsed();
-                if optimize {
-                    let which: Vec<usize> = self.plan.buckets[next].slots.iter().map(|s| s.tensor).collect();
-                    optimizer.step_some(params, grads, &which)?;
-                }
+            while next < range.end && missing[next - range.start] == 0 {
+                times.exchange += self.exchange_now(next, std::mem::take(&mut recorded[next - range.start]), work)?;
                 next += 1;
             }
         }
-        if optimize {
-            optimizer.count_step();
+        if next < range.end {
+            self.pending = Some(Pending { next, end: range.end, recorded: recorded[next - range.start..].to_vec() });
         }
         let end = Instant::now();
         times.exposed = end.saturating_duration_since(backward_end.unwrap_or(started + times.backward).min(end));
         Ok(times)
+    }
+
+    /// Exchanges bucket `b`, complete (its gradients' events waited for on the device where
+    /// `recorded`), and with `work.finite` steps the optimizer for its parameters; the time of
+    /// the exchange (ZeRO's shard step included, the plain optimizer's not).
+    fn exchange_now(&mut self, b: usize, recorded: bool, work: &mut BucketWork) -> Result<Duration> {
+        if recorded {
+            // The communication stream (current here) waits for the bucket's gradients, on
+            // the device.
+            self.hooks.block_current_on(b, self.layout.1)?;
+        }
+        let t = Instant::now();
+        let exchange = &mut *work.exchange;
+        let _watched = crate::watchdog::exchange(exchange.name(), || exchange.waits_for());
+        crate::watchdog::set_bucket(b);
+        if let Some(zero) = exchange.zero() {
+            // ZeRO: reduce-scatter, step this rank's shard, all-gather the weights.
+            zero.reduce_bucket(b, work.params, work.finite.as_deref_mut())?;
+            zero.step_bucket(b, work.params, work.optimizer)?;
+            return Ok(t.elapsed());
+        }
+        let optimize = work.finite.is_some();
+        self.exchange_bucket(b, work.params, work.grads, exchange, work.finite.as_deref_mut())?;
+        let took = t.elapsed();
+        if optimize {
+            let which: Vec<usize> = self.plan.buckets[b].slots.iter().map(|s| s.tensor).collect();
+            work.optimizer.step_some(work.params, work.grads, &which)?;
+        }
+        Ok(took)
     }
 
     /// Averages bucket `b`'s gradients over the workers, in place in the gradients (`grads`

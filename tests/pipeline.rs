@@ -483,3 +483,54 @@ fn stages_whose_messages_wait_for_their_sender_run_a_progress_thread() {
     assert!(diff < 1e-6, "weights differ from one process by {diff:e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--overlap on` exchanges each chunk's buckets beside its last backward and steps them as they
+/// are averaged: the weights of `--overlap off` with the same schedule (in practice bit for bit:
+/// the same averages, computed earlier), on two pipelines of two stages; under interleaved,
+/// stage 1 holds buckets of two chunks. Also with ZeRO 2 (each bucket's shard stepped as it is
+/// reduced) and fp16 (its loss scaler sees every averaged gradient before the step). The record
+/// carries the overlap's figures. One launch.
+#[test]
+fn overlap_gives_the_weights_of_no_overlap_with_every_unsplit_schedule() {
+    let dir = scratch("pipeline-overlap");
+    let interleaved = ["--schedule", "interleaved", "--virtual-stages", "2", "--micro-batches", "4"];
+    let rows: &[(&str, &[&str])] = &[
+        ("gpipe", &["--schedule", "gpipe", "--micro-batches", "4"]),
+        ("1f1b", &["--schedule", "1f1b", "--micro-batches", "4"]),
+        ("interleaved", &interleaved),
+        ("interleaved-zero2", &[&interleaved[..], &["--zero", "2"]].concat()),
+        ("1f1b-fp16", &["--schedule", "1f1b", "--micro-batches", "4", "--precision", "fp16", "--loss-scale", "1024"]),
+    ];
+    // Under MPICH the schedule with two chunks' buckets per stage (the arithmetic is MPI's own).
+    let rows = common::launcher::rows_under_mpich(rows, |(name, _)| name == "interleaved");
+    let mut runs = Runs::new(&dir);
+    let mut pairs = Vec::new();
+    for (name, extra) in rows {
+        let mut add = |mode: &str| {
+            let mut args = base_steps(16, 3);
+            // Buckets of about 1 KiB: several per stage.
+            args.extend(["--pipeline-stages", "2", "--strategy", "ring", "--bucket-mb", "0.001", "--overlap", mode].map(String::from));
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            runs.add(&format!("{name}-{mode}"), 4, &args)
+        };
+        pairs.push((name, add("off"), add("on")));
+    }
+    runs.launch();
+    for (name, off, on) in &pairs {
+        let diff = max_relative_difference(off, on);
+        assert!(diff < 1e-5, "{name}: --overlap on differs from off by {diff:e}");
+    }
+    let records = read_runs(&dir);
+    assert_eq!(records.len(), 2 * pairs.len());
+    for r in &records {
+        let on = r["extra"]["overlap_reason"] == "--overlap on";
+        assert_eq!(r["extra"]["overlap"], on, "{}", r["extra"]);
+        if on {
+            assert!(r["extra"]["overlap_buckets"].as_u64().is_some_and(|b| b >= 1), "{}", r["extra"]);
+            assert!(r["extra"]["exchange_total_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{}", r["extra"]);
+            assert!(r["extra"]["exchange_hidden_share"].as_f64().is_some(), "{}", r["extra"]);
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -248,7 +248,7 @@ const FP16_PS: &str = "the loss scaler unscales gradients before the optimizer s
 const ASYNC_NOT_SGD: &str =
     "asynchronous servers split SGD's update over the gradients as they arrive, which only SGD's linear update allows; use --ps-mode sync";
 const OVERLAP_PS: &str = "the parameter servers take whole shares after backward; use --overlap off or auto";
-const OVERLAP_PIPELINE: &str = "a pipeline exchanges each stage's gradients after its last backward; use --overlap off or auto";
+const OVERLAP_SPLIT: &str = "a split backward makes each chunk's weight gradients in W passes from graphs kept since its B, which overlap does not run beside the exchange; use --overlap off or auto, or --schedule gpipe, 1f1b or interleaved";
 const OVERLAP_TENSOR: &str =
     "the data-parallel exchange runs after backward, whose own all-reduces run on the run's thread; use --overlap off or auto";
 const RECOMPUTE_SPLIT: &str = "a split backward keeps the forward's graph from its B to its W, which recomputation exists not to keep; use --schedule 1f1b or interleaved with --recompute";
@@ -272,8 +272,8 @@ pub fn verdict(feature: Feature, kind: Kind) -> Verdict {
         (Feature::Fp16, k) if k.is_parameter_server() => Refused(FP16_PS),
         (Feature::Lars | Feature::Adamw, Kind::PsAsync) => Refused(ASYNC_NOT_SGD),
         (Feature::Overlap, k) if k.is_parameter_server() => Refused(OVERLAP_PS),
-        (Feature::Overlap, k) if k.is_pipeline() => Refused(OVERLAP_PIPELINE),
-        (Feature::Overlap, Kind::TensorParallel) => Refused(OVERLAP_TENSOR),
+        (Feature::Overlap, Kind::ZbH1 | Kind::ZbV) => Refused(OVERLAP_SPLIT),
+        (Feature::Overlap, Kind::TensorParallel | Kind::TensorPipeline) => Refused(OVERLAP_TENSOR),
         (Feature::Recompute, Kind::ZbH1 | Kind::ZbV) => Refused(RECOMPUTE_SPLIT),
         (Feature::Checkpoint | Feature::Resume, Kind::PsAsync) => Refused(CHECKPOINT_ASYNC),
         (Feature::Layout(a), b) => pair(a, b),
@@ -447,9 +447,11 @@ mod tests {
 
     #[test]
     fn a_run_is_checked_in_every_kind_it_is_in() {
-        // ring among the replicas of a 1F1B pipeline: overlap refused through the pipeline.
-        let err = check(&[Feature::Overlap], &[Kind::Ring, Kind::OneFOneB]).unwrap_err();
-        assert!(err.starts_with("--overlap on with --pipeline-stages (--schedule 1f1b):"), "{err}");
+        // ring among the replicas of a ZB-H1 pipeline: overlap refused through the schedule,
+        // and allowed through the unsplit schedules.
+        let err = check(&[Feature::Overlap], &[Kind::Ring, Kind::ZbH1]).unwrap_err();
+        assert!(err.starts_with("--overlap on with --pipeline-stages (--schedule zb-h1):"), "{err}");
+        assert!(check(&[Feature::Overlap], &[Kind::Ring, Kind::Zero1, Kind::Interleaved]).is_ok());
         // fp16 combines with ZeRO and pipelines, and is refused through the parameter server.
         assert!(check(&[Feature::Fp16], &[Kind::Ring, Kind::Zero1, Kind::OneFOneB]).is_ok());
         let err = check(&[Feature::Fp16], &[Kind::Ps]).unwrap_err();

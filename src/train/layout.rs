@@ -31,7 +31,8 @@ pub(super) enum Part {
     /// beside it (`overlap`, which `--overlap auto`'s trial may end).
     Whole { overlap: Option<Overlap> },
     /// A pipeline stage (`--pipeline-stages`): its schedule over the micro-batches, then the
-    /// exchange among the stage's replicas.
+    /// exchange among the stage's replicas, or chunk by chunk beside each chunk's last
+    /// backward (the stage's overlap, which `--overlap auto`'s trial may end).
     Stage(Pipeline),
     /// `--zero 3`: unit by unit, each gathered before it computes, its gradients
     /// reduce-scattered after its backward.
@@ -64,14 +65,17 @@ impl RunLayout {
     pub(super) fn overlap(&self) -> Option<&Overlap> {
         match &self.part {
             Part::Whole { overlap } => overlap.as_ref(),
-            _ => None,
+            Part::Stage(p) => p.overlap.as_ref(),
+            Part::Units(_) => None,
         }
     }
 
     /// Ends the overlap (`--overlap auto`'s trial found that it did not pay).
     pub(super) fn stop_overlapping(&mut self) {
-        if let Part::Whole { overlap } = &mut self.part {
-            *overlap = None;
+        match &mut self.part {
+            Part::Whole { overlap } => *overlap = None,
+            Part::Stage(p) => p.overlap = None,
+            Part::Units(_) => {}
         }
     }
 

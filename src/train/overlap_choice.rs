@@ -3,7 +3,8 @@
 //! while the host exchanges: 1.2-1.3x on the H200, results/device/); a CPU rank measures both
 //! modes over the first steps and keeps the faster ([`OverlapTrial`]), every rank alike, since
 //! on CPU ranks overlap has measured anywhere from 10% slower to a little faster (issue 51).
-//! The log's line and the record's `overlap_reason` say which and why.
+//! The log's line and the record's `overlap_reason` say which and why. A pipeline stage's
+//! overlap is chosen the same way, alike on every stage.
 
 use std::time::Duration;
 
@@ -11,12 +12,14 @@ use mpi::traits::*;
 
 use crate::error::Result;
 use crate::exchange::{self, Training};
+use crate::model::InputSpec;
 use crate::overlap::{one_bucket, Overlap};
 use crate::plan::overlap::{OverlapTrial, TrialSteps, TrialTimes, TRIAL_ROUNDS};
 use crate::topology::World;
 
-use super::net::Net;
+use super::net::{variable_blocks, Net};
 use super::options::{OnOff, TrainArgs};
+use super::pipeline::Pipeline;
 use super::plan::Plan;
 
 /// `--overlap auto` during its trial, and why overlap runs or not.
@@ -49,8 +52,21 @@ fn trial_penalty() -> Option<(bool, f64)> {
 }
 
 /// The overlap of a data-parallel run (not the parameter server's, whose servers take whole
-/// shares after backward) and what decided it; `steps`: the run's first and end steps.
-pub(super) fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &Net, exchange: &mut dyn Training, bucket_bytes: usize, steps: (u64, u64)) -> Result<(Option<Overlap>, OverlapChoice)> {
+/// shares after backward) and what decided it; `steps`: the run's first and end steps. In a
+/// pipeline (`stage`: this rank's, and the model's input, which names the blocks that hold its
+/// parameters), among the stage's replicas, chunk by chunk; decided alike on every rank of
+/// `world` (the trial's verdict is agreed over it).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn make_overlap(
+    world: &World,
+    args: &TrainArgs,
+    plan: &Plan,
+    net: &Net,
+    exchange: &mut dyn Training,
+    bucket_bytes: usize,
+    steps: (u64, u64),
+    stage: Option<(&Pipeline, InputSpec)>,
+) -> Result<(Option<Overlap>, OverlapChoice)> {
     let off = |reason: &str| Ok((None, OverlapChoice::fixed(reason)));
     if args.overlap == OnOff::Off {
         return off("--overlap off");
@@ -65,12 +81,25 @@ pub(super) fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &N
         return off("fp16's loss scaler decides before any shard steps, which ZeRO's overlap would step during backward");
     }
     // One rank exchanges nothing: backward on a thread of its own would only cost a hand-over.
-    if world.size == 1 {
-        return off("one rank has nothing to exchange; backward runs on the MPI thread");
+    let replicas = stage.as_ref().map_or(world, |(p, _)| &p.stage_world);
+    if replicas.size == 1 {
+        return off(if stage.is_some() { "one pipeline: a stage has no replica to exchange with; backward runs on the MPI thread" } else { "one rank has nothing to exchange; backward runs on the MPI thread" });
     }
+    // Each parameter's chunk's place among the chunks' last backwards; none under the split
+    // schedules, whose W's are not overlapped (refused when asked for: plan/compat.rs).
+    let segments = match &stage {
+        Some((p, spec)) => match p.param_segments(&net.param_names, &variable_blocks(args.model, *spec).1) {
+            Some(segments) => Some(segments),
+            None => return off("the zero-bubble schedules' weight gradients (their W's) are not exchanged beside backward"),
+        },
+        None => None,
+    };
     // One bucket is exchanged after the last gradient however backward runs; on a thread of
-    // its own, backward would only add hand-overs (measured on the tiny CNN, results/).
-    if one_bucket(&net.params, bucket_bytes) {
+    // its own, backward would only add hand-overs (measured on the tiny CNN, results/). In a
+    // pipeline, where the stages' parameters differ, only where every stage's fit one.
+    let fits = one_bucket(&net.params, bucket_bytes);
+    let fits = if stage.is_some() { world.sum_f64(f64::from(u8::from(!fits))) == 0.0 } else { fits };
+    if fits {
         return off("every gradient fits one bucket (--bucket-mib), which is exchanged after backward; backward runs on the MPI thread");
     }
     let choice = match (args.overlap, plan.device.is_cuda(), OverlapTrial::new(steps.0, steps.1, TRIAL_ROUNDS)) {
@@ -89,7 +118,11 @@ pub(super) fn make_overlap(world: &World, args: &TrainArgs, plan: &Plan, net: &N
     // Gradients as views into the buckets' buffers, but under ZeRO, whose own buffer holds the
     // packed buckets (and stage 2 lets go of the gradients).
     let views = exchange.zero().is_none();
-    let overlap = world.agree(Overlap::new(&net.params, bucket_bytes, world.comm.duplicate(), views))?;
+    let overlap = match segments {
+        Some((segment_of, segments)) => Overlap::with_segments(&net.params, &segment_of, segments, bucket_bytes, replicas.comm.duplicate(), views),
+        None => Overlap::new(&net.params, bucket_bytes, world.comm.duplicate(), views),
+    };
+    let overlap = world.agree(overlap)?;
     Ok((Some(overlap), choice))
 }
 

@@ -19,7 +19,10 @@ use tch::{Device, Kind, Reduction, Tensor};
 
 use crate::error::{Error, Result};
 use crate::exchange::staging::{wait_for_stream, HostPool};
-use crate::plan::pipeline::{self, Action, Message, Shape};
+use crate::exchange::Training;
+use crate::optim::{FiniteCheck, Optimizer};
+use crate::overlap::{BucketWork, Overlap, OverlapTimes};
+use crate::plan::pipeline::{self, Action, FinalBackward, Message, Shape};
 use crate::plan::shard::ShardInfo;
 use crate::progress::{Progress, StallProbe};
 use crate::raw::TensorMessage;
@@ -74,6 +77,48 @@ pub(super) struct Pipeline {
     /// What this rank read of the dataset, for the record.
     pub(super) data_read: DataRead,
     timeline: Option<Timeline>,
+    /// Each chunk's last backward, after which its gradients are final (none under the
+    /// zero-bubble schedules): where an overlapped step exchanges the chunk's buckets.
+    pub(super) final_backwards: Vec<FinalBackward>,
+    /// `--overlap`: the stage's gradient exchange beside each chunk's last backward, its
+    /// buckets planned per chunk (set-up builds it; `--overlap auto`'s trial may end it).
+    pub(super) overlap: Option<Overlap>,
+}
+
+/// An overlapped step's exchange beside the schedule ([`Overlap`]): the run's exchange and
+/// optimizer, the stage's gradients, and where the optimizer steps bucket by bucket, the local
+/// gradients' finiteness; the exchange's times add up in `times`.
+pub(super) struct StageOverlap<'a> {
+    pub(super) overlap: &'a mut Overlap,
+    pub(super) grads: &'a mut [Tensor],
+    pub(super) exchange: &'a mut dyn Training,
+    pub(super) optimizer: &'a mut Optimizer,
+    pub(super) finite: Option<&'a mut FiniteCheck>,
+    pub(super) times: OverlapTimes,
+}
+
+impl StageOverlap<'_> {
+    /// [`Overlap::backward_segment`], its times added to the step's.
+    fn backward(&mut self, loss: Option<Tensor>, segment: Option<usize>, params: &mut [Tensor]) -> Result<()> {
+        let StageOverlap { overlap, grads, exchange, optimizer, finite, times } = self;
+        let mut work = BucketWork { params, grads, exchange: &mut **exchange, optimizer, finite: finite.as_deref_mut() };
+        let t = overlap.backward_segment(loss, segment, &mut work)?;
+        times.backward += t.backward;
+        times.exchange += t.exchange;
+        times.exposed += t.exposed;
+        Ok(())
+    }
+
+    /// [`Overlap::finish_segment`]: the buckets left, exchanged now, in the step's sight (all
+    /// of their time exposed); how long it took.
+    fn finish(&mut self, params: &mut [Tensor]) -> Result<Duration> {
+        let StageOverlap { overlap, grads, exchange, optimizer, finite, times } = self;
+        let mut work = BucketWork { params, grads, exchange: &mut **exchange, optimizer, finite: finite.as_deref_mut() };
+        let took = overlap.finish_segment(&mut work)?;
+        times.exchange += took;
+        times.exposed += took;
+        Ok(took)
+    }
 }
 
 /// What a rank of a pipeline read of the dataset: the first stage reads images, the last
@@ -160,6 +205,7 @@ impl Pipeline {
             )));
         }
         let actions = pipeline::schedule(&plan.shape, stage);
+        let final_backwards = pipeline::final_backwards(&actions);
         let stage_world_ranks = crate::topology::world_ranks_of(&comm);
         let mut origin_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1e6);
         world.comm.process_at_rank(0).broadcast_into(&mut origin_us);
@@ -208,7 +254,26 @@ impl Pipeline {
             staging: HostPool::default(),
             data_read: DataRead::default(),
             timeline,
+            final_backwards,
+            overlap: None,
         })
+    }
+
+    /// Each of the stage's parameters' segment for [`Overlap::with_segments`] (its chunk's
+    /// place among the chunks' last backwards), from its name (`block_of`: the block that
+    /// declares each variable); and the number of segments. None under the split schedules,
+    /// whose chunks have no last unsplit backward.
+    pub(super) fn param_segments(&self, param_names: &[String], block_of: &HashMap<String, usize>) -> Option<(Vec<usize>, usize)> {
+        let segment_of = param_names
+            .iter()
+            .map(|name| {
+                let block = block_of.get(name).copied();
+                let chunk = self.cut.chunks.iter().position(|blocks| block.is_some_and(|b| blocks.contains(&b)));
+                let chunk = chunk.unwrap_or_else(|| panic!("parameter {name} of this stage is in no chunk of the cut"));
+                self.final_backwards.iter().find(|f| f.chunk == chunk).map(|f| f.segment)
+            })
+            .collect::<Option<Vec<usize>>>()?;
+        Some((segment_of, self.final_backwards.len()))
     }
 
     pub(super) fn shape(&self) -> &Shape {
@@ -339,6 +404,18 @@ impl Pipeline {
         self.span(step, timed.label, category, timed.start_us, timed.took.as_secs_f64() * 1e6);
     }
 
+    /// The buckets overlap's last backward left, exchanged now (on the timeline); how long it
+    /// took.
+    fn exchange_left(&mut self, overlap: &mut StageOverlap, params: &mut [Tensor], step: u64) -> Result<Duration> {
+        if !overlap.overlap.has_pending() {
+            return Ok(Duration::ZERO);
+        }
+        let start = self.now_us();
+        let took = overlap.finish(params)?;
+        self.event(step, "exchange".into(), "exchange", start);
+        Ok(took)
+    }
+
     /// A send was posted: the progress thread, where there is one, probes soon.
     fn note_sent(&self) {
         if let Some(progress) = &self.progress {
@@ -361,13 +438,18 @@ impl Pipeline {
     /// summed loss of the samples (on the last stage; 0 elsewhere). An injected forward
     /// failure (`faults`) fails the stage's last forward, with messages in flight.
     ///
+    /// With `overlap`, the stage's gradients are averaged over its replicas (and with the
+    /// optimizer stepped bucket by bucket, applied) beside the schedule: each chunk's buckets
+    /// beside its last backward ([`FinalBackward`]), what is left after it (its input gradient
+    /// sent upstream first) beside the next backward, or before the next forward or the end.
+    ///
     /// On an error the messages still in flight are abandoned, not waited for (see
     /// `TensorMessage`'s drop): the error reaches the job's abort at once.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run_schedule(
         &mut self,
         chunks: &[(usize, nn::FuncT<'static>)],
-        params: &[Tensor],
+        params: &mut [Tensor],
         n: usize,
         images: Option<&Tensor>,
         labels: Option<&Tensor>,
@@ -377,6 +459,7 @@ impl Pipeline {
         step: u64,
         measured: bool,
         faults: &super::step_faults::StepFaults,
+        mut overlap: Option<&mut StageOverlap<'_>>,
     ) -> Result<f64> {
         let shape = *self.shape();
         let micro = ShardInfo::all(n, shape.micro_batches);
@@ -397,6 +480,9 @@ impl Pipeline {
         let (mut compute, mut alive, mut held) = (Duration::ZERO, 0usize, HeldBytes::default());
         // Time blocked in MPI waiting for a message to arrive or the step's sends to complete.
         let mut blocked = Duration::ZERO;
+        // Overlap's buckets exchanged between actions (not beside a backward): outside the
+        // schedule's phase, as the exchange after the schedule is without overlap.
+        let mut exchanged = Duration::ZERO;
         // Sends in flight move on while this stage computes; the thread rests between steps.
         let progress = self.progress.clone();
         let _progress = progress.as_deref().map(Progress::active);
@@ -408,6 +494,10 @@ impl Pipeline {
         };
         for index in 0..self.actions.len() {
             let action = self.actions[index];
+            if let (Some(ov), Action::Forward { .. }) = (overlap.as_deref_mut(), action) {
+                // Buckets a backward left, before a forward (nothing runs beside it here).
+                exchanged += self.exchange_left(ov, params, step)?;
+            }
             match action {
                 Action::ReceiveActivation { micro: m, chunk: c } | Action::ReceiveGradient { micro: m, chunk: c } => {
                     if micro[m].len == 0 {
@@ -507,7 +597,13 @@ impl Pipeline {
                     self.note_sent();
                 }
                 Action::Backward { micro: m, chunk: c } => {
+                    // Where this is the chunk's last backward, the segment whose buckets it completes.
+                    let segment = self.final_backwards.iter().find(|f| f.action == index).map(|f| f.segment).filter(|_| overlap.is_some());
                     if micro[m].len == 0 {
+                        if let (Some(ov), Some(_)) = (overlap.as_deref_mut(), segment) {
+                            // An empty last micro-batch: the chunk's gradients are final already.
+                            ov.backward(None, segment, params)?;
+                        }
                         continue;
                     }
                     let gradient = self.wait_gradient(&mut receives, m, c, step, &mut blocked)?;
@@ -527,7 +623,12 @@ impl Pipeline {
                     } else {
                         (outputs.remove(&(m, c)).expect("backward after forward"), None)
                     };
-                    backward_from(&out, gradient.as_ref())?;
+                    // On overlap's thread where it completes a segment or buckets are left to
+                    // exchange beside it; else here.
+                    match overlap.as_deref_mut().filter(|ov| segment.is_some() || ov.overlap.has_pending()) {
+                        Some(ov) => ov.backward(Some(backward_loss(&out, gradient.as_ref())?), segment, params)?,
+                        None => backward_from(&out, gradient.as_ref())?,
+                    }
                     if let Some(found) = found {
                         found.put_back()?;
                     }
@@ -615,6 +716,9 @@ impl Pipeline {
             }
             sends = still;
         }
+        if let Some(ov) = overlap.as_deref_mut() {
+            exchanged += self.exchange_left(ov, params, step)?;
+        }
         let waited = self.now_us();
         let since = Instant::now();
         if !sends.is_empty() {
@@ -638,7 +742,7 @@ impl Pipeline {
             self.figures.peak_boundary_bytes = self.figures.peak_boundary_bytes.max(held.peak());
             self.figures.steps += 1;
             self.figures.compute += compute;
-            self.figures.phase += started.elapsed();
+            self.figures.phase += started.elapsed().saturating_sub(exchanged);
             self.figures.blocked += blocked;
         }
         let mut loss_sum = 0.0;
@@ -955,11 +1059,15 @@ enum Inbound {
 /// scalar loss). d(sum(out * g))/d(out) is g exactly, so the parameters' gradients are those of
 /// backward from `out` with gradient g; one place for the unsplit step and the first chunk's W.
 fn backward_from(out: &Tensor, gradient: Option<&Tensor>) -> Result<()> {
-    match gradient {
-        Some(g) => out.f_mul(g)?.f_sum(Kind::Float)?.f_backward()?,
-        None => out.f_backward()?,
-    }
-    Ok(())
+    Ok(backward_loss(out, gradient)?.f_backward()?)
+}
+
+/// The scalar whose backward is [`backward_from`]'s (overlap runs it on its own thread).
+fn backward_loss(out: &Tensor, gradient: Option<&Tensor>) -> Result<Tensor> {
+    Ok(match gradient {
+        Some(g) => out.f_mul(g)?.f_sum(Kind::Float)?,
+        None => out.shallow_clone(),
+    })
 }
 
 /// The bytes of a tensor's elements.

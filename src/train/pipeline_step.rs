@@ -11,25 +11,36 @@ use crate::data::loader::Batch;
 use crate::data::reader::SplitReader;
 use crate::data::{DatasetInfo, Labels, Split};
 use crate::error::Result;
-use crate::optim;
+use crate::optim::{self, FiniteCheck};
 use crate::plan::shard::ShardInfo;
 
 use super::collective::sum_pair;
 use super::net::Normalizer;
+use super::pipeline::StageOverlap;
 use super::run::Run;
 use super::step::{Backward, Gradients, LoopState, PassLoss};
 use super::step_faults::StepFaults;
 
 impl Run<'_> {
     /// A pipeline stage's forward and backward: its schedule over the micro-batches, which
-    /// leaves the stage's gradients accumulated for the step to exchange among its replicas.
+    /// leaves the stage's gradients accumulated for the step to exchange among its replicas,
+    /// or with overlap exchanges them beside each chunk's last backward (and without a loss
+    /// scaler, which must see every averaged gradient before any step, applies them bucket by
+    /// bucket, as an overlapped plain step does: whole_step.rs).
     /// Every stage takes the same samples; the loader read only the parts this stage uses.
     /// With fp16's loss scaler in `factor`, the last stage's loss is scaled, and so every
     /// gradient that flows back through the stages.
     pub(super) fn stage_pass(&mut self, batch: &Batch, factor: f64, faults: &StepFaults, state: &mut LoopState, step: u64) -> Result<Backward> {
-        let mut grads = self.net.grads();
-        optim::zero_grads(&mut grads)?;
+        // `nangrad` spoils the gradients after the schedule, where only an exchange after it
+        // would see them: that step runs without overlap.
+        let overlapped = self.layout.overlap().is_some() && self.overlap_choice.overlaps_at(step) && !faults.nan_gradients();
+        match (self.layout.overlap(), overlapped) {
+            // Views into the buckets' buffers, zeroed; the other gradients let go.
+            (Some(overlap), true) => overlap.prepare_grads(&self.net.params)?,
+            _ => optim::zero_grads(&mut self.net.grads())?,
+        }
         let n = batch.samples();
+        let scaler = state.scaler.is_some();
         let pipeline = self.layout.pipeline_mut().expect("a pipelined run");
         let (image_bytes, labels_read) = batch.read();
         pipeline.data_read.train_image_bytes += image_bytes as u64;
@@ -37,10 +48,29 @@ impl Run<'_> {
         let images = if pipeline.first_stage() && n > 0 { Some(state.norm.images(batch.images(), n)?) } else { None };
         let labels = if pipeline.last_stage() && n > 0 { Some(state.norm.labels(batch.labels())?) } else { None };
         let measured = step >= state.warmup;
-        let loss_sum = pipeline.run_schedule(&self.net.chunks, &self.net.params, n, images.as_ref(), labels.as_ref(), factor, self.args.recipe.label_smoothing, self.args.precision, step, measured, faults)?;
+        let (chunks, params, smoothing, precision) = (&self.net.chunks, &mut self.net.params, self.args.recipe.label_smoothing, self.args.precision);
+        if overlapped {
+            let mut overlap = pipeline.overlap.take().expect("overlapped: the stage has an overlap");
+            let mut grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
+            let mut finite = FiniteCheck::default();
+            let mut stage = StageOverlap { overlap: &mut overlap, grads: &mut grads, exchange: self.exchange.as_mut(), optimizer: &mut self.optimizer, finite: (!scaler).then_some(&mut finite), times: Default::default() };
+            let result = pipeline.run_schedule(chunks, params, n, images.as_ref(), labels.as_ref(), factor, smoothing, precision, step, measured, faults, Some(&mut stage));
+            let result = result.and_then(|loss_sum| {
+                stage.overlap.end_step(params, stage.optimizer, !scaler)?;
+                Ok(loss_sum)
+            });
+            let times = stage.times;
+            pipeline.overlap = Some(overlap);
+            let loss_sum = result.map_err(|e| crate::overlap::at_step(e, step, batch.epoch))?;
+            let samples = if pipeline.last_stage() { n } else { 0 };
+            let gradients = if scaler { Gradients::Reduced(grads) } else { Gradients::Applied(finite) };
+            return Ok(Backward { loss: PassLoss::Read(loss_sum), samples, gradients, exchange_total: times.exchange, exchange_exposed: times.exposed });
+        }
+        let loss_sum = pipeline.run_schedule(chunks, params, n, images.as_ref(), labels.as_ref(), factor, smoothing, precision, step, measured, faults, None)?;
         // The loss and its samples count once, on the stage that computes them.
         let samples = if pipeline.last_stage() { n } else { 0 };
-        let grads = self.net.grads();
+        // Zeros where a parameter got none (an overlapped step lets some go before backward).
+        let grads = optim::defined_grads(&self.net.params)?;
         if faults.nan_gradients() {
             // `nangrad`: this stage's own gradients, whichever stage it is (the loss factor
             // reaches only the last stage's). A stage without parameters has none to spoil.

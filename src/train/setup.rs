@@ -198,12 +198,14 @@ impl<'a> Run<'a> {
             }
             None => None,
         };
-        // Stage 3 overlaps through its units' prefetch; tensor parallelism and pipelines
-        // exchange after backward (an explicit --overlap on is refused there: plan/compat.rs).
-        let (overlap, overlap_choice) = if fsdp.is_some() || tensor_parallel.is_some() || pipeline.is_some() {
-            (None, OverlapChoice::fixed(if fsdp.is_some() { "--zero 3 overlaps through its units' prefetch" } else { "tensor parallelism and pipelines exchange after backward" }))
+        // Stage 3 overlaps through its units' prefetch; tensor parallelism exchanges after
+        // backward (an explicit --overlap on is refused there: plan/compat.rs); a pipeline
+        // stage overlaps chunk by chunk, its parameters' chunks found by name.
+        let (overlap, overlap_choice) = if fsdp.is_some() || tensor_parallel.is_some() {
+            (None, OverlapChoice::fixed(if fsdp.is_some() { "--zero 3 overlaps through its units' prefetch" } else { "tensor parallelism exchanges after backward" }))
         } else {
-            make_overlap(world, args, &plan, &net, exchange.as_mut(), config.bucket_bytes, (first_step, total_steps))?
+            let stage = pipeline.as_ref().map(|p| (p, spec));
+            make_overlap(world, args, &plan, &net, exchange.as_mut(), config.bucket_bytes, (first_step, total_steps), stage)?
         };
         // (--zero 3 said its prefetch's choice above.)
         if world.is_root() && fsdp.is_none() {
@@ -234,7 +236,10 @@ impl<'a> Run<'a> {
             pipeline.hold_buffers(&net.buffers, &variable_blocks(args.model, spec).1);
         }
         let part = match (pipeline, fsdp) {
-            (Some(stage), _) => Part::Stage(stage),
+            (Some(mut stage), _) => {
+                stage.overlap = overlap;
+                Part::Stage(stage)
+            }
             (None, Some(units)) => Part::Units(units),
             (None, None) => Part::Whole { overlap },
         };

@@ -33,14 +33,17 @@
 //! The files, each importing only those listed before it: `shape.rs` the vocabulary (the
 //! schedule's kind and shape, the actions, the rank grid); `replay.rs` the replay's engine,
 //! which runs given per-stage action lists under a cost model; `schedule.rs` the schedules
-//! (ZB-V's chosen by replaying candidates) and their replays; `cuts.rs` where the model is cut.
+//! (ZB-V's chosen by replaying candidates) and their replays; `cuts.rs` where the model is cut;
+//! `overlap.rs` which backward makes each chunk's gradients final, and buckets chunk by chunk.
 
 mod cuts;
+mod overlap;
 mod replay;
 mod schedule;
 mod shape;
 
 pub use cuts::{balance, chunk_costs, cut_by_replay, cuts_from_list, ranges, BlockCost, REPLAYED_CUTS};
+pub use overlap::{final_backwards, segmented_plan, FinalBackward};
 pub use replay::{Costs, Replay};
 pub use schedule::{forward_schedule, idle_per_busy, messages_per_step, peak_held, replay, replay_with_messages, schedule};
 pub use shape::{Action, Grid, Message, ScheduleKind, Shape};
