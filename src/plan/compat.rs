@@ -430,9 +430,9 @@ mod tests {
         assert!(matches!(verdict(Feature::Layout(Kind::Zero3), Kind::OneFOneB), Verdict::Refused(_)));
         // ZeRO shards a tensor-parallel rank's parts over the ranks that hold the same part.
         assert_eq!(verdict(Feature::Layout(Kind::TensorParallel), Kind::Zero1), Verdict::Supported);
-        assert_eq!(verdict(Feature::Layout(Kind::Zero3Hybrid), Kind::TensorParallel), Verdict::Supported);
+        assert_eq!(verdict(Feature::Layout(Kind::TensorParallel), Kind::Zero3Hybrid), Verdict::Supported);
         assert_eq!(verdict(Feature::Layout(Kind::Zero2), Kind::TensorPipeline), Verdict::Supported);
-        assert!(matches!(verdict(Feature::Layout(Kind::TensorPipeline), Kind::Zero3), Verdict::Refused(why) if why == ZERO3_PIPELINE));
+        assert!(matches!(verdict(Feature::Layout(Kind::Zero3), Kind::TensorPipeline), Verdict::Refused(why) if why == ZERO3_PIPELINE));
         assert!(matches!(verdict(Feature::Layout(Kind::Ps), Kind::Gpipe), Verdict::Refused(_)));
         assert!(matches!(verdict(Feature::Layout(Kind::Horovod), Kind::Zero1), Verdict::Refused(_)));
         // Sharded checkpoints write pipelines of groups as well (issue 49).
