@@ -153,9 +153,11 @@ impl Cli {
         };
         // A list that does not parse is reported after MPI starts; ask for the most meanwhile.
         let any_threaded = |list: &str, ps: &PsArgs| parse_strategies(list).map_or(true, |all| all.into_iter().any(|s| threaded(s, ps)));
-        // A GPU's backward runs the tensor-parallel all-reduce on libtorch's device thread; a
-        // CPU's runs it on the run's own thread, and needs no more than FUNNELED.
-        let tensor_parallel_thread = |train: &TrainArgs| train.tensor_parallel > 1 && may_train_on_a_gpu(train.device);
+        // A GPU's backward runs the tensor-parallel all-reduce on libtorch's device thread, and
+        // --zero 3's units compute on a thread of their own (while the run's thread gathers the
+        // next unit over the replicas); a CPU's plain run has it on the run's own thread, and
+        // needs no more than FUNNELED.
+        let tensor_parallel_thread = |train: &TrainArgs| train.tensor_parallel > 1 && (may_train_on_a_gpu(train.device) || train.zero == 3);
         // A pipeline's stages move their messages along from a thread of their own while they
         // compute (src/progress.rs).
         let pipeline_thread = |train: &TrainArgs| train.pipeline.pipeline_stages > 1;
@@ -281,13 +283,17 @@ mod tests {
     }
 
     /// A CPU tensor-parallel run asked for MPI_THREAD_MULTIPLE, which only a GPU's backward
-    /// needs (issue 48): every call then takes a lock in some libraries.
+    /// and --zero 3's compute thread need (issue 48): every call then takes a lock in some
+    /// libraries.
     #[test]
     fn only_a_gpu_tensor_parallel_run_asks_for_thread_multiple() {
         let level = |args: &[&str]| Cli::try_parse_from([&["hpc-train"], args].concat()).unwrap().mpi_threading();
         assert_eq!(level(&["--model", "vit-tiny", "--tensor-parallel", "2", "--device", "cpu"]), mpi::Threading::Funneled);
         assert_eq!(level(&["study", "--model", "vit-tiny", "--tensor-parallel", "2", "--device", "cpu", "--strategies", "ring"]), mpi::Threading::Funneled);
         assert_eq!(level(&["--model", "vit-tiny", "--tensor-parallel", "2", "--device", "cpu", "--strategy", "horovod"]), mpi::Threading::Multiple);
+        // --zero 3's units compute on their own thread, which then calls the group's all-reduce.
+        assert_eq!(level(&["--model", "vit-tiny", "--tensor-parallel", "2", "--device", "cpu", "--zero", "3"]), mpi::Threading::Multiple);
+        assert_eq!(level(&["--model", "vit-tiny", "--device", "cpu", "--zero", "3"]), mpi::Threading::Funneled);
         let on_a_gpu = if tch::Cuda::is_available() { mpi::Threading::Multiple } else { mpi::Threading::Funneled };
         assert_eq!(level(&["--model", "vit-tiny", "--tensor-parallel", "2"]), on_a_gpu);
     }

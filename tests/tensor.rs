@@ -3,8 +3,8 @@
 //! ends with the weights of one rank;
 //! the evaluation gives one rank's test loss; the record's all-reduce counts match the formula
 //! (4 per encoder layer and step, of batch x tokens x width); checkpoints resume in another
-//! layout; a group spanning nodes warns and still trains alike; what it cannot do is refused by
-//! name.
+//! layout; ZeRO 1, 2 and 3 shard the parts over their replicas and train alike; a group
+//! spanning nodes warns and still trains alike; what it cannot do is refused by name.
 
 mod common;
 
@@ -199,4 +199,86 @@ fn tensor_parallel_refuses_what_it_cannot_run() {
         assert_eq!(run.all_output().matches(reason).count(), 1, "{extra:?}: {}", run.all_output());
     }
     assert!(!checkpoints.exists(), "a refused run made its checkpoint folder");
+}
+
+/// ZeRO 1, 2 and 3 (`--fsdp-hybrid` over two fake nodes too) shard each rank's parts over the
+/// replicas that hold the same part: on 4 ranks (D = 2, T = 2) they train to the weights of
+/// `--zero 0` (SGD, with LARS, with fp16), evaluate alike, and their checkpoints resume in other
+/// layouts (ZeRO 1 x TP by ZeRO 3 x TP, ZeRO 3 x TP by ZeRO 0 x TP, ZeRO 2 x TP by plain ZeRO 2).
+/// Within 1e-5: only the order of f32 sums differs (a reduce-scatter against an all-reduce),
+/// which stays far below that at this rate and step count on Intel and AMD alike. Small
+/// buckets cut ZeRO 1/2's shards through the cut tensors' rows, the units cut stage 3's.
+#[test]
+fn zero_shards_tensor_parallel_parts_and_trains_to_the_weights_of_zero_0() {
+    let dir = scratch("tensor-zero");
+    // 48 samples: 3 steps of 16 are an epoch, so each run evaluates at its end.
+    let data = synth(&dir, "vit-epoch", 48, 16, "1x16x16", 4);
+    let d = data.to_str().unwrap();
+    let c = |name: &str| dir.join(name).display().to_string();
+    let (c1, c2, c3) = (c("zero1-checkpoints"), c("zero2-checkpoints"), c("zero3-checkpoints"));
+    let mut runs = Runs::new(&dir);
+    let mut compared: Vec<(&str, PathBuf, PathBuf)> = Vec::new();
+    fn t2<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+        [&["--tensor-parallel", "2"][..], extra].concat()
+    }
+    let small_buckets = ["--bucket-mb", "0.01"];
+    // LARS at a rate of 1: its steps move each layer by about lr x eta of its norm, and a rate
+    // of 0.01 left norms of parts instead of whole layers 2.5e-5 away, too close to 1e-5.
+    let small_rate = ["--lr", "0.01"];
+    for (optimizer, extra) in [("sgd", &small_rate[..]), ("lars", &["--optimizer", "lars", "--lr", "1"][..]), ("fp16", &["--precision", "fp16", "--lr", "0.01"][..])] {
+        let reference = runs.add(&format!("{optimizer}-zero0"), 4, &args(d, "3", &t2(extra)));
+        let stages: &[&str] = if optimizer == "fp16" { &["1"] } else { &["1", "2", "3"] };
+        for &zero in stages {
+            let mut a = t2(extra);
+            a.extend(["--zero", zero]);
+            if zero != "3" {
+                a.extend(small_buckets);
+            }
+            compared.push((optimizer, reference.clone(), runs.add(&format!("{optimizer}-zero{zero}"), 4, &args(d, "3", &a))));
+        }
+        if optimizer == "sgd" {
+            // Hybrid sharding over fake nodes of one rank: each of a part's replicas on a node
+            // of its own, the shards replicated on both.
+            let hybrid = runs.add("sgd-zero3-hybrid", 4, &args(d, "3", &t2(&["--lr", "0.01", "--zero", "3", "--fsdp-hybrid"])));
+            compared.push(("hybrid", reference.clone(), hybrid));
+            // Checkpoints at step 2 of 3, resumed in another layout for the last step.
+            for (zero, folder) in [("1", &c1), ("2", &c2), ("3", &c3)] {
+                let mut a = args(d, "2", &t2(&["--lr", "0.01", "--zero", zero, "--checkpoint-dir", folder]));
+                a.extend(small_buckets);
+                runs.add(&format!("zero{zero}-first-two"), 4, &a);
+            }
+            let resumed = [("zero1, resumed at zero 3", &c1, vec!["--tensor-parallel", "2", "--zero", "3"]), ("zero3, resumed at zero 0", &c3, vec!["--tensor-parallel", "2"]), ("zero2, resumed plain", &c2, vec!["--strategy", "ring", "--zero", "2"])];
+            for (name, folder, layout) in resumed {
+                let mut a = args(d, "3", &["--lr", "0.01", "--checkpoint-dir", folder, "--resume"]);
+                a.extend(layout);
+                compared.push((name, reference.clone(), runs.add(&name.replace([',', ' '], "-"), 4, &a)));
+            }
+        }
+    }
+    runs.launch_env(&[("HPC_TRAIN_RANKS_PER_NODE", "1")]);
+    for (name, reference, weights) in &compared {
+        let diff = max_relative_difference(reference, weights);
+        assert!(diff < 1e-5, "{name} ({}) differs from --zero 0 by {diff:e}", weights.display());
+    }
+    let records = read_runs(&dir);
+    // The resumed runs did resume, at step 2.
+    assert_eq!(records.iter().filter(|r| r["extra"]["resumed_from_step"].as_u64() == Some(2)).count(), 3, "{records:#?}");
+    // ZeRO holds half of each part's optimizer state (D = 2); every run evaluated its epoch, a
+    // group's samples counted once.
+    // (The SGD runs of f32 and 3 steps: the first of each stage is the plain one, not hybrid.)
+    let sgd: Vec<&serde_json::Value> = records.iter().filter(|r| r["optimizer"] == "sgd" && r["extra"]["precision"] != "fp16" && r["steps"] == 3 && r["extra"]["resumed_from_step"].is_null()).collect();
+    let find = |zero: u64| *sgd.iter().find(|r| r["extra"]["zero"].as_u64() == Some(zero)).unwrap_or_else(|| panic!("zero {zero} in {sgd:#?}"));
+    let plain = find(0);
+    let state = |r: &serde_json::Value| r["extra"]["optimizer_state_bytes"].as_u64().unwrap() as f64;
+    for zero in [1, 2, 3] {
+        let ratio = state(find(zero)) / state(plain);
+        assert!((ratio - 0.5).abs() < 0.01, "zero {zero}: {ratio} of --zero 0's optimizer state");
+    }
+    let evaluated: Vec<&&serde_json::Value> = sgd.iter().filter(|r| r["test_loss"].as_f64().is_some()).collect();
+    assert_eq!(evaluated.len(), 5, "{sgd:#?}");
+    for r in evaluated {
+        let (loss, reference) = (r["test_loss"].as_f64().unwrap(), plain["test_loss"].as_f64().unwrap());
+        assert!((loss - reference).abs() < 1e-4 * reference.abs(), "test loss {loss} against {reference}: {r}");
+        assert_eq!(r["test_accuracy"], plain["test_accuracy"], "{r}");
+    }
 }

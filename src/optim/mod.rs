@@ -76,8 +76,7 @@ impl Optimizer {
     }
 
     /// Makes LARS's norms those of whole layers where this rank holds parts of them (tensor
-    /// parallelism; see [`LayerParts`]). Whole steps only: tensor parallelism refuses ZeRO and
-    /// parameter servers, which step pieces of their own.
+    /// parallelism; see [`LayerParts`]), whole tensors or ZeRO's pieces of them alike.
     pub fn set_layer_parts(&mut self, parts: LayerParts) {
         self.layer_parts = Some(parts);
     }
@@ -188,7 +187,27 @@ impl Optimizer {
                         let pieces = Pieces::Parts { layer_of: &layer_of, layers: which, sum_over_ranks: &mut sum_over_ranks };
                         lars::update(&step, params, grads, &mut self.state[0], which, exempt, pieces)
                     }
-                    (_, pieces) => lars::update(&step, params, grads, &mut self.state[0], which, &self.exempt, pieces),
+                    (Some(parts), Pieces::Parts { layer_of, layers, sum_over_ranks: sum_over_replicas }) => {
+                        // ZeRO's shards of tensor-parallel parts: each layer's figures summed
+                        // over the replicas (the shards), then cut layers over the group; whole
+                        // copies, summed alike by every rank of the group, counted on one.
+                        let exempt = &self.exempt;
+                        let adapted: Vec<usize> = layers.iter().copied().filter(|&l| !exempt.get(l).copied().unwrap_or(false)).collect();
+                        let copies: Vec<i64> = adapted.iter().enumerate().filter(|&(_, &l)| !parts.cut[l]).map(|(row, _)| row as i64).collect();
+                        let counts_whole = parts.counts_whole;
+                        let sum_over_group = &mut parts.sum_over_group;
+                        let mut sum_over_ranks = |sums: &mut Tensor| -> Result<()> {
+                            sum_over_replicas(sums)?;
+                            if !counts_whole && !copies.is_empty() {
+                                let rows = Tensor::f_from_slice(&copies)?.f_to_device(sums.device())?;
+                                let _ = sums.f_index_fill_(0, &rows, 0.0)?;
+                            }
+                            sum_over_group(sums)
+                        };
+                        let pieces = Pieces::Parts { layer_of, layers, sum_over_ranks: &mut sum_over_ranks };
+                        lars::update(&step, params, grads, &mut self.state[0], which, exempt, pieces)
+                    }
+                    (None, pieces) => lars::update(&step, params, grads, &mut self.state[0], which, &self.exempt, pieces),
                 },
             }
         })?;

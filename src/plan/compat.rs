@@ -256,7 +256,6 @@ const ZERO_STRATEGY: &str = "ZeRO shards the optimizer (and at stage 3 the param
 const ZERO3_PIPELINE: &str = "a pipeline stage holds its own blocks whole; use --zero 1 or 2 with pipelines";
 const PS_PIPELINE: &str = "a pipeline's stages average their gradients among themselves; use ring, rhd, auto, allreduce or horovod";
 const PS_TENSOR: &str = "parameter servers take ranks out of the groups; use ring, rhd, auto, allreduce or horovod";
-const ZERO_TENSOR: &str = "the ZeRO stages shard whole parameters over all ranks, not a group's parts; use --zero 0";
 const CHECKPOINT_ASYNC: &str = "asynchronous servers hold no state consistent across ranks at any step; checkpoint a synchronous run";
 
 /// The verdict for option `feature` in a run of layout kind `kind`.
@@ -299,14 +298,13 @@ fn pair(a: Kind, b: Kind) -> Verdict {
         (a, Kind::TensorPipeline) if a.is_pipeline() => Supported,
         (a, b) if a.is_pipeline() && b.is_pipeline() => Na,
         (Kind::TensorParallel, Kind::TensorPipeline) => Supported,
-        (a, Kind::TensorPipeline) if a.is_sharded() => Refused(ZERO_TENSOR),
+        (Kind::Zero3 | Kind::Zero3Hybrid, Kind::TensorPipeline) => Refused(ZERO3_PIPELINE),
         (a, Kind::TensorPipeline) if a.is_parameter_server() => Refused(PS_TENSOR),
         (_, Kind::TensorPipeline) => Supported,
         (a, b) if a.is_parameter_server() && b.is_sharded() => Refused(ZERO_STRATEGY),
         (Kind::Allreduce | Kind::Horovod, b) if b.is_sharded() => Refused(ZERO_STRATEGY),
         (a, b) if a.is_parameter_server() && b.is_pipeline() => Refused(PS_PIPELINE),
         (a, Kind::TensorParallel) if a.is_parameter_server() => Refused(PS_TENSOR),
-        (a, b) if a.is_sharded() && b == Kind::TensorParallel => Refused(ZERO_TENSOR),
         (Kind::Zero3 | Kind::Zero3Hybrid, b) if b.is_pipeline() => Refused(ZERO3_PIPELINE),
         _ => Supported,
     }
@@ -430,7 +428,11 @@ mod tests {
         assert!(matches!(verdict(Feature::Fp16, Kind::Ps), Verdict::Refused(_)));
         assert_eq!(verdict(Feature::Fp16, Kind::Zero3), Verdict::Supported);
         assert!(matches!(verdict(Feature::Layout(Kind::Zero3), Kind::OneFOneB), Verdict::Refused(_)));
-        assert!(matches!(verdict(Feature::Layout(Kind::TensorParallel), Kind::Zero1), Verdict::Refused(_)));
+        // ZeRO shards a tensor-parallel rank's parts over the ranks that hold the same part.
+        assert_eq!(verdict(Feature::Layout(Kind::TensorParallel), Kind::Zero1), Verdict::Supported);
+        assert_eq!(verdict(Feature::Layout(Kind::TensorParallel), Kind::Zero3Hybrid), Verdict::Supported);
+        assert_eq!(verdict(Feature::Layout(Kind::Zero2), Kind::TensorPipeline), Verdict::Supported);
+        assert!(matches!(verdict(Feature::Layout(Kind::Zero3), Kind::TensorPipeline), Verdict::Refused(why) if why == ZERO3_PIPELINE));
         assert!(matches!(verdict(Feature::Layout(Kind::Ps), Kind::Gpipe), Verdict::Refused(_)));
         assert!(matches!(verdict(Feature::Layout(Kind::Horovod), Kind::Zero1), Verdict::Refused(_)));
         // Sharded checkpoints write pipelines of groups as well (issue 49).

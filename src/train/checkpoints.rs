@@ -254,14 +254,22 @@ impl StateSource for CheckpointState {
             return Err(Error::usage(format!("the checkpoint's optimizer state {name} has shape {stored:?}, the model's parameter {shape:?}")));
         }
         let split = self.part.map_or(Split::Whole, |_| vit_split(param_name));
-        let local = match (split, self.part) {
-            (Split::Whole, _) | (_, None) => {
-                return Ok(Some(match range {
-                    Some(r) => self.reader.read(Section::Optimizer, &name, &Region::Flat { at: r.start as i64, len: r.len() as i64 })?,
-                    None => self.reader.read_whole(Section::Optimizer, &name)?,
-                }))
+        let (rank, size) = self.part.unwrap_or((0, 1));
+        Ok(Some(match (split, range) {
+            (Split::Whole, None) => self.reader.read_whole(Section::Optimizer, &name)?,
+            (split, Some(r)) => {
+                // A flat range of this rank's part (a ZeRO or FSDP shard; of the whole tensor
+                // where it is not cut): only the regions of the whole tensor that it is.
+                let mut pieces = part_range_regions(shape, split, rank, size, r.start as i64, r.len() as i64)
+                    .into_iter()
+                    .map(|(region, _)| Ok(self.reader.read(Section::Optimizer, &name, &region)?.f_reshape([-1])?))
+                    .collect::<Result<Vec<Tensor>>>()?;
+                match pieces.len() {
+                    1 => pieces.pop().expect("one"),
+                    _ => Tensor::f_cat(&pieces, 0)?,
+                }
             }
-            (split, Some((rank, size))) => {
+            (split, None) => {
                 // This rank's rectangles, glued as the cut holds them (net.rs's cut_tensor).
                 let dim = if matches!(split, Split::Columns) { 1 } else { 0 };
                 let rects = cut_regions(shape, split, rank, size)
@@ -270,10 +278,6 @@ impl StateSource for CheckpointState {
                     .collect::<Result<Vec<Tensor>>>()?;
                 Tensor::f_cat(&rects, dim)?
             }
-        };
-        Ok(Some(match range {
-            Some(r) => local.f_reshape([-1])?.f_narrow(0, r.start as i64, r.len() as i64)?,
-            None => local,
         }))
     }
 }
@@ -294,6 +298,83 @@ pub(super) fn cut_regions(shape: &[i64], split: Split, rank: usize, size: usize)
             offsets[dim] = r.start as i64;
             lengths[dim] = r.len() as i64;
             Region::Rect { offsets, lengths }
+        })
+        .collect()
+}
+
+/// Where elements `at .. at + len` of rank `rank`'s part (of a group of `size`, cut by `split`)
+/// of a whole tensor of `shape` lie in that tensor: regions of it, each with the offset of its
+/// first element within the range (its length is the region's element count). A ZeRO or FSDP
+/// shard is a flat range of the part, which is no flat range of the whole tensor: a row cut's
+/// part is its blocks of whole rows one after another, so a range is a flat range of the whole
+/// per block it touches; a column cut's part is a few columns of every row, so a range is a
+/// partial first row, the whole rows between and a partial last row, each a rectangle.
+pub(super) fn part_range_regions(shape: &[i64], split: Split, rank: usize, size: usize, at: i64, len: i64) -> Vec<(Region, i64)> {
+    let end = at + len;
+    match split {
+        Split::Whole => vec![(Region::Flat { at, len }, 0)],
+        Split::Rows { .. } => {
+            // Elements per row: the row cut keeps every other dimension whole.
+            let inner: i64 = shape[1..].iter().product();
+            let mut local_row = 0;
+            let mut regions = Vec::new();
+            for rows in held(split, shape[0] as usize, rank, size) {
+                let (first, count) = (rows.start as i64, rows.len() as i64);
+                let (from, to) = ((local_row * inner).max(at), ((local_row + count) * inner).min(end));
+                if from < to {
+                    regions.push((Region::Flat { at: first * inner + (from - local_row * inner), len: to - from }, from - at));
+                }
+                local_row += count;
+            }
+            regions
+        }
+        Split::Columns => {
+            assert_eq!(shape.len(), 2, "a column cut is of a matrix");
+            let columns = held(split, shape[1] as usize, rank, size);
+            let (first_column, width) = (columns[0].start as i64, columns[0].len() as i64);
+            let rect = |row: i64, column: i64, rows: i64, columns: i64| Region::Rect { offsets: vec![row, first_column + column], lengths: vec![rows, columns] };
+            let mut regions = Vec::new();
+            let mut from = at;
+            if from % width != 0 && from < end {
+                let to = end.min((from / width + 1) * width);
+                regions.push((rect(from / width, from % width, 1, to - from), from - at));
+                from = to;
+            }
+            let rows = (end - from) / width;
+            if rows > 0 {
+                regions.push((rect(from / width, 0, rows, width), from - at));
+                from += rows * width;
+            }
+            if from < end {
+                regions.push((rect(from / width, 0, 1, end - from), from - at));
+            }
+            regions
+        }
+    }
+}
+
+/// The pieces to write of a flat range of a parameter (or its state) that this rank holds
+/// (`data`, elements `at ..` of its part): with tensor parallelism, the regions of the whole
+/// tensor that a cut part's range is ([`part_range_regions`]), and a whole copy's range only on
+/// the group's first rank (its other ranks hold the same range alike, from the same reductions).
+fn flat_pieces_of(section: Section, name: String, param: &str, shape: &[i64], at: usize, data: &Tensor, tp: Option<&TensorParallel>) -> Result<Vec<Piece>> {
+    let Some(tp) = tp else {
+        return Ok(vec![Piece::flat(section, name, shape, at as i64, data)]);
+    };
+    let split = vit_split(param);
+    if split == Split::Whole {
+        return Ok(if tp.rank == 0 { vec![Piece::flat(section, name, shape, at as i64, data)] } else { Vec::new() });
+    }
+    let flat = data.f_reshape([-1])?;
+    part_range_regions(shape, split, tp.rank, tp.layout.tensor, at as i64, flat.numel() as i64)
+        .into_iter()
+        .map(|(region, from)| {
+            let piece = flat.f_narrow(0, from, region.elements(shape))?;
+            Ok(match region {
+                Region::Flat { at, .. } => Piece::flat(section, name.clone(), shape, at, &piece),
+                Region::Rect { offsets, lengths } => Piece::rect(section, name.clone(), shape, &offsets, &piece.f_reshape(lengths.as_slice())?),
+                Region::Whole => unreachable!("a range of a part is flat ranges and rectangles"),
+            })
         })
         .collect()
 }
@@ -536,13 +617,13 @@ fn pieces_held(world: &World, net: &Net, exchange: &mut dyn Checkpointed, optimi
     let slots = optimizer.kind().slots();
     match shards {
         Some(held) if held.writes => {
-            let flat = |section: Section, name: String, p: &crate::exchange::FlatPiece| Piece::flat(section, name, &net.declared[p.param].shape, p.at as i64, &p.data);
+            let flat = |section: Section, name: String, p: &crate::exchange::FlatPiece| flat_pieces_of(section, name, &net.param_names[p.param], &net.declared[p.param].shape, p.at, &p.data, tp);
             for p in &held.params {
-                pieces.push(flat(Section::Weights, net.param_names[p.param].clone(), p));
+                pieces.extend(flat(Section::Weights, net.param_names[p.param].clone(), p)?);
             }
             for (slot, state) in slots.iter().zip(&held.state).filter(|_| with_state) {
                 for p in state {
-                    pieces.push(flat(Section::Optimizer, checkpoint::state_name(slot, &net.param_names[p.param]), p));
+                    pieces.extend(flat(Section::Optimizer, checkpoint::state_name(slot, &net.param_names[p.param]), p)?);
                 }
             }
         }
@@ -635,6 +716,68 @@ mod tests {
         assert_eq!(starts, vec![vec![2, 0], vec![6, 0], vec![10, 0]]);
         assert_eq!(cut_regions(&[4, 6], Split::Columns, 1, 2), vec![Region::Rect { offsets: vec![0, 3], lengths: vec![4, 3] }]);
         assert_eq!(cut_regions(&[4], Split::Whole, 0, 2), vec![Region::Whole]);
+    }
+
+    /// ZeRO's flat shards of a tensor-parallel part, as regions of the whole tensor: every range
+    /// of every rank's part, for shard counts that cut rows anywhere, reads back its own elements
+    /// from the whole, and the ranges of all ranks cover the whole once.
+    #[test]
+    fn a_flat_range_of_a_part_is_regions_of_the_whole() {
+        use super::super::net::cut_tensor;
+        use tch::Kind;
+        let region_of = |t: &Tensor, region: &Region| -> Tensor {
+            match region {
+                Region::Flat { at, len } => t.view([-1]).narrow(0, *at, *len),
+                Region::Rect { offsets, lengths } => (0..offsets.len()).fold(t.shallow_clone(), |r, d| r.narrow(d as i64, offsets[d], lengths[d])),
+                Region::Whole => t.shallow_clone(),
+            }
+        };
+        for (shape, split) in [(vec![12i64, 4], Split::Rows { parts: 3 }), (vec![12], Split::Rows { parts: 3 }), (vec![8, 5], Split::Rows { parts: 1 }), (vec![5, 8], Split::Columns), (vec![6], Split::Whole)] {
+            let whole = Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu)).view(shape.as_slice());
+            for size in [1, 2, 4] {
+                for shards in [1, 2, 3, 7] {
+                    let covered = whole.zeros_like();
+                    for rank in 0..size {
+                        let part = cut_tensor(&whole, split, rank, size).unwrap().contiguous().view([-1]);
+                        let n = part.numel() as i64;
+                        let bounds: Vec<i64> = (0..=shards).map(|s| n * s / shards).collect();
+                        for range in bounds.windows(2) {
+                            let (at, len) = (range[0], range[1] - range[0]);
+                            let regions = part_range_regions(&shape, split, rank, size, at, len);
+                            assert_eq!(regions.iter().map(|(r, _)| r.elements(&shape)).sum::<i64>(), len, "{shape:?} {split:?} {rank}/{size} {at}+{len}");
+                            if let Split::Columns = split {
+                                assert!(regions.len() <= 3, "a partial row, whole rows, a partial row: {regions:?}");
+                            }
+                            for (region, from) in &regions {
+                                region.check("t", &shape).unwrap();
+                                let wanted = part.narrow(0, at + from, region.elements(&shape));
+                                assert!(region_of(&whole, region).contiguous().view([-1]).equal(&wanted), "{shape:?} {split:?} {rank}/{size} {at}+{len}: {region:?}");
+                                let _ = region_of(&covered, region).f_add_scalar_(1.0).unwrap();
+                            }
+                        }
+                        if split == Split::Whole {
+                            // Every rank holds it whole: one writes.
+                            break;
+                        }
+                    }
+                    let counts = Vec::<f32>::try_from(&covered.view([-1])).unwrap();
+                    assert!(counts.iter().all(|&c| c == 1.0), "{shape:?} {split:?} {size} {shards}: each element once, {counts:?}");
+                }
+            }
+        }
+        // Rows 2-3 of a [8, 5] cut in 4 (rank 1), from its element 3 on: the rest of row 2's
+        // elements and all of row 3's, one flat range of the whole.
+        assert_eq!(part_range_regions(&[8, 5], Split::Rows { parts: 1 }, 1, 4, 3, 7), vec![(Region::Flat { at: 13, len: 7 }, 0)]);
+        // Columns 4-7 of a [5, 8] (rank 1 of 2), its elements 2 to 13: two of row 0, rows 1-2,
+        // two of row 3.
+        assert_eq!(
+            part_range_regions(&[5, 8], Split::Columns, 1, 2, 2, 12),
+            vec![
+                (Region::Rect { offsets: vec![0, 6], lengths: vec![1, 2] }, 0),
+                (Region::Rect { offsets: vec![1, 4], lengths: vec![2, 4] }, 2),
+                (Region::Rect { offsets: vec![3, 4], lengths: vec![1, 2] }, 10),
+            ]
+        );
     }
 
     /// A run without --resume refuses a folder of checkpoints (an earlier run's).

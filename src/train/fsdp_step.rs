@@ -297,6 +297,10 @@ impl Run<'_> {
         if let Some(stream) = on_comm_stream {
             stream.restore()?;
         }
+        // A tensor-parallel group's ranks computed the same logits from the same samples: one
+        // of them counts them.
+        let counted = self.layout.tensor.as_ref().is_none_or(|tp| tp.rank == 0);
+        let (loss_sum, correct) = if counted { (loss_sum, correct) } else { (0.0, 0.0) };
         let (loss_sum, correct) = sum_pair(&self.workers_comm, loss_sum, correct);
         let n = info.test.len as f64;
         Ok((loss_sum / n, correct / n))

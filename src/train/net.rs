@@ -4,7 +4,7 @@
 use tch::nn::{self};
 use tch::{Device, Kind, Tensor};
 
-use crate::checkpoint::{self, index::Section, reader::CheckpointReader, region::Region};
+use crate::checkpoint::{self, index::Section, reader::CheckpointReader};
 use crate::data::DatasetInfo;
 use crate::error::Result;
 use crate::model::{self, InputSpec, Variable};
@@ -79,13 +79,24 @@ impl InitialValues {
     /// ViT-L/16), and a rank under a 2 GiB memory limit was killed resuming as --zero 3 from a
     /// 2 x 2 layout's checkpoint (results/beyond-one-rank/cgroup). A seed draws the whole tensor
     /// (its values depend on the whole), one tensor at a time.
-    pub(super) fn range(&self, variable: &Variable, at: i64, len: i64) -> Result<Tensor> {
+    ///
+    /// With `part` (a tensor-parallel rank's place in its group and the group's size), elements
+    /// of this rank's part of the variable, flattened: a checkpoint is read for the regions of
+    /// the whole tensor that the range is (checkpoints.rs's `part_range_regions`).
+    pub(super) fn range(&self, variable: &Variable, part: Option<(usize, usize)>, at: i64, len: i64) -> Result<Tensor> {
+        let split = part.map_or(Split::Whole, |_| vit_split(&variable.name));
+        let (rank, size) = part.unwrap_or((0, 1));
         match self {
             InitialValues::Sharded(reader) => {
                 check_shape(reader, variable)?;
-                Ok(reader.read(Section::Weights, &variable.name, &Region::Flat { at, len })?.f_to_kind(Kind::Float)?)
+                let mut pieces = super::checkpoints::part_range_regions(&variable.shape, split, rank, size, at, len)
+                    .into_iter()
+                    .map(|(region, _)| Ok(reader.read(Section::Weights, &variable.name, &region)?.f_reshape([-1])?))
+                    .collect::<Result<Vec<Tensor>>>()?;
+                let range = if pieces.len() == 1 { pieces.pop().expect("one") } else { Tensor::f_cat(&pieces, 0)? };
+                Ok(range.f_to_kind(Kind::Float)?)
             }
-            _ => Ok(self.value(variable)?.f_reshape([-1])?.f_narrow(0, at, len)?.f_contiguous()?),
+            _ => Ok(cut_tensor(&self.value(variable)?, split, rank, size)?.f_contiguous()?.f_reshape([-1])?.f_narrow(0, at, len)?.f_contiguous()?),
         }
     }
 }
@@ -115,6 +126,9 @@ pub(super) struct Net {
     pub(super) buffers: Vec<(String, Tensor)>,
     /// Every parameter as declared (its whole shape and initialisation), in `params` order.
     pub(super) declared: Vec<Variable>,
+    /// A tensor-parallel rank's place in its group and the group's size: it holds its part of
+    /// each cut parameter.
+    part: Option<(usize, usize)>,
 }
 
 impl Net {
@@ -178,14 +192,31 @@ impl Net {
             param_names: declared.iter().map(|v| v.name.clone()).collect(),
             buffers,
             declared,
+            part: part.map(|p| (p.rank, p.size)),
         };
         Ok((net, spec))
     }
 
     /// Elements `at .. at + len` of parameter `index`'s initial value, flattened, on the CPU
     /// (for `--zero 3`'s shards).
+    /// Under tensor parallelism, of this rank's part of it.
     pub(super) fn initial_range(&self, index: usize, at: i64, len: i64, values: &InitialValues) -> Result<Tensor> {
-        values.range(&self.declared[index], at, len)
+        values.range(&self.declared[index], self.part, at, len)
+    }
+
+    /// Parameter `index`'s shape as this rank holds it: its part's under tensor parallelism
+    /// (the whole shape with the cut dimension's extent over the group's size).
+    pub(super) fn held_shape(&self, index: usize) -> Vec<i64> {
+        let variable = &self.declared[index];
+        let mut shape = variable.shape.clone();
+        if let Some((_, size)) = self.part {
+            match vit_split(&variable.name) {
+                Split::Whole => {}
+                Split::Rows { .. } => shape[0] /= size as i64,
+                Split::Columns => shape[1] /= size as i64,
+            }
+        }
+        shape
     }
 
     /// The whole model (outside pipelines, where the one chunk is all of it).

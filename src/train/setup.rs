@@ -278,7 +278,10 @@ impl<'a> Run<'a> {
             );
         }
         if let Some(f) = self.layout.fsdp() {
-            let sharing = if self.args.fsdp_hybrid { self.world.local_size } else { self.world.size };
+            // The ranks that share the shards: all of them, or those that hold the same
+            // tensor-parallel part (on the node, with --fsdp-hybrid).
+            let sharers = self.layout.tensor.as_ref().map_or(self.world, |tp| &tp.replicas);
+            let sharing = if self.args.fsdp_hybrid { sharers.local_size } else { sharers.size };
             log::info!("{}", f.describe(sharing as usize));
         }
         if let Some(p) = self.layout.pipeline() {
@@ -385,11 +388,12 @@ fn shard_units(
     let last_block = block_names.len() - 1;
     let block_of = |name: &str| block_of_variable.get(name).copied().unwrap_or(last_block);
     let param_blocks: Vec<usize> = net.param_names.iter().map(|n| block_of(n)).collect();
-    let sizes: Vec<usize> = net.declared.iter().map(|v| v.numel()).collect();
+    // Under tensor parallelism the units are of this rank's parts, sharded over its replicas.
+    let shapes: Vec<Vec<i64>> = (0..net.declared.len()).map(|i| net.held_shape(i)).collect();
+    let sizes: Vec<usize> = shapes.iter().map(|s| s.iter().product::<i64>() as usize).collect();
     let units = fsdp_plan::lay_out(block_names, groups, &param_blocks, &sizes);
     let layouts: Vec<_> = units.iter().map(|u| u.layout.clone()).collect();
     let shards = exchange.fully_sharded().ok_or_else(|| Error::usage("--zero 3 needs a fully sharded exchange"))?;
-    let shapes: Vec<Vec<i64>> = net.declared.iter().map(|v| v.shape.clone()).collect();
     // The parameters are empty here, so the channels-last block above left them: the exchange
     // lays out the 4-d ones (raw::param_to_channels_last's rule) channels-last at each gather.
     shards.compute_channels_last(shapes.iter().map(|s| args.channels_last && s.len() == 4).collect());

@@ -12,7 +12,8 @@
 //! all-reduce after each row-parallel layer gives every rank the same sum, bit for bit) and the
 //! same incoming gradient (summed likewise by the copy operator's backward). The data-parallel
 //! exchange (`--strategy`) then averages every parameter over the D ranks that hold the same
-//! part.
+//! part; under `--zero 1|2|3` it shards each part over them (checkpoints.rs writes a shard of a
+//! part as the regions of the whole tensor it is).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
