@@ -4,7 +4,7 @@
 use tch::nn::{self};
 use tch::{Device, Kind, Tensor};
 
-use crate::checkpoint::{self, index::Section, reader::CheckpointReader};
+use crate::checkpoint::{self, index::Section, reader::CheckpointReader, region::Region};
 use crate::data::DatasetInfo;
 use crate::error::Result;
 use crate::model::{self, InputSpec, Variable};
@@ -82,14 +82,14 @@ impl InitialValues {
     ///
     /// With `part` (a tensor-parallel rank's place in its group and the group's size), elements
     /// of this rank's part of the variable, flattened: a checkpoint is read for the regions of
-    /// the whole tensor that the range is (checkpoints.rs's `part_range_regions`).
+    /// the whole tensor that the range is ([`part_range_regions`]).
     pub(super) fn range(&self, variable: &Variable, part: Option<(usize, usize)>, at: i64, len: i64) -> Result<Tensor> {
         let split = part.map_or(Split::Whole, |_| vit_split(&variable.name));
         let (rank, size) = part.unwrap_or((0, 1));
         match self {
             InitialValues::Sharded(reader) => {
                 check_shape(reader, variable)?;
-                let mut pieces = super::checkpoints::part_range_regions(&variable.shape, split, rank, size, at, len)
+                let mut pieces = part_range_regions(&variable.shape, split, rank, size, at, len)
                     .into_iter()
                     .map(|(region, _)| Ok(reader.read(Section::Weights, &variable.name, &region)?.f_reshape([-1])?))
                     .collect::<Result<Vec<Tensor>>>()?;
@@ -250,6 +250,77 @@ pub(super) fn cut_tensor(w: &Tensor, split: Split, rank: usize, size: usize) -> 
     Ok(Tensor::f_cat(&pieces, dim as i64)?)
 }
 
+/// The rectangles of a whole tensor of `shape` that rank `rank` of a tensor-parallel group of
+/// `size` holds of a variable cut by `split`, in the order its part holds them.
+pub(super) fn cut_regions(shape: &[i64], split: Split, rank: usize, size: usize) -> Vec<Region> {
+    let dim = match split {
+        Split::Whole => return vec![Region::Whole],
+        Split::Rows { .. } => 0,
+        Split::Columns => 1,
+    };
+    held(split, shape[dim] as usize, rank, size)
+        .into_iter()
+        .map(|r| {
+            let mut offsets = vec![0; shape.len()];
+            let mut lengths = shape.to_vec();
+            offsets[dim] = r.start as i64;
+            lengths[dim] = r.len() as i64;
+            Region::Rect { offsets, lengths }
+        })
+        .collect()
+}
+
+/// Where elements `at .. at + len` of rank `rank`'s part (of a group of `size`, cut by `split`)
+/// of a whole tensor of `shape` lie in that tensor: regions of it, each with the offset of its
+/// first element within the range (its length is the region's element count). A ZeRO or FSDP
+/// shard is a flat range of the part, which is no flat range of the whole tensor: a row cut's
+/// part is its blocks of whole rows one after another, so a range is a flat range of the whole
+/// per block it touches; a column cut's part is a few columns of every row, so a range is a
+/// partial first row, the whole rows between and a partial last row, each a rectangle.
+pub(super) fn part_range_regions(shape: &[i64], split: Split, rank: usize, size: usize, at: i64, len: i64) -> Vec<(Region, i64)> {
+    let end = at + len;
+    match split {
+        Split::Whole => vec![(Region::Flat { at, len }, 0)],
+        Split::Rows { .. } => {
+            // Elements per row: the row cut keeps every other dimension whole.
+            let inner: i64 = shape[1..].iter().product();
+            let mut local_row = 0;
+            let mut regions = Vec::new();
+            for rows in held(split, shape[0] as usize, rank, size) {
+                let (first, count) = (rows.start as i64, rows.len() as i64);
+                let (from, to) = ((local_row * inner).max(at), ((local_row + count) * inner).min(end));
+                if from < to {
+                    regions.push((Region::Flat { at: first * inner + (from - local_row * inner), len: to - from }, from - at));
+                }
+                local_row += count;
+            }
+            regions
+        }
+        Split::Columns => {
+            assert_eq!(shape.len(), 2, "a column cut is of a matrix");
+            let columns = held(split, shape[1] as usize, rank, size);
+            let (first_column, width) = (columns[0].start as i64, columns[0].len() as i64);
+            let rect = |row: i64, column: i64, rows: i64, columns: i64| Region::Rect { offsets: vec![row, first_column + column], lengths: vec![rows, columns] };
+            let mut regions = Vec::new();
+            let mut from = at;
+            if from % width != 0 && from < end {
+                let to = end.min((from / width + 1) * width);
+                regions.push((rect(from / width, from % width, 1, to - from), from - at));
+                from = to;
+            }
+            let rows = (end - from) / width;
+            if rows > 0 {
+                regions.push((rect(from / width, 0, rows, width), from - at));
+                from += rows * width;
+            }
+            if from < end {
+                regions.push((rect(from / width, 0, 1, end - from), from - at));
+            }
+            regions
+        }
+    }
+}
+
 /// A pipeline stage's chunks, each its blocks in sequence, from the whole model's `blocks`.
 pub(super) fn stage_chunks(blocks: Vec<model::Block>, cut: &StageCut) -> Vec<(usize, nn::FuncT<'static>)> {
     sequences(blocks, cut.chunks.iter().cloned())
@@ -353,3 +424,78 @@ impl BuffersAsFound {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cut_is_the_rectangles_its_rank_holds() {
+        // q, k, v rows of a [12, 4] in-projection, rank 1 of 2: rows 2-3, 6-7, 10-11.
+        let rects = cut_regions(&[12, 4], Split::Rows { parts: 3 }, 1, 2);
+        let starts: Vec<Vec<i64>> = rects.iter().map(|r| match r { Region::Rect { offsets, .. } => offsets.clone(), _ => unreachable!() }).collect();
+        assert_eq!(starts, vec![vec![2, 0], vec![6, 0], vec![10, 0]]);
+        assert_eq!(cut_regions(&[4, 6], Split::Columns, 1, 2), vec![Region::Rect { offsets: vec![0, 3], lengths: vec![4, 3] }]);
+        assert_eq!(cut_regions(&[4], Split::Whole, 0, 2), vec![Region::Whole]);
+    }
+
+    /// ZeRO's flat shards of a tensor-parallel part, as regions of the whole tensor: every range
+    /// of every rank's part, for shard counts that cut rows anywhere, reads back its own elements
+    /// from the whole, and the ranges of all ranks cover the whole once.
+    #[test]
+    fn a_flat_range_of_a_part_is_regions_of_the_whole() {
+        use tch::Kind;
+        let region_of = |t: &Tensor, region: &Region| -> Tensor {
+            match region {
+                Region::Flat { at, len } => t.view([-1]).narrow(0, *at, *len),
+                Region::Rect { offsets, lengths } => (0..offsets.len()).fold(t.shallow_clone(), |r, d| r.narrow(d as i64, offsets[d], lengths[d])),
+                Region::Whole => t.shallow_clone(),
+            }
+        };
+        for (shape, split) in [(vec![12i64, 4], Split::Rows { parts: 3 }), (vec![12], Split::Rows { parts: 3 }), (vec![8, 5], Split::Rows { parts: 1 }), (vec![5, 8], Split::Columns), (vec![6], Split::Whole)] {
+            let whole = Tensor::arange(shape.iter().product::<i64>(), (Kind::Float, Device::Cpu)).view(shape.as_slice());
+            for size in [1, 2, 4] {
+                for shards in [1, 2, 3, 7] {
+                    let covered = whole.zeros_like();
+                    for rank in 0..size {
+                        let part = cut_tensor(&whole, split, rank, size).unwrap().contiguous().view([-1]);
+                        let n = part.numel() as i64;
+                        let bounds: Vec<i64> = (0..=shards).map(|s| n * s / shards).collect();
+                        for range in bounds.windows(2) {
+                            let (at, len) = (range[0], range[1] - range[0]);
+                            let regions = part_range_regions(&shape, split, rank, size, at, len);
+                            assert_eq!(regions.iter().map(|(r, _)| r.elements(&shape)).sum::<i64>(), len, "{shape:?} {split:?} {rank}/{size} {at}+{len}");
+                            if let Split::Columns = split {
+                                assert!(regions.len() <= 3, "a partial row, whole rows, a partial row: {regions:?}");
+                            }
+                            for (region, from) in &regions {
+                                region.check("t", &shape).unwrap();
+                                let wanted = part.narrow(0, at + from, region.elements(&shape));
+                                assert!(region_of(&whole, region).contiguous().view([-1]).equal(&wanted), "{shape:?} {split:?} {rank}/{size} {at}+{len}: {region:?}");
+                                let _ = region_of(&covered, region).f_add_scalar_(1.0).unwrap();
+                            }
+                        }
+                        if split == Split::Whole {
+                            // Every rank holds it whole: one writes.
+                            break;
+                        }
+                    }
+                    let counts = Vec::<f32>::try_from(&covered.view([-1])).unwrap();
+                    assert!(counts.iter().all(|&c| c == 1.0), "{shape:?} {split:?} {size} {shards}: each element once, {counts:?}");
+                }
+            }
+        }
+        // Rows 2-3 of a [8, 5] cut in 4 (rank 1), from its element 3 on: the rest of row 2's
+        // elements and all of row 3's, one flat range of the whole.
+        assert_eq!(part_range_regions(&[8, 5], Split::Rows { parts: 1 }, 1, 4, 3, 7), vec![(Region::Flat { at: 13, len: 7 }, 0)]);
+        // Columns 4-7 of a [5, 8] (rank 1 of 2), its elements 2 to 13: two of row 0, rows 1-2,
+        // two of row 3.
+        assert_eq!(
+            part_range_regions(&[5, 8], Split::Columns, 1, 2, 2, 12),
+            vec![
+                (Region::Rect { offsets: vec![0, 6], lengths: vec![1, 2] }, 0),
+                (Region::Rect { offsets: vec![1, 4], lengths: vec![2, 4] }, 2),
+                (Region::Rect { offsets: vec![3, 4], lengths: vec![1, 2] }, 10),
+            ]
+        );
+    }
+}

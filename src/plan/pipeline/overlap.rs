@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use crate::plan::buckets::BucketPlan;
 
-use super::shape::Action;
+use crate::plan::pipeline::shape::Action;
 
 /// A chunk's last backward in a stage's action list: at `action`, chunk `chunk`'s gradients
 /// become final; `segment` is its place among the stage's final backwards (the order in which
@@ -75,8 +75,9 @@ pub fn segmented_plan(
 
 #[cfg(test)]
 mod tests {
-    use super::super::{schedule, ScheduleKind, Shape};
     use super::*;
+    use crate::plan::pipeline::schedule::schedule;
+    use crate::plan::pipeline::shape::{ScheduleKind, Shape};
 
     fn finals(kind: ScheduleKind, stages: usize, micro: usize, virtual_stages: usize, stage: usize) -> Vec<(usize, usize)> {
         let shape = Shape::new(kind, stages, micro, virtual_stages).unwrap();
