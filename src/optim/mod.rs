@@ -166,38 +166,31 @@ impl Optimizer {
                     let (first, second) = self.state.split_at_mut(1);
                     adamw::update(&step, params, grads, &mut first[0], &mut second[0], which)
                 }
-                OptimizerKind::Lars => match (&mut self.layer_parts, pieces) {
-                    (Some(parts), Pieces::Whole) => {
-                        // Each rank's squared norms of its parts, summed over the group; the
-                        // rows of whole copies (lars.rs lists the adapted layers of `which`
-                        // in order) zeroed first on all but one rank.
-                        let exempt = &self.exempt;
-                        let adapted: Vec<usize> = which.iter().copied().filter(|&l| !exempt.get(l).copied().unwrap_or(false)).collect();
-                        let copies: Vec<i64> = adapted.iter().enumerate().filter(|&(_, &l)| !parts.cut[l]).map(|(row, _)| row as i64).collect();
-                        let counts_whole = parts.counts_whole;
-                        let sum_over_group = &mut parts.sum_over_group;
-                        let mut sum_over_ranks = |sums: &mut Tensor| -> Result<()> {
-                            if !counts_whole && !copies.is_empty() {
-                                let rows = Tensor::f_from_slice(&copies)?.f_to_device(sums.device())?;
-                                let _ = sums.f_index_fill_(0, &rows, 0.0)?;
+                OptimizerKind::Lars => match &mut self.layer_parts {
+                    None => lars::update(&step, params, grads, &mut self.state[0], which, &self.exempt, pieces),
+                    Some(parts) => {
+                        // Tensor parallelism: each layer's squared norms from this rank's
+                        // pieces (ZeRO's shards summed over the replicas first), then summed over
+                        // the group; the rows of whole copies (lars.rs lists the adapted layers
+                        // in order), which every rank of the group holds alike, zeroed first on
+                        // all but one rank.
+                        let whole_layers: Vec<usize>;
+                        let (layer_of, layers, mut over_replicas) = match pieces {
+                            Pieces::Whole => {
+                                whole_layers = (0..params.len()).collect();
+                                (&whole_layers[..], which, None)
                             }
-                            sum_over_group(sums)
+                            Pieces::Parts { layer_of, layers, sum_over_ranks } => (layer_of, layers, Some(sum_over_ranks)),
                         };
-                        let layer_of: Vec<usize> = (0..params.len()).collect();
-                        let pieces = Pieces::Parts { layer_of: &layer_of, layers: which, sum_over_ranks: &mut sum_over_ranks };
-                        lars::update(&step, params, grads, &mut self.state[0], which, exempt, pieces)
-                    }
-                    (Some(parts), Pieces::Parts { layer_of, layers, sum_over_ranks: sum_over_replicas }) => {
-                        // ZeRO's shards of tensor-parallel parts: each layer's figures summed
-                        // over the replicas (the shards), then cut layers over the group; whole
-                        // copies, summed alike by every rank of the group, counted on one.
                         let exempt = &self.exempt;
                         let adapted: Vec<usize> = layers.iter().copied().filter(|&l| !exempt.get(l).copied().unwrap_or(false)).collect();
                         let copies: Vec<i64> = adapted.iter().enumerate().filter(|&(_, &l)| !parts.cut[l]).map(|(row, _)| row as i64).collect();
                         let counts_whole = parts.counts_whole;
                         let sum_over_group = &mut parts.sum_over_group;
                         let mut sum_over_ranks = |sums: &mut Tensor| -> Result<()> {
-                            sum_over_replicas(sums)?;
+                            if let Some(sum_over_replicas) = over_replicas.as_mut() {
+                                sum_over_replicas(sums)?;
+                            }
                             if !counts_whole && !copies.is_empty() {
                                 let rows = Tensor::f_from_slice(&copies)?.f_to_device(sums.device())?;
                                 let _ = sums.f_index_fill_(0, &rows, 0.0)?;
@@ -207,7 +200,6 @@ impl Optimizer {
                         let pieces = Pieces::Parts { layer_of, layers, sum_over_ranks: &mut sum_over_ranks };
                         lars::update(&step, params, grads, &mut self.state[0], which, exempt, pieces)
                     }
-                    (None, pieces) => lars::update(&step, params, grads, &mut self.state[0], which, &self.exempt, pieces),
                 },
             }
         })?;
