@@ -17,8 +17,8 @@ run() {
   local name=$1; shift
   { echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), $(nproc) cores, load $(cut -d' ' -f1 /proc/loadavg), $(git rev-parse --short HEAD): $name"
     mpirun -n 4 --oversubscribe --bind-to none "$HPC_TRAIN_BIN" --model resnet18 --data datasets/fashion-mnist.h5 \
-      --batch-size 16 --steps 8 --warmup-steps 3 --threads 1 --no-eval --log-every 1000 --strategy ring \
-      --pipeline-stages 2 --micro-batches 4 --partition params --study-tag "$name" --results "$R" "$@"; } > "$R/logs/$name.txt" 2>&1
+      --batch-size 16 --steps 8 --skip-steps 3 --threads 1 --no-eval --log-every 1000 --strategy ring \
+      --pipeline-stages 2 --micro-batches 4 --partition params --study "$name" --results "$R" "$@"; } > "$R/logs/$name.txt" 2>&1
 }
 for round in $(seq 1 "$ROUNDS"); do
   for schedule in 1f1b interleaved; do
