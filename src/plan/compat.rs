@@ -253,7 +253,6 @@ const OVERLAP_TENSOR: &str =
     "the data-parallel exchange runs after backward, whose own all-reduces run on the run's thread; use --overlap off or auto";
 const RECOMPUTE_SPLIT: &str = "a split backward keeps the forward's graph from its B to its W, which recomputation exists not to keep; use --schedule 1f1b or interleaved with --recompute";
 const ZERO_STRATEGY: &str = "ZeRO shards the optimizer (and at stage 3 the parameters) along a reduce-scatter and an all-gather, which only the from-scratch all-reduces (ring, rhd, auto) run apart";
-const ZERO3_PIPELINE: &str = "a pipeline stage holds its own blocks whole; use --zero 1 or 2 with pipelines";
 const PS_PIPELINE: &str = "a pipeline's stages average their gradients among themselves; use ring, rhd, auto, allreduce or horovod";
 const PS_TENSOR: &str = "parameter servers take ranks out of the groups; use ring, rhd, auto, allreduce or horovod";
 const CHECKPOINT_ASYNC: &str = "asynchronous servers hold no state consistent across ranks at any step; checkpoint a synchronous run";
@@ -298,14 +297,12 @@ fn pair(a: Kind, b: Kind) -> Verdict {
         (a, Kind::TensorPipeline) if a.is_pipeline() => Supported,
         (a, b) if a.is_pipeline() && b.is_pipeline() => Na,
         (Kind::TensorParallel, Kind::TensorPipeline) => Supported,
-        (Kind::Zero3 | Kind::Zero3Hybrid, Kind::TensorPipeline) => Refused(ZERO3_PIPELINE),
         (a, Kind::TensorPipeline) if a.is_parameter_server() => Refused(PS_TENSOR),
         (_, Kind::TensorPipeline) => Supported,
         (a, b) if a.is_parameter_server() && b.is_sharded() => Refused(ZERO_STRATEGY),
         (Kind::Allreduce | Kind::Horovod, b) if b.is_sharded() => Refused(ZERO_STRATEGY),
         (a, b) if a.is_parameter_server() && b.is_pipeline() => Refused(PS_PIPELINE),
         (a, Kind::TensorParallel) if a.is_parameter_server() => Refused(PS_TENSOR),
-        (Kind::Zero3 | Kind::Zero3Hybrid, b) if b.is_pipeline() => Refused(ZERO3_PIPELINE),
         _ => Supported,
     }
 }
@@ -427,12 +424,15 @@ mod tests {
     fn the_known_refusals_are_in_the_table() {
         assert!(matches!(verdict(Feature::Fp16, Kind::Ps), Verdict::Refused(_)));
         assert_eq!(verdict(Feature::Fp16, Kind::Zero3), Verdict::Supported);
-        assert!(matches!(verdict(Feature::Layout(Kind::Zero3), Kind::OneFOneB), Verdict::Refused(_)));
+        // Stage 3 shards a pipeline stage's parameters over its replicas (train/pipeline_step.rs).
+        assert_eq!(verdict(Feature::Layout(Kind::Zero3), Kind::OneFOneB), Verdict::Supported);
+        assert_eq!(verdict(Feature::Layout(Kind::Zero3), Kind::ZbV), Verdict::Supported);
+        assert_eq!(pair(Kind::Zero3Hybrid, Kind::ZbV), Verdict::Supported);
         // ZeRO shards a tensor-parallel rank's parts over the ranks that hold the same part.
         assert_eq!(verdict(Feature::Layout(Kind::TensorParallel), Kind::Zero1), Verdict::Supported);
         assert_eq!(verdict(Feature::Layout(Kind::TensorParallel), Kind::Zero3Hybrid), Verdict::Supported);
         assert_eq!(verdict(Feature::Layout(Kind::Zero2), Kind::TensorPipeline), Verdict::Supported);
-        assert!(matches!(verdict(Feature::Layout(Kind::Zero3), Kind::TensorPipeline), Verdict::Refused(why) if why == ZERO3_PIPELINE));
+        assert_eq!(verdict(Feature::Layout(Kind::Zero3), Kind::TensorPipeline), Verdict::Supported);
         assert!(matches!(verdict(Feature::Layout(Kind::Ps), Kind::Gpipe), Verdict::Refused(_)));
         assert!(matches!(verdict(Feature::Layout(Kind::Horovod), Kind::Zero1), Verdict::Refused(_)));
         // Sharded checkpoints write pipelines of groups as well (issue 49).
@@ -458,8 +458,7 @@ mod tests {
         assert!(check(&[Feature::Fp16], &[Kind::Ring, Kind::Zero1, Kind::OneFOneB]).is_ok());
         let err = check(&[Feature::Fp16], &[Kind::Ps]).unwrap_err();
         assert!(err.starts_with("--precision fp16 with --strategy ps:"), "{err}");
-        let err = check(&[], &[Kind::Ring, Kind::Zero3, Kind::Gpipe]).unwrap_err();
-        assert!(err.starts_with("--zero 3 with --pipeline-stages (--schedule gpipe):"), "{err}");
+        assert!(check(&[Feature::Fp16], &[Kind::Ring, Kind::Zero3, Kind::Gpipe]).is_ok());
         let err = check(&[Feature::Recompute], &[Kind::Ring]).unwrap_err();
         assert!(err.starts_with("--recompute is an option of --pipeline-stages (--schedule gpipe) or"), "{err}");
         assert!(check(&[Feature::Bf16, Feature::Lars, Feature::Recompute], &[Kind::Ring, Kind::Zero1, Kind::Interleaved]).is_ok());

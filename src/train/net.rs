@@ -219,6 +219,12 @@ impl Net {
         shape
     }
 
+    /// The elements of the parameters this rank holds while it computes (its parts under
+    /// tensor parallelism), whether or not they are gathered now (`--zero 3`).
+    pub(super) fn held_elements(&self) -> usize {
+        (0..self.declared.len()).map(|i| self.held_shape(i).iter().product::<i64>() as usize).sum()
+    }
+
     /// The whole model (outside pipelines, where the one chunk is all of it).
     pub(super) fn model(&self) -> &nn::FuncT<'static> {
         assert!(self.chunks.len() == 1 && self.chunks[0].0 == 0, "the whole model is asked of a pipeline stage");

@@ -83,6 +83,10 @@ pub(super) struct Pipeline {
     /// `--overlap`: the stage's gradient exchange beside each chunk's last backward, its
     /// buckets planned per chunk (set-up builds it; `--overlap auto`'s trial may end it).
     pub(super) overlap: Option<Overlap>,
+    /// `--zero 3`: between steps this rank holds its shard of the stage's parameters (the
+    /// exchange's one unit), gathered whole before the schedule and each evaluation and let go
+    /// after (pipeline_step.rs).
+    pub(super) shards_parameters: bool,
 }
 
 /// An overlapped step's exchange beside the schedule ([`Overlap`]): the run's exchange and
@@ -256,6 +260,7 @@ impl Pipeline {
             timeline,
             final_backwards,
             overlap: None,
+            shards_parameters: false,
         })
     }
 

@@ -3,7 +3,7 @@
 //! schedule's executor, messages, figures, checkpoints) is pipeline.rs, which the run's layout
 //! holds.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tch::{Kind, Reduction, Tensor};
 
@@ -11,6 +11,7 @@ use crate::data::loader::Batch;
 use crate::data::reader::SplitReader;
 use crate::data::{DatasetInfo, Labels, Split};
 use crate::error::Result;
+use crate::exchange::strategy::UnitTimes;
 use crate::optim::{self, FiniteCheck};
 use crate::plan::shard::ShardInfo;
 
@@ -18,7 +19,7 @@ use super::collective::sum_pair;
 use super::net::Normalizer;
 use super::pipeline::StageOverlap;
 use super::run::Run;
-use super::step::{Backward, Gradients, LoopState, PassLoss};
+use super::step::{inject_inf, Backward, Gradients, LoopState, PassLoss};
 use super::step_faults::StepFaults;
 
 impl Run<'_> {
@@ -66,16 +67,35 @@ impl Run<'_> {
             let gradients = if scaler { Gradients::Reduced(grads) } else { Gradients::Applied(finite) };
             return Ok(Backward { loss: PassLoss::Read(loss_sum), samples, gradients, exchange_total: times.exchange, exchange_exposed: times.exposed });
         }
-        let loss_sum = pipeline.run_schedule(chunks, params, n, images.as_ref(), labels.as_ref(), factor, smoothing, precision, step, measured, faults, None)?;
         // The loss and its samples count once, on the stage that computes them.
         let samples = if pipeline.last_stage() { n } else { 0 };
+        if pipeline.shards_parameters {
+            // --zero 3: the stage gathered whole for its schedule, its gradients reduce-scattered
+            // after it (the micro-batches reuse the one gather, as torchtitan's FSDP under
+            // pipelining), and its parameters let go.
+            let shards = self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange");
+            let started = Instant::now();
+            let gathered = shards.gather(0)?;
+            shards.install(0, &gathered, params)?;
+            let gather = started.elapsed();
+            let loss_sum = pipeline.run_schedule(chunks, params, n, images.as_ref(), labels.as_ref(), factor, smoothing, precision, step, measured, faults, None)?;
+            let started = Instant::now();
+            let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
+            spoil_gradients(&grads, faults, scaler)?;
+            let mut finite = FiniteCheck::default();
+            shards.pack_grads(0, params, &mut finite)?;
+            shards.release(0, params)?;
+            shards.reduce(0)?;
+            let reduce = started.elapsed();
+            shards.note_step(UnitTimes { gather, exposed_gather: gather, reduce, exposed_reduce: reduce });
+            let exchanged = gather + reduce;
+            return Ok(Backward { loss: PassLoss::Read(loss_sum), samples, gradients: Gradients::Shards(finite), exchange_total: exchanged, exchange_exposed: exchanged });
+        }
+        let loss_sum = pipeline.run_schedule(chunks, params, n, images.as_ref(), labels.as_ref(), factor, smoothing, precision, step, measured, faults, None)?;
         // Zeros where a parameter got none (an overlapped step lets some go before backward).
         let grads = optim::defined_grads(&self.net.params)?;
-        if faults.nan_gradients() {
-            // `nangrad`: this stage's own gradients, whichever stage it is (the loss factor
-            // reaches only the last stage's). A stage without parameters has none to spoil.
-            tch::no_grad(|| grads.iter().filter(|g| g.defined()).try_for_each(|g| g.shallow_clone().f_fill_(f64::NAN).map(drop)))?;
-        }
+        // (`infgrad` with the loss scaler: the step spoils whole gradients itself.)
+        spoil_gradients(&grads, faults, false)?;
         Ok(Backward { loss: PassLoss::Read(loss_sum), samples, gradients: Gradients::Local(grads), exchange_total: Duration::ZERO, exchange_exposed: Duration::ZERO })
     }
 
@@ -110,7 +130,16 @@ impl Run<'_> {
             correct += logits.f_argmax(-1, false)?.f_eq_tensor(&target)?.f_sum(Kind::Float)?.f_double_value(&[])?;
             Ok(())
         };
+        // --zero 3: the stage gathered whole for the evaluation's forwards, then let go.
+        let mut shards = if pipeline.shards_parameters { self.exchange.fully_sharded() } else { None };
+        if let Some(shards) = shards.as_deref_mut() {
+            let gathered = shards.gather(0)?;
+            shards.install(0, &gathered, &self.net.params)?;
+        }
         tch::no_grad(|| pipeline.run_forwards(&self.net.chunks, &micro, input, score))?;
+        if let Some(shards) = shards {
+            shards.release(0, &self.net.params)?;
+        }
         pipeline.data_read.test_image_bytes += image_bytes as u64;
         pipeline.data_read.test_labels += labels_scored as u64;
         // A tensor-parallel group's ranks score the same samples; the first counts them.
@@ -128,3 +157,16 @@ impl Run<'_> {
     }
 }
 
+/// The test hooks that spoil a stage's own gradients after its schedule, whichever stage it is
+/// (the loss factor reaches only the last stage's): `nangrad` makes them NaN; `infgrad` with
+/// the loss scaler (`overflow`: where the step does not spoil them itself) makes one +inf, as
+/// an fp16 overflow. A stage without parameters has none to spoil.
+fn spoil_gradients(grads: &[Tensor], faults: &StepFaults, overflow: bool) -> Result<()> {
+    if faults.nan_gradients() {
+        tch::no_grad(|| grads.iter().filter(|g| g.defined()).try_for_each(|g| g.shallow_clone().f_fill_(f64::NAN).map(drop)))?;
+    }
+    if overflow && faults.inf_gradient() {
+        inject_inf(grads)?;
+    }
+    Ok(())
+}

@@ -55,7 +55,7 @@ pub fn training_ranks(args: &TrainArgs, strategy: exchange::StrategyKind, ranks:
 pub fn check_combination(args: &TrainArgs) -> Result<()> {
     let (features, kinds) = features_and_kinds(args, crate::faults::injected());
     compat::check(&features, &kinds).map_err(Error::usage)?;
-    check_fp16_overlap(args)?;
+    check_triples(args)?;
     args.check_unused_options(&[args.strategy]).map(|_| ())
 }
 
@@ -78,7 +78,7 @@ impl Plan {
         if let Some(p) = &pipeline {
             check_pipeline(p, batch)?;
         }
-        check_fp16_overlap(args)?;
+        check_triples(args)?;
         if args.given.has("loss_scale") && args.precision != Precision::Fp16 {
             return Err(Error::usage("--loss-scale is an option of --precision fp16 (the loss scaler); drop it, or add --precision fp16"));
         }
@@ -246,16 +246,33 @@ fn check_fully_sharded_options(args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// fp16 with ZeRO 1/2 and `--overlap on`: a combination of three, which the table of pairs
-/// (plan/compat.rs) cannot state. ZeRO's overlap steps each bucket's shard as soon as the
-/// bucket is reduced, while backward still runs; the loss scaler must see every gradient
-/// before any step. (`--overlap auto` chooses off there: overlap_choice.rs.)
-fn check_fp16_overlap(args: &TrainArgs) -> Result<()> {
-    if args.precision == Precision::Fp16 && matches!(args.zero, 1 | 2) && args.overlap == super::options::OnOff::On {
+/// Combinations of three, which the table of pairs (plan/compat.rs) cannot state:
+/// - fp16 with ZeRO 1/2 and `--overlap on`: ZeRO's overlap steps each bucket's shard as soon as
+///   the bucket is reduced, while backward still runs; the loss scaler must see every gradient
+///   before any step. (`--overlap auto` chooses off there: overlap_choice.rs.)
+/// - `--zero 3` in a pipeline with `--overlap on`: stage 3's overlap is its units' prefetch,
+///   and a pipeline stage is gathered once, before its schedule (pipeline_step.rs), with
+///   nothing beside it to hide behind. (`--overlap auto` is off there: set-up.)
+/// - `--fsdp-unit` in a pipeline: a stage is its own one unit.
+fn check_triples(args: &TrainArgs) -> Result<()> {
+    let on = args.overlap == super::options::OnOff::On;
+    if args.precision == Precision::Fp16 && matches!(args.zero, 1 | 2) && on {
         return Err(Error::usage(format!(
             "--precision fp16 with --zero {} and --overlap on: ZeRO's overlap steps each bucket's shard as soon as it is reduced, before the loss scaler has seen every gradient; use --overlap off or auto, or --precision bf16",
             args.zero
         )));
+    }
+    if args.zero == 3 && args.pipeline.pipelined() {
+        if on {
+            return Err(Error::usage(
+                "--zero 3 with --pipeline-stages and --overlap on: stage 3's overlap is the prefetch of its next unit, and a pipeline stage is one unit, gathered once before its schedule; use --overlap off or auto",
+            ));
+        }
+        if args.given.has("fsdp_unit") {
+            return Err(Error::usage(
+                "--fsdp-unit with --pipeline-stages: under --zero 3 a pipeline stage is one unit, gathered once per step for all its micro-batches (as torchtitan's FSDP under pipelining, which does not reshard after forward); drop --fsdp-unit",
+            ));
+        }
     }
     Ok(())
 }
@@ -855,6 +872,15 @@ mod tests {
             let err = check_fully_sharded_options(&given_args(extra)).unwrap_err().to_string();
             assert!(err.contains(&format!("{flag} is an option of --zero 3")), "{err}");
         }
+        // Stage 3 in a pipeline: one unit per stage, gathered once per step.
+        let pipelined = ["--zero", "3", "--pipeline-stages", "2"];
+        assert!(check_triples(&given_args(&pipelined)).is_ok());
+        assert!(check_triples(&given_args(&[&pipelined[..], &["--overlap", "auto"]].concat())).is_ok());
+        assert!(check_triples(&given_args(&["--zero", "3", "--overlap", "on", "--fsdp-unit", "stage"])).is_ok());
+        let err = check_triples(&given_args(&[&pipelined[..], &["--overlap", "on"]].concat())).unwrap_err().to_string();
+        assert!(err.starts_with("--zero 3 with --pipeline-stages and --overlap on:"), "{err}");
+        let err = check_triples(&given_args(&[&pipelined[..], &["--fsdp-unit", "model"]].concat())).unwrap_err().to_string();
+        assert!(err.starts_with("--fsdp-unit with --pipeline-stages:"), "{err}");
 
         // A pipeline's grid and schedule against the ranks, and its micro-batches against the
         // batch. (A partition or a chunk count the model's blocks cannot take is refused when the

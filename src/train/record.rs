@@ -106,21 +106,23 @@ impl Run<'_> {
         let parameters = match (&self.layout.tensor, self.layout.pipeline(), self.layout.fsdp()) {
             // A rank holds its part of each cut parameter: the whole model's count.
             (Some(_), _, _) => self.args.model.parameters_for(self.spec) as usize,
-            // Each stage's parameters once (from the first pipeline).
-            (None, Some(p), _) => world.sum_f64(if p.replica == 0 { self.net.params.iter().map(|t| t.numel()).sum::<usize>() as f64 } else { 0.0 }) as usize,
+            // Each stage's parameters once (from the first pipeline; as declared, since under
+            // --zero 3 they are empty between steps).
+            (None, Some(p), _) => world.sum_f64(if p.replica == 0 { self.net.held_elements() as f64 } else { 0.0 }) as usize,
             // Stage 3's parameters are empty between steps; the units know their sizes.
             (None, None, Some(f)) => f.units.iter().map(|u| u.layout.len).sum::<usize>(),
             (None, None, None) => self.net.params.iter().map(|p| p.numel()).sum::<usize>(),
         };
-        // Stage 3: the largest over the ranks of what each holds and gathers.
-        let fsdp_bytes = self.layout.fsdp().map(|_| {
+        // Stage 3 (units, or a pipeline stage's one): the largest over the ranks of what each
+        // holds and gathers.
+        let fsdp_bytes = report.extra.contains_key("parameter_bytes_held").then(|| {
             let max_of = |key: &str| world.max_f64(report.extra.get(key).and_then(|v| v.as_f64()).unwrap_or(0.0)) as u64;
             (max_of("parameter_bytes_held"), max_of("peak_gathered_parameter_bytes"))
         });
         // --tensor-parallel: the parameters this rank holds (its part), the largest over the
         // ranks, and the group's all-reduces per measured step.
         let tensor_parallel = self.layout.tensor.as_ref().map(|tp| {
-            let held = world.max_f64((self.net.params.iter().map(|p| p.numel()).sum::<usize>() * 4) as f64) as u64;
+            let held = world.max_f64((self.net.held_elements() * 4) as f64) as u64;
             let steps = tp.measured_steps.max(1) as f64;
             let ms = mean_over_workers(tp.measured.time.as_secs_f64() * 1e3 / steps);
             (tp, held, ms)
@@ -170,8 +172,11 @@ impl Run<'_> {
             extra.insert("overlap_trial_with_ms".into(), trial.with_overlap_ms.into());
             extra.insert("overlap_trial_without_ms".into(), trial.without_ms.into());
         }
-        if let (Some(f), Some((held, gathered))) = (self.layout.fsdp(), fsdp_bytes) {
-            extra.insert("fsdp_unit".into(), f.size.name().into());
+        if let Some((held, gathered)) = fsdp_bytes {
+            // (A pipeline stage is its own one unit: the record's pipeline says which.)
+            if let Some(f) = self.layout.fsdp() {
+                extra.insert("fsdp_unit".into(), f.size.name().into());
+            }
             extra.insert("parameter_bytes_held".into(), held.into());
             extra.insert("peak_gathered_parameter_bytes".into(), gathered.into());
         }

@@ -113,8 +113,9 @@ impl<'a> Run<'a> {
         // The ranks that hold the same variables: all of them, a stage's replicas, or the ranks
         // of the other groups that hold the same part.
         let replicas: &World = part_replicas(pipeline.as_ref(), tensor_parallel.as_ref()).unwrap_or(world);
-        // --zero 3: which blocks make each unit (learnt before the seed draws the weights).
-        let fully_sharded = (args.zero == 3).then(|| {
+        // --zero 3: which blocks make each unit (learnt before the seed draws the weights). In a
+        // pipeline the stage is one unit instead (shard_stage, below).
+        let fully_sharded = (args.zero == 3 && pipeline.is_none()).then(|| {
             let (block_names, block_of_variable) = variable_blocks(args.model, input_spec(&info));
             let groups = fsdp_plan::group_blocks(&block_names, args.fsdp_unit);
             (block_names, block_of_variable, groups)
@@ -166,7 +167,7 @@ impl<'a> Run<'a> {
         }
         // Every parameter gets a gradient, so that every rank exchanges the same set (stage 3
         // packs a missing gradient as zeros, and holds no whole gradients between steps).
-        if fully_sharded.is_none() {
+        if args.zero != 3 {
             optim::define_grads(&net.params)?;
         }
 
@@ -198,11 +199,24 @@ impl<'a> Run<'a> {
             }
             None => None,
         };
-        // Stage 3 overlaps through its units' prefetch; tensor parallelism exchanges after
-        // backward (an explicit --overlap on is refused there: plan/compat.rs); a pipeline
-        // stage overlaps chunk by chunk, its parameters' chunks found by name.
-        let (overlap, overlap_choice) = if fsdp.is_some() || tensor_parallel.is_some() {
-            (None, OverlapChoice::fixed(if fsdp.is_some() { "--zero 3 overlaps through its units' prefetch" } else { "tensor parallelism exchanges after backward" }))
+        // --zero 3 in a pipeline: the stage's parameters cut to this rank's shard of them.
+        if let Some(stage) = pipeline.as_mut().filter(|_| args.zero == 3) {
+            world.agree(shard_stage(&net, exchange.as_mut(), &mut optimizer, args.channels_last))?;
+            stage.shards_parameters = true;
+        }
+        // Stage 3 overlaps through its units' prefetch (in a pipeline it has none: the stage is
+        // gathered once per step, and an explicit --overlap on is refused: plan.rs); tensor
+        // parallelism exchanges after backward (an explicit --overlap on is refused there:
+        // plan/compat.rs); a pipeline stage overlaps chunk by chunk, its parameters' chunks
+        // found by name.
+        let fixed = match (fsdp.is_some(), args.zero == 3, tensor_parallel.is_some()) {
+            (true, _, _) => Some("--zero 3 overlaps through its units' prefetch"),
+            (false, true, _) => Some("--zero 3 gathers a pipeline stage once per step, before its schedule"),
+            (false, false, true) => Some("tensor parallelism exchanges after backward"),
+            (false, false, false) => None,
+        };
+        let (overlap, overlap_choice) = if let Some(why) = fixed {
+            (None, OverlapChoice::fixed(why))
         } else {
             let stage = pipeline.as_ref().map(|p| (p, spec));
             make_overlap(world, args, &plan, &net, exchange.as_mut(), config.bucket_bytes, (first_step, total_steps), stage)?
@@ -299,6 +313,15 @@ impl<'a> Run<'a> {
             );
             for line in p.cut.describe(shape) {
                 log::info!("  {line}");
+            }
+            if p.shards_parameters {
+                let held = self.net.held_elements();
+                let sharing = if self.args.fsdp_hybrid { p.stage_world.local_size } else { p.stage_world.size };
+                log::info!(
+                    "  zero 3: each stage is one unit, sharded over its {sharing} replica(s){}: rank 0 holds about {} of its {held} parameters between steps, and gathers them once per step for every micro-batch",
+                    if self.args.fsdp_hybrid { " of the node" } else { "" },
+                    held.div_ceil(sharing as usize)
+                );
             }
             if let Some(costs) = p.cut.chunk_costs() {
                 // The schedule replayed with the survey's F, B and W of each chunk: what the
@@ -409,6 +432,32 @@ fn shard_units(
     let clock = StampClock::new(device);
     let worker = UnitWorker::spawn(modules, buffers, device, args.precision, clock.clone())?;
     Ok(FullySharded { units, size: args.fsdp_unit, prefetch, worker, comm_stream: crate::raw::CudaStream::from_pool(device)?, clock })
+}
+
+/// `--zero 3` in a pipeline: the stage's parameters (with tensor parallelism, this rank's parts
+/// of them) laid out flat as one unit, this rank's shard of it cut from their values (drawn,
+/// read from --init-weights or from the checkpoint resumed from, whole for this stage only),
+/// which are then let go. The stage gathers the unit whole before each step's schedule and
+/// each evaluation, and lets it go after (pipeline_step.rs), as torchtitan's FSDP under
+/// pipelining, which does not reshard after forward so that the micro-batches reuse one
+/// gather: between steps a rank holds 1/D of its stage.
+fn shard_stage(net: &Net, exchange: &mut dyn exchange::Exchange, optimizer: &mut Optimizer, channels_last: bool) -> Result<()> {
+    let shapes: Vec<Vec<i64>> = (0..net.declared.len()).map(|i| net.held_shape(i)).collect();
+    let mut slots = Vec::with_capacity(shapes.len());
+    let mut offset = 0;
+    for (tensor, shape) in shapes.iter().enumerate() {
+        let len = shape.iter().product::<i64>() as usize;
+        slots.push(crate::plan::buckets::Slot { tensor, offset, len });
+        offset += len;
+    }
+    let unit = crate::plan::buckets::Bucket { slots, len: offset };
+    let shards = exchange.fully_sharded().ok_or_else(|| Error::usage("--zero 3 needs a fully sharded exchange"))?;
+    shards.compute_channels_last(shapes.iter().map(|s| channels_last && s.len() == 4).collect());
+    // The values this rank's shard starts from are the parameters' own, in the standard
+    // row-major order the shards keep (a channels-last parameter's made contiguous).
+    let params = &net.params;
+    let mut range = |t: usize, at: i64, len: i64| -> Result<tch::Tensor> { Ok(params[t].f_contiguous()?.f_view([-1])?.f_narrow(0, at, len)?) };
+    shards.shard(std::slice::from_ref(&unit), params, &shapes, &mut range, optimizer)
 }
 
 /// Whether `--zero 3` prefetches the next unit while this one computes (its overlap): as asked,

@@ -121,8 +121,9 @@ pub(super) enum Gradients {
     /// Averaged beside backward (overlap's buckets with the loss scaler, which must see them
     /// all before any step), not yet applied.
     Reduced(Vec<Tensor>),
-    /// `--zero 3`: reduce-scattered unit by unit beside backward into this rank's shards (in
-    /// the exchange), the local gradients' finiteness gathered as they were packed.
+    /// `--zero 3`: reduce-scattered into this rank's shards (in the exchange), unit by unit
+    /// beside backward or a pipeline stage's after its schedule, the local gradients'
+    /// finiteness gathered as they were packed.
     Shards(FiniteCheck),
     /// Averaged and applied bucket by bucket beside backward (overlap without the scaler),
     /// their finiteness gathered as they went.
@@ -277,9 +278,9 @@ impl Run<'_> {
             }
             Gradients::Shards(_) => {
                 faults.after_exchange();
-                let fsdp = self.layout.fsdp().expect("stage 3's shards come from its units");
-                // The optimizer on the collectives' stream, as the shards it reads.
-                let on_comm_stream = fsdp.collectives_stream()?;
+                // The optimizer on the units' collectives' stream, as the shards it reads (a
+                // pipeline stage's shards are gathered and reduced on the run's stream).
+                let on_comm_stream = self.layout.fsdp().map(|f| f.collectives_stream()).transpose()?.flatten();
                 self.exchange.fully_sharded().expect("--zero 3 builds a fully sharded exchange").step(&mut self.optimizer)?;
                 if let Some(stream) = on_comm_stream {
                     stream.restore()?;
