@@ -534,3 +534,128 @@ fn overlap_gives_the_weights_of_no_overlap_with_every_unsplit_schedule() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--zero 3` in a pipeline shards each stage's parameters, gradients and optimizer state over
+/// the stage's replicas (gathered once per step for all its micro-batches, reduce-scattered
+/// after the schedule): every schedule, hybrid sharding over nodes, LARS, fp16, ResNet-18's
+/// batch norm channels-last with evaluation, and checkpoints resumed across stage 3 and
+/// data parallelism train to the weights of the same pipelines at `--zero 0`. The average a
+/// reduce-scatter leaves a shard is the ring all-reduce's own first half, so the weights are
+/// equal up to the order of f32 sums (measured: identical); the bound of 1e-5 holds on any
+/// x86-64 CPU, whose f32 operations round alike under IEEE 754.
+#[test]
+fn zero_3_shards_each_stage_over_its_replicas_and_trains_to_the_weights_of_zero_0() {
+    let dir = scratch("pipeline-zero3");
+    let folder = |name: &str| leak(dir.join(name).to_str().unwrap());
+    // A folder per resume: a resumed run writes its own checkpoint at its end, which the next
+    // resume from the same folder would find and have nothing to train.
+    let (c0, c3, c3_units) = (folder("zero0-checkpoints"), folder("zero3-checkpoints"), folder("zero3-checkpoints-for-units"));
+    const ONE_F_ONE_B: [&str; 4] = ["--schedule", "1f1b", "--micro-batches", "4"];
+    // (name, options of both runs, options of the stage-3 run alone)
+    let rows: &[(&str, &[&str], &[&str])] = &[
+        ("gpipe", &["--schedule", "gpipe", "--micro-batches", "4"], &[]),
+        ("1f1b", &ONE_F_ONE_B, &[]),
+        // Each replica on a node of its own (the launch's hook): the stage's shards are cut over
+        // one rank per node and kept on both, whose shards are all-reduced across the nodes.
+        ("interleaved-hybrid", &["--schedule", "interleaved", "--virtual-stages", "2", "--micro-batches", "4"], &["--fsdp-hybrid"]),
+        ("zb-h1", &["--schedule", "zb-h1", "--micro-batches", "4"], &[]),
+        ("zb-v", &["--schedule", "zb-v", "--micro-batches", "4"], &[]),
+        ("1f1b-lars", &["--schedule", "1f1b", "--micro-batches", "4", "--optimizer", "lars", "--lr", "1"], &[]),
+        ("1f1b-fp16", &["--schedule", "1f1b", "--micro-batches", "4", "--precision", "fp16", "--loss-scale", "1024"], &[]),
+    ];
+    let one_f_one_b = ONE_F_ONE_B;
+    let mut runs = Runs::new(&dir);
+    let mut compared: Vec<(String, PathBuf, PathBuf)> = Vec::new();
+    // The tiny CNN at a rate of 0.01 (a row's own --lr replaces it), over the ring.
+    let add = |runs: &mut Runs, name: &str, steps: usize, batch: usize, extra: &[&str]| {
+        let mut args = base_steps(batch, steps);
+        let lr = extra.iter().position(|a| *a == "--lr").map_or("0.01", |at| extra[at + 1]);
+        let at = args.iter().position(|a| a == "--lr").unwrap();
+        args[at + 1] = lr.to_string();
+        args.extend(["--strategy", "ring"].map(String::from));
+        let mut rest = extra.iter();
+        while let Some(a) = rest.next() {
+            match *a {
+                "--lr" => drop(rest.next()),
+                other => args.push(other.to_string()),
+            }
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        runs.add(name, 4, &args)
+    };
+    // Cut by the parameters' count, not by timing (the default): every run of the same
+    // schedule cuts alike, so that their records' memory figures compare.
+    let pipelined = |extra: &[&str]| -> Vec<&'static str> { [&["--pipeline-stages", "2", "--partition", "params"][..], extra].concat().into_iter().map(leak).collect() };
+    for (name, both, sharded) in rows {
+        let reference = add(&mut runs, &format!("{name}-zero0"), 3, 16, &pipelined(both));
+        let zero3 = add(&mut runs, &format!("{name}-zero3"), 3, 16, &pipelined(&[both, &["--zero", "3"][..], sharded].concat()));
+        compared.push((name.to_string(), reference, zero3));
+    }
+    // ResNet-18's batch norm, channels-last, with the evaluation at the run's end.
+    let resnet = |zero: &str| {
+        let a = ["--model", "resnet18", "--channels-last", "--pipeline-stages", "2", "--partition", "params", "--schedule", "1f1b", "--micro-batches", "2", "--zero", zero];
+        let mut args = base_steps(8, 2);
+        args.retain(|a| a != "--no-eval");
+        let at = args.iter().position(|a| a == "--model").unwrap();
+        args.drain(at..at + 2);
+        let at = args.iter().position(|a| a == "--lr").unwrap();
+        args[at + 1] = "0.01".into();
+        args.extend(a.map(String::from));
+        args
+    };
+    let resnet_runs: Vec<PathBuf> = ["0", "3"]
+        .iter()
+        .map(|zero| {
+            let args = resnet(zero);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            runs.add(&format!("resnet18-zero{zero}"), 4, &args)
+        })
+        .collect();
+    compared.push(("resnet18 channels-last".into(), resnet_runs[0].clone(), resnet_runs[1].clone()));
+    // Checkpoints at step 2 of 3, resumed in another layout for the last step: stage 3 in a
+    // pipeline to --zero 0 and to stage 3's units without a pipeline (4 replicas of 8 samples:
+    // the same global batch), and --zero 0 to stage 3 in a pipeline.
+    let reference = compared.iter().find(|(n, ..)| n == "1f1b").map(|(_, r, _)| r.clone()).expect("the 1f1b row runs under every MPI");
+    for (name, folder) in [("zero3-first-two", c3), ("zero3-first-two-again", c3_units)] {
+        add(&mut runs, name, 2, 16, &pipelined(&[&one_f_one_b[..], &["--zero", "3", "--checkpoint-dir", folder]].concat()));
+    }
+    add(&mut runs, "zero0-first-two", 2, 16, &pipelined(&[&one_f_one_b[..], &["--checkpoint-dir", c0]].concat()));
+    let resumed: [(&str, &str, Vec<&str>, usize); 3] = [
+        ("zero 3 resumed at zero 0", c3, pipelined(&one_f_one_b), 16),
+        ("zero 3 resumed as units", c3_units, vec!["--zero", "3"], 8),
+        ("zero 0 resumed at zero 3", c0, pipelined(&[&one_f_one_b[..], &["--zero", "3"]].concat()), 16),
+    ];
+    for (name, folder, layout, batch) in resumed {
+        let weights = add(&mut runs, &name.replace(' ', "-"), 3, batch, &[&layout[..], &["--checkpoint-dir", folder, "--resume"]].concat());
+        compared.push((name.into(), reference.clone(), weights));
+    }
+    runs.launch_env(&[("HPC_TRAIN_RANKS_PER_NODE", "1")]);
+    for (name, reference, weights) in &compared {
+        let diff = max_relative_difference(reference, weights);
+        assert!(diff < 1e-5, "{name} ({}) differs from --zero 0 by {diff:e}", weights.display());
+    }
+    let records = read_runs(&dir);
+    let find = |zero: u64, schedule: &str, steps: u64| {
+        records
+            .iter()
+            .find(|r| r["extra"]["zero"] == zero && r["pipeline"]["schedule"] == schedule && r["steps"] == steps && r["model"] == "tiny" && r["optimizer"] == "sgd" && r["extra"]["precision"] != "fp16")
+            .unwrap_or_else(|| panic!("zero {zero} {schedule} of {steps} steps in {records:#?}"))
+    };
+    // Stage 3 holds half of each stage's parameters and optimizer state between steps (D = 2),
+    // gathers the whole stage once per step, and says why it does not overlap.
+    let (plain, sharded) = (find(0, "1f1b", 3), find(3, "1f1b", 3));
+    let bytes = |r: &serde_json::Value, key: &str| r["extra"][key].as_u64().unwrap_or_else(|| panic!("{key} in {}", r["extra"])) as f64;
+    let state = bytes(sharded, "optimizer_state_bytes") / bytes(plain, "optimizer_state_bytes");
+    assert!((state - 0.5).abs() < 0.01, "{state} of --zero 0's optimizer state");
+    let held = bytes(sharded, "parameter_bytes_held") / bytes(sharded, "peak_gathered_parameter_bytes");
+    assert!((held - 0.5).abs() < 0.01, "{held}: held between steps against gathered");
+    assert_eq!(sharded["extra"]["fsdp_gathers"], 3, "one gather per step: {}", sharded["extra"]);
+    assert_eq!(sharded["extra"]["overlap"], false);
+    assert_eq!(sharded["parameters"], plain["parameters"], "the record counts the stages' parameters, not the empty tensors between steps");
+    assert_eq!(records.iter().filter(|r| r["extra"]["resumed_from_step"].as_u64() == Some(2)).count(), 3);
+    // The evaluation through the gathered stages scores as --zero 0's.
+    let evaluated: Vec<&serde_json::Value> = records.iter().filter(|r| r["model"] == "resnet18").collect();
+    assert_eq!(evaluated.len(), 2);
+    assert_same_evaluation("zero 3", evaluated[1], evaluated[0], 1e-4);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

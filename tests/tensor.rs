@@ -32,8 +32,9 @@ fn args<'a>(data: &'a str, steps: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
 }
 
 /// T = 2 and 4 (each all-reduce), D x T = 2 x 2, pipelines of groups (P x T = 2 x 2 with
-/// 1F1B, D x P x T = 2 x 2 x 2 with GPipe), and AdamW at T = 2, against one rank; the
-/// record's figures of the group's all-reduces and of the part each rank holds.
+/// 1F1B, D x P x T = 2 x 2 x 2 with GPipe, at --zero 0 and 3, and stage 3's 3D checkpoint
+/// resumed at T = 2), and AdamW at T = 2, against one rank; the record's figures of the
+/// group's all-reduces and of the part each rank holds.
 #[test]
 fn tensor_parallel_trains_to_the_weights_of_one_rank() {
     let dir = scratch("tensor-equal");
@@ -49,7 +50,12 @@ fn tensor_parallel_trains_to_the_weights_of_one_rank() {
     let pipelined = ["--pipeline-stages", "2", "--micro-batches", "4", "--partition", "params"];
     let p2t2: Vec<&str> = ["--tensor-parallel", "2"].iter().chain(&pipelined).copied().collect();
     let d2p2t2: Vec<&str> = ["--tensor-parallel", "2", "--strategy", "ring", "--schedule", "gpipe"].iter().chain(&pipelined).copied().collect();
-    let cases: [(&str, usize, Vec<&str>, &PathBuf); 8] = [
+    // 3D with stage 3: each stage's parts sharded over its D replicas (pipeline_step.rs), and
+    // its checkpoint, written after 3 steps, resumed by a group of 2 without a pipeline.
+    let d2p2t2_zero3: Vec<&str> = d2p2t2.iter().copied().chain(["--zero", "3"]).collect();
+    let zero3_checkpoints = leak(dir.join("d2-p2-t2-zero3-checkpoints").to_str().unwrap());
+    runs.add("d2-p2-t2-zero3-first-three", 8, &args(d, "3", &[&d2p2t2_zero3[..], &["--checkpoint-dir", zero3_checkpoints, "--no-eval"]].concat()));
+    let cases: [(&str, usize, Vec<&str>, &PathBuf); 10] = [
         ("t2", 2, vec!["--tensor-parallel", "2"], &reference),
         ("t2-ring", 2, vec!["--tensor-parallel", "2", "--tp-allreduce", "ring"], &reference),
         ("t4-rhd", 4, vec!["--tensor-parallel", "4", "--tp-allreduce", "rhd"], &reference),
@@ -57,6 +63,8 @@ fn tensor_parallel_trains_to_the_weights_of_one_rank() {
         ("d2-t2", 4, vec!["--tensor-parallel", "2", "--strategy", "ring"], &reference),
         ("p2-t2", 4, p2t2, &reference),
         ("d2-p2-t2", 8, d2p2t2, &reference),
+        ("d2-p2-t2-zero3", 8, d2p2t2_zero3, &reference),
+        ("t2-resumed-from-d2-p2-t2-zero3", 2, vec!["--tensor-parallel", "2", "--checkpoint-dir", zero3_checkpoints, "--resume"], &reference),
         ("t2-adamw", 2, vec!["--tensor-parallel", "2", "--optimizer", "adamw", "--lr", "0.001", "--no-eval"], &reference_adamw),
     ];
     let trained: Vec<PathBuf> = cases.iter().map(|(name, ranks, extra, _)| runs.add(name, *ranks, &args(d, "6", extra))).collect();
@@ -80,6 +88,7 @@ fn tensor_parallel_trains_to_the_weights_of_one_rank() {
     }
 
     let runs = read_runs(&dir);
+    assert_eq!(runs.iter().filter(|r| r["extra"]["resumed_from_step"].as_u64() == Some(3)).count(), 1, "the resume from stage 3's 3D checkpoint");
     let one = runs.iter().find(|r| r["ranks"] == 1 && r["extra"]["optimizer_state_bytes"].as_u64().is_some() && r["optimizer"] == "sgd").expect("the one-rank run");
     let params = one["extra"]["parameters"].as_u64().unwrap();
     for r in runs.iter().filter(|r| r["extra"]["tensor_parallel"].as_u64().is_some()) {
@@ -114,14 +123,23 @@ fn tensor_parallel_trains_to_the_weights_of_one_rank() {
             assert_eq!(get("parameter_bytes_held"), 4 * held, "{r}");
             assert_eq!(get("optimizer_state_bytes"), if r["optimizer"] == "adamw" { 8 * held } else { 4 * held }, "{r}");
         } else {
-            // A stage: the embedding or the head with 2 layers, each layer's part.
-            let held = get("parameter_bytes_held") / 4;
+            // A stage: the embedding or the head with 2 layers, each layer's part; under
+            // --zero 3 gathered for each step, and half of it held between steps (D = 2).
+            let stage_bytes = match get("zero") {
+                3 => {
+                    let (held, gathered) = (get("parameter_bytes_held") as f64, get("peak_gathered_parameter_bytes"));
+                    assert!((held / gathered as f64 - 0.5).abs() < 0.01, "{held} held of {gathered} gathered: {r}");
+                    gathered
+                }
+                _ => get("parameter_bytes_held"),
+            };
+            let held = stage_bytes / 4;
             assert!(held < params / 2 && held > 2 * (whole_per_layer + cut_per_layer / t), "{r}");
         }
     }
     // The evaluation: every group's ranks see the same samples, counted once.
     let evaluated: Vec<&serde_json::Value> = runs.iter().filter(|r| r["test_loss"].as_f64().is_some()).collect();
-    assert_eq!(evaluated.len(), 8, "{evaluated:#?}");
+    assert_eq!(evaluated.len(), 10, "{evaluated:#?}");
     for r in &evaluated {
         let (loss, reference) = (r["test_loss"].as_f64().unwrap(), one["test_loss"].as_f64().unwrap());
         assert!((loss - reference).abs() < 1e-4 * reference.abs(), "test loss {loss} against {reference}: {r}");
