@@ -23,6 +23,8 @@
 //! buffers at every unit instead made glibc keep the freed memory (its mmap threshold rises
 //! after the first large free), and the resident memory of stage 3 exceeded stage 2's
 //! (results/zero3/). Only the whole model made for a checkpoint is allocated apart, and freed.
+//! A pipeline stage, one unit gathered once per step, frees its buffer after each step and
+//! evaluation ([`UnitShards::free_buffers`]): kept, it would be the whole stage between steps.
 //!
 //! `--channels-last`: the 4-d parameters compute in channels-last (NHWC) memory order, as FSDP2
 //! keeps each parameter's memory format. Everything that leaves a rank or outlives a step stays
@@ -530,6 +532,11 @@ impl UnitShards for FullyShardedExchange {
         }
         optimizer.count_step();
         Ok(())
+    }
+
+    fn free_buffers(&mut self) {
+        debug_assert!(self.in_use.iter().chain(&self.packed).all(Option::is_none), "a unit still gathered or waiting for its reduce-scatter");
+        self.free.clear();
     }
 
     fn note_step(&mut self, times: UnitTimes) {

@@ -303,6 +303,11 @@ pub trait UnitShards {
     /// Adds one training step's gathering and reducing time to the record's figures: in all,
     /// and the part computing did not hide.
     fn note_step(&mut self, times: UnitTimes);
+
+    /// Frees the buffers kept for the next gather (once every unit is let go and reduced): for
+    /// a unit gathered once per step, a pipeline stage, whose buffer is the whole stage and
+    /// would otherwise be held between steps.
+    fn free_buffers(&mut self);
 }
 
 /// One step's gathers and reductions of `--zero 3`: their time in all, and the part that

@@ -86,6 +86,7 @@ impl Run<'_> {
             shards.pack_grads(0, params, &mut finite)?;
             shards.release(0, params)?;
             shards.reduce(0)?;
+            shards.free_buffers();
             let reduce = started.elapsed();
             shards.note_step(UnitTimes { gather, exposed_gather: gather, reduce, exposed_reduce: reduce });
             let exchanged = gather + reduce;
@@ -139,6 +140,7 @@ impl Run<'_> {
         tch::no_grad(|| pipeline.run_forwards(&self.net.chunks, &micro, input, score))?;
         if let Some(shards) = shards {
             shards.release(0, &self.net.params)?;
+            shards.free_buffers();
         }
         pipeline.data_read.test_image_bytes += image_bytes as u64;
         pipeline.data_read.test_labels += labels_scored as u64;
