@@ -131,7 +131,7 @@ fn fp16_tensor_parallel_ranks_skip_an_overflow_together() {
 /// which holds an fp16 value exactly), so the pipeline is compared tightly, far inside fp16's
 /// distance from fp32; that process is compared with the plain fp16 step (no micro-batches,
 /// the step the scaler was first written for) within fp16 rounding of sums taken in another
-/// order.
+/// order. Two such pipelines at `--zero 3` skip together as at `--zero 0`.
 #[test]
 fn fp16_pipeline_stages_skip_an_overflow_together() {
     let dir = scratch("precision-fp16-pipeline");
@@ -155,6 +155,18 @@ fn fp16_pipeline_stages_skip_an_overflow_together() {
     assert!(diff < 1e-5 && diff * 100.0 < fp16_to_fp32, "fp16 P = 2: {diff:e} from one fp16 process (fp32 is {fp16_to_fp32:e} away)");
     let diff = max_relative_difference(&plain, &reference);
     assert!(diff < 1e-2, "fp16 with micro-batches: {diff:e} from the plain fp16 step");
+    // Two pipelines at --zero 3 (each stage sharded over its 2 replicas; pipeline_step.rs):
+    // rank 1's overflow skips the step on all four ranks, as at --zero 0. Only the averages
+    // differ (a reduce-scatter against the ring's all-reduce, each a sum of 2).
+    let replicated: Vec<&str> = pipelined.iter().copied().chain(["--strategy", "ring"]).collect();
+    let sharded: Vec<&str> = replicated.iter().copied().chain(["--zero", "3"]).collect();
+    let (d2, d2_log) = train_saving_weights_env(&dir, "d2-p2-fp16", 4, &cnn_args(d, &replicated), &rank1);
+    let (d2_zero3, d2_zero3_log) = train_saving_weights_env(&dir, "d2-p2-zero3-fp16", 4, &cnn_args(d, &sharded), &rank1);
+    for (name, log) in [("2 pipelines", &d2_log), ("2 pipelines at --zero 3", &d2_zero3_log)] {
+        assert_eq!(log.matches("gradients overflowed at step 1;").count(), 1, "{name}: {log}");
+    }
+    let diff = max_relative_difference(&d2, &d2_zero3);
+    assert!(diff < 1e-5 && diff * 100.0 < fp16_to_fp32, "fp16 D = 2, P = 2 at --zero 3: {diff:e} from --zero 0");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
