@@ -196,8 +196,8 @@ run_config() {
         # processes are not bound either.
         cmd=(mpirun -n "$ranks" --oversubscribe --bind-to none "$BIN" --strategy "$strategy"
              --overlap "$overlap" --model "$model" --data "$data" --batch-size "$batch"
-             --threads "$threads" --steps "$steps" --warmup-steps $WARMUP --no-eval
-             --results "$HPC_RESULTS" --study-tag "compare-$id-$strategy-$overlap-$rep")
+             --threads "$threads" --steps "$steps" --skip-steps $WARMUP --no-eval
+             --results "$HPC_RESULTS" --study "compare-$id-$strategy-$overlap-$rep")
     fi
     printf '\n=== row %s, %s, repetition %s (CPU %s%% busy before) at %s\n$ %s\n' "$id" "$label" "$rep" "$busy" \
         "$(date -u +%H:%M:%S)" "${cmd[*]}" >> "$log"

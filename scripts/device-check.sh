@@ -212,8 +212,8 @@ gpu_part() {
         [[ "$setting" == *-cl ]] && layout=(--channels-last)
         [ "$quick" = 1 ] && precision=fp32  # 16 bits and TF32 are for CUDA only
         step "$name" 45 "${mpi[@]}" 1 "$@" "$B" --model resnet50 --data "$data/big.h5" --batch-size "$batch" \
-            --steps "$train_steps" --warmup-steps "$warmup" --no-eval --device "$device" --precision "$precision" "${layout[@]}" \
-            --results "$out/single" --study-tag "single-$setting-$batch${study_suffix:-}"
+            --steps "$train_steps" --skip-steps "$warmup" --no-eval --device "$device" --precision "$precision" "${layout[@]}" \
+            --results "$out/single" --study "single-$setting-$batch${study_suffix:-}"
     }
     pytorch_single() {  # pytorch_single SETTINGS BATCH: gpu_reference.py, one config per setting
         local configs="" setting
@@ -226,10 +226,10 @@ gpu_part() {
     single "single-hpc-train-$bf16-cl-$largest" "$bf16-cl" "$largest" "${free[@]}"
     pytorch_single "$bf16-cl" "$largest"
     # 2. Their profiles, over the same measured steps, each profiler warmed up one step.
-    local profiled=(--steps $((warmup + 4)) --warmup-steps "$warmup" --profile-dir "$out/profile" --profile-steps 3)
+    local profiled=(--steps $((warmup + 4)) --skip-steps "$warmup" --profile-dir "$out/profile" --profile-steps 3)
     step "profile-hpc-train-$bf16-cl-$largest" 40 "${mpi[@]}" 1 "${free[@]}" "$B" --model resnet50 --data "$data/big.h5" --batch-size "$largest" \
         "${profiled[@]}" --no-eval --device "$device" --precision "$bf16" --channels-last --results "$out/profile" \
-        --study-tag "profile-$bf16-cl-$largest"
+        --study "profile-$bf16-cl-$largest"
     step "profile-pytorch-$bf16-cl-$largest" 45 "$PYTHON" "$root/scripts/gpu_reference.py" --device "$py_device" --model resnet50 \
         --shape "$big" --classes "$classes" --images "$images" --configs "$bf16-cl:$largest" "${profiled[@]}" --out "$out/profile/pytorch.jsonl"
     local theirs="$out/profile/pytorch-$bf16-cl-$largest.json"
@@ -269,8 +269,8 @@ gpu_part() {
         while [ "$1" != -- ]; do launcher+=("$1"); shift; done
         shift
         step "shared-$name" 35 "${launcher[@]}" "${mpi[@]}" 2 "${free[@]}" "$B" --model resnet50 --data "$data/big.h5" --batch-size "$share_batch" \
-            --steps 12 --warmup-steps 4 --no-eval --device "$device" --precision "$shared_precision" --allow-gpu-sharing \
-            --results "$out/shared" --study-tag "shared-$name" "$@"
+            --steps 12 --skip-steps 4 --no-eval --device "$device" --precision "$shared_precision" --allow-gpu-sharing \
+            --results "$out/shared" --study "shared-$name" "$@"
     }
     local overlap
     # Auto is on for GPU ranks without a trial (issue 51): it must keep overlap's 1.2-1.3x.
@@ -325,8 +325,8 @@ cpu_part() {
         local k; for k in 0 1 2; do order+=("${modes[$(( (k + $1 - 1) % 3 ))]}"); done
         for overlap in "${order[@]}"; do
             step "overlap-$overlap-$1" 40 "${mpi[@]}" 2 "${pe[@]}" "$B" --device cpu --model resnet50 --data "$data/resnet.h5" --batch-size 16 --steps 24 \
-                --warmup-steps 4 --threads "$threads" --no-eval --strategy ring --overlap "$overlap" --results "$out/overlap" \
-                --study-tag "overlap-$overlap"
+                --skip-steps 4 --threads "$threads" --no-eval --strategy ring --overlap "$overlap" --results "$out/overlap" \
+                --study "overlap-$overlap"
         done
     }
     overlap_pair 1
@@ -352,8 +352,8 @@ cpu_part() {
         for schedule in 1f1b interleaved zb-h1 zb-v; do
             local virtual=(); [ "$schedule" = interleaved ] && virtual=(--virtual-stages 2)
             step "pipeline-p4-$schedule-m$m" 40 "${mpi[@]}" 4 "${pe[@]}" "$B" --device cpu --model resnet18 --data "$data/cifar.h5" --batch-size 64 \
-                --steps 12 --warmup-steps 4 --threads "$zb_threads" --no-eval --pipeline-stages 4 --micro-batches "$m" --schedule "$schedule" "${virtual[@]}" \
-                --results "$out/zero-bubble" --study-tag "zb-resnet18-p4-$schedule-m$m"
+                --steps 12 --skip-steps 4 --threads "$zb_threads" --no-eval --pipeline-stages 4 --micro-batches "$m" --schedule "$schedule" "${virtual[@]}" \
+                --results "$out/zero-bubble" --study "zb-resnet18-p4-$schedule-m$m"
         done
     done
     # Where a P = 4 step's idle time goes (chrome://tracing): 1F1B at M = 8 with a compute
@@ -361,8 +361,8 @@ cpu_part() {
     local t threads_each="4 3"; [ "$quick" = 1 ] && threads_each=1
     for t in $threads_each; do
         step "pipeline-p4-timeline-1f1b-m8-t$t" 40 "${mpi[@]}" 4 "${pe[@]}" "$B" --device cpu --model resnet18 --data "$data/cifar.h5" --batch-size 64 \
-            --steps 12 --warmup-steps 4 --threads "$t" --no-eval --pipeline-stages 4 --micro-batches 8 --schedule 1f1b \
-            --pipeline-timeline "$out/zero-bubble/timeline-1f1b-m8-t$t.json" --results "$out/zero-bubble" --study-tag "zb-resnet18-p4-1f1b-m8-t$t"
+            --steps 12 --skip-steps 4 --threads "$t" --no-eval --pipeline-stages 4 --micro-batches 8 --schedule 1f1b \
+            --pipeline-timeline "$out/zero-bubble/timeline-1f1b-m8-t$t.json" --results "$out/zero-bubble" --study "zb-resnet18-p4-1f1b-m8-t$t"
     done
     local scaling
     for scaling in weak strong; do
@@ -370,7 +370,7 @@ cpu_part() {
         # beside its workers (--ps-colocate), or its 1, 3, 7 and 15 workers would not divide it.
         local size=(--batch-size 8); [ "$scaling" = strong ] && size=(--global-batch 32 --ps-colocate)
         step "study-$scaling" 90 "${mpi[@]}" "$ranks" "${bind[@]}" "$B" study --ranks "$cpu_ranks" --strategies ring,rhd,auto,allreduce,horovod,ps \
-            --scaling "$scaling" "${size[@]}" --device cpu --model resnet18 --data "$data/cifar.h5" --steps 6 --warmup-steps 2 --threads 1 \
+            --scaling "$scaling" "${size[@]}" --device cpu --model resnet18 --data "$data/cifar.h5" --steps 6 --skip-steps 2 --threads 1 \
             --no-eval --results "$out/studies" --study-id "device-$scaling"
     done
     [ -f "$out/studies/runs.jsonl" ] && step studies-report 20 "$B" report --input "$out/studies/runs.jsonl" --out "$out/studies/report"

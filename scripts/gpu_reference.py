@@ -181,7 +181,8 @@ def main():
     parser.add_argument("--images", type=int, default=512, help="synthetic images held in host memory")
     parser.add_argument("--configs", default="fp32:128,tf32:128,bf16-cl:128")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup-steps", type=int, default=10)
+    # --skip-steps as hpc-train names it, so that device-check.sh passes one list to both.
+    parser.add_argument("--warmup-steps", "--skip-steps", dest="warmup_steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", required=True, help="JSON lines file to append to")
     parser.add_argument("--profile-dir", help="write a torch.profiler trace of --profile-steps measured steps per config here")

@@ -55,8 +55,8 @@ for nodes in 1 2 4; do
     scripts/local-cluster.sh up "$C/cluster" --nodes "$nodes" --link-mbit 1000
     { stamp "weak scaling, ResNet-18 3x32x32, $nodes node(s) x 1 rank, links 1000 Mbit/s"
       scripts/local-cluster.sh run "$C/cluster" -- mpirun -n "$nodes" --map-by ppr:1:node "$B" --strategy ring \
-          --model resnet18 --data "$data" --batch-size 16 --steps 23 --warmup-steps 3 --threads 1 --no-eval \
-          --study-tag cluster-weak-1gbit --results "$R"; } 2>&1 | tee "$R/logs/weak-${nodes}-nodes.txt"
+          --model resnet18 --data "$data" --batch-size 16 --steps 23 --skip-steps 3 --threads 1 --no-eval \
+          --study cluster-weak-1gbit --results "$R"; } 2>&1 | tee "$R/logs/weak-${nodes}-nodes.txt"
     scripts/local-cluster.sh down "$C/cluster"
 done
 "$B" report --input "$R/runs.jsonl" --study cluster-weak-1gbit --out "$R/report"

@@ -72,7 +72,7 @@ stamp() { echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), $(nproc) cores,
 tag=large-batch-resnet18 suffix=""
 [ "$decay" = constant ] || { tag="$tag-$decay"; suffix="-$decay"; }
 common=(--model resnet18 --data "$data" --batch-size 16 --epochs "$epochs" --strategy ring --log-every 1000
-        --study-tag "$tag" --results "$out" --lr-schedule "$decay" --target-accuracy "$target")
+        --study "$tag" --results "$out" --lr-schedule "$decay" --target-accuracy "$target")
 constant=(--optimizer sgd --lr 0.05)
 recipe=(--optimizer sgd --lr 0.05 --scale-lr linear --base-batch 16 --warmup-epochs 1)
 lars=(--optimizer lars --lr 2 --warmup-epochs 1)

@@ -42,7 +42,7 @@ run() {
     shift 4
     echo "==> $name: $*"
     hpc_train_mpirun "$ranks" "$work/$build" --strategy ring --model "$model" --data datasets/fashion-mnist.h5 --batch-size 16 \
-        --steps "$n" --warmup-steps 5 --no-eval --results "$out" --study-tag "$name" "$@" \
+        --steps "$n" --skip-steps 5 --no-eval --results "$out" --study "$name" "$@" \
         >"$out/logs/$name.txt" 2>&1 || { echo "    failed: see $out/logs/$name.txt" >&2; return 1; }
     grep -E "images/s|--overlap" "$out/logs/$name.txt" | sed 's/^/    /' || true
 }

@@ -33,9 +33,9 @@ run() {
     local name=$1 bin=$2
     echo "==> $name ($(uptime | sed 's/.*load/load/'))" # other work on the machine shows in the times
     hpc_train_mpirun 2 sh -c '/usr/bin/time -f "rank $OMPI_COMM_WORLD_RANK peak %M KiB" "$@"' sh "$bin" \
-        --model resnet18 --data datasets/fashion-mnist.h5 --batch-size 64 --steps "$steps" --warmup-steps 1 \
+        --model resnet18 --data datasets/fashion-mnist.h5 --batch-size 64 --steps "$steps" --skip-steps 1 \
         --threads 1 --pipeline-stages 2 --micro-batches 4 --schedule 1f1b --cache-data on \
-        --results "$out" --study-tag "parts-$name" >"$out/logs/$name.txt" 2>&1 \
+        --results "$out" --study "parts-$name" >"$out/logs/$name.txt" 2>&1 \
         || { echo "    failed: see $out/logs/$name.txt" >&2; return 1; }
     grep -E "peak [0-9]+ KiB|test loss|training split" "$out/logs/$name.txt" | sed 's/^/    /'
     echo "    after: $(uptime | sed 's/.*load/load/')"

@@ -35,8 +35,8 @@ for rep in $(seq 1 "$reps"); do
                 bin=$before; [ "$build" = after ] && bin=$after
                 name="$data-$copy-$build-r$rep"
                 OMPI_MCA_btl_vader_single_copy_mechanism=$copy hpc_train_mpirun 2 "$bin" --model resnet18 --data "$file" \
-                    --batch-size 64 --steps 12 --warmup-steps 4 --threads 1 --no-eval --pipeline-stages 2 --micro-batches 8 \
-                    --schedule 1f1b --results "$out" --study-tag "$data-$copy-$build" > "$out/logs/$name.log" 2>&1
+                    --batch-size 64 --steps 12 --skip-steps 4 --threads 1 --no-eval --pipeline-stages 2 --micro-batches 8 \
+                    --schedule 1f1b --results "$out" --study "$data-$copy-$build" > "$out/logs/$name.log" 2>&1
             done
         done
     done

@@ -34,7 +34,7 @@ run() {
     shift 2
     echo "==> $name ($ranks ranks): $*"
     hpc_train_mpirun "$ranks" "$bin" --model "$model" --data datasets/fashion-mnist.h5 --batch-size 64 \
-        --steps "$steps" --warmup-steps 4 --threads 1 --no-eval --results "$out" --study-tag "pipeline-$name" "$@" \
+        --steps "$steps" --skip-steps 4 --threads 1 --no-eval --results "$out" --study "pipeline-$name" "$@" \
         >"$out/logs/$name.txt" 2>&1 || { echo "    failed: see $out/logs/$name.txt" >&2; return 1; }
     grep -E "images/s|bubble" "$out/logs/$name.txt" | sed 's/^/    /' || true
 }

@@ -38,8 +38,8 @@ run() {
   { stamp "$name (memory limit $limit): vit-b16, synthetic 3x224x224, 4 ranks, global batch 4, $*"
     ( echo $BASHPID > "$CG/cgroup.procs"
       exec mpirun -n 4 --oversubscribe --bind-to none "$B" --model vit-b16 --data "$DATA" \
-          --steps 8 --warmup-steps 3 --threads 1 --no-eval --log-every 1000 \
-          --study-tag "tp-$name" --results "$R" "$@" ) 2>&1 || rc=$?; } > "$log" 2>&1 || true
+          --steps 8 --skip-steps 3 --threads 1 --no-eval --log-every 1000 \
+          --study "tp-$name" --results "$R" "$@" ) 2>&1 || rc=$?; } > "$log" 2>&1 || true
   local peak oom
   peak=$(cat "$CG/memory.max_usage_in_bytes")
   oom=$(awk '/oom_kill /{print $2}' "$CG/memory.oom_control" 2>/dev/null || echo "?")

@@ -38,8 +38,8 @@ run() {
     local name="$model-p$stages-zb-v-m$m-$build-r$rep"
     echo "==> $name"
     hpc_train_mpirun "$stages" "$scratch/$build" --model "$model" --data datasets/fashion-mnist.h5 --batch-size 64 \
-        --steps "$steps" --warmup-steps 4 --threads 1 --no-eval --pipeline-stages "$stages" --schedule zb-v \
-        --micro-batches "$m" --results "$out" --study-tag "vcut-$name" >"$out/logs/$name.txt" 2>&1 \
+        --steps "$steps" --skip-steps 4 --threads 1 --no-eval --pipeline-stages "$stages" --schedule zb-v \
+        --micro-batches "$m" --results "$out" --study "vcut-$name" >"$out/logs/$name.txt" 2>&1 \
         || { echo "    failed: see $out/logs/$name.txt" >&2; return 1; }
     grep -E "chunk [0-9]+ on stage|images/s" "$out/logs/$name.txt" | sed 's/^.*INFO\] *//; s/^/    /' || true
 }

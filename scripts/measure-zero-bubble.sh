@@ -36,7 +36,7 @@ run() {
     shift 2
     echo "==> $name: $*"
     hpc_train_mpirun "$stages" "$copy" --model "$model" --data datasets/fashion-mnist.h5 --batch-size 64 \
-        --steps "$steps" --warmup-steps 4 --threads 1 --no-eval --pipeline-stages "$stages" --results "$out" --study-tag "zb-$name" "$@" \
+        --steps "$steps" --skip-steps 4 --threads 1 --no-eval --pipeline-stages "$stages" --results "$out" --study "zb-$name" "$@" \
         >"$out/logs/$name.txt" 2>&1 || { echo "    failed: see $out/logs/$name.txt" >&2; return 1; }
     grep -E "images/s" "$out/logs/$name.txt" | sed 's/^/    /' || true
 }

@@ -18,8 +18,8 @@ for round in 1 2; do
     for zero in 0 1 2; do
       { stamp "round $round: ResNet-50, fashion-mnist 1x28x28, 4 ranks x batch 4, ring --zero $zero --overlap $overlap"
         mpirun -n 4 --oversubscribe --bind-to none "$B" --strategy ring --zero "$zero" --overlap "$overlap" \
-            --model resnet50 --data datasets/fashion-mnist.h5 --batch-size 4 --steps 13 --warmup-steps 3 \
-            --threads 1 --no-eval --log-every 1000 --study-tag zero-resnet50 --results "$R"; } \
+            --model resnet50 --data datasets/fashion-mnist.h5 --batch-size 4 --steps 13 --skip-steps 3 \
+            --threads 1 --no-eval --log-every 1000 --study zero-resnet50 --results "$R"; } \
         2>&1 | tee "$R/logs/round-$round-zero-$zero-overlap-$overlap.txt"
     done
   done

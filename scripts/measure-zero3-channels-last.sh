@@ -16,8 +16,8 @@ run() {
   local name=$1; shift
   { echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname), $(nproc) cores, load $(cut -d' ' -f1 /proc/loadavg), $(git rev-parse --short HEAD): $name"
     mpirun -n 2 --oversubscribe --bind-to none "$HPC_TRAIN_BIN" --model resnet18 --data datasets/fashion-mnist.h5 \
-      --batch-size 8 --steps 13 --warmup-steps 3 --threads 1 --no-eval --log-every 1000 --strategy ring \
-      --study-tag "$name" --results "$R" "$@"; } > "$R/logs/$name.txt" 2>&1
+      --batch-size 8 --steps 13 --skip-steps 3 --threads 1 --no-eval --log-every 1000 --strategy ring \
+      --study "$name" --results "$R" "$@"; } > "$R/logs/$name.txt" 2>&1
 }
 for round in 1 2; do
   for cl in "" "--channels-last"; do

@@ -35,8 +35,8 @@ run() {
   { stamp "$name (memory limit $limit): ResNet-50, fashion-mnist 1x28x28, 4 ranks x batch 4, $*"
     ( echo $BASHPID > "$CG/cgroup.procs"
       exec mpirun -n 4 --oversubscribe --bind-to none "$B" --model resnet50 --data datasets/fashion-mnist.h5 \
-          --batch-size 4 --steps 13 --warmup-steps 3 --threads 1 --no-eval --log-every 1000 \
-          --study-tag "zero3-$name" --results "$R" "$@" ) 2>&1 || rc=$?; } > "$log" 2>&1 || true
+          --batch-size 4 --steps 13 --skip-steps 3 --threads 1 --no-eval --log-every 1000 \
+          --study "zero3-$name" --results "$R" "$@" ) 2>&1 || rc=$?; } > "$log" 2>&1 || true
   local peak oom
   peak=$(cat "$CG/memory.max_usage_in_bytes")
   oom=$(awk '/oom_kill /{print $2}' "$CG/memory.oom_control" 2>/dev/null || echo "?")

@@ -28,11 +28,11 @@ if [[ $what == bench || $what == all ]]; then
     done
 fi
 
-train_common=(--data "$DATA" --threads 1 --warmup-steps 3 --no-eval --results "$R")
+train_common=(--data "$DATA" --threads 1 --skip-steps 3 --no-eval --results "$R")
 if [[ $what == reference || $what == all ]]; then
     for model in resnet18 resnet50; do
         for n in 1 2 4; do
-            { stamp "reference $model $n ranks"; mpi "$n" --strategy allreduce --model "$model" --batch-size 32 --steps 13 --study-tag cpu-reference "${train_common[@]}"; } 2>&1 | tee -a "$R/logs/reference.txt"
+            { stamp "reference $model $n ranks"; mpi "$n" --strategy allreduce --model "$model" --batch-size 32 --steps 13 --study cpu-reference "${train_common[@]}"; } 2>&1 | tee -a "$R/logs/reference.txt"
         done
     done
 fi
@@ -46,7 +46,7 @@ if [[ $what == overlap || $what == all ]]; then
     for model in resnet18 resnet50; do
         for n in 2 4; do
             for o in off on; do
-                { stamp "overlap $o $model $n ranks"; mpi "$n" --strategy ring --model "$model" --batch-size 16 --steps 11 --overlap "$o" --study-tag "cpu-overlap" "${train_common[@]}"; } 2>&1 | tee -a "$R/logs/overlap.txt"
+                { stamp "overlap $o $model $n ranks"; mpi "$n" --strategy ring --model "$model" --batch-size 16 --steps 11 --overlap "$o" --study "cpu-overlap" "${train_common[@]}"; } 2>&1 | tee -a "$R/logs/overlap.txt"
             done
         done
     done
@@ -57,11 +57,11 @@ if [[ $what == ps || $what == all ]]; then
                 "4|--servers 1|--ps-mode async --max-staleness 4" "4|--servers 2|--ps-mode async --max-staleness 4" "4|--ps-colocate|--ps-mode sync"; do
         IFS='|' read -r n layout mode <<< "$spec"
         # shellcheck disable=SC2086
-        { stamp "ps $n ranks $layout $mode"; mpi "$n" --strategy ps $layout $mode --model resnet18 --batch-size 16 --steps 11 --study-tag cpu-ps "${train_common[@]}"; } 2>&1 | tee -a "$R/logs/ps.txt"
+        { stamp "ps $n ranks $layout $mode"; mpi "$n" --strategy ps $layout $mode --model resnet18 --batch-size 16 --steps 11 --study cpu-ps "${train_common[@]}"; } 2>&1 | tee -a "$R/logs/ps.txt"
     done
     for n in 2 4; do
         for s in ring allreduce; do
-            { stamp "$s $n ranks (ps comparison)"; mpi "$n" --strategy "$s" --model resnet18 --batch-size 16 --steps 11 --study-tag cpu-ps "${train_common[@]}"; } 2>&1 | tee -a "$R/logs/ps.txt"
+            { stamp "$s $n ranks (ps comparison)"; mpi "$n" --strategy "$s" --model resnet18 --batch-size 16 --steps 11 --study cpu-ps "${train_common[@]}"; } 2>&1 | tee -a "$R/logs/ps.txt"
         done
     done
     { stamp "bench ps, 4 ranks, 1 and 2 servers, ResNet-50 layout"; mpi 4 bench --strategies ps,ring,allreduce --layout resnet50 --min-bytes 1M --max-bytes 64M --factor 4 --iters 10 --warmup 2 --servers 2 --results $R; } 2>&1 | tee "$R/logs/bench-ps-4-ranks.txt"
@@ -73,7 +73,7 @@ if [[ $what == data || $what == all ]]; then
     synth=/tmp/hpc-train-synth-3x224x224.h5
     [ -f "$synth" ] || "$B" data synth --samples 2000 --test-samples 0 --shape 3x224x224 --classes 1000 --out "$synth"
     for n in 1 2 4; do
-        { stamp "resnet50 on 3x224x224, $n ranks"; mpi "$n" --strategy ring --model resnet50 --data "$synth" --batch-size 4 --steps 8 --threads 1 --warmup-steps 2 --no-eval --study-tag cpu-data --results "$R"; } 2>&1 | tee -a "$R/logs/data.txt"
+        { stamp "resnet50 on 3x224x224, $n ranks"; mpi "$n" --strategy ring --model resnet50 --data "$synth" --batch-size 4 --steps 8 --threads 1 --skip-steps 2 --no-eval --study cpu-data --results "$R"; } 2>&1 | tee -a "$R/logs/data.txt"
     done
     for n in 1 2 4; do
         { stamp "data bench 3x224x224, $n ranks"; mpi "$n" data bench "$synth" --batch-size 4 --epochs 2 --results "$R"; } 2>&1 | tee -a "$R/logs/data.txt"

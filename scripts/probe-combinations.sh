@@ -17,7 +17,7 @@ trap 'umount "$work/full" 2>/dev/null; rm -rf "$work"' EXIT
 mkdir -p "$logs"
 rm -f "$logs"/*.log
 "$B" data synth --samples 64 --test-samples 16 --shape 1x16x16 --classes 4 --out "$work/d.h5" >/dev/null
-common=(--data "$work/d.h5" --scaling strong --global-batch 8 --steps 4 --seed 7 --threads 1 --log-every 1000 --warmup-steps 1 --no-eval)
+common=(--data "$work/d.h5" --scaling strong --global-batch 8 --steps 4 --seed 7 --threads 1 --log-every 1000 --skip-steps 1 --no-eval)
 tiny=(--model tiny "${common[@]}")
 vit=(--model vit-tiny "${common[@]}")
 pipe=(--pipeline-stages 2 --micro-batches 2 --partition params)
@@ -88,7 +88,7 @@ case_ "HPC_TRAIN_FAULT=stall@3:1:30 with --tensor-parallel 2 (D = 2)" fail 60 \
 
 # A SIGSTOPped stage (D = 1) with --exchange-timeout-s 10: ended within 15 s, naming the peer.
 n=$((n + 1)); log=$logs/$(printf '%02d' $n).log
-long=(--model tiny --data "$work/d.h5" --scaling strong --global-batch 8 --steps 100000 --seed 7 --threads 1 --log-every 1 --warmup-steps 1 --no-eval)
+long=(--model tiny --data "$work/d.h5" --scaling strong --global-batch 8 --steps 100000 --seed 7 --threads 1 --log-every 1 --skip-steps 1 --no-eval)
 hpc_train_mpirun 2 "$B" "${long[@]}" "${pipe[@]}" --exchange-timeout-s 10 --results "$work/r" </dev/null >"$log" 2>&1 &
 launcher=$!
 # Stopped once it trains (a rank stopped in MPI's start-up is the launcher's to notice).
