@@ -140,15 +140,22 @@ fn pipelines_on_the_gpu_match_the_cpu() {
     needs_gpu!("pipeline stages' activations");
     let gpu = GpuRuns::new("gpu-pipeline");
     // Pipelines on the GPU (issue 36): activations staged through the host or sent from
-    // device memory (CUDA-aware), 2 stages alone and 2 x 2 with the ring; against the CPU
+    // device memory (CUDA-aware), 2 stages alone and 2 x 2 with the ring, and 2 x 2 at
+    // --zero 3 (each stage gathered on the device once per step: issue 68); against the CPU
     // accumulating the same micro-batches.
     let cpu_micro = gpu.run("cpu-micro", 1, &["--device", "cpu", "--micro-batches", "3"]);
+    let d2p2 = ["--pipeline-stages", "2", "--micro-batches", "3", "--schedule", "gpipe", "--strategy", "ring"];
+    let layouts: [(&str, usize, Vec<&str>); 3] = [
+        ("2", 2, vec!["--pipeline-stages", "2", "--micro-batches", "3", "--schedule", "1f1b"]),
+        ("4", 4, d2p2.to_vec()),
+        ("4-zero3", 4, [&d2p2[..], &["--zero", "3"]].concat()),
+    ];
     for aware in ["no", "auto"] {
-        for (ranks, layout) in [(2, &["--pipeline-stages", "2", "--micro-batches", "3", "--schedule", "1f1b"][..]), (4, &["--pipeline-stages", "2", "--micro-batches", "3", "--schedule", "gpipe", "--strategy", "ring"][..])] {
+        for (what, ranks, layout) in &layouts {
             let mut extra = vec!["--device", "cuda", "--precision", "fp32", "--cuda-aware", aware, "--partition", "params"];
             extra.extend(layout);
-            let name = format!("gpu-pipeline-{ranks}-{aware}");
-            let got = gpu.run(&name, ranks, &extra);
+            let name = format!("gpu-pipeline-{what}-{aware}");
+            let got = gpu.run(&name, *ranks, &extra);
             gpu.assert_matches(&cpu_micro, &name, &got);
         }
     }
