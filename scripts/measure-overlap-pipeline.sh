@@ -30,11 +30,10 @@ for round in $(seq 1 "$ROUNDS"); do
   done
 done
 python3 - "$R" <<'PY' | tee "$R/table.md"
-import json, sys, collections, statistics
-runs = [json.loads(l) for l in open(sys.argv[1] + "/runs.jsonl")]
-groups = collections.defaultdict(list)
-for r in runs:
-    groups[r["study"].rsplit("-", 1)[0]].append(r)
+import sys, statistics
+sys.path.insert(0, "scripts/lib")
+import study_rounds
+groups = study_rounds.by_study(sys.argv[1])
 print("| run (4 ranks: 2 pipelines x 2 stages, batch 16 per pipeline, 4 micro-batches, ResNet-18, 1x28x28) | rounds | step ms (median) | exposed exchange ms (comm_ms, median) | exchange ms in all (median) | hidden share (median) | overlap buckets (rank 0) |")
 print("|---|---|---|---|---|---|---|")
 for name, rs in groups.items():

@@ -28,11 +28,10 @@ for round in 1 2; do
   done
 done
 python3 - "$R" <<'PY' | tee "$R/table.md"
-import json, sys, collections
-runs = [json.loads(l) for l in open(sys.argv[1] + "/runs.jsonl")]
-groups = collections.defaultdict(list)
-for r in runs:
-    groups[r["study"].rsplit("-", 1)[0]].append(r)
+import sys
+sys.path.insert(0, "scripts/lib")
+import study_rounds
+groups = study_rounds.by_study(sys.argv[1])
 print("| run (2 ranks x batch 8, ResNet-18, 1x28x28) | step ms | gather ms per step | scratch + gather/pack buffers MB | peak RSS MB (largest rank) |")
 print("|---|---|---|---|---|")
 for name, rs in groups.items():

@@ -54,11 +54,10 @@ for round in $(seq 1 "$ROUNDS"); do
   done
 done
 python3 - "$R" <<'PY' | tee "$R/table.md"
-import json, sys, collections, statistics
-runs = [json.loads(l) for l in open(sys.argv[1] + "/runs.jsonl")]
-groups = collections.defaultdict(list)
-for r in runs:
-    groups[r["study"].rsplit("-", 1)[0]].append(r)
+import sys, statistics
+sys.path.insert(0, "scripts/lib")
+import study_rounds
+groups = study_rounds.by_study(sys.argv[1])
 mib = lambda v: f"{v / 2**20:.1f}" if v is not None else "-"
 print("| run (ResNet-18, 4 ranks: 2 pipelines x 2 stages, 1F1B, batch 16 per pipeline in 4 micro-batches) | rounds | step ms (median) | exchange ms, after the schedule and the gather before it (median) | parameters held between steps, MiB (largest rank) | gathered during a step, MiB | gradients held, MiB | optimizer state, MiB | peak RSS, MiB (largest rank, median) |")
 print("|---|---|---|---|---|---|---|---|---|")
