@@ -76,14 +76,8 @@ pub fn lay_out(block_names: &[String], groups: &[Range<usize>], block_of: &[usiz
     groups
         .iter()
         .map(|blocks| {
-            let mut slots = Vec::new();
-            let mut offset = 0;
-            for (tensor, (&block, &len)) in block_of.iter().zip(sizes).enumerate() {
-                if blocks.contains(&block) {
-                    slots.push(Slot { tensor, offset, len });
-                    offset += len;
-                }
-            }
+            let mine = block_of.iter().zip(sizes).enumerate().filter(|(_, (block, _))| blocks.contains(block)).map(|(tensor, (_, &len))| (tensor, len));
+            let layout = flat_layout(mine);
             let name = if blocks.len() == 1 {
                 block_names[blocks.start].clone()
             } else if stage_of(&block_names[blocks.start]) == stage_of(&block_names[blocks.end - 1]) {
@@ -91,9 +85,26 @@ pub fn lay_out(block_names: &[String], groups: &[Range<usize>], block_of: &[usiz
             } else {
                 format!("{}..{}", block_names[blocks.start], block_names[blocks.end - 1])
             };
-            Unit { name, blocks: blocks.clone(), layout: Bucket { slots, len: offset } }
+            Unit { name, blocks: blocks.clone(), layout }
         })
         .collect()
+}
+
+/// A pipeline stage's one unit under `--zero 3`: every parameter of the stage (`sizes`, in
+/// parameter order), gathered whole once per step.
+pub fn whole_stage(sizes: &[usize]) -> Bucket {
+    flat_layout(sizes.iter().copied().enumerate())
+}
+
+/// `(tensor, len)` pairs laid out one after another in one flat buffer.
+fn flat_layout(tensors: impl Iterator<Item = (usize, usize)>) -> Bucket {
+    let mut slots = Vec::new();
+    let mut offset = 0;
+    for (tensor, len) in tensors {
+        slots.push(Slot { tensor, offset, len });
+        offset += len;
+    }
+    Bucket { slots, len: offset }
 }
 
 /// Elements this rank holds between steps: its shard of every unit (`shard_len(len)`).
@@ -259,6 +270,9 @@ mod tests {
             assert!(seen.iter().all(|&s| s == 1), "{size:?}: {seen:?}");
             assert_eq!(units.iter().map(|u| u.layout.len).sum::<usize>(), sizes.iter().sum::<usize>());
         }
+        // A pipeline stage's one unit: the model's one unit, laid out alike.
+        let model = lay_out(&names, &group_blocks(&names, UnitSize::Model), &block_of, &sizes);
+        assert_eq!(whole_stage(&sizes), model[0].layout);
         let stages = lay_out(&names, &group_blocks(&names, UnitSize::Stage), &block_of, &sizes);
         let unit_names: Vec<&str> = stages.iter().map(|u| u.name.as_str()).collect();
         assert_eq!(unit_names, ["stem", "layer1", "layer2", "layer3", "layer4", "head"]);

@@ -443,14 +443,8 @@ fn shard_units(
 /// gather: between steps a rank holds 1/D of its stage.
 fn shard_stage(net: &Net, exchange: &mut dyn exchange::Exchange, optimizer: &mut Optimizer, channels_last: bool) -> Result<()> {
     let shapes: Vec<Vec<i64>> = (0..net.declared.len()).map(|i| net.held_shape(i)).collect();
-    let mut slots = Vec::with_capacity(shapes.len());
-    let mut offset = 0;
-    for (tensor, shape) in shapes.iter().enumerate() {
-        let len = shape.iter().product::<i64>() as usize;
-        slots.push(crate::plan::buckets::Slot { tensor, offset, len });
-        offset += len;
-    }
-    let unit = crate::plan::buckets::Bucket { slots, len: offset };
+    let sizes: Vec<usize> = shapes.iter().map(|s| s.iter().product::<i64>() as usize).collect();
+    let unit = fsdp_plan::whole_stage(&sizes);
     let shards = exchange.fully_sharded().ok_or_else(|| Error::usage("--zero 3 needs a fully sharded exchange"))?;
     shards.compute_channels_last(shapes.iter().map(|s| channels_last && s.len() == 4).collect());
     // The values this rank's shard starts from are the parameters' own, in the standard
