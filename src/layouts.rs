@@ -130,10 +130,10 @@ impl Planned {
 pub fn plan(shape: &Transformer, setting: &Setting) -> Vec<Planned> {
     let mut out = Vec::new();
     let n = setting.gpus;
-    for tensor in divisors(n).into_iter().filter(|t| shape.heads % t == 0 && shape.mlp % t == 0) {
-        for pipeline in divisors(n / tensor).into_iter().filter(|p| shape.layers % p == 0) {
+    for tensor in divisors(n).into_iter().filter(|t| shape.heads.is_multiple_of(*t) && shape.mlp.is_multiple_of(*t)) {
+        for pipeline in divisors(n / tensor).into_iter().filter(|p| shape.layers.is_multiple_of(*p)) {
             let data = n / (tensor * pipeline);
-            if setting.global_batch % data != 0 {
+            if !setting.global_batch.is_multiple_of(data) {
                 continue;
             }
             let replica_batch = setting.global_batch / data;
@@ -141,7 +141,7 @@ pub fn plan(shape: &Transformer, setting: &Setting) -> Vec<Planned> {
             // overflow (a batch of 2^64 - 1 would otherwise wrap it to 0).
             let mut micro_batch = Some(1usize);
             while let Some(b) = micro_batch.filter(|&b| b <= replica_batch) {
-                if replica_batch % b == 0 {
+                if replica_batch.is_multiple_of(b) {
                     // A split backward keeps the forward's graph until its W: no recomputation.
                     let recompute: &[bool] = if setting.schedule.splits_backward() { &[false] } else { &[false, true] };
                     let fits = recompute.iter().map(|&recompute| evaluate(shape, setting, data, pipeline, tensor, b, recompute)).find(|p| p.memory_bytes() <= setting.memory_bytes);
@@ -192,7 +192,7 @@ pub fn evaluate(shape: &Transformer, setting: &Setting, data: usize, pipeline: u
     };
     let pipeline_s = if pipeline > 1 {
         // Neighbouring stages share a node when a node holds whole pipelines of groups.
-        let link = if setting.per_node % (tensor * pipeline) == 0 { model.intra } else { model.inter };
+        let link = if setting.per_node.is_multiple_of(tensor * pipeline) { model.intra } else { model.inter };
         let message = link.alpha_s + activation_bytes_fp16 / t * link.beta_s_per_byte;
         // ZB-V's chunks go down the stages and back up: twice the crossings.
         let crossings = if setting.schedule == ScheduleKind::ZbV { 2.0 } else { 1.0 };
@@ -234,7 +234,7 @@ fn divisors(n: usize) -> Vec<usize> {
     let mut d = 1usize;
     // d <= n / d is d * d <= n without the overflow.
     while d <= n / d {
-        if n % d == 0 {
+        if n.is_multiple_of(d) {
             low.push(d);
             if d != n / d {
                 high.push(n / d);

@@ -261,7 +261,7 @@ fn plan_points(ranks: &[usize], strategies: &[StrategyKind], stage_counts: &[usi
                 }
                 // Strategy options that are themselves wrong are left for training to name.
                 if let (Scaling::Strong, Some(global), Ok(workers)) = (train.scaling, train.global_batch, train::training_ranks(train, strategy, n, stages)) {
-                    if workers > 0 && global as usize % workers != 0 {
+                    if workers > 0 && !(global as usize).is_multiple_of(workers) {
                         let layout = if stages > 1 { format!("{strategy} in {stages} stages") } else { strategy.to_string() };
                         indivisible.push(format!("{layout} at {n} rank(s) has {workers}"));
                     }

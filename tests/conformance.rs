@@ -478,7 +478,7 @@ fn plan(dir: &Path) -> Planned {
             continue;
         }
         let layout = Layout::default().with(&cell.column);
-        let row = row(&cell.row, &dir);
+        let row = row(&cell.row, dir);
         let (layout, extra, reference_extra, tolerance, naming) = match &row {
             Row::Skip(why) => {
                 skipped.push(format!("{} x {}: {why}", cell.row, cell.column));

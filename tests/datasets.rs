@@ -75,7 +75,7 @@ fn mat_element(out: &mut Vec<u8>, data_type: u32, data: &[u8]) {
         out.extend_from_slice(&data_type.to_le_bytes());
         out.extend_from_slice(&(data.len() as u32).to_le_bytes());
         out.extend_from_slice(data);
-        while out.len() % 8 != 0 {
+        while !out.len().is_multiple_of(8) {
             out.push(0);
         }
     }

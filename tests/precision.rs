@@ -123,15 +123,15 @@ fn fp16_tensor_parallel_ranks_skip_an_overflow_together() {
 }
 
 /// fp16 through a pipeline of 2 stages (1F1B): the loss scaler's scale reaches every stage's
-/// gradients, and an overflow on the second stage alone (the `infgrad` fault on rank 1 at step
-/// 1) makes both stages skip that step and halve the scale, as one fp16 process whose gradients
-/// overflow there does. Without the agreement the first stage steps alone and its weights part
+/// gradients, and an overflow on the second stage alone (the `infgrad` fault on rank 1 at
+/// step 1) makes both stages skip that step and halve the scale, as one fp16 process whose
+/// gradients overflow there does. Without the agreement the first stage steps alone and its weights part
 /// from the reference by a whole step's update. The one process runs the same micro-batches
 /// (its forwards are the stages' forwards, in the same order: activations cross stages in f32,
 /// which holds an fp16 value exactly), so the pipeline is compared tightly, far inside fp16's
-/// distance from fp32; that process is compared with the plain fp16 step (no micro-batches,
-/// the step the scaler was first written for) within fp16 rounding of sums taken in another
-/// order. Two such pipelines at `--zero 3` skip together as at `--zero 0`.
+/// distance from fp32; that process is compared with the plain fp16 step (no micro-batches, the
+/// step the scaler was first written for) within fp16 rounding of sums taken in another order.
+/// Two such pipelines at `--zero 3` skip together as at `--zero 0`.
 #[test]
 fn fp16_pipeline_stages_skip_an_overflow_together() {
     let dir = scratch("precision-fp16-pipeline");

@@ -18,7 +18,7 @@ pub const TEST_FILE: &str = "test_batch.bin";
 /// Records in one batch file, checking its size.
 fn record_count(path: &Path) -> Result<usize> {
     let len = std::fs::metadata(path).at(path)?.len() as usize;
-    if len == 0 || len % RECORD_BYTES != 0 {
+    if len == 0 || !len.is_multiple_of(RECORD_BYTES) {
         return Err(Error::data(path, format!("{len} bytes is not a whole number of {RECORD_BYTES}-byte CIFAR-10 records")));
     }
     Ok(len / RECORD_BYTES)
@@ -26,7 +26,7 @@ fn record_count(path: &Path) -> Result<usize> {
 
 /// Splits a batch file's bytes into images and labels, checking the labels.
 pub fn parse_records(path: &Path, bytes: &[u8]) -> Result<(Vec<u8>, Vec<i64>)> {
-    if bytes.is_empty() || bytes.len() % RECORD_BYTES != 0 {
+    if bytes.is_empty() || !bytes.len().is_multiple_of(RECORD_BYTES) {
         return Err(Error::data(path, format!("{} bytes is not a whole number of {RECORD_BYTES}-byte CIFAR-10 records", bytes.len())));
     }
     let mut images = Vec::with_capacity(bytes.len() / RECORD_BYTES * IMAGE_BYTES);

@@ -601,7 +601,7 @@ mod tests {
         let plan = BucketPlan::in_order(&[3, 5, 1], &[0, 1, 2], 4, 1 << 20, None);
         let bucket = &plan.buckets[0];
         for n in [1, 2, 3, 4, 9, 12] {
-            let mut covered = vec![vec![0u32; 3], vec![0u32; 5], vec![0u32; 1]];
+            let mut covered = [vec![0u32; 3], vec![0u32; 5], vec![0u32; 1]];
             for shard in ShardInfo::all(9, n) {
                 let range = shard.range();
                 let mine = pieces(bucket, &range);

@@ -117,39 +117,6 @@ pub fn forward_flops(kind: ModelKind, spec: InputSpec) -> f64 {
 /// Training FLOPs over forward FLOPs: backward costs about two forwards.
 pub const TRAINING_FACTOR: f64 = 3.0;
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const IMAGENET: InputSpec = InputSpec { channels: 3, height: 224, width: 224, classes: 1000 };
-
-    fn close(value: f64, expected: f64, tolerance: f64) -> bool {
-        ((value - expected) / expected).abs() < tolerance
-    }
-
-    #[test]
-    fn imagenet_models_match_the_published_counts() {
-        // torchvision's tables: ResNet-50 4.09 GMACs, ResNet-18 1.81, ViT-B/16 17.56,
-        // ViT-L/16 61.55 (multiply-adds, what they call GFLOPS): 2 FLOPs each here.
-        for (kind, gmacs) in [(ModelKind::Resnet50, 4.09), (ModelKind::Resnet18, 1.81), (ModelKind::VitB16, 17.56), (ModelKind::VitL16, 61.55)] {
-            let flops = forward_flops(kind, IMAGENET);
-            assert!(close(flops, 2.0 * gmacs * 1e9, 0.03), "{kind:?}: {:.3} GFLOPs, expected about {:.2}", flops / 1e9, 2.0 * gmacs);
-        }
-    }
-
-    #[test]
-    fn the_count_follows_the_input_shape() {
-        // The tiny CNN on 1x28x28: conv1 2x1x16x9x784, conv2 (14x14) 2x16x32x9x196, fc 2x32x10.
-        let spec = InputSpec { channels: 1, height: 28, width: 28, classes: 10 };
-        assert_eq!(forward_flops(ModelKind::Tiny, spec), (2 * 16 * 9 * 784 + 2 * 16 * 32 * 9 * 196 + 2 * 32 * 10) as f64);
-        // A small image takes the CIFAR stem: no downsampling before layer1, so more FLOPs per
-        // pixel than at 224.
-        let cifar = InputSpec { channels: 3, height: 32, width: 32, classes: 10 };
-        let per_pixel = |s: InputSpec| forward_flops(ModelKind::Resnet18, s) / (s.height * s.width) as f64;
-        assert!(per_pixel(cifar) > 10.0 * per_pixel(IMAGENET));
-    }
-}
-
 /// A CPU core's f32 matmul rate (GFLOP/s), measured on the spot: the peak the report's MFU is
 /// taken against on CPUs, where no datasheet table applies. One thread, 1024x1024 matmuls
 /// for about 0.15 s, the fastest one counting (the others paid for warm caches and clocks).
@@ -201,4 +168,37 @@ pub fn device_model(gpu: bool) -> Option<String> {
         return dirs.iter().find_map(|d| field(&std::fs::read_to_string(d.join("information")).ok()?, "Model"));
     }
     field(&std::fs::read_to_string("/proc/cpuinfo").ok()?, "model name")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const IMAGENET: InputSpec = InputSpec { channels: 3, height: 224, width: 224, classes: 1000 };
+
+    fn close(value: f64, expected: f64, tolerance: f64) -> bool {
+        ((value - expected) / expected).abs() < tolerance
+    }
+
+    #[test]
+    fn imagenet_models_match_the_published_counts() {
+        // torchvision's tables: ResNet-50 4.09 GMACs, ResNet-18 1.81, ViT-B/16 17.56,
+        // ViT-L/16 61.55 (multiply-adds, what they call GFLOPS): 2 FLOPs each here.
+        for (kind, gmacs) in [(ModelKind::Resnet50, 4.09), (ModelKind::Resnet18, 1.81), (ModelKind::VitB16, 17.56), (ModelKind::VitL16, 61.55)] {
+            let flops = forward_flops(kind, IMAGENET);
+            assert!(close(flops, 2.0 * gmacs * 1e9, 0.03), "{kind:?}: {:.3} GFLOPs, expected about {:.2}", flops / 1e9, 2.0 * gmacs);
+        }
+    }
+
+    #[test]
+    fn the_count_follows_the_input_shape() {
+        // The tiny CNN on 1x28x28: conv1 2x1x16x9x784, conv2 (14x14) 2x16x32x9x196, fc 2x32x10.
+        let spec = InputSpec { channels: 1, height: 28, width: 28, classes: 10 };
+        assert_eq!(forward_flops(ModelKind::Tiny, spec), (2 * 16 * 9 * 784 + 2 * 16 * 32 * 9 * 196 + 2 * 32 * 10) as f64);
+        // A small image takes the CIFAR stem: no downsampling before layer1, so more FLOPs per
+        // pixel than at 224.
+        let cifar = InputSpec { channels: 3, height: 32, width: 32, classes: 10 };
+        let per_pixel = |s: InputSpec| forward_flops(ModelKind::Resnet18, s) / (s.height * s.width) as f64;
+        assert!(per_pixel(cifar) > 10.0 * per_pixel(IMAGENET));
+    }
 }

@@ -64,7 +64,7 @@ impl OverlapTrial {
     /// for a step whose time is not compared: the first, each first step after a switch, and
     /// those after the trial.
     pub fn timed(&self, step: u64) -> Option<bool> {
-        (step > self.first && step < self.end() && (step - self.first - 1) % RUN != 0).then(|| (step - self.first - 1) % (2 * RUN) >= RUN)
+        (step > self.first && step < self.end() && !(step - self.first - 1).is_multiple_of(RUN)).then(|| (step - self.first - 1) % (2 * RUN) >= RUN)
     }
 
     /// The first step the trial times.

@@ -50,7 +50,7 @@ impl RhdSchedule {
         let p = 1usize << (usize::BITS - 1 - n.leading_zeros()); // largest power of two <= n
         let r = n - p;
         let (extra, group_rank) = if rank < 2 * r {
-            if rank % 2 == 0 {
+            if rank.is_multiple_of(2) {
                 (Extra::SitsOut { partner: rank + 1 }, None)
             } else {
                 (Extra::Absorbs { partner: rank - 1 }, Some(rank / 2))

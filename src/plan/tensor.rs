@@ -61,12 +61,12 @@ pub fn held(split: Split, extent: usize, rank: usize, size: usize) -> Vec<Range<
 
 /// Why a transformer of `heads` heads and an MLP of `mlp` cannot be cut over `size` ranks.
 pub fn check_divides(model: &str, heads: usize, mlp: usize, size: usize) -> Result<(), String> {
-    if size == 0 || heads % size != 0 {
+    if size == 0 || !heads.is_multiple_of(size) {
         return Err(format!(
             "--tensor-parallel {size} does not divide the {heads} attention heads of --model {model}: each rank computes whole heads; use a divisor of {heads}"
         ));
     }
-    if mlp % size != 0 {
+    if !mlp.is_multiple_of(size) {
         return Err(format!("--tensor-parallel {size} does not divide the MLP width {mlp} of --model {model}; use a divisor of {mlp}"));
     }
     Ok(())
@@ -84,7 +84,7 @@ pub struct Layout {
 
 impl Layout {
     pub fn new(ranks: usize, pipeline: usize, tensor: usize) -> Result<Layout, String> {
-        if tensor == 0 || pipeline == 0 || ranks % (pipeline * tensor) != 0 {
+        if tensor == 0 || pipeline == 0 || !ranks.is_multiple_of(pipeline * tensor) {
             return Err(format!(
                 "--tensor-parallel {tensor} x --pipeline-stages {pipeline} = {} does not divide the {ranks} ranks: the ranks form (ranks / (P x T)) replicas of P stages of T ranks each",
                 tensor * pipeline

@@ -245,12 +245,11 @@ fn project_step(predictor: Predictor, strategy: &'static str, layout: Layout, gr
 /// all-reduced by its D replicas with the ring, after the last backward (pipelines do not
 /// overlap it). `boundary_bytes`: one sample's largest activation between two stages.
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::too_many_arguments)]
 fn project_pipeline(predictor: Predictor, layout: Layout, schedule: ScheduleKind, stages: usize, micro: usize, boundary_bytes: f64, batch: usize, gradient_bytes: f64, compute_s: f64) -> Option<Point> {
     let replicas = layout.ranks / stages;
     let per_slot = compute_s / (stages * micro) as f64;
     // A pipeline sits on one node when the node's ranks hold whole pipelines.
-    let link = if layout.per_node % stages == 0 { predictor.model.intra } else { predictor.model.inter };
+    let link = if layout.per_node.is_multiple_of(stages) { predictor.model.intra } else { predictor.model.inter };
     let message = link.alpha_s + boundary_bytes * (batch as f64 / micro as f64) * link.beta_s_per_byte;
     // The stage's M slots of work and the schedule's idle time (1F1B: P - 1 slots), and the
     // messages of M + P - 1 slots (ZB-V's chunks cross the stages twice).
@@ -461,7 +460,7 @@ fn plan_layouts(args: &ProjectArgs, profile: &Profile, model: &CostModel, per_no
         vocab: args.vocab.unwrap_or(preset.vocab),
     };
     let positive = |v: f64, flag: &str| if v.is_finite() && v > 0.0 { Ok(v) } else { Err(Error::usage(format!("--{flag} {v}: expected a positive number"))) };
-    if shape.hidden % shape.heads != 0 {
+    if !shape.hidden.is_multiple_of(shape.heads) {
         return Err(Error::usage(format!("--hidden {}: not a multiple of the {} heads (--heads)", shape.hidden, shape.heads)));
     }
     let setting = Setting {

@@ -91,7 +91,11 @@ pub fn cuda_device_uuids(count: usize) -> std::result::Result<Vec<String>, Strin
     // valid out-pointers, and cuInit(0) may be called any number of times.
     unsafe {
         let (init, get, get_uuid): (CuInit, CuDeviceGet, CuDeviceGetUuid) =
-            (std::mem::transmute(init), std::mem::transmute(get), std::mem::transmute(get_uuid));
+            (
+                std::mem::transmute::<*mut c_void, CuInit>(init),
+                std::mem::transmute::<*mut c_void, CuDeviceGet>(get),
+                std::mem::transmute::<*mut c_void, CuDeviceGetUuid>(get_uuid),
+            );
         let rc = init(0);
         if rc != 0 {
             return Err(format!("cuInit returned {rc}"));

@@ -76,7 +76,7 @@ impl SharedWindow {
             // another from the start of one mapping (parts are whole pages, so page-aligned
             // there): 8-byte aligned either way, as the counter (AtomicU64) and every element
             // type (f32 at most) need. Checked, since the standard promises no alignment.
-            if rc != 0 || (size as usize) < part || ptr.is_null() || (ptr as usize) % 8 != 0 {
+            if rc != 0 || (size as usize) < part || ptr.is_null() || !(ptr as usize).is_multiple_of(8) {
                 return Err(Error::exchange("MPI_Win_shared_query", format!("rank {rank}'s part: code {rc}, {size} bytes at {ptr:?} (wanted {part}, 8-byte aligned)")));
             }
             parts.push(ptr.cast::<u8>());

@@ -736,7 +736,7 @@ impl<'a> Table<'a> {
         let mut blocks = vec![
             format!("## {}\n", self.key.title()),
             format!("**Context**\n\n{context}"),
-            self.summary_table(images_caption, |f| images_cell(f)),
+            self.summary_table(images_caption, images_cell),
             self.summary_table("**Scaling efficiency**", |f| efficiency_cell(f.efficiency)),
             self.summary_table("**Speedup**", |f| speedup_cell(f.speedup)),
         ];
@@ -896,7 +896,7 @@ fn markdown_table(caption: &str, header: &[String], rows: impl Iterator<Item = V
 /// caption's; `not reached`, or `n/a` for a run without a target.
 fn target_cell(f: &Figures, caption_target: f64) -> String {
     let Some(target) = f.target else { return NOT_COMPUTED.to_string() };
-    let other = (target.accuracy != caption_target).then(|| format!(", target {}", percent(target.accuracy))).unwrap_or_default();
+    let other = if target.accuracy != caption_target { format!(", target {}", percent(target.accuracy)) } else { Default::default() };
     if target.runs <= 1 {
         return match target.reached {
             None => format!("not reached{other}"),

@@ -155,10 +155,8 @@ pub(super) fn checkpoint_meta(args: &TrainArgs, world: &World, plan: &Plan, info
 /// checkpoint is damaged, since either would start from step 0 over checkpoints it then
 /// replaces and prunes.
 pub(super) fn find_resume_point(world: &World, args: &TrainArgs, now: &CheckpointMeta) -> Result<Option<Checkpoint>> {
-    if args.checkpoint_dir.is_some() {
-        if args.checkpoint_every == 0 {
-            return Err(Error::usage("--checkpoint-every 0: expected a number of steps, at least 1"));
-        }
+    if args.checkpoint_dir.is_some() && args.checkpoint_every == 0 {
+        return Err(Error::usage("--checkpoint-every 0: expected a number of steps, at least 1"));
     }
     if !args.resume {
         return match (&args.checkpoint_dir, world.is_root()) {

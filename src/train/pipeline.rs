@@ -721,7 +721,7 @@ impl Pipeline {
             }
             sends = still;
         }
-        if let Some(ov) = overlap.as_deref_mut() {
+        if let Some(ov) = overlap {
             exchanged += self.exchange_left(ov, params, step)?;
         }
         let waited = self.now_us();

@@ -413,7 +413,7 @@ fn batch_per_worker(args: &TrainArgs, workers: usize) -> Result<usize> {
             let global = args.global_batch.ok_or_else(|| {
                 Error::usage("--scaling strong needs --global-batch (the samples per step over all ranks)")
             })? as usize;
-            if global % workers != 0 {
+            if !global.is_multiple_of(workers) {
                 return Err(Error::usage(format!(
                     "--global-batch {global} is not divisible by the {workers} training ranks (strong scaling splits it evenly)"
                 )));

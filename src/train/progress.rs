@@ -189,7 +189,7 @@ impl Progress {
     }
 
     pub(super) fn due(&self, step: u64) -> bool {
-        (step + 1) % self.every == 0
+        (step + 1).is_multiple_of(self.every)
     }
 
     pub(super) fn report(&self, step: u64, epoch: u64, loss: f64, t: &Timings) {

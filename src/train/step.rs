@@ -355,7 +355,7 @@ impl Run<'_> {
 impl Run<'_> {
     /// Whether a periodic checkpoint falls after `last_step`.
     pub(super) fn checkpoint_due(&self, last_step: u64) -> bool {
-        self.args.checkpoint_dir.is_some() && last_step % self.args.checkpoint_every == 0
+        self.args.checkpoint_dir.is_some() && last_step.is_multiple_of(self.args.checkpoint_every)
     }
 
     /// A checkpoint after `last_step` (every worker takes part): sharded, every rank writing

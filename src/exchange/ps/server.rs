@@ -284,7 +284,7 @@ pub(super) fn serve_sync(mut state: ServerState, up: &impl PointToPoint, down: &
     let mut step = config.first_step;
     while serve_sync_round(&mut state, up, down, workers, config, true)? {
         step += 1;
-        if config.checkpoint_every.is_some_and(|every| step % every == 0) {
+        if config.checkpoint_every.is_some_and(|every| step.is_multiple_of(every)) {
             send_state(&state, down, workers[0])?;
         }
     }

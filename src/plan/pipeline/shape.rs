@@ -78,7 +78,7 @@ impl Shape {
                 if virtual_stages < 2 {
                     return Err(format!("--schedule interleaved needs --virtual-stages of at least 2 (got {virtual_stages}); with one chunk per stage it is --schedule 1f1b"));
                 }
-                if micro_batches % stages != 0 {
+                if !micro_batches.is_multiple_of(stages) {
                     return Err(format!(
                         "--schedule interleaved takes micro-batches {stages} at a time (one per stage): --micro-batches {micro_batches} is not a multiple of --pipeline-stages {stages}"
                     ));
@@ -187,7 +187,7 @@ pub struct Grid {
 
 impl Grid {
     pub fn new(ranks: usize, stages: usize) -> Result<Grid, String> {
-        if stages == 0 || ranks % stages != 0 {
+        if stages == 0 || !ranks.is_multiple_of(stages) {
             return Err(format!(
                 "--pipeline-stages {stages} does not divide the {ranks} ranks: the ranks form (ranks / stages) pipelines of {stages} stages each"
             ));
