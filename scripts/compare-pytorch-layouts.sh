@@ -65,7 +65,11 @@ die() { echo "compare-pytorch-layouts.sh: $*" >&2; exit 1; }
 
 scratch="$(mktemp -d "${TMPDIR:-/tmp}/compare-pytorch-layouts.XXXXXX")"
 trap 'rm -rf "$scratch/bin"' EXIT
-[ -n "$out" ] || out=$([ $quick -eq 1 ] && echo "$scratch/out" || echo "results/pytorch-layouts")
+[ -n "$out" ] || out=$([ $quick -eq 1 ] && echo "$scratch/result" || echo "results/pytorch-layouts")
+# The runs write into the scratch folder; the records, logs and table replace those in $out only
+# once every row has run, so an interrupted or failed comparison leaves the last one standing
+# (and its own partial records in the scratch folder).
+work="$scratch/work"
 
 # ---- The builds, copied so that a rebuild during the run cannot mix two builds. ----
 mkdir -p "$scratch/bin"
@@ -105,10 +109,10 @@ row_defs=(
     "5|tp|$FASHION|64|$tp_steps|$tp_skip|--model vit-tiny --batch-size 64 --tensor-parallel 2|--layout tp --model vit-tiny --batch-size 64|tensor parallel, vit-tiny 1x28x28"
 )
 
-mkdir -p "$out/logs"
-RUNS="$out/runs.jsonl"
+mkdir -p "$work/logs"
+RUNS="$work/runs.jsonl"
 : > "$RUNS"
-: > "$out/commands.txt"
+: > "$work/commands.txt"
 HPC_RESULTS="$scratch/hpc-results"
 mkdir -p "$HPC_RESULTS"
 load_before="$(cut -d' ' -f1-3 /proc/loadavg)"
@@ -134,7 +138,7 @@ run_side() {  # run_side ROW_DEF SIDE REP
     local id layout data batch steps skipped hpc_opts torch_opts desc
     IFS='|' read -r id layout data batch steps skipped hpc_opts torch_opts desc <<< "$1"
     local side="$2" rep="$3" log busy rc=0 study tag
-    log="$out/logs/row$id.log"
+    log="$work/logs/row$id.log"
     busy="$(wait_idle)"
     tag="{\"row\": $id, \"label\": \"$side\", \"rep\": $rep, \"busy_before\": $busy}"
     local cmd=()
@@ -150,7 +154,7 @@ run_side() {  # run_side ROW_DEF SIDE REP
     fi
     printf '\n=== row %s, %s, repetition %s (CPU %s%% busy before) at %s\n$ %s\n' "$id" "$side" "$rep" "$busy" \
         "$(date -u +%H:%M:%S)" "${cmd[*]}" >> "$log"
-    printf 'row %s | %s | rep %s | %s\n' "$id" "$side" "$rep" "${cmd[*]}" >> "$out/commands.txt"
+    printf 'row %s | %s | rep %s | %s\n' "$id" "$side" "$rep" "${cmd[*]}" >> "$work/commands.txt"
     timeout 900 "${cmd[@]}" >> "$log" 2>&1 || rc=$?
     if [ $rc -ne 0 ]; then
         echo "   row $id, $side, rep $rep: FAILED (exit $rc; see $log)"
@@ -189,14 +193,14 @@ load_after="$(cut -d' ' -f1-3 /proc/loadavg)"
 # ---- The table. ----
 cmdline="scripts/compare-pytorch-layouts.sh${orig_args[*]:+ ${orig_args[*]}}"
 [ -n "$user_bin" ] && cmdline="HPC_TRAIN_BIN=$user_bin $cmdline"
-rel_out="$(realpath "$out")"
+rel_out="$(realpath -m "$out")"
 [[ "$rel_out" == "$ROOT"/* ]] && rel_out="${rel_out#"$ROOT"/}"
 export M_ROWS_WANTED="$rows_wanted" M_STARTED="$started_at" M_QUICK="$quick" M_REPS="$reps" M_HOST="$(hostname)" \
     M_CPU="$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')" M_NPROC="$(nproc)" \
     M_MEM="$(awk '/MemTotal/ {printf "%.0f GiB", $2 / 1048576}' /proc/meminfo)" M_LOAD_BEFORE="$load_before" \
     M_LOAD_AFTER="$load_after" M_AFTER="${BIN_INFO[after]}" M_BEFORE="${BIN_INFO[before]:-}" M_SIDES="$sides" \
     M_MPI="$(mpirun --version 2>/dev/null | head -1)" M_COMMAND="$cmdline" M_RAW_DIR="$rel_out"
-"$PY" - "$out/meta.json" "${row_defs[@]}" <<'EOF'
+"$PY" - "$work/meta.json" "${row_defs[@]}" <<'EOF'
 import json, os, platform, sys
 e = os.environ
 sides = e["M_SIDES"].split()
@@ -222,6 +226,16 @@ meta = {"date": e["M_STARTED"], "quick": e["M_QUICK"] == "1", "reps": int(e["M_R
         "command": e["M_COMMAND"], "raw_dir": e["M_RAW_DIR"], "rows": rows}
 json.dump(meta, open(sys.argv[1], "w"), indent=1)
 EOF
-"$PY" "$REF" table --runs "$RUNS" --meta "$out/meta.json" --output "$out/table.md" > /dev/null
+"$PY" "$REF" table --runs "$RUNS" --meta "$work/meta.json" --output "$work/table.md" > /dev/null
+if [ $failures -ne 0 ]; then
+    echo "compare-pytorch-layouts.sh: $failures run(s) failed; their logs, the records and the table are in $work ($out is left as it was)" >&2
+    exit 1
+fi
+# Every row ran: this comparison replaces the last one's records, logs and table in $out (a
+# README or summary.toml there stays).
+mkdir -p "$out"
+rm -rf "$out/logs"
+cp -r "$work"/. "$out"/
+rm -rf "$work" "$HPC_RESULTS" "$scratch/bin"
+rmdir "$scratch" 2>/dev/null || true  # kept where --quick's table is
 say "table: $out/table.md (raw records, commands and logs beside it)"
-[ $failures -eq 0 ] || { echo "compare-pytorch-layouts.sh: $failures run(s) failed; see $out/logs/" >&2; exit 1; }
