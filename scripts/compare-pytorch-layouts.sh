@@ -39,6 +39,8 @@ FASHION="${FASHION_H5:-$ROOT/datasets/fashion-mnist.h5}"
 SYNTH_DIR="${SYNTH_DIR:-$ROOT/datasets}"
 # shellcheck source=scripts/lib/pytorch-venv.sh
 source "$ROOT/scripts/lib/pytorch-venv.sh"
+# shellcheck source=scripts/lib/idle.sh
+source "$ROOT/scripts/lib/idle.sh"
 
 quick=0 reps="" rows_wanted="1,2,3,4,5" out="" before_source="" wait_idle=""
 orig_args=("$@")
@@ -119,27 +121,12 @@ load_before="$(cut -d' ' -f1-3 /proc/loadavg)"
 started_at="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 failures=0
 
-# Percentage of the machine's CPU time that was busy over the last half second (/proc/stat).
-cpu_busy() {
-    local a b idle total=0 i
-    read -r -a a < /proc/stat; sleep 0.5; read -r -a b < /proc/stat
-    idle=$(( (b[4] + b[5]) - (a[4] + a[5]) ))
-    for i in 1 2 3 4 5 6 7 8; do total=$(( total + b[i] - a[i] )); done
-    echo $(( total > 0 ? 100 * (total - idle) / total : 0 ))
-}
-wait_idle() {  # waits up to --wait-idle seconds for under 25% busy; prints how busy it was
-    local waited=0 busy
-    busy=$(cpu_busy)
-    while [ "$busy" -ge 25 ] && [ "$waited" -lt "$wait_idle" ]; do sleep 2; waited=$((waited + 3)); busy=$(cpu_busy); done
-    echo "$busy"
-}
-
 run_side() {  # run_side ROW_DEF SIDE REP
     local id layout data batch steps skipped hpc_opts torch_opts desc
     IFS='|' read -r id layout data batch steps skipped hpc_opts torch_opts desc <<< "$1"
     local side="$2" rep="$3" log busy rc=0 study tag
     log="$work/logs/row$id.log"
-    busy="$(wait_idle)"
+    busy="$(wait_idle "$wait_idle")"
     tag="{\"row\": $id, \"label\": \"$side\", \"rep\": $rep, \"busy_before\": $busy}"
     local cmd=()
     if [ "$side" = pytorch ]; then

@@ -40,6 +40,8 @@ FASHION="${FASHION_H5:-$ROOT/datasets/fashion-mnist.h5}"
 SYNTH_DIR="${SYNTH_DIR:-$ROOT/datasets}"
 # shellcheck source=scripts/lib/pytorch-venv.sh
 source "$ROOT/scripts/lib/pytorch-venv.sh"
+# shellcheck source=scripts/lib/idle.sh
+source "$ROOT/scripts/lib/idle.sh"
 TORCH_VERSION=$PYTORCH_VENV_TORCH
 
 quick=0
@@ -153,36 +155,12 @@ tag_json() {  # row label rep busy -> the JSON the records are tagged with
         "$1" "$2" "$3" "$4" "$(cut -d' ' -f1 /proc/loadavg)"
 }
 
-# Percentage of the machine's CPU time that was busy over the last half second (/proc/stat):
-# what others (a build, tests) take just before a measurement.
-cpu_busy() {
-    local a b
-    read -r -a a < /proc/stat
-    sleep 0.5
-    read -r -a b < /proc/stat
-    local idle=$(( (b[4] + b[5]) - (a[4] + a[5]) )) total=0 i
-    for i in 1 2 3 4 5 6 7 8; do total=$(( total + b[i] - a[i] )); done
-    echo $(( total > 0 ? 100 * (total - idle) / total : 0 ))
-}
-
-# Waits (at most --wait-idle seconds) for the machine to be quiet (under 25% busy), and says how
-# busy it was when the measurement started.
-wait_idle() {
-    local waited=0 busy
-    busy=$(cpu_busy)
-    while [ "$busy" -ge 25 ] && [ "$waited" -lt "$wait_idle" ]; do
-        sleep 2; waited=$((waited + 3))
-        busy=$(cpu_busy)
-    done
-    echo "$busy"
-}
-
 # run_config ROW_DEF CONFIG REP: one measurement, its log appended to rowN.log.
 run_config() {
     local id model data ranks batch threads steps configs goal desc
     IFS='|' read -r id model data ranks batch threads steps configs goal desc <<< "$1"
     local config="$2" rep="$3" log="$raw_dir/row$id.log" busy label rc=0
-    busy="$(wait_idle)"
+    busy="$(wait_idle "$wait_idle")"
     local cmd=()
     if [ "$config" = torch ]; then
         label=pytorch
