@@ -39,8 +39,8 @@ FASHION="${FASHION_H5:-$ROOT/datasets/fashion-mnist.h5}"
 SYNTH_DIR="${SYNTH_DIR:-$ROOT/datasets}"
 # shellcheck source=scripts/lib/pytorch-venv.sh
 source "$ROOT/scripts/lib/pytorch-venv.sh"
-# shellcheck source=scripts/lib/idle.sh
-source "$ROOT/scripts/lib/idle.sh"
+# shellcheck source=scripts/lib/compare.sh
+source "$ROOT/scripts/lib/compare.sh"
 
 quick=0 reps="" rows_wanted="1,2,3,4,5" out="" before_source="" wait_idle=""
 orig_args=("$@")
@@ -93,11 +93,7 @@ REF="$ROOT/scripts/pytorch_layouts.py"
 
 # ---- Data: Fashion-MNIST (scripts/setup.sh imports it) and a synthetic set, made once. ----
 "${BIN[after]}" data info "$FASHION" >/dev/null 2>&1 || die "no dataset at $FASHION: run scripts/setup.sh --no-run, or set FASHION_H5"
-R18_DATA="$SYNTH_DIR/synth-3x128x128-n2048.h5"
-if ! "${BIN[after]}" data info "$R18_DATA" >/dev/null 2>&1; then
-    mkdir -p "$SYNTH_DIR"
-    "${BIN[after]}" data synth --samples 2048 --test-samples 16 --shape 3x128x128 --classes 10 --out "$R18_DATA" --force >&2
-fi
+R18_DATA="$(synth_dataset "${BIN[after]}" "$SYNTH_DIR" 3x128x128)"
 
 # ---- The rows. ----
 if [ $quick -eq 1 ]; then pipe_steps=6; fsdp_steps=5; tp_steps=15; skip=2; tp_skip=5
@@ -149,13 +145,7 @@ run_side() {  # run_side ROW_DEF SIDE REP
         return 0
     fi
     if [ "$side" != pytorch ]; then
-        "$PY" - "$(tail -n 1 "$HPC_RESULTS/runs.jsonl")" "$tag" "$study" >> "$RUNS" <<'EOF'
-import json, sys
-r = json.loads(sys.argv[1])
-if r.get("study") != sys.argv[3]:
-    sys.exit(f"the last record of runs.jsonl is not this run's ({r.get('study')} != {sys.argv[3]})")
-print(json.dumps({"side": "hpc-train", **json.loads(sys.argv[2]), **r}))
-EOF
+        tagged_record "$PY" "$HPC_RESULTS/runs.jsonl" "$tag" "$study" >> "$RUNS"
     fi
     "$PY" - "$RUNS" <<'EOF'
 import json, sys

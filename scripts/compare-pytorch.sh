@@ -40,8 +40,8 @@ FASHION="${FASHION_H5:-$ROOT/datasets/fashion-mnist.h5}"
 SYNTH_DIR="${SYNTH_DIR:-$ROOT/datasets}"
 # shellcheck source=scripts/lib/pytorch-venv.sh
 source "$ROOT/scripts/lib/pytorch-venv.sh"
-# shellcheck source=scripts/lib/idle.sh
-source "$ROOT/scripts/lib/idle.sh"
+# shellcheck source=scripts/lib/compare.sh
+source "$ROOT/scripts/lib/compare.sh"
 TORCH_VERSION=$PYTORCH_VENV_TORCH
 
 quick=0
@@ -110,16 +110,8 @@ if ! "$BIN" data info "$FASHION" >/dev/null 2>&1; then
         --class-names "T-shirt/top,Trouser,Pullover,Dress,Coat,Sandal,Shirt,Sneaker,Bag,Ankle boot" \
         --out "$FASHION"
 fi
-synth() {  # synth SHAPE -> path of a 2048-sample synthetic set of that shape (made once)
-    local f="$SYNTH_DIR/synth-$1-n2048.h5"
-    if ! "$BIN" data info "$f" >/dev/null 2>&1; then
-        mkdir -p "$SYNTH_DIR"
-        "$BIN" data synth --samples 2048 --test-samples 16 --shape "$1" --classes 10 --out "$f" --force >&2
-    fi
-    echo "$f"
-}
-R18_DATA="$(synth 3x128x128)"
-R50_DATA="$(synth 3x64x64)"
+R18_DATA="$(synth_dataset "$BIN" "$SYNTH_DIR" 3x128x128)"
+R50_DATA="$(synth_dataset "$BIN" "$SYNTH_DIR" 3x64x64)"
 
 # ---- 4. The rows. Steps stay inside one epoch of the data (no short last step). ----
 # The full run's step counts keep it near 15 minutes on 2 cores: ResNet-18 takes about 0.5 s a
@@ -187,16 +179,8 @@ run_config() {
         return 0
     fi
     if [ "$config" != torch ]; then
-        local record
-        record="$(tail -n 1 "$HPC_RESULTS/runs.jsonl")"
-        "$PY" - "$record" "$(tag_json "$id" "$label" "$rep" "$busy")" "compare-$id-${config%%:*}-${config##*:}-$rep" >> "$RUNS" <<'EOF'
-import json, sys
-r = json.loads(sys.argv[1])
-if r.get("study") != sys.argv[3]:
-    sys.exit(f"the last record of runs.jsonl is not this run's ({r.get('study')} != {sys.argv[3]})")
-r = {"side": "hpc-train", **json.loads(sys.argv[2]), **r}
-print(json.dumps(r))
-EOF
+        tagged_record "$PY" "$HPC_RESULTS/runs.jsonl" "$(tag_json "$id" "$label" "$rep" "$busy")" \
+            "compare-$id-${config%%:*}-${config##*:}-$rep" >> "$RUNS"
     fi
     "$PY" - "$RUNS" <<'EOF'
 import json, sys
