@@ -28,6 +28,7 @@
 # | STEPS             | (the preset's; unset)                     | steps per point, instead of EPOCHS |
 # | LAUNCHER          | srun                                      | srun, or mpirun: the MPI library's own launcher |
 # | SRUN_MPI          | by the binary's MPI (see below)           | srun --mpi= (pmix for Open MPI, pmi2 for the MPICH family) |
+# | PMIX_FENCE        | ring                                      | under srun --mpi=pmix: the fence Slurm's PMIx plugin runs (exported as SLURM_PMIX_FENCE; see below); site: leave it to mpi.conf's PMIxCollFence |
 # | MPIEXEC           | by the binary's MPI (see below)           | the program LAUNCHER=mpirun runs (mpirun, mpiexec.mpich...) |
 # | LAUNCH_EXTRA      | (unset)                                   | more launcher options (e.g. --overcommit) |
 # | EXTRA_ARGS        | (unset)                                   | more hpc-train options for every run |
@@ -118,6 +119,21 @@ case "$MPI_FAMILY" in
     *)     SRUN_MPI=${SRUN_MPI:-pmix}; MPIEXEC=${MPIEXEC:-$(first_command mpirun.openmpi mpirun)} ;;
 esac
 echo "$HPC_TRAIN: built against ${MPI_FAMILY:-an unknown} MPI family; launching with srun --mpi=$SRUN_MPI (LAUNCHER=srun) or $MPIEXEC (LAUNCHER=mpirun)"
+
+# srun --mpi=pmix: Slurm's PMIx plugin runs a fence that collects no data (Open MPI's barrier at the
+# end of MPI_Init) as a tree over the step's nodes, and in Slurm 22.05 that tree gives every node
+# no parent and no children when the step has fewer nodes than TreeWidth (50 by default). Each
+# node then ends the fence on its own: a rank of a fast node returns from MPI_Init and sends to a
+# rank of a slow node that is still inside it, and Open MPI 4.1 segfaults there (in the TCP BTL,
+# before its PML has registered its handlers). The ring is a barrier across the nodes.
+# results/cluster-path/pmix-fence.md has the measurement. SLURM_PMIX_FENCE set by the site (or
+# jobs/site.sh) wins; PMIX_FENCE=site leaves the choice to mpi.conf's PMIxCollFence.
+PMIX_FENCE=${PMIX_FENCE:-ring}
+case "$PMIX_FENCE" in ring|tree|mixed|site) ;; *) echo "PMIX_FENCE=$PMIX_FENCE: expected ring, tree, mixed or site" >&2; exit 2 ;; esac
+if [[ "$SRUN_MPI" == pmix* ]]; then
+    if [ "$PMIX_FENCE" != site ] && [ -z "${SLURM_PMIX_FENCE:-}" ]; then export SLURM_PMIX_FENCE=$PMIX_FENCE; fi
+    echo "srun --mpi=$SRUN_MPI: the PMIx fence is SLURM_PMIX_FENCE=${SLURM_PMIX_FENCE:-(unset: mpi.conf PMIxCollFence, else mixed)}"
+fi
 
 # The sweep in ranks: RANK_COUNTS as given, else powers of two of nodes up to the allocation.
 if [ -z "${RANK_COUNTS:-}" ]; then
