@@ -108,6 +108,45 @@ fn a_serial_command_under_srun_runs_once() {
     assert!(!bad.ok() && errors.len() == 1 && errors[0].contains("missing.h5"), "srun --mpi={plugin}: {:?}\n{}{}", bad.status, bad.stdout, bad.stderr);
 }
 
+/// The fence the job files give `srun --mpi=pmix` steps (results/cluster-path/pmix-fence.md),
+/// read from their log outside Slurm: `jobs/bench.sbatch` with one rank launches nothing. The
+/// ring by default, a `SLURM_PMIX_FENCE` the site set kept, `PMIX_FENCE=site` leaving it unset,
+/// and an unknown value refused by name before anything starts.
+#[test]
+fn the_job_files_fence_pmix_steps_with_the_ring_unless_the_site_chose() {
+    let dir = scratch("slurm-pmix-fence");
+    let job = |env: &[(&str, &str)]| {
+        let out = Command::new("bash")
+            .arg(root().join("jobs/bench.sbatch"))
+            .current_dir(root())
+            .env("HPC_TRAIN", bin())
+            .env("SRUN_MPI", "pmix")
+            .env("RANK_COUNTS", "1")
+            .env("OUTPUT_DIR", &dir)
+            .env("JOB_LOG", "")
+            .env_remove("SLURM_PMIX_FENCE")
+            .env_remove("PMIX_FENCE")
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        (out.status.code(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    };
+    let fence_line = |text: &str| text.lines().find(|l| l.starts_with("srun --mpi=pmix: the PMIx fence is ")).map(str::to_string);
+    for (env, expected) in [
+        (vec![], "SLURM_PMIX_FENCE=ring"),
+        (vec![("SLURM_PMIX_FENCE", "tree")], "SLURM_PMIX_FENCE=tree"),
+        (vec![("PMIX_FENCE", "mixed")], "SLURM_PMIX_FENCE=mixed"),
+        (vec![("PMIX_FENCE", "site")], "SLURM_PMIX_FENCE=(unset: mpi.conf PMIxCollFence, else mixed)"),
+    ] {
+        let (code, text) = job(&env);
+        assert_eq!(code, Some(0), "{env:?}:\n{text}");
+        assert_eq!(fence_line(&text), Some(format!("srun --mpi=pmix: the PMIx fence is {expected}")), "{env:?}:\n{text}");
+    }
+    let (code, text) = job(&[("PMIX_FENCE", "star")]);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("PMIX_FENCE=star: expected ring, tree, mixed or site") && fence_line(&text).is_none(), "{text}");
+}
+
 /// Options for the single node: no GPUs, more ranks than cores allowed.
 const NODE: [&str; 5] = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--overcommit"];
 
